@@ -1,0 +1,4 @@
+//! CPU kernels: quantized matmul with runtime-detected SIMD, and the f32
+//! elementwise ops of the forward pass.
+
+pub mod qmatmul;

@@ -1,0 +1,3 @@
+//! Compute backends. `cpu` runs everything on the host.
+
+pub mod cpu;

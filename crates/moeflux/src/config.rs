@@ -1,0 +1,783 @@
+//! `ModelConfig`: the model's shape, read at run time from `config.json` as
+//! written by mlx-lm or Hugging Face (Qwen3.5's nested `text_config`, both
+//! rope spellings, `layer_types` or `full_attention_interval`).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value};
+
+use crate::error::{Error, Result};
+
+/// Model families this build can run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Architecture {
+    /// `qwen3_5_moe` (Qwen3.5-397B-A17B, Qwen3.6-35B-A3B): split GatedDeltaNet projections.
+    Qwen3_5Moe,
+    /// `qwen3_next` (Qwen3-Next-80B): fused per-key-head GatedDeltaNet projections.
+    Qwen3Next,
+}
+
+impl Architecture {
+    pub const SUPPORTED: &'static str = "qwen3_5_moe, qwen3_next";
+
+    pub fn from_model_type(s: &str) -> Option<Self> {
+        match s {
+            "qwen3_5_moe" => Some(Self::Qwen3_5Moe),
+            "qwen3_next" => Some(Self::Qwen3Next),
+            _ => None,
+        }
+    }
+
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Self::Qwen3_5Moe => "qwen3_5_moe",
+            Self::Qwen3Next => "qwen3_next",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerKind {
+    LinearAttention,
+    FullAttention,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MlpKind {
+    Moe,
+    Dense,
+}
+
+/// Affine quantization parameters of one module.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct QuantSpec {
+    pub bits: u32,
+    pub group_size: usize,
+}
+
+impl QuantSpec {
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if !matches!(self.bits, 2 | 3 | 4 | 5 | 6 | 8) {
+            return Err(format!("unsupported bit width {}", self.bits));
+        }
+        if !matches!(self.group_size, 32 | 64 | 128) {
+            return Err(format!("unsupported group size {}", self.group_size));
+        }
+        Ok(())
+    }
+}
+
+/// The `quantization` block: a default plus per-module overrides keyed by
+/// module path as the source checkpoint names it. An override of `None`
+/// means the module is not quantized.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct QuantConfig {
+    pub default: Option<QuantSpec>,
+    pub overrides: BTreeMap<String, Option<QuantSpec>>,
+}
+
+impl QuantConfig {
+    /// Quantization of `module` (a path without `.weight`), trying the path as
+    /// given and with/without the `language_model.` prefix mlx-lm adds for Qwen3.5.
+    pub fn for_module(&self, module: &str) -> Option<QuantSpec> {
+        let alt = match module.strip_prefix("language_model.") {
+            Some(s) => s.to_string(),
+            None => format!("language_model.{module}"),
+        };
+        for key in [module, alt.as_str()] {
+            if let Some(o) = self.overrides.get(key) {
+                return *o;
+            }
+        }
+        self.default
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct LinearAttnConfig {
+    pub num_v_heads: usize,
+    pub num_k_heads: usize,
+    pub key_head_dim: usize,
+    pub value_head_dim: usize,
+    pub conv_kernel: usize,
+}
+
+impl LinearAttnConfig {
+    pub fn key_dim(&self) -> usize {
+        self.num_k_heads * self.key_head_dim
+    }
+    pub fn value_dim(&self) -> usize {
+        self.num_v_heads * self.value_head_dim
+    }
+    /// Channels of the causal conv1d: q, k and v concatenated.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    pub num_experts_per_tok: usize,
+    pub moe_intermediate: usize,
+    pub shared_intermediate: usize,
+    pub norm_topk_prob: bool,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct RopeConfig {
+    pub theta: f64,
+    /// Leading channels of each head that rotate (`head_dim * partial_rotary_factor`).
+    pub rotary_dim: usize,
+    /// Position multiplier (`1/factor` for `linear` scaling, else 1).
+    pub position_scale: f64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    pub arch: Architecture,
+    pub hidden_size: usize,
+    pub num_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub rms_norm_eps: f32,
+    pub intermediate_size: usize,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    pub layer_kinds: Vec<LayerKind>,
+    pub mlp_kinds: Vec<MlpKind>,
+    pub linear: LinearAttnConfig,
+    pub moe: MoeConfig,
+    pub rope: RopeConfig,
+    pub quantization: Option<QuantConfig>,
+    /// End-of-sequence ids named in config.json (`eos_token_id`, scalar or list).
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// Field reader that names the file and field in every error.
+struct Fields<'a> {
+    path: &'a Path,
+    /// Text fields (nested `text_config` when present) then the top level.
+    layers: Vec<&'a Map<String, Value>>,
+}
+
+impl<'a> Fields<'a> {
+    fn err(&self, field: &str, reason: impl Into<String>) -> Error {
+        Error::Config {
+            path: self.path.to_path_buf(),
+            field: field.to_string(),
+            reason: reason.into(),
+        }
+    }
+
+    fn get(&self, field: &str) -> Option<&'a Value> {
+        self.layers
+            .iter()
+            .find_map(|m| m.get(field).filter(|v| !v.is_null()))
+    }
+
+    fn usize_opt(&self, field: &str) -> Result<Option<usize>> {
+        match self.get(field) {
+            None => Ok(None),
+            Some(v) => v.as_u64().map(|x| Some(x as usize)).ok_or_else(|| {
+                self.err(field, format!("expected a non-negative integer, got {v}"))
+            }),
+        }
+    }
+
+    fn usize(&self, field: &str) -> Result<usize> {
+        self.usize_opt(field)?
+            .ok_or_else(|| self.err(field, "missing"))
+    }
+
+    fn f64_opt(&self, field: &str) -> Result<Option<f64>> {
+        match self.get(field) {
+            None => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| self.err(field, format!("expected a number, got {v}"))),
+        }
+    }
+
+    fn bool_opt(&self, field: &str) -> Result<Option<bool>> {
+        match self.get(field) {
+            None => Ok(None),
+            Some(v) => v
+                .as_bool()
+                .map(Some)
+                .ok_or_else(|| self.err(field, format!("expected true or false, got {v}"))),
+        }
+    }
+}
+
+fn positive(f: &Fields, field: &str, v: usize) -> Result<usize> {
+    if v == 0 {
+        return Err(f.err(field, "must be greater than zero"));
+    }
+    Ok(v)
+}
+
+impl ModelConfig {
+    /// Reads `dir/config.json`.
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        Self::from_file(&dir.join("config.json"))
+    }
+
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let value: Value = serde_json::from_str(&text).map_err(|source| Error::Json {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_json(&value, path)
+    }
+
+    /// Parses a config already in memory; `path` is used for messages only.
+    pub fn from_json(value: &Value, path: &Path) -> Result<Self> {
+        let top = value.as_object().ok_or_else(|| Error::Config {
+            path: path.to_path_buf(),
+            field: "<root>".into(),
+            reason: "expected a JSON object".into(),
+        })?;
+        let text = match top.get("text_config") {
+            Some(Value::Object(m)) => Some(m),
+            Some(Value::Null) | None => None,
+            Some(_) => {
+                return Err(Error::Config {
+                    path: path.to_path_buf(),
+                    field: "text_config".into(),
+                    reason: "expected an object".into(),
+                })
+            }
+        };
+        let mut layers = Vec::new();
+        if let Some(t) = text {
+            layers.push(t);
+        }
+        layers.push(top);
+        let f = Fields { path, layers };
+
+        let model_type = top
+            .get("model_type")
+            .and_then(Value::as_str)
+            .ok_or_else(|| f.err("model_type", "missing"))?;
+        let arch =
+            Architecture::from_model_type(model_type).ok_or_else(|| Error::UnsupportedModel {
+                path: path.to_path_buf(),
+                model_type: model_type.to_string(),
+                supported: Architecture::SUPPORTED.to_string(),
+            })?;
+
+        let hidden_size = positive(&f, "hidden_size", f.usize("hidden_size")?)?;
+        let num_layers = positive(&f, "num_hidden_layers", f.usize("num_hidden_layers")?)?;
+        let num_attention_heads =
+            positive(&f, "num_attention_heads", f.usize("num_attention_heads")?)?;
+        let num_kv_heads = positive(&f, "num_key_value_heads", f.usize("num_key_value_heads")?)?;
+        let head_dim = match f.usize_opt("head_dim")? {
+            Some(d) => positive(&f, "head_dim", d)?,
+            None => hidden_size / num_attention_heads,
+        };
+        if num_attention_heads % num_kv_heads != 0 {
+            return Err(f.err(
+                "num_key_value_heads",
+                format!("{num_kv_heads} does not divide num_attention_heads {num_attention_heads}"),
+            ));
+        }
+        let vocab_size = positive(&f, "vocab_size", f.usize("vocab_size")?)?;
+        let rms_norm_eps = f.f64_opt("rms_norm_eps")?.unwrap_or(1e-6) as f32;
+        let intermediate_size = f.usize_opt("intermediate_size")?.unwrap_or(0);
+        let max_position_embeddings = f.usize_opt("max_position_embeddings")?.unwrap_or(262_144);
+        let tie_word_embeddings = f.bool_opt("tie_word_embeddings")?.unwrap_or(false);
+        if f.bool_opt("attention_bias")?.unwrap_or(false) {
+            return Err(f.err("attention_bias", "attention biases are not supported"));
+        }
+
+        let layer_kinds = Self::parse_layer_kinds(&f, num_layers)?;
+
+        let linear = LinearAttnConfig {
+            num_v_heads: f.usize("linear_num_value_heads")?,
+            num_k_heads: f.usize("linear_num_key_heads")?,
+            key_head_dim: f.usize("linear_key_head_dim")?,
+            value_head_dim: f.usize("linear_value_head_dim")?,
+            conv_kernel: f.usize_opt("linear_conv_kernel_dim")?.unwrap_or(4),
+        };
+        if layer_kinds.contains(&LayerKind::LinearAttention) {
+            for (name, v) in [
+                ("linear_num_value_heads", linear.num_v_heads),
+                ("linear_num_key_heads", linear.num_k_heads),
+                ("linear_key_head_dim", linear.key_head_dim),
+                ("linear_value_head_dim", linear.value_head_dim),
+                ("linear_conv_kernel_dim", linear.conv_kernel),
+            ] {
+                positive(&f, name, v)?;
+            }
+            if linear.num_v_heads % linear.num_k_heads != 0 {
+                return Err(f.err(
+                    "linear_num_value_heads",
+                    format!(
+                        "{} is not a multiple of linear_num_key_heads {}",
+                        linear.num_v_heads, linear.num_k_heads
+                    ),
+                ));
+            }
+        }
+
+        let moe = MoeConfig {
+            num_experts: f.usize_opt("num_experts")?.unwrap_or(0),
+            num_experts_per_tok: f.usize_opt("num_experts_per_tok")?.unwrap_or(0),
+            moe_intermediate: f.usize_opt("moe_intermediate_size")?.unwrap_or(0),
+            shared_intermediate: f.usize_opt("shared_expert_intermediate_size")?.unwrap_or(0),
+            norm_topk_prob: f.bool_opt("norm_topk_prob")?.unwrap_or(match arch {
+                Architecture::Qwen3_5Moe => true,
+                Architecture::Qwen3Next => false,
+            }),
+        };
+        let mlp_kinds = Self::parse_mlp_kinds(&f, arch, num_layers, &moe)?;
+        if mlp_kinds.contains(&MlpKind::Moe) {
+            positive(&f, "num_experts_per_tok", moe.num_experts_per_tok)?;
+            positive(&f, "moe_intermediate_size", moe.moe_intermediate)?;
+            if moe.num_experts_per_tok > moe.num_experts {
+                return Err(f.err(
+                    "num_experts_per_tok",
+                    format!(
+                        "{} exceeds num_experts {}",
+                        moe.num_experts_per_tok, moe.num_experts
+                    ),
+                ));
+            }
+        }
+        if mlp_kinds.contains(&MlpKind::Dense) {
+            positive(&f, "intermediate_size", intermediate_size)?;
+        }
+
+        let rope = Self::parse_rope(&f, head_dim)?;
+        let quantization = Self::parse_quantization(&f, top)?;
+        let eos_token_ids = match f.get("eos_token_id") {
+            None => Vec::new(),
+            Some(Value::Array(a)) => a
+                .iter()
+                .filter_map(|v| v.as_u64().map(|x| x as u32))
+                .collect(),
+            Some(v) => v.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        };
+
+        Ok(ModelConfig {
+            arch,
+            hidden_size,
+            num_layers,
+            num_attention_heads,
+            num_kv_heads,
+            head_dim,
+            vocab_size,
+            rms_norm_eps,
+            intermediate_size,
+            max_position_embeddings,
+            tie_word_embeddings,
+            layer_kinds,
+            mlp_kinds,
+            linear,
+            moe,
+            rope,
+            quantization,
+            eos_token_ids,
+        })
+    }
+
+    /// mlx-lm derives the layer pattern from `full_attention_interval`; HF
+    /// configs also carry `layer_types`. Accept either, refuse a contradiction.
+    fn parse_layer_kinds(f: &Fields, num_layers: usize) -> Result<Vec<LayerKind>> {
+        let from_types = match f.get("layer_types") {
+            None => None,
+            Some(Value::Array(a)) => {
+                let mut kinds = Vec::with_capacity(a.len());
+                for (i, v) in a.iter().enumerate() {
+                    kinds.push(match v.as_str() {
+                        Some("linear_attention") => LayerKind::LinearAttention,
+                        Some("full_attention") => LayerKind::FullAttention,
+                        _ => {
+                            return Err(f.err(
+                                "layer_types",
+                                format!("entry {i} is {v}; expected \"linear_attention\" or \"full_attention\""),
+                            ))
+                        }
+                    });
+                }
+                if kinds.len() != num_layers {
+                    return Err(f.err(
+                        "layer_types",
+                        format!(
+                            "has {} entries but num_hidden_layers is {num_layers}",
+                            kinds.len()
+                        ),
+                    ));
+                }
+                Some(kinds)
+            }
+            Some(v) => return Err(f.err("layer_types", format!("expected a list, got {v}"))),
+        };
+        let from_interval = match f.usize_opt("full_attention_interval")? {
+            None => None,
+            Some(0) => return Err(f.err("full_attention_interval", "must be greater than zero")),
+            Some(n) => Some(
+                (0..num_layers)
+                    .map(|i| {
+                        if (i + 1) % n == 0 {
+                            LayerKind::FullAttention
+                        } else {
+                            LayerKind::LinearAttention
+                        }
+                    })
+                    .collect::<Vec<_>>(),
+            ),
+        };
+        match (from_types, from_interval) {
+            (Some(t), Some(i)) if t != i => Err(f.err(
+                "layer_types",
+                "contradicts full_attention_interval; fix one of them",
+            )),
+            (Some(t), _) => Ok(t),
+            (None, Some(i)) => Ok(i),
+            (None, None) => Ok((0..num_layers)
+                .map(|i| {
+                    if (i + 1) % 4 == 0 {
+                        LayerKind::FullAttention
+                    } else {
+                        LayerKind::LinearAttention
+                    }
+                })
+                .collect()),
+        }
+    }
+
+    fn parse_mlp_kinds(
+        f: &Fields,
+        arch: Architecture,
+        num_layers: usize,
+        moe: &MoeConfig,
+    ) -> Result<Vec<MlpKind>> {
+        if moe.num_experts == 0 {
+            return Ok(vec![MlpKind::Dense; num_layers]);
+        }
+        match arch {
+            // mlx-lm's qwen3_5 makes every layer MoE when num_experts > 0.
+            Architecture::Qwen3_5Moe => Ok(vec![MlpKind::Moe; num_layers]),
+            Architecture::Qwen3Next => {
+                let step = f.usize_opt("decoder_sparse_step")?.unwrap_or(1);
+                if step == 0 {
+                    return Err(f.err("decoder_sparse_step", "must be greater than zero"));
+                }
+                let only: Vec<usize> = match f.get("mlp_only_layers") {
+                    None => Vec::new(),
+                    Some(Value::Array(a)) => a
+                        .iter()
+                        .map(|v| {
+                            v.as_u64().map(|x| x as usize).ok_or_else(|| {
+                                f.err("mlp_only_layers", format!("entry {v} is not an integer"))
+                            })
+                        })
+                        .collect::<Result<_>>()?,
+                    Some(v) => {
+                        return Err(f.err("mlp_only_layers", format!("expected a list, got {v}")))
+                    }
+                };
+                Ok((0..num_layers)
+                    .map(|i| {
+                        if !only.contains(&i) && (i + 1) % step == 0 {
+                            MlpKind::Moe
+                        } else {
+                            MlpKind::Dense
+                        }
+                    })
+                    .collect())
+            }
+        }
+    }
+
+    fn parse_rope(f: &Fields, head_dim: usize) -> Result<RopeConfig> {
+        // Qwen3.5 nests rope settings in `rope_parameters`; Qwen3-Next keeps
+        // `rope_theta`/`partial_rotary_factor` flat with optional `rope_scaling`.
+        let params = match f.get("rope_parameters") {
+            Some(Value::Object(m)) => Some(m),
+            Some(v) => return Err(f.err("rope_parameters", format!("expected an object, got {v}"))),
+            None => None,
+        };
+        let scaling = match f.get("rope_scaling") {
+            Some(Value::Object(m)) => Some(m),
+            Some(v) => return Err(f.err("rope_scaling", format!("expected an object, got {v}"))),
+            None => None,
+        };
+        let pget = |k: &str| params.and_then(|m| m.get(k)).filter(|v| !v.is_null());
+        let theta = match pget("rope_theta") {
+            Some(v) => v.as_f64().ok_or_else(|| {
+                f.err(
+                    "rope_parameters.rope_theta",
+                    format!("expected a number, got {v}"),
+                )
+            })?,
+            None => f.f64_opt("rope_theta")?.unwrap_or(if params.is_some() {
+                100_000.0
+            } else {
+                10_000.0
+            }),
+        };
+        let factor = match pget("partial_rotary_factor") {
+            Some(v) => v.as_f64().ok_or_else(|| {
+                f.err(
+                    "rope_parameters.partial_rotary_factor",
+                    format!("expected a number, got {v}"),
+                )
+            })?,
+            None => f
+                .f64_opt("partial_rotary_factor")?
+                .unwrap_or(if params.is_some() { 0.25 } else { 1.0 }),
+        };
+        let (kind_field, kind_src) = if params.is_some() {
+            ("rope_parameters", params)
+        } else {
+            ("rope_scaling", scaling)
+        };
+        let rope_type = kind_src
+            .and_then(|m| m.get("type").or_else(|| m.get("rope_type")))
+            .and_then(Value::as_str)
+            .unwrap_or("default");
+        let position_scale = match rope_type {
+            "default" | "mrope" => 1.0,
+            "linear" => {
+                let fac = kind_src
+                    .and_then(|m| m.get("factor"))
+                    .and_then(Value::as_f64)
+                    .ok_or_else(|| {
+                        f.err(
+                            &format!("{kind_field}.factor"),
+                            "missing for linear rope scaling",
+                        )
+                    })?;
+                if fac <= 0.0 {
+                    return Err(f.err(&format!("{kind_field}.factor"), "must be positive"));
+                }
+                1.0 / fac
+            }
+            other => {
+                return Err(f.err(
+                    &format!("{kind_field}.type"),
+                    format!("rope type `{other}` is not supported (supported: default, linear)"),
+                ))
+            }
+        };
+        let rotary_dim = (head_dim as f64 * factor) as usize;
+        if rotary_dim == 0 || rotary_dim > head_dim || rotary_dim % 2 != 0 {
+            return Err(f.err(
+                "partial_rotary_factor",
+                format!("gives rotary dim {rotary_dim} for head_dim {head_dim}; need an even number in 2..=head_dim"),
+            ));
+        }
+        if theta <= 0.0 {
+            return Err(f.err("rope_theta", "must be positive"));
+        }
+        Ok(RopeConfig {
+            theta,
+            rotary_dim,
+            position_scale,
+        })
+    }
+
+    fn parse_quantization(f: &Fields, top: &Map<String, Value>) -> Result<Option<QuantConfig>> {
+        let q = match top
+            .get("quantization")
+            .or_else(|| top.get("quantization_config"))
+        {
+            None | Some(Value::Null) => return Ok(None),
+            Some(Value::Object(m)) => m,
+            Some(v) => return Err(f.err("quantization", format!("expected an object, got {v}"))),
+        };
+        let spec_of = |field: &str, m: &Map<String, Value>| -> Result<QuantSpec> {
+            if let Some(mode) = m.get("mode").and_then(Value::as_str) {
+                if mode != "affine" {
+                    return Err(f.err(
+                        field,
+                        format!("quantization mode `{mode}` is not supported (only affine)"),
+                    ));
+                }
+            }
+            let bits = m
+                .get("bits")
+                .and_then(Value::as_u64)
+                .ok_or_else(|| f.err(&format!("{field}.bits"), "missing or not an integer"))?;
+            let group_size = m.get("group_size").and_then(Value::as_u64).ok_or_else(|| {
+                f.err(&format!("{field}.group_size"), "missing or not an integer")
+            })?;
+            let spec = QuantSpec {
+                bits: bits as u32,
+                group_size: group_size as usize,
+            };
+            spec.validate().map_err(|r| f.err(field, r))?;
+            Ok(spec)
+        };
+        let default = if q.contains_key("bits") {
+            Some(spec_of("quantization", q)?)
+        } else {
+            None
+        };
+        let mut overrides = BTreeMap::new();
+        for (k, v) in q {
+            match v {
+                Value::Object(m) => {
+                    overrides.insert(k.clone(), Some(spec_of(&format!("quantization.{k}"), m)?));
+                }
+                Value::Bool(false) => {
+                    overrides.insert(k.clone(), None);
+                }
+                Value::Bool(true) => {
+                    overrides.insert(k.clone(), default);
+                }
+                _ => {}
+            }
+        }
+        Ok(Some(QuantConfig { default, overrides }))
+    }
+
+    pub fn is_moe_layer(&self, layer: usize) -> bool {
+        self.mlp_kinds[layer] == MlpKind::Moe
+    }
+
+    pub fn num_full_attention_layers(&self) -> usize {
+        self.layer_kinds
+            .iter()
+            .filter(|k| **k == LayerKind::FullAttention)
+            .count()
+    }
+}
+
+/// Path of `config.json` inside a directory (for messages).
+pub fn config_path(dir: &Path) -> PathBuf {
+    dir.join("config.json")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn parse(v: Value) -> Result<ModelConfig> {
+        ModelConfig::from_json(&v, Path::new("config.json"))
+    }
+
+    fn qwen35() -> Value {
+        json!({
+            "model_type": "qwen3_5_moe",
+            "tie_word_embeddings": false,
+            "quantization": {"group_size": 64, "bits": 4, "mode": "affine",
+                "language_model.model.layers.0.mlp.gate": {"group_size": 64, "bits": 8}},
+            "text_config": {
+                "hidden_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1024,
+                "linear_num_value_heads": 4, "linear_num_key_heads": 2,
+                "linear_key_head_dim": 32, "linear_value_head_dim": 32,
+                "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                "shared_expert_intermediate_size": 64, "full_attention_interval": 4,
+                "rope_parameters": {"type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
+            }
+        })
+    }
+
+    #[test]
+    fn nested_text_config_and_rope_parameters() {
+        let c = parse(qwen35()).unwrap();
+        assert_eq!(c.arch, Architecture::Qwen3_5Moe);
+        assert_eq!(c.hidden_size, 128);
+        assert_eq!(c.rope.rotary_dim, 8);
+        assert_eq!(c.rope.theta, 1e7);
+        assert_eq!(c.layer_kinds[3], LayerKind::FullAttention);
+        assert_eq!(c.layer_kinds[2], LayerKind::LinearAttention);
+        assert!(c.moe.norm_topk_prob);
+        let q = c.quantization.unwrap();
+        assert_eq!(q.for_module("model.layers.0.mlp.gate").unwrap().bits, 8);
+        assert_eq!(q.for_module("model.layers.1.mlp.gate").unwrap().bits, 4);
+    }
+
+    #[test]
+    fn rope_type_spelling_and_layer_types() {
+        let mut v = qwen35();
+        v["text_config"]["rope_parameters"] =
+            json!({"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5});
+        v["text_config"]
+            .as_object_mut()
+            .unwrap()
+            .remove("full_attention_interval");
+        v["text_config"]["layer_types"] = json!([
+            "linear_attention",
+            "full_attention",
+            "linear_attention",
+            "full_attention",
+            "linear_attention",
+            "full_attention",
+            "linear_attention",
+            "full_attention"
+        ]);
+        let c = parse(v).unwrap();
+        assert_eq!(c.rope.rotary_dim, 16);
+        assert_eq!(c.layer_kinds[1], LayerKind::FullAttention);
+    }
+
+    #[test]
+    fn contradicting_layer_pattern_is_an_error() {
+        let mut v = qwen35();
+        v["text_config"]["layer_types"] = json!(vec!["full_attention"; 8]);
+        let e = parse(v).unwrap_err().to_string();
+        assert!(e.contains("layer_types"), "{e}");
+    }
+
+    #[test]
+    fn unsupported_model_type_is_named() {
+        let mut v = qwen35();
+        v["model_type"] = json!("llama");
+        let e = parse(v).unwrap_err().to_string();
+        assert!(e.contains("llama") && e.contains("qwen3_5_moe"), "{e}");
+    }
+
+    #[test]
+    fn missing_field_is_named() {
+        let mut v = qwen35();
+        v["text_config"]
+            .as_object_mut()
+            .unwrap()
+            .remove("hidden_size");
+        let e = parse(v).unwrap_err().to_string();
+        assert!(e.contains("hidden_size") && e.contains("missing"), "{e}");
+    }
+
+    #[test]
+    fn qwen3_next_flat_config_with_dense_layers() {
+        let v = json!({
+            "model_type": "qwen3_next", "hidden_size": 128, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1024,
+            "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 32,
+            "linear_value_head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64, "intermediate_size": 128,
+            "mlp_only_layers": [2], "decoder_sparse_step": 1, "full_attention_interval": 2,
+            "rope_theta": 1e7, "partial_rotary_factor": 0.25, "norm_topk_prob": true,
+            "tie_word_embeddings": true
+        });
+        let c = parse(v).unwrap();
+        assert_eq!(
+            c.mlp_kinds,
+            vec![MlpKind::Moe, MlpKind::Moe, MlpKind::Dense, MlpKind::Moe]
+        );
+        assert!(c.tie_word_embeddings);
+        assert_eq!(c.rope.rotary_dim, 8);
+    }
+
+    #[test]
+    fn unsupported_rope_and_quant_mode_are_errors() {
+        let mut v = qwen35();
+        v["text_config"]["rope_parameters"]["type"] = json!("yarn");
+        assert!(parse(v).unwrap_err().to_string().contains("yarn"));
+        let mut v = qwen35();
+        v["quantization"]["mode"] = json!("mxfp4");
+        assert!(parse(v).unwrap_err().to_string().contains("mxfp4"));
+    }
+}

@@ -1,0 +1,96 @@
+//! Typed errors. Every variant names the file, tensor or field at fault so
+//! a user can act on the message without reading the source.
+
+use std::path::PathBuf;
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: invalid JSON: {source}")]
+    Json {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("{path}: config field `{field}`: {reason}")]
+    Config {
+        path: PathBuf,
+        field: String,
+        reason: String,
+    },
+    #[error("unsupported model_type `{model_type}` in {path} (supported: {supported})")]
+    UnsupportedModel {
+        path: PathBuf,
+        model_type: String,
+        supported: String,
+    },
+    #[error("{file}: tensor `{tensor}`: {reason}")]
+    Tensor {
+        file: PathBuf,
+        tensor: String,
+        reason: String,
+    },
+    #[error("{path}: {reason}")]
+    Format { path: PathBuf, reason: String },
+    #[error("token id {token} at index {index} is out of range (vocab size {vocab})")]
+    TokenOutOfRange {
+        token: u32,
+        index: usize,
+        vocab: usize,
+    },
+    #[error("empty token list")]
+    EmptyTokens,
+    #[error("position {requested} is beyond the current position {current}")]
+    PositionBeyondEnd { requested: usize, current: usize },
+    #[error(
+        "cannot truncate to {requested}: linear-attention layers need a checkpoint at or \
+         before that position (checkpoints: {available:?})"
+    )]
+    NoCheckpoint {
+        requested: usize,
+        available: Vec<usize>,
+    },
+    #[error("context full: {requested} positions requested, limit is {limit}")]
+    ContextFull { requested: usize, limit: usize },
+    #[error("snapshot rejected: {0}")]
+    Snapshot(String),
+    #[error("{path}: destination exists (use --force to overwrite)")]
+    DestinationExists { path: PathBuf },
+    #[error("cancelled")]
+    Cancelled,
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl Error {
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+        }
+    }
+    pub fn tensor(
+        file: impl Into<PathBuf>,
+        tensor: impl Into<String>,
+        reason: impl Into<String>,
+    ) -> Self {
+        Error::Tensor {
+            file: file.into(),
+            tensor: tensor.into(),
+            reason: reason.into(),
+        }
+    }
+    pub fn format(path: impl Into<PathBuf>, reason: impl Into<String>) -> Self {
+        Error::Format {
+            path: path.into(),
+            reason: reason.into(),
+        }
+    }
+}

@@ -1,0 +1,11 @@
+//! moeflux: run Mixture-of-Experts language models larger than memory by
+//! keeping the dense part resident and streaming routed experts from disk.
+
+pub mod backend;
+pub mod config;
+pub mod error;
+pub mod format;
+pub mod quant;
+
+pub use config::{Architecture, ModelConfig};
+pub use error::{Error, Result};

@@ -1,0 +1,117 @@
+//! Quantized weight representation (MLX affine, group-wise) and the
+//! quantizer used by `convert`.
+
+pub mod affine;
+
+pub use crate::config::QuantSpec;
+
+/// Per-group scales or biases as stored in the checkpoint.
+#[derive(Debug, Clone, Copy)]
+pub enum ScaleData<'a> {
+    Bf16(&'a [u16]),
+    F32(&'a [f32]),
+}
+
+impl ScaleData<'_> {
+    #[inline]
+    pub fn get(&self, i: usize) -> f32 {
+        match self {
+            ScaleData::Bf16(s) => affine::bf16_to_f32(s[i]),
+            ScaleData::F32(s) => s[i],
+        }
+    }
+    pub fn len(&self) -> usize {
+        match self {
+            ScaleData::Bf16(s) => s.len(),
+            ScaleData::F32(s) => s.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A row-major quantized matrix `[rows, cols]`: `packed` holds
+/// `rows * cols * bits / 32` words, scales and biases `rows * cols / group_size`.
+#[derive(Debug, Clone, Copy)]
+pub struct QMatrix<'a> {
+    pub rows: usize,
+    pub cols: usize,
+    pub spec: QuantSpec,
+    pub packed: &'a [u32],
+    pub scales: ScaleData<'a>,
+    pub biases: ScaleData<'a>,
+}
+
+impl<'a> QMatrix<'a> {
+    pub fn words_per_row(&self) -> usize {
+        affine::words_per_row(self.cols, self.spec.bits)
+    }
+    pub fn groups_per_row(&self) -> usize {
+        self.cols / self.spec.group_size
+    }
+    /// Checks that the slices have the sizes the shape implies.
+    pub fn check(&self) -> Result<(), String> {
+        self.spec.validate()?;
+        if self.cols % self.spec.group_size != 0 {
+            return Err(format!(
+                "{} columns is not a multiple of group size {}",
+                self.cols, self.spec.group_size
+            ));
+        }
+        let words = self.rows * self.words_per_row();
+        if self.packed.len() != words {
+            return Err(format!(
+                "packed weight has {} words, expected {words}",
+                self.packed.len()
+            ));
+        }
+        let groups = self.rows * self.groups_per_row();
+        if self.scales.len() != groups || self.biases.len() != groups {
+            return Err(format!(
+                "scales/biases have {}/{} entries, expected {groups}",
+                self.scales.len(),
+                self.biases.len()
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Unquantized weight data.
+#[derive(Debug, Clone, Copy)]
+pub enum DenseData<'a> {
+    Bf16(&'a [u16]),
+    F32(&'a [f32]),
+}
+
+/// A row-major unquantized matrix `[rows, cols]`.
+#[derive(Debug, Clone, Copy)]
+pub struct DenseMatrix<'a> {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: DenseData<'a>,
+}
+
+/// A linear layer's weight, quantized or not (mlx-lm leaves layers whose
+/// input width is not a multiple of the group size unquantized).
+#[derive(Debug, Clone, Copy)]
+pub enum Weight<'a> {
+    Quantized(QMatrix<'a>),
+    Dense(DenseMatrix<'a>),
+}
+
+impl Weight<'_> {
+    pub fn rows(&self) -> usize {
+        match self {
+            Weight::Quantized(q) => q.rows,
+            Weight::Dense(d) => d.rows,
+        }
+    }
+    pub fn cols(&self) -> usize {
+        match self {
+            Weight::Quantized(q) => q.cols,
+            Weight::Dense(d) => d.cols,
+        }
+    }
+}
