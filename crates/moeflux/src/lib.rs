@@ -5,6 +5,7 @@ pub mod backend;
 pub mod config;
 pub mod error;
 pub mod format;
+pub mod model;
 pub mod quant;
 
 pub use config::{Architecture, ModelConfig};

@@ -1,0 +1,3 @@
+//! Model families, written against the CPU backend ops.
+
+pub mod schema;

@@ -1,0 +1,157 @@
+//! The tensors an architecture needs, derived from its config: the single
+//! source of truth for `convert` (what to read and check) and for loading a
+//! model directory (what must be there, at which shape).
+//!
+//! Names are canonical: mlx-lm's names without the `language_model.` prefix
+//! Qwen3.5 adds (`model.layers.3.self_attn.q_proj`, `lm_head`).
+
+use crate::config::{Architecture, LayerKind, MlpKind, ModelConfig};
+
+/// What kind of tensor a schema entry is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WeightKind {
+    /// A linear layer (or the embedding table) `[rows, cols]`: either
+    /// quantized (`<name>.weight` U32 + `.scales` + `.biases`) or a float
+    /// `<name>.weight` of that shape.
+    Linear { rows: usize, cols: usize },
+    /// A float vector `<name>` of `len` elements (norm weights, `A_log`, ...).
+    Vector { len: usize },
+    /// The depthwise conv1d weight `<name>`: float `[channels, kernel, 1]`.
+    Conv { channels: usize, kernel: usize },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WeightSpec {
+    /// Module name for `Linear` (tensor names add `.weight` etc.), the full
+    /// tensor name otherwise.
+    pub name: String,
+    pub kind: WeightKind,
+}
+
+/// The three stacked projections of a layer's routed experts
+/// (`model.layers.N.mlp.switch_mlp.{gate,up,down}_proj`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExpertSpec {
+    pub layer: usize,
+    pub num_experts: usize,
+    /// (component name, rows, cols) for `gate_proj`, `up_proj`, `down_proj`.
+    pub projections: [(&'static str, usize, usize); 3],
+}
+
+impl ExpertSpec {
+    /// Module name of one stacked projection in a checkpoint.
+    pub fn module(&self, component: &str) -> String {
+        format!("model.layers.{}.mlp.switch_mlp.{component}", self.layer)
+    }
+}
+
+pub const EXPERT_COMPONENTS: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
+
+fn linear(name: String, rows: usize, cols: usize) -> WeightSpec {
+    WeightSpec {
+        name,
+        kind: WeightKind::Linear { rows, cols },
+    }
+}
+
+fn vector(name: String, len: usize) -> WeightSpec {
+    WeightSpec {
+        name,
+        kind: WeightKind::Vector { len },
+    }
+}
+
+/// Prefix of layer `i`'s tensors.
+pub fn layer_prefix(i: usize) -> String {
+    format!("model.layers.{i}.")
+}
+
+/// Every dense (non-expert) weight of the model.
+pub fn dense_weights(c: &ModelConfig) -> Vec<WeightSpec> {
+    let h = c.hidden_size;
+    let mut w = vec![linear("model.embed_tokens".into(), c.vocab_size, h)];
+    for i in 0..c.num_layers {
+        let p = layer_prefix(i);
+        w.push(vector(format!("{p}input_layernorm.weight"), h));
+        w.push(vector(format!("{p}post_attention_layernorm.weight"), h));
+        match c.layer_kinds[i] {
+            LayerKind::FullAttention => {
+                let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
+                w.push(linear(format!("{p}self_attn.q_proj"), 2 * nh * hd, h));
+                w.push(linear(format!("{p}self_attn.k_proj"), nkv * hd, h));
+                w.push(linear(format!("{p}self_attn.v_proj"), nkv * hd, h));
+                w.push(linear(format!("{p}self_attn.o_proj"), h, nh * hd));
+                w.push(vector(format!("{p}self_attn.q_norm.weight"), hd));
+                w.push(vector(format!("{p}self_attn.k_norm.weight"), hd));
+            }
+            LayerKind::LinearAttention => {
+                let l = &c.linear;
+                let a = format!("{p}linear_attn.");
+                match c.arch {
+                    Architecture::Qwen3_5Moe => {
+                        w.push(linear(format!("{a}in_proj_qkv"), l.conv_dim(), h));
+                        w.push(linear(format!("{a}in_proj_z"), l.value_dim(), h));
+                        w.push(linear(format!("{a}in_proj_b"), l.num_v_heads, h));
+                        w.push(linear(format!("{a}in_proj_a"), l.num_v_heads, h));
+                    }
+                    Architecture::Qwen3Next => {
+                        w.push(linear(
+                            format!("{a}in_proj_qkvz"),
+                            2 * l.key_dim() + 2 * l.value_dim(),
+                            h,
+                        ));
+                        w.push(linear(format!("{a}in_proj_ba"), 2 * l.num_v_heads, h));
+                    }
+                }
+                w.push(WeightSpec {
+                    name: format!("{a}conv1d.weight"),
+                    kind: WeightKind::Conv {
+                        channels: l.conv_dim(),
+                        kernel: l.conv_kernel,
+                    },
+                });
+                w.push(vector(format!("{a}A_log"), l.num_v_heads));
+                w.push(vector(format!("{a}dt_bias"), l.num_v_heads));
+                w.push(vector(format!("{a}norm.weight"), l.value_head_dim));
+                w.push(linear(format!("{a}out_proj"), h, l.value_dim()));
+            }
+        }
+        match c.mlp_kinds[i] {
+            MlpKind::Moe => {
+                let m = &c.moe;
+                w.push(linear(format!("{p}mlp.gate"), m.num_experts, h));
+                if m.shared_intermediate > 0 {
+                    let s = m.shared_intermediate;
+                    w.push(linear(format!("{p}mlp.shared_expert.gate_proj"), s, h));
+                    w.push(linear(format!("{p}mlp.shared_expert.up_proj"), s, h));
+                    w.push(linear(format!("{p}mlp.shared_expert.down_proj"), h, s));
+                    w.push(linear(format!("{p}mlp.shared_expert_gate"), 1, h));
+                }
+            }
+            MlpKind::Dense => {
+                let d = c.intermediate_size;
+                w.push(linear(format!("{p}mlp.gate_proj"), d, h));
+                w.push(linear(format!("{p}mlp.up_proj"), d, h));
+                w.push(linear(format!("{p}mlp.down_proj"), h, d));
+            }
+        }
+    }
+    w.push(vector("model.norm.weight".into(), h));
+    if !c.tie_word_embeddings {
+        w.push(linear("lm_head".into(), c.vocab_size, h));
+    }
+    w
+}
+
+/// The routed experts of every MoE layer.
+pub fn expert_weights(c: &ModelConfig) -> Vec<ExpertSpec> {
+    let (h, i) = (c.hidden_size, c.moe.moe_intermediate);
+    (0..c.num_layers)
+        .filter(|&l| c.mlp_kinds[l] == MlpKind::Moe)
+        .map(|layer| ExpertSpec {
+            layer,
+            num_experts: c.moe.num_experts,
+            projections: [("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)],
+        })
+        .collect()
+}
