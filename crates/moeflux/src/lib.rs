@@ -10,3 +10,6 @@ pub mod quant;
 
 pub use config::{Architecture, ModelConfig};
 pub use error::{Error, Result};
+// pub mod session;
+
+// pub use session::{LogitsMode, Session, SessionOptions};

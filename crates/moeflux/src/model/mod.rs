@@ -1,3 +1,9 @@
 //! Model families, written against the CPU backend ops.
 
+pub mod attention;
+pub mod deltanet;
 pub mod schema;
+pub mod state;
+pub mod weights;
+// pub mod moe;
+// pub mod qwen3_hybrid;

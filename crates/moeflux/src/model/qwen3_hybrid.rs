@@ -1,0 +1,164 @@
+//! The Qwen3.5-MoE / Qwen3-Next hybrid: GatedDeltaNet and gated full
+//! attention layers, each followed by a sparse MoE block (or a dense MLP).
+
+use std::path::Path;
+
+use crate::backend::cpu::ops::{self, RopeTable};
+use crate::backend::cpu::qmatmul::{dequantize_row, matmul};
+use crate::config::{LayerKind, MlpKind, ModelConfig};
+use crate::error::{Error, Result};
+use crate::format::Manifest;
+use crate::io::{ExpertBuf, ExpertStore};
+use crate::model::attention::FullAttention;
+use crate::model::deltanet::GatedDeltaNet;
+use crate::model::moe::{DenseMlp, ExpertLayout, MoeBlock};
+use crate::model::schema::layer_prefix;
+use crate::model::state::{KvCache, LayerState, ModelState};
+use crate::model::weights::{DenseStore, LinearRef};
+
+pub enum Mixer {
+    Full(FullAttention),
+    Linear(GatedDeltaNet),
+}
+
+pub enum Mlp {
+    Moe(MoeBlock),
+    Dense(DenseMlp),
+}
+
+pub struct Layer {
+    pub input_norm: Vec<f32>,
+    pub post_norm: Vec<f32>,
+    pub mixer: Mixer,
+    pub mlp: Mlp,
+}
+
+pub struct QwenHybrid {
+    pub config: ModelConfig,
+    pub dense: DenseStore,
+    pub embed: LinearRef,
+    pub lm_head: LinearRef,
+    pub final_norm: Vec<f32>,
+    pub layers: Vec<Layer>,
+    pub rope: RopeTable,
+}
+
+/// Which positions of an eval produce logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsMode {
+    Last,
+    All,
+}
+
+impl QwenHybrid {
+    pub fn load(dir: &Path, manifest: &Manifest, config: ModelConfig) -> Result<Self> {
+        let manifest_path = dir.join(crate::format::MANIFEST_FILE);
+        let dense = DenseStore::open(dir, manifest)?;
+        dense.validate_schema(&config)?;
+        let (h, v) = (config.hidden_size, config.vocab_size);
+        let embed = dense.linear("model.embed_tokens", v, h)?;
+        let lm_head = if config.tie_word_embeddings {
+            embed
+        } else {
+            dense.linear("lm_head", v, h)?
+        };
+        let mut layers = Vec::with_capacity(config.num_layers);
+        for i in 0..config.num_layers {
+            let p = layer_prefix(i);
+            let mixer = match config.layer_kinds[i] {
+                LayerKind::FullAttention => Mixer::Full(FullAttention::load(&dense, &config, &p)?),
+                LayerKind::LinearAttention => Mixer::Linear(GatedDeltaNet::load(&dense, &config, &p)?),
+            };
+            let mlp = match config.mlp_kinds[i] {
+                MlpKind::Moe => {
+                    let el = manifest.expert_layer(i).ok_or_else(|| {
+                        Error::format(&manifest_path, format!("no routed experts listed for MoE layer {i}"))
+                    })?;
+                    let layout = ExpertLayout::from_manifest(el, &config, &manifest_path)?;
+                    Mlp::Moe(MoeBlock::load(&dense, &config, &p, i, layout)?)
+                }
+                MlpKind::Dense => Mlp::Dense(DenseMlp::load(&dense, &config, &p)?),
+            };
+            layers.push(Layer {
+                input_norm: dense.floats(&format!("{p}input_layernorm.weight"), &[h])?,
+                post_norm: dense.floats(&format!("{p}post_attention_layernorm.weight"), &[h])?,
+                mixer,
+                mlp,
+            });
+        }
+        Ok(QwenHybrid {
+            final_norm: dense.floats("model.norm.weight", &[h])?,
+            rope: RopeTable::new(config.rope.rotary_dim, config.rope.theta),
+            config,
+            dense,
+            embed,
+            lm_head,
+            layers,
+        })
+    }
+
+    pub fn new_state(&self) -> ModelState {
+        let kv_row = self.config.num_kv_heads * self.config.head_dim;
+        ModelState {
+            layers: self
+                .layers
+                .iter()
+                .map(|l| match l.mixer {
+                    Mixer::Full(_) => LayerState::Full(KvCache::new(kv_row)),
+                    Mixer::Linear(_) => LayerState::Linear(GatedDeltaNet::new_state(&self.config)),
+                })
+                .collect(),
+        }
+    }
+
+    /// Evaluates `tokens` at positions `start..`, layer by layer over the
+    /// whole batch, and returns logits `[rows, vocab]` for the last token or
+    /// for every token.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        store: &ExpertStore,
+        bufs: &mut Vec<ExpertBuf>,
+        state: &mut ModelState,
+        tokens: &[u32],
+        start: usize,
+        k_active: usize,
+        mode: LogitsMode,
+    ) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let (n, h) = (tokens.len(), c.hidden_size);
+        let d = &self.dense;
+        let embed = d.view(&self.embed);
+        let mut x = vec![0.0f32; n * h];
+        for (t, &tok) in tokens.iter().enumerate() {
+            dequantize_row(&embed, tok as usize, &mut x[t * h..(t + 1) * h]);
+        }
+        let mut xn = vec![0.0f32; n * h];
+        let mut r = vec![0.0f32; n * h];
+        for (layer, ls) in self.layers.iter().zip(state.layers.iter_mut()) {
+            ops::rms_norm_rows(&x, &layer.input_norm, c.rms_norm_eps, &mut xn);
+            match (&layer.mixer, ls) {
+                (Mixer::Full(a), LayerState::Full(kv)) => a.forward(d, c, &self.rope, &xn, n, start, kv, &mut r),
+                (Mixer::Linear(g), LayerState::Linear(s)) => g.forward(d, c, &xn, n, s, &mut r),
+                _ => unreachable!("state built from the same layer list"),
+            }
+            ops::add_inplace(&mut x, &r);
+            ops::rms_norm_rows(&x, &layer.post_norm, c.rms_norm_eps, &mut xn);
+            match &layer.mlp {
+                Mlp::Moe(m) => m.forward(d, c, store, bufs, &xn, n, k_active, &mut r)?,
+                Mlp::Dense(m) => m.forward(d, &xn, n, &mut r),
+            }
+            ops::add_inplace(&mut x, &r);
+        }
+        let rows = match mode {
+            LogitsMode::All => 0..n,
+            LogitsMode::Last => n - 1..n,
+        };
+        let m = rows.len();
+        let mut normed = vec![0.0f32; m * h];
+        ops::rms_norm_rows(&x[rows.start * h..rows.end * h], &self.final_norm, c.rms_norm_eps, &mut normed);
+        let mut logits = vec![0.0f32; m * c.vocab_size];
+        matmul(&d.view(&self.lm_head), &normed, m, &mut logits);
+        Ok(logits)
+    }
+}

@@ -1,0 +1,322 @@
+//! `Session`: one sequence over one model — eval, position, truncation,
+//! checkpoints and snapshots.
+
+pub mod snapshot;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::format::{Manifest, MANIFEST_FILE};
+use crate::io::{ExpertBuf, ExpertStore, ExpertStoreOptions, IoStats};
+use crate::model::qwen3_hybrid::QwenHybrid;
+pub use crate::model::qwen3_hybrid::LogitsMode;
+use crate::model::state::{LinearState, ModelState};
+
+#[derive(Debug, Clone)]
+pub struct SessionOptions {
+    /// Compute threads; `None` uses every core.
+    pub threads: Option<usize>,
+    /// Routed experts per token, at most the model's `num_experts_per_tok`;
+    /// fewer is faster and lowers quality.
+    pub experts_per_token: Option<usize>,
+    /// Read experts with O_DIRECT (bypassing the page cache).
+    pub direct_io: bool,
+    /// Threads issuing expert reads.
+    pub io_threads: usize,
+    /// Checkpoints kept; the least recently used is dropped beyond this.
+    pub max_checkpoints: usize,
+    /// Longest sequence allowed; `None` uses `max_position_embeddings`.
+    pub max_context: Option<usize>,
+}
+
+impl Default for SessionOptions {
+    fn default() -> Self {
+        SessionOptions {
+            threads: None,
+            experts_per_token: None,
+            direct_io: false,
+            io_threads: 8,
+            max_checkpoints: 8,
+            max_context: None,
+        }
+    }
+}
+
+pub struct Session {
+    dir: PathBuf,
+    model: QwenHybrid,
+    store: ExpertStore,
+    pool: rayon::ThreadPool,
+    state: ModelState,
+    tokens: Vec<u32>,
+    k_active: usize,
+    max_context: usize,
+    max_checkpoints: usize,
+    /// Linear-layer states by position; the Vec keeps use order (last = newest).
+    checkpoints: BTreeMap<usize, Vec<LinearState>>,
+    checkpoint_order: Vec<usize>,
+    bufs: Vec<ExpertBuf>,
+    fingerprint: u64,
+    /// Set when an eval failed midway: the state is then inconsistent until
+    /// `clear`, `restore_to`, `truncate` or `state_load`.
+    poisoned: bool,
+}
+
+impl Session {
+    /// Opens a model directory written by `moeflux convert`.
+    pub fn open(dir: &Path, opts: SessionOptions) -> Result<Self> {
+        let manifest_path = dir.join(MANIFEST_FILE);
+        let manifest_bytes = std::fs::read(&manifest_path).map_err(|e| Error::io(&manifest_path, e))?;
+        let manifest = Manifest::read(&manifest_path)?;
+        let config = ModelConfig::from_dir(dir)?;
+        if manifest.architecture != config.arch.model_type() {
+            return Err(Error::format(
+                &manifest_path,
+                format!(
+                    "architecture `{}` disagrees with config.json model_type `{}`",
+                    manifest.architecture,
+                    config.arch.model_type()
+                ),
+            ));
+        }
+        let k_max = config.moe.num_experts_per_tok;
+        let k_active = match opts.experts_per_token {
+            None => k_max,
+            Some(k) if k >= 1 && k <= k_max.max(1) => k,
+            Some(k) => {
+                return Err(Error::Invalid(format!(
+                    "experts per token must be between 1 and the model's {k_max}, got {k}"
+                )))
+            }
+        };
+        let max_context = opts.max_context.unwrap_or(config.max_position_embeddings);
+        let store = ExpertStore::open(
+            dir,
+            &manifest,
+            &ExpertStoreOptions {
+                direct_io: opts.direct_io,
+                io_threads: opts.io_threads.max(1),
+                ..Default::default()
+            },
+        )?;
+        let model = QwenHybrid::load(dir, &manifest, config)?;
+        let threads = opts
+            .threads
+            .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads.max(1))
+            .thread_name(|i| format!("moeflux-compute-{i}"))
+            .build()
+            .map_err(|e| Error::Invalid(format!("cannot start {threads} compute threads: {e}")))?;
+        let state = model.new_state();
+        Ok(Session {
+            dir: dir.to_path_buf(),
+            model,
+            store,
+            pool,
+            state,
+            tokens: Vec::new(),
+            k_active,
+            max_context,
+            max_checkpoints: opts.max_checkpoints,
+            checkpoints: BTreeMap::new(),
+            checkpoint_order: Vec::new(),
+            bufs: Vec::new(),
+            fingerprint: snapshot::fnv1a(&manifest_bytes),
+            poisoned: false,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.model.config
+    }
+
+    pub fn model_dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.model.config.vocab_size
+    }
+
+    /// Routed experts evaluated per token.
+    pub fn experts_per_token(&self) -> usize {
+        self.k_active
+    }
+
+    /// Number of tokens evaluated so far (the next token's position).
+    pub fn position(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// The tokens evaluated so far.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    pub fn io_stats(&self) -> IoStats {
+        self.store.stats()
+    }
+
+    /// Evaluates `tokens` after the current position as one batch and returns
+    /// logits: `[vocab]` for `LogitsMode::Last`, `[tokens.len(), vocab]` for `All`.
+    pub fn eval(&mut self, tokens: &[u32], mode: LogitsMode) -> Result<Vec<f32>> {
+        if self.poisoned {
+            return Err(Error::Invalid(
+                "session state is invalid after a failed eval; call clear(), truncate() or restore_to()".into(),
+            ));
+        }
+        if tokens.is_empty() {
+            return Err(Error::EmptyTokens);
+        }
+        let vocab = self.vocab_size();
+        if let Some((index, &token)) = tokens.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
+            return Err(Error::TokenOutOfRange { token, index, vocab });
+        }
+        let end = self.position() + tokens.len();
+        if end > self.max_context {
+            return Err(Error::ContextFull {
+                requested: end,
+                limit: self.max_context,
+            });
+        }
+        let start = self.position();
+        let (model, store, state, bufs, k) = (&self.model, &self.store, &mut self.state, &mut self.bufs, self.k_active);
+        let result = self.pool.install(|| model.forward(store, bufs, state, tokens, start, k, mode));
+        match result {
+            Ok(logits) => {
+                self.tokens.extend_from_slice(tokens);
+                Ok(logits)
+            }
+            Err(e) => {
+                self.poisoned = true;
+                Err(e)
+            }
+        }
+    }
+
+    /// Forgets everything: position 0, empty caches, no checkpoints.
+    pub fn clear(&mut self) {
+        self.state.clear();
+        self.tokens.clear();
+        self.checkpoints.clear();
+        self.checkpoint_order.clear();
+        self.poisoned = false;
+    }
+
+    /// Records the linear-attention state at the current position so that
+    /// `truncate`/`restore_to` can return here. Returns the position.
+    pub fn checkpoint(&mut self) -> usize {
+        let pos = self.position();
+        if !self.poisoned {
+            self.checkpoints.insert(pos, self.state.linear_states());
+            self.touch(pos);
+            while self.checkpoint_order.len() > self.max_checkpoints {
+                let old = self.checkpoint_order.remove(0);
+                self.checkpoints.remove(&old);
+            }
+        }
+        pos
+    }
+
+    fn touch(&mut self, pos: usize) {
+        self.checkpoint_order.retain(|&p| p != pos);
+        self.checkpoint_order.push(pos);
+    }
+
+    /// Positions with a checkpoint, ascending.
+    pub fn checkpoints(&self) -> Vec<usize> {
+        self.checkpoints.keys().copied().collect()
+    }
+
+    /// Returns to a checkpointed position (or 0), dropping later checkpoints.
+    pub fn restore_to(&mut self, pos: usize) -> Result<()> {
+        if pos > self.position() {
+            return Err(Error::PositionBeyondEnd {
+                requested: pos,
+                current: self.position(),
+            });
+        }
+        if pos == 0 {
+            self.clear();
+            return Ok(());
+        }
+        if !self.state.has_linear_layers() {
+            self.rewind(pos, &[]);
+            return Ok(());
+        }
+        let Some(linear) = self.checkpoints.get(&pos).cloned() else {
+            return Err(Error::NoCheckpoint {
+                requested: pos,
+                available: self.checkpoints(),
+            });
+        };
+        self.rewind(pos, &linear);
+        self.touch(pos);
+        Ok(())
+    }
+
+    fn rewind(&mut self, pos: usize, linear: &[LinearState]) {
+        self.state.rewind(pos, linear);
+        self.tokens.truncate(pos);
+        self.checkpoints.retain(|&p, _| p <= pos);
+        let keep = &self.checkpoints;
+        self.checkpoint_order.retain(|p| keep.contains_key(p));
+        self.poisoned = false;
+    }
+
+    /// Shortens the sequence to `n` tokens. Exact: attention layers drop
+    /// rows; linear-attention layers restart from the nearest checkpoint at or
+    /// before `n` and replay the tokens up to `n`.
+    pub fn truncate(&mut self, n: usize) -> Result<()> {
+        if n > self.position() {
+            return Err(Error::PositionBeyondEnd {
+                requested: n,
+                current: self.position(),
+            });
+        }
+        if n == self.position() && !self.poisoned {
+            return Ok(());
+        }
+        if n == 0 || !self.state.has_linear_layers() {
+            return self.restore_to(n);
+        }
+        let Some(&c) = self.checkpoints.range(..=n).next_back().map(|(p, _)| p) else {
+            return Err(Error::NoCheckpoint {
+                requested: n,
+                available: self.checkpoints(),
+            });
+        };
+        let replay = self.tokens[c..n].to_vec();
+        self.restore_to(c)?;
+        if !replay.is_empty() {
+            self.eval(&replay, LogitsMode::Last)?;
+        }
+        Ok(())
+    }
+
+    /// Serializes the whole sequence state (see `snapshot` for the format).
+    pub fn state_save(&self) -> Result<Vec<u8>> {
+        if self.poisoned {
+            return Err(Error::Invalid("session state is invalid after a failed eval".into()));
+        }
+        Ok(snapshot::save(&self.model.config, self.fingerprint, &self.tokens, &self.state))
+    }
+
+    /// Replaces the session state with a snapshot from `state_save`. The
+    /// snapshot is validated completely first; on error nothing changes.
+    /// Checkpoints are dropped (they belonged to the previous sequence).
+    pub fn state_load(&mut self, bytes: &[u8]) -> Result<()> {
+        let template = self.model.new_state();
+        let (tokens, state) = snapshot::load(&self.model.config, self.fingerprint, self.max_context, &template, bytes)
+            .map_err(Error::Snapshot)?;
+        self.state = state;
+        self.tokens = tokens;
+        self.checkpoints.clear();
+        self.checkpoint_order.clear();
+        self.poisoned = false;
+        Ok(())
+    }
+}

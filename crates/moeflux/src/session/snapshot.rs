@@ -1,0 +1,203 @@
+//! Session snapshots: a versioned, self-describing byte format.
+//!
+//! ```text
+//! b"MFLXSNAP" | u32 version | u32 word count W | W x u64 shape words
+//! | n_tokens x u32 token ids
+//! | per layer: full attention: K then V, position x kv_heads*head_dim f32
+//! |            linear: conv state then recurrent state, f32
+//! | u64 FNV-1a of everything before
+//! ```
+//! Everything is little-endian. Loading validates every word, the exact
+//! length and the checksum before anything is decoded into the session.
+
+use crate::config::{Architecture, ModelConfig};
+use crate::model::state::{KvCache, LayerState, LinearState, ModelState};
+
+pub const MAGIC: &[u8; 8] = b"MFLXSNAP";
+pub const VERSION: u32 = 1;
+
+const WORD_NAMES: [&str; 15] = [
+    "architecture",
+    "num_layers",
+    "hidden_size",
+    "vocab_size",
+    "num_kv_heads",
+    "head_dim",
+    "conv_dim",
+    "conv_kernel",
+    "linear_v_heads",
+    "linear_value_head_dim",
+    "linear_key_head_dim",
+    "full_attention_layers",
+    "linear_attention_layers",
+    "model_fingerprint",
+    "position",
+];
+
+/// FNV-1a, 64-bit: cheap integrity and identity hashing.
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+fn shape_words(c: &ModelConfig, fingerprint: u64, position: usize) -> [u64; 15] {
+    let l = &c.linear;
+    let full = c.num_full_attention_layers();
+    [
+        match c.arch {
+            Architecture::Qwen3_5Moe => 1,
+            Architecture::Qwen3Next => 2,
+        },
+        c.num_layers as u64,
+        c.hidden_size as u64,
+        c.vocab_size as u64,
+        c.num_kv_heads as u64,
+        c.head_dim as u64,
+        l.conv_dim() as u64,
+        l.conv_kernel as u64,
+        l.num_v_heads as u64,
+        l.value_head_dim as u64,
+        l.key_head_dim as u64,
+        full as u64,
+        (c.num_layers - full) as u64,
+        fingerprint,
+        position as u64,
+    ]
+}
+
+fn put_f32s(out: &mut Vec<u8>, v: &[f32]) {
+    out.reserve(v.len() * 4);
+    for x in v {
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+}
+
+pub fn save(c: &ModelConfig, fingerprint: u64, tokens: &[u32], state: &ModelState) -> Vec<u8> {
+    let mut out = Vec::new();
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&VERSION.to_le_bytes());
+    let words = shape_words(c, fingerprint, tokens.len());
+    out.extend_from_slice(&(words.len() as u32).to_le_bytes());
+    for w in words {
+        out.extend_from_slice(&w.to_le_bytes());
+    }
+    for t in tokens {
+        out.extend_from_slice(&t.to_le_bytes());
+    }
+    for l in &state.layers {
+        match l {
+            LayerState::Full(kv) => {
+                put_f32s(&mut out, &kv.k);
+                put_f32s(&mut out, &kv.v);
+            }
+            LayerState::Linear(s) => {
+                put_f32s(&mut out, &s.conv);
+                put_f32s(&mut out, &s.ssm);
+            }
+        }
+    }
+    let sum = fnv1a(&out);
+    out.extend_from_slice(&sum.to_le_bytes());
+    out
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl Reader<'_> {
+    fn take(&mut self, n: usize) -> Result<&[u8], String> {
+        let end = self.at.checked_add(n).filter(|&e| e <= self.b.len()).ok_or_else(|| {
+            format!("truncated: needs more than {} bytes, has {}", self.at.saturating_add(n), self.b.len())
+        })?;
+        let s = &self.b[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+    fn u32(&mut self) -> Result<u32, String> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().unwrap()))
+    }
+    fn u64(&mut self) -> Result<u64, String> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().unwrap()))
+    }
+    fn f32s(&mut self, n: usize) -> Result<Vec<f32>, String> {
+        let bytes = self.take(n.checked_mul(4).ok_or("length overflow")?)?;
+        Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect())
+    }
+}
+
+/// Decodes a snapshot for this model; returns the token history and state.
+/// Nothing outside is touched, so a rejected snapshot changes nothing.
+pub fn load(
+    c: &ModelConfig,
+    fingerprint: u64,
+    max_context: usize,
+    template: &ModelState,
+    bytes: &[u8],
+) -> Result<(Vec<u32>, ModelState), String> {
+    let mut r = Reader { b: bytes, at: 0 };
+    if r.take(8)? != MAGIC {
+        return Err("bad magic: not a moeflux snapshot".into());
+    }
+    let version = r.u32()?;
+    if version != VERSION {
+        return Err(format!("version {version} is not supported (this build reads {VERSION})"));
+    }
+    let count = r.u32()? as usize;
+    if count != WORD_NAMES.len() {
+        return Err(format!("header has {count} shape words, expected {}", WORD_NAMES.len()));
+    }
+    let mut words = [0u64; 15];
+    for w in &mut words {
+        *w = r.u64()?;
+    }
+    let position = words[14];
+    if position > max_context as u64 {
+        return Err(format!("position {position} exceeds the context limit {max_context}"));
+    }
+    let expect = shape_words(c, fingerprint, position as usize);
+    for (i, (got, want)) in words.iter().zip(expect.iter()).enumerate() {
+        if got != want {
+            return Err(format!("{} is {got} in the snapshot but {want} for this model", WORD_NAMES[i]));
+        }
+    }
+    let position = position as usize;
+    let body_end = bytes.len().checked_sub(8).ok_or("truncated")?;
+    let tokens: Vec<u32> = {
+        let raw = r.take(position.checked_mul(4).ok_or("length overflow")?)?;
+        raw.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect()
+    };
+    if let Some((i, t)) = tokens.iter().enumerate().find(|(_, &t)| t as usize >= c.vocab_size) {
+        return Err(format!("token {i} is {t}, outside the vocabulary of {}", c.vocab_size));
+    }
+    let mut layers = Vec::with_capacity(template.layers.len());
+    for l in &template.layers {
+        layers.push(match l {
+            LayerState::Full(kv) => {
+                let n = position * kv.row;
+                LayerState::Full(KvCache {
+                    k: r.f32s(n)?,
+                    v: r.f32s(n)?,
+                    row: kv.row,
+                })
+            }
+            LayerState::Linear(s) => LayerState::Linear(LinearState {
+                conv: r.f32s(s.conv.len())?,
+                ssm: r.f32s(s.ssm.len())?,
+            }),
+        });
+    }
+    if r.at != body_end {
+        return Err(format!("length is {} bytes, expected {}", bytes.len(), r.at + 8));
+    }
+    let sum = r.u64()?;
+    if sum != fnv1a(&bytes[..body_end]) {
+        return Err("checksum mismatch: the snapshot is corrupted".into());
+    }
+    Ok((tokens, ModelState { layers }))
+}
