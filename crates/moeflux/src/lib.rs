@@ -5,11 +5,13 @@ pub mod backend;
 pub mod config;
 pub mod error;
 pub mod format;
+pub mod fsutil;
+pub mod io;
 pub mod model;
 pub mod quant;
 
 pub use config::{Architecture, ModelConfig};
 pub use error::{Error, Result};
-// pub mod session;
+pub mod session;
 
-// pub use session::{LogitsMode, Session, SessionOptions};
+pub use session::{LogitsMode, Session, SessionOptions};

@@ -5,5 +5,5 @@ pub mod deltanet;
 pub mod schema;
 pub mod state;
 pub mod weights;
-// pub mod moe;
-// pub mod qwen3_hybrid;
+pub mod moe;
+pub mod qwen3_hybrid;
