@@ -1,0 +1,508 @@
+//! Expert I/O: reads routed experts from the per-layer expert files
+//! (`experts/layer_NNN.bin`, see [`crate::format`]) into page-aligned
+//! buffers.
+//!
+//! One expert is one contiguous, 4096-aligned extent, so a read is a single
+//! `pread` (optionally `O_DIRECT`). All reads of a layer are issued at once on
+//! a dedicated I/O thread pool (threads `moeflux-io-N`), separate from the
+//! compute pool so that blocking reads never starve compute and compute never
+//! delays the issue of reads. There is no application-level cache here: the
+//! OS page cache (buffered mode) or nothing (direct mode) sits below; expert
+//! caching policy belongs to the caller.
+
+mod buf;
+mod sys;
+
+#[cfg(test)]
+mod tests;
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Instant;
+
+pub use buf::ExpertBuf;
+
+use crate::error::{Error, Result};
+use crate::format::{Manifest, EXPERT_ALIGN, MANIFEST_FILE};
+
+/// How [`ExpertStore::open`] opens and reads the expert files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExpertStoreOptions {
+    /// Bypass the page cache (`O_DIRECT`; `F_NOCACHE` on Apple). A file whose
+    /// file system refuses it (EINVAL, e.g. older tmpfs) is read buffered
+    /// instead; see [`ExpertStore::buffered_fallbacks`].
+    pub direct_io: bool,
+    /// Threads of the store's own I/O pool. Default 8: one per routed expert
+    /// of a Qwen3.6-35B-A3B layer, enough to keep an NVMe queue busy.
+    pub io_threads: usize,
+    /// For buffered files, advise the kernel that access is random
+    /// (`POSIX_FADV_RANDOM`; `F_RDAHEAD 0` on Apple). Expert reads are whole,
+    /// exact extents picked by the router in no particular order: readahead
+    /// past the end of an extent fetches bytes of the neighbouring expert
+    /// that is unlikely to be used next, wasting device bandwidth and page
+    /// cache on every miss. With the advice the kernel still reads the whole
+    /// requested range in large requests, just nothing beyond it. Default on.
+    pub fadvise_random: bool,
+}
+
+impl Default for ExpertStoreOptions {
+    fn default() -> Self {
+        ExpertStoreOptions {
+            direct_io: false,
+            io_threads: 8,
+            fadvise_random: true,
+        }
+    }
+}
+
+/// Cumulative counters of an [`ExpertStore`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IoStats {
+    /// Expert extents read.
+    pub reads: u64,
+    /// Bytes read (extents of [`ExpertStore::extent_bytes`] each).
+    pub bytes: u64,
+    /// Wall time spent inside read calls (`read_experts`, and
+    /// [`ExpertStore::submit`] jobs from start to finish), summed over calls.
+    pub busy_ns: u64,
+    /// Read calls (batches) completed.
+    pub calls: u64,
+}
+
+impl IoStats {
+    /// Bytes per busy second, in GB/s (10^9), or 0 with no busy time.
+    pub fn gb_per_s(&self) -> f64 {
+        if self.busy_ns == 0 {
+            0.0
+        } else {
+            self.bytes as f64 / self.busy_ns as f64
+        }
+    }
+
+    /// Counter differences `self - earlier` (saturating).
+    pub fn since(&self, earlier: &IoStats) -> IoStats {
+        IoStats {
+            reads: self.reads.saturating_sub(earlier.reads),
+            bytes: self.bytes.saturating_sub(earlier.bytes),
+            busy_ns: self.busy_ns.saturating_sub(earlier.busy_ns),
+            calls: self.calls.saturating_sub(earlier.calls),
+        }
+    }
+}
+
+#[derive(Default)]
+struct Counters {
+    reads: AtomicU64,
+    bytes: AtomicU64,
+    busy_ns: AtomicU64,
+    calls: AtomicU64,
+}
+
+/// One open expert file.
+#[derive(Debug)]
+struct LayerFile {
+    layer: usize,
+    path: PathBuf,
+    file: File,
+    num_experts: usize,
+    stride: u64,
+    /// `expert_bytes` rounded up to 4096: the bytes one read transfers.
+    extent: usize,
+    direct: bool,
+}
+
+/// The routed experts of every MoE layer of a model directory, open for
+/// reading. `Send + Sync`: share it by reference or in an `Arc`.
+pub struct ExpertStore {
+    /// Indexed by model layer; `None` for layers without routed experts.
+    layers: Vec<Option<Arc<LayerFile>>>,
+    pool: rayon::ThreadPool,
+    counters: Arc<Counters>,
+    fallbacks: Vec<PathBuf>,
+    opts: ExpertStoreOptions,
+}
+
+impl std::fmt::Debug for ExpertStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExpertStore")
+            .field("layers", &self.layers.iter().flatten().count())
+            .field("opts", &self.opts)
+            .field("buffered_fallbacks", &self.fallbacks)
+            .finish()
+    }
+}
+
+impl ExpertStore {
+    /// Opens `experts/layer_NNN.bin` of every MoE layer in `manifest`.
+    ///
+    /// Checks the manifest's expert layout (stride a non-zero multiple of
+    /// 4096, `0 < expert_bytes <= stride`, at least one expert, no layer
+    /// twice) and that every file is exactly `num_experts * stride` bytes.
+    /// With `direct_io`, a file whose file system refuses direct I/O is
+    /// opened buffered and listed in [`ExpertStore::buffered_fallbacks`].
+    pub fn open(model_dir: &Path, manifest: &Manifest, opts: &ExpertStoreOptions) -> Result<Self> {
+        if opts.io_threads == 0 {
+            return Err(Error::Invalid(
+                "ExpertStoreOptions::io_threads must be at least 1".into(),
+            ));
+        }
+        let manifest_path = model_dir.join(MANIFEST_FILE);
+        let mut layers: Vec<Option<Arc<LayerFile>>> = Vec::new();
+        let mut fallbacks = Vec::new();
+        for el in &manifest.experts {
+            let bad = |reason: String| {
+                Error::format(
+                    &manifest_path,
+                    format!("experts of layer {}: {reason}", el.layer),
+                )
+            };
+            if el.stride == 0 || el.stride % EXPERT_ALIGN as u64 != 0 {
+                return Err(bad(format!(
+                    "stride {} is not a positive multiple of {EXPERT_ALIGN}",
+                    el.stride
+                )));
+            }
+            if el.expert_bytes == 0 || el.expert_bytes > el.stride {
+                return Err(bad(format!(
+                    "expert_bytes {} is not in 1..={} (the stride)",
+                    el.expert_bytes, el.stride
+                )));
+            }
+            if el.num_experts == 0 {
+                return Err(bad("num_experts is 0".into()));
+            }
+            if layers.get(el.layer).is_some_and(Option::is_some) {
+                return Err(bad("layer listed twice".into()));
+            }
+            let expected = (el.num_experts as u64)
+                .checked_mul(el.stride)
+                .ok_or_else(|| bad("num_experts * stride overflows".into()))?;
+            let extent = usize::try_from(el.expert_bytes.next_multiple_of(EXPERT_ALIGN as u64))
+                .map_err(|_| bad("expert_bytes does not fit in memory".into()))?;
+
+            let path = model_dir.join(&el.file);
+            let (mut file, mut direct) = open_file(&path, opts)?;
+            let actual = file.metadata().map_err(|e| Error::io(&path, e))?.len();
+            if actual != expected {
+                return Err(Error::format(
+                    &path,
+                    format!(
+                        "expert file is {actual} bytes, expected {expected} \
+                         ({} experts x stride {}) for layer {}",
+                        el.num_experts, el.stride, el.layer
+                    ),
+                ));
+            }
+            if direct {
+                // Some file systems accept O_DIRECT at open and refuse the
+                // first read; find out now rather than mid-decode.
+                match probe_direct(&file) {
+                    Ok(()) => {}
+                    Err(e) if sys::direct_refused(&e) => {
+                        file = sys::open_buffered(&path).map_err(|e| Error::io(&path, e))?;
+                        advise(&file, &path, opts)?;
+                        direct = false;
+                    }
+                    Err(e) => return Err(Error::io(&path, e)),
+                }
+            }
+            if opts.direct_io && !direct {
+                fallbacks.push(path.clone());
+            }
+            if layers.len() <= el.layer {
+                layers.resize_with(el.layer + 1, || None);
+            }
+            layers[el.layer] = Some(Arc::new(LayerFile {
+                layer: el.layer,
+                path,
+                file,
+                num_experts: el.num_experts,
+                stride: el.stride,
+                extent,
+                direct,
+            }));
+        }
+
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(opts.io_threads)
+            .thread_name(|i| format!("moeflux-io-{i}"))
+            .build()
+            .map_err(|e| Error::Invalid(format!("cannot start the expert I/O threads: {e}")))?;
+        Ok(ExpertStore {
+            layers,
+            pool,
+            counters: Arc::new(Counters::default()),
+            fallbacks,
+            opts: opts.clone(),
+        })
+    }
+
+    /// Reads experts `ids` of MoE layer `layer` (the model layer index) into
+    /// `bufs[i]`, one buffer per id, each at least
+    /// [`ExpertStore::extent_bytes`] long. All reads are issued at once on the
+    /// store's I/O pool; returns when every one has landed. Ids may repeat
+    /// and come in any order. The first `extent_bytes(layer)` bytes of each
+    /// buffer are overwritten (the tail past `expert_bytes` holds whatever
+    /// padding the file has, zeros as written by `convert`).
+    pub fn read_experts(&self, layer: usize, ids: &[usize], bufs: &mut [ExpertBuf]) -> Result<()> {
+        let lf = self.check_request(layer, ids, bufs)?;
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let counters = &*self.counters;
+        self.pool.install(|| read_batch(lf, ids, bufs, counters))
+    }
+
+    /// Starts reading experts `ids` of `layer` into `bufs` in the background
+    /// on the I/O pool and returns at once; [`PendingRead::wait`] hands the
+    /// buffers back with the outcome. For prefetching, or for overlapping
+    /// reads with work on the calling thread. Request errors (unknown layer,
+    /// bad id, short buffer) are reported by `wait` too, so the buffers are
+    /// never lost.
+    pub fn submit(&self, layer: usize, ids: Vec<usize>, mut bufs: Vec<ExpertBuf>) -> PendingRead {
+        let (tx, rx) = mpsc::sync_channel(1);
+        match self.check_request(layer, &ids, &bufs) {
+            Err(e) => {
+                let _ = tx.send((bufs, Err(e)));
+            }
+            Ok(lf) => {
+                let lf = Arc::clone(lf);
+                let counters = Arc::clone(&self.counters);
+                self.pool.spawn(move || {
+                    let r = if ids.is_empty() {
+                        Ok(())
+                    } else {
+                        read_batch(&lf, &ids, &mut bufs, &counters)
+                    };
+                    // The receiver may have been dropped: nothing to do then.
+                    let _ = tx.send((bufs, r));
+                });
+            }
+        }
+        PendingRead { rx }
+    }
+
+    /// Bytes of one expert extent of `layer` (`expert_bytes` rounded up to
+    /// 4096): the length an [`ExpertBuf`] for this layer must have at least.
+    ///
+    /// # Panics
+    /// If `layer` has no routed experts in this store.
+    pub fn extent_bytes(&self, layer: usize) -> usize {
+        self.layer(layer)
+            .unwrap_or_else(|| panic!("layer {layer} has no routed experts in the expert store"))
+            .extent
+    }
+
+    /// Number of experts of `layer`, or `None` if it has no routed experts.
+    pub fn num_experts(&self, layer: usize) -> Option<usize> {
+        self.layer(layer).map(|l| l.num_experts)
+    }
+
+    /// Model layer indices that have routed experts, ascending.
+    pub fn layers(&self) -> impl Iterator<Item = usize> + '_ {
+        self.layers.iter().flatten().map(|l| l.layer)
+    }
+
+    /// Whether reads of `layer` bypass the page cache; `None` if the layer
+    /// has no routed experts.
+    pub fn is_direct(&self, layer: usize) -> Option<bool> {
+        self.layer(layer).map(|l| l.direct)
+    }
+
+    /// Files opened buffered although `direct_io` was asked for (their file
+    /// system refused direct I/O).
+    pub fn buffered_fallbacks(&self) -> &[PathBuf] {
+        &self.fallbacks
+    }
+
+    pub fn options(&self) -> &ExpertStoreOptions {
+        &self.opts
+    }
+
+    /// Cumulative counters since open or the last [`ExpertStore::reset_stats`].
+    pub fn stats(&self) -> IoStats {
+        let c = &self.counters;
+        IoStats {
+            reads: c.reads.load(Ordering::Relaxed),
+            bytes: c.bytes.load(Ordering::Relaxed),
+            busy_ns: c.busy_ns.load(Ordering::Relaxed),
+            calls: c.calls.load(Ordering::Relaxed),
+        }
+    }
+
+    pub fn reset_stats(&self) {
+        let c = &self.counters;
+        c.reads.store(0, Ordering::Relaxed);
+        c.bytes.store(0, Ordering::Relaxed);
+        c.busy_ns.store(0, Ordering::Relaxed);
+        c.calls.store(0, Ordering::Relaxed);
+    }
+
+    /// Drops every expert file's pages from the page cache
+    /// (`posix_fadvise(POSIX_FADV_DONTNEED)`), for cold-cache measurements.
+    /// A no-op where the advice does not exist.
+    pub fn evict_page_cache(&self) -> Result<()> {
+        for lf in self.layers.iter().flatten() {
+            sys::evict(&lf.file).map_err(|e| Error::io(&lf.path, e))?;
+        }
+        Ok(())
+    }
+
+    fn layer(&self, layer: usize) -> Option<&Arc<LayerFile>> {
+        self.layers.get(layer).and_then(Option::as_ref)
+    }
+
+    fn check_request(
+        &self,
+        layer: usize,
+        ids: &[usize],
+        bufs: &[ExpertBuf],
+    ) -> Result<&Arc<LayerFile>> {
+        let lf = self.layer(layer).ok_or_else(|| {
+            Error::Invalid(format!(
+                "layer {layer} has no routed experts in the expert store"
+            ))
+        })?;
+        if ids.len() != bufs.len() {
+            return Err(Error::Invalid(format!(
+                "read_experts: {} expert ids but {} buffers",
+                ids.len(),
+                bufs.len()
+            )));
+        }
+        for (i, (&id, buf)) in ids.iter().zip(bufs).enumerate() {
+            if id >= lf.num_experts {
+                return Err(Error::Invalid(format!(
+                    "expert {id} of layer {layer} does not exist ({} experts in {})",
+                    lf.num_experts,
+                    lf.path.display()
+                )));
+            }
+            if buf.len() < lf.extent {
+                return Err(Error::Invalid(format!(
+                    "read_experts: buffer {i} holds {} bytes, layer {layer} needs {}",
+                    buf.len(),
+                    lf.extent
+                )));
+            }
+        }
+        Ok(lf)
+    }
+}
+
+/// A background read started by [`ExpertStore::submit`].
+#[derive(Debug)]
+pub struct PendingRead {
+    rx: mpsc::Receiver<(Vec<ExpertBuf>, Result<()>)>,
+}
+
+impl PendingRead {
+    /// Blocks until every read has landed; returns the buffers (in the order
+    /// given) and the outcome.
+    pub fn wait(self) -> (Vec<ExpertBuf>, Result<()>) {
+        self.rx
+            .recv()
+            .expect("expert I/O job ended without reporting (it panicked)")
+    }
+}
+
+/// Issues one read per id on the current (I/O) pool and waits for all.
+fn read_batch(lf: &LayerFile, ids: &[usize], bufs: &mut [ExpertBuf], c: &Counters) -> Result<()> {
+    let start = Instant::now();
+    let first_err: Mutex<Option<Error>> = Mutex::new(None);
+    rayon::scope(|s| {
+        for (&id, buf) in ids.iter().zip(bufs.iter_mut()) {
+            let first_err = &first_err;
+            s.spawn(move |_| {
+                let dst = &mut buf.as_bytes_mut()[..lf.extent];
+                match read_extent(lf, id, dst) {
+                    Ok(()) => {
+                        c.reads.fetch_add(1, Ordering::Relaxed);
+                        c.bytes.fetch_add(lf.extent as u64, Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        let mut slot = first_err.lock().unwrap_or_else(|p| p.into_inner());
+                        slot.get_or_insert(e);
+                    }
+                }
+            });
+        }
+    });
+    c.busy_ns
+        .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    c.calls.fetch_add(1, Ordering::Relaxed);
+    match first_err.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// `pread`s expert `id` in full, continuing after short reads and retrying
+/// on EINTR.
+fn read_extent(lf: &LayerFile, id: usize, dst: &mut [u8]) -> Result<()> {
+    let base = id as u64 * lf.stride;
+    let mut done = 0usize;
+    while done < dst.len() {
+        let offset = base + done as u64;
+        match lf.file.read_at(&mut dst[done..], offset) {
+            Ok(0) => {
+                return Err(Error::format(
+                    &lf.path,
+                    format!(
+                        "unexpected end of file reading expert {id} of layer {} at offset {offset} \
+                         ({} of {} bytes read)",
+                        lf.layer,
+                        done,
+                        dst.len()
+                    ),
+                ))
+            }
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                let kind = e.kind();
+                return Err(Error::io(
+                    &lf.path,
+                    std::io::Error::new(
+                        kind,
+                        format!(
+                            "reading expert {id} of layer {} at offset {offset}{}: {e}",
+                            lf.layer,
+                            if lf.direct { " (O_DIRECT)" } else { "" }
+                        ),
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn open_file(path: &Path, opts: &ExpertStoreOptions) -> Result<(File, bool)> {
+    if opts.direct_io {
+        match sys::open_direct(path) {
+            Ok(f) => return Ok((f, true)),
+            Err(e) if sys::direct_refused(&e) => {}
+            Err(e) => return Err(Error::io(path, e)),
+        }
+    }
+    let f = sys::open_buffered(path).map_err(|e| Error::io(path, e))?;
+    advise(&f, path, opts)?;
+    Ok((f, false))
+}
+
+fn advise(f: &File, path: &Path, opts: &ExpertStoreOptions) -> Result<()> {
+    if opts.fadvise_random {
+        sys::advise_random(f).map_err(|e| Error::io(path, e))?;
+    }
+    Ok(())
+}
+
+/// One aligned 4096-byte read at offset 0 through a direct descriptor.
+fn probe_direct(f: &File) -> std::io::Result<()> {
+    let mut b = ExpertBuf::new(EXPERT_ALIGN);
+    f.read_at(b.as_bytes_mut(), 0).map(|_| ())
+}

@@ -1,0 +1,142 @@
+//! Platform hooks: uncached opens and page-cache advice. Everything here
+//! degrades to "not supported" instead of failing to compile on unixes that
+//! lack the call.
+
+use std::fs::File;
+use std::io;
+use std::path::Path;
+
+pub(super) fn open_buffered(path: &Path) -> io::Result<File> {
+    File::open(path)
+}
+
+/// Opens `path` read-only bypassing the page cache: `O_DIRECT` where it
+/// exists, `F_NOCACHE` on Apple platforms, `Unsupported` elsewhere.
+pub(super) fn open_direct(path: &Path) -> io::Result<File> {
+    #[cfg(test)]
+    if tests_hook::refuse_direct() {
+        return Err(io::Error::from_raw_os_error(libc::EINVAL));
+    }
+    open_direct_impl(path)
+}
+
+#[cfg(any(
+    target_os = "linux",
+    target_os = "android",
+    target_os = "freebsd",
+    target_os = "dragonfly",
+    target_os = "netbsd",
+))]
+fn open_direct_impl(path: &Path) -> io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+}
+
+#[cfg(target_vendor = "apple")]
+fn open_direct_impl(path: &Path) -> io::Result<File> {
+    use std::os::fd::AsRawFd;
+    let f = File::open(path)?;
+    // SAFETY: plain fcntl on a descriptor we own.
+    if unsafe { libc::fcntl(f.as_raw_fd(), libc::F_NOCACHE, 1) } == -1 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(f)
+}
+
+#[cfg(not(any(
+    target_os = "linux",
+    target_os = "android",
+    target_os = "freebsd",
+    target_os = "dragonfly",
+    target_os = "netbsd",
+    target_vendor = "apple",
+)))]
+fn open_direct_impl(_path: &Path) -> io::Result<File> {
+    Err(io::Error::new(
+        io::ErrorKind::Unsupported,
+        "uncached reads are not supported on this platform",
+    ))
+}
+
+/// Whether an error from [`open_direct`] or from a first uncached read means
+/// "this file system (or platform) does not do direct I/O": fall back to
+/// buffered reads rather than fail.
+pub(super) fn direct_refused(e: &io::Error) -> bool {
+    e.raw_os_error() == Some(libc::EINVAL) || e.kind() == io::ErrorKind::Unsupported
+}
+
+/// Tells the kernel accesses to `file` are random: no readahead.
+/// Returns `Ok(false)` where there is no such advice.
+pub(super) fn advise_random(file: &File) -> io::Result<bool> {
+    #[cfg(any(target_os = "linux", target_os = "android", target_os = "freebsd"))]
+    {
+        fadvise(file, libc::POSIX_FADV_RANDOM).map(|()| true)
+    }
+    #[cfg(target_vendor = "apple")]
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: plain fcntl on a descriptor we own.
+        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_RDAHEAD, 0) } == -1 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(true)
+    }
+    #[cfg(not(any(
+        target_os = "linux",
+        target_os = "android",
+        target_os = "freebsd",
+        target_vendor = "apple",
+    )))]
+    {
+        let _ = file;
+        Ok(false)
+    }
+}
+
+/// Drops the cached pages of `file` (clean, unmapped ones). Returns
+/// `Ok(false)` where there is no such advice.
+pub(super) fn evict(file: &File) -> io::Result<bool> {
+    #[cfg(any(target_os = "linux", target_os = "android", target_os = "freebsd"))]
+    {
+        fadvise(file, libc::POSIX_FADV_DONTNEED).map(|()| true)
+    }
+    #[cfg(not(any(target_os = "linux", target_os = "android", target_os = "freebsd")))]
+    {
+        let _ = file;
+        Ok(false)
+    }
+}
+
+#[cfg(any(target_os = "linux", target_os = "android", target_os = "freebsd"))]
+fn fadvise(file: &File, advice: libc::c_int) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: advisory call on a descriptor we own; offset 0, len 0 = whole file.
+    let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, advice) };
+    // posix_fadvise returns the error number instead of setting errno.
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::from_raw_os_error(rc))
+    }
+}
+
+#[cfg(test)]
+pub(super) mod tests_hook {
+    use std::cell::Cell;
+
+    thread_local! {
+        static REFUSE_DIRECT: Cell<bool> = const { Cell::new(false) };
+    }
+
+    /// Makes `open_direct` on this thread fail like tmpfs used to (EINVAL).
+    pub(in crate::io) fn set_refuse_direct(on: bool) {
+        REFUSE_DIRECT.with(|c| c.set(on));
+    }
+
+    pub(super) fn refuse_direct() -> bool {
+        REFUSE_DIRECT.with(|c| c.get())
+    }
+}
