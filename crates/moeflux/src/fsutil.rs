@@ -9,7 +9,10 @@ use crate::error::{Error, Result};
 
 /// Writes `path` through `write`; on any error the target is untouched and
 /// the temporary file removed.
-pub fn write_file_atomic(path: &Path, write: impl FnOnce(&mut BufWriter<File>) -> std::io::Result<()>) -> Result<()> {
+pub fn write_file_atomic(
+    path: &Path,
+    write: impl FnOnce(&mut BufWriter<File>) -> std::io::Result<()>,
+) -> Result<()> {
     let dir = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
@@ -17,7 +20,11 @@ pub fn write_file_atomic(path: &Path, write: impl FnOnce(&mut BufWriter<File>) -
     let name = path
         .file_name()
         .ok_or_else(|| Error::Invalid(format!("{}: not a file path", path.display())))?;
-    let tmp = dir.join(format!(".{}.tmp-{}", name.to_string_lossy(), std::process::id()));
+    let tmp = dir.join(format!(
+        ".{}.tmp-{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
     let result = (|| -> std::io::Result<()> {
         let mut w = BufWriter::new(File::create(&tmp)?);
         write(&mut w)?;
@@ -53,6 +60,10 @@ mod tests {
         });
         assert!(err.is_err());
         assert_eq!(std::fs::read(&p).unwrap(), b"one");
-        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 1, "temp file left behind");
+        assert_eq!(
+            std::fs::read_dir(d.path()).unwrap().count(),
+            1,
+            "temp file left behind"
+        );
     }
 }

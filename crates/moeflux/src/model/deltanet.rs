@@ -12,6 +12,8 @@ use crate::model::state::LinearState;
 use crate::model::weights::{DenseStore, LinearRef};
 
 /// Input projections: Qwen3.5 splits them; Qwen3-Next fuses them per key head.
+// One value per layer: the size difference between variants costs nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum DeltaProjections {
     Split {
         qkv: LinearRef,

@@ -2,8 +2,8 @@
 
 pub mod attention;
 pub mod deltanet;
+pub mod moe;
+pub mod qwen3_hybrid;
 pub mod schema;
 pub mod state;
 pub mod weights;
-pub mod moe;
-pub mod qwen3_hybrid;

@@ -56,13 +56,28 @@ pub struct ExpertLayout {
 
 impl ExpertLayout {
     /// Checks the manifest's description of a layer against the config.
-    pub fn from_manifest(l: &ExpertLayer, c: &ModelConfig, manifest_path: &std::path::Path) -> Result<Self> {
-        let err = |reason: String| Error::format(manifest_path, format!("experts of layer {}: {reason}", l.layer));
+    pub fn from_manifest(
+        l: &ExpertLayer,
+        c: &ModelConfig,
+        manifest_path: &std::path::Path,
+    ) -> Result<Self> {
+        let err = |reason: String| {
+            Error::format(
+                manifest_path,
+                format!("experts of layer {}: {reason}", l.layer),
+            )
+        };
         if l.num_experts != c.moe.num_experts {
-            return Err(err(format!("{} experts, config says {}", l.num_experts, c.moe.num_experts)));
+            return Err(err(format!(
+                "{} experts, config says {}",
+                l.num_experts, c.moe.num_experts
+            )));
         }
         if l.stride % crate::format::EXPERT_ALIGN as u64 != 0 || l.expert_bytes > l.stride {
-            return Err(err(format!("stride {} is not a multiple of 4096 holding {} bytes", l.stride, l.expert_bytes)));
+            return Err(err(format!(
+                "stride {} is not a multiple of 4096 holding {} bytes",
+                l.stride, l.expert_bytes
+            )));
         }
         let (h, i) = (c.hidden_size, c.moe.moe_intermediate);
         let comp = |name: &str, rows: usize, cols: usize| -> Result<ComponentLayout> {
@@ -70,11 +85,18 @@ impl ExpertLayout {
                 .component(name)
                 .ok_or_else(|| err(format!("component {name} missing")))?;
             if cp.rows != rows || cp.cols != cols {
-                return Err(err(format!("{name} is [{}, {}], expected [{rows}, {cols}]", cp.rows, cp.cols)));
+                return Err(err(format!(
+                    "{name} is [{}, {}], expected [{rows}, {cols}]",
+                    cp.rows, cp.cols
+                )));
             }
-            cp.quant.validate().map_err(|r| err(format!("{name}: {r}")))?;
+            cp.quant
+                .validate()
+                .map_err(|r| err(format!("{name}: {r}")))?;
             if cols % cp.quant.group_size != 0 {
-                return Err(err(format!("{name}: {cols} columns not divisible by group size")));
+                return Err(err(format!(
+                    "{name}: {cols} columns not divisible by group size"
+                )));
             }
             let wbytes = rows * affine::words_per_row(cols, cp.quant.bits) * 4;
             let groups = rows * cols / cp.quant.group_size;
@@ -93,12 +115,21 @@ impl ExpertLayout {
                 (&cp.biases, sbytes, if scales_f32 { 4 } else { 2 }, "biases"),
             ];
             for (r, bytes, align, what) in parts {
-                if r.bytes as usize != bytes || r.offset + r.bytes > l.expert_bytes || r.offset as usize % align != 0 {
-                    return Err(err(format!("{name}.{what}: bad byte range {}+{}", r.offset, r.bytes)));
+                if r.bytes as usize != bytes
+                    || r.offset + r.bytes > l.expert_bytes
+                    || r.offset as usize % align != 0
+                {
+                    return Err(err(format!(
+                        "{name}.{what}: bad byte range {}+{}",
+                        r.offset, r.bytes
+                    )));
                 }
             }
             if cp.weight.dtype != "U32" {
-                return Err(err(format!("{name}.weight dtype {}, expected U32", cp.weight.dtype)));
+                return Err(err(format!(
+                    "{name}.weight dtype {}, expected U32",
+                    cp.weight.dtype
+                )));
             }
             Ok(ComponentLayout {
                 rows,
@@ -150,7 +181,13 @@ pub struct Routing {
 }
 
 impl MoeBlock {
-    pub fn load(d: &DenseStore, c: &ModelConfig, prefix: &str, layer: usize, experts: ExpertLayout) -> Result<Self> {
+    pub fn load(
+        d: &DenseStore,
+        c: &ModelConfig,
+        prefix: &str,
+        layer: usize,
+        experts: ExpertLayout,
+    ) -> Result<Self> {
         let h = c.hidden_size;
         let p = format!("{prefix}mlp.");
         let shared = if c.moe.shared_intermediate > 0 {
@@ -173,7 +210,14 @@ impl MoeBlock {
     }
 
     /// Softmax over all experts, top-`k`, renormalised iff `norm_topk_prob`.
-    pub fn route(&self, d: &DenseStore, c: &ModelConfig, xn: &[f32], n: usize, k: usize) -> Routing {
+    pub fn route(
+        &self,
+        d: &DenseStore,
+        c: &ModelConfig,
+        xn: &[f32],
+        n: usize,
+        k: usize,
+    ) -> Routing {
         let e = c.moe.num_experts;
         let mut logits = vec![0.0f32; n * e];
         matmul(&d.view(&self.router), xn, n, &mut logits);
@@ -192,7 +236,11 @@ impl MoeBlock {
             experts.extend(top);
             weights.extend(w);
         }
-        Routing { k, experts, weights }
+        Routing {
+            k,
+            experts,
+            weights,
+        }
     }
 
     /// Writes the block's output for `n` normed tokens to `out`.
@@ -278,7 +326,10 @@ impl MoeBlock {
             matmul(&d.view(&sh.gate_scalar), xn, n, &mut gs);
             for t in 0..n {
                 let sg = ops::sigmoid(gs[t]);
-                for (a, &b) in out[t * h..(t + 1) * h].iter_mut().zip(&y[t * h..(t + 1) * h]) {
+                for (a, &b) in out[t * h..(t + 1) * h]
+                    .iter_mut()
+                    .zip(&y[t * h..(t + 1) * h])
+                {
                     *a += sg * b;
                 }
             }

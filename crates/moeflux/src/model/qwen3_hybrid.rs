@@ -21,6 +21,8 @@ pub enum Mixer {
     Linear(GatedDeltaNet),
 }
 
+// One value per layer: the size difference between variants costs nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum Mlp {
     Moe(MoeBlock),
     Dense(DenseMlp),
@@ -67,12 +69,17 @@ impl QwenHybrid {
             let p = layer_prefix(i);
             let mixer = match config.layer_kinds[i] {
                 LayerKind::FullAttention => Mixer::Full(FullAttention::load(&dense, &config, &p)?),
-                LayerKind::LinearAttention => Mixer::Linear(GatedDeltaNet::load(&dense, &config, &p)?),
+                LayerKind::LinearAttention => {
+                    Mixer::Linear(GatedDeltaNet::load(&dense, &config, &p)?)
+                }
             };
             let mlp = match config.mlp_kinds[i] {
                 MlpKind::Moe => {
                     let el = manifest.expert_layer(i).ok_or_else(|| {
-                        Error::format(&manifest_path, format!("no routed experts listed for MoE layer {i}"))
+                        Error::format(
+                            &manifest_path,
+                            format!("no routed experts listed for MoE layer {i}"),
+                        )
                     })?;
                     let layout = ExpertLayout::from_manifest(el, &config, &manifest_path)?;
                     Mlp::Moe(MoeBlock::load(&dense, &config, &p, i, layout)?)
@@ -138,7 +145,9 @@ impl QwenHybrid {
         for (layer, ls) in self.layers.iter().zip(state.layers.iter_mut()) {
             ops::rms_norm_rows(&x, &layer.input_norm, c.rms_norm_eps, &mut xn);
             match (&layer.mixer, ls) {
-                (Mixer::Full(a), LayerState::Full(kv)) => a.forward(d, c, &self.rope, &xn, n, start, kv, &mut r),
+                (Mixer::Full(a), LayerState::Full(kv)) => {
+                    a.forward(d, c, &self.rope, &xn, n, start, kv, &mut r)
+                }
                 (Mixer::Linear(g), LayerState::Linear(s)) => g.forward(d, c, &xn, n, s, &mut r),
                 _ => unreachable!("state built from the same layer list"),
             }
@@ -156,7 +165,12 @@ impl QwenHybrid {
         };
         let m = rows.len();
         let mut normed = vec![0.0f32; m * h];
-        ops::rms_norm_rows(&x[rows.start * h..rows.end * h], &self.final_norm, c.rms_norm_eps, &mut normed);
+        ops::rms_norm_rows(
+            &x[rows.start * h..rows.end * h],
+            &self.final_norm,
+            c.rms_norm_eps,
+            &mut normed,
+        );
         let mut logits = vec![0.0f32; m * c.vocab_size];
         matmul(&d.view(&self.lm_head), &normed, m, &mut logits);
         Ok(logits)

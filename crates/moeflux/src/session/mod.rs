@@ -10,8 +10,8 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::format::{Manifest, MANIFEST_FILE};
 use crate::io::{ExpertBuf, ExpertStore, ExpertStoreOptions, IoStats};
-use crate::model::qwen3_hybrid::QwenHybrid;
 pub use crate::model::qwen3_hybrid::LogitsMode;
+use crate::model::qwen3_hybrid::QwenHybrid;
 use crate::model::state::{LinearState, ModelState};
 
 #[derive(Debug, Clone)]
@@ -68,7 +68,8 @@ impl Session {
     /// Opens a model directory written by `moeflux convert`.
     pub fn open(dir: &Path, opts: SessionOptions) -> Result<Self> {
         let manifest_path = dir.join(MANIFEST_FILE);
-        let manifest_bytes = std::fs::read(&manifest_path).map_err(|e| Error::io(&manifest_path, e))?;
+        let manifest_bytes =
+            std::fs::read(&manifest_path).map_err(|e| Error::io(&manifest_path, e))?;
         let manifest = Manifest::read(&manifest_path)?;
         let config = ModelConfig::from_dir(dir)?;
         if manifest.architecture != config.arch.model_type() {
@@ -102,9 +103,11 @@ impl Session {
             },
         )?;
         let model = QwenHybrid::load(dir, &manifest, config)?;
-        let threads = opts
-            .threads
-            .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+        let threads = opts.threads.unwrap_or_else(|| {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        });
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads.max(1))
             .thread_name(|i| format!("moeflux-compute-{i}"))
@@ -172,8 +175,16 @@ impl Session {
             return Err(Error::EmptyTokens);
         }
         let vocab = self.vocab_size();
-        if let Some((index, &token)) = tokens.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
-            return Err(Error::TokenOutOfRange { token, index, vocab });
+        if let Some((index, &token)) = tokens
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t as usize >= vocab)
+        {
+            return Err(Error::TokenOutOfRange {
+                token,
+                index,
+                vocab,
+            });
         }
         let end = self.position() + tokens.len();
         if end > self.max_context {
@@ -183,8 +194,16 @@ impl Session {
             });
         }
         let start = self.position();
-        let (model, store, state, bufs, k) = (&self.model, &self.store, &mut self.state, &mut self.bufs, self.k_active);
-        let result = self.pool.install(|| model.forward(store, bufs, state, tokens, start, k, mode));
+        let (model, store, state, bufs, k) = (
+            &self.model,
+            &self.store,
+            &mut self.state,
+            &mut self.bufs,
+            self.k_active,
+        );
+        let result = self
+            .pool
+            .install(|| model.forward(store, bufs, state, tokens, start, k, mode));
         match result {
             Ok(logits) => {
                 self.tokens.extend_from_slice(tokens);
@@ -300,9 +319,16 @@ impl Session {
     /// Serializes the whole sequence state (see `snapshot` for the format).
     pub fn state_save(&self) -> Result<Vec<u8>> {
         if self.poisoned {
-            return Err(Error::Invalid("session state is invalid after a failed eval".into()));
+            return Err(Error::Invalid(
+                "session state is invalid after a failed eval".into(),
+            ));
         }
-        Ok(snapshot::save(&self.model.config, self.fingerprint, &self.tokens, &self.state))
+        Ok(snapshot::save(
+            &self.model.config,
+            self.fingerprint,
+            &self.tokens,
+            &self.state,
+        ))
     }
 
     /// Replaces the session state with a snapshot from `state_save`. The
@@ -310,8 +336,14 @@ impl Session {
     /// Checkpoints are dropped (they belonged to the previous sequence).
     pub fn state_load(&mut self, bytes: &[u8]) -> Result<()> {
         let template = self.model.new_state();
-        let (tokens, state) = snapshot::load(&self.model.config, self.fingerprint, self.max_context, &template, bytes)
-            .map_err(Error::Snapshot)?;
+        let (tokens, state) = snapshot::load(
+            &self.model.config,
+            self.fingerprint,
+            self.max_context,
+            &template,
+            bytes,
+        )
+        .map_err(Error::Snapshot)?;
         self.state = state;
         self.tokens = tokens;
         self.checkpoints.clear();

@@ -112,9 +112,17 @@ struct Reader<'a> {
 
 impl Reader<'_> {
     fn take(&mut self, n: usize) -> Result<&[u8], String> {
-        let end = self.at.checked_add(n).filter(|&e| e <= self.b.len()).ok_or_else(|| {
-            format!("truncated: needs more than {} bytes, has {}", self.at.saturating_add(n), self.b.len())
-        })?;
+        let end = self
+            .at
+            .checked_add(n)
+            .filter(|&e| e <= self.b.len())
+            .ok_or_else(|| {
+                format!(
+                    "truncated: needs more than {} bytes, has {}",
+                    self.at.saturating_add(n),
+                    self.b.len()
+                )
+            })?;
         let s = &self.b[self.at..end];
         self.at = end;
         Ok(s)
@@ -127,7 +135,10 @@ impl Reader<'_> {
     }
     fn f32s(&mut self, n: usize) -> Result<Vec<f32>, String> {
         let bytes = self.take(n.checked_mul(4).ok_or("length overflow")?)?;
-        Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect())
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect())
     }
 }
 
@@ -146,11 +157,16 @@ pub fn load(
     }
     let version = r.u32()?;
     if version != VERSION {
-        return Err(format!("version {version} is not supported (this build reads {VERSION})"));
+        return Err(format!(
+            "version {version} is not supported (this build reads {VERSION})"
+        ));
     }
     let count = r.u32()? as usize;
     if count != WORD_NAMES.len() {
-        return Err(format!("header has {count} shape words, expected {}", WORD_NAMES.len()));
+        return Err(format!(
+            "header has {count} shape words, expected {}",
+            WORD_NAMES.len()
+        ));
     }
     let mut words = [0u64; 15];
     for w in &mut words {
@@ -158,22 +174,36 @@ pub fn load(
     }
     let position = words[14];
     if position > max_context as u64 {
-        return Err(format!("position {position} exceeds the context limit {max_context}"));
+        return Err(format!(
+            "position {position} exceeds the context limit {max_context}"
+        ));
     }
     let expect = shape_words(c, fingerprint, position as usize);
     for (i, (got, want)) in words.iter().zip(expect.iter()).enumerate() {
         if got != want {
-            return Err(format!("{} is {got} in the snapshot but {want} for this model", WORD_NAMES[i]));
+            return Err(format!(
+                "{} is {got} in the snapshot but {want} for this model",
+                WORD_NAMES[i]
+            ));
         }
     }
     let position = position as usize;
     let body_end = bytes.len().checked_sub(8).ok_or("truncated")?;
     let tokens: Vec<u32> = {
         let raw = r.take(position.checked_mul(4).ok_or("length overflow")?)?;
-        raw.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect()
+        raw.chunks_exact(4)
+            .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
     };
-    if let Some((i, t)) = tokens.iter().enumerate().find(|(_, &t)| t as usize >= c.vocab_size) {
-        return Err(format!("token {i} is {t}, outside the vocabulary of {}", c.vocab_size));
+    if let Some((i, t)) = tokens
+        .iter()
+        .enumerate()
+        .find(|(_, &t)| t as usize >= c.vocab_size)
+    {
+        return Err(format!(
+            "token {i} is {t}, outside the vocabulary of {}",
+            c.vocab_size
+        ));
     }
     let mut layers = Vec::with_capacity(template.layers.len());
     for l in &template.layers {
@@ -193,7 +223,11 @@ pub fn load(
         });
     }
     if r.at != body_end {
-        return Err(format!("length is {} bytes, expected {}", bytes.len(), r.at + 8));
+        return Err(format!(
+            "length is {} bytes, expected {}",
+            bytes.len(),
+            r.at + 8
+        ));
     }
     let sum = r.u64()?;
     if sum != fnv1a(&bytes[..body_end]) {
