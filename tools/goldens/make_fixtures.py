@@ -194,8 +194,8 @@ def layer_types(n, interval):
 
 def qwen35_hf_config():
     """config.json of a Hugging Face Qwen3_5MoeForConditionalGeneration checkpoint."""
-    tc = qwen35_text(layers=4, interval=4, experts=8, topk=2, norm_topk=True, tie=False)
-    tc.update({"layer_types": layer_types(4, 4), "dtype": "bfloat16", "bos_token_id": None,
+    tc = qwen35_text(layers=2, interval=2, experts=4, topk=2, norm_topk=True, tie=False)
+    tc.update({"layer_types": layer_types(2, 2), "dtype": "bfloat16", "bos_token_id": None,
                "pad_token_id": None, "initializer_range": 0.02, "attention_dropout": 0.0,
                "router_aux_loss_coef": 0.001, "output_router_logits": False, "use_cache": True,
                "mtp_num_hidden_layers": 1})
@@ -218,9 +218,9 @@ def qwen35_hf_config():
 
 
 def qwen3next_hf_config():
-    c = qwen3next_config(layers=4, interval=2, experts=8, topk=2, mlp_only=(), tie=False,
+    c = qwen3next_config(layers=2, interval=2, experts=4, topk=2, mlp_only=(), tie=False,
                          intermediate=128)
-    c.update({"torch_dtype": "bfloat16", "layer_types": layer_types(4, 2), "bos_token_id": 0,
+    c.update({"torch_dtype": "bfloat16", "layer_types": layer_types(2, 2), "bos_token_id": 0,
               "initializer_range": 0.02, "attention_dropout": 0.0,
               "router_aux_loss_coef": 0.001, "output_router_logits": False, "use_cache": True,
               "rope_scaling": None, "transformers_version": "4.57.0.dev0"})
@@ -711,7 +711,7 @@ def main():
 
     # 3. qwen35moe-q8 ----------------------------------------------------------------
     d = fresh("qwen35moe-q8")
-    build_mlx_fixture(d / "src", qwen35_mlx_config(interval=2, experts=16, topk=4, norm_topk=False,
+    build_mlx_fixture(d / "src", qwen35_mlx_config(interval=2, experts=8, topk=2, norm_topk=False,
                                                    tie=True), 8, seed=103, tok_json=tok_json)
     golden_from_checkpoint(d, d / "src", 1003,
                            "qwen3_5_moe, 4 layers (linear,full,linear,full), 16 experts top-4, "
