@@ -3,6 +3,7 @@
 
 pub mod backend;
 pub mod config;
+pub mod convert;
 pub mod error;
 pub mod format;
 pub mod fsutil;

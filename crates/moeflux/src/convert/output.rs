@@ -1,0 +1,159 @@
+//! The destination directory, written atomically: everything goes into a
+//! sibling temporary directory `.<name>.tmp-<pid>` on the same file system,
+//! files and directories are fsynced, and the directory is renamed into
+//! place. On error or cancellation the temporary directory is removed and
+//! the destination is untouched.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+
+/// Refuses an existing destination (unless `force`) and a destination that
+/// is, or contains, the source (replacing it would delete the source).
+pub fn check_destination(src: &Path, dst: &Path, force: bool) -> Result<()> {
+    let exists = dst.symlink_metadata().is_ok();
+    if exists && !force {
+        return Err(Error::DestinationExists {
+            path: dst.to_path_buf(),
+        });
+    }
+    let Ok(s) = src.canonicalize() else {
+        return Ok(()); // opening the source reports it
+    };
+    let d = if exists {
+        dst.canonicalize().ok()
+    } else {
+        let parent = match dst.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        match (parent.canonicalize(), dst.file_name()) {
+            (Ok(p), Some(n)) => Some(p.join(n)),
+            _ => None,
+        }
+    };
+    if let Some(d) = d {
+        if s.starts_with(&d) {
+            return Err(Error::Invalid(format!(
+                "destination {} is or contains the source {}",
+                dst.display(),
+                src.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn split_dst(dst: &Path) -> Result<(PathBuf, String)> {
+    let name = dst
+        .file_name()
+        .ok_or_else(|| {
+            Error::Invalid(format!(
+                "{}: destination needs a directory name",
+                dst.display()
+            ))
+        })?
+        .to_string_lossy()
+        .into_owned();
+    let parent = match dst.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    Ok((parent, name))
+}
+
+/// The temporary directory; removed on drop unless committed.
+pub struct TempDir {
+    pub path: PathBuf,
+    parent: PathBuf,
+    name: String,
+    committed: bool,
+}
+
+impl TempDir {
+    pub fn create(dst: &Path) -> Result<Self> {
+        let (parent, name) = split_dst(dst)?;
+        std::fs::create_dir_all(&parent).map_err(|e| Error::io(&parent, e))?;
+        let path = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+        if path.symlink_metadata().is_ok() {
+            // Left by an earlier run of a process with our pid.
+            std::fs::remove_dir_all(&path).map_err(|e| Error::io(&path, e))?;
+        }
+        std::fs::create_dir(&path).map_err(|e| Error::io(&path, e))?;
+        Ok(TempDir {
+            path,
+            parent,
+            name,
+            committed: false,
+        })
+    }
+
+    /// Renames the finished directory to `dst`; with `force` an existing
+    /// `dst` is renamed aside first and deleted after.
+    pub fn commit(mut self, dst: &Path, force: bool) -> Result<()> {
+        fsync_dir(&self.path)?;
+        if dst.symlink_metadata().is_ok() {
+            if !force {
+                return Err(Error::DestinationExists {
+                    path: dst.to_path_buf(),
+                });
+            }
+            let old = self
+                .parent
+                .join(format!(".{}.old-{}", self.name, std::process::id()));
+            if old.symlink_metadata().is_ok() {
+                remove_any(&old)?;
+            }
+            std::fs::rename(dst, &old).map_err(|e| Error::io(dst, e))?;
+            if let Err(e) = std::fs::rename(&self.path, dst) {
+                let _ = std::fs::rename(&old, dst);
+                return Err(Error::io(dst, e));
+            }
+            self.committed = true;
+            fsync_dir(&self.parent)?;
+            remove_any(&old)?;
+        } else {
+            std::fs::rename(&self.path, dst).map_err(|e| Error::io(dst, e))?;
+            self.committed = true;
+        }
+        fsync_dir(&self.parent)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+fn remove_any(p: &Path) -> Result<()> {
+    let r = if p.symlink_metadata().map(|m| m.is_dir()).unwrap_or(false) {
+        std::fs::remove_dir_all(p)
+    } else {
+        std::fs::remove_file(p)
+    };
+    r.map_err(|e| Error::io(p, e))
+}
+
+pub fn fsync_dir(p: &Path) -> Result<()> {
+    File::open(p)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| Error::io(p, e))
+}
+
+/// Writes and fsyncs a small file.
+pub fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = File::create(path).map_err(|e| Error::io(path, e))?;
+    f.write_all(bytes).map_err(|e| Error::io(path, e))?;
+    f.sync_all().map_err(|e| Error::io(path, e))
+}
+
+/// Copies and fsyncs a file.
+pub fn copy_file(from: &Path, to: &Path) -> Result<()> {
+    let bytes = std::fs::read(from).map_err(|e| Error::io(from, e))?;
+    write_file(to, &bytes)
+}

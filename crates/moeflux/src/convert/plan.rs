@@ -1,0 +1,774 @@
+//! The conversion plan: every output tensor and expert component, checked
+//! against the architecture's schema (`model::schema`) before anything is
+//! written, and how each is produced (copied, converted, quantized,
+//! re-quantized).
+//!
+//! Unquantized sources follow `mlx_lm.convert -q --q-bits 4 --q-group-size 64`:
+//! float tensors are cast to the config's `torch_dtype` (qwen3_5 keeps `A_log`
+//! as it is: `cast_predicate`), then every linear/embedding/expert weight whose
+//! input width is a multiple of 64 is quantized at 4 bits, the router
+//! (`mlp.gate`) and `mlp.shared_expert_gate` at 8 bits (`quant_predicate`).
+
+use std::collections::BTreeMap;
+
+use safetensors::Dtype;
+use serde_json::{json, Map, Value};
+
+use crate::config::{Architecture, QuantSpec};
+use crate::error::{Error, Result};
+use crate::format::{
+    expert_file_name, ExpertComponent, ExpertLayer, ExpertTensorRef, COMPONENT_ALIGN, EXPERT_ALIGN,
+};
+use crate::model::schema::{self, WeightKind, EXPERT_COMPONENTS};
+use crate::quant::affine::words_per_row;
+
+use super::dtype::{self, FloatTy};
+use super::sanitize::{mlx_module_path, DenseSrc, ExpertSrc, Sanitized};
+use super::source::Source;
+
+/// mlx-lm's group size and default width for `convert -q`.
+pub const DEFAULT_GROUP_SIZE: usize = 64;
+pub const DEFAULT_BITS: u32 = 4;
+/// Width of the router and shared-expert gate (mlx-lm `quant_predicate`).
+pub const GATE_BITS: u32 = 8;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SourceKind {
+    /// Already quantized by mlx-lm.
+    Mlx,
+    /// bf16/f16/f32 weights, quantized here.
+    Unquantized,
+}
+
+impl SourceKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SourceKind::Mlx => "mlx",
+            SourceKind::Unquantized => "unquantized",
+        }
+    }
+}
+
+/// One tensor of `dense.safetensors`.
+#[derive(Debug, Clone)]
+pub struct OutTensor {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+}
+
+impl OutTensor {
+    pub fn bytes(&self) -> u64 {
+        (self.shape.iter().product::<usize>() * dtype::size_of(self.dtype)) as u64
+    }
+}
+
+/// How one or three output tensors are produced.
+#[derive(Debug, Clone)]
+pub enum DenseJob {
+    /// A source tensor: verbatim when nothing changes, else decoded, shifted
+    /// by +1 in the source type, cast to `cast` and stored as `out`'s dtype.
+    Tensor {
+        out: usize,
+        raw: String,
+        src_ty: Option<FloatTy>,
+        plus_one: bool,
+        cast: Option<FloatTy>,
+    },
+    /// A float `[rows, cols]` weight quantized into `outs` = weight, scales, biases.
+    Quantize {
+        outs: [usize; 3],
+        raw: String,
+        src_ty: FloatTy,
+        rows: usize,
+        cols: usize,
+        spec: QuantSpec,
+        /// Type the weight is cast to first; scales/biases are rounded to it.
+        work: FloatTy,
+    },
+}
+
+/// How an expert projection is produced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertOp {
+    /// Codes, scales and biases copied (F16 scales widened to F32).
+    Copy,
+    /// Dequantized in f32 and re-quantized by flash-moe's 2-bit algorithm.
+    Seed2,
+    /// Dequantized in f32 and re-quantized by MLX's algorithm.
+    Requant,
+    /// Float weights quantized by MLX's algorithm after a cast to `work`.
+    Quantize { work: FloatTy },
+}
+
+#[derive(Debug, Clone)]
+pub struct ComponentPlan {
+    pub name: &'static str,
+    pub rows: usize,
+    pub cols: usize,
+    pub src: ExpertSrc,
+    /// Quantization and scale type of the source (quantized sources).
+    pub src_quant: Option<(QuantSpec, FloatTy)>,
+    /// Float type of the source (float sources).
+    pub src_float: Option<FloatTy>,
+    pub op: ExpertOp,
+    pub out_spec: QuantSpec,
+    pub out_scale_dtype: Dtype,
+}
+
+#[derive(Debug, Clone)]
+pub struct LayerPlan {
+    pub layer: usize,
+    pub num_experts: usize,
+    pub components: Vec<ComponentPlan>,
+    /// The manifest entry (offsets inside an extent, stride).
+    pub manifest: ExpertLayer,
+}
+
+#[derive(Debug)]
+pub struct Plan {
+    pub kind: SourceKind,
+    pub outputs: Vec<OutTensor>,
+    pub jobs: Vec<DenseJob>,
+    pub quantized: BTreeMap<String, QuantSpec>,
+    pub layers: Vec<LayerPlan>,
+    pub source_expert_bits: Option<u32>,
+    pub expert_requantization: Option<String>,
+    /// Per-module entries to add to config.json's `quantization`
+    /// (mlx module path -> spec); `None` leaves config.json as it is.
+    pub config_quant: Option<ConfigQuant>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ConfigQuant {
+    /// Write the default `{"group_size", "bits", "mode"}` too (unquantized source).
+    pub default: Option<QuantSpec>,
+    pub overrides: BTreeMap<String, QuantSpec>,
+}
+
+struct Planner<'a> {
+    src: &'a Source,
+    san: &'a Sanitized,
+    kind: SourceKind,
+    /// `torch_dtype` cast of an unquantized source.
+    cast: Option<FloatTy>,
+    outputs: Vec<OutTensor>,
+    jobs: Vec<DenseJob>,
+    quantized: BTreeMap<String, QuantSpec>,
+    used: Vec<String>,
+    gate_overrides: BTreeMap<String, QuantSpec>,
+}
+
+fn spec(bits: u32, group_size: usize) -> QuantSpec {
+    QuantSpec { bits, group_size }
+}
+
+impl<'a> Planner<'a> {
+    fn raw(&self, raw: &str) -> &'a super::source::RawTensor {
+        &self.src.tensors[raw]
+    }
+
+    fn err(&self, raw: &str, reason: impl Into<String>) -> Error {
+        Error::tensor(self.src.file_of(raw), raw, reason)
+    }
+
+    fn missing(&self, canon: &str) -> Error {
+        Error::tensor(
+            self.src.weights_location(),
+            canon,
+            "missing from the checkpoint",
+        )
+    }
+
+    fn dense(&mut self, canon: &str) -> Option<DenseSrc> {
+        let d = self.san.dense.get(canon)?.clone();
+        self.used.push(canon.to_string());
+        Some(d)
+    }
+
+    fn float_ty(&self, raw: &str) -> Result<FloatTy> {
+        let t = self.raw(raw);
+        FloatTy::from_dtype(t.dtype).ok_or_else(|| {
+            self.err(
+                raw,
+                format!(
+                    "dtype {:?}, expected a float type (BF16, F16, F32)",
+                    t.dtype
+                ),
+            )
+        })
+    }
+
+    fn check_shape(&self, raw: &str, shape: &[usize], want: &[usize], what: &str) -> Result<()> {
+        if shape != want {
+            return Err(self.err(raw, format!("shape {shape:?}, expected {want:?} ({what})")));
+        }
+        Ok(())
+    }
+
+    fn push_out(&mut self, name: String, dtype: Dtype, shape: Vec<usize>) -> usize {
+        self.outputs.push(OutTensor { name, dtype, shape });
+        self.outputs.len() - 1
+    }
+
+    /// Cast applied to a float tensor of an unquantized source.
+    fn cast_for(&self, canon: &str) -> Option<FloatTy> {
+        if self.kind != SourceKind::Unquantized {
+            return None;
+        }
+        // qwen3_5's cast_predicate keeps A_log in its source dtype.
+        if self.src.config.arch == Architecture::Qwen3_5Moe && canon.ends_with("A_log") {
+            return None;
+        }
+        self.cast
+    }
+
+    /// A float tensor copied (or converted) under its canonical name.
+    fn float_tensor(&mut self, canon: &str, want: &[usize], what: &str) -> Result<()> {
+        let d = self.dense(canon).ok_or_else(|| self.missing(canon))?;
+        let ty = self.float_ty(&d.raw)?;
+        self.check_shape(&d.raw, &d.shape, want, what)?;
+        let cast = self.cast_for(canon);
+        let out_ty = cast.unwrap_or(ty);
+        let out = self.push_out(canon.to_string(), out_ty.stored(), d.shape.clone());
+        self.jobs.push(DenseJob::Tensor {
+            out,
+            raw: d.raw,
+            src_ty: Some(ty),
+            plus_one: d.plus_one,
+            cast,
+        });
+        Ok(())
+    }
+
+    fn linear(&mut self, module: &str, rows: usize, cols: usize) -> Result<()> {
+        let wname = format!("{module}.weight");
+        let has_scales = self.san.dense.contains_key(&format!("{module}.scales"));
+        if has_scales {
+            return self.quantized_linear(module, rows, cols);
+        }
+        let d = self.dense(&wname).ok_or_else(|| self.missing(&wname))?;
+        let ty = self.float_ty(&d.raw)?;
+        self.check_shape(&d.raw, &d.shape, &[rows, cols], "[out, in]")?;
+        if self.kind == SourceKind::Unquantized && cols % DEFAULT_GROUP_SIZE == 0 {
+            let arch = self.src.config.arch;
+            let gate = module.ends_with("mlp.gate") || module.ends_with("shared_expert_gate");
+            // qwen3_5's predicate is only active for MoE models; qwen3_next's always.
+            let gate_active = match arch {
+                Architecture::Qwen3_5Moe => self.src.config.moe.num_experts > 0,
+                Architecture::Qwen3Next => true,
+            };
+            let bits = if gate && gate_active {
+                self.gate_overrides.insert(
+                    mlx_module_path(arch, module),
+                    spec(GATE_BITS, DEFAULT_GROUP_SIZE),
+                );
+                GATE_BITS
+            } else {
+                DEFAULT_BITS
+            };
+            let sp = spec(bits, DEFAULT_GROUP_SIZE);
+            let work = self.cast.unwrap_or(ty);
+            let groups = cols / DEFAULT_GROUP_SIZE;
+            let w = self.push_out(wname, Dtype::U32, vec![rows, words_per_row(cols, bits)]);
+            let s = self.push_out(
+                format!("{module}.scales"),
+                work.stored(),
+                vec![rows, groups],
+            );
+            let b = self.push_out(
+                format!("{module}.biases"),
+                work.stored(),
+                vec![rows, groups],
+            );
+            self.quantized.insert(module.to_string(), sp);
+            self.jobs.push(DenseJob::Quantize {
+                outs: [w, s, b],
+                raw: d.raw,
+                src_ty: ty,
+                rows,
+                cols,
+                spec: sp,
+                work,
+            });
+        } else {
+            // Left unquantized (mlx-lm skips inputs not divisible by the group size).
+            self.used.pop();
+            self.float_tensor(&wname, &[rows, cols], "[out, in]")?;
+        }
+        Ok(())
+    }
+
+    fn quantized_linear(&mut self, module: &str, rows: usize, cols: usize) -> Result<()> {
+        let wname = format!("{module}.weight");
+        let w = self.dense(&wname).ok_or_else(|| self.missing(&wname))?;
+        let q = self
+            .src
+            .config
+            .quantization
+            .as_ref()
+            .and_then(|q| q.for_module(module))
+            .ok_or_else(|| {
+                self.err(
+                    &w.raw,
+                    "has scales but config.json `quantization` gives no bits for it",
+                )
+            })?;
+        q.validate().map_err(|r| self.err(&w.raw, r))?;
+        if cols % q.group_size != 0 {
+            return Err(self.err(
+                &w.raw,
+                format!(
+                    "{cols} input columns not divisible by group size {}",
+                    q.group_size
+                ),
+            ));
+        }
+        let wt = self.raw(&w.raw);
+        if wt.dtype != Dtype::U32 {
+            return Err(self.err(
+                &w.raw,
+                format!("dtype {:?}, expected U32 (quantized codes)", wt.dtype),
+            ));
+        }
+        let packed = vec![rows, words_per_row(cols, q.bits)];
+        self.check_shape(
+            &w.raw,
+            &w.shape,
+            &packed,
+            &format!("{}-bit codes of [{rows}, {cols}]", q.bits),
+        )?;
+        let wo = self.push_out(wname, Dtype::U32, packed);
+        self.jobs.push(DenseJob::Tensor {
+            out: wo,
+            raw: w.raw,
+            src_ty: None,
+            plus_one: false,
+            cast: None,
+        });
+        let groups = vec![rows, cols / q.group_size];
+        let mut sty = None;
+        for part in ["scales", "biases"] {
+            let n = format!("{module}.{part}");
+            let d = self.dense(&n).ok_or_else(|| self.missing(&n))?;
+            let ty = self.float_ty(&d.raw)?;
+            if *sty.get_or_insert(ty) != ty {
+                return Err(self.err(&d.raw, "scales and biases differ in dtype"));
+            }
+            self.check_shape(&d.raw, &d.shape, &groups, "[out, in/group_size]")?;
+            let out = self.push_out(n, ty.stored(), groups.clone());
+            self.jobs.push(DenseJob::Tensor {
+                out,
+                raw: d.raw,
+                src_ty: Some(ty),
+                plus_one: false,
+                cast: None,
+            });
+        }
+        self.quantized.insert(module.to_string(), q);
+        Ok(())
+    }
+
+    fn expert_component(
+        &self,
+        layer: usize,
+        ci: usize,
+        rows: usize,
+        cols: usize,
+        num_experts: usize,
+        target_bits: Option<u32>,
+    ) -> Result<ComponentPlan> {
+        let name = EXPERT_COMPONENTS[ci];
+        let module = format!("model.layers.{layer}.mlp.switch_mlp.{name}");
+        let src = self
+            .san
+            .experts
+            .get(&(layer, ci))
+            .ok_or_else(|| self.missing(&format!("{module}.weight")))?
+            .clone();
+        let e = num_experts;
+        let mut plan = ComponentPlan {
+            name,
+            rows,
+            cols,
+            src: src.clone(),
+            src_quant: None,
+            src_float: None,
+            op: ExpertOp::Copy,
+            out_spec: spec(DEFAULT_BITS, DEFAULT_GROUP_SIZE),
+            out_scale_dtype: Dtype::BF16,
+        };
+        match &src {
+            ExpertSrc::Quantized {
+                weight,
+                scales,
+                biases,
+            } => {
+                let q = self
+                    .src
+                    .config
+                    .quantization
+                    .as_ref()
+                    .and_then(|q| q.for_module(&module))
+                    .ok_or_else(|| {
+                        self.err(
+                            weight,
+                            "has scales but config.json `quantization` gives no bits for it",
+                        )
+                    })?;
+                q.validate().map_err(|r| self.err(weight, r))?;
+                if cols % q.group_size != 0 {
+                    return Err(self.err(
+                        weight,
+                        format!(
+                            "{cols} input columns not divisible by group size {}",
+                            q.group_size
+                        ),
+                    ));
+                }
+                let wt = self.raw(weight);
+                if wt.dtype != Dtype::U32 {
+                    return Err(self.err(
+                        weight,
+                        format!("dtype {:?}, expected U32 (quantized codes)", wt.dtype),
+                    ));
+                }
+                self.check_shape(
+                    weight,
+                    &wt.shape,
+                    &[e, rows, words_per_row(cols, q.bits)],
+                    &format!("{}-bit codes of {e} experts x [{rows}, {cols}]", q.bits),
+                )?;
+                let sty = self.float_ty(scales)?;
+                for n in [scales, biases] {
+                    let ty = self.float_ty(n)?;
+                    if ty != sty {
+                        return Err(self.err(n, "scales and biases differ in dtype"));
+                    }
+                    self.check_shape(
+                        n,
+                        &self.raw(n).shape,
+                        &[e, rows, cols / q.group_size],
+                        "[experts, out, in/group_size]",
+                    )?;
+                }
+                plan.src_quant = Some((q, sty));
+                match target_bits {
+                    None => {
+                        plan.op = ExpertOp::Copy;
+                        plan.out_spec = q;
+                        plan.out_scale_dtype = sty.stored();
+                    }
+                    Some(b) if b == q.bits => {
+                        plan.op = ExpertOp::Copy;
+                        plan.out_spec = q;
+                        plan.out_scale_dtype = sty.stored();
+                    }
+                    Some(2) => {
+                        plan.op = ExpertOp::Seed2;
+                        plan.out_spec = spec(2, q.group_size);
+                        plan.out_scale_dtype = Dtype::BF16;
+                    }
+                    Some(b) => {
+                        plan.op = ExpertOp::Requant;
+                        plan.out_spec = spec(b, q.group_size);
+                        plan.out_scale_dtype = if sty == FloatTy::Bf16 {
+                            Dtype::BF16
+                        } else {
+                            Dtype::F32
+                        };
+                    }
+                }
+            }
+            ExpertSrc::Stacked {
+                raw,
+                row_start,
+                rows: src_rows,
+            } => {
+                let t = self.raw(raw);
+                let ty = self.float_ty(raw)?;
+                let full = t.shape.get(1).copied().unwrap_or(0);
+                let want = if *row_start == 0 && *src_rows == full {
+                    vec![e, rows, cols]
+                } else {
+                    // Fused gate_up: [E, 2I, H].
+                    vec![e, 2 * rows, cols]
+                };
+                if t.shape.len() != 3 || t.shape != want || *src_rows != rows {
+                    return Err(self.err(
+                        raw,
+                        format!(
+                            "shape {:?}, expected {want:?} ({name} of {e} experts, [{rows}, {cols}] each)",
+                            t.shape
+                        ),
+                    ));
+                }
+                plan.src_float = Some(ty);
+            }
+            ExpertSrc::PerExpert(raws) => {
+                let mut ty0 = None;
+                for r in raws {
+                    let ty = self.float_ty(r)?;
+                    ty0.get_or_insert(ty);
+                    self.check_shape(r, &self.raw(r).shape, &[rows, cols], "[out, in]")?;
+                }
+                plan.src_float = ty0;
+            }
+        }
+        if let Some(ty) = plan.src_float {
+            let bits = target_bits.unwrap_or(DEFAULT_BITS);
+            if cols % DEFAULT_GROUP_SIZE != 0 {
+                return Err(self.err(
+                    src.first_raw(),
+                    format!(
+                        "{cols} input columns not divisible by {DEFAULT_GROUP_SIZE}; \
+                         experts must be quantized"
+                    ),
+                ));
+            }
+            let work = self.cast.unwrap_or(ty);
+            plan.op = ExpertOp::Quantize { work };
+            plan.out_spec = spec(bits, DEFAULT_GROUP_SIZE);
+            plan.out_scale_dtype = work.stored();
+        }
+        Ok(plan)
+    }
+}
+
+/// Byte layout of one expert extent: each piece at a multiple of 64.
+pub fn layout_layer(layer: usize, num_experts: usize, comps: &[ComponentPlan]) -> ExpertLayer {
+    let mut off = 0u64;
+    let mut place = |bytes: u64, dtype: Dtype| {
+        let o = off.next_multiple_of(COMPONENT_ALIGN as u64);
+        off = o + bytes;
+        ExpertTensorRef {
+            dtype: dtype::name(dtype),
+            offset: o,
+            bytes,
+        }
+    };
+    let mut components = Vec::new();
+    for c in comps {
+        let q = c.out_spec;
+        let wbytes = (c.rows * words_per_row(c.cols, q.bits) * 4) as u64;
+        let sbytes = (c.rows * (c.cols / q.group_size) * dtype::size_of(c.out_scale_dtype)) as u64;
+        components.push(ExpertComponent {
+            name: c.name.to_string(),
+            rows: c.rows,
+            cols: c.cols,
+            quant: q,
+            weight: place(wbytes, Dtype::U32),
+            scales: place(sbytes, c.out_scale_dtype),
+            biases: place(sbytes, c.out_scale_dtype),
+        });
+    }
+    let expert_bytes = off;
+    ExpertLayer {
+        layer,
+        file: expert_file_name(layer),
+        num_experts,
+        expert_bytes,
+        stride: expert_bytes.next_multiple_of(EXPERT_ALIGN as u64),
+        components,
+    }
+}
+
+/// The cast target of an unquantized source: `torch_dtype`, else
+/// `text_config.dtype` (as mlx-lm's `convert`).
+fn cast_target(config: &Value) -> Option<FloatTy> {
+    let name = config
+        .get("torch_dtype")
+        .and_then(Value::as_str)
+        .or_else(|| {
+            config
+                .get("text_config")
+                .and_then(|t| t.get("dtype"))
+                .and_then(Value::as_str)
+        })?;
+    FloatTy::from_name(name)
+}
+
+pub fn plan(src: &Source, san: &Sanitized, expert_bits: Option<u32>) -> Result<Plan> {
+    if let Some(b) = expert_bits {
+        if !matches!(b, 2 | 4 | 8) {
+            return Err(Error::Invalid(format!(
+                "expert bits must be 2, 4 or 8, got {b}"
+            )));
+        }
+    }
+    let cfg = &src.config;
+    let kind = if src.is_quantized() {
+        SourceKind::Mlx
+    } else {
+        SourceKind::Unquantized
+    };
+    let mut p = Planner {
+        src,
+        san,
+        kind,
+        cast: match kind {
+            SourceKind::Unquantized => cast_target(&src.config_json),
+            SourceKind::Mlx => None,
+        },
+        outputs: Vec::new(),
+        jobs: Vec::new(),
+        quantized: BTreeMap::new(),
+        used: Vec::new(),
+        gate_overrides: BTreeMap::new(),
+    };
+
+    for w in schema::dense_weights(cfg) {
+        match w.kind {
+            WeightKind::Linear { rows, cols } => p.linear(&w.name, rows, cols)?,
+            WeightKind::Vector { len } => p.float_tensor(&w.name, &[len], "vector")?,
+            WeightKind::Conv { channels, kernel } => {
+                p.float_tensor(&w.name, &[channels, kernel, 1], "[channels, kernel, 1]")?
+            }
+        }
+    }
+    // Anything left over is unknown: refuse rather than silently drop it.
+    let used: std::collections::BTreeSet<&str> = p.used.iter().map(String::as_str).collect();
+    if let Some((canon, d)) = san.dense.iter().find(|(k, _)| !used.contains(k.as_str())) {
+        return Err(p.err(
+            &d.raw,
+            format!(
+                "not part of a {} model with this config (canonical name `{canon}`); \
+                 refusing to drop an unknown tensor",
+                cfg.arch.model_type()
+            ),
+        ));
+    }
+
+    let expert_specs = schema::expert_weights(cfg);
+    let moe: std::collections::BTreeSet<usize> = expert_specs.iter().map(|s| s.layer).collect();
+    if let Some(((l, ci), es)) = san.experts.iter().find(|((l, _), _)| !moe.contains(l)) {
+        return Err(p.err(
+            es.first_raw(),
+            format!(
+                "experts ({}) for layer {l}, which is not an MoE layer in config.json",
+                EXPERT_COMPONENTS[*ci]
+            ),
+        ));
+    }
+    let mut layers = Vec::new();
+    for s in &expert_specs {
+        let mut comps = Vec::new();
+        for (ci, (_, rows, cols)) in s.projections.iter().enumerate() {
+            comps.push(p.expert_component(
+                s.layer,
+                ci,
+                *rows,
+                *cols,
+                s.num_experts,
+                expert_bits,
+            )?);
+        }
+        let manifest = layout_layer(s.layer, s.num_experts, &comps);
+        layers.push(LayerPlan {
+            layer: s.layer,
+            num_experts: s.num_experts,
+            components: comps,
+            manifest,
+        });
+    }
+
+    let first = layers.first().map(|l| &l.components[0]);
+    let source_expert_bits = first.and_then(|c| c.src_quant.map(|(q, _)| q.bits));
+    let requant = layers
+        .iter()
+        .flat_map(|l| &l.components)
+        .find(|c| matches!(c.op, ExpertOp::Seed2 | ExpertOp::Requant))
+        .map(|c| {
+            let (q, _) = c.src_quant.expect("requant from a quantized source");
+            match c.op {
+                ExpertOp::Seed2 => format!(
+                    "{}-bit -> 2-bit g{} (flash-moe: scale=(max-min)/3, bias=min, \
+                     round half away from zero, bf16 scales/biases by truncation)",
+                    q.bits, q.group_size
+                ),
+                _ => format!(
+                    "{}-bit -> {}-bit g{} (dequantize f32, mlx affine quantize)",
+                    q.bits, c.out_spec.bits, q.group_size
+                ),
+            }
+        });
+    let requant = requant.or_else(|| match (kind, expert_bits) {
+        (SourceKind::Unquantized, Some(b)) if b != DEFAULT_BITS => Some(format!(
+            "quantized to {b}-bit g{DEFAULT_GROUP_SIZE} instead of {DEFAULT_BITS}-bit (mlx affine)"
+        )),
+        _ => None,
+    });
+
+    // Expert entries of config.json's quantization block.
+    let mut expert_overrides = BTreeMap::new();
+    let default_bits = match kind {
+        SourceKind::Unquantized => Some(DEFAULT_BITS),
+        SourceKind::Mlx => None,
+    };
+    for l in &layers {
+        for c in &l.components {
+            let module = format!("model.layers.{}.mlp.switch_mlp.{}", l.layer, c.name);
+            let changed = match (kind, c.op) {
+                (SourceKind::Unquantized, _) => Some(c.out_spec.bits) != default_bits,
+                (SourceKind::Mlx, ExpertOp::Copy) => false,
+                (SourceKind::Mlx, _) => true,
+            };
+            if changed {
+                expert_overrides.insert(mlx_module_path(cfg.arch, &module), c.out_spec);
+            }
+        }
+    }
+    let config_quant = match kind {
+        SourceKind::Unquantized => {
+            let mut overrides = std::mem::take(&mut p.gate_overrides);
+            overrides.extend(expert_overrides);
+            Some(ConfigQuant {
+                default: Some(spec(DEFAULT_BITS, DEFAULT_GROUP_SIZE)),
+                overrides,
+            })
+        }
+        SourceKind::Mlx if !expert_overrides.is_empty() => Some(ConfigQuant {
+            default: None,
+            overrides: expert_overrides,
+        }),
+        SourceKind::Mlx => None,
+    };
+
+    Ok(Plan {
+        kind,
+        outputs: p.outputs,
+        jobs: p.jobs,
+        quantized: p.quantized,
+        layers,
+        source_expert_bits,
+        expert_requantization: requant,
+        config_quant,
+    })
+}
+
+/// config.json for the model directory: the source's, plus the quantization
+/// entries (as both `quantization` and `quantization_config`, like mlx-lm).
+pub fn output_config(src_config: &Value, cq: &ConfigQuant) -> Value {
+    let mut v = src_config.clone();
+    let Some(top) = v.as_object_mut() else {
+        return v;
+    };
+    let mut q: Map<String, Value> = match top.get("quantization") {
+        Some(Value::Object(m)) => m.clone(),
+        _ => Map::new(),
+    };
+    if let Some(d) = cq.default {
+        q.insert("group_size".into(), json!(d.group_size));
+        q.insert("bits".into(), json!(d.bits));
+        q.insert("mode".into(), json!("affine"));
+    }
+    for (k, s) in &cq.overrides {
+        q.insert(
+            k.clone(),
+            json!({"group_size": s.group_size, "bits": s.bits}),
+        );
+    }
+    top.insert("quantization".into(), Value::Object(q.clone()));
+    top.insert("quantization_config".into(), Value::Object(q));
+    v
+}

@@ -1,0 +1,370 @@
+//! Source tensor names -> canonical names, mirroring mlx-lm's `sanitize()`
+//! for the architecture (mlx-lm 0.32: `models/qwen3_5_moe.py`,
+//! `models/qwen3_5.py`, `models/qwen3_next.py`):
+//!
+//! - qwen3_5_moe: drop `vision_tower*` / `model.visual*`; `model.language_model.`
+//!   -> `language_model.model.`, anything else gets `language_model.` (the
+//!   canonical name is the mlx name without that prefix); split the fused
+//!   `mlp.experts.gate_up_proj` [E, 2I, H] into gate (first half of the rows)
+//!   and up, take `mlp.experts.down_proj` as the stacked down projection; drop
+//!   `mtp.*`; conv1d [C,1,K] -> [C,K,1]; add 1 to the zero-centred norms only
+//!   when the checkpoint had an unsanitized conv1d.
+//! - qwen3_next: stack per-expert `mlp.experts.{e}.{proj}.weight`; drop `mtp.*`;
+//!   conv1d as above; add 1 to the norms only when per-expert tensors were present.
+//!
+//! Tied embeddings drop `lm_head`. Nothing is read here except shapes: the
+//! transformations are recorded and applied while writing.
+
+use std::collections::BTreeMap;
+
+use crate::config::Architecture;
+use crate::error::{Error, Result};
+use crate::model::schema::EXPERT_COMPONENTS;
+
+use super::source::Source;
+
+/// Suffixes of the zero-centred RMSNorm weights HF stores as `w - 1`.
+const NORM_SUFFIXES: [&str; 5] = [
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    "model.norm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+];
+
+/// A dense tensor after sanitizing.
+#[derive(Debug, Clone)]
+pub struct DenseSrc {
+    /// Name in the checkpoint.
+    pub raw: String,
+    /// Shape after sanitizing (conv1d moved to [C, K, 1]; same bytes).
+    pub shape: Vec<usize>,
+    /// Add 1.0 in the source dtype (HF zero-centred norm).
+    pub plus_one: bool,
+}
+
+/// Where one stacked expert projection comes from.
+#[derive(Debug, Clone)]
+pub enum ExpertSrc {
+    /// mlx-lm quantized `switch_mlp.<proj>.{weight,scales,biases}` [E, rows, ...].
+    Quantized {
+        weight: String,
+        scales: String,
+        biases: String,
+    },
+    /// A float tensor [E, R, cols]; expert e is rows `row_start..row_start+rows`
+    /// of slice e (`switch_mlp.<proj>.weight`, or half of a fused `gate_up_proj`).
+    Stacked {
+        raw: String,
+        row_start: usize,
+        rows: usize,
+    },
+    /// One float tensor [rows, cols] per expert (HF `experts.{e}.<proj>.weight`).
+    PerExpert(Vec<String>),
+}
+
+impl ExpertSrc {
+    /// A checkpoint name to report problems against.
+    pub fn first_raw(&self) -> &str {
+        match self {
+            ExpertSrc::Quantized { weight, .. } => weight,
+            ExpertSrc::Stacked { raw, .. } => raw,
+            ExpertSrc::PerExpert(v) => &v[0],
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct Sanitized {
+    /// Canonical dense tensor name -> source.
+    pub dense: BTreeMap<String, DenseSrc>,
+    /// (layer, component index in `EXPERT_COMPONENTS`) -> source.
+    pub experts: BTreeMap<(usize, usize), ExpertSrc>,
+    /// Checkpoint tensors intentionally left out (vision tower, MTP, tied lm_head).
+    pub dropped: Vec<String>,
+    /// Whether norms get +1 (the checkpoint is in Hugging Face layout).
+    pub shift_norms: bool,
+}
+
+/// The mlx-lm name of a checkpoint tensor (`None`: dropped vision tensor).
+fn mlx_name(arch: Architecture, raw: &str) -> Option<String> {
+    if raw.starts_with("vision_tower") || raw.starts_with("model.visual") {
+        return None;
+    }
+    Some(match arch {
+        Architecture::Qwen3_5Moe => {
+            if let Some(rest) = raw.strip_prefix("model.language_model") {
+                format!("language_model.model{rest}")
+            } else if raw.starts_with("language_model.") {
+                raw.to_string()
+            } else {
+                format!("language_model.{raw}")
+            }
+        }
+        Architecture::Qwen3Next => raw.to_string(),
+    })
+}
+
+/// Canonical name: the mlx name without Qwen3.5's `language_model.` prefix.
+pub fn canonical_of_mlx(arch: Architecture, mlx: &str) -> String {
+    match arch {
+        Architecture::Qwen3_5Moe => mlx.strip_prefix("language_model.").unwrap_or(mlx).into(),
+        Architecture::Qwen3Next => mlx.to_string(),
+    }
+}
+
+/// The module path mlx-lm uses in `config.json` `quantization` for a
+/// canonical module name.
+pub fn mlx_module_path(arch: Architecture, canonical: &str) -> String {
+    match arch {
+        Architecture::Qwen3_5Moe => format!("language_model.{canonical}"),
+        Architecture::Qwen3Next => canonical.to_string(),
+    }
+}
+
+/// Splits `model.layers.<L>.<rest>` into (L, rest).
+fn layer_and_rest(name: &str) -> Option<(usize, &str)> {
+    let s = name.strip_prefix("model.layers.")?;
+    let dot = s.find('.')?;
+    let layer = s[..dot].parse().ok()?;
+    Some((layer, &s[dot + 1..]))
+}
+
+fn component_index(c: &str) -> Option<usize> {
+    EXPERT_COMPONENTS.iter().position(|x| *x == c)
+}
+
+pub fn sanitize(src: &Source) -> Result<Sanitized> {
+    let cfg = &src.config;
+    let arch = cfg.arch;
+    let mut out = Sanitized::default();
+
+    // canonical -> raw
+    let mut names: BTreeMap<String, String> = BTreeMap::new();
+    for raw in src.tensors.keys() {
+        let Some(mlx) = mlx_name(arch, raw) else {
+            out.dropped.push(raw.clone());
+            continue;
+        };
+        let canon = canonical_of_mlx(arch, &mlx);
+        if let Some(prev) = names.insert(canon.clone(), raw.clone()) {
+            return Err(Error::tensor(
+                src.file_of(raw),
+                raw,
+                format!("maps to `{canon}` like `{prev}`; the checkpoint mixes naming schemes"),
+            ));
+        }
+    }
+
+    let shape_of = |canon: &str| &src.tensors[&names[canon]].shape;
+    out.shift_norms = match arch {
+        Architecture::Qwen3_5Moe => names
+            .keys()
+            .any(|k| k.contains("conv1d.weight") && shape_of(k).last() != Some(&1)),
+        Architecture::Qwen3Next => names.keys().any(|k| {
+            k.starts_with("model.layers.") && k.ends_with(".mlp.experts.0.up_proj.weight")
+        }),
+    };
+
+    // Known extras.
+    names.retain(|canon, raw| {
+        let drop = canon.contains("mtp.")
+            || (cfg.tie_word_embeddings
+                && canon
+                    .strip_prefix("lm_head.")
+                    .is_some_and(|s| matches!(s, "weight" | "scales" | "biases")));
+        if drop {
+            out.dropped.push(raw.clone());
+        }
+        !drop
+    });
+
+    let take = |names: &mut BTreeMap<String, String>, canon: &str| names.remove(canon);
+    let missing = |canon: &str, why: &str| {
+        Error::tensor(
+            src.weights_location(),
+            canon,
+            format!("missing from the checkpoint ({why})"),
+        )
+    };
+
+    // Hugging Face expert layouts.
+    match arch {
+        Architecture::Qwen3_5Moe => {
+            for l in 0..cfg.num_layers {
+                let p = format!("model.layers.{l}.mlp.experts");
+                if let Some(raw) = take(&mut names, &format!("{p}.gate_up_proj")) {
+                    let t = &src.tensors[&raw];
+                    if t.shape.len() != 3 {
+                        return Err(Error::tensor(
+                            src.file_of(&raw),
+                            &raw,
+                            format!(
+                                "shape {:?}, expected [experts, 2*intermediate, hidden]",
+                                t.shape
+                            ),
+                        ));
+                    }
+                    let mid = t.shape[1] / 2;
+                    out.experts.insert(
+                        (l, 0),
+                        ExpertSrc::Stacked {
+                            raw: raw.clone(),
+                            row_start: 0,
+                            rows: mid,
+                        },
+                    );
+                    out.experts.insert(
+                        (l, 1),
+                        ExpertSrc::Stacked {
+                            raw,
+                            row_start: mid,
+                            rows: t.shape[1] - mid,
+                        },
+                    );
+                    let down = format!("{p}.down_proj");
+                    let raw = take(&mut names, &down)
+                        .ok_or_else(|| missing(&down, "experts.gate_up_proj is present"))?;
+                    let rows = src.tensors[&raw].shape.get(1).copied().unwrap_or(0);
+                    out.experts.insert(
+                        (l, 2),
+                        ExpertSrc::Stacked {
+                            raw,
+                            row_start: 0,
+                            rows,
+                        },
+                    );
+                }
+            }
+        }
+        Architecture::Qwen3Next => {
+            let moe_layers: Vec<usize> = names
+                .keys()
+                .filter(|k| k.ends_with(".mlp.experts.0.up_proj.weight"))
+                .filter_map(|k| layer_and_rest(k).map(|(l, _)| l))
+                .collect();
+            for l in moe_layers {
+                for (ci, c) in EXPERT_COMPONENTS.iter().enumerate() {
+                    let mut raws = Vec::with_capacity(cfg.moe.num_experts);
+                    for e in 0..cfg.moe.num_experts {
+                        let n = format!("model.layers.{l}.mlp.experts.{e}.{c}.weight");
+                        raws.push(
+                            take(&mut names, &n).ok_or_else(|| {
+                                missing(&n, "other per-expert tensors are present")
+                            })?,
+                        );
+                    }
+                    out.experts.insert((l, ci), ExpertSrc::PerExpert(raws));
+                }
+            }
+        }
+    }
+
+    // mlx-lm stacked experts (quantized or not).
+    let switch: Vec<(String, usize, usize, String)> = names
+        .keys()
+        .filter_map(|k| {
+            let (l, rest) = layer_and_rest(k)?;
+            let rest = rest.strip_prefix("mlp.switch_mlp.")?;
+            let (c, part) = rest.split_once('.')?;
+            let ci = component_index(c)?;
+            matches!(part, "weight" | "scales" | "biases").then(|| (k.clone(), l, ci, part.into()))
+        })
+        .collect();
+    let mut parts: BTreeMap<(usize, usize), BTreeMap<String, String>> = BTreeMap::new();
+    for (canon, l, ci, part) in switch {
+        let raw = names.remove(&canon).expect("listed above");
+        if out.experts.contains_key(&(l, ci)) {
+            return Err(Error::tensor(
+                src.file_of(&raw),
+                &raw,
+                "experts of this layer are also given in Hugging Face layout",
+            ));
+        }
+        parts.entry((l, ci)).or_default().insert(part, raw);
+    }
+    for ((l, ci), mut p) in parts {
+        let module = format!("model.layers.{l}.mlp.switch_mlp.{}", EXPERT_COMPONENTS[ci]);
+        let weight = p
+            .remove("weight")
+            .ok_or_else(|| missing(&format!("{module}.weight"), "its scales/biases are present"))?;
+        let es = if p.is_empty() {
+            let rows = src.tensors[&weight].shape.get(1).copied().unwrap_or(0);
+            ExpertSrc::Stacked {
+                raw: weight,
+                row_start: 0,
+                rows,
+            }
+        } else {
+            let scales = p
+                .remove("scales")
+                .ok_or_else(|| missing(&format!("{module}.scales"), "quantized experts"))?;
+            let biases = p
+                .remove("biases")
+                .ok_or_else(|| missing(&format!("{module}.biases"), "quantized experts"))?;
+            ExpertSrc::Quantized {
+                weight,
+                scales,
+                biases,
+            }
+        };
+        out.experts.insert((l, ci), es);
+    }
+
+    // Everything else is dense.
+    for (canon, raw) in names {
+        let t = &src.tensors[&raw];
+        let mut shape = t.shape.clone();
+        if canon.contains("conv1d.weight") && shape.len() == 3 && shape[2] != 1 {
+            shape.swap(1, 2); // moveaxis(2, 1): [C, 1, K] -> [C, K, 1], same bytes
+        }
+        let plus_one =
+            out.shift_norms && shape.len() == 1 && NORM_SUFFIXES.iter().any(|s| canon.ends_with(s));
+        out.dense.insert(
+            canon,
+            DenseSrc {
+                raw,
+                shape,
+                plus_one,
+            },
+        );
+    }
+    out.dropped.sort();
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        let a = Architecture::Qwen3_5Moe;
+        assert_eq!(
+            mlx_name(a, "model.language_model.layers.0.mlp.gate.weight").unwrap(),
+            "language_model.model.layers.0.mlp.gate.weight"
+        );
+        assert_eq!(
+            mlx_name(a, "lm_head.weight").unwrap(),
+            "language_model.lm_head.weight"
+        );
+        assert_eq!(
+            mlx_name(a, "language_model.model.norm.weight").unwrap(),
+            "language_model.model.norm.weight"
+        );
+        assert!(mlx_name(a, "model.visual.blocks.0.x").is_none());
+        assert_eq!(
+            canonical_of_mlx(a, "language_model.model.norm.weight"),
+            "model.norm.weight"
+        );
+        assert_eq!(
+            mlx_module_path(a, "model.layers.0.mlp.gate"),
+            "language_model.model.layers.0.mlp.gate"
+        );
+        assert_eq!(
+            layer_and_rest("model.layers.12.mlp.gate.weight"),
+            Some((12, "mlp.gate.weight"))
+        );
+        assert_eq!(layer_and_rest("model.norm.weight"), None);
+    }
+}

@@ -1,0 +1,262 @@
+//! The source checkpoint: `config.json` and memory-mapped safetensors shards
+//! (`model.safetensors.index.json` + shards, a single `model.safetensors`, or
+//! every `*.safetensors` of the directory).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+use serde_json::Value;
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+pub const SINGLE_FILE: &str = "model.safetensors";
+
+/// One mapped shard.
+pub struct Shard {
+    pub path: PathBuf,
+    map: Mmap,
+}
+
+/// Where a source tensor's bytes are.
+#[derive(Debug, Clone)]
+pub struct RawTensor {
+    pub shard: usize,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    /// Byte range in the shard's map.
+    pub start: usize,
+    pub len: usize,
+}
+
+impl RawTensor {
+    /// Bytes of one slice along the leading dimension.
+    pub fn bytes_per_leading(&self) -> usize {
+        match self.shape.first() {
+            Some(&n) if n > 0 => self.len / n,
+            _ => 0,
+        }
+    }
+}
+
+pub struct Source {
+    pub dir: PathBuf,
+    pub config_path: PathBuf,
+    pub config_json: Value,
+    pub config: ModelConfig,
+    /// The index file, when the checkpoint has one.
+    pub index_path: Option<PathBuf>,
+    pub shards: Vec<Shard>,
+    /// Every tensor of every shard by its name in the checkpoint.
+    pub tensors: BTreeMap<String, RawTensor>,
+}
+
+impl Source {
+    pub fn open(dir: &Path) -> Result<Self> {
+        let meta = std::fs::metadata(dir).map_err(|e| Error::io(dir, e))?;
+        if !meta.is_dir() {
+            return Err(Error::format(dir, "source is not a directory"));
+        }
+        let config_path = dir.join("config.json");
+        let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
+        let config_json: Value = serde_json::from_str(&text).map_err(|source| Error::Json {
+            path: config_path.clone(),
+            source,
+        })?;
+        check_foreign_quantization(&config_json, &config_path)?;
+        let config = ModelConfig::from_json(&config_json, &config_path)?;
+
+        let index_path = dir.join(INDEX_FILE);
+        let (index_path, shard_files, weight_map) = if index_path.exists() {
+            let (files, map) = read_index(&index_path)?;
+            (Some(index_path), files, Some(map))
+        } else if dir.join(SINGLE_FILE).exists() {
+            (None, vec![SINGLE_FILE.to_string()], None)
+        } else {
+            let mut files = Vec::new();
+            for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
+                let entry = entry.map_err(|e| Error::io(dir, e))?;
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if name.ends_with(".safetensors") && !name.starts_with('.') {
+                    files.push(name);
+                }
+            }
+            files.sort();
+            if files.is_empty() {
+                return Err(Error::format(
+                    dir,
+                    format!("no {INDEX_FILE}, {SINGLE_FILE} or other *.safetensors file"),
+                ));
+            }
+            (None, files, None)
+        };
+
+        let mut shards = Vec::with_capacity(shard_files.len());
+        let mut tensors: BTreeMap<String, RawTensor> = BTreeMap::new();
+        for (si, fname) in shard_files.iter().enumerate() {
+            let path = dir.join(fname);
+            let file = File::open(&path).map_err(|e| match &index_path {
+                Some(ip) if e.kind() == std::io::ErrorKind::NotFound => Error::format(
+                    &path,
+                    format!("shard named in {} does not exist", ip.display()),
+                ),
+                _ => Error::io(&path, e),
+            })?;
+            // SAFETY: read-only map of a checkpoint file. Like every
+            // safetensors reader we assume nobody truncates it meanwhile.
+            let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
+            let base = map.as_ptr() as usize;
+            let st = SafeTensors::deserialize(&map).map_err(|e| {
+                Error::format(
+                    &path,
+                    format!("not a valid safetensors file (truncated or corrupt?): {e}"),
+                )
+            })?;
+            for (name, view) in st.iter() {
+                let data = view.data();
+                let raw = RawTensor {
+                    shard: si,
+                    dtype: view.dtype(),
+                    shape: view.shape().to_vec(),
+                    start: data.as_ptr() as usize - base,
+                    len: data.len(),
+                };
+                if let Some(prev) = tensors.insert(name.to_string(), raw) {
+                    return Err(Error::tensor(
+                        &path,
+                        name,
+                        format!(
+                            "also present in {}",
+                            dir.join(&shard_files[prev.shard]).display()
+                        ),
+                    ));
+                }
+            }
+            drop(st);
+            shards.push(Shard { path, map });
+        }
+
+        if let (Some(ip), Some(map)) = (&index_path, &weight_map) {
+            for (name, fname) in map {
+                match tensors.get(name) {
+                    Some(t) if shard_files[t.shard] == *fname => {}
+                    Some(t) => {
+                        return Err(Error::tensor(
+                            ip,
+                            name,
+                            format!("listed in {fname} but found in {}", shard_files[t.shard]),
+                        ))
+                    }
+                    None => {
+                        return Err(Error::tensor(
+                            dir.join(fname),
+                            name,
+                            format!("listed in {} but not in the shard", ip.display()),
+                        ))
+                    }
+                }
+            }
+        }
+
+        Ok(Source {
+            dir: dir.to_path_buf(),
+            config_path,
+            config_json,
+            config,
+            index_path,
+            shards,
+            tensors,
+        })
+    }
+
+    pub fn get(&self, name: &str) -> Option<&RawTensor> {
+        self.tensors.get(name)
+    }
+
+    pub fn data(&self, t: &RawTensor) -> &[u8] {
+        &self.shards[t.shard].map[t.start..t.start + t.len]
+    }
+
+    /// File holding `name` (for messages); the index or the directory when
+    /// the tensor is not there at all.
+    pub fn file_of(&self, name: &str) -> PathBuf {
+        match self.tensors.get(name) {
+            Some(t) => self.shards[t.shard].path.clone(),
+            None => self.weights_location(),
+        }
+    }
+
+    /// Where a missing tensor was looked for.
+    pub fn weights_location(&self) -> PathBuf {
+        match &self.index_path {
+            Some(p) => p.clone(),
+            None if self.shards.len() == 1 => self.shards[0].path.clone(),
+            None => self.dir.clone(),
+        }
+    }
+
+    /// True when config.json declares an mlx-lm `quantization` block.
+    pub fn is_quantized(&self) -> bool {
+        self.config.quantization.is_some()
+    }
+}
+
+/// Refuses Hugging Face quantization formats (fp8, gptq, awq, ...): their
+/// tensors are not MLX affine codes.
+fn check_foreign_quantization(v: &Value, path: &Path) -> Result<()> {
+    if v.get("quantization").is_some() {
+        return Ok(());
+    }
+    if let Some(method) = v
+        .get("quantization_config")
+        .and_then(|q| q.get("quant_method"))
+        .and_then(Value::as_str)
+    {
+        return Err(Error::Config {
+            path: path.to_path_buf(),
+            field: "quantization_config.quant_method".into(),
+            reason: format!(
+                "`{method}` checkpoints are not supported; convert from the bf16/f16/f32 \
+                 checkpoint or an mlx-lm (affine) one"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Shard file names (sorted, unique) and the tensor -> shard map.
+fn read_index(path: &Path) -> Result<(Vec<String>, BTreeMap<String, String>)> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let v: Value = serde_json::from_str(&text).map_err(|source| Error::Json {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let wm = v
+        .get("weight_map")
+        .and_then(Value::as_object)
+        .ok_or_else(|| Error::format(path, "missing `weight_map` object"))?;
+    let mut map = BTreeMap::new();
+    let mut files = BTreeSet::new();
+    for (k, f) in wm {
+        let f = f
+            .as_str()
+            .ok_or_else(|| Error::tensor(path, k, "weight_map entry is not a file name"))?;
+        if f.contains('/') || f.contains('\\') || f.starts_with('.') {
+            return Err(Error::tensor(
+                path,
+                k,
+                format!("shard `{f}` is not a plain file name"),
+            ));
+        }
+        files.insert(f.to_string());
+        map.insert(k.clone(), f.to_string());
+    }
+    if files.is_empty() {
+        return Err(Error::format(path, "`weight_map` is empty"));
+    }
+    Ok((files.into_iter().collect(), map))
+}
