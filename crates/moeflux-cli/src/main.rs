@@ -1,1 +1,99 @@
-fn main() {}
+//! The `moeflux` command. One module per subcommand: adding one is a variant
+//! of [`Command`] plus a `cmd_<name>.rs` with its `Args` and `run`.
+
+mod cmd_convert;
+mod cmd_inspect;
+mod cmd_logits;
+mod progress;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "moeflux",
+    version,
+    about = "Run Mixture-of-Experts models larger than memory: dense weights resident, experts streamed from disk"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Convert an mlx-lm or Hugging Face checkpoint into a moeflux model directory.
+    Convert(cmd_convert::ConvertArgs),
+    /// Describe a model directory: architecture, shapes, quantization, sizes.
+    Inspect(cmd_inspect::InspectArgs),
+    /// Write the float32 logits of every position of a token list as .npy.
+    Logits(cmd_logits::LogitsArgs),
+}
+
+/// Exit status after Ctrl-C (128 + SIGINT).
+const EXIT_INTERRUPTED: u8 = 130;
+
+/// The error chain on one line, `outer: inner: ...`, skipping a cause whose
+/// text its parent already ends with (typed errors print their source).
+fn one_line(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let s = cause.to_string();
+        if out.ends_with(&s) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&s);
+    }
+    out.replace('\n', " ")
+}
+
+fn cancelled(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        matches!(
+            c.downcast_ref::<moeflux::Error>(),
+            Some(moeflux::Error::Cancelled)
+        )
+    })
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Convert(a) => cmd_convert::run(a),
+        Command::Inspect(a) => cmd_inspect::run(a),
+        Command::Logits(a) => cmd_logits::run(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {}", one_line(&e));
+            if cancelled(&e) {
+                ExitCode::from(EXIT_INTERRUPTED)
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chain_on_one_line_without_repeats() {
+        let io = moeflux::Error::io(
+            "/x/config.json",
+            std::io::Error::new(std::io::ErrorKind::NotFound, "not found"),
+        );
+        let e = anyhow::Error::new(io).context("converting a to b");
+        assert_eq!(one_line(&e), "converting a to b: /x/config.json: not found");
+        let c = anyhow::Error::new(moeflux::Error::Cancelled).context("converting");
+        assert!(cancelled(&c));
+        assert!(!cancelled(&e));
+    }
+}

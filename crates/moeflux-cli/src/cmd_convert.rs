@@ -1,0 +1,97 @@
+//! `moeflux convert SRC DST`: an mlx-lm or Hugging Face checkpoint -> a
+//! moeflux model directory.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use moeflux::convert::{convert, ConvertOptions, ConvertProgress};
+
+use crate::progress::ConvertBar;
+
+#[derive(Debug, Args)]
+pub struct ConvertArgs {
+    /// Source checkpoint directory: mlx-lm quantized (`mlx_lm.convert -q`), or
+    /// unquantized bf16/f16/f32 (Hugging Face or mlx layout; quantized here
+    /// exactly as `mlx_lm.convert -q --q-bits 4 --q-group-size 64` would).
+    pub src: PathBuf,
+    /// Model directory to create.
+    pub dst: PathBuf,
+    /// Width of the routed experts: re-quantize them to 2, 4 or 8 bits
+    /// (2 uses flash-moe's 2-bit scheme). Default: keep the source's.
+    #[arg(long, value_name = "BITS", value_parser = parse_expert_bits)]
+    pub expert_bits: Option<u32>,
+    /// Replace DST if it already exists.
+    #[arg(long)]
+    pub force: bool,
+}
+
+fn parse_expert_bits(s: &str) -> std::result::Result<u32, String> {
+    match s {
+        "2" => Ok(2),
+        "4" => Ok(4),
+        "8" => Ok(8),
+        _ => Err(format!("`{s}` is not one of 2, 4, 8")),
+    }
+}
+
+fn gb(bytes: u64) -> String {
+    format!("{:.2} GB", bytes as f64 / 1e9)
+}
+
+pub fn run(args: ConvertArgs) -> Result<()> {
+    // First Ctrl-C: stop cleanly (the partial output is removed); second: exit now.
+    let cancel = Arc::new(AtomicBool::new(false));
+    let presses = Arc::new(AtomicUsize::new(0));
+    {
+        let cancel = cancel.clone();
+        ctrlc::set_handler(move || {
+            if presses.fetch_add(1, Ordering::SeqCst) == 0 {
+                cancel.store(true, Ordering::SeqCst);
+                eprintln!("\ninterrupted: stopping and removing the partial output...");
+            } else {
+                std::process::exit(130);
+            }
+        })
+        .context("installing the Ctrl-C handler")?;
+    }
+
+    let bar = ConvertBar::new();
+    let on_progress = |p: &ConvertProgress| bar.update(p);
+    let opts = ConvertOptions {
+        expert_bits: args.expert_bits,
+        force: args.force,
+        progress: Some(&on_progress),
+        cancel: Some(&cancel),
+    };
+    let result = convert(&args.src, &args.dst, &opts);
+    bar.finish();
+    let r = result.with_context(|| {
+        format!(
+            "converting {} to {}",
+            args.src.display(),
+            args.dst.display()
+        )
+    })?;
+
+    let bits = match (r.source_expert_bits, r.expert_bits) {
+        (Some(a), Some(b)) if a != b => format!(", experts {a}->{b}-bit"),
+        (_, Some(b)) => format!(", experts {b}-bit"),
+        _ => String::new(),
+    };
+    println!(
+        "converted {} ({} source, {} layers, {} MoE): {} tensors, dense {}, experts {}{bits} in {:.1} s -> {}",
+        r.architecture,
+        r.source_kind.as_str(),
+        r.layers,
+        r.moe_layers,
+        r.tensors,
+        gb(r.dense_bytes),
+        gb(r.expert_bytes),
+        r.elapsed.as_secs_f64(),
+        r.dst.display()
+    );
+    Ok(())
+}

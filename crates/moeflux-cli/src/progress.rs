@@ -1,0 +1,70 @@
+//! Progress display on stderr (only when stderr is a terminal).
+
+use std::io::IsTerminal;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use moeflux::convert::{ConvertProgress, ConvertStage};
+
+/// A byte-count bar for `moeflux convert`: bytes written / total, rate,
+/// ETA and the current stage (dense tensors, expert layer N, finishing).
+pub struct ConvertBar {
+    bar: Option<ProgressBar>,
+    /// (stage, layer) last shown, to set the message only when it changes.
+    shown: AtomicU64,
+}
+
+impl ConvertBar {
+    /// A visible bar when stderr is a terminal, else a silent one.
+    pub fn new() -> Self {
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let style = ProgressStyle::with_template(
+                "{spinner} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} \
+                 {binary_bytes_per_sec} ETA {eta} {msg}",
+            )
+            .expect("valid template")
+            .progress_chars("=> ");
+            let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr())
+                .with_style(style);
+            bar.enable_steady_tick(Duration::from_millis(200));
+            bar
+        });
+        ConvertBar {
+            bar,
+            shown: AtomicU64::new(u64::MAX),
+        }
+    }
+
+    pub fn update(&self, p: &ConvertProgress) {
+        let Some(bar) = &self.bar else { return };
+        bar.set_length(p.bytes_total);
+        bar.set_position(p.bytes_done);
+        let key = ((p.stage as u64) << 32) | p.layer.map_or(0xffff_ffff, |l| l as u64);
+        if self.shown.swap(key, Ordering::Relaxed) != key {
+            bar.set_message(match p.stage {
+                ConvertStage::Dense => "dense tensors".to_string(),
+                ConvertStage::Experts => format!(
+                    "experts: layer {} ({}/{})",
+                    p.layer.unwrap_or(0),
+                    p.moe_layers_done + 1,
+                    p.moe_layers_total
+                ),
+                ConvertStage::Finishing => "finishing".to_string(),
+            });
+        }
+    }
+
+    /// Removes the bar (before printing the summary or an error).
+    pub fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+impl Drop for ConvertBar {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}

@@ -1,0 +1,150 @@
+//! The `moeflux` binary: `convert` and `inspect` on a fixture, and one-line
+//! errors (non-zero exit, no panic) on bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+fn moeflux(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_moeflux"))
+        .args(args)
+        .output()
+        .expect("run moeflux")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// Fails with exactly one `error: ...` line on stderr and no panic.
+fn assert_one_line_error(out: &Output) -> String {
+    let err = text(&out.stderr);
+    assert!(!out.status.success(), "unexpected success: {err}");
+    assert!(!err.contains("panicked"), "panic: {err}");
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines.len(), 1, "expected one line, got: {err}");
+    assert!(lines[0].starts_with("error: "), "{err}");
+    lines[0].to_string()
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn convert_then_inspect() {
+    let t = tempfile::tempdir().unwrap();
+    let dst = t.path().join("next");
+    let out = moeflux(&["convert", s(&fixture("qwen3next-q4/src")), s(&dst)]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let summary = text(&out.stdout);
+    assert!(
+        summary.contains("qwen3_next") && summary.contains("tensors") && summary.contains("GB"),
+        "{summary}"
+    );
+    assert!(dst.join("moeflux.json").is_file());
+
+    let out = moeflux(&["inspect", s(&dst)]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let o = text(&out.stdout);
+    assert!(o.contains("qwen3_next"), "{o}");
+    assert!(o.contains("linear x1, full x1 repeated x2"), "{o}");
+    assert!(o.contains("8-bit g64"), "{o}");
+    assert!(o.contains("dense MLP at   layers 2"), "{o}");
+
+    let out = moeflux(&["inspect", "--json", s(&dst)]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["architecture"], "qwen3_next");
+    assert_eq!(v["moe"]["experts"], 8);
+    assert_eq!(v["source"]["kind"], "mlx");
+    assert!(v["expert_bytes"].as_u64().unwrap() > 0);
+
+    // Again without --force: refused; with --force: replaced.
+    let out = moeflux(&["convert", s(&fixture("qwen3next-q4/src")), s(&dst)]);
+    let line = assert_one_line_error(&out);
+    assert!(line.contains("--force"), "{line}");
+    let out = moeflux(&[
+        "convert",
+        "--force",
+        "--expert-bits",
+        "2",
+        s(&fixture("qwen3next-q4/src")),
+        s(&dst),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("4->2-bit"));
+    let out = moeflux(&["inspect", s(&dst)]);
+    assert!(text(&out.stdout).contains("2-bit g64 (BF16 scales)"));
+}
+
+#[test]
+fn convert_hf_checkpoint() {
+    let t = tempfile::tempdir().unwrap();
+    let dst = t.path().join("m");
+    let out = moeflux(&["convert", s(&fixture("qwen35moe-hf/src")), s(&dst)]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("unquantized source"));
+    let out = moeflux(&["inspect", s(&dst)]);
+    assert!(text(&out.stdout).contains("qwen3_5_moe"));
+}
+
+#[test]
+fn bad_input_is_one_error_line() {
+    let t = tempfile::tempdir().unwrap();
+    // Missing source.
+    let out = moeflux(&["convert", "/nonexistent/src", s(&t.path().join("a"))]);
+    let line = assert_one_line_error(&out);
+    assert!(line.contains("/nonexistent/src"), "{line}");
+    assert_eq!(out.status.code(), Some(1));
+
+    // Source without config.json.
+    let src = t.path().join("src");
+    std::fs::create_dir(&src).unwrap();
+    std::fs::copy(
+        fixture("qwen35moe-q4/src/model.safetensors"),
+        src.join("model.safetensors"),
+    )
+    .unwrap();
+    let out = moeflux(&["convert", s(&src), s(&t.path().join("b"))]);
+    let line = assert_one_line_error(&out);
+    assert!(line.contains("config.json"), "{line}");
+
+    // Truncated shard.
+    std::fs::copy(
+        fixture("qwen35moe-q4/src/config.json"),
+        src.join("config.json"),
+    )
+    .unwrap();
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(src.join("model.safetensors"))
+        .unwrap();
+    f.set_len(1000).unwrap();
+    let out = moeflux(&["convert", s(&src), s(&t.path().join("c"))]);
+    let line = assert_one_line_error(&out);
+    assert!(line.contains("model.safetensors"), "{line}");
+
+    // Not a model directory.
+    let out = moeflux(&["inspect", s(t.path())]);
+    let line = assert_one_line_error(&out);
+    assert!(line.contains("moeflux.json"), "{line}");
+
+    // Nothing was created by the failed conversions.
+    let mut left: Vec<String> = std::fs::read_dir(t.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(left, ["src"]);
+
+    // Usage errors come from clap (exit 2), still without a panic.
+    let out = moeflux(&["convert", "--expert-bits", "3", "a", "b"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(!text(&out.stderr).contains("panicked"));
+}
