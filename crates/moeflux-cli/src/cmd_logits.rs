@@ -1,0 +1,111 @@
+//! `moeflux logits`: float32 logits of every position as a numpy `.npy`.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use moeflux::{LogitsMode, Session, SessionOptions};
+use npyz::WriterBuilder;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum EvalMode {
+    /// All tokens in one eval call.
+    Batch,
+    /// One token per eval call.
+    Incremental,
+}
+
+#[derive(Debug, Args)]
+pub struct LogitsArgs {
+    /// Model directory written by `moeflux convert`.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Comma-separated token ids, e.g. 5,17,42.
+    #[arg(long)]
+    pub tokens: String,
+    /// Output file: float32 array [n_tokens, vocab].
+    #[arg(long)]
+    pub output: PathBuf,
+    #[arg(long, value_enum, default_value_t = EvalMode::Batch)]
+    pub mode: EvalMode,
+    /// Compute threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Routed experts per token (default: the model's; fewer is faster but worse).
+    #[arg(long)]
+    pub experts_per_token: Option<usize>,
+    /// Read experts with O_DIRECT, bypassing the page cache.
+    #[arg(long)]
+    pub direct_io: bool,
+}
+
+pub fn parse_tokens(s: &str) -> Result<Vec<u32>> {
+    let mut out = Vec::new();
+    for (i, part) in s.split(',').enumerate() {
+        let p = part.trim();
+        if p.is_empty() {
+            continue;
+        }
+        out.push(
+            p.parse::<u32>()
+                .with_context(|| format!("--tokens: item {} (`{p}`) is not a token id", i + 1))?,
+        );
+    }
+    if out.is_empty() {
+        bail!("--tokens: no token ids given");
+    }
+    Ok(out)
+}
+
+pub fn run(args: LogitsArgs) -> Result<()> {
+    let tokens = parse_tokens(&args.tokens)?;
+    let mut session = Session::open(
+        &args.model,
+        SessionOptions {
+            threads: args.threads,
+            experts_per_token: args.experts_per_token,
+            direct_io: args.direct_io,
+            ..Default::default()
+        },
+    )
+    .with_context(|| format!("opening model {}", args.model.display()))?;
+    let vocab = session.vocab_size();
+    // Validate every id before evaluating anything.
+    if let Some((i, &t)) = tokens
+        .iter()
+        .enumerate()
+        .find(|(_, &t)| t as usize >= vocab)
+    {
+        bail!(
+            "--tokens: item {} is {t}, outside the vocabulary (size {vocab})",
+            i + 1
+        );
+    }
+    let logits = match args.mode {
+        EvalMode::Batch => session.eval(&tokens, LogitsMode::All)?,
+        EvalMode::Incremental => {
+            let mut all = Vec::with_capacity(tokens.len() * vocab);
+            for &t in &tokens {
+                all.extend(session.eval(&[t], LogitsMode::Last)?);
+            }
+            all
+        }
+    };
+    let shape = [tokens.len() as u64, vocab as u64];
+    moeflux::fsutil::write_file_atomic(&args.output, |w| {
+        let mut npy = npyz::WriteOptions::new()
+            .default_dtype()
+            .shape(&shape)
+            .writer(w)
+            .begin_nd()?;
+        npy.extend(logits.iter().copied())?;
+        npy.finish()
+    })?;
+    eprintln!(
+        "wrote {} x {} logits to {}",
+        tokens.len(),
+        vocab,
+        args.output.display()
+    );
+    Ok(())
+}
