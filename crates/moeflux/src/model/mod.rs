@@ -6,4 +6,5 @@ pub mod moe;
 pub mod qwen3_hybrid;
 pub mod schema;
 pub mod state;
+pub mod timing;
 pub mod weights;

@@ -11,6 +11,7 @@ use crate::config::{ModelConfig, QuantSpec};
 use crate::error::{Error, Result};
 use crate::format::ExpertLayer;
 use crate::io::{ExpertBuf, ExpertStore};
+use crate::model::timing::{lap, PhaseTimes};
 use crate::model::weights::{DenseStore, LinearRef};
 use crate::quant::{affine, QMatrix, ScaleData, Weight};
 
@@ -255,9 +256,12 @@ impl MoeBlock {
         n: usize,
         k: usize,
         out: &mut [f32],
+        times: &mut PhaseTimes,
     ) -> Result<()> {
         let h = c.hidden_size;
+        let mut clock = std::time::Instant::now();
         let routing = self.route(d, c, xn, n, k);
+        lap(&mut clock, &mut times.routing);
 
         // Expert-major: every chosen expert once, with the (token, slot)s it serves.
         let mut users: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
@@ -276,7 +280,9 @@ impl MoeBlock {
                     *b = ExpertBuf::new(self.experts.extent);
                 }
             }
+            lap(&mut clock, &mut times.expert_compute);
             store.read_experts(self.layer, chunk, &mut bufs[..chunk.len()])?;
+            lap(&mut clock, &mut times.expert_io);
             for (&e, buf) in chunk.iter().zip(bufs.iter()) {
                 let slots = &users[&e];
                 let m = slots.len();
@@ -312,6 +318,7 @@ impl MoeBlock {
             }
         }
 
+        lap(&mut clock, &mut times.expert_compute);
         if let Some(sh) = &self.shared {
             let si = sh.gate.rows;
             let mut g = vec![0.0f32; n * si];

@@ -14,6 +14,7 @@ use crate::model::deltanet::GatedDeltaNet;
 use crate::model::moe::{DenseMlp, ExpertLayout, MoeBlock};
 use crate::model::schema::layer_prefix;
 use crate::model::state::{KvCache, LayerState, ModelState};
+use crate::model::timing::{lap, PhaseTimes};
 use crate::model::weights::{DenseStore, LinearRef};
 
 pub enum Mixer {
@@ -131,8 +132,10 @@ impl QwenHybrid {
         start: usize,
         k_active: usize,
         mode: LogitsMode,
+        times: &mut PhaseTimes,
     ) -> Result<Vec<f32>> {
         let c = &self.config;
+        let mut clock = std::time::Instant::now();
         let (n, h) = (tokens.len(), c.hidden_size);
         let d = &self.dense;
         let embed = d.view(&self.embed);
@@ -144,6 +147,7 @@ impl QwenHybrid {
         let mut r = vec![0.0f32; n * h];
         for (layer, ls) in self.layers.iter().zip(state.layers.iter_mut()) {
             ops::rms_norm_rows(&x, &layer.input_norm, c.rms_norm_eps, &mut xn);
+            lap(&mut clock, &mut times.embed_norm);
             match (&layer.mixer, ls) {
                 (Mixer::Full(a), LayerState::Full(kv)) => {
                     a.forward(d, c, &self.rope, &xn, n, start, kv, &mut r)
@@ -152,12 +156,15 @@ impl QwenHybrid {
                 _ => unreachable!("state built from the same layer list"),
             }
             ops::add_inplace(&mut x, &r);
+            lap(&mut clock, &mut times.attention);
             ops::rms_norm_rows(&x, &layer.post_norm, c.rms_norm_eps, &mut xn);
+            lap(&mut clock, &mut times.embed_norm);
             match &layer.mlp {
-                Mlp::Moe(m) => m.forward(d, c, store, bufs, &xn, n, k_active, &mut r)?,
+                Mlp::Moe(m) => m.forward(d, c, store, bufs, &xn, n, k_active, &mut r, times)?,
                 Mlp::Dense(m) => m.forward(d, &xn, n, &mut r),
             }
             ops::add_inplace(&mut x, &r);
+            lap(&mut clock, &mut times.shared_mlp);
         }
         let rows = match mode {
             LogitsMode::All => 0..n,
@@ -173,6 +180,7 @@ impl QwenHybrid {
         );
         let mut logits = vec![0.0f32; m * c.vocab_size];
         matmul(&d.view(&self.lm_head), &normed, m, &mut logits);
+        lap(&mut clock, &mut times.lm_head);
         Ok(logits)
     }
 }

@@ -13,6 +13,7 @@ use crate::io::{ExpertBuf, ExpertStore, ExpertStoreOptions, IoStats};
 pub use crate::model::qwen3_hybrid::LogitsMode;
 use crate::model::qwen3_hybrid::QwenHybrid;
 use crate::model::state::{LinearState, ModelState};
+pub use crate::model::timing::PhaseTimes;
 
 #[derive(Debug, Clone)]
 pub struct SessionOptions {
@@ -62,6 +63,7 @@ pub struct Session {
     /// Set when an eval failed midway: the state is then inconsistent until
     /// `clear`, `restore_to`, `truncate` or `state_load`.
     poisoned: bool,
+    times: PhaseTimes,
 }
 
 impl Session {
@@ -129,6 +131,7 @@ impl Session {
             bufs: Vec::new(),
             fingerprint: snapshot::fnv1a(&manifest_bytes),
             poisoned: false,
+            times: PhaseTimes::default(),
         })
     }
 
@@ -161,6 +164,16 @@ impl Session {
 
     pub fn io_stats(&self) -> IoStats {
         self.store.stats()
+    }
+
+    /// Wall time per forward phase, summed over every eval since open or
+    /// the last `reset_times`.
+    pub fn times(&self) -> PhaseTimes {
+        self.times
+    }
+
+    pub fn reset_times(&mut self) {
+        self.times = PhaseTimes::default();
     }
 
     /// Evaluates `tokens` after the current position as one batch and returns
@@ -201,9 +214,10 @@ impl Session {
             &mut self.bufs,
             self.k_active,
         );
+        let times = &mut self.times;
         let result = self
             .pool
-            .install(|| model.forward(store, bufs, state, tokens, start, k, mode));
+            .install(|| model.forward(store, bufs, state, tokens, start, k, mode, times));
         match result {
             Ok(logits) => {
                 self.tokens.extend_from_slice(tokens);

@@ -1,0 +1,54 @@
+//! Wall time per phase of the forward pass, accumulated across evals.
+
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PhaseTimes {
+    /// Embedding lookup and RMSNorms.
+    pub embed_norm: Duration,
+    /// Full attention and GatedDeltaNet layers (projections included).
+    pub attention: Duration,
+    /// Router matmul, softmax and top-K.
+    pub routing: Duration,
+    /// Waiting for routed-expert reads.
+    pub expert_io: Duration,
+    /// Routed-expert SwiGLU and the weighted combination.
+    pub expert_compute: Duration,
+    /// Shared expert and dense MLP layers.
+    pub shared_mlp: Duration,
+    /// Final norm and LM head.
+    pub lm_head: Duration,
+}
+
+impl PhaseTimes {
+    pub fn total(&self) -> Duration {
+        self.embed_norm
+            + self.attention
+            + self.routing
+            + self.expert_io
+            + self.expert_compute
+            + self.shared_mlp
+            + self.lm_head
+    }
+
+    /// `(name, duration)` pairs in pipeline order, for reports.
+    pub fn phases(&self) -> [(&'static str, Duration); 7] {
+        [
+            ("embed+norms", self.embed_norm),
+            ("attention", self.attention),
+            ("routing", self.routing),
+            ("expert I/O wait", self.expert_io),
+            ("expert compute", self.expert_compute),
+            ("shared expert/MLP", self.shared_mlp),
+            ("LM head", self.lm_head),
+        ]
+    }
+}
+
+/// Adds the time since `*t` to `slot` and restarts `*t`.
+#[inline]
+pub fn lap(t: &mut Instant, slot: &mut Duration) {
+    let now = Instant::now();
+    *slot += now - *t;
+    *t = now;
+}
