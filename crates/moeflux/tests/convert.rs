@@ -753,3 +753,189 @@ fn cancelled_while_writing_leaves_nothing() {
         assert!(flag.load(Ordering::Relaxed));
     }
 }
+
+// ------------------------------------------------------------ at scale
+
+/// Deterministic filler (xorshift64*).
+fn fill_random(buf: &mut [u8], seed: u64) {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    for c in buf.chunks_mut(8) {
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        let v = x.wrapping_mul(0x2545_F491_4F6C_DD1D).to_le_bytes();
+        c.copy_from_slice(&v[..c.len()]);
+    }
+}
+
+/// Random bf16 values in [1, 2) (finite, so converted tensors stay sane).
+fn bf16_random(n: usize, seed: u64) -> Vec<u8> {
+    let mut b = vec![0u8; n * 2];
+    fill_random(&mut b, seed);
+    for c in b.chunks_exact_mut(2) {
+        let m = u16::from_le_bytes([c[0], c[1]]) & 0x7f;
+        c.copy_from_slice(&(0x3f80 | m).to_le_bytes());
+    }
+    b
+}
+
+/// A multi-shard mlx-lm style 4-bit checkpoint at real widths, random data,
+/// built from the schema; converted and timed. Size grows with
+/// MOEFLUX_LARGE_LAYERS (default 8 layers of 128 experts, about 2.7 GB);
+/// MOEFLUX_LARGE_DIR picks where, MOEFLUX_LARGE_KEEP keeps it.
+#[test]
+#[ignore = "writes gigabytes; cargo test --release --test convert -- --ignored --nocapture"]
+fn large_synthetic_mlx_checkpoint() {
+    let layers: usize = std::env::var("MOEFLUX_LARGE_LAYERS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(8);
+    let root = std::env::var("MOEFLUX_LARGE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| std::env::temp_dir());
+    let t = tempfile::tempdir_in(root).unwrap();
+    let src = t.path().join("src");
+    std::fs::create_dir(&src).unwrap();
+    let config = serde_json::json!({
+        "model_type": "qwen3_5_moe",
+        "tie_word_embeddings": false,
+        "quantization": {"group_size": 64, "bits": 4, "mode": "affine"},
+        "text_config": {
+            "hidden_size": 2048, "num_hidden_layers": layers, "full_attention_interval": 4,
+            "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 128,
+            "linear_num_value_heads": 32, "linear_num_key_heads": 16,
+            "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+            "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+            "shared_expert_intermediate_size": 768, "vocab_size": 65536,
+            "rope_parameters": {"type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
+        }
+    });
+    std::fs::write(src.join("config.json"), config.to_string()).unwrap();
+    let cfg = ModelConfig::from_dir(&src).unwrap();
+
+    type T = (safetensors::Dtype, Vec<usize>, Vec<u8>);
+    let mut shards: Vec<BTreeMap<String, T>> = vec![BTreeMap::new(); layers + 1];
+    let shard_of = |name: &str| -> usize {
+        name.strip_prefix("model.layers.")
+            .and_then(|s| s.split('.').next())
+            .and_then(|l| l.parse::<usize>().ok())
+            .map_or(layers, |l| l)
+    };
+    let mut seed = 1u64;
+    let mut put = |name: String, dtype: safetensors::Dtype, shape: Vec<usize>| {
+        seed += 1;
+        let n: usize = shape.iter().product();
+        let data = match dtype {
+            safetensors::Dtype::BF16 => bf16_random(n, seed),
+            _ => {
+                let mut b = vec![0u8; n * 4];
+                fill_random(&mut b, seed);
+                if dtype == safetensors::Dtype::F32 {
+                    for c in b.chunks_exact_mut(4) {
+                        c.copy_from_slice(&(-1.5f32).to_le_bytes());
+                    }
+                }
+                b
+            }
+        };
+        let s = shard_of(&name);
+        shards[s].insert(format!("language_model.{name}"), (dtype, shape, data));
+    };
+    use safetensors::Dtype::{BF16, F32, U32};
+    for w in schema::dense_weights(&cfg) {
+        match w.kind {
+            WeightKind::Linear { rows, cols } => {
+                put(format!("{}.weight", w.name), U32, vec![rows, cols / 8]);
+                put(format!("{}.scales", w.name), BF16, vec![rows, cols / 64]);
+                put(format!("{}.biases", w.name), BF16, vec![rows, cols / 64]);
+            }
+            WeightKind::Vector { len } if w.name.ends_with("A_log") => put(w.name, F32, vec![len]),
+            WeightKind::Vector { len } => put(w.name, BF16, vec![len]),
+            WeightKind::Conv { channels, kernel } => put(w.name, BF16, vec![channels, kernel, 1]),
+        }
+    }
+    for s in schema::expert_weights(&cfg) {
+        for (c, rows, cols) in s.projections {
+            let m = s.module(c);
+            put(
+                format!("{m}.weight"),
+                U32,
+                vec![s.num_experts, rows, cols / 8],
+            );
+            put(
+                format!("{m}.scales"),
+                BF16,
+                vec![s.num_experts, rows, cols / 64],
+            );
+            put(
+                format!("{m}.biases"),
+                BF16,
+                vec![s.num_experts, rows, cols / 64],
+            );
+        }
+    }
+    let mut weight_map = serde_json::Map::new();
+    let n = shards.len();
+    for (i, sh) in shards.into_iter().enumerate() {
+        let file = format!("model-{:05}-of-{n:05}.safetensors", i + 1);
+        let views: Vec<(String, safetensors::tensor::TensorView)> = sh
+            .iter()
+            .map(|(k, (d, s, b))| {
+                weight_map.insert(k.clone(), file.clone().into());
+                (
+                    k.clone(),
+                    safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+                )
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, &src.join(&file)).unwrap();
+    }
+    std::fs::write(
+        src.join("model.safetensors.index.json"),
+        serde_json::json!({"metadata": {}, "weight_map": weight_map}).to_string(),
+    )
+    .unwrap();
+
+    let dst = t.path().join("model");
+    let t0 = std::time::Instant::now();
+    let r = convert(&src, &dst, &opts()).unwrap();
+    let secs = t0.elapsed().as_secs_f64();
+    let gb = (r.dense_bytes + r.expert_bytes) as f64 / 1e9;
+    eprintln!(
+        "converted {} layers: dense {:.2} GB, experts {:.2} GB in {secs:.2} s ({:.2} GB/s)",
+        layers,
+        r.dense_bytes as f64 / 1e9,
+        r.expert_bytes as f64 / 1e9,
+        gb / secs
+    );
+    let m = check_model_dir(&dst);
+    // Spot-check experts of layer 0 against the source shard.
+    check_experts_equal_source(
+        &dst,
+        &Manifest {
+            experts: vec![m.experts[0].clone()],
+            ..m.clone()
+        },
+        &src.join(format!("model-00001-of-{n:05}.safetensors")),
+        "language_model.",
+    );
+    moeflux::Session::open(&dst, Default::default()).unwrap();
+
+    // 2-bit re-quantization throughput.
+    let dst2 = t.path().join("model2");
+    let t0 = std::time::Instant::now();
+    let o = ConvertOptions {
+        expert_bits: Some(2),
+        ..opts()
+    };
+    let r = convert(&src, &dst2, &o).unwrap();
+    eprintln!(
+        "--expert-bits 2: experts {:.2} GB in {:.2} s",
+        r.expert_bytes as f64 / 1e9,
+        t0.elapsed().as_secs_f64()
+    );
+    if std::env::var_os("MOEFLUX_LARGE_KEEP").is_some() {
+        std::fs::remove_dir_all(&dst2).unwrap();
+        eprintln!("kept {}", t.keep().display());
+    }
+}

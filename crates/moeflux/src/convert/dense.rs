@@ -13,6 +13,7 @@ use std::fs::File;
 use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use rayon::prelude::*;
 
@@ -95,6 +96,12 @@ fn verbatim(job: &DenseJob) -> bool {
     }
 }
 
+fn job_raw(job: &DenseJob) -> &str {
+    match job {
+        DenseJob::Tensor { raw, .. } | DenseJob::Quantize { raw, .. } => raw,
+    }
+}
+
 fn split(job: usize, total: usize, per: usize, items: &mut Vec<Item>) {
     let per = per.max(1);
     let mut s = 0;
@@ -142,9 +149,17 @@ pub fn write(
         }
     }
 
+    // Chunks left per job: the last one releases the job's source pages.
+    let left: Vec<AtomicUsize> = (0..plan.jobs.len()).map(|_| AtomicUsize::new(0)).collect();
+    for it in &items {
+        left[it.job].fetch_add(1, Ordering::Relaxed);
+    }
     items.par_iter().try_for_each(|it| -> Result<()> {
         ctx.check_cancel()?;
         let n = run_item(src, plan, lay, &file, it).map_err(io)?;
+        if left[it.job].fetch_sub(1, Ordering::AcqRel) == 1 {
+            src.release(job_raw(&plan.jobs[it.job]));
+        }
         ctx.advance(n);
         Ok(())
     })?;
@@ -202,7 +217,7 @@ fn run_item(
                     // mlx adds in the source dtype: exact f32 sum, rounded once.
                     *x = ty.round(*x + 1.0);
                 }
-                if let Some(c) = cast {
+                if let Some(c) = cast.filter(|c| c.narrows(ty)) {
                     *x = c.round(*x);
                 }
             }
@@ -227,8 +242,10 @@ fn run_item(
             let (r0, r1) = (it.start, it.end);
             let rows = r1 - r0;
             let mut w = dtype::decode(&src.data(t)[r0 * cols * es..r1 * cols * es], *src_ty);
-            for x in &mut w {
-                *x = work.round(*x);
+            if work.narrows(*src_ty) {
+                for x in &mut w {
+                    *x = work.round(*x);
+                }
             }
             let q = affine::quantize(&w, rows, *cols, *spec);
             let wpr = affine::words_per_row(*cols, spec.bits);
@@ -240,7 +257,11 @@ fn run_item(
             let ss = dtype::size_of(sd);
             let mut n = wb.len();
             for (k, vals) in [(1, &q.scales), (2, &q.biases)] {
-                let r: Vec<f32> = vals.iter().map(|&x| work.round(x)).collect();
+                // Scales and biases take the weight's type (BF16 encoding rounds itself).
+                let r: Vec<f32> = match work {
+                    FloatTy::F16 => vals.iter().map(|&x| work.round(x)).collect(),
+                    _ => vals.clone(),
+                };
                 let mut b = vec![0u8; r.len() * ss];
                 dtype::encode_into(&r, sd, &mut b);
                 file.write_all_at(&b, lay.offsets[outs[k]] + (r0 * groups * ss) as u64)?;

@@ -41,6 +41,11 @@ impl FloatTy {
         }
     }
 
+    /// Whether rounding values of type `from` to `self` can change them.
+    pub fn narrows(self, from: FloatTy) -> bool {
+        self != from && self != FloatTy::F32
+    }
+
     /// The dtype moeflux stores values of this type in: the engine reads
     /// BF16 and F32 only, so F16 is widened (losslessly) to F32.
     pub fn stored(self) -> Dtype {

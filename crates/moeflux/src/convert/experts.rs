@@ -37,7 +37,24 @@ pub fn write_layer(src: &Source, lp: &LayerPlan, path: &Path, ctx: &Ctx) -> Resu
             Ok(())
         },
     )?;
-    file.sync_all().map_err(io)
+    file.sync_all().map_err(io)?;
+    // The file is durable: drop its pages from the page cache rather than
+    // evicting more useful data while hundreds of GB stream through.
+    // SAFETY: plain fadvise on an open descriptor.
+    unsafe {
+        libc::posix_fadvise(
+            std::os::fd::AsRawFd::as_raw_fd(&file),
+            0,
+            0,
+            libc::POSIX_FADV_DONTNEED,
+        );
+    }
+    for c in &lp.components {
+        for raw in c.src.raw_names() {
+            src.release(raw);
+        }
+    }
+    Ok(())
 }
 
 fn piece<'b>(buf: &'b mut [u8], r: &ExpertTensorRef) -> &'b mut [u8] {
@@ -90,8 +107,10 @@ pub fn build_expert(src: &Source, lp: &LayerPlan, e: usize, buf: &mut [u8]) {
             }
             ExpertOp::Quantize { work } => {
                 let mut w = float_expert(src, c, e);
-                for x in &mut w {
-                    *x = work.round(*x);
+                if work.narrows(float_ty(src, c, e)) {
+                    for x in &mut w {
+                        *x = work.round(*x);
+                    }
                 }
                 quantize_into(&w, c, work, buf, &refs);
             }
@@ -111,8 +130,13 @@ fn quantize_into(
     let q = affine::quantize(w, c.rows, c.cols, c.out_spec);
     dtype::encode_u32(&q.packed, piece(buf, refs[0]));
     for (k, vals) in [(1, &q.scales), (2, &q.biases)] {
-        let r: Vec<f32> = vals.iter().map(|&x| work.round(x)).collect();
-        dtype::encode_into(&r, c.out_scale_dtype, piece(buf, refs[k]));
+        // BF16 encoding rounds itself; F16 values are stored widened to F32.
+        if work == FloatTy::F16 {
+            let r: Vec<f32> = vals.iter().map(|&x| work.round(x)).collect();
+            dtype::encode_into(&r, c.out_scale_dtype, piece(buf, refs[k]));
+        } else {
+            dtype::encode_into(vals, c.out_scale_dtype, piece(buf, refs[k]));
+        }
     }
 }
 
@@ -144,6 +168,16 @@ fn dequantize_expert(src: &Source, c: &ComponentPlan, e: usize) -> Vec<f32> {
         );
     }
     out
+}
+
+/// Float type of expert `e`'s source tensor.
+fn float_ty(src: &Source, c: &ComponentPlan, e: usize) -> FloatTy {
+    let raw = match &c.src {
+        ExpertSrc::PerExpert(raws) => &raws[e],
+        ExpertSrc::Stacked { raw, .. } => raw,
+        ExpertSrc::Quantized { .. } => unreachable!("float experts only"),
+    };
+    FloatTy::from_dtype(src.tensors[raw].dtype).expect("checked by the plan")
 }
 
 /// Expert `e` of a float component as f32 [rows, cols] (exact).

@@ -64,6 +64,19 @@ pub enum ExpertSrc {
 }
 
 impl ExpertSrc {
+    /// Every checkpoint tensor this source reads.
+    pub fn raw_names(&self) -> Vec<&str> {
+        match self {
+            ExpertSrc::Quantized {
+                weight,
+                scales,
+                biases,
+            } => vec![weight, scales, biases],
+            ExpertSrc::Stacked { raw, .. } => vec![raw],
+            ExpertSrc::PerExpert(v) => v.iter().map(String::as_str).collect(),
+        }
+    }
+
     /// A checkpoint name to report problems against.
     pub fn first_raw(&self) -> &str {
         match self {

@@ -181,6 +181,27 @@ impl Source {
         &self.shards[t.shard].map[t.start..t.start + t.len]
     }
 
+    /// Drops `name`'s pages from this process's mapping once it has been
+    /// consumed, so the resident size stays near one layer instead of
+    /// growing to the whole checkpoint (the pages stay in the page cache).
+    pub fn release(&self, name: &str) {
+        let Some(t) = self.tensors.get(name) else {
+            return;
+        };
+        let map = &self.shards[t.shard].map;
+        let page = page_size();
+        let start = t.start / page * page;
+        let end = (t.start + t.len).next_multiple_of(page).min(map.len());
+        if end > start {
+            // SAFETY: the map is a read-only shared file mapping: after
+            // MADV_DONTNEED the next access faults the same file bytes back
+            // in, so nothing observable changes (it is advice only).
+            let _ = unsafe {
+                map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
+            };
+        }
+    }
+
     /// File holding `name` (for messages); the index or the directory when
     /// the tensor is not there at all.
     pub fn file_of(&self, name: &str) -> PathBuf {
@@ -202,6 +223,16 @@ impl Source {
     /// True when config.json declares an mlx-lm `quantization` block.
     pub fn is_quantized(&self) -> bool {
         self.config.quantization.is_some()
+    }
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as usize
+    } else {
+        4096
     }
 }
 
