@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use moeflux::convert::{convert, ConvertOptions, ConvertProgress};
 
-use crate::progress::ConvertBar;
+use crate::progress::{human_bytes, ConvertBar};
 
 #[derive(Debug, Args)]
 pub struct ConvertArgs {
@@ -35,10 +35,6 @@ fn parse_expert_bits(s: &str) -> std::result::Result<u32, String> {
         "8" => Ok(8),
         _ => Err(format!("`{s}` is not one of 2, 4, 8")),
     }
-}
-
-fn gb(bytes: u64) -> String {
-    format!("{:.2} GB", bytes as f64 / 1e9)
 }
 
 pub fn run(args: ConvertArgs) -> Result<()> {
@@ -82,14 +78,14 @@ pub fn run(args: ConvertArgs) -> Result<()> {
         _ => String::new(),
     };
     println!(
-        "converted {} ({} source, {} layers, {} MoE): {} tensors, dense {}, experts {}{bits} in {:.1} s -> {}",
+        "converted {} ({} source, {} layers, {} MoE): {} tensors, dense {}, experts {}{bits} in {:.2} s -> {}",
         r.architecture,
         r.source_kind.as_str(),
         r.layers,
         r.moe_layers,
         r.tensors,
-        gb(r.dense_bytes),
-        gb(r.expert_bytes),
+        human_bytes(r.dense_bytes),
+        human_bytes(r.expert_bytes),
         r.elapsed.as_secs_f64(),
         r.dst.display()
     );

@@ -84,8 +84,8 @@ fn group_of(name: &str) -> &'static str {
     }
 }
 
-fn gb(bytes: u64) -> String {
-    format!("{:.3} GB", bytes as f64 / 1e9)
+fn size(bytes: u64) -> String {
+    format!("{} ({bytes} bytes)", crate::progress::human_bytes(bytes))
 }
 
 /// The summary printed by `inspect` (also its `--json` output).
@@ -228,12 +228,12 @@ fn print_text(s: &Value) {
     }
     println!(
         "dense          {} in {} tensors",
-        gb(n("/dense_bytes")),
+        size(n("/dense_bytes")),
         n("/dense_tensors")
     );
     println!(
         "experts        {} in {} layer files; {} bytes per expert (stride {})",
-        gb(n("/expert_bytes")),
+        size(n("/expert_bytes")),
         n("/moe/moe_layers"),
         n("/bytes_per_expert"),
         n("/expert_stride")

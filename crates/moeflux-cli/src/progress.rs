@@ -7,6 +7,18 @@ use std::time::Duration;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use moeflux::convert::{ConvertProgress, ConvertStage};
 
+/// Sizes for people: GB from 1 GB up, else MB or KB (decimal units).
+pub fn human_bytes(b: u64) -> String {
+    let f = b as f64;
+    if f >= 1e9 {
+        format!("{:.2} GB", f / 1e9)
+    } else if f >= 1e6 {
+        format!("{:.1} MB", f / 1e6)
+    } else {
+        format!("{:.1} KB", f / 1e3)
+    }
+}
+
 /// A byte-count bar for `moeflux convert`: bytes written / total, rate,
 /// ETA and the current stage (dense tensors, expert layer N, finishing).
 pub struct ConvertBar {
@@ -63,8 +75,24 @@ impl ConvertBar {
     }
 }
 
+impl Default for ConvertBar {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl Drop for ConvertBar {
     fn drop(&mut self) {
         self.finish();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn human_bytes() {
+        assert_eq!(super::human_bytes(1_500), "1.5 KB");
+        assert_eq!(super::human_bytes(2_340_000), "2.3 MB");
+        assert_eq!(super::human_bytes(210_000_000_000), "210.00 GB");
     }
 }

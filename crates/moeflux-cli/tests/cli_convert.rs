@@ -44,7 +44,10 @@ fn convert_then_inspect() {
     assert!(out.status.success(), "{}", text(&out.stderr));
     let summary = text(&out.stdout);
     assert!(
-        summary.contains("qwen3_next") && summary.contains("tensors") && summary.contains("GB"),
+        summary.contains("qwen3_next")
+            && summary.contains("tensors")
+            && summary.contains("dense ")
+            && summary.contains(" KB"),
         "{summary}"
     );
     assert!(dst.join("moeflux.json").is_file());

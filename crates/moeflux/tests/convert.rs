@@ -520,6 +520,46 @@ fn edited_source_without_changes_converts() {
     check_model_dir(&dst);
 }
 
+/// Several `*.safetensors` without an index are read together.
+#[test]
+fn several_shards_without_index() {
+    let t = tempfile::tempdir().unwrap();
+    let fx = fixture("qwen35moe-q4/src");
+    for f in ["config.json", "tokenizer.json"] {
+        std::fs::copy(fx.join(f), t.path().join(f)).unwrap();
+    }
+    let f = SrcFile::open(&fx.join("model.safetensors"));
+    let st = f.st();
+    let mut parts: [Vec<(String, safetensors::tensor::TensorView)>; 2] = Default::default();
+    for (i, (n, v)) in st.tensors().into_iter().enumerate() {
+        parts[i % 2].push((n, v));
+    }
+    for (i, p) in parts.into_iter().enumerate() {
+        let path = t.path().join(format!("part{i}.safetensors"));
+        safetensors::serialize_to_file(p, None, &path).unwrap();
+    }
+    let (_o, dst) = convert_fixture(t.path(), &opts());
+    let m = check_model_dir(&dst);
+    check_dense_equal_source(&dst, &m, &fx.join("model.safetensors"), "language_model.");
+    check_experts_equal_source(&dst, &m, &fx.join("model.safetensors"), "language_model.");
+    // tokenizer_config.json was absent: not invented.
+    assert!(!dst.join("tokenizer_config.json").exists());
+}
+
+#[test]
+fn error_tensor_in_two_shards() {
+    let t = tempfile::tempdir().unwrap();
+    let fx = fixture("qwen35moe-q4/src");
+    std::fs::copy(fx.join("config.json"), t.path().join("config.json")).unwrap();
+    std::fs::copy(fx.join("model.safetensors"), t.path().join("a.safetensors")).unwrap();
+    std::fs::copy(fx.join("model.safetensors"), t.path().join("b.safetensors")).unwrap();
+    let e = convert_err(t.path(), &opts()).to_string();
+    assert!(
+        e.contains("b.safetensors") && e.contains("also present in"),
+        "{e}"
+    );
+}
+
 #[test]
 fn error_missing_config() {
     let t = tempfile::tempdir().unwrap();
