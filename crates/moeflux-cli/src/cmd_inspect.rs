@@ -42,7 +42,7 @@ fn runs<T: PartialEq + Copy>(v: &[T]) -> Vec<(T, usize)> {
 pub fn layer_pattern(kinds: &[LayerKind]) -> String {
     let n = kinds.len();
     let period = (1..=n)
-        .find(|&p| n % p == 0 && (0..n).all(|i| kinds[i] == kinds[i % p]))
+        .find(|&p| n.is_multiple_of(p) && (0..n).all(|i| kinds[i] == kinds[i % p]))
         .unwrap_or(n);
     let body = runs(&kinds[..period])
         .iter()

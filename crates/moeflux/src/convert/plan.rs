@@ -250,7 +250,7 @@ impl<'a> Planner<'a> {
         let d = self.dense(&wname).ok_or_else(|| self.missing(&wname))?;
         let ty = self.float_ty(&d.raw)?;
         self.check_shape(&d.raw, &d.shape, &[rows, cols], "[out, in]")?;
-        if self.kind == SourceKind::Unquantized && cols % DEFAULT_GROUP_SIZE == 0 {
+        if self.kind == SourceKind::Unquantized && cols.is_multiple_of(DEFAULT_GROUP_SIZE) {
             let arch = self.src.config.arch;
             let gate = module.ends_with("mlp.gate") || module.ends_with("shared_expert_gate");
             // qwen3_5's predicate is only active for MoE models; qwen3_next's always.
@@ -315,7 +315,7 @@ impl<'a> Planner<'a> {
                 )
             })?;
         q.validate().map_err(|r| self.err(&w.raw, r))?;
-        if cols % q.group_size != 0 {
+        if !cols.is_multiple_of(q.group_size) {
             return Err(self.err(
                 &w.raw,
                 format!(
@@ -417,7 +417,7 @@ impl<'a> Planner<'a> {
                         )
                     })?;
                 q.validate().map_err(|r| self.err(weight, r))?;
-                if cols % q.group_size != 0 {
+                if !cols.is_multiple_of(q.group_size) {
                     return Err(self.err(
                         weight,
                         format!(
@@ -517,7 +517,7 @@ impl<'a> Planner<'a> {
         }
         if let Some(ty) = plan.src_float {
             let bits = target_bits.unwrap_or(DEFAULT_BITS);
-            if cols % DEFAULT_GROUP_SIZE != 0 {
+            if !cols.is_multiple_of(DEFAULT_GROUP_SIZE) {
                 return Err(self.err(
                     src.first_raw(),
                     format!(
