@@ -11,6 +11,7 @@
 //! caching policy belongs to the caller.
 
 mod buf;
+pub mod procfs;
 mod sys;
 
 #[cfg(test)]
