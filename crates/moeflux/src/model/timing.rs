@@ -31,6 +31,19 @@ impl PhaseTimes {
             + self.lm_head
     }
 
+    /// The time spent since an `earlier` reading of the same counters.
+    pub fn minus(&self, earlier: &PhaseTimes) -> PhaseTimes {
+        PhaseTimes {
+            embed_norm: self.embed_norm.saturating_sub(earlier.embed_norm),
+            attention: self.attention.saturating_sub(earlier.attention),
+            routing: self.routing.saturating_sub(earlier.routing),
+            expert_io: self.expert_io.saturating_sub(earlier.expert_io),
+            expert_compute: self.expert_compute.saturating_sub(earlier.expert_compute),
+            shared_mlp: self.shared_mlp.saturating_sub(earlier.shared_mlp),
+            lm_head: self.lm_head.saturating_sub(earlier.lm_head),
+        }
+    }
+
     /// `(name, duration)` pairs in pipeline order, for reports.
     pub fn phases(&self) -> [(&'static str, Duration); 7] {
         [
