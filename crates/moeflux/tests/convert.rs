@@ -311,6 +311,13 @@ fn check_hf_equals_mlx(name: &str) {
         .quantization
         .unwrap();
     assert_eq!(qa, qb);
+    // Whole config.json as mlx-lm writes it (eos from generation_config.json,
+    // no vision_config), but for mlx-lm renaming rope_type to type in place.
+    let read = |p: &Path| -> serde_json::Value {
+        let t = std::fs::read_to_string(p.join("config.json")).unwrap();
+        serde_json::from_str(&t.replace("\"rope_type\"", "\"type\"")).unwrap()
+    };
+    assert_eq!(read(&from_hf), read(&fixture(name).join("expected_mlx")));
     moeflux::Session::open(&from_hf, Default::default()).unwrap();
 }
 

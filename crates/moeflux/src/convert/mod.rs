@@ -152,6 +152,17 @@ impl Ctx<'_> {
     }
 }
 
+/// JSON with 4-space indentation (as mlx-lm writes config.json).
+fn json_4_spaces(v: &serde_json::Value) -> Vec<u8> {
+    use serde::Serialize;
+    let mut out = Vec::new();
+    let fmt = serde_json::ser::PrettyFormatter::with_indent(b"    ");
+    let mut ser = serde_json::Serializer::with_formatter(&mut out, fmt);
+    v.serialize(&mut ser).expect("JSON value serializes");
+    out.push(b'\n');
+    out
+}
+
 /// Converts the checkpoint in `src` into a moeflux model directory `dst`.
 ///
 /// Everything is validated against the architecture's schema before
@@ -178,6 +189,7 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions) -> Result<ConvertR
         layers_total: plan.layers.len(),
     };
     ctx.check_cancel()?;
+    output::check_space(dst, ctx.total + (1 << 20))?;
 
     let tmp = output::TempDir::create(dst)?;
     ctx.set_stage(ConvertStage::Dense, None);
@@ -198,10 +210,12 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions) -> Result<ConvertR
     let cfg_out = tmp.path.join("config.json");
     match &plan.config_quant {
         Some(cq) => {
-            let v = plan::output_config(&source.config_json, cq);
-            let mut text = serde_json::to_string_pretty(&v).expect("config serializes");
-            text.push('\n');
-            output::write_file(&cfg_out, text.as_bytes())?;
+            let gen_path = src.join("generation_config.json");
+            let generation: Option<serde_json::Value> = std::fs::read_to_string(&gen_path)
+                .ok()
+                .and_then(|t| serde_json::from_str(&t).ok());
+            let v = plan::output_config(&source.config_json, generation.as_ref(), cq);
+            output::write_file(&cfg_out, &json_4_spaces(&v))?;
         }
         None => output::copy_file(&source.config_path, &cfg_out)?,
     }

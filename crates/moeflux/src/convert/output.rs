@@ -7,6 +7,7 @@
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::error::{Error, Result};
 
@@ -46,6 +47,40 @@ pub fn check_destination(src: &Path, dst: &Path, force: bool) -> Result<()> {
     Ok(())
 }
 
+/// Refuses to start when the destination's file system has less than
+/// `needed` bytes free (better than failing hours into a large model).
+pub fn check_space(dst: &Path, needed: u64) -> Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let (parent, _) = split_dst(dst)?;
+    // The nearest existing ancestor (the parent may be created later).
+    let mut dir = parent.as_path();
+    while dir.symlink_metadata().is_err() {
+        match dir.parent() {
+            Some(p) if !p.as_os_str().is_empty() => dir = p,
+            _ => {
+                dir = Path::new(".");
+                break;
+            }
+        }
+    }
+    let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else {
+        return Ok(());
+    };
+    // SAFETY: statvfs fills the zeroed struct; `c` is a valid C string.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return Ok(()); // cannot tell; the writes will report a full disk
+    }
+    let avail = (st.f_bavail as u64).saturating_mul(st.f_frsize as u64);
+    if avail < needed {
+        return Err(Error::Invalid(format!(
+            "{}: not enough free space: the model needs {needed} bytes, {avail} are available",
+            dir.display()
+        )));
+    }
+    Ok(())
+}
+
 fn split_dst(dst: &Path) -> Result<(PathBuf, String)> {
     let name = dst
         .file_name()
@@ -76,9 +111,16 @@ impl TempDir {
     pub fn create(dst: &Path) -> Result<Self> {
         let (parent, name) = split_dst(dst)?;
         std::fs::create_dir_all(&parent).map_err(|e| Error::io(&parent, e))?;
-        let path = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+        // pid, plus a counter for several conversions in one process.
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let suffix = match n {
+            0 => format!("{}", std::process::id()),
+            _ => format!("{}-{n}", std::process::id()),
+        };
+        let path = parent.join(format!(".{name}.tmp-{suffix}"));
         if path.symlink_metadata().is_ok() {
-            // Left by an earlier run of a process with our pid.
+            // Left by an earlier run of a process that had our pid.
             std::fs::remove_dir_all(&path).map_err(|e| Error::io(&path, e))?;
         }
         std::fs::create_dir(&path).map_err(|e| Error::io(&path, e))?;
@@ -156,4 +198,44 @@ pub fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
 pub fn copy_file(from: &Path, to: &Path) -> Result<()> {
     let bytes = std::fs::read(from).map_err(|e| Error::io(from, e))?;
     write_file(to, &bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn space_check() {
+        let t = tempfile::tempdir().unwrap();
+        let dst = t.path().join("not/yet/there/model");
+        check_space(&dst, 1).unwrap();
+        let e = check_space(&dst, u64::MAX).unwrap_err().to_string();
+        assert!(e.contains("not enough free space"), "{e}");
+    }
+
+    #[test]
+    fn temp_dir_is_removed_unless_committed() {
+        let t = tempfile::tempdir().unwrap();
+        let dst = t.path().join("m");
+        let tmp = TempDir::create(&dst).unwrap();
+        let p = tmp.path.clone();
+        std::fs::write(p.join("x"), b"1").unwrap();
+        drop(tmp);
+        assert!(!p.exists() && !dst.exists());
+        let tmp = TempDir::create(&dst).unwrap();
+        std::fs::write(tmp.path.join("x"), b"2").unwrap();
+        tmp.commit(&dst, false).unwrap();
+        assert_eq!(std::fs::read(dst.join("x")).unwrap(), b"2");
+        // Forced replacement of an existing directory.
+        let tmp = TempDir::create(&dst).unwrap();
+        std::fs::write(tmp.path.join("y"), b"3").unwrap();
+        assert!(matches!(
+            TempDir::create(&dst).unwrap().commit(&dst, false),
+            Err(Error::DestinationExists { .. })
+        ));
+        tmp.commit(&dst, true).unwrap();
+        assert!(dst.join("y").exists() && !dst.join("x").exists());
+        let names: Vec<_> = std::fs::read_dir(t.path()).unwrap().collect();
+        assert_eq!(names.len(), 1, "leftovers beside the destination");
+    }
 }

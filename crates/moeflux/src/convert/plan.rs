@@ -746,13 +746,24 @@ pub fn plan(src: &Source, san: &Sanitized, expert_bits: Option<u32>) -> Result<P
     })
 }
 
-/// config.json for the model directory: the source's, plus the quantization
-/// entries (as both `quantization` and `quantization_config`, like mlx-lm).
-pub fn output_config(src_config: &Value, cq: &ConfigQuant) -> Value {
+/// config.json for the model directory, as mlx-lm's `load_config` +
+/// `save_config` would write it: the source's, `eos_token_id` taken from
+/// `generation_config.json` when that has one, `vision_config` and
+/// `_name_or_path` dropped, plus the quantization entries (as both
+/// `quantization` and `quantization_config`).
+pub fn output_config(src_config: &Value, generation: Option<&Value>, cq: &ConfigQuant) -> Value {
     let mut v = src_config.clone();
     let Some(top) = v.as_object_mut() else {
         return v;
     };
+    if let Some(eos) = generation
+        .and_then(|g| g.get("eos_token_id"))
+        .filter(|e| !e.is_null() && *e != &Value::Bool(false))
+    {
+        top.insert("eos_token_id".into(), eos.clone());
+    }
+    top.remove("vision_config");
+    top.remove("_name_or_path");
     let mut q: Map<String, Value> = match top.get("quantization") {
         Some(Value::Object(m)) => m.clone(),
         _ => Map::new(),
