@@ -91,3 +91,21 @@ pub fn run(args: ConvertArgs) -> Result<()> {
     );
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::progress::human_bytes;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(human_bytes(1_500), "1.5 KB");
+        assert_eq!(human_bytes(2_340_000), "2.3 MB");
+        assert_eq!(human_bytes(210_000_000_000), "210.00 GB");
+    }
+
+    #[test]
+    fn expert_bits_values() {
+        assert_eq!(super::parse_expert_bits("2"), Ok(2));
+        assert!(super::parse_expert_bits("3").is_err());
+    }
+}
