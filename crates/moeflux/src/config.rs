@@ -315,7 +315,7 @@ impl ModelConfig {
             ] {
                 positive(&f, name, v)?;
             }
-            if linear.num_v_heads % linear.num_k_heads != 0 {
+            if !linear.num_v_heads.is_multiple_of(linear.num_k_heads) {
                 return Err(f.err(
                     "linear_num_value_heads",
                     format!(
@@ -569,7 +569,7 @@ impl ModelConfig {
             }
         };
         let rotary_dim = (head_dim as f64 * factor) as usize;
-        if rotary_dim == 0 || rotary_dim > head_dim || rotary_dim % 2 != 0 {
+        if rotary_dim == 0 || rotary_dim > head_dim || !rotary_dim.is_multiple_of(2) {
             return Err(f.err(
                 "partial_rotary_factor",
                 format!("gives rotary dim {rotary_dim} for head_dim {head_dim}; need an even number in 2..=head_dim"),

@@ -86,7 +86,7 @@ impl ExpertBuf {
 
     fn view<T: bytemuck::Pod>(&self, offset: usize, count: usize) -> Option<&[T]> {
         let size = std::mem::size_of::<T>();
-        if offset % std::mem::align_of::<T>() != 0 {
+        if !offset.is_multiple_of(std::mem::align_of::<T>()) {
             return None;
         }
         let end = count.checked_mul(size)?.checked_add(offset)?;

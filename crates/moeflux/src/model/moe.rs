@@ -74,7 +74,8 @@ impl ExpertLayout {
                 l.num_experts, c.moe.num_experts
             )));
         }
-        if l.stride % crate::format::EXPERT_ALIGN as u64 != 0 || l.expert_bytes > l.stride {
+        if !l.stride.is_multiple_of(crate::format::EXPERT_ALIGN as u64) || l.expert_bytes > l.stride
+        {
             return Err(err(format!(
                 "stride {} is not a multiple of 4096 holding {} bytes",
                 l.stride, l.expert_bytes
@@ -94,7 +95,7 @@ impl ExpertLayout {
             cp.quant
                 .validate()
                 .map_err(|r| err(format!("{name}: {r}")))?;
-            if cols % cp.quant.group_size != 0 {
+            if !cols.is_multiple_of(cp.quant.group_size) {
                 return Err(err(format!(
                     "{name}: {cols} columns not divisible by group size"
                 )));
@@ -118,7 +119,7 @@ impl ExpertLayout {
             for (r, bytes, align, what) in parts {
                 if r.bytes as usize != bytes
                     || r.offset + r.bytes > l.expert_bytes
-                    || r.offset as usize % align != 0
+                    || !(r.offset as usize).is_multiple_of(align)
                 {
                     return Err(err(format!(
                         "{name}.{what}: bad byte range {}+{}",

@@ -139,7 +139,7 @@ impl DenseStore {
                 "byte range disagrees with moeflux.json",
             ));
         }
-        if offset % dtype.size() != 0 {
+        if !offset.is_multiple_of(dtype.size()) {
             return Err(Error::tensor(
                 path,
                 name,
@@ -174,7 +174,7 @@ impl DenseStore {
         match self.quantized.get(module) {
             Some(&spec) => {
                 spec.validate().map_err(|r| self.err(&wname, r))?;
-                if cols % spec.group_size != 0 {
+                if !cols.is_multiple_of(spec.group_size) {
                     return Err(self.err(
                         &wname,
                         format!(
