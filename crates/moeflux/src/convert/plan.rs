@@ -746,6 +746,18 @@ pub fn plan(src: &Source, san: &Sanitized, expert_bits: Option<u32>) -> Result<P
     })
 }
 
+/// Python truthiness, as mlx-lm's `if eos := generation_config.get(...)`.
+fn truthy(v: &Value) -> bool {
+    match v {
+        Value::Null => false,
+        Value::Bool(b) => *b,
+        Value::Number(n) => n.as_f64() != Some(0.0),
+        Value::String(s) => !s.is_empty(),
+        Value::Array(a) => !a.is_empty(),
+        Value::Object(o) => !o.is_empty(),
+    }
+}
+
 /// config.json for the model directory, as mlx-lm's `load_config` +
 /// `save_config` would write it: the source's, `eos_token_id` taken from
 /// `generation_config.json` when that has one, `vision_config` and
@@ -758,7 +770,7 @@ pub fn output_config(src_config: &Value, generation: Option<&Value>, cq: &Config
     };
     if let Some(eos) = generation
         .and_then(|g| g.get("eos_token_id"))
-        .filter(|e| !e.is_null() && *e != &Value::Bool(false))
+        .filter(|e| truthy(e))
     {
         top.insert("eos_token_id".into(), eos.clone());
     }
