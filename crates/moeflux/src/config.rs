@@ -356,14 +356,24 @@ impl ModelConfig {
 
         let rope = Self::parse_rope(&f, head_dim)?;
         let quantization = Self::parse_quantization(&f, top)?;
-        let eos_token_ids = match f.get("eos_token_id") {
-            None => Vec::new(),
-            Some(Value::Array(a)) => a
-                .iter()
-                .filter_map(|v| v.as_u64().map(|x| x as u32))
-                .collect(),
-            Some(v) => v.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        };
+        // Union over text_config and the top level: mlx-lm writes the
+        // generation_config ids at the top, Qwen3.5's text_config has its own.
+        let mut eos_token_ids: Vec<u32> = Vec::new();
+        for m in &f.layers {
+            let ids: Vec<u32> = match m.get("eos_token_id") {
+                Some(Value::Array(a)) => a
+                    .iter()
+                    .filter_map(|v| v.as_u64().map(|x| x as u32))
+                    .collect(),
+                Some(v) => v.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+                None => Vec::new(),
+            };
+            for id in ids {
+                if !eos_token_ids.contains(&id) {
+                    eos_token_ids.push(id);
+                }
+            }
+        }
 
         Ok(ModelConfig {
             arch,
@@ -670,6 +680,7 @@ mod tests {
         json!({
             "model_type": "qwen3_5_moe",
             "tie_word_embeddings": false,
+            "eos_token_id": [2, 0],
             "quantization": {"group_size": 64, "bits": 4, "mode": "affine",
                 "language_model.model.layers.0.mlp.gate": {"group_size": 64, "bits": 8}},
             "text_config": {
@@ -678,7 +689,7 @@ mod tests {
                 "linear_num_value_heads": 4, "linear_num_key_heads": 2,
                 "linear_key_head_dim": 32, "linear_value_head_dim": 32,
                 "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
-                "shared_expert_intermediate_size": 64, "full_attention_interval": 4,
+                "shared_expert_intermediate_size": 64, "full_attention_interval": 4, "eos_token_id": 2,
                 "rope_parameters": {"type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
             }
         })
@@ -694,6 +705,7 @@ mod tests {
         assert_eq!(c.layer_kinds[3], LayerKind::FullAttention);
         assert_eq!(c.layer_kinds[2], LayerKind::LinearAttention);
         assert!(c.moe.norm_topk_prob);
+        assert_eq!(c.eos_token_ids, vec![2, 0]);
         let q = c.quantization.unwrap();
         assert_eq!(q.for_module("model.layers.0.mlp.gate").unwrap().bits, 8);
         assert_eq!(q.for_module("model.layers.1.mlp.gate").unwrap().bits, 4);
