@@ -45,6 +45,12 @@ pub enum Error {
         index: usize,
         vocab: usize,
     },
+    #[error("{path}: cannot load tokenizer: {reason}")]
+    Tokenizer { path: PathBuf, reason: String },
+    #[error("token id {token} at index {index} is not in the tokenizer's vocabulary")]
+    UnknownToken { token: u32, index: usize },
+    #[error("tokenizer: {0}")]
+    Tokenize(String),
     #[error("empty token list")]
     EmptyTokens,
     #[error("position {requested} is beyond the current position {current}")]

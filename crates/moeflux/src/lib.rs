@@ -10,6 +10,7 @@ pub mod fsutil;
 pub mod io;
 pub mod model;
 pub mod quant;
+pub mod text;
 
 pub use config::{Architecture, ModelConfig};
 pub use error::{Error, Result};

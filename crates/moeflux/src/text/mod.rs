@@ -1,0 +1,2 @@
+pub mod stream;
+pub mod tokenizer;

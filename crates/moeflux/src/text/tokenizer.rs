@@ -1,0 +1,276 @@
+//! Text ⇄ token ids with a model directory's Hugging Face `tokenizer.json`
+//! (byte-level BPE for the Qwen models), plus the ids a generator needs:
+//! end-of-sequence, beginning-of-sequence, the special tokens and the
+//! `<think>`/`</think>` pair.
+//!
+//! Only the small JSON files of a model directory are read, never the
+//! weights, so a directory holding just `tokenizer.json` is enough.
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use crate::error::{Error, Result};
+use crate::text::stream::StreamDecoder;
+
+/// The tokenizer file of a model directory.
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+/// Where Hugging Face keeps the generation defaults (`eos_token_id`).
+pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
+/// The model configuration (`eos_token_id`, also inside `text_config`).
+pub const CONFIG_FILE: &str = "config.json";
+/// transformers' tokenizer settings (`eos_token`, `bos_token`).
+pub const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
+
+/// A loaded tokenizer. Cheap to share by reference; `Send + Sync`.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    source: PathBuf,
+    vocab_size: usize,
+    eos: Vec<u32>,
+    bos: Option<u32>,
+    special: Vec<u32>,
+    think: Option<(u32, u32)>,
+}
+
+impl fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("source", &self.source)
+            .field("vocab_size", &self.vocab_size)
+            .field("eos", &self.eos)
+            .field("bos", &self.bos)
+            .field("special", &self.special.len())
+            .field("think", &self.think)
+            .finish()
+    }
+}
+
+impl Tokenizer {
+    /// Loads `dir/tokenizer.json` and gathers the special ids from the
+    /// directory's JSON files (each optional):
+    ///
+    /// * EOS ids: the union, in this order and without repeats, of
+    ///   `generation_config.json` `eos_token_id`, `config.json`
+    ///   `eos_token_id` and `text_config.eos_token_id` (each an integer or a
+    ///   list), and the token named by `tokenizer_config.json` `eos_token`
+    ///   (a string or `{"content": ...}`).
+    /// * BOS id: `tokenizer_config.json` `bos_token`, else
+    ///   `generation_config.json` `bos_token_id`, else `config.json`
+    ///   `bos_token_id` (top level, then `text_config`).
+    ///
+    /// A missing or unparsable `tokenizer.json` is an error naming it; so is
+    /// one of the other files when present but not valid JSON.
+    pub fn from_model_dir(dir: impl AsRef<Path>) -> Result<Self> {
+        let dir = dir.as_ref();
+        let mut t = Self::from_file(dir.join(TOKENIZER_FILE))?;
+        let generation = read_json_opt(&dir.join(GENERATION_CONFIG_FILE))?;
+        let config = read_json_opt(&dir.join(CONFIG_FILE))?;
+        let tok_config = read_json_opt(&dir.join(TOKENIZER_CONFIG_FILE))?;
+        let text_config = config.as_ref().and_then(|c| c.get("text_config"));
+
+        let mut eos = Vec::new();
+        let mut add = |ids: Vec<u32>| {
+            for id in ids {
+                if !eos.contains(&id) {
+                    eos.push(id);
+                }
+            }
+        };
+        add(int_ids(generation.as_ref(), "eos_token_id"));
+        add(int_ids(config.as_ref(), "eos_token_id"));
+        add(int_ids(text_config, "eos_token_id"));
+        let eos_name = t.named_id(tok_config.as_ref(), "eos_token");
+        add(eos_name.into_iter().collect());
+        t.eos = eos;
+
+        let first = |v: Option<&Value>, key: &str| int_ids(v, key).first().copied();
+        t.bos = t
+            .named_id(tok_config.as_ref(), "bos_token")
+            .or_else(|| first(generation.as_ref(), "bos_token_id"))
+            .or_else(|| first(config.as_ref(), "bos_token_id"))
+            .or_else(|| first(text_config, "bos_token_id"));
+        Ok(t)
+    }
+
+    /// Loads a `tokenizer.json` file alone: no EOS or BOS ids (nothing names
+    /// them), but specials and `<think>` are found.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+        Self::parse(&bytes, path)
+    }
+
+    /// Loads the contents of a `tokenizer.json` (like [`Tokenizer::from_file`]).
+    pub fn from_bytes(json: &[u8]) -> Result<Self> {
+        Self::parse(json, Path::new("<tokenizer.json bytes>"))
+    }
+
+    fn parse(json: &[u8], source: &Path) -> Result<Self> {
+        let inner = tokenizers::Tokenizer::from_bytes(json).map_err(|e| Error::Tokenizer {
+            path: source.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        let vocab_size = inner
+            .get_vocab(true)
+            .values()
+            .map(|&id| id as usize + 1)
+            .max()
+            .unwrap_or(0);
+        let special: BTreeSet<u32> = inner
+            .get_added_tokens_decoder()
+            .iter()
+            .filter(|(_, t)| t.special)
+            .map(|(&id, _)| id)
+            .collect();
+        let think = inner
+            .token_to_id("<think>")
+            .zip(inner.token_to_id("</think>"));
+        Ok(Tokenizer {
+            inner,
+            source: source.to_path_buf(),
+            vocab_size,
+            eos: Vec::new(),
+            bos: None,
+            special: special.into_iter().collect(),
+            think,
+        })
+    }
+
+    /// The file this tokenizer was loaded from.
+    pub fn source(&self) -> &Path {
+        &self.source
+    }
+
+    /// Token ids of `text`. Special tokens written in the text (such as
+    /// `<|im_start|>`) become their ids. `add_special_tokens` applies the
+    /// tokenizer's post-processor (a BOS token, for tokenizers that add one;
+    /// the Qwen tokenizers add nothing).
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode_fast(text, add_special_tokens)
+            .map_err(|e| Error::Tokenize(format!("encoding failed: {e}")))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// The text of `ids`. With `skip_special`, special tokens are left out.
+    /// An id the vocabulary does not have is an error. Bytes that are not
+    /// valid UTF-8 (a multi-byte character cut off, say) decode as U+FFFD:
+    /// use [`StreamDecoder`] to decode a growing sequence.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        for (index, &id) in ids.iter().enumerate() {
+            self.check_id(id, index)?;
+        }
+        self.inner
+            .decode(ids, skip_special)
+            .map_err(|e| Error::Tokenize(format!("decoding failed: {e}")))
+    }
+
+    /// Errors unless `id` is a token of the vocabulary (`index` is its
+    /// position, for the message).
+    pub fn check_id(&self, id: u32, index: usize) -> Result<()> {
+        if id as usize >= self.vocab_size {
+            return Err(Error::TokenOutOfRange {
+                token: id,
+                index,
+                vocab: self.vocab_size,
+            });
+        }
+        if self.inner.id_to_token(id).is_none() {
+            return Err(Error::UnknownToken { token: id, index });
+        }
+        Ok(())
+    }
+
+    /// The id of a token given in its vocabulary form (for byte-level BPE,
+    /// `Ġ` stands for a space), or of an added token such as `<|im_end|>`.
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// The vocabulary form of a token.
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    /// One more than the largest id, added tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// End-of-sequence ids (see [`Tokenizer::from_model_dir`]); empty when
+    /// nothing names one.
+    pub fn eos_ids(&self) -> &[u32] {
+        &self.eos
+    }
+
+    pub fn is_eos(&self, id: u32) -> bool {
+        self.eos.contains(&id)
+    }
+
+    /// The beginning-of-sequence id, if the model directory names one. This
+    /// is informational: [`Tokenizer::encode`] with `add_special_tokens`
+    /// adds it when the tokenizer's post-processor says so.
+    pub fn bos_id(&self) -> Option<u32> {
+        self.bos
+    }
+
+    /// Ids of the added tokens marked special, ascending.
+    pub fn special_ids(&self) -> &[u32] {
+        &self.special
+    }
+
+    pub fn is_special(&self, id: u32) -> bool {
+        self.special.binary_search(&id).is_ok()
+    }
+
+    /// The ids of `<think>` and `</think>`, when the vocabulary has both.
+    pub fn think_ids(&self) -> Option<(u32, u32)> {
+        self.think
+    }
+
+    /// A [`StreamDecoder`] over this tokenizer.
+    pub fn stream_decoder(&self, skip_special: bool) -> StreamDecoder<'_> {
+        StreamDecoder::new(self, skip_special)
+    }
+
+    /// The id of the token named by `key` in `tokenizer_config.json`: a
+    /// string or `{"content": ...}`; `None` when absent, null or unknown.
+    fn named_id(&self, tok_config: Option<&Value>, key: &str) -> Option<u32> {
+        let name = match tok_config?.get(key)? {
+            Value::String(s) => s.as_str(),
+            Value::Object(o) => o.get("content")?.as_str()?,
+            _ => return None,
+        };
+        self.inner.token_to_id(name)
+    }
+}
+
+/// `obj[key]` as token ids: an integer or a list of integers (anything
+/// else is ignored, as in [`crate::config`]).
+fn int_ids(obj: Option<&Value>, key: &str) -> Vec<u32> {
+    let as_id = |v: &Value| v.as_u64().and_then(|x| u32::try_from(x).ok());
+    match obj.and_then(|o| o.get(key)) {
+        Some(Value::Array(a)) => a.iter().filter_map(as_id).collect(),
+        Some(v) => as_id(v).into_iter().collect(),
+        None => Vec::new(),
+    }
+}
+
+/// The JSON in `path`, `None` when the file does not exist.
+fn read_json_opt(path: &Path) -> Result<Option<Value>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Error::io(path, e)),
+    };
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|source| Error::Json {
+            path: path.to_path_buf(),
+            source,
+        })
+}

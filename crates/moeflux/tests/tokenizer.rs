@@ -1,0 +1,182 @@
+//! `moeflux::text::tokenizer::Tokenizer` on the fixtures' 1024-token
+//! byte-level BPE (ChatML specials `<|endoftext|>`=0, `<|im_start|>`=1,
+//! `<|im_end|>`=2): loading, special ids, encode/decode, errors.
+
+use std::path::{Path, PathBuf};
+
+use moeflux::text::tokenizer::Tokenizer;
+use moeflux::Error;
+
+fn fixture_src(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+        .join("src")
+}
+
+/// A directory with the fixture's tokenizer.json and the given extra files.
+fn dir_with(files: &[(&str, &str)]) -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        fixture_src("qwen35moe-q4").join("tokenizer.json"),
+        tmp.path().join("tokenizer.json"),
+    )
+    .unwrap();
+    for (name, text) in files {
+        std::fs::write(tmp.path().join(name), text).unwrap();
+    }
+    tmp
+}
+
+#[test]
+fn loads_fixture_with_specials_and_eos() {
+    for fx in [
+        "qwen35moe-q4",
+        "qwen3next-q4",
+        "qwen35moe-hf",
+        "qwen3next-hf",
+    ] {
+        let t = Tokenizer::from_model_dir(fixture_src(fx)).unwrap();
+        assert_eq!(t.vocab_size(), 1024, "{fx}");
+        assert_eq!(t.special_ids(), &[0, 1, 2], "{fx}");
+        assert_eq!(t.token_to_id("<|im_start|>"), Some(1));
+        assert_eq!(t.id_to_token(2).as_deref(), Some("<|im_end|>"));
+        assert!(t.is_special(0) && !t.is_special(3));
+        assert_eq!(t.think_ids(), None, "the fixture vocab has no <think>");
+        // config.json eos 2; tokenizer_config eos_token <|im_end|> = 2; the
+        // HF fixtures' generation_config adds [2, 0].
+        let want: &[u32] = if fx.ends_with("-hf") { &[2, 0] } else { &[2] };
+        assert_eq!(t.eos_ids(), want, "{fx}");
+        assert!(t.is_eos(2));
+        assert_eq!(t.is_eos(0), fx.ends_with("-hf"));
+    }
+    let hf = Tokenizer::from_model_dir(fixture_src("qwen35moe-hf")).unwrap();
+    assert_eq!(hf.bos_id(), Some(0), "generation_config bos_token_id");
+    let mlx = Tokenizer::from_model_dir(fixture_src("qwen35moe-q4")).unwrap();
+    assert_eq!(mlx.bos_id(), None, "bos_token null, no bos_token_id");
+}
+
+#[test]
+fn eos_is_the_union_of_all_sources() {
+    let tmp = dir_with(&[
+        (
+            "generation_config.json",
+            r#"{"eos_token_id": 7, "bos_token_id": 5}"#,
+        ),
+        (
+            "config.json",
+            r#"{"eos_token_id": [9, 7], "text_config": {"eos_token_id": [11, 9]}}"#,
+        ),
+        (
+            "tokenizer_config.json",
+            r#"{"eos_token": {"content": "<|endoftext|>", "special": true}, "bos_token": "<|im_start|>"}"#,
+        ),
+    ]);
+    let t = Tokenizer::from_model_dir(tmp.path()).unwrap();
+    assert_eq!(t.eos_ids(), &[7, 9, 11, 0]);
+    assert!(t.is_eos(11) && !t.is_eos(2));
+    assert_eq!(t.bos_id(), Some(1), "tokenizer_config's bos_token wins");
+
+    // Only a nested text_config, unknown eos_token name, non-integers ignored.
+    let tmp = dir_with(&[
+        (
+            "config.json",
+            r#"{"text_config": {"eos_token_id": 2, "bos_token_id": 3}}"#,
+        ),
+        (
+            "tokenizer_config.json",
+            r#"{"eos_token": "<nope>", "bos_token": null}"#,
+        ),
+        (
+            "generation_config.json",
+            r#"{"eos_token_id": [-1, "x", 0]}"#,
+        ),
+    ]);
+    let t = Tokenizer::from_model_dir(tmp.path()).unwrap();
+    assert_eq!(t.eos_ids(), &[0, 2]);
+    assert_eq!(t.bos_id(), Some(3));
+
+    // tokenizer.json alone: no EOS.
+    let tmp = dir_with(&[]);
+    let t = Tokenizer::from_model_dir(tmp.path()).unwrap();
+    assert!(t.eos_ids().is_empty() && t.bos_id().is_none());
+    let t = Tokenizer::from_file(tmp.path().join("tokenizer.json")).unwrap();
+    assert!(t.eos_ids().is_empty());
+}
+
+#[test]
+fn encode_recognises_specials_written_in_text_and_round_trips() {
+    let t = Tokenizer::from_model_dir(fixture_src("qwen35moe-q4")).unwrap();
+    let text = "<|im_start|>user\nWhat is 2+2? 我想 🦙<|im_end|>\n<|im_start|>assistant\n";
+    let ids = t.encode(text, false).unwrap();
+    assert_eq!(ids[0], 1);
+    assert_eq!(ids.iter().filter(|&&i| i == 1).count(), 2);
+    assert_eq!(ids.iter().filter(|&&i| i == 2).count(), 1);
+    assert!(ids.iter().all(|&i| (i as usize) < t.vocab_size()));
+    assert_eq!(t.decode(&ids, false).unwrap(), text);
+    assert_eq!(
+        t.decode(&ids, true).unwrap(),
+        "user\nWhat is 2+2? 我想 🦙\nassistant\n"
+    );
+    // The Qwen post-processor adds nothing.
+    assert_eq!(t.encode(text, true).unwrap(), ids);
+    assert_eq!(t.encode("", false).unwrap(), Vec::<u32>::new());
+    assert_eq!(t.decode(&[], false).unwrap(), "");
+    // Code is what the fixture vocab was trained on: real merges happen.
+    let code = "def hello(world):\n    return 42\n";
+    let ids = t.encode(code, false).unwrap();
+    assert!(ids.len() * 2 <= code.len(), "{ids:?}");
+    assert_eq!(t.decode(&ids, false).unwrap(), code);
+}
+
+#[test]
+fn decode_rejects_unknown_ids() {
+    let t = Tokenizer::from_model_dir(fixture_src("qwen35moe-q4")).unwrap();
+    match t.decode(&[3, 4, 1024], false) {
+        Err(Error::TokenOutOfRange {
+            token: 1024,
+            index: 2,
+            vocab: 1024,
+        }) => {}
+        other => panic!("{other:?}"),
+    }
+    let e = t.decode(&[u32::MAX], false).unwrap_err().to_string();
+    assert!(e.contains("4294967295") && e.contains("1024"), "{e}");
+    // Byte-level BPE: byte 0x80 is the token `Ģ`. Alone it is invalid
+    // UTF-8, which decode writes as U+FFFD.
+    let cont = t.token_to_id("\u{122}").unwrap();
+    assert_eq!(t.decode(&[cont], false).unwrap(), "\u{FFFD}");
+}
+
+#[test]
+fn missing_or_bad_tokenizer_json_names_the_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let e = Tokenizer::from_model_dir(tmp.path()).unwrap_err();
+    assert!(matches!(e, Error::Io { .. }), "{e:?}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains(&tmp.path().join("tokenizer.json").display().to_string()),
+        "{msg}"
+    );
+
+    std::fs::write(tmp.path().join("tokenizer.json"), "{\"model\": 3}").unwrap();
+    let e = Tokenizer::from_model_dir(tmp.path()).unwrap_err();
+    assert!(matches!(e, Error::Tokenizer { .. }), "{e:?}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("tokenizer.json: cannot load tokenizer"),
+        "{msg}"
+    );
+
+    // A present but broken side file is an error too.
+    let tmp = dir_with(&[("generation_config.json", "{")]);
+    let e = Tokenizer::from_model_dir(tmp.path()).unwrap_err();
+    assert!(matches!(e, Error::Json { .. }), "{e:?}");
+    assert!(e.to_string().contains("generation_config.json"), "{e}");
+}
+
+#[test]
+fn tokenizer_is_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<Tokenizer>();
+}
