@@ -4,6 +4,7 @@
 mod cmd_convert;
 mod cmd_inspect;
 mod cmd_logits;
+mod cmd_tokenize;
 mod progress;
 
 use std::process::ExitCode;
@@ -29,6 +30,8 @@ enum Command {
     Inspect(cmd_inspect::InspectArgs),
     /// Write the float32 logits of every position of a token list as .npy.
     Logits(cmd_logits::LogitsArgs),
+    /// Encode text to token ids, or decode ids to text, with a model's tokenizer.
+    Tokenize(cmd_tokenize::TokenizeArgs),
 }
 
 /// Exit status after Ctrl-C (128 + SIGINT).
@@ -66,6 +69,7 @@ fn main() -> ExitCode {
         Command::Convert(a) => cmd_convert::run(a),
         Command::Inspect(a) => cmd_inspect::run(a),
         Command::Logits(a) => cmd_logits::run(a),
+        Command::Tokenize(a) => cmd_tokenize::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
