@@ -58,7 +58,8 @@ pub fn quantize(w: &[f32], rows: usize, cols: usize, spec: QuantSpec) -> Quantiz
 }
 
 /// Scale and bias of one group: the edge of larger magnitude becomes the bias
-/// and is exactly representable, as in MLX.
+/// and is exactly representable, as in MLX. When the edge rounds to code 0
+/// (a range below the 1e-7 scale floor), MLX sets the bias to 0 instead.
 fn group_params(grp: &[f32], n_bins: f32) -> (f32, f32) {
     let mut mx = f32::NEG_INFINITY;
     let mut mn = f32::INFINITY;
@@ -73,9 +74,11 @@ fn group_params(grp: &[f32], n_bins: f32) -> (f32, f32) {
     }
     let edge = if use_min { mn } else { mx };
     let q0 = (edge / scale).round_ties_even();
-    if q0 != 0.0 {
-        scale = edge / q0;
+    if q0 == 0.0 {
+        // mlx: `biases = where(q0 == 0, 0, edge)`
+        return (scale, 0.0);
     }
+    scale = edge / q0;
     (scale, edge)
 }
 

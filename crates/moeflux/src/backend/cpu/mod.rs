@@ -3,3 +3,4 @@
 
 pub mod ops;
 pub mod qmatmul;
+pub mod simd;
