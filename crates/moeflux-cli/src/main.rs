@@ -1,10 +1,14 @@
 //! The `moeflux` command. One module per subcommand: adding one is a variant
 //! of [`Command`] plus a `cmd_<name>.rs` with its `Args` and `run`.
 
+mod cmd_chat;
 mod cmd_convert;
 mod cmd_inspect;
 mod cmd_logits;
+mod cmd_run;
 mod cmd_tokenize;
+mod gen_args;
+mod output;
 mod progress;
 
 use std::process::ExitCode;
@@ -24,6 +28,10 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Generate text from a prompt, streamed to stdout.
+    Run(cmd_run::RunArgs),
+    /// Interactive multi-turn chat with the model's chat template.
+    Chat(cmd_chat::ChatArgs),
     /// Convert an mlx-lm or Hugging Face checkpoint into a moeflux model directory.
     Convert(cmd_convert::ConvertArgs),
     /// Describe a model directory: architecture, shapes, quantization, sizes.
@@ -66,6 +74,8 @@ fn cancelled(e: &anyhow::Error) -> bool {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Run(a) => cmd_run::run(a),
+        Command::Chat(a) => cmd_chat::run(a),
         Command::Convert(a) => cmd_convert::run(a),
         Command::Inspect(a) => cmd_inspect::run(a),
         Command::Logits(a) => cmd_logits::run(a),
@@ -73,13 +83,13 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if cancelled(&e) => {
+            eprintln!("interrupted");
+            ExitCode::from(EXIT_INTERRUPTED)
+        }
         Err(e) => {
             eprintln!("error: {}", one_line(&e));
-            if cancelled(&e) {
-                ExitCode::from(EXIT_INTERRUPTED)
-            } else {
-                ExitCode::FAILURE
-            }
+            ExitCode::FAILURE
         }
     }
 }

@@ -86,3 +86,56 @@ impl Drop for ConvertBar {
         self.finish();
     }
 }
+
+/// A spinner with a message on stderr when it is a terminal, else hidden.
+pub fn spinner(msg: &str) -> ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} {msg} {elapsed}").expect("valid template"),
+    );
+    bar.set_message(msg.to_string());
+    bar.enable_steady_tick(Duration::from_millis(120));
+    bar
+}
+
+/// Prompt-processing progress (tokens), shown only for long prompts on a terminal.
+pub struct PrefillBar {
+    bar: Option<ProgressBar>,
+}
+
+impl PrefillBar {
+    pub fn new() -> Self {
+        PrefillBar { bar: None }
+    }
+
+    pub fn update(&mut self, done: usize, total: usize) {
+        if self.bar.is_none() && done < total && total >= 256 && std::io::stderr().is_terminal() {
+            let bar =
+                ProgressBar::with_draw_target(Some(total as u64), ProgressDrawTarget::stderr());
+            bar.set_style(
+                ProgressStyle::with_template(
+                    "prompt {wide_bar} {pos}/{len} tokens {per_sec} ETA {eta}",
+                )
+                .expect("valid template")
+                .progress_chars("=> "),
+            );
+            self.bar = Some(bar);
+        }
+        if let Some(bar) = &self.bar {
+            bar.set_position(done as u64);
+            if done >= total {
+                bar.finish_and_clear();
+                self.bar = None;
+            }
+        }
+    }
+}
+
+impl Default for PrefillBar {
+    fn default() -> Self {
+        Self::new()
+    }
+}

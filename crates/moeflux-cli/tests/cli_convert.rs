@@ -1,40 +1,9 @@
 //! The `moeflux` binary: `convert` and `inspect` on a fixture, and one-line
 //! errors (non-zero exit, no panic) on bad input.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(name)
-}
-
-fn moeflux(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_moeflux"))
-        .args(args)
-        .output()
-        .expect("run moeflux")
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
-
-/// Fails with exactly one `error: ...` line on stderr and no panic.
-fn assert_one_line_error(out: &Output) -> String {
-    let err = text(&out.stderr);
-    assert!(!out.status.success(), "unexpected success: {err}");
-    assert!(!err.contains("panicked"), "panic: {err}");
-    let lines: Vec<&str> = err.lines().collect();
-    assert_eq!(lines.len(), 1, "expected one line, got: {err}");
-    assert!(lines[0].starts_with("error: "), "{err}");
-    lines[0].to_string()
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
+use common::*;
 
 #[test]
 fn convert_then_inspect() {
@@ -70,7 +39,7 @@ fn convert_then_inspect() {
 
     // Again without --force: refused; with --force: replaced.
     let out = moeflux(&["convert", s(&fixture("qwen3next-q4/src")), s(&dst)]);
-    let line = assert_one_line_error(&out);
+    let line = one_line_error(&out);
     assert!(line.contains("--force"), "{line}");
     let out = moeflux(&[
         "convert",
@@ -102,7 +71,7 @@ fn bad_input_is_one_error_line() {
     let t = tempfile::tempdir().unwrap();
     // Missing source.
     let out = moeflux(&["convert", "/nonexistent/src", s(&t.path().join("a"))]);
-    let line = assert_one_line_error(&out);
+    let line = one_line_error(&out);
     assert!(line.contains("/nonexistent/src"), "{line}");
     assert_eq!(out.status.code(), Some(1));
 
@@ -115,7 +84,7 @@ fn bad_input_is_one_error_line() {
     )
     .unwrap();
     let out = moeflux(&["convert", s(&src), s(&t.path().join("b"))]);
-    let line = assert_one_line_error(&out);
+    let line = one_line_error(&out);
     assert!(line.contains("config.json"), "{line}");
 
     // Truncated shard.
@@ -130,12 +99,12 @@ fn bad_input_is_one_error_line() {
         .unwrap();
     f.set_len(1000).unwrap();
     let out = moeflux(&["convert", s(&src), s(&t.path().join("c"))]);
-    let line = assert_one_line_error(&out);
+    let line = one_line_error(&out);
     assert!(line.contains("model.safetensors"), "{line}");
 
     // Not a model directory.
     let out = moeflux(&["inspect", s(t.path())]);
-    let line = assert_one_line_error(&out);
+    let line = one_line_error(&out);
     assert!(line.contains("moeflux.json"), "{line}");
 
     // Nothing was created by the failed conversions.

@@ -2,19 +2,11 @@
 //! modes, compare with mlx-lm's golden; bad input exits non-zero with one
 //! `error:` line and writes nothing.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+mod common;
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
+use std::path::Path;
 
-fn moeflux(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_moeflux"))
-        .args(args)
-        .output()
-        .unwrap()
-}
+use common::*;
 
 fn read_npy(p: &Path) -> (Vec<u64>, Vec<f32>) {
     let bytes = std::fs::read(p).unwrap();
@@ -23,26 +15,11 @@ fn read_npy(p: &Path) -> (Vec<u64>, Vec<f32>) {
     (shape, npy.into_vec().unwrap())
 }
 
-fn convert(tmp: &Path) -> PathBuf {
-    let model = tmp.join("model");
-    let src = fixtures().join("qwen35moe-q4/src");
-    let out = moeflux(&["convert", src.to_str().unwrap(), model.to_str().unwrap()]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    model
-}
-
 #[test]
 fn logits_batch_and_incremental_match_the_golden() {
     let tmp = tempfile::tempdir().unwrap();
-    let model = convert(tmp.path());
-    let meta: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(fixtures().join("qwen35moe-q4/golden.json")).unwrap(),
-    )
-    .unwrap();
+    let model = convert("qwen35moe-q4", tmp.path());
+    let meta = golden("qwen35moe-q4");
     let tokens: Vec<String> = meta["tokens"]
         .as_array()
         .unwrap()
@@ -82,7 +59,7 @@ fn logits_batch_and_incremental_match_the_golden() {
 #[test]
 fn inspect_describes_the_model() {
     let tmp = tempfile::tempdir().unwrap();
-    let model = convert(tmp.path());
+    let model = convert("qwen35moe-q4", tmp.path());
     let out = moeflux(&["inspect", model.to_str().unwrap()]);
     assert!(out.status.success());
     let text = String::from_utf8_lossy(&out.stdout);
@@ -102,7 +79,7 @@ fn assert_clean_failure(out: &std::process::Output, needle: &str) {
 #[test]
 fn bad_logits_input_fails_cleanly_and_writes_nothing() {
     let tmp = tempfile::tempdir().unwrap();
-    let model = convert(tmp.path());
+    let model = convert("qwen35moe-q4", tmp.path());
     let m = model.to_str().unwrap();
     let out_path = tmp.path().join("never.npy");
     let o = out_path.to_str().unwrap();

@@ -1,40 +1,22 @@
 //! `moeflux tokenize` end to end on a fixture's tokenizer: text → ids →
 //! text round trips, JSON output, and one clean `error:` line for bad input.
 
+mod common;
+
 use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::path::PathBuf;
+use std::process::{Output, Stdio};
+
+use common::*;
 
 fn fixture_src() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35moe-q4/src")
-}
-
-fn moeflux(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_moeflux"))
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn ok(out: &Output) -> String {
-    assert!(
-        out.status.success(),
-        "status {:?}, stderr: {}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout.clone()).unwrap()
+    fixture("qwen35moe-q4/src")
 }
 
 /// One `error:` line on stderr, nothing on stdout, exit status 1.
 fn fails(out: &Output) -> String {
-    let stderr = String::from_utf8(out.stderr.clone()).unwrap();
-    assert_eq!(out.status.code(), Some(1), "stderr: {stderr}");
     assert!(out.stdout.is_empty());
-    assert!(stderr.starts_with("error: "), "{stderr}");
-    assert_eq!(stderr.lines().count(), 1, "{stderr}");
-    assert!(!stderr.contains("panicked"), "{stderr}");
-    stderr
+    one_line_error(out)
 }
 
 const TEXT: &str = "<|im_start|>user\nHello, 世界! 🦙 e\u{301}te\u{301}<|im_end|>\n";
@@ -85,8 +67,7 @@ fn needs_only_the_tokenizer_and_reads_stdin() {
     )
     .unwrap();
     let m = tmp.path().to_str().unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_moeflux"))
-        .args(["tokenize", "--model", m, "-"])
+    let mut child = command(&["tokenize", "--model", m, "-"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -7,9 +7,11 @@ pub mod convert;
 pub mod error;
 pub mod format;
 pub mod fsutil;
+pub mod generate;
 pub mod io;
 pub mod model;
 pub mod quant;
+pub mod sample;
 pub mod text;
 
 pub use config::{Architecture, ModelConfig};

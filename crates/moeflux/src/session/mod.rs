@@ -157,6 +157,11 @@ impl Session {
         self.tokens.len()
     }
 
+    /// The longest sequence this session accepts (`SessionOptions::max_context`).
+    pub fn max_context(&self) -> usize {
+        self.max_context
+    }
+
     /// The tokens evaluated so far.
     pub fn tokens(&self) -> &[u32] {
         &self.tokens

@@ -1,0 +1,201 @@
+//! Options shared by `run` and `chat`: model, compute, sampling, display.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use clap::Args;
+use moeflux::generate::GenerateOptions;
+use moeflux::sample::SamplerConfig;
+use moeflux::text::chat::ChatTemplate;
+use moeflux::text::tokenizer::Tokenizer;
+use moeflux::{Session, SessionOptions};
+
+#[derive(Debug, Clone, Args)]
+pub struct ModelArgs {
+    /// Model directory written by `moeflux convert`.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Compute threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Routed experts per token, fewer than the model's default: faster,
+    /// but quality drops (flash-moe's speed knob).
+    #[arg(long)]
+    pub experts_per_token: Option<usize>,
+    /// Read experts with O_DIRECT, bypassing the page cache.
+    #[arg(long)]
+    pub direct_io: bool,
+    /// Longest context in tokens (default: the model's maximum).
+    #[arg(long)]
+    pub ctx: Option<usize>,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct SamplingArgs {
+    /// Tokens to generate at most.
+    #[arg(short = 'n', long = "max-tokens", default_value_t = 512)]
+    pub max_tokens: usize,
+    /// Temperature; 0 is greedy. Default: generation_config.json, else 0.8.
+    #[arg(long)]
+    pub temp: Option<f32>,
+    /// Keep only the K most likely tokens (0 = off). Default: generation_config.json, else 40.
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Nucleus sampling mass (1 = off). Default: generation_config.json, else 0.95.
+    #[arg(long)]
+    pub top_p: Option<f32>,
+    /// Drop tokens below this fraction of the top probability (0 = off).
+    #[arg(long, default_value_t = 0.05)]
+    pub min_p: f32,
+    /// Penalty for recently seen tokens (1 = off).
+    #[arg(long)]
+    pub repeat_penalty: Option<f32>,
+    /// Subtracted from the logits of tokens already present (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    pub presence_penalty: f32,
+    /// Random seed (default: from the clock; printed with --timing).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Stop when this text is generated (repeatable).
+    #[arg(long = "stop")]
+    pub stop: Vec<String>,
+    /// Keep generating after end-of-sequence tokens (for benchmarks).
+    #[arg(long)]
+    pub ignore_eos: bool,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct DisplayArgs {
+    /// Ask the model to think first (Qwen3.5 `enable_thinking=true`).
+    #[arg(long, conflicts_with = "no_think")]
+    pub think: bool,
+    /// Ask the model to answer without thinking (`enable_thinking=false`).
+    #[arg(long)]
+    pub no_think: bool,
+    /// Do not print the model's reasoning.
+    #[arg(long)]
+    pub hide_reasoning: bool,
+    /// Print a per-phase time breakdown after each answer.
+    #[arg(long)]
+    pub timing: bool,
+}
+
+impl DisplayArgs {
+    pub fn enable_thinking(&self) -> Option<bool> {
+        match (self.think, self.no_think) {
+            (true, _) => Some(true),
+            (_, true) => Some(false),
+            _ => None,
+        }
+    }
+}
+
+impl SamplingArgs {
+    /// Flags first, then the model's generation_config.json, then defaults.
+    pub fn sampler(&self, model_dir: &Path) -> Result<SamplerConfig> {
+        let gc: serde_json::Value =
+            std::fs::read_to_string(model_dir.join("generation_config.json"))
+                .ok()
+                .and_then(|t| serde_json::from_str(&t).ok())
+                .unwrap_or(serde_json::Value::Null);
+        let num = |k: &str| gc.get(k).and_then(|v| v.as_f64());
+        let sample = gc.get("do_sample").and_then(|v| v.as_bool()) != Some(false);
+        let default_temp = if sample {
+            num("temperature").unwrap_or(0.8) as f32
+        } else {
+            0.0
+        };
+        let seed = self.seed.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0)
+        });
+        let cfg = SamplerConfig {
+            temperature: self.temp.unwrap_or(default_temp),
+            top_k: self
+                .top_k
+                .unwrap_or(num("top_k").map(|v| v as usize).unwrap_or(40)),
+            top_p: self.top_p.unwrap_or(num("top_p").unwrap_or(0.95) as f32),
+            min_p: self.min_p,
+            repetition_penalty: self
+                .repeat_penalty
+                .unwrap_or(num("repetition_penalty").unwrap_or(1.0) as f32),
+            presence_penalty: self.presence_penalty,
+            seed,
+            ..SamplerConfig::default()
+        };
+        cfg.validate().map_err(anyhow::Error::msg)?;
+        Ok(cfg)
+    }
+
+    /// Generation options from these flags and a sampler made by [`Self::sampler`].
+    pub fn generate_options(&self, sampler: SamplerConfig) -> GenerateOptions {
+        GenerateOptions {
+            max_tokens: self.max_tokens,
+            sampler,
+            stop: self.stop.clone(),
+            ignore_eos: self.ignore_eos,
+            ..Default::default()
+        }
+    }
+}
+
+/// Everything `run`/`chat` open, with the load time.
+pub struct Loaded {
+    pub session: Session,
+    pub tokenizer: Tokenizer,
+    pub template: ChatTemplate,
+    pub load_time: Duration,
+}
+
+pub fn load(m: &ModelArgs) -> Result<Loaded> {
+    let t0 = Instant::now();
+    let spinner = crate::progress::spinner("loading model");
+    let session = Session::open(
+        &m.model,
+        SessionOptions {
+            threads: m.threads,
+            experts_per_token: m.experts_per_token,
+            direct_io: m.direct_io,
+            max_context: m.ctx,
+            ..Default::default()
+        },
+    )
+    .with_context(|| format!("opening model {}", m.model.display()))?;
+    let tokenizer = Tokenizer::from_model_dir(&m.model)?;
+    let template = ChatTemplate::from_model_dir(&m.model)?;
+    spinner.finish_and_clear();
+    if let Some(k) = m.experts_per_token {
+        let full = session.config().moe.num_experts_per_tok;
+        if k < full {
+            eprintln!(
+                "warning: {k} of the model's {full} experts per token: faster, but output quality drops"
+            );
+        }
+    }
+    Ok(Loaded {
+        session,
+        tokenizer,
+        template,
+        load_time: t0.elapsed(),
+    })
+}
+
+/// A flag raised by Ctrl-C, which the generation loop polls. Ctrl-C while
+/// the flag is still raised (nobody has acted on it yet) exits at once.
+/// Installing the handler is process-wide.
+pub fn interrupt_flag() -> Result<Arc<AtomicBool>> {
+    let flag = Arc::new(AtomicBool::new(false));
+    let f = flag.clone();
+    ctrlc::set_handler(move || {
+        if f.swap(true, Ordering::SeqCst) {
+            std::process::exit(130);
+        }
+    })
+    .context("installing the Ctrl-C handler")?;
+    Ok(flag)
+}

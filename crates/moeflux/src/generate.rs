@@ -1,0 +1,271 @@
+//! Text generation over a `Session`: prompt prefill that reuses whatever
+//! prefix the session already holds, then sampling and streaming
+//! detokenization until EOS, a stop string, the token limit or cancellation.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::io::{procfs, IoStats};
+use crate::model::timing::PhaseTimes;
+use crate::sample::{Sampler, SamplerConfig, StopStrings};
+use crate::session::{LogitsMode, Session};
+use crate::text::stream::StreamDecoder;
+use crate::text::tokenizer::Tokenizer;
+
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    pub max_tokens: usize,
+    pub sampler: SamplerConfig,
+    /// Generation ends when the text contains one of these (not emitted).
+    pub stop: Vec<String>,
+    /// Tokens per prefill eval: the batch size of prompt processing, and the
+    /// granularity of progress reports and cancellation.
+    pub prefill_chunk: usize,
+    /// The prompt leaves the model inside a reasoning block (the template
+    /// opened `<think>`), so the first tokens are reasoning.
+    pub starts_in_reasoning: bool,
+    /// Take a session checkpoint once the prompt is in (a turn boundary a
+    /// later prompt can return to without re-evaluating this one).
+    pub checkpoint_after_prefill: bool,
+    /// Keep generating past end-of-sequence tokens (benchmarks).
+    pub ignore_eos: bool,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        GenerateOptions {
+            max_tokens: 256,
+            sampler: SamplerConfig::default(),
+            stop: Vec::new(),
+            prefill_chunk: 512,
+            starts_in_reasoning: false,
+            checkpoint_after_prefill: false,
+            ignore_eos: false,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// The model produced an end-of-sequence token.
+    Eos,
+    /// A stop string appeared in the text.
+    Stop,
+    /// `max_tokens` were generated, or the context is full.
+    Length,
+    /// The cancel flag was raised.
+    Cancelled,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Eos => "eos",
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// What a generation did and what it cost.
+#[derive(Debug, Clone)]
+pub struct GenerationStats {
+    /// Prompt tokens evaluated now (the reused prefix excluded).
+    pub prompt_tokens: usize,
+    /// Prompt tokens found already evaluated in the session.
+    pub reused_tokens: usize,
+    pub prefill_time: Duration,
+    pub generated_tokens: usize,
+    pub decode_time: Duration,
+    pub finish: FinishReason,
+    /// The last sampled token, not yet evaluated into the session (the
+    /// next eval should start with it to continue the sequence).
+    pub pending: Option<u32>,
+    /// Expert reads during this generation.
+    pub io: IoStats,
+    /// Bytes the process read from storage meanwhile (Linux), for a
+    /// page-cache hit estimate.
+    pub disk_read_bytes: Option<u64>,
+    pub times: PhaseTimes,
+}
+
+impl GenerationStats {
+    pub fn prefill_tok_s(&self) -> f64 {
+        rate(self.prompt_tokens, self.prefill_time)
+    }
+    pub fn decode_tok_s(&self) -> f64 {
+        // The first token comes from the prefill's logits.
+        rate(self.generated_tokens.saturating_sub(1), self.decode_time)
+    }
+    /// Share of expert bytes served by the page cache (estimate).
+    pub fn cache_hit_rate(&self) -> Option<f64> {
+        procfs::cache_hit_rate(self.io.bytes, self.disk_read_bytes?)
+    }
+}
+
+fn rate(n: usize, t: Duration) -> f64 {
+    if t.is_zero() {
+        0.0
+    } else {
+        n as f64 / t.as_secs_f64()
+    }
+}
+
+/// Events streamed to the caller.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Event<'a> {
+    /// `done` of `total` prompt tokens evaluated.
+    Prefill { done: usize, total: usize },
+    /// Newly completed text; `reasoning` inside a `<think>` block.
+    Text { text: &'a str, reasoning: bool },
+}
+
+/// Brings the session to exactly `prompt` and returns the last token's
+/// logits, evaluating only what the session does not already hold: the
+/// longest common prefix is kept (via `truncate`, i.e. checkpoints, for
+/// linear-attention layers), or everything is re-evaluated when no
+/// checkpoint allows keeping it. Returns (logits, reused tokens).
+pub fn prefill(
+    session: &mut Session,
+    prompt: &[u32],
+    chunk: usize,
+    cancel: Option<&AtomicBool>,
+    on_event: &mut dyn FnMut(Event<'_>),
+) -> Result<(Vec<f32>, usize)> {
+    if prompt.is_empty() {
+        return Err(Error::EmptyTokens);
+    }
+    let have = session.tokens();
+    let mut keep = have.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+    // The last prompt token must be evaluated now to get its logits.
+    keep = keep.min(prompt.len() - 1);
+    if keep < session.position() && session.truncate(keep).is_err() {
+        // Prefer the nearest checkpoint below; else start over.
+        let below = session
+            .checkpoints()
+            .into_iter()
+            .filter(|&p| p <= keep)
+            .max();
+        match below {
+            Some(p) => {
+                session.restore_to(p)?;
+                keep = p;
+            }
+            None => {
+                session.clear();
+                keep = 0;
+            }
+        }
+    }
+    let todo = &prompt[keep..];
+    let chunk = chunk.max(1);
+    let mut logits = Vec::new();
+    for (i, part) in todo.chunks(chunk).enumerate() {
+        if cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
+            return Err(Error::Cancelled);
+        }
+        logits = session.eval(part, LogitsMode::Last)?;
+        on_event(Event::Prefill {
+            done: (i * chunk + part.len()).min(todo.len()),
+            total: todo.len(),
+        });
+    }
+    Ok((logits, keep))
+}
+
+/// Prefills `prompt` (reusing the session's prefix) and generates.
+pub fn generate(
+    session: &mut Session,
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    cancel: Option<&AtomicBool>,
+    on_event: &mut dyn FnMut(Event<'_>),
+) -> Result<GenerationStats> {
+    opts.sampler.validate().map_err(Error::Invalid)?;
+    let io0 = session.io_stats();
+    let disk0 = procfs::disk_read_bytes();
+    let times0 = session.times();
+
+    let t0 = Instant::now();
+    let (mut logits, reused) = prefill(session, prompt, opts.prefill_chunk, cancel, on_event)?;
+    let prefill_time = t0.elapsed();
+    if opts.checkpoint_after_prefill {
+        session.checkpoint();
+    }
+
+    let mut sampler = Sampler::new(opts.sampler.clone());
+    let mut stream = StreamDecoder::new(tokenizer, true);
+    let mut stops = StopStrings::new(opts.stop.clone());
+    let think = tokenizer.think_ids();
+    let mut reasoning = opts.starts_in_reasoning;
+    let mut generated = 0usize;
+    let mut pending = None;
+    let t1 = Instant::now();
+    let mut finish = FinishReason::Length;
+    let emit = |text: &str, reasoning: bool, on_event: &mut dyn FnMut(Event<'_>)| {
+        if !text.is_empty() {
+            on_event(Event::Text { text, reasoning });
+        }
+    };
+    while generated < opts.max_tokens {
+        if cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
+            finish = FinishReason::Cancelled;
+            break;
+        }
+        if let Some(tok) = pending {
+            if session.position() >= session.max_context() {
+                break;
+            }
+            logits = session.eval(&[tok], LogitsMode::Last)?;
+        }
+        let tok = sampler.sample(&logits, session.tokens());
+        generated += 1;
+        pending = Some(tok);
+        if !opts.ignore_eos && tokenizer.is_eos(tok) {
+            finish = FinishReason::Eos;
+            break;
+        }
+        if let Some((open, close)) = think {
+            if tok == open || tok == close {
+                // Flush text decided before the switch so it keeps its kind.
+                let (text, _) = stops.push(&stream.finish_pending()?);
+                emit(&text, reasoning, on_event);
+                reasoning = tok == open;
+                continue;
+            }
+        }
+        let piece = stream.push(tok)?;
+        let (text, hit) = stops.push(&piece);
+        emit(&text, reasoning, on_event);
+        if hit {
+            finish = FinishReason::Stop;
+            break;
+        }
+    }
+    if finish != FinishReason::Stop {
+        let (text, _) = stops.push(&stream.finish()?);
+        emit(&text, reasoning, on_event);
+        let rest = stops.finish();
+        emit(&rest, reasoning, on_event);
+    }
+    let decode_time = t1.elapsed();
+    let disk_read_bytes = match (disk0, procfs::disk_read_bytes()) {
+        (Some(a), Some(b)) => Some(b.saturating_sub(a)),
+        _ => None,
+    };
+    Ok(GenerationStats {
+        prompt_tokens: prompt.len() - reused,
+        reused_tokens: reused,
+        prefill_time,
+        generated_tokens: generated,
+        decode_time,
+        finish,
+        pending,
+        io: session.io_stats().since(&io0),
+        disk_read_bytes,
+        times: session.times().minus(&times0),
+    })
+}

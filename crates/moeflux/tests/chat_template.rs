@@ -1,0 +1,427 @@
+//! Chat templates rendered byte-for-byte like transformers'
+//! `apply_chat_template(..., tokenize=False)`: the expected strings in
+//! tests/fixtures/templates/expected were produced by render_expected.py
+//! from the same cases.json, with the real Qwen3.5, Qwen3 and Llama 3.1
+//! templates (provenance in tests/fixtures/templates/README.md).
+
+use std::path::{Path, PathBuf};
+
+use moeflux::text::chat::{ChatMessage, ChatTemplate, Content, RenderOptions};
+use moeflux::Error;
+use serde_json::{json, Value};
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/templates")
+}
+
+fn case_options(case: &Value) -> RenderOptions {
+    RenderOptions {
+        add_generation_prompt: case["add_generation_prompt"].as_bool().unwrap(),
+        enable_thinking: case.get("enable_thinking").and_then(Value::as_bool),
+        tools: case.get("tools").cloned(),
+        extra: case
+            .get("extra")
+            .and_then(Value::as_object)
+            .cloned()
+            .unwrap_or_default(),
+    }
+}
+
+fn render_source(src: &str) -> String {
+    ChatTemplate::from_source(src, "test.jinja")
+        .unwrap()
+        .render(&[ChatMessage::user("hi")], &RenderOptions::default())
+        .unwrap()
+}
+
+#[test]
+fn cases_match_transformers() {
+    let dir = fixtures();
+    let cases: Vec<Value> =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("cases.json")).unwrap()).unwrap();
+    assert!(cases.len() >= 10);
+    let mut checked = 0;
+    for case in &cases {
+        let name = case["name"].as_str().unwrap();
+        let template = ChatTemplate::from_model_dir(dir.join(case["dir"].as_str().unwrap()))
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(!template.is_builtin());
+        let messages: Vec<ChatMessage> = serde_json::from_value(case["messages"].clone())
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let got = template.render(&messages, &case_options(case));
+        let ok_path = dir.join("expected").join(format!("{name}.txt"));
+        let err_path = dir.join("expected").join(format!("{name}.error.txt"));
+        if ok_path.is_file() {
+            let want = std::fs::read_to_string(&ok_path).unwrap();
+            let got = got.unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(got, want, "{name}: rendering differs from transformers");
+        } else {
+            let want = std::fs::read_to_string(&err_path)
+                .unwrap_or_else(|_| panic!("{name}: no expected output"));
+            match got {
+                Err(Error::Invalid(msg)) => {
+                    assert_eq!(msg, format!("chat template: {want}"), "{name}")
+                }
+                other => panic!("{name}: expected raise_exception({want:?}), got {other:?}"),
+            }
+        }
+        checked += 1;
+    }
+    assert_eq!(checked, cases.len());
+}
+
+#[test]
+fn qwen35_generation_prompt_and_thinking() {
+    let t = ChatTemplate::from_model_dir(fixtures().join("qwen3.5")).unwrap();
+    assert_eq!(t.eos_token(), Some("<|im_end|>"));
+    assert_eq!(t.bos_token(), None);
+    let msgs = [ChatMessage::user("Hi")];
+    let render = |thinking: Option<bool>| {
+        t.render(
+            &msgs,
+            &RenderOptions {
+                add_generation_prompt: true,
+                enable_thinking: thinking,
+                ..Default::default()
+            },
+        )
+        .unwrap()
+    };
+    let head = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n";
+    assert_eq!(render(None), format!("{head}<think>\n"));
+    assert_eq!(render(Some(true)), format!("{head}<think>\n"));
+    assert_eq!(
+        render(Some(false)),
+        format!("{head}<think>\n\n</think>\n\n")
+    );
+}
+
+#[test]
+fn string_tool_arguments_are_parsed() {
+    // OpenAI sends arguments as a JSON string; Qwen3.5's template iterates
+    // over them, so they render like an object.
+    let t = ChatTemplate::from_model_dir(fixtures().join("qwen3.5")).unwrap();
+    let call = |args: Value| {
+        let mut m = ChatMessage::assistant("");
+        m.tool_calls = Some(json!([{"id": "1", "type": "function",
+            "function": {"name": "f", "arguments": args}}]));
+        vec![ChatMessage::user("q"), m]
+    };
+    let opts = RenderOptions::default();
+    let as_object = t.render(&call(json!({"x": 1, "y": "z"})), &opts).unwrap();
+    let as_string = t
+        .render(&call(json!("{\"x\": 1, \"y\": \"z\"}")), &opts)
+        .unwrap();
+    assert_eq!(as_object, as_string);
+    assert!(as_object.contains("<parameter=x>\n1\n</parameter>\n<parameter=y>\nz\n</parameter>"));
+}
+
+#[test]
+fn builtin_chatml_when_the_model_ships_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = ChatTemplate::from_model_dir(dir.path()).unwrap();
+    assert!(t.is_builtin());
+    let out = t
+        .render(
+            &[ChatMessage::system("S"), ChatMessage::user("U")],
+            &RenderOptions {
+                add_generation_prompt: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    assert_eq!(
+        out,
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let out = t
+        .render(&[ChatMessage::user("U")], &RenderOptions::default())
+        .unwrap();
+    assert_eq!(out, "<|im_start|>user\nU<|im_end|>\n");
+    // Special tokens still come from tokenizer_config.json.
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        r#"{"eos_token": {"content": "<|im_end|>", "__type": "AddedToken"}}"#,
+    )
+    .unwrap();
+    let t = ChatTemplate::from_model_dir(dir.path()).unwrap();
+    assert!(t.is_builtin());
+    assert_eq!(t.eos_token(), Some("<|im_end|>"));
+}
+
+#[test]
+fn template_sources_in_transformers_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let opts = RenderOptions::default();
+    let msgs = [ChatMessage::user("u")];
+    // chat_template.json (processor style)
+    std::fs::write(
+        d.join("chat_template.json"),
+        r#"{"chat_template": "json:{{ messages[0].content }}"}"#,
+    )
+    .unwrap();
+    let t = ChatTemplate::from_model_dir(d).unwrap();
+    assert_eq!(t.render(&msgs, &opts).unwrap(), "json:u");
+    assert_eq!(t.origin(), d.join("chat_template.json"));
+    // tokenizer_config.json wins over it; a list of named templates uses "default".
+    std::fs::write(
+        d.join("tokenizer_config.json"),
+        r#"{"bos_token": "<s>", "chat_template": [
+            {"name": "tool_use", "template": "tools"},
+            {"name": "default", "template": "{{ bos_token }}cfg:{{ messages[0].content }}"}]}"#,
+    )
+    .unwrap();
+    let t = ChatTemplate::from_model_dir(d).unwrap();
+    assert_eq!(t.render(&msgs, &opts).unwrap(), "<s>cfg:u");
+    // chat_template.jinja wins over both.
+    std::fs::write(
+        d.join("chat_template.jinja"),
+        "jinja:{{ messages[0].content }}\n",
+    )
+    .unwrap();
+    let t = ChatTemplate::from_model_dir(d).unwrap();
+    assert_eq!(t.render(&msgs, &opts).unwrap(), "jinja:u");
+    assert_eq!(t.source(), "jinja:{{ messages[0].content }}\n");
+}
+
+#[test]
+fn errors_name_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(
+        d.join("chat_template.jinja"),
+        "line one\n{% if messages %}\nunclosed",
+    )
+    .unwrap();
+    let e = ChatTemplate::from_model_dir(d).unwrap_err().to_string();
+    assert!(e.contains("chat_template.jinja"), "{e}");
+    assert!(e.contains("syntax error"), "{e}");
+    assert!(e.contains("line 3") || e.contains(":3"), "{e}");
+
+    std::fs::remove_file(d.join("chat_template.jinja")).unwrap();
+    std::fs::write(d.join("tokenizer_config.json"), "{\"chat_template\": ").unwrap();
+    let e = ChatTemplate::from_model_dir(d).unwrap_err().to_string();
+    assert!(e.contains("tokenizer_config.json"), "{e}");
+    assert!(e.contains("invalid JSON"), "{e}");
+
+    std::fs::write(
+        d.join("tokenizer_config.json"),
+        r#"{"chat_template": [{"name": "x", "template": "y"}]}"#,
+    )
+    .unwrap();
+    let e = ChatTemplate::from_model_dir(d).unwrap_err().to_string();
+    assert!(
+        e.contains("tokenizer_config.json") && e.contains("default"),
+        "{e}"
+    );
+
+    // A failure while rendering (not a raise_exception) names the file too.
+    std::fs::write(
+        d.join("tokenizer_config.json"),
+        r#"{"chat_template": "{{ messages[0].nope.deeper }}"}"#,
+    )
+    .unwrap();
+    let t = ChatTemplate::from_model_dir(d).unwrap();
+    let e = t
+        .render(&[ChatMessage::user("u")], &RenderOptions::default())
+        .unwrap_err();
+    assert!(matches!(e, Error::Format { .. }), "{e:?}");
+    assert!(e.to_string().contains("tokenizer_config.json"), "{e}");
+}
+
+#[test]
+fn raise_exception_is_an_invalid_request() {
+    let t = ChatTemplate::from_source(
+        "{% if messages|length > 1 %}{{ raise_exception('Only one message, please.') }}{% endif %}ok",
+        "t.jinja",
+    )
+    .unwrap();
+    let opts = RenderOptions::default();
+    assert_eq!(t.render(&[ChatMessage::user("a")], &opts).unwrap(), "ok");
+    let e = t
+        .render(&[ChatMessage::user("a"), ChatMessage::user("b")], &opts)
+        .unwrap_err();
+    match e {
+        Error::Invalid(m) => assert_eq!(m, "chat template: Only one message, please."),
+        other => panic!("{other:?}"),
+    }
+    // The flag does not leak into the next render.
+    assert_eq!(t.render(&[ChatMessage::user("a")], &opts).unwrap(), "ok");
+}
+
+// Expected strings below are what transformers' compiled template returns
+// (jinja2 3.1.6), checked with /work/venv-mlx when written.
+const X: &str = r#"{% set x = {"b": [1, 2.0, none, true, "é<>&\u2028"], "a": {}, "c": [], "d": 1e-7, "e": 1e20, "f": "\u0001\t\"\\"} %}"#;
+
+#[test]
+fn tojson_like_transformers() {
+    let r = |expr: &str| render_source(&format!("{X}{{{{ {expr} }}}}"));
+    assert_eq!(
+        r("x|tojson"),
+        "{\"b\": [1, 2.0, null, true, \"é<>&\u{2028}\"], \"a\": {}, \"c\": [], \"d\": 1e-07, \"e\": 1e+20, \"f\": \"\\u0001\\t\\\"\\\\\"}"
+    );
+    assert_eq!(
+        r("x|tojson(indent=2)"),
+        "{\n  \"b\": [\n    1,\n    2.0,\n    null,\n    true,\n    \"é<>&\u{2028}\"\n  ],\n  \"a\": {},\n  \"c\": [],\n  \"d\": 1e-07,\n  \"e\": 1e+20,\n  \"f\": \"\\u0001\\t\\\"\\\\\"\n}"
+    );
+    assert_eq!(
+        r("x|tojson(indent='\\t', sort_keys=true)"),
+        "{\n\t\"a\": {},\n\t\"b\": [\n\t\t1,\n\t\t2.0,\n\t\tnull,\n\t\ttrue,\n\t\t\"é<>&\u{2028}\"\n\t],\n\t\"c\": [],\n\t\"d\": 1e-07,\n\t\"e\": 1e+20,\n\t\"f\": \"\\u0001\\t\\\"\\\\\"\n}"
+    );
+    assert_eq!(
+        r("x|tojson(ensure_ascii=true)"),
+        "{\"b\": [1, 2.0, null, true, \"\\u00e9<>&\\u2028\"], \"a\": {}, \"c\": [], \"d\": 1e-07, \"e\": 1e+20, \"f\": \"\\u0001\\t\\\"\\\\\"}"
+    );
+    assert_eq!(
+        r("x|tojson(separators=(',', ':'))"),
+        "{\"b\":[1,2.0,null,true,\"é<>&\u{2028}\"],\"a\":{},\"c\":[],\"d\":1e-07,\"e\":1e+20,\"f\":\"\\u0001\\t\\\"\\\\\"}"
+    );
+    assert_eq!(r("'😀'|tojson(ensure_ascii=true)"), "\"\\ud83d\\ude00\"");
+}
+
+#[test]
+fn jinja2_behaviour() {
+    // A single trailing newline of the template is dropped (keep_trailing_newline=False).
+    assert_eq!(render_source("a\n"), "a");
+    assert_eq!(render_source("a\n\n"), "a\n");
+    // trim_blocks + lstrip_blocks.
+    assert_eq!(
+        render_source("  {% if true %}\n  x\n  {% endif %}\nend"),
+        "  x\nend"
+    );
+    // Loop controls.
+    assert_eq!(
+        render_source(
+            "{% for i in range(5) %}{% if i == 3 %}{% break %}{% endif %}{{ i }}{% endfor %}"
+        ),
+        "012"
+    );
+    // Python string and dict methods.
+    assert_eq!(
+        render_source(
+            "{{ 'a,b,,c'.split(',') }}|{{ ' x '.strip() }}|{{ 'abc'.startswith('ab') }}|{{ {'k': 1}.items()|list }}"
+        ),
+        "['a', 'b', '', 'c']|x|True|[('k', 1)]"
+    );
+    // namespace()
+    assert_eq!(
+        render_source("{% set ns = namespace(n=0) %}{% for m in [1,2,3] %}{% set ns.n = ns.n + m %}{% endfor %}{{ ns.n }}"),
+        "6"
+    );
+    assert_eq!(
+        render_source("{{ 'abc' is iterable }}{{ 'abc' is sequence }}{{ none is iterable }}{{ 3 // 2 }}{{ 7 % 3 }}{{ 1/2 }}{{ [1,2] }}{{ {'a': 'b'} }}{{ true }}{{ 1.0 }}"),
+        "TrueTrueFalse110.5[1, 2]{'a': 'b'}True1.0"
+    );
+    // Type tests, as jinja2's.
+    assert_eq!(
+        render_source("{% for v in [none, 1, 1.5, true, 'ab', [1], {'a':1}, undefined_x, (1,2)] %}{{ v is sequence }}/{{ v is iterable }}/{{ v is mapping }}/{{ v is string }}/{{ v is number }}/{{ v is boolean }}/{{ v is integer }}/{{ v is float }} {% endfor %}"),
+        "False/False/False/False/False/False/False/False False/False/False/False/True/False/True/False False/False/False/False/True/False/False/True False/False/False/False/True/True/False/False True/True/False/True/False/False/False/False True/True/False/False/False/False/False/False True/True/True/False/False/False/False/False True/True/False/False/False/False/False/False True/True/False/False/False/False/False/False "
+    );
+    // Variables transformers passes: tools and documents are None when absent.
+    assert_eq!(
+        render_source("{{ tools is defined }}{{ tools is none }}{{ documents is none }}{{ enable_thinking is defined }}"),
+        "TrueTrueTrueFalse"
+    );
+}
+
+#[test]
+fn strftime_now_uses_local_time() {
+    let got = render_source("{{ strftime_now('%Y') }}|{{ strftime_now('%d %b %Y')|length }}");
+    let (year, len) = got.split_once('|').unwrap();
+    let now = jiff::Zoned::now();
+    assert!(
+        year == now.year().to_string() || year == (now.year() - 1).to_string(),
+        "{got}"
+    );
+    assert_eq!(len, "11");
+}
+
+#[test]
+fn messages_as_transformers_passes_them() {
+    let t = ChatTemplate::from_source(
+        "{% for m in messages %}{{ m.role }}:{{ m.content is defined }}:{{ m.reasoning_content }}:{{ m.thinking }}:{{ m.name }}:{{ m.tool_call_id }}:{{ m.custom }};{% endfor %}",
+        "t.jinja",
+    )
+    .unwrap();
+    let msgs: Vec<ChatMessage> = serde_json::from_value(json!([
+        {"role": "assistant", "content": null, "reasoning": "r1"},
+        {"role": "assistant", "content": "c", "reasoning_content": "r2", "custom": 7},
+        {"role": "tool", "content": "x", "name": "f", "tool_call_id": "id9"}
+    ]))
+    .unwrap();
+    assert_eq!(msgs[0].content, None);
+    assert_eq!(msgs[1].extra["custom"], json!(7));
+    let out = t.render(&msgs, &RenderOptions::default()).unwrap();
+    assert_eq!(
+        out,
+        "assistant:False:r1:r1:::;assistant:True:r2:r2:::7;tool:True:::f:id9:;"
+    );
+}
+
+#[test]
+fn chat_message_serde_is_openai_compatible() {
+    let m = ChatMessage::tool("42", "call_1");
+    assert_eq!(
+        serde_json::to_value(&m).unwrap(),
+        json!({"role": "tool", "content": "42", "tool_call_id": "call_1"})
+    );
+    let parts: ChatMessage = serde_json::from_value(json!({
+        "role": "user",
+        "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}, {"type": "text", "text": "b"}]
+    }))
+    .unwrap();
+    assert!(matches!(parts.content, Some(Content::Parts(ref p)) if p.len() == 3));
+    assert_eq!(parts.text(), "ab");
+    let round: ChatMessage = serde_json::from_value(serde_json::to_value(&parts).unwrap()).unwrap();
+    assert_eq!(round, parts);
+    let mut a = ChatMessage::assistant("hi");
+    a.reasoning_content = Some("why".into());
+    assert_eq!(
+        serde_json::to_value(&a).unwrap(),
+        json!({"role": "assistant", "content": "hi", "reasoning_content": "why"})
+    );
+}
+
+#[test]
+fn extra_variables_and_special_tokens() {
+    let t = ChatTemplate::from_source(
+        "{{ bos_token }}|{{ date_string }}|{{ enable_thinking }}|{{ add_generation_prompt }}",
+        "t.jinja",
+    )
+    .unwrap()
+    .with_special_token("bos_token", "<s>");
+    let mut extra = serde_json::Map::new();
+    extra.insert("date_string".into(), json!("1 Jan 2025"));
+    extra.insert("bos_token".into(), json!("<override>"));
+    extra.insert("enable_thinking".into(), json!(true));
+    let out = t
+        .render(
+            &[ChatMessage::user("u")],
+            &RenderOptions {
+                add_generation_prompt: true,
+                enable_thinking: Some(false),
+                tools: None,
+                extra,
+            },
+        )
+        .unwrap();
+    assert_eq!(out, "<override>|1 Jan 2025|False|True");
+}
+
+#[test]
+fn generation_blocks_render_their_body() {
+    // transformers' {% generation %} extension (assistant masks).
+    let t = ChatTemplate::from_source(
+        "a {%- generation %} b {% endgeneration -%} c|{% for m in messages %}{% generation %}\n  {{ m.content }}\n{% endgeneration %}{% endfor %}",
+        "t.jinja",
+    )
+    .unwrap();
+    let out = t
+        .render(
+            &[ChatMessage::user("x"), ChatMessage::assistant("y")],
+            &RenderOptions::default(),
+        )
+        .unwrap();
+    assert_eq!(out, "a b c|  x\n  y\n");
+}
