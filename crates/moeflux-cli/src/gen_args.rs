@@ -33,6 +33,33 @@ pub struct ModelArgs {
     pub ctx: Option<usize>,
 }
 
+impl ModelArgs {
+    /// Opens the session these flags describe.
+    pub fn open_session(&self) -> Result<Session> {
+        Session::open(
+            &self.model,
+            SessionOptions {
+                threads: self.threads,
+                experts_per_token: self.experts_per_token,
+                direct_io: self.direct_io,
+                max_context: self.ctx,
+                ..Default::default()
+            },
+        )
+        .with_context(|| format!("opening model {}", self.model.display()))
+    }
+
+    /// Warns on stderr when fewer experts than the model's default are used.
+    pub fn warn_fewer_experts(&self, session: &Session) {
+        let full = session.config().moe.num_experts_per_tok;
+        if let Some(k) = self.experts_per_token.filter(|&k| k < full) {
+            eprintln!(
+                "warning: {k} of the model's {full} experts per token: faster, but output quality drops"
+            );
+        }
+    }
+}
+
 #[derive(Debug, Clone, Args)]
 pub struct SamplingArgs {
     /// Tokens to generate at most.
@@ -155,28 +182,11 @@ pub struct Loaded {
 pub fn load(m: &ModelArgs) -> Result<Loaded> {
     let t0 = Instant::now();
     let spinner = crate::progress::spinner("loading model");
-    let session = Session::open(
-        &m.model,
-        SessionOptions {
-            threads: m.threads,
-            experts_per_token: m.experts_per_token,
-            direct_io: m.direct_io,
-            max_context: m.ctx,
-            ..Default::default()
-        },
-    )
-    .with_context(|| format!("opening model {}", m.model.display()))?;
+    let session = m.open_session()?;
     let tokenizer = Tokenizer::from_model_dir(&m.model)?;
     let template = ChatTemplate::from_model_dir(&m.model)?;
     spinner.finish_and_clear();
-    if let Some(k) = m.experts_per_token {
-        let full = session.config().moe.num_experts_per_tok;
-        if k < full {
-            eprintln!(
-                "warning: {k} of the model's {full} experts per token: faster, but output quality drops"
-            );
-        }
-    }
+    m.warn_fewer_experts(&session);
     Ok(Loaded {
         session,
         tokenizer,

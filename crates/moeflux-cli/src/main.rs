@@ -1,6 +1,7 @@
 //! The `moeflux` command. One module per subcommand: adding one is a variant
 //! of [`Command`] plus a `cmd_<name>.rs` with its `Args` and `run`.
 
+mod cmd_bench;
 mod cmd_chat;
 mod cmd_convert;
 mod cmd_inspect;
@@ -32,6 +33,8 @@ enum Command {
     Run(cmd_run::RunArgs),
     /// Interactive multi-turn chat with the model's chat template.
     Chat(cmd_chat::ChatArgs),
+    /// Measure prompt-processing and generation speed on a model.
+    Bench(cmd_bench::BenchArgs),
     /// Convert an mlx-lm or Hugging Face checkpoint into a moeflux model directory.
     Convert(cmd_convert::ConvertArgs),
     /// Describe a model directory: architecture, shapes, quantization, sizes.
@@ -76,6 +79,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(a) => cmd_run::run(a),
         Command::Chat(a) => cmd_chat::run(a),
+        Command::Bench(a) => cmd_bench::run(a),
         Command::Convert(a) => cmd_convert::run(a),
         Command::Inspect(a) => cmd_inspect::run(a),
         Command::Logits(a) => cmd_logits::run(a),

@@ -2,6 +2,7 @@
 //! keeping the dense part resident and streaming routed experts from disk.
 
 pub mod backend;
+pub mod bench;
 pub mod config;
 pub mod convert;
 pub mod error;

@@ -132,6 +132,26 @@ impl Manifest {
         self.tensors.values().map(|t| t.bytes).sum()
     }
 
+    /// Weight bytes one decoded token reads: the dense tensors, of which the
+    /// embedding table only one row (all of it again when it doubles as the
+    /// LM head), plus `k` routed experts of every MoE layer. The numerator
+    /// of the decode roofline.
+    pub fn decode_bytes_per_token(&self, k: usize, vocab: usize, tied_embeddings: bool) -> u64 {
+        let embed: u64 = self
+            .tensors
+            .iter()
+            .filter(|(name, _)| name.starts_with("model.embed_tokens."))
+            .map(|(_, t)| t.bytes)
+            .sum();
+        let embed_read = if tied_embeddings {
+            embed
+        } else {
+            embed / vocab.max(1) as u64
+        };
+        let experts: u64 = self.experts.iter().map(|l| k as u64 * l.expert_bytes).sum();
+        self.dense_bytes() - embed + embed_read + experts
+    }
+
     /// Total bytes of all expert files.
     pub fn expert_bytes(&self) -> u64 {
         self.experts

@@ -83,6 +83,16 @@ impl IoStats {
         }
     }
 
+    /// Counters summed with `other`'s.
+    pub fn plus(&self, other: &IoStats) -> IoStats {
+        IoStats {
+            reads: self.reads + other.reads,
+            bytes: self.bytes + other.bytes,
+            busy_ns: self.busy_ns + other.busy_ns,
+            calls: self.calls + other.calls,
+        }
+    }
+
     /// Counter differences `self - earlier` (saturating).
     pub fn since(&self, earlier: &IoStats) -> IoStats {
         IoStats {
@@ -350,6 +360,59 @@ impl ExpertStore {
             sys::evict(&lf.file).map_err(|e| Error::io(&lf.path, e))?;
         }
         Ok(())
+    }
+
+    /// Sequential read bandwidth of the expert files' file system in GB/s:
+    /// up to `max_bytes` of the largest expert file read with `O_DIRECT` in
+    /// 8 MiB requests, one stream per I/O thread (the same queue depth the
+    /// expert reads get). The yardstick for the expert bandwidth a decode
+    /// achieves. `Ok(None)` where the file system refuses direct I/O.
+    pub fn sequential_direct_gb_s(&self, max_bytes: u64) -> Result<Option<f64>> {
+        const CHUNK: usize = 8 << 20;
+        let Some(lf) = self
+            .layers
+            .iter()
+            .flatten()
+            .max_by_key(|l| l.num_experts as u64 * l.stride)
+        else {
+            return Ok(None);
+        };
+        let file = match sys::open_direct(&lf.path) {
+            Ok(f) => f,
+            Err(e) if sys::direct_refused(&e) => return Ok(None),
+            Err(e) => return Err(Error::io(&lf.path, e)),
+        };
+        let size = (lf.num_experts as u64 * lf.stride).min(max_bytes);
+        let chunks = (size / CHUNK as u64).max(1) as usize;
+        let streams = self.opts.io_threads.min(chunks);
+        let first_err: Mutex<Option<Error>> = Mutex::new(None);
+        let start = Instant::now();
+        let total = AtomicU64::new(0);
+        self.pool.scope(|s| {
+            for stream in 0..streams {
+                let (file, first_err, total) = (&file, &first_err, &total);
+                s.spawn(move |_| {
+                    let mut buf = ExpertBuf::new(CHUNK);
+                    for c in (stream..chunks).step_by(streams) {
+                        match file.read_at(buf.as_bytes_mut(), (c * CHUNK) as u64) {
+                            Ok(n) => {
+                                total.fetch_add(n as u64, Ordering::Relaxed);
+                            }
+                            Err(e) => {
+                                let mut slot = first_err.lock().unwrap_or_else(|p| p.into_inner());
+                                slot.get_or_insert(Error::io(&lf.path, e));
+                                return;
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        let secs = start.elapsed().as_secs_f64();
+        if let Some(e) = first_err.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            return Err(e);
+        }
+        Ok(Some(total.into_inner() as f64 / secs / 1e9))
     }
 
     fn layer(&self, layer: usize) -> Option<&Arc<LayerFile>> {

@@ -2,6 +2,17 @@
 
 use std::time::{Duration, Instant};
 
+/// (display name, key) of each phase, in pipeline order.
+const PHASE_NAMES: [(&str, &str); 7] = [
+    ("embed+norms", "embed_norms"),
+    ("attention", "attention"),
+    ("routing", "routing"),
+    ("expert I/O wait", "expert_io_wait"),
+    ("expert compute", "expert_compute"),
+    ("shared expert/MLP", "shared_mlp"),
+    ("LM head", "lm_head"),
+];
+
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct PhaseTimes {
     /// Embedding lookup and RMSNorms.
@@ -44,16 +55,41 @@ impl PhaseTimes {
         }
     }
 
+    /// Counters summed with `other`'s.
+    pub fn plus(&self, other: &PhaseTimes) -> PhaseTimes {
+        PhaseTimes {
+            embed_norm: self.embed_norm + other.embed_norm,
+            attention: self.attention + other.attention,
+            routing: self.routing + other.routing,
+            expert_io: self.expert_io + other.expert_io,
+            expert_compute: self.expert_compute + other.expert_compute,
+            shared_mlp: self.shared_mlp + other.shared_mlp,
+            lm_head: self.lm_head + other.lm_head,
+        }
+    }
+
     /// `(name, duration)` pairs in pipeline order, for reports.
     pub fn phases(&self) -> [(&'static str, Duration); 7] {
+        let d = self.durations();
+        std::array::from_fn(|i| (PHASE_NAMES[i].0, d[i]))
+    }
+
+    /// `(key, duration)` pairs in pipeline order, keys in snake case for
+    /// machine-readable output.
+    pub fn keyed(&self) -> [(&'static str, Duration); 7] {
+        let d = self.durations();
+        std::array::from_fn(|i| (PHASE_NAMES[i].1, d[i]))
+    }
+
+    fn durations(&self) -> [Duration; 7] {
         [
-            ("embed+norms", self.embed_norm),
-            ("attention", self.attention),
-            ("routing", self.routing),
-            ("expert I/O wait", self.expert_io),
-            ("expert compute", self.expert_compute),
-            ("shared expert/MLP", self.shared_mlp),
-            ("LM head", self.lm_head),
+            self.embed_norm,
+            self.attention,
+            self.routing,
+            self.expert_io,
+            self.expert_compute,
+            self.shared_mlp,
+            self.lm_head,
         ]
     }
 }

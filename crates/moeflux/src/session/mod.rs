@@ -60,6 +60,7 @@ pub struct Session {
     checkpoint_order: Vec<usize>,
     bufs: Vec<ExpertBuf>,
     fingerprint: u64,
+    decode_bytes_per_token: u64,
     /// Set when an eval failed midway: the state is then inconsistent until
     /// `clear`, `restore_to`, `truncate` or `state_load`.
     poisoned: bool,
@@ -116,6 +117,11 @@ impl Session {
             .build()
             .map_err(|e| Error::Invalid(format!("cannot start {threads} compute threads: {e}")))?;
         let state = model.new_state();
+        let decode_bytes_per_token = manifest.decode_bytes_per_token(
+            k_active,
+            model.config.vocab_size,
+            model.config.tie_word_embeddings,
+        );
         Ok(Session {
             dir: dir.to_path_buf(),
             model,
@@ -130,6 +136,7 @@ impl Session {
             checkpoint_order: Vec::new(),
             bufs: Vec::new(),
             fingerprint: snapshot::fnv1a(&manifest_bytes),
+            decode_bytes_per_token,
             poisoned: false,
             times: PhaseTimes::default(),
         })
@@ -165,6 +172,28 @@ impl Session {
     /// The tokens evaluated so far.
     pub fn tokens(&self) -> &[u32] {
         &self.tokens
+    }
+
+    /// Weight bytes one decoded token reads (dense weights plus the routed
+    /// experts at the session's experts per token).
+    pub fn decode_bytes_per_token(&self) -> u64 {
+        self.decode_bytes_per_token
+    }
+
+    /// Compute threads.
+    pub fn threads(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+
+    /// The routed-expert store (for I/O measurements).
+    pub fn expert_store(&self) -> &ExpertStore {
+        &self.store
+    }
+
+    /// Drops the expert files from the page cache, for cold-start
+    /// measurements (see [`ExpertStore::evict_page_cache`]).
+    pub fn evict_expert_cache(&self) -> Result<()> {
+        self.store.evict_page_cache()
     }
 
     pub fn io_stats(&self) -> IoStats {

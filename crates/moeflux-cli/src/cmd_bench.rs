@@ -1,0 +1,252 @@
+//! `moeflux bench`: prompt-processing and generation throughput on a model
+//! directory, with the time per phase, the expert bytes read and where they
+//! came from, and the decode roofline.
+
+use anyhow::Result;
+use clap::Args;
+use moeflux::backend::cpu::simd::simd_level;
+use moeflux::bench::{self, BenchOptions, BenchResult, TestResult};
+use moeflux::Session;
+use serde_json::{json, Value};
+
+use crate::gen_args::ModelArgs;
+use crate::progress::human_bytes;
+
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt tokens evaluated in one batch (the `pp` test; 0 skips it).
+    #[arg(long, default_value_t = 512)]
+    pub prompt_len: usize,
+    /// Tokens generated one at a time (the `tg` test; 0 skips it).
+    #[arg(long, default_value_t = 128)]
+    pub gen: usize,
+    /// Timed repetitions of each test.
+    #[arg(long, default_value_t = 3)]
+    pub reps: usize,
+    /// Drop the expert files from the page cache before each repetition
+    /// (and measure the file system's sequential O_DIRECT bandwidth).
+    #[arg(long)]
+    pub cold: bool,
+    /// Skip the untimed warm-up run of each test.
+    #[arg(long)]
+    pub no_warmup: bool,
+    /// Seed of the random token ids.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Print one JSON object instead of tables.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Bytes read with O_DIRECT to measure the sequential bandwidth.
+const SEQ_PROBE_BYTES: u64 = 1 << 30;
+
+pub fn run(args: BenchArgs) -> Result<()> {
+    let mut session = args.model.open_session()?;
+    args.model.warn_fewer_experts(&session);
+    let threads = session.threads();
+    let opts = BenchOptions {
+        prompt_len: args.prompt_len,
+        gen: args.gen,
+        reps: args.reps,
+        cold: args.cold,
+        warmup: !args.no_warmup,
+        seed: args.seed,
+    };
+    let seq_gb_s = if args.cold {
+        session.evict_expert_cache()?;
+        session
+            .expert_store()
+            .sequential_direct_gb_s(SEQ_PROBE_BYTES)?
+    } else {
+        None
+    };
+    let mem_gb_s = bench::memory_read_gb_s(threads)?;
+    let quiet = args.json;
+    let result = bench::run(&mut session, &opts, &mut |line| {
+        if !quiet {
+            eprintln!("{line}");
+        }
+    })?;
+    let report = Report {
+        session: &session,
+        args: &args,
+        result: &result,
+        threads,
+        mem_gb_s,
+        seq_gb_s,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report.json())?);
+    } else {
+        print!("{}", report.text());
+    }
+    Ok(())
+}
+
+struct Report<'a> {
+    session: &'a Session,
+    args: &'a BenchArgs,
+    result: &'a BenchResult,
+    threads: usize,
+    mem_gb_s: f64,
+    seq_gb_s: Option<f64>,
+}
+
+impl Report<'_> {
+    fn mode(&self) -> &'static str {
+        if self.args.cold {
+            "cold"
+        } else {
+            "warm"
+        }
+    }
+
+    fn io(&self) -> &'static str {
+        if self.args.model.direct_io {
+            "O_DIRECT"
+        } else {
+            "page cache"
+        }
+    }
+
+    /// Decode tokens per second if every weight byte a token reads streamed
+    /// at the measured memory bandwidth.
+    fn roofline_tok_s(&self) -> f64 {
+        self.mem_gb_s * 1e9 / self.session.decode_bytes_per_token() as f64
+    }
+
+    fn test_json(t: &TestResult) -> Value {
+        let phases: serde_json::Map<String, Value> = t
+            .times
+            .keyed()
+            .iter()
+            .map(|(name, d)| (name.to_string(), json!(t.ms_per_token(*d))))
+            .collect();
+        json!({
+            "tokens": t.tokens,
+            "tok_s": t.mean_tok_s(),
+            "tok_s_std": t.std_tok_s(),
+            "tok_s_reps": t.tok_s,
+            "ms_per_token": phases,
+            "expert_bytes_per_token": t.expert_bytes_per_token(),
+            "expert_reads": t.io.reads,
+            "expert_gb_s": t.expert_gb_s(),
+            "disk_bytes": t.disk_bytes,
+            "page_cache_hit_rate": t.page_cache_hit_rate(),
+        })
+    }
+
+    fn json(&self) -> Value {
+        let c = self.session.config();
+        let r = self.result;
+        json!({
+            "model": self.session.model_dir().display().to_string(),
+            "model_type": c.arch.model_type(),
+            "layers": c.num_layers,
+            "hidden": c.hidden_size,
+            "experts": c.moe.num_experts,
+            "experts_per_token": self.session.experts_per_token(),
+            "threads": self.threads,
+            "simd": simd_level().to_string(),
+            "io": self.io(),
+            "mode": self.mode(),
+            "reps": self.args.reps,
+            "prefill_tok_s": r.prefill.as_ref().map(TestResult::mean_tok_s),
+            "decode_tok_s": r.decode.as_ref().map(TestResult::mean_tok_s),
+            "prefill": r.prefill.as_ref().map(Self::test_json),
+            "decode": r.decode.as_ref().map(Self::test_json),
+            "decode_bytes_per_token": self.session.decode_bytes_per_token(),
+            "memory_gb_s": self.mem_gb_s,
+            "decode_roofline_tok_s": self.roofline_tok_s(),
+            "sequential_direct_gb_s": self.seq_gb_s,
+        })
+    }
+
+    fn text(&self) -> String {
+        let c = self.session.config();
+        let r = self.result;
+        let mut out = format!(
+            "model {} ({}, {} layers, hidden {}, {} experts, {} per token)\n\
+             {} threads, {}, experts via {}, {}, {} reps\n\n",
+            self.session.model_dir().display(),
+            c.arch.model_type(),
+            c.num_layers,
+            c.hidden_size,
+            c.moe.num_experts,
+            self.session.experts_per_token(),
+            self.threads,
+            simd_level(),
+            self.io(),
+            self.mode(),
+            self.args.reps,
+        );
+        let tests: Vec<(String, &TestResult)> = [
+            r.prefill.as_ref().map(|t| (format!("pp{}", t.tokens), t)),
+            r.decode.as_ref().map(|t| (format!("tg{}", t.tokens), t)),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        out.push_str(&format!(
+            "{:<8} {:>10} {:>8} {:>14} {:>10} {:>11}\n",
+            "test", "tok/s", "±", "experts/token", "expert GB/s", "page cache"
+        ));
+        for (name, t) in &tests {
+            out.push_str(&format!(
+                "{:<8} {:>10.2} {:>8.2} {:>14} {:>10.2} {:>11}\n",
+                name,
+                t.mean_tok_s(),
+                t.std_tok_s(),
+                human_bytes(t.expert_bytes_per_token() as u64),
+                t.expert_gb_s(),
+                t.page_cache_hit_rate()
+                    .map_or("-".to_string(), |h| format!("~{:.0}%", h * 100.0)),
+            ));
+        }
+        out.push_str("\nms per token");
+        for (name, _) in &tests {
+            out.push_str(&format!(" {name:>10}"));
+        }
+        out.push('\n');
+        let phase_names = tests
+            .first()
+            .map(|(_, t)| t.times.phases())
+            .unwrap_or_default();
+        for (i, (phase, _)) in phase_names.iter().enumerate() {
+            out.push_str(&format!("  {phase:<18}"));
+            for (_, t) in &tests {
+                out.push_str(&format!(" {:>8.3}", t.ms_per_token(t.times.phases()[i].1)));
+            }
+            out.push('\n');
+        }
+        let bpt = self.session.decode_bytes_per_token();
+        out.push_str(&format!(
+            "\ndecode roofline: {} of weights per token / {:.1} GB/s memory read = {:.1} tok/s",
+            human_bytes(bpt),
+            self.mem_gb_s,
+            self.roofline_tok_s()
+        ));
+        if let Some(t) = &r.decode {
+            out.push_str(&format!(
+                " ({:.0}% reached)",
+                100.0 * t.mean_tok_s() / self.roofline_tok_s()
+            ));
+        }
+        out.push('\n');
+        if let Some(seq) = self.seq_gb_s {
+            out.push_str(&format!("sequential O_DIRECT read: {seq:.2} GB/s"));
+            if let Some(t) = &r.decode {
+                out.push_str(&format!(
+                    "; decode read experts at {:.2} GB/s ({:.0}%)",
+                    t.expert_gb_s(),
+                    100.0 * t.expert_gb_s() / seq
+                ));
+            }
+            out.push('\n');
+        }
+        out
+    }
+}

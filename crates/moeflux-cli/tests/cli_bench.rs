@@ -1,0 +1,108 @@
+//! `moeflux bench` on a converted fixture: the JSON contract the side-by-side
+//! scripts rely on, expert-byte accounting, and one-line errors.
+
+mod common;
+
+use common::*;
+
+#[test]
+fn json_report_has_speeds_phases_and_exact_expert_bytes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = convert("qwen35moe-q4", tmp.path());
+    let out = moeflux(&[
+        "bench",
+        "--model",
+        s(&model),
+        "--prompt-len",
+        "24",
+        "--gen",
+        "6",
+        "--reps",
+        "2",
+        "--json",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&ok(&out)).unwrap();
+    for key in [
+        "prefill_tok_s",
+        "decode_tok_s",
+        "memory_gb_s",
+        "decode_roofline_tok_s",
+    ] {
+        assert!(v[key].as_f64().unwrap() > 0.0, "{key}: {v}");
+    }
+    assert_eq!(v["prefill"]["tokens"], 24);
+    assert_eq!(v["decode"]["tokens"], 6);
+    assert_eq!(v["decode"]["tok_s_reps"].as_array().unwrap().len(), 2);
+    for phase in [
+        "attention",
+        "routing",
+        "expert_io_wait",
+        "expert_compute",
+        "lm_head",
+    ] {
+        assert!(v["decode"]["ms_per_token"][phase].as_f64().unwrap() >= 0.0);
+    }
+
+    // A decoded token reads k experts of every MoE layer, one extent each.
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(model.join("moeflux.json")).unwrap())
+            .unwrap();
+    let k = v["experts_per_token"].as_u64().unwrap();
+    let per_token: u64 = manifest["experts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| k * l["stride"].as_u64().unwrap())
+        .sum();
+    assert_eq!(
+        v["decode"]["expert_bytes_per_token"].as_f64().unwrap(),
+        per_token as f64
+    );
+    // A batch reads each chosen expert once: fewer bytes per token.
+    let pp = v["prefill"]["expert_bytes_per_token"].as_f64().unwrap();
+    assert!(pp > 0.0 && pp < per_token as f64, "{pp} vs {per_token}");
+    assert!(v["sequential_direct_gb_s"].is_null());
+}
+
+#[test]
+fn cold_text_report_measures_the_file_system() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = convert("qwen35moe-q4", tmp.path());
+    let out = moeflux(&[
+        "bench",
+        "--model",
+        s(&model),
+        "--prompt-len",
+        "8",
+        "--gen",
+        "2",
+        "--reps",
+        "1",
+        "--cold",
+    ]);
+    let text = ok(&out);
+    for needle in ["pp8", "tg2", "expert I/O wait", "decode roofline", "cold"] {
+        assert!(text.contains(needle), "{needle} missing: {text}");
+    }
+}
+
+#[test]
+fn bad_requests_are_one_error_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = convert("qwen35moe-q4", tmp.path());
+    let m = s(&model);
+    let e = one_line_error(&moeflux(&["bench", "--model", m, "--reps", "0"]));
+    assert!(e.contains("reps"), "{e}");
+    let e = one_line_error(&moeflux(&[
+        "bench",
+        "--model",
+        m,
+        "--prompt-len",
+        "0",
+        "--gen",
+        "0",
+    ]));
+    assert!(e.contains("nothing to do"), "{e}");
+    let e = one_line_error(&moeflux(&["bench", "--model", m, "--prompt-len", "100000"]));
+    assert!(e.contains("context"), "{e}");
+}

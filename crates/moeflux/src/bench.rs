@@ -1,0 +1,296 @@
+//! Throughput measurement on a model directory, the way llama.cpp's
+//! `llama-bench` measures: prompt processing (`pp`: `prompt_len` random
+//! tokens in one batch from an empty context) and text generation (`tg`:
+//! `gen` random tokens fed one at a time from an empty context), repeated,
+//! with the time split by phase and the expert bytes each test read.
+
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::io::{procfs, IoStats};
+use crate::model::timing::PhaseTimes;
+use crate::session::{LogitsMode, Session};
+
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    /// Tokens of the prompt-processing test (0 skips it).
+    pub prompt_len: usize,
+    /// Tokens of the generation test (0 skips it).
+    pub gen: usize,
+    /// Timed repetitions of each test.
+    pub reps: usize,
+    /// Drop the expert files from the page cache before every repetition.
+    pub cold: bool,
+    /// Run each test once untimed first (fills the page cache and the
+    /// mappings in warm runs).
+    pub warmup: bool,
+    /// Seed of the random token ids.
+    pub seed: u64,
+}
+
+impl Default for BenchOptions {
+    fn default() -> Self {
+        BenchOptions {
+            prompt_len: 512,
+            gen: 128,
+            reps: 3,
+            cold: false,
+            warmup: true,
+            seed: 1,
+        }
+    }
+}
+
+/// One test (`pp` or `tg`) over its repetitions.
+#[derive(Debug, Clone)]
+pub struct TestResult {
+    /// Tokens evaluated per repetition.
+    pub tokens: usize,
+    /// Tokens per second of each repetition.
+    pub tok_s: Vec<f64>,
+    /// Phase times summed over the repetitions.
+    pub times: PhaseTimes,
+    /// Expert reads summed over the repetitions.
+    pub io: IoStats,
+    /// Bytes the process read from storage over the repetitions (Linux).
+    pub disk_bytes: Option<u64>,
+    /// Wall time summed over the repetitions.
+    pub wall: Duration,
+}
+
+impl TestResult {
+    pub fn mean_tok_s(&self) -> f64 {
+        mean(&self.tok_s)
+    }
+
+    pub fn std_tok_s(&self) -> f64 {
+        let m = self.mean_tok_s();
+        let n = self.tok_s.len();
+        if n < 2 {
+            return 0.0;
+        }
+        (self.tok_s.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / (n - 1) as f64).sqrt()
+    }
+
+    /// Milliseconds per evaluated token of a phase.
+    pub fn ms_per_token(&self, d: Duration) -> f64 {
+        let n = (self.tokens * self.tok_s.len()).max(1);
+        d.as_secs_f64() * 1e3 / n as f64
+    }
+
+    /// Expert bytes read per evaluated token.
+    pub fn expert_bytes_per_token(&self) -> f64 {
+        self.io.bytes as f64 / (self.tokens * self.tok_s.len()).max(1) as f64
+    }
+
+    /// Expert bytes per second of wall time (the bandwidth the test
+    /// achieved, I/O overlapped with compute or not).
+    pub fn expert_gb_s(&self) -> f64 {
+        if self.wall.is_zero() {
+            0.0
+        } else {
+            self.io.bytes as f64 / self.wall.as_secs_f64() / 1e9
+        }
+    }
+
+    /// Share of expert bytes the page cache served (estimate).
+    pub fn page_cache_hit_rate(&self) -> Option<f64> {
+        procfs::cache_hit_rate(self.io.bytes, self.disk_bytes?)
+    }
+}
+
+fn mean(x: &[f64]) -> f64 {
+    if x.is_empty() {
+        0.0
+    } else {
+        x.iter().sum::<f64>() / x.len() as f64
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct BenchResult {
+    pub prefill: Option<TestResult>,
+    pub decode: Option<TestResult>,
+}
+
+/// Deterministic token ids in `0..vocab` (splitmix64).
+pub fn random_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = s;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            (z % vocab as u64) as u32
+        })
+        .collect()
+}
+
+/// Runs the prompt-processing and generation tests on `session` (which is
+/// cleared before each repetition). `on_progress` gets a line per finished
+/// repetition.
+pub fn run(
+    session: &mut Session,
+    opts: &BenchOptions,
+    on_progress: &mut dyn FnMut(&str),
+) -> Result<BenchResult> {
+    if opts.reps == 0 {
+        return Err(Error::Invalid("bench: reps must be at least 1".into()));
+    }
+    if opts.prompt_len + opts.gen == 0 {
+        return Err(Error::Invalid(
+            "bench: nothing to do (prompt length and generated tokens are both 0)".into(),
+        ));
+    }
+    let need = opts.prompt_len.max(opts.gen);
+    if need > session.max_context() {
+        return Err(Error::ContextFull {
+            requested: need,
+            limit: session.max_context(),
+        });
+    }
+    let vocab = session.vocab_size();
+    let prompt = random_tokens(opts.prompt_len, vocab, opts.seed);
+    let gen = random_tokens(opts.gen, vocab, opts.seed ^ 0x5EED);
+    let prefill = (opts.prompt_len > 0)
+        .then(|| {
+            test(session, opts, "pp", on_progress, |s| {
+                s.eval(&prompt, LogitsMode::Last).map(|_| ())
+            })
+        })
+        .transpose()?;
+    let decode = (opts.gen > 0)
+        .then(|| {
+            test(session, opts, "tg", on_progress, |s| {
+                for &t in &gen {
+                    s.eval(&[t], LogitsMode::Last)?;
+                }
+                Ok(())
+            })
+        })
+        .transpose()?;
+    Ok(BenchResult { prefill, decode })
+}
+
+fn test(
+    session: &mut Session,
+    opts: &BenchOptions,
+    name: &str,
+    on_progress: &mut dyn FnMut(&str),
+    body: impl Fn(&mut Session) -> Result<()>,
+) -> Result<TestResult> {
+    let tokens = if name == "pp" {
+        opts.prompt_len
+    } else {
+        opts.gen
+    };
+    if opts.warmup {
+        session.clear();
+        body(session)?;
+    }
+    let mut r = TestResult {
+        tokens,
+        tok_s: Vec::with_capacity(opts.reps),
+        times: PhaseTimes::default(),
+        io: IoStats::default(),
+        disk_bytes: Some(0),
+        wall: Duration::ZERO,
+    };
+    for rep in 0..opts.reps {
+        session.clear();
+        if opts.cold {
+            session.evict_expert_cache()?;
+        }
+        let (io0, times0, disk0) = (
+            session.io_stats(),
+            session.times(),
+            procfs::disk_read_bytes(),
+        );
+        let t0 = Instant::now();
+        body(session)?;
+        let wall = t0.elapsed();
+        let disk = procfs::disk_read_bytes()
+            .zip(disk0)
+            .map(|(b, a)| b.saturating_sub(a));
+        r.disk_bytes = r.disk_bytes.zip(disk).map(|(a, b)| a + b);
+        let io = session.io_stats().since(&io0);
+        r.io = r.io.plus(&io);
+        r.times = r.times.plus(&session.times().minus(&times0));
+        r.wall += wall;
+        let tok_s = tokens as f64 / wall.as_secs_f64();
+        r.tok_s.push(tok_s);
+        on_progress(&format!(
+            "{name}{tokens} rep {}/{}: {tok_s:.2} tok/s",
+            rep + 1,
+            opts.reps
+        ));
+    }
+    Ok(r)
+}
+
+/// Memory read bandwidth in GB/s with `threads` threads: the best of a few
+/// passes summing a 512 MiB buffer (far larger than any cache). The
+/// denominator of the decode roofline.
+pub fn memory_read_gb_s(threads: usize) -> Result<f64> {
+    use rayon::prelude::*;
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads.max(1))
+        .build()
+        .map_err(|e| Error::Invalid(format!("cannot start {threads} threads: {e}")))?;
+    let buf: Vec<u64> = (0..64u64 << 20).collect();
+    let mut best = f64::INFINITY;
+    for _ in 0..4 {
+        let t0 = Instant::now();
+        let x = pool.install(|| {
+            buf.par_chunks(1 << 16)
+                .map(|c| c.iter().fold(0u64, |a, &v| a ^ v))
+                .reduce(|| 0, |a, b| a ^ b)
+        });
+        std::hint::black_box(x);
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    Ok((buf.len() * 8) as f64 / best / 1e9)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn random_tokens_are_deterministic_and_in_range() {
+        let a = random_tokens(1000, 37, 5);
+        assert_eq!(a, random_tokens(1000, 37, 5));
+        assert_ne!(a, random_tokens(1000, 37, 6));
+        assert!(a.iter().all(|&t| t < 37));
+        // Every id shows up: not stuck on a few values.
+        let mut seen = [false; 37];
+        a.iter().for_each(|&t| seen[t as usize] = true);
+        assert!(seen.iter().all(|&s| s));
+    }
+
+    #[test]
+    fn statistics() {
+        let r = TestResult {
+            tokens: 10,
+            tok_s: vec![1.0, 3.0],
+            times: PhaseTimes {
+                attention: Duration::from_millis(40),
+                ..Default::default()
+            },
+            io: IoStats {
+                bytes: 2000,
+                ..Default::default()
+            },
+            disk_bytes: Some(500),
+            wall: Duration::from_secs(2),
+        };
+        assert_eq!(r.mean_tok_s(), 2.0);
+        assert!((r.std_tok_s() - 2f64.sqrt()).abs() < 1e-12);
+        assert_eq!(r.ms_per_token(r.times.attention), 2.0);
+        assert_eq!(r.expert_bytes_per_token(), 100.0);
+        assert_eq!(r.page_cache_hit_rate(), Some(0.75));
+        assert!((r.expert_gb_s() - 1e-6).abs() < 1e-15);
+    }
+}
