@@ -5,6 +5,7 @@ use rayon::prelude::*;
 
 use crate::backend::cpu::ops::{self, RopeTable};
 use crate::backend::cpu::qmatmul::matmul;
+use crate::backend::cpu::vec;
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::model::state::KvCache;
@@ -103,15 +104,12 @@ impl FullAttention {
             let qh = &q[i * hd..(i + 1) * hd];
             let ctx = start + t + 1;
             let mut scores: Vec<f32> = (0..ctx)
-                .map(|p| ops::dot(qh, &keys[p * row + g * hd..p * row + (g + 1) * hd]) * scale)
+                .map(|p| vec::dot(qh, &keys[p * row + g * hd..p * row + (g + 1) * hd]) * scale)
                 .collect();
             ops::softmax_inplace(&mut scores);
             o.fill(0.0);
             for (p, &w) in scores.iter().enumerate() {
-                let vr = &values[p * row + g * hd..p * row + (g + 1) * hd];
-                for (a, &b) in o.iter_mut().zip(vr) {
-                    *a += w * b;
-                }
+                vec::axpy(o, w, &values[p * row + g * hd..p * row + (g + 1) * hd]);
             }
             let gr = &gate[i * hd..(i + 1) * hd];
             for (a, &gv) in o.iter_mut().zip(gr) {

@@ -4,8 +4,8 @@
 
 use rayon::prelude::*;
 
-use crate::backend::cpu::ops;
 use crate::backend::cpu::qmatmul::matmul;
+use crate::backend::cpu::{ops, vec};
 use crate::config::{Architecture, ModelConfig};
 use crate::error::Result;
 use crate::model::state::LinearState;
@@ -173,17 +173,7 @@ impl GatedDeltaNet {
                     let v = &m[2 * kd + h * dv..2 * kd + (h + 1) * dv];
                     let g = (-decay_rate * ops::softplus(a[t * nv + h] + self.dt_bias[h])).exp();
                     let beta = ops::sigmoid(b[t * nv + h]);
-                    let yt = &mut yh[t * dv..(t + 1) * dv];
-                    for (i, row) in s.chunks_exact_mut(dk).enumerate() {
-                        for x in row.iter_mut() {
-                            *x *= g;
-                        }
-                        let delta = (v[i] - ops::dot(row, k)) * beta;
-                        for (x, &kj) in row.iter_mut().zip(k) {
-                            *x += kj * delta;
-                        }
-                        yt[i] = ops::dot(row, q);
-                    }
+                    vec::delta_rule_step(s, q, k, v, g, beta, &mut yh[t * dv..(t + 1) * dv]);
                 }
             });
 

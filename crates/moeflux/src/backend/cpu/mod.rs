@@ -4,3 +4,4 @@
 pub mod ops;
 pub mod qmatmul;
 pub mod simd;
+pub mod vec;

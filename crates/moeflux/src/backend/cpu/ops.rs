@@ -74,11 +74,6 @@ pub fn add_inplace(acc: &mut [f32], x: &[f32]) {
     }
 }
 
-#[inline]
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
-}
-
 /// Indices of the `k` largest values, largest first; ties go to the lower
 /// index.
 pub fn top_k(x: &[f32], k: usize) -> Vec<usize> {
