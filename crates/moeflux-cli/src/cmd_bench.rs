@@ -107,8 +107,10 @@ impl Report<'_> {
     fn io(&self) -> &'static str {
         if self.args.model.direct_io {
             "O_DIRECT"
+        } else if self.args.model.no_mmap {
+            "pread"
         } else {
-            "page cache"
+            "mmap"
         }
     }
 

@@ -4,8 +4,10 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
-use moeflux::{LogitsMode, Session, SessionOptions};
+use moeflux::LogitsMode;
 use npyz::WriterBuilder;
+
+use crate::gen_args::ModelArgs;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum EvalMode {
@@ -17,9 +19,8 @@ pub enum EvalMode {
 
 #[derive(Debug, Args)]
 pub struct LogitsArgs {
-    /// Model directory written by `moeflux convert`.
-    #[arg(long)]
-    pub model: PathBuf,
+    #[command(flatten)]
+    pub model: ModelArgs,
     /// Comma-separated token ids, e.g. 5,17,42.
     #[arg(long)]
     pub tokens: String,
@@ -28,15 +29,6 @@ pub struct LogitsArgs {
     pub output: PathBuf,
     #[arg(long, value_enum, default_value_t = EvalMode::Batch)]
     pub mode: EvalMode,
-    /// Compute threads (default: all cores).
-    #[arg(long)]
-    pub threads: Option<usize>,
-    /// Routed experts per token (default: the model's; fewer is faster but worse).
-    #[arg(long)]
-    pub experts_per_token: Option<usize>,
-    /// Read experts with O_DIRECT, bypassing the page cache.
-    #[arg(long)]
-    pub direct_io: bool,
 }
 
 pub fn parse_tokens(s: &str) -> Result<Vec<u32>> {
@@ -59,16 +51,8 @@ pub fn parse_tokens(s: &str) -> Result<Vec<u32>> {
 
 pub fn run(args: LogitsArgs) -> Result<()> {
     let tokens = parse_tokens(&args.tokens)?;
-    let mut session = Session::open(
-        &args.model,
-        SessionOptions {
-            threads: args.threads,
-            experts_per_token: args.experts_per_token,
-            direct_io: args.direct_io,
-            ..Default::default()
-        },
-    )
-    .with_context(|| format!("opening model {}", args.model.display()))?;
+    let mut session = args.model.open_session()?;
+    args.model.warn_fewer_experts(&session);
     let vocab = session.vocab_size();
     // Validate every id before evaluating anything.
     if let Some((i, &t)) = tokens

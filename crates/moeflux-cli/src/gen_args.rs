@@ -25,9 +25,14 @@ pub struct ModelArgs {
     /// but quality drops (flash-moe's speed knob).
     #[arg(long)]
     pub experts_per_token: Option<usize>,
-    /// Read experts with O_DIRECT, bypassing the page cache.
+    /// Read experts with O_DIRECT, bypassing the page cache (for models
+    /// far larger than RAM).
     #[arg(long)]
     pub direct_io: bool,
+    /// Copy experts into buffers with pread instead of reading them from a
+    /// memory mapping of the expert files.
+    #[arg(long, conflicts_with = "direct_io")]
+    pub no_mmap: bool,
     /// Longest context in tokens (default: the model's maximum).
     #[arg(long)]
     pub ctx: Option<usize>,
@@ -42,6 +47,7 @@ impl ModelArgs {
                 threads: self.threads,
                 experts_per_token: self.experts_per_token,
                 direct_io: self.direct_io,
+                mmap: !self.no_mmap,
                 max_context: self.ctx,
                 ..Default::default()
             },

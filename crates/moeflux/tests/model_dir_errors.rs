@@ -212,23 +212,27 @@ fn corrupt_manifest() {
 }
 
 #[test]
-fn direct_io_gives_the_same_logits() {
+fn every_expert_access_mode_gives_the_same_logits() {
     let (_t, dir) = model();
     let g = common::Golden::load(&common::fixtures().join("qwen35moe-q4"));
-    let buffered = common::open(&dir)
+    let mapped = common::open(&dir)
         .eval(&g.tokens, moeflux::LogitsMode::All)
         .unwrap();
-    let mut s = Session::open(
-        &dir,
-        SessionOptions {
-            direct_io: true,
-            threads: Some(2),
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    assert_eq!(
-        s.eval(&g.tokens, moeflux::LogitsMode::All).unwrap(),
-        buffered
-    );
+    for (direct_io, mmap) in [(false, false), (true, false)] {
+        let mut s = Session::open(
+            &dir,
+            SessionOptions {
+                direct_io,
+                mmap,
+                threads: Some(2),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            s.eval(&g.tokens, moeflux::LogitsMode::All).unwrap(),
+            mapped,
+            "direct_io {direct_io}, mmap {mmap}"
+        );
+    }
 }

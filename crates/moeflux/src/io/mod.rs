@@ -1,14 +1,23 @@
-//! Expert I/O: reads routed experts from the per-layer expert files
-//! (`experts/layer_NNN.bin`, see [`crate::format`]) into page-aligned
-//! buffers.
+//! Expert I/O: gets routed experts of the per-layer expert files
+//! (`experts/layer_NNN.bin`, see [`crate::format`]) into memory.
 //!
-//! One expert is one contiguous, 4096-aligned extent, so a read is a single
-//! `pread` (optionally `O_DIRECT`). All reads of a layer are issued at once on
-//! a dedicated I/O thread pool (threads `moeflux-io-N`), separate from the
-//! compute pool so that blocking reads never starve compute and compute never
-//! delays the issue of reads. There is no application-level cache here: the
-//! OS page cache (buffered mode) or nothing (direct mode) sits below; expert
-//! caching policy belongs to the caller.
+//! One expert is one contiguous, 4096-aligned extent. Three ways to get it:
+//! * **mapped** (default): each file is mapped read-only once; fetching an
+//!   expert asks the kernel to read its extent ahead (`WILLNEED`) and to map
+//!   its pages (`MADV_POPULATE_READ`), and compute reads the mapping. With a
+//!   warm page cache nothing is copied at all.
+//! * **buffered**: `pread` through the page cache into an [`ExpertBuf`].
+//! * **direct**: `pread` with `O_DIRECT` into an aligned [`ExpertBuf`],
+//!   bypassing the page cache (for models far larger than RAM, where the
+//!   cache only thrashes).
+//!
+//! [`ExpertStore::fetch`] issues all experts of a request at once on a
+//! dedicated I/O thread pool (threads `moeflux-io-N`), separate from the
+//! compute pool so that blocking reads never starve compute, and hands them
+//! back one by one in the order they land, so compute can start on the first
+//! while the rest are still in flight. There is no application-level cache
+//! here: the OS page cache (mapped and buffered modes) or nothing (direct)
+//! sits below; expert caching policy belongs to the caller.
 
 mod buf;
 pub mod procfs;
@@ -20,11 +29,12 @@ mod tests;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
 
 pub use buf::ExpertBuf;
+use memmap2::{Advice, Mmap};
 
 use crate::error::{Error, Result};
 use crate::format::{Manifest, EXPERT_ALIGN, MANIFEST_FILE};
@@ -47,6 +57,10 @@ pub struct ExpertStoreOptions {
     /// cache on every miss. With the advice the kernel still reads the whole
     /// requested range in large requests, just nothing beyond it. Default on.
     pub fadvise_random: bool,
+    /// Serve buffered (not direct) files from a read-only mapping instead of
+    /// copying them into buffers. Default on. The files must not change
+    /// while the store is open.
+    pub mmap: bool,
 }
 
 impl Default for ExpertStoreOptions {
@@ -55,6 +69,7 @@ impl Default for ExpertStoreOptions {
             direct_io: false,
             io_threads: 8,
             fadvise_random: true,
+            mmap: true,
         }
     }
 }
@@ -123,6 +138,8 @@ struct LayerFile {
     /// `expert_bytes` rounded up to 4096: the bytes one read transfers.
     extent: usize,
     direct: bool,
+    /// The whole file, mapped read-only (mapped mode).
+    map: Option<Mmap>,
 }
 
 /// The routed experts of every MoE layer of a model directory, open for
@@ -223,6 +240,20 @@ impl ExpertStore {
             if opts.direct_io && !direct {
                 fallbacks.push(path.clone());
             }
+            let map = if opts.mmap && !direct {
+                // SAFETY: read-only shared mapping of a file the store owns;
+                // the model directory must not be modified while it is open
+                // (documented on `ExpertStoreOptions::mmap`).
+                let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
+                if opts.fadvise_random {
+                    // No fault-around: extents are fetched whole, explicitly.
+                    map.advise(Advice::Random)
+                        .map_err(|e| Error::io(&path, e))?;
+                }
+                Some(map)
+            } else {
+                None
+            };
             if layers.len() <= el.layer {
                 layers.resize_with(el.layer + 1, || None);
             }
@@ -234,6 +265,7 @@ impl ExpertStore {
                 stride: el.stride,
                 extent,
                 direct,
+                map,
             }));
         }
 
@@ -267,33 +299,76 @@ impl ExpertStore {
         self.pool.install(|| read_batch(lf, ids, bufs, counters))
     }
 
-    /// Starts reading experts `ids` of `layer` into `bufs` in the background
-    /// on the I/O pool and returns at once; [`PendingRead::wait`] hands the
-    /// buffers back with the outcome. For prefetching, or for overlapping
-    /// reads with work on the calling thread. Request errors (unknown layer,
-    /// bad id, short buffer) are reported by `wait` too, so the buffers are
-    /// never lost.
-    pub fn submit(&self, layer: usize, ids: Vec<usize>, mut bufs: Vec<ExpertBuf>) -> PendingRead {
-        let (tx, rx) = mpsc::sync_channel(1);
-        match self.check_request(layer, &ids, &bufs) {
-            Err(e) => {
-                let _ = tx.send((bufs, Err(e)));
+    /// Starts getting experts `ids` of `layer` and returns at once; the
+    /// returned [`Fetch`] hands each expert back as it lands. A mapped layer
+    /// ([`ExpertStore::is_mapped`]) takes no buffers (`bufs` empty) and its
+    /// bytes are read with [`ExpertStore::mapped`]; other layers take one
+    /// buffer per id, at least [`ExpertStore::extent_bytes`] long, returned
+    /// with the expert. Ids may repeat and come in any order.
+    pub fn fetch(&self, layer: usize, ids: &[usize], bufs: Vec<ExpertBuf>) -> Result<Fetch> {
+        let lf = self.layer(layer).ok_or_else(|| no_layer(layer))?;
+        if lf.map.is_some() {
+            if !bufs.is_empty() {
+                return Err(Error::Invalid(format!(
+                    "fetch: layer {layer} is mapped and takes no buffers, got {}",
+                    bufs.len()
+                )));
             }
-            Ok(lf) => {
-                let lf = Arc::clone(lf);
-                let counters = Arc::clone(&self.counters);
-                self.pool.spawn(move || {
-                    let r = if ids.is_empty() {
-                        Ok(())
-                    } else {
-                        read_batch(&lf, &ids, &mut bufs, &counters)
-                    };
-                    // The receiver may have been dropped: nothing to do then.
-                    let _ = tx.send((bufs, r));
-                });
-            }
+            self.check_ids(lf, ids)?;
+        } else {
+            self.check_request(layer, ids, &bufs)?;
         }
-        PendingRead { rx }
+        let (tx, rx) = mpsc::channel();
+        let start = Instant::now();
+        let left = Arc::new(AtomicUsize::new(ids.len()));
+        let mut bufs = bufs.into_iter();
+        for (index, &id) in ids.iter().enumerate() {
+            let (lf, tx, left) = (Arc::clone(lf), tx.clone(), Arc::clone(&left));
+            let counters = Arc::clone(&self.counters);
+            let mut buf = bufs.next();
+            self.pool.spawn(move || {
+                let result = match &mut buf {
+                    Some(b) => read_extent(&lf, id, &mut b.as_bytes_mut()[..lf.extent]),
+                    None => populate(&lf, id),
+                };
+                if result.is_ok() {
+                    counters.reads.fetch_add(1, Ordering::Relaxed);
+                    counters
+                        .bytes
+                        .fetch_add(lf.extent as u64, Ordering::Relaxed);
+                }
+                if left.fetch_sub(1, Ordering::AcqRel) == 1 {
+                    counters
+                        .busy_ns
+                        .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                    counters.calls.fetch_add(1, Ordering::Relaxed);
+                }
+                // The receiver may be gone (the caller gave up): nothing to do.
+                let _ = tx.send(Landed { index, buf, result });
+            });
+        }
+        Ok(Fetch {
+            rx,
+            left: ids.len(),
+        })
+    }
+
+    /// Whether experts of `layer` are served from a mapping (see
+    /// [`ExpertStore::fetch`]); `None` if the layer has no routed experts.
+    pub fn is_mapped(&self, layer: usize) -> Option<bool> {
+        self.layer(layer).map(|l| l.map.is_some())
+    }
+
+    /// The extent of expert `id` of a mapped `layer`, `None` when the layer
+    /// is not mapped or `id` out of range. Fetch it first: touching pages
+    /// that are not resident stalls on the disk one page at a time.
+    pub fn mapped(&self, layer: usize, id: usize) -> Option<&[u8]> {
+        let lf = self.layer(layer)?;
+        let map = lf.map.as_ref()?;
+        (id < lf.num_experts).then(|| {
+            let off = id * lf.stride as usize;
+            &map[off..off + lf.extent]
+        })
     }
 
     /// Bytes of one expert extent of `layer` (`expert_bytes` rounded up to
@@ -353,10 +428,19 @@ impl ExpertStore {
     }
 
     /// Drops every expert file's pages from the page cache
-    /// (`posix_fadvise(POSIX_FADV_DONTNEED)`), for cold-cache measurements.
+    /// (`posix_fadvise(POSIX_FADV_DONTNEED)`, after unmapping them from this
+    /// process in mapped mode), for cold-cache measurements.
     /// A no-op where the advice does not exist.
     pub fn evict_page_cache(&self) -> Result<()> {
         for lf in self.layers.iter().flatten() {
+            if let Some(map) = &lf.map {
+                // Mapped pages stay cached: unmap them from this process
+                // first. SAFETY: on a shared read-only file mapping,
+                // MADV_DONTNEED only drops page-table entries; later reads
+                // fault the (unchanged) file contents back in.
+                unsafe { map.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) }
+                    .map_err(|e| Error::io(&lf.path, e))?;
+            }
             sys::evict(&lf.file).map_err(|e| Error::io(&lf.path, e))?;
         }
         Ok(())
@@ -419,17 +503,26 @@ impl ExpertStore {
         self.layers.get(layer).and_then(Option::as_ref)
     }
 
+    fn check_ids(&self, lf: &LayerFile, ids: &[usize]) -> Result<()> {
+        match ids.iter().find(|&&id| id >= lf.num_experts) {
+            Some(id) => Err(Error::Invalid(format!(
+                "expert {id} of layer {} does not exist ({} experts in {})",
+                lf.layer,
+                lf.num_experts,
+                lf.path.display()
+            ))),
+            None => Ok(()),
+        }
+    }
+
     fn check_request(
         &self,
         layer: usize,
         ids: &[usize],
         bufs: &[ExpertBuf],
     ) -> Result<&Arc<LayerFile>> {
-        let lf = self.layer(layer).ok_or_else(|| {
-            Error::Invalid(format!(
-                "layer {layer} has no routed experts in the expert store"
-            ))
-        })?;
+        let lf = self.layer(layer).ok_or_else(|| no_layer(layer))?;
+        self.check_ids(lf, ids)?;
         if ids.len() != bufs.len() {
             return Err(Error::Invalid(format!(
                 "read_experts: {} expert ids but {} buffers",
@@ -437,14 +530,7 @@ impl ExpertStore {
                 bufs.len()
             )));
         }
-        for (i, (&id, buf)) in ids.iter().zip(bufs).enumerate() {
-            if id >= lf.num_experts {
-                return Err(Error::Invalid(format!(
-                    "expert {id} of layer {layer} does not exist ({} experts in {})",
-                    lf.num_experts,
-                    lf.path.display()
-                )));
-            }
+        for (i, buf) in bufs.iter().enumerate() {
             if buf.len() < lf.extent {
                 return Err(Error::Invalid(format!(
                     "read_experts: buffer {i} holds {} bytes, layer {layer} needs {}",
@@ -457,20 +543,82 @@ impl ExpertStore {
     }
 }
 
-/// A background read started by [`ExpertStore::submit`].
+/// One expert of a [`Fetch`], landed.
 #[derive(Debug)]
-pub struct PendingRead {
-    rx: mpsc::Receiver<(Vec<ExpertBuf>, Result<()>)>,
+pub struct Landed {
+    /// Position of the expert in the ids given to [`ExpertStore::fetch`].
+    pub index: usize,
+    /// The buffer holding it (`None` for mapped layers).
+    pub buf: Option<ExpertBuf>,
+    pub result: Result<()>,
 }
 
-impl PendingRead {
-    /// Blocks until every read has landed; returns the buffers (in the order
-    /// given) and the outcome.
-    pub fn wait(self) -> (Vec<ExpertBuf>, Result<()>) {
-        self.rx
-            .recv()
-            .expect("expert I/O job ended without reporting (it panicked)")
+/// Experts being fetched by [`ExpertStore::fetch`]. Dropping it early is
+/// fine: reads still in flight finish and free their buffers.
+#[derive(Debug)]
+pub struct Fetch {
+    rx: mpsc::Receiver<Landed>,
+    left: usize,
+}
+
+impl Fetch {
+    /// Blocks until the next expert lands; `None` once all have been handed
+    /// out.
+    pub fn next_landed(&mut self) -> Option<Landed> {
+        if self.left == 0 {
+            return None;
+        }
+        self.left -= 1;
+        Some(
+            self.rx
+                .recv()
+                .expect("expert I/O job ended without reporting (it panicked)"),
+        )
     }
+
+    /// Experts not handed out yet.
+    pub fn remaining(&self) -> usize {
+        self.left
+    }
+}
+
+fn no_layer(layer: usize) -> Error {
+    Error::Invalid(format!(
+        "layer {layer} has no routed experts in the expert store"
+    ))
+}
+
+/// Brings expert `id` of a mapped layer into memory: one readahead request
+/// for the whole extent, then its page-table entries (`MADV_POPULATE_READ`,
+/// Linux 5.14+; elsewhere, or where refused, one read per page).
+fn populate(lf: &LayerFile, id: usize) -> Result<()> {
+    let map = lf.map.as_ref().expect("populate on a mapped layer");
+    let off = id * lf.stride as usize;
+    let err = |e: std::io::Error| {
+        Error::io(
+            &lf.path,
+            std::io::Error::new(
+                e.kind(),
+                format!("mapping expert {id} of layer {}: {e}", lf.layer),
+            ),
+        )
+    };
+    sys::will_need(&lf.file, off as u64, lf.extent as u64).map_err(err)?;
+    #[cfg(target_os = "linux")]
+    match map.advise_range(Advice::PopulateRead, off, lf.extent) {
+        Ok(()) => return Ok(()),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
+        Err(e) => return Err(err(e)),
+    }
+    let page = &map[off..off + lf.extent];
+    let mut sum = 0u8;
+    for p in page.iter().step_by(EXPERT_ALIGN) {
+        // SAFETY: a valid reference into the mapping; volatile so the read
+        // (which faults the page in) is not optimised away.
+        sum ^= unsafe { std::ptr::read_volatile(p) };
+    }
+    std::hint::black_box(sum);
+    Ok(())
 }
 
 /// Issues one read per id on the current (I/O) pool and waits for all.

@@ -318,22 +318,82 @@ fn stats_count_reads_and_bytes() {
     store.evict_page_cache().unwrap();
 }
 
-#[test]
-fn submit_reads_in_the_background() {
-    let (dir, m) = fixture();
-    let store = ExpertStore::open(dir.path(), &m, &Default::default()).unwrap();
-    let ids = vec![5, 1, 5];
-    let pending = store.submit(1, ids.clone(), bufs_for(&store, 1, 3));
-    let (bufs, r) = pending.wait();
-    r.unwrap();
-    for (&e, b) in ids.iter().zip(&bufs) {
-        check_expert(&m, 1, e, b);
+/// Fetches `ids` of `layer`, checking every expert's bytes as it lands;
+/// returns the landing order.
+fn fetch_and_check(store: &ExpertStore, m: &Manifest, layer: usize, ids: &[usize]) -> Vec<usize> {
+    let mapped = store.is_mapped(layer).unwrap();
+    let bufs = if mapped {
+        Vec::new()
+    } else {
+        bufs_for(store, layer, ids.len())
+    };
+    let mut fetch = store.fetch(layer, ids, bufs).unwrap();
+    assert_eq!(fetch.remaining(), ids.len());
+    let mut order = Vec::new();
+    while let Some(l) = fetch.next_landed() {
+        l.result.unwrap();
+        let e = ids[l.index];
+        match l.buf {
+            Some(b) => check_expert(m, layer, e, &b),
+            None => {
+                let mut b = ExpertBuf::new(store.extent_bytes(layer));
+                b.as_bytes_mut()
+                    .copy_from_slice(store.mapped(layer, e).unwrap());
+                check_expert(m, layer, e, &b);
+            }
+        }
+        order.push(l.index);
     }
-    assert_eq!(store.stats().reads, 3);
-    // A bad request hands the buffers back with the error.
-    let (bufs, r) = store.submit(9, vec![0, 1], bufs).wait();
-    assert!(r.is_err());
-    assert_eq!(bufs.len(), 3);
+    assert!(fetch.next_landed().is_none());
+    order.sort();
+    assert_eq!(order, (0..ids.len()).collect::<Vec<_>>());
+    order
+}
+
+#[test]
+fn fetch_hands_back_every_expert_in_each_mode() {
+    let (dir, m) = fixture();
+    for (mmap, direct_io) in [(true, false), (false, false), (false, true), (true, true)] {
+        let opts = ExpertStoreOptions {
+            mmap,
+            direct_io,
+            ..Default::default()
+        };
+        let store = ExpertStore::open(dir.path(), &m, &opts).unwrap();
+        // Direct files are never mapped (a refused O_DIRECT falls back to
+        // buffered, which is mapped when asked).
+        let mapped = store.is_mapped(1).unwrap();
+        assert_eq!(mapped, mmap && !store.is_direct(1).unwrap());
+        assert_eq!(store.mapped(1, 0).is_some(), mapped);
+        fetch_and_check(&store, &m, 1, &[5, 1, 5, 0]);
+        fetch_and_check(&store, &m, 4, &[2]);
+        fetch_and_check(&store, &m, 4, &[]);
+        let s = store.stats();
+        assert_eq!((s.reads, s.bytes), (5, 4 * 12_288 + 8_192), "{opts:?}");
+        assert_eq!(s.calls, 2);
+        store.evict_page_cache().unwrap();
+        // Still readable after eviction (refaulted or re-read).
+        fetch_and_check(&store, &m, 1, &[3]);
+        assert!(store.mapped(1, 6).is_none());
+    }
+}
+
+#[test]
+fn bad_fetches_are_errors() {
+    let (dir, m) = fixture();
+    let mapped = ExpertStore::open(dir.path(), &m, &Default::default()).unwrap();
+    assert!(mapped.fetch(9, &[0], Vec::new()).is_err());
+    assert!(mapped.fetch(1, &[6], Vec::new()).is_err());
+    let e = mapped.fetch(1, &[0], bufs_for(&mapped, 1, 1)).unwrap_err();
+    assert!(e.to_string().contains("takes no buffers"), "{e}");
+    let opts = ExpertStoreOptions {
+        mmap: false,
+        ..Default::default()
+    };
+    let read = ExpertStore::open(dir.path(), &m, &opts).unwrap();
+    assert_eq!(read.is_mapped(1), Some(false));
+    assert!(read.fetch(1, &[0, 1], bufs_for(&read, 1, 1)).is_err());
+    assert!(read.fetch(1, &[0], Vec::new()).is_err());
 }
 
 #[test]
@@ -386,7 +446,7 @@ fn store_and_buffers_are_send_and_sync() {
     assert_send_sync::<ExpertStore>();
     assert_send_sync::<ExpertBuf>();
     fn assert_send<T: Send>() {}
-    assert_send::<PendingRead>();
+    assert_send::<Fetch>();
 }
 
 /// Throughput of random 8-expert reads of a 1.77 MB expert (Qwen3.6-35B-A3B

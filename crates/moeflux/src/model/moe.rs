@@ -4,20 +4,22 @@
 //! per layer per batch and applied to every token that chose it.
 
 use std::collections::BTreeMap;
+use std::time::Instant;
 
 use crate::backend::cpu::ops;
 use crate::backend::cpu::qmatmul::matmul;
 use crate::config::{ModelConfig, QuantSpec};
 use crate::error::{Error, Result};
 use crate::format::ExpertLayer;
-use crate::io::{ExpertBuf, ExpertStore};
+use crate::io::{ExpertBuf, ExpertStore, Fetch};
 use crate::model::timing::{lap, PhaseTimes};
 use crate::model::weights::{DenseStore, LinearRef};
 use crate::quant::{affine, QMatrix, ScaleData, Weight};
 
-/// Experts read per I/O batch during a multi-token eval; bounds the memory
-/// held in expert buffers while keeping several reads in flight.
-const EXPERTS_PER_READ: usize = 16;
+/// Expert bytes in flight per wave when experts are read into buffers
+/// (mapped layers fetch everything at once): two waves are held, the one
+/// being computed and the next one being read.
+const WAVE_BYTES: usize = 64 << 20;
 
 pub struct SharedExpert {
     pub gate: LinearRef,
@@ -154,25 +156,31 @@ impl ExpertLayout {
 }
 
 impl ComponentLayout {
-    fn view<'a>(&self, buf: &'a ExpertBuf) -> Weight<'a> {
+    /// The projection inside one expert's bytes (a buffer or the mapping,
+    /// both 4096-aligned; offsets were validated against the extent).
+    fn view<'a>(&self, bytes: &'a [u8]) -> Weight<'a> {
         let words = self.rows * affine::words_per_row(self.cols, self.spec.bits);
         let groups = self.rows * self.cols / self.spec.group_size;
         let scales = |off: usize| {
             if self.scales_f32 {
-                ScaleData::F32(buf.f32s(off, groups).expect("validated alignment"))
+                ScaleData::F32(cast(&bytes[off..off + 4 * groups]))
             } else {
-                ScaleData::Bf16(buf.u16s(off, groups).expect("validated alignment"))
+                ScaleData::Bf16(cast(&bytes[off..off + 2 * groups]))
             }
         };
         Weight::Quantized(QMatrix {
             rows: self.rows,
             cols: self.cols,
             spec: self.spec,
-            packed: buf.u32s(self.weight, words).expect("validated alignment"),
+            packed: cast(&bytes[self.weight..self.weight + 4 * words]),
             scales: scales(self.scales),
             biases: scales(self.biases),
         })
     }
+}
+
+fn cast<T: bytemuck::Pod>(b: &[u8]) -> &[T] {
+    bytemuck::try_cast_slice(b).expect("expert layout validated for alignment")
 }
 
 /// Routing of a batch: per token, `k` (expert, weight) pairs in slot order.
@@ -246,6 +254,12 @@ impl MoeBlock {
     }
 
     /// Writes the block's output for `n` normed tokens to `out`.
+    ///
+    /// Expert-major: every chosen expert is fetched once for the batch. All
+    /// fetches of a wave are issued at once; the shared expert is computed
+    /// while they are in flight, and each routed expert as soon as it lands.
+    /// Outputs are kept per (token, slot) and combined in slot order, so the
+    /// result does not depend on the order experts land in.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
@@ -260,49 +274,55 @@ impl MoeBlock {
         times: &mut PhaseTimes,
     ) -> Result<()> {
         let h = c.hidden_size;
-        let mut clock = std::time::Instant::now();
+        let mut clock = Instant::now();
         let routing = self.route(d, c, xn, n, k);
         lap(&mut clock, &mut times.routing);
 
-        // Expert-major: every chosen expert once, with the (token, slot)s it serves.
+        // Every chosen expert once, with the (token, slot)s it serves.
         let mut users: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
         for (i, &e) in routing.experts.iter().enumerate() {
             users.entry(e).or_default().push(i);
         }
         let ids: Vec<usize> = users.keys().copied().collect();
+        let mapped = store.is_mapped(self.layer) == Some(true);
+        let wave = if mapped {
+            ids.len().max(1)
+        } else {
+            (WAVE_BYTES / self.experts.extent).max(k).max(1)
+        };
+        let mut waves = ids.chunks(wave);
+        let mut current = match waves.next() {
+            Some(w) => Some((w, self.start_fetch(store, w, bufs, mapped)?)),
+            None => None,
+        };
+        lap(&mut clock, &mut times.expert_io);
+
+        let shared = self.shared.as_ref().map(|sh| sh.forward(d, xn, n, h));
+        lap(&mut clock, &mut times.shared_mlp);
+
         let mut slot_out = vec![0.0f32; n * k * h];
-        let inter = self.experts.gate.rows;
-        for chunk in ids.chunks(EXPERTS_PER_READ) {
-            while bufs.len() < chunk.len() {
-                bufs.push(ExpertBuf::new(self.experts.extent));
-            }
-            for b in bufs.iter_mut() {
-                if b.len() < self.experts.extent {
-                    *b = ExpertBuf::new(self.experts.extent);
-                }
-            }
-            lap(&mut clock, &mut times.expert_compute);
-            store.read_experts(self.layer, chunk, &mut bufs[..chunk.len()])?;
+        while let Some((wave_ids, mut fetch)) = current.take() {
+            // Read the next wave while this one is computed.
+            current = match waves.next() {
+                Some(w) => Some((w, self.start_fetch(store, w, bufs, mapped)?)),
+                None => None,
+            };
             lap(&mut clock, &mut times.expert_io);
-            for (&e, buf) in chunk.iter().zip(bufs.iter()) {
-                let slots = &users[&e];
-                let m = slots.len();
-                let mut x = vec![0.0f32; m * h];
-                for (r, &s) in slots.iter().enumerate() {
-                    let t = s / k;
-                    x[r * h..(r + 1) * h].copy_from_slice(&xn[t * h..(t + 1) * h]);
+            while let Some(landed) = fetch.next_landed() {
+                lap(&mut clock, &mut times.expert_io);
+                landed.result?;
+                let e = wave_ids[landed.index];
+                let bytes = match &landed.buf {
+                    Some(b) => b.as_bytes(),
+                    None => store
+                        .mapped(self.layer, e)
+                        .expect("mapped layer serves its experts"),
+                };
+                self.apply_expert(bytes, &users[&e], xn, k, h, &mut slot_out);
+                if let Some(b) = landed.buf {
+                    bufs.push(b);
                 }
-                let mut g = vec![0.0f32; m * inter];
-                let mut u = vec![0.0f32; m * inter];
-                matmul(&self.experts.gate.view(buf), &x, m, &mut g);
-                matmul(&self.experts.up.view(buf), &x, m, &mut u);
-                let mut act = vec![0.0f32; m * inter];
-                ops::swiglu(&g, &u, &mut act);
-                let mut y = vec![0.0f32; m * h];
-                matmul(&self.experts.down.view(buf), &act, m, &mut y);
-                for (r, &s) in slots.iter().enumerate() {
-                    slot_out[s * h..(s + 1) * h].copy_from_slice(&y[r * h..(r + 1) * h]);
-                }
+                lap(&mut clock, &mut times.expert_compute);
             }
         }
 
@@ -318,20 +338,8 @@ impl MoeBlock {
                 }
             }
         }
-
         lap(&mut clock, &mut times.expert_compute);
-        if let Some(sh) = &self.shared {
-            let si = sh.gate.rows;
-            let mut g = vec![0.0f32; n * si];
-            let mut u = vec![0.0f32; n * si];
-            matmul(&d.view(&sh.gate), xn, n, &mut g);
-            matmul(&d.view(&sh.up), xn, n, &mut u);
-            let mut act = vec![0.0f32; n * si];
-            ops::swiglu(&g, &u, &mut act);
-            let mut y = vec![0.0f32; n * h];
-            matmul(&d.view(&sh.down), &act, n, &mut y);
-            let mut gs = vec![0.0f32; n];
-            matmul(&d.view(&sh.gate_scalar), xn, n, &mut gs);
+        if let Some((y, gs)) = shared {
             for t in 0..n {
                 let sg = ops::sigmoid(gs[t]);
                 for (a, &b) in out[t * h..(t + 1) * h]
@@ -342,7 +350,77 @@ impl MoeBlock {
                 }
             }
         }
+        lap(&mut clock, &mut times.shared_mlp);
         Ok(())
+    }
+
+    /// Starts fetching `ids`, with buffers from the `bufs` pool unless the
+    /// layer is mapped.
+    fn start_fetch(
+        &self,
+        store: &ExpertStore,
+        ids: &[usize],
+        bufs: &mut Vec<ExpertBuf>,
+        mapped: bool,
+    ) -> Result<Fetch> {
+        let mut mine = Vec::new();
+        if !mapped {
+            bufs.retain(|b| b.len() >= self.experts.extent);
+            while bufs.len() < ids.len() {
+                bufs.push(ExpertBuf::new(self.experts.extent));
+            }
+            mine = bufs.split_off(bufs.len() - ids.len());
+        }
+        store.fetch(self.layer, ids, mine)
+    }
+
+    /// One routed expert's SwiGLU over the tokens that chose it, written to
+    /// their (token, slot) rows of `slot_out`.
+    fn apply_expert(
+        &self,
+        bytes: &[u8],
+        slots: &[usize],
+        xn: &[f32],
+        k: usize,
+        h: usize,
+        slot_out: &mut [f32],
+    ) {
+        let (m, inter) = (slots.len(), self.experts.gate.rows);
+        let mut x = vec![0.0f32; m * h];
+        for (r, &s) in slots.iter().enumerate() {
+            let t = s / k;
+            x[r * h..(r + 1) * h].copy_from_slice(&xn[t * h..(t + 1) * h]);
+        }
+        let mut g = vec![0.0f32; m * inter];
+        let mut u = vec![0.0f32; m * inter];
+        matmul(&self.experts.gate.view(bytes), &x, m, &mut g);
+        matmul(&self.experts.up.view(bytes), &x, m, &mut u);
+        let mut act = vec![0.0f32; m * inter];
+        ops::swiglu(&g, &u, &mut act);
+        let mut y = vec![0.0f32; m * h];
+        matmul(&self.experts.down.view(bytes), &act, m, &mut y);
+        for (r, &s) in slots.iter().enumerate() {
+            slot_out[s * h..(s + 1) * h].copy_from_slice(&y[r * h..(r + 1) * h]);
+        }
+    }
+}
+
+impl SharedExpert {
+    /// `(down(swiglu(gate x, up x)), gate logit)` for `n` tokens; the caller
+    /// adds `sigmoid(logit) * y`.
+    fn forward(&self, d: &DenseStore, xn: &[f32], n: usize, h: usize) -> (Vec<f32>, Vec<f32>) {
+        let si = self.gate.rows;
+        let mut g = vec![0.0f32; n * si];
+        let mut u = vec![0.0f32; n * si];
+        matmul(&d.view(&self.gate), xn, n, &mut g);
+        matmul(&d.view(&self.up), xn, n, &mut u);
+        let mut act = vec![0.0f32; n * si];
+        ops::swiglu(&g, &u, &mut act);
+        let mut y = vec![0.0f32; n * h];
+        matmul(&d.view(&self.down), &act, n, &mut y);
+        let mut gs = vec![0.0f32; n];
+        matmul(&d.view(&self.gate_scalar), xn, n, &mut gs);
+        (y, gs)
     }
 }
 

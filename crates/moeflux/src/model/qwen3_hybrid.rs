@@ -160,11 +160,18 @@ impl QwenHybrid {
             ops::rms_norm_rows(&x, &layer.post_norm, c.rms_norm_eps, &mut xn);
             lap(&mut clock, &mut times.embed_norm);
             match &layer.mlp {
-                Mlp::Moe(m) => m.forward(d, c, store, bufs, &xn, n, k_active, &mut r, times)?,
-                Mlp::Dense(m) => m.forward(d, &xn, n, &mut r),
+                Mlp::Moe(m) => {
+                    // Times its own phases.
+                    m.forward(d, c, store, bufs, &xn, n, k_active, &mut r, times)?;
+                    clock = std::time::Instant::now();
+                }
+                Mlp::Dense(m) => {
+                    m.forward(d, &xn, n, &mut r);
+                    lap(&mut clock, &mut times.shared_mlp);
+                }
             }
             ops::add_inplace(&mut x, &r);
-            lap(&mut clock, &mut times.shared_mlp);
+            lap(&mut clock, &mut times.embed_norm);
         }
         let rows = match mode {
             LogitsMode::All => 0..n,

@@ -24,6 +24,9 @@ pub struct SessionOptions {
     pub experts_per_token: Option<usize>,
     /// Read experts with O_DIRECT (bypassing the page cache).
     pub direct_io: bool,
+    /// Without `direct_io`: serve experts from a read-only mapping of the
+    /// expert files (no copies) rather than reading them into buffers.
+    pub mmap: bool,
     /// Threads issuing expert reads.
     pub io_threads: usize,
     /// Checkpoints kept; the least recently used is dropped beyond this.
@@ -38,6 +41,7 @@ impl Default for SessionOptions {
             threads: None,
             experts_per_token: None,
             direct_io: false,
+            mmap: true,
             io_threads: 8,
             max_checkpoints: 8,
             max_context: None,
@@ -101,6 +105,7 @@ impl Session {
             &manifest,
             &ExpertStoreOptions {
                 direct_io: opts.direct_io,
+                mmap: opts.mmap,
                 io_threads: opts.io_threads.max(1),
                 ..Default::default()
             },
