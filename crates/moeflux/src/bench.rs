@@ -56,6 +56,8 @@ pub struct TestResult {
     pub disk_bytes: Option<u64>,
     /// Wall time summed over the repetitions.
     pub wall: Duration,
+    /// Experts were served from the mapping (see [`crate::io`]).
+    pub mapped: bool,
 }
 
 impl TestResult {
@@ -93,9 +95,15 @@ impl TestResult {
         }
     }
 
-    /// Share of expert bytes the page cache served (estimate).
+    /// Share of expert bytes the page cache served: counted exactly for
+    /// mapped experts (resident when fetched), else estimated from the bytes
+    /// the process read from storage.
     pub fn page_cache_hit_rate(&self) -> Option<f64> {
-        procfs::cache_hit_rate(self.io.bytes, self.disk_bytes?)
+        if self.mapped {
+            (self.io.reads > 0).then(|| self.io.cached as f64 / self.io.reads as f64)
+        } else {
+            procfs::cache_hit_rate(self.io.bytes, self.disk_bytes?)
+        }
     }
 }
 
@@ -197,6 +205,7 @@ fn test(
         io: IoStats::default(),
         disk_bytes: Some(0),
         wall: Duration::ZERO,
+        mapped: session.experts_mapped(),
     };
     for rep in 0..opts.reps {
         session.clear();
@@ -285,6 +294,7 @@ mod tests {
             },
             disk_bytes: Some(500),
             wall: Duration::from_secs(2),
+            mapped: false,
         };
         assert_eq!(r.mean_tok_s(), 2.0);
         assert!((r.std_tok_s() - 2f64.sqrt()).abs() < 1e-12);
@@ -292,5 +302,15 @@ mod tests {
         assert_eq!(r.expert_bytes_per_token(), 100.0);
         assert_eq!(r.page_cache_hit_rate(), Some(0.75));
         assert!((r.expert_gb_s() - 1e-6).abs() < 1e-15);
+        let mapped = TestResult {
+            mapped: true,
+            io: IoStats {
+                reads: 8,
+                cached: 6,
+                ..Default::default()
+            },
+            ..r
+        };
+        assert_eq!(mapped.page_cache_hit_rate(), Some(0.75));
     }
 }

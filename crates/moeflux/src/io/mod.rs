@@ -2,10 +2,12 @@
 //! (`experts/layer_NNN.bin`, see [`crate::format`]) into memory.
 //!
 //! One expert is one contiguous, 4096-aligned extent. Three ways to get it:
-//! * **mapped** (default): each file is mapped read-only once; fetching an
-//!   expert asks the kernel to read its extent ahead (`WILLNEED`) and to map
-//!   its pages (`MADV_POPULATE_READ`), and compute reads the mapping. With a
-//!   warm page cache nothing is copied at all.
+//! * **mapped** (default): each file is mapped read-only once and compute
+//!   reads the mapping. Fetching an expert checks whether its pages are
+//!   resident (`mincore`, ~2 us) and only if not asks the kernel to read the
+//!   extent in one request (`WILLNEED`) and map it (`MADV_POPULATE_READ`),
+//!   on an I/O thread. With a warm page cache nothing is copied or waited
+//!   for at all.
 //! * **buffered**: `pread` through the page cache into an [`ExpertBuf`].
 //! * **direct**: `pread` with `O_DIRECT` into an aligned [`ExpertBuf`],
 //!   bypassing the page cache (for models far larger than RAM, where the
@@ -79,6 +81,8 @@ impl Default for ExpertStoreOptions {
 pub struct IoStats {
     /// Expert extents read.
     pub reads: u64,
+    /// Of those, extents of mapped layers found already in memory (no I/O).
+    pub cached: u64,
     /// Bytes read (extents of [`ExpertStore::extent_bytes`] each).
     pub bytes: u64,
     /// Wall time spent inside read calls (`read_experts`, and
@@ -102,6 +106,7 @@ impl IoStats {
     pub fn plus(&self, other: &IoStats) -> IoStats {
         IoStats {
             reads: self.reads + other.reads,
+            cached: self.cached + other.cached,
             bytes: self.bytes + other.bytes,
             busy_ns: self.busy_ns + other.busy_ns,
             calls: self.calls + other.calls,
@@ -112,6 +117,7 @@ impl IoStats {
     pub fn since(&self, earlier: &IoStats) -> IoStats {
         IoStats {
             reads: self.reads.saturating_sub(earlier.reads),
+            cached: self.cached.saturating_sub(earlier.cached),
             bytes: self.bytes.saturating_sub(earlier.bytes),
             busy_ns: self.busy_ns.saturating_sub(earlier.busy_ns),
             calls: self.calls.saturating_sub(earlier.calls),
@@ -122,6 +128,7 @@ impl IoStats {
 #[derive(Default)]
 struct Counters {
     reads: AtomicU64,
+    cached: AtomicU64,
     bytes: AtomicU64,
     busy_ns: AtomicU64,
     calls: AtomicU64,
@@ -244,13 +251,9 @@ impl ExpertStore {
                 // SAFETY: read-only shared mapping of a file the store owns;
                 // the model directory must not be modified while it is open
                 // (documented on `ExpertStoreOptions::mmap`).
-                let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
-                if opts.fadvise_random {
-                    // No fault-around: extents are fetched whole, explicitly.
-                    map.advise(Advice::Random)
-                        .map_err(|e| Error::io(&path, e))?;
-                }
-                Some(map)
+                // No MADV_RANDOM: it would also turn off fault-around, which
+                // maps 16 resident pages per fault on first touch.
+                Some(unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?)
             } else {
                 None
             };
@@ -323,6 +326,25 @@ impl ExpertStore {
         let left = Arc::new(AtomicUsize::new(ids.len()));
         let mut bufs = bufs.into_iter();
         for (index, &id) in ids.iter().enumerate() {
+            if let Some(map) = &lf.map {
+                // Resident already: hand it out now, no I/O thread needed.
+                let off = id * lf.stride as usize;
+                if sys::resident(&map[off..off + lf.extent]) {
+                    let c = &self.counters;
+                    c.reads.fetch_add(1, Ordering::Relaxed);
+                    c.cached.fetch_add(1, Ordering::Relaxed);
+                    c.bytes.fetch_add(lf.extent as u64, Ordering::Relaxed);
+                    if left.fetch_sub(1, Ordering::AcqRel) == 1 {
+                        c.calls.fetch_add(1, Ordering::Relaxed);
+                    }
+                    let _ = tx.send(Landed {
+                        index,
+                        buf: None,
+                        result: Ok(()),
+                    });
+                    continue;
+                }
+            }
             let (lf, tx, left) = (Arc::clone(lf), tx.clone(), Arc::clone(&left));
             let counters = Arc::clone(&self.counters);
             let mut buf = bufs.next();
@@ -413,6 +435,7 @@ impl ExpertStore {
         let c = &self.counters;
         IoStats {
             reads: c.reads.load(Ordering::Relaxed),
+            cached: c.cached.load(Ordering::Relaxed),
             bytes: c.bytes.load(Ordering::Relaxed),
             busy_ns: c.busy_ns.load(Ordering::Relaxed),
             calls: c.calls.load(Ordering::Relaxed),
@@ -422,6 +445,7 @@ impl ExpertStore {
     pub fn reset_stats(&self) {
         let c = &self.counters;
         c.reads.store(0, Ordering::Relaxed);
+        c.cached.store(0, Ordering::Relaxed);
         c.bytes.store(0, Ordering::Relaxed);
         c.busy_ns.store(0, Ordering::Relaxed);
         c.calls.store(0, Ordering::Relaxed);

@@ -110,6 +110,28 @@ pub(super) fn evict(file: &File) -> io::Result<bool> {
     }
 }
 
+/// Whether every page of `mem` (inside a file mapping) is in the page
+/// cache (`mincore`). `false` where that cannot be asked.
+pub(super) fn resident(mem: &[u8]) -> bool {
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    {
+        const PAGE: usize = 4096;
+        let start = mem.as_ptr() as usize;
+        let aligned = start & !(PAGE - 1);
+        let len = mem.len() + (start - aligned);
+        let mut pages = vec![0u8; len.div_ceil(PAGE)];
+        // SAFETY: the range lies inside a live mapping (it is borrowed) and
+        // `pages` holds one byte per page of it.
+        let rc = unsafe { libc::mincore(aligned as *mut libc::c_void, len, pages.as_mut_ptr()) };
+        rc == 0 && pages.iter().all(|&p| p & 1 == 1)
+    }
+    #[cfg(not(any(target_os = "linux", target_os = "android")))]
+    {
+        let _ = mem;
+        false
+    }
+}
+
 /// Starts reading `len` bytes at `offset` of `file` into the page cache
 /// in the background (`POSIX_FADV_WILLNEED`): one large request instead of
 /// a page fault at a time. A no-op where the advice does not exist.

@@ -185,6 +185,14 @@ impl Session {
         self.decode_bytes_per_token
     }
 
+    /// Whether routed experts are served from a mapping of the expert files
+    /// (see [`crate::io`]).
+    pub fn experts_mapped(&self) -> bool {
+        self.store
+            .layers()
+            .any(|l| self.store.is_mapped(l) == Some(true))
+    }
+
     /// Compute threads.
     pub fn threads(&self) -> usize {
         self.pool.current_num_threads()
