@@ -138,6 +138,8 @@ impl Report<'_> {
             "expert_gb_s": t.expert_gb_s(),
             "disk_bytes": t.disk_bytes,
             "page_cache_hit_rate": t.page_cache_hit_rate(),
+            "prefetch_hit_rate": t.prefetch.hit_rate(),
+            "prefetch_precision": t.prefetch.precision(),
         })
     }
 
@@ -192,20 +194,21 @@ impl Report<'_> {
         .into_iter()
         .flatten()
         .collect();
+        let pct = |x: Option<f64>| x.map_or("-".to_string(), |h| format!("{:.0}%", h * 100.0));
         out.push_str(&format!(
-            "{:<8} {:>10} {:>8} {:>14} {:>10} {:>11}\n",
-            "test", "tok/s", "±", "experts/token", "expert GB/s", "page cache"
+            "{:<8} {:>10} {:>8} {:>14} {:>11} {:>10} {:>9}\n",
+            "test", "tok/s", "±", "experts/token", "expert GB/s", "page cache", "prefetch"
         ));
         for (name, t) in &tests {
             out.push_str(&format!(
-                "{:<8} {:>10.2} {:>8.2} {:>14} {:>10.2} {:>11}\n",
+                "{:<8} {:>10.2} {:>8.2} {:>14} {:>11.2} {:>10} {:>9}\n",
                 name,
                 t.mean_tok_s(),
                 t.std_tok_s(),
                 human_bytes(t.expert_bytes_per_token() as u64),
                 t.expert_gb_s(),
-                t.page_cache_hit_rate()
-                    .map_or("-".to_string(), |h| format!("~{:.0}%", h * 100.0)),
+                pct(t.page_cache_hit_rate()),
+                pct(t.prefetch.hit_rate()),
             ));
         }
         out.push_str("\nms per token");

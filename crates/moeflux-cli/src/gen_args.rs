@@ -33,6 +33,10 @@ pub struct ModelArgs {
     /// memory mapping of the expert files.
     #[arg(long, conflicts_with = "direct_io")]
     pub no_mmap: bool,
+    /// Fetch the experts the next layer will likely use while the current
+    /// layer computes (helps when experts come from disk).
+    #[arg(long)]
+    pub prefetch: bool,
     /// Longest context in tokens (default: the model's maximum).
     #[arg(long)]
     pub ctx: Option<usize>,
@@ -48,6 +52,7 @@ impl ModelArgs {
                 experts_per_token: self.experts_per_token,
                 direct_io: self.direct_io,
                 mmap: !self.no_mmap,
+                prefetch: self.prefetch,
                 max_context: self.ctx,
                 ..Default::default()
             },

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::io::{procfs, IoStats};
+use crate::model::experts::PrefetchStats;
 use crate::model::timing::PhaseTimes;
 use crate::session::{LogitsMode, Session};
 
@@ -58,6 +59,8 @@ pub struct TestResult {
     pub wall: Duration,
     /// Experts were served from the mapping (see [`crate::io`]).
     pub mapped: bool,
+    /// Speculative prefetch over the repetitions.
+    pub prefetch: PrefetchStats,
 }
 
 impl TestResult {
@@ -206,6 +209,7 @@ fn test(
         disk_bytes: Some(0),
         wall: Duration::ZERO,
         mapped: session.experts_mapped(),
+        prefetch: PrefetchStats::default(),
     };
     for rep in 0..opts.reps {
         session.clear();
@@ -217,6 +221,7 @@ fn test(
             session.times(),
             procfs::disk_read_bytes(),
         );
+        let pf0 = session.prefetch_stats();
         let t0 = Instant::now();
         body(session)?;
         let wall = t0.elapsed();
@@ -226,6 +231,7 @@ fn test(
         r.disk_bytes = r.disk_bytes.zip(disk).map(|(a, b)| a + b);
         let io = session.io_stats().since(&io0);
         r.io = r.io.plus(&io);
+        r.prefetch = r.prefetch.plus(&session.prefetch_stats().since(&pf0));
         r.times = r.times.plus(&session.times().minus(&times0));
         r.wall += wall;
         let tok_s = tokens as f64 / wall.as_secs_f64();
@@ -295,6 +301,7 @@ mod tests {
             disk_bytes: Some(500),
             wall: Duration::from_secs(2),
             mapped: false,
+            prefetch: PrefetchStats::default(),
         };
         assert_eq!(r.mean_tok_s(), 2.0);
         assert!((r.std_tok_s() - 2f64.sqrt()).abs() < 1e-12);

@@ -218,21 +218,47 @@ fn every_expert_access_mode_gives_the_same_logits() {
     let mapped = common::open(&dir)
         .eval(&g.tokens, moeflux::LogitsMode::All)
         .unwrap();
-    for (direct_io, mmap) in [(false, false), (true, false)] {
+    for (direct_io, mmap, prefetch) in [
+        (false, false, false),
+        (true, false, false),
+        (false, true, true),
+        (false, false, true),
+        (true, false, true),
+    ] {
         let mut s = Session::open(
             &dir,
             SessionOptions {
                 direct_io,
                 mmap,
+                prefetch,
                 threads: Some(2),
                 ..Default::default()
             },
         )
         .unwrap();
+        let what = format!("direct_io {direct_io}, mmap {mmap}, prefetch {prefetch}");
         assert_eq!(
             s.eval(&g.tokens, moeflux::LogitsMode::All).unwrap(),
             mapped,
-            "direct_io {direct_io}, mmap {mmap}"
+            "batch, {what}"
         );
+        // One token at a time: prefetches of a single token's experts.
+        s.clear();
+        for (i, &t) in g.tokens.iter().enumerate() {
+            let row = s.eval(&[t], moeflux::LogitsMode::Last).unwrap();
+            assert_eq!(
+                row,
+                mapped[i * g.vocab..(i + 1) * g.vocab],
+                "token {i}, {what}"
+            );
+        }
+        let p = s.prefetch_stats();
+        if prefetch {
+            // 3 of the fixture's 4 MoE layers have a next MoE layer.
+            assert!(p.predicted > 0 && p.used > 0, "{what}: {p:?}");
+            assert!(p.hits <= p.used.min(p.predicted));
+        } else {
+            assert_eq!(p, Default::default());
+        }
     }
 }

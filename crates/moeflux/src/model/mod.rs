@@ -2,6 +2,7 @@
 
 pub mod attention;
 pub mod deltanet;
+pub mod experts;
 pub mod moe;
 pub mod qwen3_hybrid;
 pub mod schema;

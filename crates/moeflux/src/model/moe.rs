@@ -11,7 +11,8 @@ use crate::backend::cpu::qmatmul::matmul;
 use crate::config::{ModelConfig, QuantSpec};
 use crate::error::{Error, Result};
 use crate::format::ExpertLayer;
-use crate::io::{ExpertBuf, ExpertStore, Fetch};
+use crate::io::{ExpertBuf, ExpertStore, Landed};
+use crate::model::experts::{most_chosen, ExpertRun, Prefetched};
 use crate::model::timing::{lap, PhaseTimes};
 use crate::model::weights::{DenseStore, LinearRef};
 use crate::quant::{affine, QMatrix, ScaleData, Weight};
@@ -257,23 +258,24 @@ impl MoeBlock {
     ///
     /// Expert-major: every chosen expert is fetched once for the batch. All
     /// fetches of a wave are issued at once; the shared expert is computed
-    /// while they are in flight, and each routed expert as soon as it lands.
-    /// Outputs are kept per (token, slot) and combined in slot order, so the
-    /// result does not depend on the order experts land in.
+    /// while they are in flight, and each routed expert as soon as it lands
+    /// (experts fetched ahead by the previous layer first). Outputs are kept
+    /// per (token, slot) and combined in slot order, so the result does not
+    /// depend on the order experts land in. With prefetch on, `next` (the
+    /// next MoE layer) gets its likely experts fetched ahead.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         d: &DenseStore,
         c: &ModelConfig,
-        store: &ExpertStore,
-        bufs: &mut Vec<ExpertBuf>,
+        run: &mut ExpertRun<'_>,
+        next: Option<&MoeBlock>,
         xn: &[f32],
         n: usize,
-        k: usize,
         out: &mut [f32],
         times: &mut PhaseTimes,
     ) -> Result<()> {
-        let h = c.hidden_size;
+        let (h, k) = (c.hidden_size, run.k);
         let mut clock = Instant::now();
         let routing = self.route(d, c, xn, n, k);
         lap(&mut clock, &mut times.routing);
@@ -284,44 +286,69 @@ impl MoeBlock {
             users.entry(e).or_default().push(i);
         }
         let ids: Vec<usize> = users.keys().copied().collect();
-        let mapped = store.is_mapped(self.layer) == Some(true);
-        let wave = if mapped {
-            ids.len().max(1)
-        } else {
-            (WAVE_BYTES / self.experts.extent).max(k).max(1)
+        let ahead = run.take_prefetch(self.layer);
+        let misses: Vec<usize> = match &ahead {
+            Some(p) => {
+                run.count(&ids, &p.ids);
+                ids.iter().copied().filter(|e| !p.ids.contains(e)).collect()
+            }
+            None => ids,
         };
-        let mut waves = ids.chunks(wave);
+        let cap = self.fetch_cap(run.store, k);
+        let mut waves = misses.chunks(cap);
         let mut current = match waves.next() {
-            Some(w) => Some((w, self.start_fetch(store, w, bufs, mapped)?)),
+            Some(w) => Some((w, run.start_fetch(self.layer, w, self.experts.extent)?)),
             None => None,
         };
         lap(&mut clock, &mut times.expert_io);
+
+        if let Some(nx) = next.filter(|_| run.prefetch) {
+            let guess = nx.route(d, c, xn, n, k);
+            let ids = most_chosen(&guess.experts, nx.fetch_cap(run.store, k));
+            let fetch = run.start_fetch(nx.layer, &ids, nx.experts.extent)?;
+            run.stats.predicted += ids.len() as u64;
+            run.pending = Some(Prefetched {
+                layer: nx.layer,
+                ids,
+                fetch,
+            });
+            lap(&mut clock, &mut times.routing);
+        }
 
         let shared = self.shared.as_ref().map(|sh| sh.forward(d, xn, n, h));
         lap(&mut clock, &mut times.shared_mlp);
 
         let mut slot_out = vec![0.0f32; n * k * h];
+        if let Some(mut p) = ahead {
+            // Every prefetched read is waited for, so its buffer returns
+            // to the pool; the unused ones were issued a layer ago.
+            while let Some(landed) = p.fetch.next_landed() {
+                lap(&mut clock, &mut times.expert_io);
+                let e = p.ids[landed.index];
+                let buf = match users.get(&e) {
+                    Some(slots) => {
+                        let b =
+                            self.apply_landed(run, landed, e, slots, xn, k, h, &mut slot_out)?;
+                        lap(&mut clock, &mut times.expert_compute);
+                        b
+                    }
+                    None => landed.buf,
+                };
+                run.bufs.extend(buf);
+            }
+        }
         while let Some((wave_ids, mut fetch)) = current.take() {
             // Read the next wave while this one is computed.
             current = match waves.next() {
-                Some(w) => Some((w, self.start_fetch(store, w, bufs, mapped)?)),
+                Some(w) => Some((w, run.start_fetch(self.layer, w, self.experts.extent)?)),
                 None => None,
             };
             lap(&mut clock, &mut times.expert_io);
             while let Some(landed) = fetch.next_landed() {
                 lap(&mut clock, &mut times.expert_io);
-                landed.result?;
                 let e = wave_ids[landed.index];
-                let bytes = match &landed.buf {
-                    Some(b) => b.as_bytes(),
-                    None => store
-                        .mapped(self.layer, e)
-                        .expect("mapped layer serves its experts"),
-                };
-                self.apply_expert(bytes, &users[&e], xn, k, h, &mut slot_out);
-                if let Some(b) = landed.buf {
-                    bufs.push(b);
-                }
+                let buf = self.apply_landed(run, landed, e, &users[&e], xn, k, h, &mut slot_out)?;
+                run.bufs.extend(buf);
                 lap(&mut clock, &mut times.expert_compute);
             }
         }
@@ -354,24 +381,39 @@ impl MoeBlock {
         Ok(())
     }
 
-    /// Starts fetching `ids`, with buffers from the `bufs` pool unless the
-    /// layer is mapped.
-    fn start_fetch(
-        &self,
-        store: &ExpertStore,
-        ids: &[usize],
-        bufs: &mut Vec<ExpertBuf>,
-        mapped: bool,
-    ) -> Result<Fetch> {
-        let mut mine = Vec::new();
-        if !mapped {
-            bufs.retain(|b| b.len() >= self.experts.extent);
-            while bufs.len() < ids.len() {
-                bufs.push(ExpertBuf::new(self.experts.extent));
-            }
-            mine = bufs.split_off(bufs.len() - ids.len());
+    /// Experts fetched at once: all of them from a mapping, else enough to
+    /// fill [`WAVE_BYTES`] (at least `k`).
+    fn fetch_cap(&self, store: &ExpertStore, k: usize) -> usize {
+        if store.is_mapped(self.layer) == Some(true) {
+            self.experts.num_experts
+        } else {
+            (WAVE_BYTES / self.experts.extent).max(k).max(1)
         }
-        store.fetch(self.layer, ids, mine)
+    }
+
+    /// Applies expert `e` once its fetch has landed; hands back its buffer.
+    #[allow(clippy::too_many_arguments)]
+    fn apply_landed(
+        &self,
+        run: &ExpertRun<'_>,
+        landed: Landed,
+        e: usize,
+        slots: &[usize],
+        xn: &[f32],
+        k: usize,
+        h: usize,
+        slot_out: &mut [f32],
+    ) -> Result<Option<ExpertBuf>> {
+        landed.result?;
+        let bytes = match &landed.buf {
+            Some(b) => b.as_bytes(),
+            None => run
+                .store
+                .mapped(self.layer, e)
+                .expect("mapped layer serves its experts"),
+        };
+        self.apply_expert(bytes, slots, xn, k, h, slot_out);
+        Ok(landed.buf)
     }
 
     /// One routed expert's SwiGLU over the tokens that chose it, written to

@@ -8,9 +8,9 @@ use crate::backend::cpu::qmatmul::{dequantize_row, matmul};
 use crate::config::{LayerKind, MlpKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::format::Manifest;
-use crate::io::{ExpertBuf, ExpertStore};
 use crate::model::attention::FullAttention;
 use crate::model::deltanet::GatedDeltaNet;
+use crate::model::experts::ExpertRun;
 use crate::model::moe::{DenseMlp, ExpertLayout, MoeBlock};
 use crate::model::schema::layer_prefix;
 use crate::model::state::{KvCache, LayerState, ModelState};
@@ -105,6 +105,14 @@ impl QwenHybrid {
         })
     }
 
+    /// The first MoE block after layer `i`.
+    fn next_moe(&self, i: usize) -> Option<&MoeBlock> {
+        self.layers[i + 1..].iter().find_map(|l| match &l.mlp {
+            Mlp::Moe(m) => Some(m),
+            Mlp::Dense(_) => None,
+        })
+    }
+
     pub fn new_state(&self) -> ModelState {
         let kv_row = self.config.num_kv_heads * self.config.head_dim;
         ModelState {
@@ -122,15 +130,12 @@ impl QwenHybrid {
     /// Evaluates `tokens` at positions `start..`, layer by layer over the
     /// whole batch, and returns logits `[rows, vocab]` for the last token or
     /// for every token.
-    #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
-        store: &ExpertStore,
-        bufs: &mut Vec<ExpertBuf>,
+        run: &mut ExpertRun<'_>,
         state: &mut ModelState,
         tokens: &[u32],
         start: usize,
-        k_active: usize,
         mode: LogitsMode,
         times: &mut PhaseTimes,
     ) -> Result<Vec<f32>> {
@@ -145,7 +150,7 @@ impl QwenHybrid {
         }
         let mut xn = vec![0.0f32; n * h];
         let mut r = vec![0.0f32; n * h];
-        for (layer, ls) in self.layers.iter().zip(state.layers.iter_mut()) {
+        for (i, (layer, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
             ops::rms_norm_rows(&x, &layer.input_norm, c.rms_norm_eps, &mut xn);
             lap(&mut clock, &mut times.embed_norm);
             match (&layer.mixer, ls) {
@@ -162,7 +167,7 @@ impl QwenHybrid {
             match &layer.mlp {
                 Mlp::Moe(m) => {
                     // Times its own phases.
-                    m.forward(d, c, store, bufs, &xn, n, k_active, &mut r, times)?;
+                    m.forward(d, c, run, self.next_moe(i), &xn, n, &mut r, times)?;
                     clock = std::time::Instant::now();
                 }
                 Mlp::Dense(m) => {

@@ -10,6 +10,7 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::format::{Manifest, MANIFEST_FILE};
 use crate::io::{ExpertBuf, ExpertStore, ExpertStoreOptions, IoStats};
+use crate::model::experts::{ExpertRun, PrefetchStats};
 pub use crate::model::qwen3_hybrid::LogitsMode;
 use crate::model::qwen3_hybrid::QwenHybrid;
 use crate::model::state::{LinearState, ModelState};
@@ -33,6 +34,10 @@ pub struct SessionOptions {
     pub max_checkpoints: usize,
     /// Longest sequence allowed; `None` uses `max_position_embeddings`.
     pub max_context: Option<usize>,
+    /// Fetch the experts the next MoE layer's router would pick for the
+    /// current hidden state while the current layer computes (see
+    /// [`crate::model::experts`]).
+    pub prefetch: bool,
 }
 
 impl Default for SessionOptions {
@@ -45,6 +50,7 @@ impl Default for SessionOptions {
             io_threads: 8,
             max_checkpoints: 8,
             max_context: None,
+            prefetch: false,
         }
     }
 }
@@ -69,6 +75,8 @@ pub struct Session {
     /// `clear`, `restore_to`, `truncate` or `state_load`.
     poisoned: bool,
     times: PhaseTimes,
+    prefetch: bool,
+    prefetch_stats: PrefetchStats,
 }
 
 impl Session {
@@ -144,6 +152,8 @@ impl Session {
             decode_bytes_per_token,
             poisoned: false,
             times: PhaseTimes::default(),
+            prefetch: opts.prefetch,
+            prefetch_stats: PrefetchStats::default(),
         })
     }
 
@@ -209,6 +219,11 @@ impl Session {
         self.store.evict_page_cache()
     }
 
+    /// Speculative prefetch counters since open.
+    pub fn prefetch_stats(&self) -> PrefetchStats {
+        self.prefetch_stats
+    }
+
     pub fn io_stats(&self) -> IoStats {
         self.store.stats()
     }
@@ -254,17 +269,18 @@ impl Session {
             });
         }
         let start = self.position();
-        let (model, store, state, bufs, k) = (
-            &self.model,
-            &self.store,
-            &mut self.state,
-            &mut self.bufs,
-            self.k_active,
-        );
-        let times = &mut self.times;
+        let mut run = ExpertRun {
+            store: &self.store,
+            bufs: &mut self.bufs,
+            k: self.k_active,
+            prefetch: self.prefetch,
+            pending: None,
+            stats: &mut self.prefetch_stats,
+        };
+        let (model, state, times) = (&self.model, &mut self.state, &mut self.times);
         let result = self
             .pool
-            .install(|| model.forward(store, bufs, state, tokens, start, k, mode, times));
+            .install(|| model.forward(&mut run, state, tokens, start, mode, times));
         match result {
             Ok(logits) => {
                 self.tokens.extend_from_slice(tokens);

@@ -1,0 +1,144 @@
+//! What the MoE blocks of one forward pass share: the expert store, the
+//! pool of read buffers, the experts per token, and speculative prefetch.
+//!
+//! Prefetch: while a MoE layer computes, the *next* MoE layer's router is
+//! applied to this layer's (post-attention, normed) hidden state, and the
+//! experts it picks are fetched ahead. The residual stream changes little
+//! from one layer to the next, so the guess is often right; a right guess
+//! turns that expert's read into time overlapped with this layer's compute,
+//! a wrong one costs a read nobody uses. It is measured ([`PrefetchStats`])
+//! and off by default.
+
+use std::collections::BTreeMap;
+
+use crate::error::Result;
+use crate::io::{ExpertBuf, ExpertStore, Fetch};
+
+/// Counters of speculative prefetch, cumulative.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefetchStats {
+    /// Experts fetched ahead.
+    pub predicted: u64,
+    /// Experts a layer used (each once per batch) while a prefetch for that
+    /// layer existed.
+    pub used: u64,
+    /// Of `used`, those that had been fetched ahead.
+    pub hits: u64,
+}
+
+impl PrefetchStats {
+    /// Share of used experts that were fetched ahead.
+    pub fn hit_rate(&self) -> Option<f64> {
+        (self.used > 0).then(|| self.hits as f64 / self.used as f64)
+    }
+
+    /// Share of fetched-ahead experts that were used.
+    pub fn precision(&self) -> Option<f64> {
+        (self.predicted > 0).then(|| self.hits as f64 / self.predicted as f64)
+    }
+
+    pub fn plus(&self, other: &PrefetchStats) -> PrefetchStats {
+        PrefetchStats {
+            predicted: self.predicted + other.predicted,
+            used: self.used + other.used,
+            hits: self.hits + other.hits,
+        }
+    }
+
+    pub fn since(&self, earlier: &PrefetchStats) -> PrefetchStats {
+        PrefetchStats {
+            predicted: self.predicted.saturating_sub(earlier.predicted),
+            used: self.used.saturating_sub(earlier.used),
+            hits: self.hits.saturating_sub(earlier.hits),
+        }
+    }
+}
+
+/// Experts of one layer fetched ahead, still in flight or landed.
+pub struct Prefetched {
+    pub layer: usize,
+    pub ids: Vec<usize>,
+    pub fetch: Fetch,
+}
+
+/// The expert-side state of one forward pass.
+pub struct ExpertRun<'a> {
+    pub store: &'a ExpertStore,
+    /// Reusable read buffers (unused for mapped layers).
+    pub bufs: &'a mut Vec<ExpertBuf>,
+    /// Routed experts per token.
+    pub k: usize,
+    /// Fetch the next MoE layer's experts ahead.
+    pub prefetch: bool,
+    pub pending: Option<Prefetched>,
+    pub stats: &'a mut PrefetchStats,
+}
+
+impl ExpertRun<'_> {
+    /// Starts fetching `ids` of `layer`, with `extent`-byte buffers from the
+    /// pool unless the layer is mapped.
+    pub fn start_fetch(&mut self, layer: usize, ids: &[usize], extent: usize) -> Result<Fetch> {
+        let mut mine = Vec::new();
+        if self.store.is_mapped(layer) != Some(true) {
+            self.bufs.retain(|b| b.len() >= extent);
+            while self.bufs.len() < ids.len() {
+                self.bufs.push(ExpertBuf::new(extent));
+            }
+            mine = self.bufs.split_off(self.bufs.len() - ids.len());
+        }
+        self.store.fetch(layer, ids, mine)
+    }
+
+    /// Takes the prefetch made for `layer`, if any; an older one (for a
+    /// layer that never came) is dropped.
+    pub fn take_prefetch(&mut self, layer: usize) -> Option<Prefetched> {
+        self.pending.take().filter(|p| p.layer == layer)
+    }
+
+    /// Counts a layer's use of its prefetch: `used` experts, of which those
+    /// in `prefetched` were hits.
+    pub fn count(&mut self, used: &[usize], prefetched: &[usize]) {
+        self.stats.used += used.len() as u64;
+        self.stats.hits += used.iter().filter(|e| prefetched.contains(e)).count() as u64;
+    }
+}
+
+/// The `limit` experts chosen most often in `choices` (ties to the lower
+/// id), in ascending id order.
+pub fn most_chosen(choices: &[usize], limit: usize) -> Vec<usize> {
+    let mut count: BTreeMap<usize, usize> = BTreeMap::new();
+    for &e in choices {
+        *count.entry(e).or_default() += 1;
+    }
+    let mut by_use: Vec<(usize, usize)> = count.into_iter().collect();
+    by_use.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    let mut ids: Vec<usize> = by_use.into_iter().take(limit).map(|(e, _)| e).collect();
+    ids.sort_unstable();
+    ids
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn most_chosen_keeps_the_popular_ones() {
+        assert_eq!(most_chosen(&[5, 1, 5, 2, 1, 5, 9], 2), vec![1, 5]);
+        assert_eq!(most_chosen(&[3, 2, 1], 2), vec![1, 2]);
+        assert_eq!(most_chosen(&[4, 4], 8), vec![4]);
+        assert!(most_chosen(&[], 3).is_empty());
+    }
+
+    #[test]
+    fn rates() {
+        let s = PrefetchStats {
+            predicted: 10,
+            used: 8,
+            hits: 6,
+        };
+        assert_eq!(s.hit_rate(), Some(0.75));
+        assert_eq!(s.precision(), Some(0.6));
+        assert_eq!(PrefetchStats::default().hit_rate(), None);
+        assert_eq!(s.since(&s), PrefetchStats::default());
+    }
+}
