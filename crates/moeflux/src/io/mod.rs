@@ -113,6 +113,9 @@ struct LayerFile {
     /// `expert_bytes` rounded up to 4096: the bytes one read transfers.
     extent: usize,
     direct: bool,
+    /// Completed reads per expert: how popular each expert is (routing
+    /// locality), for cache studies and the synthetic-model tests.
+    expert_reads: Vec<AtomicU64>,
 }
 
 /// The routed experts of every MoE layer of a model directory, open for
@@ -224,6 +227,7 @@ impl ExpertStore {
                 stride: el.stride,
                 extent,
                 direct,
+                expert_reads: (0..el.num_experts).map(|_| AtomicU64::new(0)).collect(),
             }));
         }
 
@@ -334,7 +338,26 @@ impl ExpertStore {
         }
     }
 
+    /// Completed reads of each expert of `layer` since open or the last
+    /// [`ExpertStore::reset_stats`], indexed by expert; `None` if the layer
+    /// has no routed experts. When tokens are evaluated one at a time this
+    /// is how often the router chose each expert (a batch reads an expert
+    /// once for all its tokens).
+    pub fn expert_reads(&self, layer: usize) -> Option<Vec<u64>> {
+        self.layer(layer).map(|l| {
+            l.expert_reads
+                .iter()
+                .map(|r| r.load(Ordering::Relaxed))
+                .collect()
+        })
+    }
+
     pub fn reset_stats(&self) {
+        for lf in self.layers.iter().flatten() {
+            for r in &lf.expert_reads {
+                r.store(0, Ordering::Relaxed);
+            }
+        }
         let c = &self.counters;
         c.reads.store(0, Ordering::Relaxed);
         c.bytes.store(0, Ordering::Relaxed);
@@ -421,6 +444,7 @@ fn read_batch(lf: &LayerFile, ids: &[usize], bufs: &mut [ExpertBuf], c: &Counter
                 let dst = &mut buf.as_bytes_mut()[..lf.extent];
                 match read_extent(lf, id, dst) {
                     Ok(()) => {
+                        lf.expert_reads[id].fetch_add(1, Ordering::Relaxed);
                         c.reads.fetch_add(1, Ordering::Relaxed);
                         c.bytes.fetch_add(lf.extent as u64, Ordering::Relaxed);
                     }
