@@ -2,8 +2,6 @@
 //! moeflux model directory.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::Args;
@@ -38,22 +36,7 @@ fn parse_expert_bits(s: &str) -> std::result::Result<u32, String> {
 }
 
 pub fn run(args: ConvertArgs) -> Result<()> {
-    // First Ctrl-C: stop cleanly (the partial output is removed); second: exit now.
-    let cancel = Arc::new(AtomicBool::new(false));
-    let presses = Arc::new(AtomicUsize::new(0));
-    {
-        let cancel = cancel.clone();
-        ctrlc::set_handler(move || {
-            if presses.fetch_add(1, Ordering::SeqCst) == 0 {
-                cancel.store(true, Ordering::SeqCst);
-                eprintln!("\ninterrupted: stopping and removing the partial output...");
-            } else {
-                std::process::exit(130);
-            }
-        })
-        .context("installing the Ctrl-C handler")?;
-    }
-
+    let cancel = crate::cancel_on_ctrl_c()?;
     let bar = ConvertBar::new();
     let on_progress = |p: &ConvertProgress| bar.update(p);
     let opts = ConvertOptions {

@@ -7,13 +7,17 @@ mod cmd_convert;
 mod cmd_inspect;
 mod cmd_logits;
 mod cmd_run;
+mod cmd_synth;
 mod cmd_tokenize;
 mod gen_args;
 mod output;
 mod progress;
 
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 
+use anyhow::Context;
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]
@@ -37,6 +41,8 @@ enum Command {
     Bench(cmd_bench::BenchArgs),
     /// Convert an mlx-lm or Hugging Face checkpoint into a moeflux model directory.
     Convert(cmd_convert::ConvertArgs),
+    /// Write a model directory with random weights at a real model's shapes (benchmarks, tests).
+    Synth(cmd_synth::SynthArgs),
     /// Describe a model directory: architecture, shapes, quantization, sizes.
     Inspect(cmd_inspect::InspectArgs),
     /// Write the float32 logits of every position of a token list as .npy.
@@ -74,6 +80,24 @@ fn cancelled(e: &anyhow::Error) -> bool {
     })
 }
 
+/// For long writers (convert, synth): the first Ctrl-C sets the returned
+/// flag (the writer stops and removes its partial output), a second exits.
+fn cancel_on_ctrl_c() -> anyhow::Result<Arc<AtomicBool>> {
+    let cancel = Arc::new(AtomicBool::new(false));
+    let presses = AtomicUsize::new(0);
+    let flag = cancel.clone();
+    ctrlc::set_handler(move || {
+        if presses.fetch_add(1, Ordering::SeqCst) == 0 {
+            flag.store(true, Ordering::SeqCst);
+            eprintln!("\ninterrupted: stopping and removing the partial output...");
+        } else {
+            std::process::exit(130);
+        }
+    })
+    .context("installing the Ctrl-C handler")?;
+    Ok(cancel)
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
@@ -81,6 +105,7 @@ fn main() -> ExitCode {
         Command::Chat(a) => cmd_chat::run(a),
         Command::Bench(a) => cmd_bench::run(a),
         Command::Convert(a) => cmd_convert::run(a),
+        Command::Synth(a) => cmd_synth::run(a),
         Command::Inspect(a) => cmd_inspect::run(a),
         Command::Logits(a) => cmd_logits::run(a),
         Command::Tokenize(a) => cmd_tokenize::run(a),

@@ -18,5 +18,6 @@ pub mod text;
 pub use config::{Architecture, ModelConfig};
 pub use error::{Error, Result};
 pub mod session;
+pub mod synth;
 
 pub use session::{LogitsMode, Session, SessionOptions};

@@ -112,7 +112,20 @@ pub struct Ctx<'a> {
     layers_total: usize,
 }
 
-impl Ctx<'_> {
+impl<'a> Ctx<'a> {
+    /// Progress towards `total` bytes over `layers_total` expert files.
+    pub(crate) fn new(opts: &'a ConvertOptions<'a>, total: u64, layers_total: usize) -> Self {
+        Ctx {
+            opts,
+            done: AtomicU64::new(0),
+            total,
+            stage: AtomicUsize::new(ConvertStage::Dense as usize),
+            layer: AtomicUsize::new(usize::MAX),
+            layers_done: AtomicUsize::new(0),
+            layers_total,
+        }
+    }
+
     pub fn check_cancel(&self) -> Result<()> {
         match self.opts.cancel {
             Some(c) if c.load(Ordering::Relaxed) => Err(Error::Cancelled),
@@ -125,11 +138,16 @@ impl Ctx<'_> {
         self.report(done);
     }
 
-    fn set_stage(&self, stage: ConvertStage, layer: Option<usize>) {
+    pub(crate) fn set_stage(&self, stage: ConvertStage, layer: Option<usize>) {
         self.stage.store(stage as usize, Ordering::Relaxed);
         self.layer
             .store(layer.unwrap_or(usize::MAX), Ordering::Relaxed);
         self.report(self.done.load(Ordering::Relaxed));
+    }
+
+    /// One more expert file is complete.
+    pub(crate) fn layer_done(&self) {
+        self.layers_done.fetch_add(1, Ordering::Relaxed);
     }
 
     fn report(&self, done: u64) {
@@ -153,7 +171,7 @@ impl Ctx<'_> {
 }
 
 /// JSON with 4-space indentation (as mlx-lm writes config.json).
-fn json_4_spaces(v: &serde_json::Value) -> Vec<u8> {
+pub(crate) fn json_4_spaces(v: &serde_json::Value) -> Vec<u8> {
     use serde::Serialize;
     let mut out = Vec::new();
     let fmt = serde_json::ser::PrettyFormatter::with_indent(b"    ");
@@ -169,7 +187,7 @@ fn json_4_spaces(v: &serde_json::Value) -> Vec<u8> {
 /// anything is written; the directory appears atomically when complete.
 pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions) -> Result<ConvertReport> {
     let t0 = Instant::now();
-    output::check_destination(src, dst, opts.force)?;
+    output::check_destination(dst, opts.force, Some(src))?;
     let source = source::Source::open(src)?;
     let san = sanitize::sanitize(&source)?;
     let plan = plan::plan(&source, &san, opts.expert_bits)?;
@@ -179,15 +197,7 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions) -> Result<ConvertR
         .iter()
         .map(|l| l.manifest.stride * l.num_experts as u64)
         .sum();
-    let ctx = Ctx {
-        opts,
-        done: AtomicU64::new(0),
-        total: layout.file_size + expert_total,
-        stage: AtomicUsize::new(ConvertStage::Dense as usize),
-        layer: AtomicUsize::new(usize::MAX),
-        layers_done: AtomicUsize::new(0),
-        layers_total: plan.layers.len(),
-    };
+    let ctx = Ctx::new(opts, layout.file_size + expert_total, plan.layers.len());
     ctx.check_cancel()?;
     output::check_space(dst, ctx.total + (1 << 20))?;
 
@@ -201,7 +211,7 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions) -> Result<ConvertR
         ctx.check_cancel()?;
         ctx.set_stage(ConvertStage::Experts, Some(lp.layer));
         experts::write_layer(&source, lp, &tmp.path.join(&lp.manifest.file), &ctx)?;
-        ctx.layers_done.fetch_add(1, Ordering::Relaxed);
+        ctx.layer_done();
     }
     output::fsync_dir(&experts_dir)?;
 

@@ -12,14 +12,17 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use crate::error::{Error, Result};
 
 /// Refuses an existing destination (unless `force`) and a destination that
-/// is, or contains, the source (replacing it would delete the source).
-pub fn check_destination(src: &Path, dst: &Path, force: bool) -> Result<()> {
+/// is, or contains, `src` (replacing it would delete the source).
+pub fn check_destination(dst: &Path, force: bool, src: Option<&Path>) -> Result<()> {
     let exists = dst.symlink_metadata().is_ok();
     if exists && !force {
         return Err(Error::DestinationExists {
             path: dst.to_path_buf(),
         });
     }
+    let Some(src) = src else {
+        return Ok(());
+    };
     let Ok(s) = src.canonicalize() else {
         return Ok(()); // opening the source reports it
     };

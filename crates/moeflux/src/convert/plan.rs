@@ -535,8 +535,12 @@ impl<'a> Planner<'a> {
     }
 }
 
+/// One expert projection as stored: name, rows, cols, quantization and
+/// the dtype of its scales and biases.
+pub type ComponentShape<'a> = (&'a str, usize, usize, QuantSpec, Dtype);
+
 /// Byte layout of one expert extent: each piece at a multiple of 64.
-pub fn layout_layer(layer: usize, num_experts: usize, comps: &[ComponentPlan]) -> ExpertLayer {
+pub fn layout_layer(layer: usize, num_experts: usize, comps: &[ComponentShape]) -> ExpertLayer {
     let mut off = 0u64;
     let mut place = |bytes: u64, dtype: Dtype| {
         let o = off.next_multiple_of(COMPONENT_ALIGN as u64);
@@ -548,18 +552,17 @@ pub fn layout_layer(layer: usize, num_experts: usize, comps: &[ComponentPlan]) -
         }
     };
     let mut components = Vec::new();
-    for c in comps {
-        let q = c.out_spec;
-        let wbytes = (c.rows * words_per_row(c.cols, q.bits) * 4) as u64;
-        let sbytes = (c.rows * (c.cols / q.group_size) * dtype::size_of(c.out_scale_dtype)) as u64;
+    for &(name, rows, cols, q, scale_dtype) in comps {
+        let wbytes = (rows * words_per_row(cols, q.bits) * 4) as u64;
+        let sbytes = (rows * (cols / q.group_size) * dtype::size_of(scale_dtype)) as u64;
         components.push(ExpertComponent {
-            name: c.name.to_string(),
-            rows: c.rows,
-            cols: c.cols,
+            name: name.to_string(),
+            rows,
+            cols,
             quant: q,
             weight: place(wbytes, Dtype::U32),
-            scales: place(sbytes, c.out_scale_dtype),
-            biases: place(sbytes, c.out_scale_dtype),
+            scales: place(sbytes, scale_dtype),
+            biases: place(sbytes, scale_dtype),
         });
     }
     let expert_bytes = off;
@@ -663,7 +666,11 @@ pub fn plan(src: &Source, san: &Sanitized, expert_bits: Option<u32>) -> Result<P
                 expert_bits,
             )?);
         }
-        let manifest = layout_layer(s.layer, s.num_experts, &comps);
+        let shapes: Vec<ComponentShape> = comps
+            .iter()
+            .map(|c| (c.name, c.rows, c.cols, c.out_spec, c.out_scale_dtype))
+            .collect();
+        let manifest = layout_layer(s.layer, s.num_experts, &shapes);
         layers.push(LayerPlan {
             layer: s.layer,
             num_experts: s.num_experts,

@@ -134,6 +134,16 @@ struct Counters {
     calls: AtomicU64,
 }
 
+impl Counters {
+    /// Counts expert `id` of `lf` as read (`cached`: found in memory).
+    fn landed(&self, lf: &LayerFile, id: usize, cached: bool) {
+        lf.expert_reads[id].fetch_add(1, Ordering::Relaxed);
+        self.reads.fetch_add(1, Ordering::Relaxed);
+        self.cached.fetch_add(cached as u64, Ordering::Relaxed);
+        self.bytes.fetch_add(lf.extent as u64, Ordering::Relaxed);
+    }
+}
+
 /// One open expert file.
 #[derive(Debug)]
 struct LayerFile {
@@ -147,6 +157,9 @@ struct LayerFile {
     direct: bool,
     /// The whole file, mapped read-only (mapped mode).
     map: Option<Mmap>,
+    /// Completed reads per expert: how popular each expert is (routing
+    /// locality), for cache studies and the synthetic-model tests.
+    expert_reads: Vec<AtomicU64>,
 }
 
 /// The routed experts of every MoE layer of a model directory, open for
@@ -269,6 +282,7 @@ impl ExpertStore {
                 extent,
                 direct,
                 map,
+                expert_reads: (0..el.num_experts).map(|_| AtomicU64::new(0)).collect(),
             }));
         }
 
@@ -331,9 +345,7 @@ impl ExpertStore {
                 let off = id * lf.stride as usize;
                 if sys::resident(&map[off..off + lf.extent]) {
                     let c = &self.counters;
-                    c.reads.fetch_add(1, Ordering::Relaxed);
-                    c.cached.fetch_add(1, Ordering::Relaxed);
-                    c.bytes.fetch_add(lf.extent as u64, Ordering::Relaxed);
+                    c.landed(lf, id, true);
                     if left.fetch_sub(1, Ordering::AcqRel) == 1 {
                         c.calls.fetch_add(1, Ordering::Relaxed);
                     }
@@ -354,10 +366,7 @@ impl ExpertStore {
                     None => populate(&lf, id),
                 };
                 if result.is_ok() {
-                    counters.reads.fetch_add(1, Ordering::Relaxed);
-                    counters
-                        .bytes
-                        .fetch_add(lf.extent as u64, Ordering::Relaxed);
+                    counters.landed(&lf, id, false);
                 }
                 if left.fetch_sub(1, Ordering::AcqRel) == 1 {
                     counters
@@ -442,7 +451,26 @@ impl ExpertStore {
         }
     }
 
+    /// Completed reads of each expert of `layer` since open or the last
+    /// [`ExpertStore::reset_stats`], indexed by expert; `None` if the layer
+    /// has no routed experts. When tokens are evaluated one at a time this
+    /// is how often the router chose each expert (a batch reads an expert
+    /// once for all its tokens).
+    pub fn expert_reads(&self, layer: usize) -> Option<Vec<u64>> {
+        self.layer(layer).map(|l| {
+            l.expert_reads
+                .iter()
+                .map(|r| r.load(Ordering::Relaxed))
+                .collect()
+        })
+    }
+
     pub fn reset_stats(&self) {
+        for lf in self.layers.iter().flatten() {
+            for r in &lf.expert_reads {
+                r.store(0, Ordering::Relaxed);
+            }
+        }
         let c = &self.counters;
         c.reads.store(0, Ordering::Relaxed);
         c.cached.store(0, Ordering::Relaxed);
@@ -655,10 +683,7 @@ fn read_batch(lf: &LayerFile, ids: &[usize], bufs: &mut [ExpertBuf], c: &Counter
             s.spawn(move |_| {
                 let dst = &mut buf.as_bytes_mut()[..lf.extent];
                 match read_extent(lf, id, dst) {
-                    Ok(()) => {
-                        c.reads.fetch_add(1, Ordering::Relaxed);
-                        c.bytes.fetch_add(lf.extent as u64, Ordering::Relaxed);
-                    }
+                    Ok(()) => c.landed(lf, id, false),
                     Err(e) => {
                         let mut slot = first_err.lock().unwrap_or_else(|p| p.into_inner());
                         slot.get_or_insert(e);

@@ -228,6 +228,12 @@ impl Session {
         self.store.stats()
     }
 
+    /// Reads of each routed expert of `layer` since open (see
+    /// [`ExpertStore::expert_reads`]); `None` for a layer without experts.
+    pub fn expert_reads(&self, layer: usize) -> Option<Vec<u64>> {
+        self.store.expert_reads(layer)
+    }
+
     /// Wall time per forward phase, summed over every eval since open or
     /// the last `reset_times`.
     pub fn times(&self) -> PhaseTimes {

@@ -1,0 +1,96 @@
+//! `moeflux synth`: a directory that `inspect` and `run` accept, and one-line
+//! errors for bad options.
+
+mod common;
+
+use common::*;
+
+#[test]
+fn synth_then_inspect_and_run() {
+    let t = tempfile::tempdir().unwrap();
+    let dst = t.path().join("m");
+    let out = ok(&moeflux(&["synth", "--preset", "qwen3.5-tiny", s(&dst)]));
+    assert!(
+        out.contains("synthesized qwen3.5-tiny") && out.contains("4 of 4 layers"),
+        "{out}"
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&ok(&moeflux(&["inspect", "--json", s(&dst)]))).unwrap();
+    assert_eq!(v["architecture"], "qwen3_5_moe");
+    assert_eq!(v["layers"], 4);
+    assert_eq!(v["hidden_size"], 128);
+    assert_eq!(v["moe"]["experts"], 16);
+    assert_eq!(v["quantization"]["router"]["8-bit g64"], 4);
+    assert_eq!(v["source"]["kind"], "synthetic");
+
+    // Truncated, 2-bit experts, skewed router, with the fixtures' tokenizer.
+    let out = ok(&moeflux(&[
+        "synth",
+        "--preset",
+        "qwen3.5-tiny",
+        "--layers",
+        "2",
+        "--expert-bits",
+        "2",
+        "--router-skew",
+        "zipf:1",
+        "--seed",
+        "3",
+        "--tokenizer",
+        s(&fixture("qwen35moe-q4/src")),
+        "--force",
+        s(&dst),
+    ]));
+    assert!(
+        out.contains("2 of 4 layers") && out.contains("zipf:1"),
+        "{out}"
+    );
+    let o = ok(&moeflux(&["inspect", s(&dst)]));
+    assert!(o.contains("2-bit g64 (BF16 scales)"), "{o}");
+    let cfg = std::fs::read_to_string(dst.join("config.json")).unwrap();
+    assert!(cfg.contains("\"router_skew\": \"zipf:1\""), "{cfg}");
+    let run = moeflux(&[
+        "run",
+        "--model",
+        s(&dst),
+        "--prompt",
+        "hello",
+        "-n",
+        "4",
+        "--seed",
+        "1",
+    ]);
+    assert!(run.status.success(), "{}", text(&run.stderr));
+}
+
+#[test]
+fn bad_options_are_one_error_line() {
+    let t = tempfile::tempdir().unwrap();
+    let dst = t.path().join("m");
+    let synth = |extra: &[&str]| {
+        let mut a = vec!["synth", "--preset", "qwen3.5-tiny"];
+        a.extend_from_slice(extra);
+        a.push(s(&dst));
+        moeflux(&a)
+    };
+    for (args, want) in [
+        (&["--layers", "0"][..], "between 1 and 4"),
+        (&["--layers", "5"], "between 1 and 4"),
+        (&["--expert-bits", "3"], "2, 4 or 8"),
+        (&["--router-skew", "zipf:x"], "zipf:ALPHA"),
+        (&["--router-skew", "pareto:1"], "zipf:ALPHA"),
+    ] {
+        let line = one_line_error(&synth(args));
+        assert!(line.contains(want), "{args:?}: {line}");
+    }
+    let line = one_line_error(&moeflux(&["synth", "--preset", "gpt5", s(&dst)]));
+    assert!(line.contains("unknown preset `gpt5`"), "{line}");
+    assert!(
+        std::fs::read_dir(t.path()).unwrap().next().is_none(),
+        "leftovers"
+    );
+
+    std::fs::create_dir(&dst).unwrap();
+    let line = one_line_error(&synth(&[]));
+    assert!(line.contains("--force"), "{line}");
+}

@@ -1,0 +1,253 @@
+//! `synth`: deterministic bytes, a directory `Session::open` accepts with
+//! sane logits, the router skew's popularity curve, and bad options.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use moeflux::convert::{ConvertProgress, ConvertStage};
+use moeflux::format::Manifest;
+use moeflux::synth::skew::zipf_frequencies;
+use moeflux::synth::{find_preset, synth, QwenShape, RouterSkew, SynthOptions, SynthSpec};
+use moeflux::{Error, LogitsMode, Session, SessionOptions};
+
+/// Small, but with a real model's expert count and top-k, so that routing
+/// statistics mean something.
+fn spec() -> SynthSpec {
+    SynthSpec::Qwen3_5Moe(QwenShape {
+        hidden_size: 256,
+        num_layers: 4,
+        num_attention_heads: 2,
+        num_kv_heads: 1,
+        head_dim: 64,
+        vocab_size: 512,
+        num_experts: 128,
+        experts_per_token: 8,
+        moe_intermediate: 64,
+        shared_intermediate: 64,
+        linear_v_heads: 2,
+        linear_k_heads: 1,
+        linear_head_dim: 64,
+        full_attention_interval: 2,
+        eos_token_ids: &[2],
+    })
+}
+
+fn make(dst: &Path, f: impl FnOnce(&mut SynthOptions)) -> PathBuf {
+    let mut o = SynthOptions::new("test", spec());
+    f(&mut o);
+    synth(dst, &o).unwrap();
+    dst.to_path_buf()
+}
+
+fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut names = vec![
+        "config.json".to_string(),
+        "moeflux.json".into(),
+        "dense.safetensors".into(),
+    ];
+    let mut experts: Vec<String> = std::fs::read_dir(dir.join("experts"))
+        .unwrap()
+        .map(|e| format!("experts/{}", e.unwrap().file_name().to_string_lossy()))
+        .collect();
+    experts.sort();
+    names.extend(experts);
+    names
+        .into_iter()
+        .map(|n| {
+            let b = std::fs::read(dir.join(&n)).unwrap();
+            (n, b)
+        })
+        .collect()
+}
+
+/// The bytes of dense tensor `name`.
+fn tensor(dir: &Path, name: &str) -> Vec<u8> {
+    let m = Manifest::read(&dir.join("moeflux.json")).unwrap();
+    let t = &m.tensors[name];
+    let d = std::fs::read(dir.join("dense.safetensors")).unwrap();
+    d[t.offset as usize..(t.offset + t.bytes) as usize].to_vec()
+}
+
+#[test]
+fn bytes_depend_on_the_seed_only() {
+    let t = tempfile::tempdir().unwrap();
+    let skew = Some(RouterSkew::Zipf(1.0));
+    let a = make(&t.path().join("a"), |o| {
+        o.seed = 1;
+        o.router_skew = skew;
+    });
+    // One thread instead of all: the same bytes.
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
+    let b = pool.install(|| {
+        make(&t.path().join("b"), |o| {
+            o.seed = 1;
+            o.router_skew = skew;
+        })
+    });
+    assert!(files(&a) == files(&b), "same seed, different bytes");
+
+    let c = make(&t.path().join("c"), |o| {
+        o.seed = 2;
+        o.router_skew = skew;
+    });
+    for ((n, x), (_, y)) in files(&a).iter().zip(files(&c)).skip(2) {
+        assert!(*x != y, "{n}: the seed changed nothing");
+    }
+
+    // The first layers of the model, byte for byte.
+    let d = make(&t.path().join("d"), |o| {
+        o.seed = 1;
+        o.router_skew = skew;
+        o.layers = Some(2);
+    });
+    for f in ["experts/layer_000.bin", "experts/layer_001.bin"] {
+        assert!(std::fs::read(a.join(f)).unwrap() == std::fs::read(d.join(f)).unwrap());
+    }
+    assert!(!d.join("experts/layer_002.bin").exists());
+    for n in [
+        "model.embed_tokens.weight",
+        "lm_head.scales",
+        "model.layers.1.mlp.gate.weight",
+        "model.layers.1.post_attention_layernorm.weight",
+    ] {
+        assert!(tensor(&a, n) == tensor(&d, n), "{n}");
+    }
+}
+
+#[test]
+fn opens_with_sane_logits_at_every_expert_width() {
+    let t = tempfile::tempdir().unwrap();
+    for bits in [2, 4, 8] {
+        let dir = make(&t.path().join(format!("m{bits}")), |o| {
+            o.expert_bits = bits;
+            o.router_skew = Some(RouterSkew::Zipf(1.0));
+        });
+        let mut s = Session::open(&dir, SessionOptions::default()).unwrap();
+        let tokens: Vec<u32> = (0..24).map(|i| (i * 37 + 5) % 512).collect();
+        let logits = s.eval(&tokens, LogitsMode::All).unwrap();
+        assert!(logits.iter().all(|x| x.is_finite()));
+        // Unit-order logits at every position: nothing exploded or vanished.
+        for row in logits.chunks(512) {
+            let rms = (row.iter().map(|x| x * x).sum::<f32>() / 512.0).sqrt();
+            assert!((0.3..3.0).contains(&rms), "{bits}-bit: logit RMS {rms}");
+        }
+        let m = Manifest::read(&dir.join("moeflux.json")).unwrap();
+        assert_eq!(m.source.kind, "synthetic");
+        assert_eq!(m.experts[0].components[0].quant.bits, bits);
+    }
+}
+
+/// Share of all expert selections taken by the most popular 10% of experts.
+fn top10_share(counts: &[u64]) -> f64 {
+    let mut c = counts.to_vec();
+    c.sort_unstable_by(|a, b| b.cmp(a));
+    let n = c.len().div_ceil(10);
+    c[..n].iter().sum::<u64>() as f64 / c.iter().sum::<u64>() as f64
+}
+
+/// Selections per expert of each MoE layer over `n` random tokens,
+/// evaluated one at a time (so that a read is a selection).
+fn popularity(dir: &Path, n: usize) -> Vec<Vec<u64>> {
+    let mut s = Session::open(dir, SessionOptions::default()).unwrap();
+    let mut x = 12345u64;
+    for _ in 0..n {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        s.eval(&[((x >> 33) % 512) as u32], LogitsMode::Last)
+            .unwrap();
+    }
+    (0..s.config().num_layers)
+        .map(|l| s.expert_reads(l).unwrap())
+        .collect()
+}
+
+#[test]
+fn router_skew_gives_zipf_popularity() {
+    let t = tempfile::tempdir().unwrap();
+    let tokens = 300;
+    let uniform = make(&t.path().join("u"), |o| o.layers = Some(2));
+    for counts in popularity(&uniform, tokens) {
+        assert_eq!(counts.iter().sum::<u64>(), 8 * tokens as u64);
+        let share = top10_share(&counts);
+        assert!(share < 0.2, "no skew, yet the top 10% take {share}");
+    }
+
+    let f = zipf_frequencies(128, 8, 1.0);
+    let target = f[..13].iter().sum::<f64>() / 8.0;
+    let skewed = make(&t.path().join("z"), |o| {
+        o.layers = Some(2);
+        o.router_skew = Some(RouterSkew::Zipf(1.0));
+    });
+    for counts in popularity(&skewed, tokens) {
+        let share = top10_share(&counts);
+        eprintln!("zipf:1 top-10% share {share:.3} (target {target:.3})");
+        assert!(
+            (share - target).abs() < 0.1,
+            "top 10% take {share}, Zipf(1) says {target}"
+        );
+    }
+}
+
+#[test]
+fn bad_options_are_errors() {
+    let t = tempfile::tempdir().unwrap();
+    let dst = t.path().join("m");
+    let run = |f: &dyn Fn(&mut SynthOptions)| {
+        let mut o = SynthOptions::new("test", spec());
+        f(&mut o);
+        synth(&dst, &o).unwrap_err().to_string()
+    };
+    assert!(run(&|o| o.layers = Some(0)).contains("between 1 and 4"));
+    assert!(run(&|o| o.layers = Some(5)).contains("between 1 and 4"));
+    assert!(run(&|o| o.expert_bits = 3).contains("2, 4 or 8"));
+    let e = run(&|o| o.tokenizer = Some("/nonexistent/tok.json".into()));
+    assert!(
+        e.contains("/nonexistent/tok.json: no such tokenizer"),
+        "{e}"
+    );
+    let e = run(&|o| o.tokenizer = Some("/".into()));
+    assert!(e.contains("/tokenizer.json: no such tokenizer"), "{e}");
+    std::fs::create_dir(&dst).unwrap();
+    assert!(matches!(
+        synth(&dst, &SynthOptions::new("test", spec())),
+        Err(Error::DestinationExists { .. })
+    ));
+    assert_eq!(std::fs::read_dir(t.path()).unwrap().count(), 1, "leftovers");
+
+    for bad in ["zipf", "zipf:", "zipf:x", "zipf:-1", "zipf:inf", "pareto:1"] {
+        let e = RouterSkew::parse(bad).unwrap_err().to_string();
+        assert!(e.contains("zipf:ALPHA"), "{bad}: {e}");
+    }
+    assert_eq!(
+        RouterSkew::parse("zipf:1.2").unwrap(),
+        RouterSkew::Zipf(1.2)
+    );
+    let e = find_preset("qwen9").unwrap_err().to_string();
+    assert!(e.contains("qwen3.6-35b-a3b"), "{e}");
+}
+
+#[test]
+fn cancelled_while_writing_leaves_nothing() {
+    let t = tempfile::tempdir().unwrap();
+    for stage in [ConvertStage::Dense, ConvertStage::Experts] {
+        let flag = AtomicBool::new(false);
+        let cb = |p: &ConvertProgress| {
+            if p.stage == stage && (p.layer == Some(2) || stage == ConvertStage::Dense) {
+                flag.store(true, Ordering::Relaxed);
+            }
+        };
+        let mut o = SynthOptions::new("test", spec());
+        o.cancel = Some(&flag);
+        o.progress = Some(&cb);
+        let e = synth(&t.path().join("m"), &o).unwrap_err();
+        assert!(matches!(e, Error::Cancelled), "{e:?}");
+        assert!(
+            std::fs::read_dir(t.path()).unwrap().next().is_none(),
+            "leftovers"
+        );
+    }
+}
