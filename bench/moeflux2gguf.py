@@ -32,8 +32,8 @@ Memory stays bounded: tensors are produced one at a time (experts one layer proj
 time) and streamed into OUT.gguf.tmp.*, which is renamed to OUT.gguf only when complete.
 
 Vocabulary: MODEL_DIR/tokenizer.json (or --tokenizer FILE), padded with unused "[PADn]" tokens
-up to the config's vocab_size. Without either, a byte-level vocabulary (256 byte tokens, no
-merges, the rest "[PADn]") is written: llama.cpp loads it and llama-bench does not tokenize, but
+up to the config's vocab_size. Without either, a byte-level vocabulary (256 byte tokens,
+one merge, the rest "[PADn]") is written: llama.cpp loads it and llama-bench does not tokenize, but
 text generation with it is meaningless. tools/tokenizer/prepare.py DIR writes the real Qwen3.5
 tokenizer (DIR/qwen3_5.tokenizer.json).
 
@@ -627,14 +627,19 @@ def write_vocab(w: gguf.GGUFWriter, model: Model, tokenizer: Path | None) -> str
             w.add_chat_template(template)
     else:
         byte_tokens = _bytes_to_unicode()
+        if vocab_size < 257:
+            raise ExportError(f"vocab_size {vocab_size} is too small for a byte-level vocabulary")
+        # llama.cpp refuses a BPE vocabulary without merges: one merge, "Ġ Ġ" -> "ĠĠ" (id 256)
         tokens = [byte_tokens[i] if i < 256 else f"[PAD{i}]" for i in range(vocab_size)]
-        types = [tt.NORMAL if i < 256 else tt.UNUSED for i in range(vocab_size)]
-        merges = []
+        types = [tt.NORMAL if i < 257 else tt.UNUSED for i in range(vocab_size)]
+        space = byte_tokens[ord(" ")]
+        tokens[256] = space + space
+        merges = [f"{space} {space}"]
         pre = "qwen2"
-        if eos is not None and 256 <= eos < vocab_size:
+        if eos is not None and 257 <= eos < vocab_size:
             tokens[eos] = "<|endoftext|>"
             types[eos] = tt.CONTROL
-        desc = (f"byte-level placeholder ({vocab_size} ids: 256 bytes + padding; no tokenizer.json "
+        desc = (f"byte-level placeholder ({vocab_size} ids: 256 bytes, one merge, padding; no tokenizer.json "
                 "in the model directory and no --tokenizer)")
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
