@@ -3,12 +3,14 @@
 
 usage (after bench/setup.sh and `cargo build --release -p moeflux-cli`):
 
-    target/bench/venv/bin/python bench/check_gguf_export.py
-        [--fixture tests/fixtures/qwen35moe-q4] [--model-dir DIR] [--tol 1e-3] [--keep DIR]
+    target/bench/venv/bin/python bench/check_gguf_export.py [--fixture tests/fixtures/qwen35moe-q4]
+    target/bench/venv/bin/python bench/check_gguf_export.py --model-dir DIR [--tokens 1,2,3]
+        [--tol 1e-3] [--keep DIR]
 
 Steps:
-  1. `moeflux convert FIXTURE/src TMP/model` (skipped with --model-dir, which must be that
-     fixture's conversion when a golden is compared).
+  1. `moeflux convert FIXTURE/src TMP/model`. With --model-dir DIR instead, DIR is exported and
+     the reference in step 4 is `moeflux logits` on DIR (moeflux itself matches mlx-lm to ~1e-4
+     on the fixtures), for models that have no golden, e.g. real-width random ones.
   2. Export TMP/model as --type f32 and as --type q4_1.
   3. Repack check: every tensor of the Q4_1 export, dequantized with gguf-py's own ggml
      dequantizer, must equal the F32 export's tensor bit for bit (max |diff| = 0), and every
@@ -113,23 +115,54 @@ def repack_check(f32_path: Path, q41_path: Path) -> dict:
             "bitwise_equal": True}
 
 
+def run_moeflux_logits(moeflux: Path, model: Path, tokens: list[int], out: Path) -> np.ndarray | None:
+    r = subprocess.run([str(moeflux), "logits", "--model", str(model), "--tokens", ",".join(map(str, tokens)),
+                        "--output", str(out)], capture_output=True, text=True)
+    if r.returncode:
+        print(f"(moeflux logits failed: {r.stderr.strip()})")
+        return None
+    return np.load(out)
+
+
+def compare(name: str, got: np.ndarray, ref: np.ndarray) -> dict:
+    if got.shape != ref.shape:
+        fail(f"{name}: logits shape {got.shape} != reference {ref.shape}")
+    d = np.abs(got - ref)
+    return {"max_abs_diff": float(d.max()), "mean_abs_diff": float(d.mean()),
+            "argmax_agree": float((got.argmax(-1) == ref.argmax(-1)).mean())}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--fixture", type=Path, default=REPO / "tests" / "fixtures" / "qwen35moe-q4")
-    ap.add_argument("--model-dir", type=Path, help="an already converted model directory of the fixture")
+    ap.add_argument("--fixture", type=Path, default=REPO / "tests" / "fixtures" / "qwen35moe-q4",
+                    help="fixture with src/, golden.json and golden_logits.npy (default qwen35moe-q4)")
+    ap.add_argument("--model-dir", type=Path,
+                    help="check this moeflux model directory instead, against `moeflux logits` (no golden)")
+    ap.add_argument("--tokens", help="comma-separated token ids for --model-dir (default: 32 fixed ids)")
     ap.add_argument("--moeflux", type=Path, default=REPO / "target" / "release" / "moeflux")
     ap.add_argument("--tol", type=float, default=1e-3, help="max |logit diff| allowed (default 1e-3)")
-    ap.add_argument("--keep", type=Path, help="keep the converted model and GGUFs in this directory")
+    ap.add_argument("--keep", type=Path, help="keep the GGUFs in this directory")
     args = ap.parse_args()
 
-    golden_json = args.fixture / "golden.json"
-    if not golden_json.is_file():
-        fail(f"{golden_json} not found")
-    golden = json.loads(golden_json.read_text())
-    tokens = [int(t) for t in golden["tokens"]]
-    ref = np.load(args.fixture / golden.get("logits_file", "golden_logits.npy"))
     if not args.moeflux.is_file():
         fail(f"{args.moeflux} not found; run `cargo build --release -p moeflux-cli`")
+    golden = ref = None
+    if args.model_dir is None:
+        golden_json = args.fixture / "golden.json"
+        if not golden_json.is_file():
+            fail(f"{golden_json} not found")
+        golden = json.loads(golden_json.read_text())
+        tokens = [int(t) for t in golden["tokens"]]
+        ref = np.load(args.fixture / golden.get("logits_file", "golden_logits.npy"))
+        ref_name = "golden"
+    else:
+        if not (args.model_dir / "moeflux.json").is_file():
+            fail(f"{args.model_dir} is not a moeflux model directory")
+        cfg = json.loads((args.model_dir / "config.json").read_text())
+        vocab = int(cfg.get("text_config", cfg)["vocab_size"])
+        tokens = ([int(t) for t in args.tokens.split(",")] if args.tokens
+                  else [(i * 7919 + 11) % vocab for i in range(32)])
+        ref_name = "moeflux"
 
     Llama = load_llama_cpp()
     work = Path(tempfile.mkdtemp(prefix="moeflux-gguf-check."))
@@ -149,54 +182,43 @@ def main() -> int:
                                 "--type", t, "--quiet"], capture_output=True, text=True)
             if r.returncode:
                 fail(f"moeflux2gguf --type {t} failed: {r.stderr.strip()}")
-        rep = repack_check(paths["f32"], paths["q4_1"])
+        res = {"model": str(args.model_dir or args.fixture), "reference": ref_name, "tokens": len(tokens)}
+        res["repack"] = rep = repack_check(paths["f32"], paths["q4_1"])
         print(f"repack: {rep['tensors']} tensors ({rep['q4_1_tensors']} Q4_1), {rep['elements']} values: "
               f"Q4_1 dequantized == F32 export bit for bit")
 
-        lg = llama_logits(Llama, paths["f32"], tokens)
-        if lg.shape != ref.shape:
-            fail(f"llama.cpp logits shape {lg.shape} != golden {ref.shape}")
-        d = np.abs(lg - ref)
-        res = {"fixture": str(args.fixture), "tokens": len(tokens), "max_abs_golden_logit": float(np.abs(ref).max()),
-               "llama_f32_vs_golden_max_abs_diff": float(d.max()),
-               "llama_f32_vs_golden_mean_abs_diff": float(d.mean()),
-               "llama_f32_argmax_agree": float((lg.argmax(-1) == ref.argmax(-1)).mean()),
-               "repack": rep}
-        print(f"llama.cpp F32 GGUF (f32 KV) vs golden: max |diff| {d.max():.3g}, mean {d.mean():.3g}, "
-              f"argmax agree {res['llama_f32_argmax_agree']:.0%} (max |logit| {res['max_abs_golden_logit']:.3g})")
+        ml = run_moeflux_logits(args.moeflux, model, tokens, work / "moeflux.npy")
+        if ref is None:
+            if ml is None:
+                fail("no reference logits (moeflux logits failed)")
+            ref = ml
+        res["max_abs_reference_logit"] = float(np.abs(ref).max())
 
-        mf = work / "moeflux.npy"
-        r = subprocess.run([str(args.moeflux), "logits", "--model", str(model), "--tokens",
-                            ",".join(map(str, tokens)), "--output", str(mf)], capture_output=True, text=True)
-        if r.returncode == 0:
-            ml = np.load(mf)
+        lg = llama_logits(Llama, paths["f32"], tokens)
+        res["llama_f32"] = c = compare("llama.cpp F32", lg, ref)
+        print(f"llama.cpp F32 GGUF (f32 KV) vs {ref_name}: max |diff| {c['max_abs_diff']:.3g}, mean "
+              f"{c['mean_abs_diff']:.3g}, argmax agree {c['argmax_agree']:.0%} "
+              f"(max |logit| {res['max_abs_reference_logit']:.3g})")
+        if golden is not None and ml is not None:
             res["moeflux_vs_golden_max_abs_diff"] = float(np.abs(ml - ref).max())
             res["llama_f32_vs_moeflux_max_abs_diff"] = float(np.abs(lg - ml).max())
-            print(f"moeflux vs golden: max |diff| {res['moeflux_vs_golden_max_abs_diff']:.3g}; "
+            print(f"(info) moeflux vs golden: max |diff| {res['moeflux_vs_golden_max_abs_diff']:.3g}; "
                   f"llama.cpp F32 vs moeflux: {res['llama_f32_vs_moeflux_max_abs_diff']:.3g}")
-        else:
-            print(f"(moeflux logits failed, not compared: {r.stderr.strip()})")
 
-        l16 = llama_logits(Llama, paths["f32"], tokens, kv_f32=False)
-        res["llama_f32_f16kv_vs_golden_max_abs_diff"] = float(np.abs(l16 - ref).max())
-        print(f"(info) the same with llama.cpp's default f16 KV cache: max |diff| "
-              f"{res['llama_f32_f16kv_vs_golden_max_abs_diff']:.3g}")
-
-        lq = llama_logits(Llama, paths["q4_1"], tokens)
-        dq = np.abs(lq - ref)
-        res["llama_q4_1_vs_golden_max_abs_diff"] = float(dq.max())
-        res["llama_q4_1_argmax_agree"] = float((lq.argmax(-1) == ref.argmax(-1)).mean())
-        print(f"(info) llama.cpp Q4_1 GGUF vs golden: max |diff| {dq.max():.3g}, argmax agree "
-              f"{res['llama_q4_1_argmax_agree']:.0%} (Q8_1 activations; not a repack error)")
+        res["llama_f32_f16kv"] = c16 = compare("llama.cpp F32, f16 KV", llama_logits(Llama, paths["f32"], tokens, False), ref)
+        print(f"(info) the same with llama.cpp's default f16 KV cache: max |diff| {c16['max_abs_diff']:.3g}")
+        res["llama_q4_1"] = cq = compare("llama.cpp Q4_1", llama_logits(Llama, paths["q4_1"], tokens), ref)
+        print(f"(info) llama.cpp Q4_1 GGUF vs {ref_name}: max |diff| {cq['max_abs_diff']:.3g}, argmax agree "
+              f"{cq['argmax_agree']:.0%} (Q8_1 activations; not a repack error)")
         if args.keep:
             args.keep.mkdir(parents=True, exist_ok=True)
             for p in paths.values():
                 shutil.copy2(p, args.keep / p.name)
-        ok = d.max() <= args.tol
+        ok = c["max_abs_diff"] <= args.tol
         res["pass"] = bool(ok)
         print(json.dumps(res))
         if not ok:
-            fail(f"llama.cpp F32 vs golden max |diff| {d.max():.3g} > --tol {args.tol}")
+            fail(f"llama.cpp F32 vs {ref_name} max |diff| {c['max_abs_diff']:.3g} > --tol {args.tol}")
         print("check_gguf_export: PASS")
         return 0
     finally:

@@ -366,6 +366,8 @@ class Exporter:
             shape = m.dense.shape(module + ".weight" if module + ".weight" in m.dense else module)
             qtype = gguf.GGMLQuantizationType.F32
         as_q41 = qtype == gguf.GGMLQuantizationType.Q4_1
+        if row_perm is not None:
+            shape = (len(row_perm),) + tuple(shape[1:])
 
         def produce():
             if m.is_quantized(module):

@@ -2,7 +2,7 @@
 """Stopgap until `moeflux synth` lands: a random, real-width, depth-truncated Qwen3.6-35B-A3B
 checkpoint in mlx-lm's layout (for `moeflux convert`), written with numpy alone.
 
-usage: random_mlx_model.py OUT_DIR [--layers 8] [--seed 0]
+usage: random_mlx_model.py OUT_DIR [--layers 8] [--seed 0] [--experts 256] [--vocab 248320]
 
 Widths are Qwen3.6-35B-A3B's (moeflux-spec.md section 2): hidden 2048, vocab 248,320, 256
 experts top-8 (norm_topk_prob), expert and shared-expert intermediate 512, linear attention
@@ -15,6 +15,8 @@ Values are random and only meant for speed: codes uniform; per-group scales ~U(0
 1/(4.6 sqrt(fan_in)) with bias -8 x scale (so weights have mean ~0 and std ~1/sqrt(fan_in)),
 all rounded to bf16; norms 1; A_log = log U(1, 16); dt_bias 1; conv ~N(0, 0.1). The text it
 generates is gibberish; there is no tokenizer. Written to OUT_DIR.tmp.* and renamed at the end.
+--experts and --vocab shrink the model (all other widths stay real) for export checks;
+--arch qwen3_next writes the same widths in Qwen3-Next's layout (no dense-MLP layers).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class Writer:
         self.add(name + ".scales", "BF16", (rows, cols // GS), lambda: s16)
         self.add(name + ".biases", "BF16", (rows, cols // GS), lambda: b16)
 
-    def quant_experts(self, rng, name, rows, cols):
+    def quant_experts(self, rng, name, rows, cols, E):
         def codes():
             return rng.integers(0, 2**32, size=(E, rows, cols // 8), dtype=np.uint32)
 
@@ -100,17 +102,26 @@ def main() -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=248320)
+    ap.add_argument("--arch", choices=["qwen3_5_moe", "qwen3_next"], default="qwen3_5_moe",
+                    help="qwen3_next: the same widths in Qwen3-Next's layout (fused in_proj_qkvz/ba)")
     args = ap.parse_args()
+    nxt = args.arch == "qwen3_next"
+    E, VOCAB = args.experts, args.vocab
+    if E < K or VOCAB < 512 or VOCAB % 64:
+        print("random_mlx_model: error: need --experts >= 8 and --vocab a multiple of 64 >= 512", file=sys.stderr)
+        return 1
     if args.out.exists():
         print(f"random_mlx_model: error: {args.out} exists", file=sys.stderr)
         return 1
     rng = np.random.default_rng(args.seed)
     L = args.layers
-    P = "language_model.model."
+    P = "model." if nxt else "language_model.model."
     w = Writer()
     w.quant(rng, P + "embed_tokens", VOCAB, H)
     w.add(P + "norm.weight", "BF16", (H,), lambda: bf16(np.ones(H)))
-    w.quant(rng, "language_model.lm_head", VOCAB, H)
+    w.quant(rng, "lm_head" if nxt else "language_model.lm_head", VOCAB, H)
     qcfg = {"group_size": GS, "bits": 4, "mode": "affine"}
     for i in range(L):
         p = f"{P}layers.{i}."
@@ -127,10 +138,14 @@ def main() -> int:
         else:
             la = p + "linear_attn."
             conv = 2 * NK * DK + NV * DV
-            w.quant(rng, la + "in_proj_qkv", conv, H)
-            w.quant(rng, la + "in_proj_z", NV * DV, H)
-            w.quant(rng, la + "in_proj_b", NV, H)
-            w.quant(rng, la + "in_proj_a", NV, H)
+            if nxt:
+                w.quant(rng, la + "in_proj_qkvz", conv + NV * DV, H)
+                w.quant(rng, la + "in_proj_ba", 2 * NV, H)
+            else:
+                w.quant(rng, la + "in_proj_qkv", conv, H)
+                w.quant(rng, la + "in_proj_z", NV * DV, H)
+                w.quant(rng, la + "in_proj_b", NV, H)
+                w.quant(rng, la + "in_proj_a", NV, H)
             w.quant(rng, la + "out_proj", H, NV * DV)
             w.add(la + "conv1d.weight", "BF16", (conv, CONV_K, 1),
                   lambda conv=conv: bf16(rng.normal(0, 0.1, size=(conv, CONV_K, 1))))
@@ -142,9 +157,9 @@ def main() -> int:
         w.quant(rng, m + "shared_expert_gate", 1, H, bits=8)
         qcfg[m + "gate"] = {"group_size": GS, "bits": 8}
         qcfg[m + "shared_expert_gate"] = {"group_size": GS, "bits": 8}
-        w.quant_experts(rng, m + "switch_mlp.gate_proj", I_EXP, H)
-        w.quant_experts(rng, m + "switch_mlp.up_proj", I_EXP, H)
-        w.quant_experts(rng, m + "switch_mlp.down_proj", H, I_EXP)
+        w.quant_experts(rng, m + "switch_mlp.gate_proj", I_EXP, H, E)
+        w.quant_experts(rng, m + "switch_mlp.up_proj", I_EXP, H, E)
+        w.quant_experts(rng, m + "switch_mlp.down_proj", H, I_EXP, E)
         w.quant(rng, m + "shared_expert.gate_proj", I_SH, H)
         w.quant(rng, m + "shared_expert.up_proj", I_SH, H)
         w.quant(rng, m + "shared_expert.down_proj", H, I_SH)
@@ -165,6 +180,13 @@ def main() -> int:
                                 "mrope_section": [11, 11, 10], "mrope_interleaved": True},
         },
     }
+    if nxt:
+        tc = dict(config.pop("text_config"))
+        tc.pop("rope_parameters")
+        tc.update({"model_type": "qwen3_next", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                   "decoder_sparse_step": 1, "mlp_only_layers": [], "intermediate_size": I_SH})
+        config.update(tc)
+        config["architectures"] = ["Qwen3NextForCausalLM"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=args.out.name + ".tmp.", dir=args.out.parent))
     try:
