@@ -92,7 +92,8 @@ _NP_DTYPES = {"U32": np.uint32, "F32": np.float32, "BF16": np.uint16, "F16": np.
 
 
 class DenseFile:
-    """dense.safetensors through a memory map (bf16 kept as raw uint16)."""
+    """dense.safetensors, read tensor by tensor with pread (bf16 kept as raw uint16); no memory
+    map, so pages read once do not stay in the process's resident set."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -102,7 +103,7 @@ class DenseFile:
         header.pop("__metadata__", None)
         self.base = 8 + n
         self.header = header
-        self.mm = np.memmap(path, dtype=np.uint8, mode="r")
+        self.size = path.stat().st_size
 
     def __contains__(self, name: str) -> bool:
         return name in self.header
@@ -121,10 +122,29 @@ class DenseFile:
         if dt is None:
             raise ExportError(f"tensor {name}: unsupported dtype {h['dtype']}")
         a, b = h["data_offsets"]
-        return self.mm[self.base + a:self.base + b].view(dt).reshape(h["shape"])
+        if self.base + b > self.size:
+            raise ExportError(f"{self.path} is truncated (tensor {name})")
+        return read_at(self.path, self.base + a, b - a).view(dt).reshape(h["shape"])
 
     def f32(self, name: str) -> np.ndarray:
         return to_f32(self.raw(name), self.dtype(name))
+
+
+def read_into(f, offset: int, out: np.ndarray, path: Path) -> None:
+    f.seek(offset)
+    view, done = memoryview(out).cast("B"), 0
+    while done < out.nbytes:
+        k = f.readinto(view[done:])
+        if not k:
+            raise ExportError(f"{path}: unexpected end of file")
+        done += k
+
+
+def read_at(path: Path, offset: int, nbytes: int) -> np.ndarray:
+    out = np.empty(nbytes, dtype=np.uint8)
+    with open(path, "rb", buffering=0) as f:
+        read_into(f, offset, out, path)
+    return out
 
 
 class QTensor:
@@ -182,7 +202,6 @@ class Model:
         self.dense = DenseFile(root / self.manifest.get("dense_file", "dense.safetensors"))
         self.quant = self.manifest.get("quantized", {})
         self.experts = {e["layer"]: e for e in self.manifest.get("experts", [])}
-        self._maps: dict[str, np.memmap] = {}
 
     # dense tensors -----------------------------------------------------------------------
     def has(self, module: str) -> bool:
@@ -221,11 +240,8 @@ class Model:
         if comp is None:
             raise ExportError(f"layer {layer}: expert component {proj} missing")
         path = self.root / e["file"]
-        mm = self._maps.get(e["file"])
-        if mm is None:
-            mm = self._maps[e["file"]] = np.memmap(path, dtype=np.uint8, mode="r")
         n, stride = int(e["num_experts"]), int(e["stride"])
-        if mm.shape[0] < (n - 1) * stride + int(e["expert_bytes"]):
+        if path.stat().st_size < (n - 1) * stride + int(e["expert_bytes"]):
             raise ExportError(f"{path} is shorter than {n} experts of stride {stride}")
         rows, cols = int(comp["rows"]), int(comp["cols"])
         bits, gs = int(comp["quant"]["bits"]), int(comp["quant"]["group_size"])
@@ -234,8 +250,11 @@ class Model:
             p = comp[key]
             if p["bytes"] != rows * width:
                 raise ExportError(f"layer {layer} {proj}.{key}: {p['bytes']} bytes, expected {rows * width}")
-            return np.ndarray((n, rows, width), dtype=np.uint8, buffer=mm, offset=int(p["offset"]),
-                              strides=(stride, width, 1))
+            out = np.empty((n, rows * width), dtype=np.uint8)
+            with open(path, "rb", buffering=0) as f:
+                for x in range(n):
+                    read_into(f, x * stride + int(p["offset"]), out[x], path)
+            return out.reshape(n, rows, width)
 
         codes = piece("weight", cols * bits // 8)
         ng = cols // gs
@@ -246,7 +265,7 @@ class Model:
             if dt not in fl:
                 raise ExportError(f"layer {layer} {proj}.{key}: unsupported dtype {dt}")
             view, size = fl[dt]
-            return to_f32(np.ascontiguousarray(piece(key, ng * size)).view(view), dt)
+            return to_f32(piece(key, ng * size).view(view), dt)
 
         s, b = floats("scales"), floats("biases")
         return QTensor(codes, s, b, bits, gs, cols)
