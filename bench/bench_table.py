@@ -100,6 +100,7 @@ def main() -> int:
     ap.add_argument("--pp", type=int, default=512)
     ap.add_argument("--tg", type=int, default=128)
     ap.add_argument("--fake-moeflux", action="store_true")
+    ap.add_argument("--stats-dir", type=Path, help="directory of run_measured.py *.stats files")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
 
@@ -115,6 +116,20 @@ def main() -> int:
     ]
     if a.fake_moeflux:
         lines.append("NOTE: moeflux numbers are NOT measured (MOEFLUX_BENCH_JSON was set)")
+    stats = {}
+    if a.stats_dir:
+        for f in sorted(a.stats_dir.glob("*.stats")):
+            try:
+                stats[f.stem] = json.loads(f.read_text())
+            except (OSError, json.JSONDecodeError):
+                pass
+    if stats:
+        worst = max(stats.items(), key=lambda kv: kv[1].get("other_cpus", 0))
+        lines.append("other processes kept busy on average (CPUs): " + ", ".join(
+            f"{k} {v.get('other_cpus', 0):.2f}" for k, v in stats.items()))
+        if worst[1].get("other_cpus", 0) > 0.1:
+            lines.append(f"WARNING: the machine was not idle (up to {worst[1]['other_cpus']:.2f} CPUs used by other "
+                         f"processes during {worst[0]}): these numbers are noisy")
     lines += [
         "",
         "| test | moeflux tok/s | llama.cpp Q4_1 tok/s | llama.cpp Q4_0 tok/s | moeflux / Q4_1 | moeflux / Q4_0 |",
@@ -134,7 +149,8 @@ def main() -> int:
     if a.json:
         res = {"model": str(a.model), "description": describe(a.model), "threads": a.threads, "reps": a.reps,
                "mode": a.mode, "repack": a.repack, "moeflux_fake": a.fake_moeflux, "rows": rows,
-               "moeflux_runs": mf["runs"], "llama_q4_1": q1["raw"], "llama_q4_0": q0["raw"]}
+               "moeflux_runs": mf["runs"], "llama_q4_1": q1["raw"], "llama_q4_0": q0["raw"],
+               "other_cpu": stats}
         a.json.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=a.json.name + ".", dir=a.json.parent)
         with os.fdopen(fd, "w") as f:

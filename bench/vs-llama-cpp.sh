@@ -18,6 +18,8 @@
 # 5. llama-bench -p 512 -n 128 -t T -r R --repack 1 -o json on each GGUF, and
 #    `moeflux bench --model DIR --prompt-len 512 --gen 128 --threads T --json` R times.
 # 6. One table (markdown) on stdout; progress and logs on stderr; --json FILE saves everything.
+#    Every run goes through bench/run_measured.py, which records how many CPUs other processes
+#    kept busy meanwhile; the table warns when that is above 0.1 (a shared machine is noisy).
 #
 # --warm (default) reads the model files once before each engine runs, so both start from the
 # page cache; --cold evicts them (posix_fadvise DONTNEED, no root needed) before each run.
@@ -117,6 +119,9 @@ need_space() {  # bytes needed in GGUF_DIR
   ((avail > $1)) || die "not enough disk space in $GGUF_DIR: need about $(($1 / 1000000000 + 1)) GB, have $((avail / 1000000000)) GB"
 }
 if [[ ! -f $Q41 ]]; then
+  # exports of an older version of this model or of the exporter are stale: drop them
+  find "$GGUF_DIR" -maxdepth 1 -name "$(basename "$MODEL")-*-q4_[01].gguf" ! -name "$(basename "$Q41")" \
+    ! -name "$(basename "$Q40")" -delete
   need_space $((model_bytes * 13 / 10))
   note "exporting $MODEL as GGUF Q4_1 -> $Q41"
   start=$SECONDS
@@ -167,8 +172,9 @@ for q in q4_1 q4_0; do
   f=$Q41; [[ $q == q4_0 ]] && f=$Q40
   note "llama-bench $q: -p $PP -n $TG -t $THREADS -r $REPS --repack $REPACK ($MODE)"
   prepare_cache "$f"
-  "$BIN/llama-bench" -m "$f" -p "$PP" -n "$TG" -t "$THREADS" -r "$REPS" --repack "$REPACK" -o json \
-    >"$RUN_DIR/llama-$q.json" 2>"$RUN_DIR/llama-$q.log" \
+  "$PY" "$REPO/bench/run_measured.py" "$RUN_DIR/llama-$q.json" "$RUN_DIR/llama-$q.stats" -- \
+    "$BIN/llama-bench" -m "$f" -p "$PP" -n "$TG" -t "$THREADS" -r "$REPS" --repack "$REPACK" -o json \
+    2>"$RUN_DIR/llama-$q.log" \
     || { tail -20 "$RUN_DIR/llama-$q.log" >&2; die "llama-bench failed on $f"; }
 done
 
@@ -184,8 +190,9 @@ for ((r = 1; r <= REPS; r++)); do
   else
     note "moeflux bench run $r/$REPS ($MODE)"
     prepare_cache "${model_files[@]}"
-    "$MOEFLUX" bench --model "$MODEL" --prompt-len "$PP" --gen "$TG" --threads "$THREADS" --json "${MOEFLUX_MODE_FLAG[@]}" \
-      >"$RUN_DIR/moeflux-$r.json" 2>"$RUN_DIR/moeflux-$r.log" \
+    "$PY" "$REPO/bench/run_measured.py" "$RUN_DIR/moeflux-$r.json" "$RUN_DIR/moeflux-$r.stats" -- \
+      "$MOEFLUX" bench --model "$MODEL" --prompt-len "$PP" --gen "$TG" --threads "$THREADS" --json \
+      "${MOEFLUX_MODE_FLAG[@]}" 2>"$RUN_DIR/moeflux-$r.log" \
       || { tail -20 "$RUN_DIR/moeflux-$r.log" >&2; die "moeflux bench failed"; }
     tr -d '\n' <"$RUN_DIR/moeflux-$r.json" >>"$RUN_DIR/moeflux.jsonl"
   fi
@@ -194,5 +201,5 @@ done
 
 "$PY" "$REPO/bench/bench_table.py" --model "$MODEL" --threads "$THREADS" --reps "$REPS" --mode "$MODE" \
   --repack "$REPACK" --pp "$PP" --tg "$TG" --moeflux "$RUN_DIR/moeflux.jsonl" \
-  --llama-q4_1 "$RUN_DIR/llama-q4_1.json" --llama-q4_0 "$RUN_DIR/llama-q4_0.json" \
+  --llama-q4_1 "$RUN_DIR/llama-q4_1.json" --llama-q4_0 "$RUN_DIR/llama-q4_0.json" --stats-dir "$RUN_DIR" \
   ${FAKE_JSON:+--fake-moeflux} ${JSON_OUT:+--json "$JSON_OUT"}
