@@ -5,7 +5,8 @@ usage: bench_table.py --model DIR --moeflux RUNS.jsonl --llama-q4_1 A.json --lla
                       [--threads T --reps R --mode warm|cold --repack 0|1 --pp 512 --tg 128]
                       [--fake-moeflux] [--json OUT.json]
 
-RUNS.jsonl: one `moeflux bench --json` object per line (numeric prefill_tok_s, decode_tok_s).
+RUNS.jsonl: one `moeflux bench --json` object per line (numeric prefill_tok_s, decode_tok_s;
+prefill.tok_s_reps / decode.tok_s_reps, when present, give the per-repetition numbers).
 A.json/B.json: `llama-bench -o json` output (a list with one entry per test).
 """
 
@@ -63,8 +64,20 @@ def moeflux_results(path: Path) -> dict:
         runs.append(o)
     if not runs:
         fail("no moeflux bench results")
-    return {"runs": runs, "pp": mean_std([float(o["prefill_tok_s"]) for o in runs]),
-            "tg": mean_std([float(o["decode_tok_s"]) for o in runs])}
+
+    def samples(key: str, test: str) -> list[float]:
+        # per-repetition tok/s when moeflux bench reports them (test.tok_s_reps), else the means
+        xs: list[float] = []
+        for o in runs:
+            reps = (o.get(test) or {}).get("tok_s_reps")
+            if isinstance(reps, list) and reps and all(isinstance(x, (int, float)) for x in reps):
+                xs += [float(x) for x in reps]
+            else:
+                xs.append(float(o[key]))
+        return xs
+
+    return {"runs": runs, "pp": mean_std(samples("prefill_tok_s", "prefill")),
+            "tg": mean_std(samples("decode_tok_s", "decode"))}
 
 
 def describe(model: Path) -> str:

@@ -16,7 +16,9 @@
 #    (llama.cpp's standard Q4_0 recipe: what llama.cpp users run). Cached in $CACHE/gguf/, keyed
 #    by the model's moeflux.json and the exporter; --rm-gguf deletes them at the end.
 # 5. llama-bench -p 512 -n 128 -t T -r R --repack 1 -o json on each GGUF, and
-#    `moeflux bench --model DIR --prompt-len 512 --gen 128 --threads T --json` R times.
+#    `moeflux bench --model DIR --prompt-len 512 --gen 128 --threads T --json --reps R`. Both
+#    time pp from an empty context and tg as tokens fed one by one from an empty context, after
+#    an untimed warm-up, and report the mean and sample std of the per-repetition tok/s.
 # 6. One table (markdown) on stdout; progress and logs on stderr; --json FILE saves everything.
 #    Every run goes through bench/run_measured.py, which records how many CPUs other processes
 #    kept busy meanwhile; the table warns when that is above 0.1 (a shared machine is noisy).
@@ -24,7 +26,7 @@
 # --warm (default) reads the model files once before each engine runs, so both start from the
 # page cache; --cold evicts them (posix_fadvise DONTNEED, no root needed) before each run.
 # llama.cpp loads all weights before it starts timing, so --cold changes only moeflux's side.
-# When `moeflux bench --help` lists --warm/--cold, that flag is passed on too.
+# With --cold, `moeflux bench --cold` also evicts the expert files before each repetition.
 #
 # Testing without `moeflux bench`: MOEFLUX_BENCH_JSON=FILE uses FILE (one JSON object with
 # prefill_tok_s and decode_tok_s) instead of running moeflux; everything else runs for real.
@@ -178,21 +180,31 @@ for q in q4_1 q4_0; do
     || { tail -20 "$RUN_DIR/llama-$q.log" >&2; die "llama-bench failed on $f"; }
 done
 
-# pass --warm/--cold on when moeflux bench knows them (it may manage the page cache itself)
-MOEFLUX_MODE_FLAG=()
-if [[ -z $FAKE_JSON ]] && "$MOEFLUX" bench --help 2>/dev/null | grep -q -- "--$MODE\b"; then
-  MOEFLUX_MODE_FLAG=("--$MODE")
+# moeflux bench repeats itself (like llama-bench: an untimed warm-up, then --reps timed runs) and
+# drops the expert files from the page cache before each repetition with --cold; both flags are
+# used when its --help lists them, else it is run R times.
+MOEFLUX_FLAGS=()
+MOEFLUX_RUNS=$REPS
+if [[ -z $FAKE_JSON ]]; then
+  moeflux_help=$("$MOEFLUX" bench --help 2>&1 || true)
+  if grep -q -- "--reps" <<<"$moeflux_help"; then
+    MOEFLUX_FLAGS+=(--reps "$REPS")
+    MOEFLUX_RUNS=1
+  fi
+  if grep -q -- "--$MODE\b" <<<"$moeflux_help"; then
+    MOEFLUX_FLAGS+=("--$MODE")
+  fi
 fi
 : >"$RUN_DIR/moeflux.jsonl"
-for ((r = 1; r <= REPS; r++)); do
+for ((r = 1; r <= MOEFLUX_RUNS; r++)); do
   if [[ -n $FAKE_JSON ]]; then
     tr -d '\n' <"$FAKE_JSON" >>"$RUN_DIR/moeflux.jsonl"
   else
-    note "moeflux bench run $r/$REPS ($MODE)"
+    note "moeflux bench --prompt-len $PP --gen $TG --threads $THREADS ${MOEFLUX_FLAGS[*]} ($MODE, run $r/$MOEFLUX_RUNS)"
     prepare_cache "${model_files[@]}"
     "$PY" "$REPO/bench/run_measured.py" "$RUN_DIR/moeflux-$r.json" "$RUN_DIR/moeflux-$r.stats" -- \
       "$MOEFLUX" bench --model "$MODEL" --prompt-len "$PP" --gen "$TG" --threads "$THREADS" --json \
-      "${MOEFLUX_MODE_FLAG[@]}" 2>"$RUN_DIR/moeflux-$r.log" \
+      "${MOEFLUX_FLAGS[@]}" 2>"$RUN_DIR/moeflux-$r.log" \
       || { tail -20 "$RUN_DIR/moeflux-$r.log" >&2; die "moeflux bench failed"; }
     tr -d '\n' <"$RUN_DIR/moeflux-$r.json" >>"$RUN_DIR/moeflux.jsonl"
   fi
