@@ -127,6 +127,9 @@ def main() -> int:
         f"{info.get('build_commit', '?')} (llama-cpp-python 0.3.36 sdist, no AMX), --repack {a.repack}, "
         f"KV cache {info.get('type_k', '?')}; CPU: {info.get('cpu_info', '?')}",
     ]
+    if a.mode == "cold":
+        lines.append("cold: llama.cpp loads every weight into memory before it starts timing; moeflux reads "
+                     "the routed experts from storage in every repetition")
     if a.fake_moeflux:
         lines.append("NOTE: moeflux numbers are NOT measured (MOEFLUX_BENCH_JSON was set)")
     stats = {}

@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""Stopgap until `moeflux synth` lands: a random, real-width, depth-truncated Qwen3.6-35B-A3B
-checkpoint in mlx-lm's layout (for `moeflux convert`), written with numpy alone.
+"""A random, real-width, depth-truncated Qwen3.6-35B-A3B checkpoint in mlx-lm's layout (for
+`moeflux convert`), written with numpy alone. (Written before `moeflux synth`, which generates
+moeflux model directories directly; this one also makes shrunk and Qwen3-Next-layout variants
+for bench/check_gguf_export.py --model-dir.)
 
 usage: random_mlx_model.py OUT_DIR [--layers 8] [--seed 0] [--experts 256] [--vocab 248320]
 
