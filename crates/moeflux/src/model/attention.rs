@@ -4,7 +4,7 @@
 use rayon::prelude::*;
 
 use crate::backend::cpu::ops::{self, RopeTable};
-use crate::backend::cpu::qmatmul::matmul;
+use crate::backend::cpu::qmatmul::{matmul, matmul_group};
 use crate::backend::cpu::vec;
 use crate::config::ModelConfig;
 use crate::error::Result;
@@ -62,9 +62,12 @@ impl FullAttention {
         let mut qg = vec![0.0f32; n * 2 * nh * hd];
         let mut k = vec![0.0f32; n * nkv * hd];
         let mut v = vec![0.0f32; n * nkv * hd];
-        matmul(&d.view(&self.q_proj), xn, n, &mut qg);
-        matmul(&d.view(&self.k_proj), xn, n, &mut k);
-        matmul(&d.view(&self.v_proj), xn, n, &mut v);
+        let (wq, wk, wv) = (
+            d.view(&self.q_proj),
+            d.view(&self.k_proj),
+            d.view(&self.v_proj),
+        );
+        matmul_group(&mut [(&wq, &mut qg), (&wk, &mut k), (&wv, &mut v)], xn, n);
 
         // q_proj rows are per head `[q (hd) | gate (hd)]`.
         let mut q = vec![0.0f32; n * nh * hd];

@@ -4,7 +4,7 @@
 
 use rayon::prelude::*;
 
-use crate::backend::cpu::qmatmul::matmul;
+use crate::backend::cpu::qmatmul::{matmul, matmul_group};
 use crate::backend::cpu::{ops, vec};
 use crate::config::{Architecture, ModelConfig};
 use crate::error::Result;
@@ -108,17 +108,24 @@ impl GatedDeltaNet {
                 b: bp,
                 a: ap,
             } => {
-                matmul(&d.view(qkv), xn, n, &mut mixed);
-                matmul(&d.view(zp), xn, n, &mut z);
-                matmul(&d.view(bp), xn, n, &mut b);
-                matmul(&d.view(ap), xn, n, &mut a);
+                let (w0, w1, w2, w3) = (d.view(qkv), d.view(zp), d.view(bp), d.view(ap));
+                matmul_group(
+                    &mut [
+                        (&w0, &mut mixed),
+                        (&w1, &mut z),
+                        (&w2, &mut b),
+                        (&w3, &mut a),
+                    ],
+                    xn,
+                    n,
+                );
             }
             DeltaProjections::Fused { qkvz, ba } => {
                 let w = 2 * kd + 2 * vd;
                 let mut f = vec![0.0f32; n * w];
                 let mut g = vec![0.0f32; n * 2 * nv];
-                matmul(&d.view(qkvz), xn, n, &mut f);
-                matmul(&d.view(ba), xn, n, &mut g);
+                let (w0, w1) = (d.view(qkvz), d.view(ba));
+                matmul_group(&mut [(&w0, &mut f), (&w1, &mut g)], xn, n);
                 let r = nv / nk;
                 for t in 0..n {
                     let (src, m) = (&f[t * w..(t + 1) * w], &mut mixed[t * cd..(t + 1) * cd]);

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use crate::backend::cpu::ops;
-use crate::backend::cpu::qmatmul::matmul;
+use crate::backend::cpu::qmatmul::{matmul, matmul_group};
 use crate::config::{ModelConfig, QuantSpec};
 use crate::error::{Error, Result};
 use crate::format::ExpertLayer;
@@ -435,8 +435,8 @@ impl MoeBlock {
         }
         let mut g = vec![0.0f32; m * inter];
         let mut u = vec![0.0f32; m * inter];
-        matmul(&self.experts.gate.view(bytes), &x, m, &mut g);
-        matmul(&self.experts.up.view(bytes), &x, m, &mut u);
+        let (gw, uw) = (self.experts.gate.view(bytes), self.experts.up.view(bytes));
+        matmul_group(&mut [(&gw, &mut g), (&uw, &mut u)], &x, m);
         let mut act = vec![0.0f32; m * inter];
         ops::swiglu(&g, &u, &mut act);
         let mut y = vec![0.0f32; m * h];
@@ -454,14 +454,17 @@ impl SharedExpert {
         let si = self.gate.rows;
         let mut g = vec![0.0f32; n * si];
         let mut u = vec![0.0f32; n * si];
-        matmul(&d.view(&self.gate), xn, n, &mut g);
-        matmul(&d.view(&self.up), xn, n, &mut u);
+        let mut gs = vec![0.0f32; n];
+        let (gw, uw, sw) = (
+            d.view(&self.gate),
+            d.view(&self.up),
+            d.view(&self.gate_scalar),
+        );
+        matmul_group(&mut [(&gw, &mut g), (&uw, &mut u), (&sw, &mut gs)], xn, n);
         let mut act = vec![0.0f32; n * si];
         ops::swiglu(&g, &u, &mut act);
         let mut y = vec![0.0f32; n * h];
         matmul(&d.view(&self.down), &act, n, &mut y);
-        let mut gs = vec![0.0f32; n];
-        matmul(&d.view(&self.gate_scalar), xn, n, &mut gs);
         (y, gs)
     }
 }
@@ -487,8 +490,8 @@ impl DenseMlp {
         let i = self.gate.rows;
         let mut g = vec![0.0f32; n * i];
         let mut u = vec![0.0f32; n * i];
-        matmul(&d.view(&self.gate), xn, n, &mut g);
-        matmul(&d.view(&self.up), xn, n, &mut u);
+        let (gw, uw) = (d.view(&self.gate), d.view(&self.up));
+        matmul_group(&mut [(&gw, &mut g), (&uw, &mut u)], xn, n);
         let mut act = vec![0.0f32; n * i];
         ops::swiglu(&g, &u, &mut act);
         matmul(&d.view(&self.down), &act, n, out);

@@ -42,6 +42,7 @@
 
 mod unpack;
 
+use std::borrow::Cow;
 use std::marker::PhantomData;
 
 use rayon::prelude::*;
@@ -80,6 +81,34 @@ pub fn matmul(w: &Weight, x: &[f32], n_tokens: usize, out: &mut [f32]) {
 /// [`matmul`] with an explicit SIMD level (lowered to what the CPU supports);
 /// for tests and benchmarks.
 pub fn matmul_at(level: SimdLevel, w: &Weight, x: &[f32], n_tokens: usize, out: &mut [f32]) {
+    if let Some(job) = job(level, w, x, n_tokens, out) {
+        run_jobs(&[job]);
+    }
+}
+
+/// Several matmuls of the same input at once: `outs[i] = W_i x` for
+/// `(W_i, outs[i])` in `parts`, with the row chunks of all of them spread
+/// over the rayon pool in one go (one fork-join instead of one per weight,
+/// which matters for the many small matrices of a decode step). Each result
+/// is bitwise what [`matmul`] gives.
+pub fn matmul_group(parts: &mut [(&Weight, &mut [f32])], x: &[f32], n_tokens: usize) {
+    let level = simd_level();
+    let jobs: Vec<Job> = parts
+        .iter_mut()
+        .filter_map(|(w, out)| job(level, w, x, n_tokens, out))
+        .collect();
+    run_jobs(&jobs);
+}
+
+/// Checks the shapes and prepares one matmul; `None` when there is nothing
+/// to compute.
+fn job<'a>(
+    level: SimdLevel,
+    w: &'a Weight,
+    x: &'a [f32],
+    n_tokens: usize,
+    out: &mut [f32],
+) -> Option<Job<'a>> {
     let (rows, cols) = (w.rows(), w.cols());
     assert_eq!(x.len(), n_tokens * cols, "matmul: x has the wrong length");
     assert_eq!(
@@ -106,17 +135,18 @@ pub fn matmul_at(level: SimdLevel, w: &Weight, x: &[f32], n_tokens: usize, out: 
         }
     }
     if rows == 0 || n_tokens == 0 {
-        return;
+        return None;
     }
     if cols == 0 {
         out.fill(0.0);
-        return;
+        return None;
     }
     let level = level.clamped();
-    match w {
+    let out = OutPtr(out.as_mut_ptr());
+    Some(match w {
         Weight::Quantized(q) => qmatmul(level, q, x, n_tokens, out),
         Weight::Dense(d) => dmatmul(level, d, x, n_tokens, out),
-    }
+    })
 }
 
 /// Row `r` of the weight in f32 (`q * scale + bias` for quantized weights).
@@ -161,25 +191,54 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
-/// Runs `f(r0, r1)` over row ranges covering `0..rows`, on the current rayon
-/// pool unless the work is small.
-fn run_rows(rows: usize, work_per_row: usize, f: impl Fn(usize, usize) + Sync) {
+/// One prepared matmul: `run(r0, r1)` computes output rows `r0..r1` for
+/// every token (rows of different calls are independent).
+struct Job<'a> {
+    rows: usize,
+    /// Multiply-adds per output row (all tokens).
+    work_per_row: usize,
+    run: Box<dyn Fn(usize, usize) + Sync + 'a>,
+}
+
+/// Runs every job over its rows: inline when the total work is small, else
+/// as row chunks (multiples of 4 rows, about `TASKS_PER_THREAD` per thread
+/// over all jobs, none under `CHUNK_MIN_WORK`) on the current rayon pool.
+fn run_jobs(jobs: &[Job<'_>]) {
     let threads = rayon::current_num_threads();
-    if threads <= 1 || rows < 2 || rows.saturating_mul(work_per_row) < PAR_MIN_WORK {
-        return f(0, rows);
+    let total: usize = jobs
+        .iter()
+        .map(|j| j.rows.saturating_mul(j.work_per_row))
+        .sum();
+    if threads <= 1 || total < PAR_MIN_WORK {
+        for j in jobs {
+            (j.run)(0, j.rows);
+        }
+        return;
     }
-    let by_work = CHUNK_MIN_WORK.div_ceil(work_per_row.max(1));
-    let chunk = rows
+    let task_work = total
         .div_ceil(threads * TASKS_PER_THREAD)
-        .max(by_work)
-        .next_multiple_of(4);
-    let n_chunks = rows.div_ceil(chunk);
-    if n_chunks <= 1 {
-        return f(0, rows);
+        .max(CHUNK_MIN_WORK);
+    let mut tasks = Vec::new();
+    for (i, j) in jobs.iter().enumerate() {
+        let chunk = task_work
+            .div_ceil(j.work_per_row.max(1))
+            .next_multiple_of(4)
+            .min(j.rows);
+        let mut r = 0;
+        while r < j.rows {
+            tasks.push((i, r, (r + chunk).min(j.rows)));
+            r += chunk;
+        }
     }
-    (0..n_chunks)
+    if tasks.len() <= 1 {
+        for j in jobs {
+            (j.run)(0, j.rows);
+        }
+        return;
+    }
+    tasks
         .into_par_iter()
-        .for_each(|c| f(c * chunk, ((c + 1) * chunk).min(rows)));
+        .for_each(|(i, r0, r1)| (jobs[i].run)(r0, r1));
 }
 
 /// Per-call state of a quantized matmul.
@@ -187,14 +246,20 @@ struct QCtx<'a> {
     q: &'a QMatrix<'a>,
     n: usize,
     /// Activations in the kernel's stream order, `n * cols`.
-    xs: &'a [f32],
+    xs: Cow<'a, [f32]>,
     /// Per token and group, the sum of the activations, `n * groups`.
-    xsum: &'a [f32],
+    xsum: Vec<f32>,
 }
 
 type QChunkFn = unsafe fn(&QCtx<'_>, usize, usize, OutPtr);
 
-fn qmatmul(level: SimdLevel, q: &QMatrix, x: &[f32], n: usize, out: &mut [f32]) {
+fn qmatmul<'a>(
+    level: SimdLevel,
+    q: &'a QMatrix<'a>,
+    x: &'a [f32],
+    n: usize,
+    out: OutPtr,
+) -> Job<'a> {
     let (bits, gs) = (q.spec.bits, q.spec.group_size);
     match level {
         #[cfg(target_arch = "x86_64")]
@@ -239,19 +304,18 @@ fn group_sum(x: &[f32]) -> f32 {
     ((p[0] + p[4]) + (p[2] + p[6])) + ((p[1] + p[5]) + (p[3] + p[7]))
 }
 
-fn q_run<S: Isa, U: Unpack<S, NV>, const NV: usize>(
-    q: &QMatrix,
-    x: &[f32],
+fn q_run<'a, S: Isa, U: Unpack<S, NV>, const NV: usize>(
+    q: &'a QMatrix<'a>,
+    x: &'a [f32],
     n: usize,
-    out: &mut [f32],
+    out: OutPtr,
     chunk: QChunkFn,
-) {
+) -> Job<'a> {
     let gs = q.spec.group_size;
     let bw = NV * S::LANES;
     assert_eq!(gs % bw, 0, "group size {gs} not a multiple of the block");
-    let permuted;
-    let xs: &[f32] = if U::IDENTITY {
-        x
+    let xs = if U::IDENTITY {
+        Cow::Borrowed(x)
     } else {
         let perm: Vec<usize> = (0..bw).map(U::perm).collect();
         let mut v = vec![0.0f32; x.len()];
@@ -260,20 +324,17 @@ fn q_run<S: Isa, U: Unpack<S, NV>, const NV: usize>(
                 *o = s[p];
             }
         }
-        permuted = v;
-        &permuted
+        Cow::Owned(v)
     };
     let xsum: Vec<f32> = x.chunks_exact(gs).map(group_sum).collect();
-    let ctx = QCtx {
-        q,
-        n,
-        xs,
-        xsum: &xsum,
-    };
-    let outp = OutPtr(out.as_mut_ptr());
-    run_rows(q.rows, q.cols * n, |r0, r1| unsafe {
-        chunk(&ctx, r0, r1, outp)
-    });
+    let ctx = QCtx { q, n, xs, xsum };
+    Job {
+        rows: q.rows,
+        work_per_row: q.cols * n,
+        // SAFETY: `chunk` matches the CPU (the level was clamped) and writes
+        // only rows r0..r1 of `out`, which `job` checked to hold them all.
+        run: Box::new(move |r0, r1| unsafe { chunk(&ctx, r0, r1, out) }),
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -678,7 +739,13 @@ struct DCtx<'a> {
 
 type DChunkFn = unsafe fn(&DCtx<'_>, usize, usize, OutPtr);
 
-fn dmatmul(level: SimdLevel, d: &DenseMatrix, x: &[f32], n: usize, out: &mut [f32]) {
+fn dmatmul<'a>(
+    level: SimdLevel,
+    d: &'a DenseMatrix<'a>,
+    x: &'a [f32],
+    n: usize,
+    out: OutPtr,
+) -> Job<'a> {
     let chunk: DChunkFn = match level {
         #[cfg(target_arch = "x86_64")]
         SimdLevel::Avx512 => d_chunk_avx512,
@@ -687,10 +754,12 @@ fn dmatmul(level: SimdLevel, d: &DenseMatrix, x: &[f32], n: usize, out: &mut [f3
         _ => d_chunk_scalar,
     };
     let ctx = DCtx { d, n, x };
-    let outp = OutPtr(out.as_mut_ptr());
-    run_rows(d.rows, d.cols * n, |r0, r1| unsafe {
-        chunk(&ctx, r0, r1, outp)
-    });
+    Job {
+        rows: d.rows,
+        work_per_row: d.cols * n,
+        // SAFETY: as in `q_run`.
+        run: Box::new(move |r0, r1| unsafe { chunk(&ctx, r0, r1, out) }),
+    }
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -319,6 +319,49 @@ fn results_independent_of_thread_count() {
 }
 
 #[test]
+fn grouped_matmuls_equal_separate_ones() {
+    let mut rng = Rng(9);
+    let cols = 256;
+    let owned: Vec<OwnedQ> = [(4, 64, 300), (8, 64, 17), (2, 32, 96), (4, 64, 1)]
+        .iter()
+        .map(|&(bits, gs, rows)| OwnedQ::random(&mut rng, rows, cols, bits, gs, true))
+        .collect();
+    let (b, _) = dense_owned(&mut rng, 40, cols);
+    let mut ws: Vec<Weight> = owned.iter().map(|q| q.weight()).collect();
+    ws.push(Weight::Dense(DenseMatrix {
+        rows: 40,
+        cols,
+        data: DenseData::Bf16(&b),
+    }));
+    for threads in [1, 2, 3] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        for n in [1, 4, 33] {
+            let x = rng.vec(n * cols);
+            let want: Vec<Vec<f32>> = ws
+                .iter()
+                .map(|w| pool.install(|| run(simd_level(), w, &x, n)))
+                .collect();
+            let mut outs: Vec<Vec<f32>> = ws.iter().map(|w| vec![f32::NAN; n * w.rows()]).collect();
+            let mut parts: Vec<(&Weight, &mut [f32])> = ws
+                .iter()
+                .zip(outs.iter_mut())
+                .map(|(w, o)| (w, o.as_mut_slice()))
+                .collect();
+            pool.install(|| matmul_group(&mut parts, &x, n));
+            for (i, (got, want)) in outs.iter().zip(&want).enumerate() {
+                assert!(
+                    bitwise_eq(got, want),
+                    "weight {i}, n {n}, {threads} threads"
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn dequantize_row_matches_affine() {
     let mut rng = Rng(5);
     for bits in BITS {
