@@ -45,7 +45,7 @@ const SEQ_PROBE_BYTES: u64 = 1 << 30;
 
 pub fn run(args: BenchArgs) -> Result<()> {
     let mut session = args.model.open_session()?;
-    args.model.warn_fewer_experts(&session);
+    args.model.report(&session);
     let threads = session.threads();
     let opts = BenchOptions {
         prompt_len: args.prompt_len,
@@ -154,6 +154,8 @@ impl Report<'_> {
             "experts": c.moe.num_experts,
             "experts_per_token": self.session.experts_per_token(),
             "threads": self.threads,
+            "backend": self.session.backend(),
+            "gpu_cache_hit_rate": self.session.gpu_cache_stats().hit_rate(),
             "simd": simd_level().to_string(),
             "io": self.io(),
             "mode": self.mode(),
@@ -174,7 +176,7 @@ impl Report<'_> {
         let r = self.result;
         let mut out = format!(
             "model {} ({}, {} layers, hidden {}, {} experts, {} per token)\n\
-             {} threads, {}, experts via {}, {}, {} reps\n\n",
+             {} threads, {}, experts via {}, {}, {} reps, backend {}\n\n",
             self.session.model_dir().display(),
             c.arch.model_type(),
             c.num_layers,
@@ -186,6 +188,7 @@ impl Report<'_> {
             self.io(),
             self.mode(),
             self.args.reps,
+            self.session.backend(),
         );
         let tests: Vec<(String, &TestResult)> = [
             r.prefill.as_ref().map(|t| (format!("pp{}", t.tokens), t)),

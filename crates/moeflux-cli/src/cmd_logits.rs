@@ -52,7 +52,7 @@ pub fn parse_tokens(s: &str) -> Result<Vec<u32>> {
 pub fn run(args: LogitsArgs) -> Result<()> {
     let tokens = parse_tokens(&args.tokens)?;
     let mut session = args.model.open_session()?;
-    args.model.warn_fewer_experts(&session);
+    args.model.report(&session);
     let vocab = session.vocab_size();
     // Validate every id before evaluating anything.
     if let Some((i, &t)) = tokens

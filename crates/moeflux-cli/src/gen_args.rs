@@ -7,8 +7,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::Args;
+use moeflux::backend::cuda::CachePolicy;
 use moeflux::generate::GenerateOptions;
 use moeflux::sample::SamplerConfig;
+use moeflux::session::Backend;
 use moeflux::text::chat::ChatTemplate;
 use moeflux::text::tokenizer::Tokenizer;
 use moeflux::{Session, SessionOptions};
@@ -40,6 +42,49 @@ pub struct ModelArgs {
     /// Longest context in tokens (default: the model's maximum).
     #[arg(long)]
     pub ctx: Option<usize>,
+    /// Where to compute: `auto` uses an NVIDIA GPU when the CUDA driver and
+    /// a device are present, else the CPU.
+    #[arg(long, default_value = "auto", value_parser = parse_backend)]
+    pub backend: Backend,
+    /// GPU: memory for the routed-expert cache, e.g. `20G` or `512M`
+    /// (default: all free memory after the dense weights, less 3 GiB).
+    #[arg(long, value_parser = parse_size)]
+    pub gpu_memory: Option<u64>,
+    /// GPU: which cached expert to replace: `lfu` (frequency with aging) or
+    /// `lru`.
+    #[arg(long, default_value = "lfu", value_parser = parse_policy)]
+    pub cache_policy: CachePolicy,
+}
+
+fn parse_backend(s: &str) -> std::result::Result<Backend, String> {
+    Backend::parse(s).ok_or_else(|| format!("`{s}` is not one of auto, cpu, cuda"))
+}
+
+fn parse_policy(s: &str) -> std::result::Result<CachePolicy, String> {
+    CachePolicy::parse(s).ok_or_else(|| format!("`{s}` is not one of lfu, lru"))
+}
+
+/// `123`, `512K`, `20M`, `40G`, `1T` (powers of 1024; an optional `i`/`B`
+/// suffix, `GiB` or `GB`, reads the same).
+pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
+    let t = s.trim();
+    let t = t.strip_suffix(['B', 'b']).unwrap_or(t);
+    let t = t.strip_suffix('i').unwrap_or(t);
+    let (num, shift) = match t.chars().last() {
+        Some('K' | 'k') => (&t[..t.len() - 1], 10),
+        Some('M' | 'm') => (&t[..t.len() - 1], 20),
+        Some('G' | 'g') => (&t[..t.len() - 1], 30),
+        Some('T' | 't') => (&t[..t.len() - 1], 40),
+        _ => (t, 0),
+    };
+    let v: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size (e.g. 512M, 20G)"))?;
+    if !(v.is_finite() && v >= 0.0) {
+        return Err(format!("`{s}` is not a size (e.g. 512M, 20G)"));
+    }
+    Ok((v * (1u64 << shift) as f64) as u64)
 }
 
 impl ModelArgs {
@@ -54,14 +99,26 @@ impl ModelArgs {
                 mmap: !self.no_mmap,
                 prefetch: self.prefetch,
                 max_context: self.ctx,
+                backend: self.backend,
+                gpu_memory: self.gpu_memory,
+                cache_policy: self.cache_policy,
                 ..Default::default()
             },
         )
         .with_context(|| format!("opening model {}", self.model.display()))
     }
 
-    /// Warns on stderr when fewer experts than the model's default are used.
-    pub fn warn_fewer_experts(&self, session: &Session) {
+    /// On stderr: which GPU the session uses (or why `auto` could not use
+    /// one that seems to be there; a machine without a CUDA driver is the
+    /// normal CPU case and says nothing), and a warning when fewer experts
+    /// than the model's default are used.
+    pub fn report(&self, session: &Session) {
+        if session.on_gpu() {
+            eprintln!("using {}", session.backend());
+        } else if self.backend == Backend::Auto && moeflux::backend::cuda::device::driver_present()
+        {
+            eprintln!("warning: {}", session.backend());
+        }
         let full = session.config().moe.num_experts_per_tok;
         if let Some(k) = self.experts_per_token.filter(|&k| k < full) {
             eprintln!(
@@ -197,7 +254,7 @@ pub fn load(m: &ModelArgs) -> Result<Loaded> {
     let tokenizer = Tokenizer::from_model_dir(&m.model)?;
     let template = ChatTemplate::from_model_dir(&m.model)?;
     spinner.finish_and_clear();
-    m.warn_fewer_experts(&session);
+    m.report(&session);
     Ok(Loaded {
         session,
         tokenizer,

@@ -71,6 +71,10 @@ pub enum Error {
     DestinationExists { path: PathBuf },
     #[error("cancelled")]
     Cancelled,
+    /// The GPU backend: no GPU or driver, a failed CUDA call, or a model
+    /// this backend cannot run.
+    #[error("{0}")]
+    Gpu(String),
     #[error("{0}")]
     Invalid(String),
 }

@@ -20,4 +20,4 @@ pub use error::{Error, Result};
 pub mod session;
 pub mod synth;
 
-pub use session::{LogitsMode, Session, SessionOptions};
+pub use session::{Backend, LogitsMode, Session, SessionOptions};

@@ -191,6 +191,44 @@ pub struct Routing {
     pub weights: Vec<f32>,
 }
 
+impl Routing {
+    /// From router logits `[n, num_experts]`: softmax over all experts,
+    /// top-`k`, renormalised iff `norm_topk_prob`.
+    pub fn from_logits(c: &ModelConfig, mut logits: Vec<f32>, k: usize) -> Routing {
+        let e = c.moe.num_experts;
+        let mut experts = Vec::with_capacity(logits.len() / e * k);
+        let mut weights = Vec::with_capacity(logits.len() / e * k);
+        for probs in logits.chunks_exact_mut(e) {
+            ops::softmax_inplace(probs);
+            let top = ops::top_k(probs, k);
+            let mut w: Vec<f32> = top.iter().map(|&i| probs[i]).collect();
+            if c.moe.norm_topk_prob {
+                let s: f32 = w.iter().sum();
+                for x in &mut w {
+                    *x /= s;
+                }
+            }
+            experts.extend(top);
+            weights.extend(w);
+        }
+        Routing {
+            k,
+            experts,
+            weights,
+        }
+    }
+
+    /// Every chosen expert once, ascending, with the (token, slot) indices
+    /// (`token * k + j`) it serves.
+    pub fn users(&self) -> BTreeMap<usize, Vec<usize>> {
+        let mut users: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        for (i, &e) in self.experts.iter().enumerate() {
+            users.entry(e).or_default().push(i);
+        }
+        users
+    }
+}
+
 impl MoeBlock {
     pub fn load(
         d: &DenseStore,
@@ -229,29 +267,9 @@ impl MoeBlock {
         n: usize,
         k: usize,
     ) -> Routing {
-        let e = c.moe.num_experts;
-        let mut logits = vec![0.0f32; n * e];
+        let mut logits = vec![0.0f32; n * c.moe.num_experts];
         matmul(&d.view(&self.router), xn, n, &mut logits);
-        let mut experts = Vec::with_capacity(n * k);
-        let mut weights = Vec::with_capacity(n * k);
-        for probs in logits.chunks_exact_mut(e) {
-            ops::softmax_inplace(probs);
-            let top = ops::top_k(probs, k);
-            let mut w: Vec<f32> = top.iter().map(|&i| probs[i]).collect();
-            if c.moe.norm_topk_prob {
-                let s: f32 = w.iter().sum();
-                for x in &mut w {
-                    *x /= s;
-                }
-            }
-            experts.extend(top);
-            weights.extend(w);
-        }
-        Routing {
-            k,
-            experts,
-            weights,
-        }
+        Routing::from_logits(c, logits, k)
     }
 
     /// Writes the block's output for `n` normed tokens to `out`.
@@ -280,11 +298,7 @@ impl MoeBlock {
         let routing = self.route(d, c, xn, n, k);
         lap(&mut clock, &mut times.routing);
 
-        // Every chosen expert once, with the (token, slot)s it serves.
-        let mut users: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
-        for (i, &e) in routing.experts.iter().enumerate() {
-            users.entry(e).or_default().push(i);
-        }
+        let users = routing.users();
         let ids: Vec<usize> = users.keys().copied().collect();
         let ahead = run.take_prefetch(self.layer);
         let misses: Vec<usize> = match &ahead {

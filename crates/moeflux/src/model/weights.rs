@@ -293,6 +293,11 @@ impl DenseStore {
         }
     }
 
+    /// The whole dense file (tensor locations are offsets into it).
+    pub fn file_bytes(&self) -> &[u8] {
+        &self.map
+    }
+
     /// A borrowed view of a linear layer for the kernels.
     pub fn view(&self, l: &LinearRef) -> Weight<'_> {
         match l.quant {

@@ -1,20 +1,23 @@
 //! `Session`: one sequence over one model — eval, position, truncation,
 //! checkpoints and snapshots.
 
+mod engine;
 pub mod snapshot;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use crate::config::ModelConfig;
+use crate::backend::cuda::{CachePolicy, CacheStats, CudaModel, CudaOptions, Gpu};
+use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::format::{Manifest, MANIFEST_FILE};
-use crate::io::{ExpertBuf, ExpertStore, ExpertStoreOptions, IoStats};
-use crate::model::experts::{ExpertRun, PrefetchStats};
+use crate::io::{ExpertStore, ExpertStoreOptions, IoStats};
+use crate::model::experts::PrefetchStats;
 pub use crate::model::qwen3_hybrid::LogitsMode;
 use crate::model::qwen3_hybrid::QwenHybrid;
-use crate::model::state::{LinearState, ModelState};
+use crate::model::state::LinearState;
 pub use crate::model::timing::PhaseTimes;
+use engine::{Engine, ForwardCtx};
 
 #[derive(Debug, Clone)]
 pub struct SessionOptions {
@@ -38,6 +41,35 @@ pub struct SessionOptions {
     /// current hidden state while the current layer computes (see
     /// [`crate::model::experts`]).
     pub prefetch: bool,
+    /// Where the forward pass runs.
+    pub backend: Backend,
+    /// GPU backend: bytes of GPU memory for the routed-expert cache
+    /// (`None`: all that is free after the dense weights, less a reserve).
+    pub gpu_memory: Option<u64>,
+    /// GPU backend: which cached expert to replace.
+    pub cache_policy: CachePolicy,
+}
+
+/// Where a session computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Backend {
+    /// The GPU when a CUDA driver and device are present, else the CPU.
+    Auto,
+    #[default]
+    Cpu,
+    /// An NVIDIA GPU through CUDA; an error when none can be used.
+    Cuda,
+}
+
+impl Backend {
+    pub fn parse(s: &str) -> Option<Backend> {
+        match s {
+            "auto" => Some(Backend::Auto),
+            "cpu" => Some(Backend::Cpu),
+            "cuda" | "gpu" => Some(Backend::Cuda),
+            _ => None,
+        }
+    }
 }
 
 impl Default for SessionOptions {
@@ -51,6 +83,9 @@ impl Default for SessionOptions {
             max_checkpoints: 8,
             max_context: None,
             prefetch: false,
+            backend: Backend::Cpu,
+            gpu_memory: None,
+            cache_policy: CachePolicy::default(),
         }
     }
 }
@@ -60,7 +95,9 @@ pub struct Session {
     model: QwenHybrid,
     store: ExpertStore,
     pool: rayon::ThreadPool,
-    state: ModelState,
+    engine: Engine,
+    /// What `Backend::Auto` chose, or why it fell back to the CPU.
+    backend_note: String,
     tokens: Vec<u32>,
     k_active: usize,
     max_context: usize,
@@ -68,7 +105,6 @@ pub struct Session {
     /// Linear-layer states by position; the Vec keeps use order (last = newest).
     checkpoints: BTreeMap<usize, Vec<LinearState>>,
     checkpoint_order: Vec<usize>,
-    bufs: Vec<ExpertBuf>,
     fingerprint: u64,
     decode_bytes_per_token: u64,
     /// Set when an eval failed midway: the state is then inconsistent until
@@ -108,17 +144,46 @@ impl Session {
             }
         };
         let max_context = opts.max_context.unwrap_or(config.max_position_embeddings);
+        let gpu = match opts.backend {
+            Backend::Cpu => Err("CPU backend requested".to_string()),
+            Backend::Cuda => Ok(Gpu::open()?),
+            Backend::Auto => Gpu::open().map_err(|e| e.to_string()),
+        };
         let store = ExpertStore::open(
             dir,
             &manifest,
             &ExpertStoreOptions {
                 direct_io: opts.direct_io,
-                mmap: opts.mmap,
+                // The GPU uploads experts from pinned buffers: read into them.
+                mmap: opts.mmap && gpu.is_err(),
                 io_threads: opts.io_threads.max(1),
                 ..Default::default()
             },
         )?;
         let model = QwenHybrid::load(dir, &manifest, config)?;
+        let (engine, backend_note) = match gpu {
+            Ok(gpu) => {
+                let note = format!("cuda: {}", gpu.info);
+                let cuda = CudaOptions {
+                    gpu_memory: opts.gpu_memory,
+                    cache_policy: opts.cache_policy,
+                };
+                (
+                    Engine::Cuda(Box::new(CudaModel::new(gpu, &model, &cuda)?)),
+                    note,
+                )
+            }
+            Err(why) => (
+                Engine::Cpu {
+                    state: model.new_state(),
+                    bufs: Vec::new(),
+                },
+                match opts.backend {
+                    Backend::Auto => format!("cpu (no GPU: {why})"),
+                    _ => "cpu".to_string(),
+                },
+            ),
+        };
         let threads = opts.threads.unwrap_or_else(|| {
             std::thread::available_parallelism()
                 .map(|n| n.get())
@@ -129,7 +194,6 @@ impl Session {
             .thread_name(|i| format!("moeflux-compute-{i}"))
             .build()
             .map_err(|e| Error::Invalid(format!("cannot start {threads} compute threads: {e}")))?;
-        let state = model.new_state();
         let decode_bytes_per_token = manifest.decode_bytes_per_token(
             k_active,
             model.config.vocab_size,
@@ -140,14 +204,14 @@ impl Session {
             model,
             store,
             pool,
-            state,
+            engine,
+            backend_note,
             tokens: Vec::new(),
             k_active,
             max_context,
             max_checkpoints: opts.max_checkpoints,
             checkpoints: BTreeMap::new(),
             checkpoint_order: Vec::new(),
-            bufs: Vec::new(),
             fingerprint: snapshot::fnv1a(&manifest_bytes),
             decode_bytes_per_token,
             poisoned: false,
@@ -201,6 +265,25 @@ impl Session {
         self.store
             .layers()
             .any(|l| self.store.is_mapped(l) == Some(true))
+    }
+
+    /// Where this session computes: `cpu`, or `cuda: GPU 0 (...)`; for
+    /// `Backend::Auto` on the CPU, also why no GPU was used.
+    pub fn backend(&self) -> &str {
+        &self.backend_note
+    }
+
+    /// Whether the forward pass runs on a GPU.
+    pub fn on_gpu(&self) -> bool {
+        matches!(self.engine, Engine::Cuda(_))
+    }
+
+    /// GPU expert cache: hits, misses, bytes uploaded (zero on the CPU).
+    pub fn gpu_cache_stats(&self) -> CacheStats {
+        match &self.engine {
+            Engine::Cuda(m) => m.cache_stats(),
+            Engine::Cpu { .. } => CacheStats::default(),
+        }
     }
 
     /// Compute threads.
@@ -275,18 +358,16 @@ impl Session {
             });
         }
         let start = self.position();
-        let mut run = ExpertRun {
+        let cx = ForwardCtx {
+            model: &self.model,
             store: &self.store,
-            bufs: &mut self.bufs,
+            pool: &self.pool,
             k: self.k_active,
             prefetch: self.prefetch,
-            pending: None,
-            stats: &mut self.prefetch_stats,
+            prefetch_stats: &mut self.prefetch_stats,
+            times: &mut self.times,
         };
-        let (model, state, times) = (&self.model, &mut self.state, &mut self.times);
-        let result = self
-            .pool
-            .install(|| model.forward(&mut run, state, tokens, start, mode, times));
+        let result = self.engine.forward(cx, tokens, start, mode);
         match result {
             Ok(logits) => {
                 self.tokens.extend_from_slice(tokens);
@@ -301,11 +382,11 @@ impl Session {
 
     /// Forgets everything: position 0, empty caches, no checkpoints.
     pub fn clear(&mut self) {
-        self.state.clear();
+        // A device that fails here fails the next eval too; say so then.
+        self.poisoned = self.engine.clear().is_err();
         self.tokens.clear();
         self.checkpoints.clear();
         self.checkpoint_order.clear();
-        self.poisoned = false;
     }
 
     /// Records the linear-attention state at the current position so that
@@ -313,7 +394,11 @@ impl Session {
     pub fn checkpoint(&mut self) -> usize {
         let pos = self.position();
         if !self.poisoned {
-            self.checkpoints.insert(pos, self.state.linear_states());
+            let Ok(linear) = self.engine.linear_states() else {
+                self.poisoned = true;
+                return pos;
+            };
+            self.checkpoints.insert(pos, linear);
             self.touch(pos);
             while self.checkpoint_order.len() > self.max_checkpoints {
                 let old = self.checkpoint_order.remove(0);
@@ -345,9 +430,8 @@ impl Session {
             self.clear();
             return Ok(());
         }
-        if !self.state.has_linear_layers() {
-            self.rewind(pos, &[]);
-            return Ok(());
+        if !self.has_linear_layers() {
+            return self.rewind(pos, &[]);
         }
         let Some(linear) = self.checkpoints.get(&pos).cloned() else {
             return Err(Error::NoCheckpoint {
@@ -355,18 +439,29 @@ impl Session {
                 available: self.checkpoints(),
             });
         };
-        self.rewind(pos, &linear);
+        self.rewind(pos, &linear)?;
         self.touch(pos);
         Ok(())
     }
 
-    fn rewind(&mut self, pos: usize, linear: &[LinearState]) {
-        self.state.rewind(pos, linear);
+    fn has_linear_layers(&self) -> bool {
+        self.model
+            .config
+            .layer_kinds
+            .contains(&LayerKind::LinearAttention)
+    }
+
+    fn rewind(&mut self, pos: usize, linear: &[LinearState]) -> Result<()> {
+        if let Err(e) = self.engine.rewind(pos, linear) {
+            self.poisoned = true;
+            return Err(e);
+        }
         self.tokens.truncate(pos);
         self.checkpoints.retain(|&p, _| p <= pos);
         let keep = &self.checkpoints;
         self.checkpoint_order.retain(|p| keep.contains_key(p));
         self.poisoned = false;
+        Ok(())
     }
 
     /// Shortens the sequence to `n` tokens. Exact: attention layers drop
@@ -382,7 +477,7 @@ impl Session {
         if n == self.position() && !self.poisoned {
             return Ok(());
         }
-        if n == 0 || !self.state.has_linear_layers() {
+        if n == 0 || !self.has_linear_layers() {
             return self.restore_to(n);
         }
         let Some(&c) = self.checkpoints.range(..=n).next_back().map(|(p, _)| p) else {
@@ -410,7 +505,7 @@ impl Session {
             &self.model.config,
             self.fingerprint,
             &self.tokens,
-            &self.state,
+            self.engine.host_state()?.as_ref(),
         ))
     }
 
@@ -427,7 +522,7 @@ impl Session {
             bytes,
         )
         .map_err(Error::Snapshot)?;
-        self.state = state;
+        self.engine.set_state(state)?;
         self.tokens = tokens;
         self.checkpoints.clear();
         self.checkpoint_order.clear();

@@ -1,0 +1,478 @@
+//! The GPU: probing for it, the context and streams, the kernel module
+//! (compiled by NVRTC for the device's architecture, cached on disk), device
+//! buffers and kernel launches.
+//!
+//! Everything goes through cudarc with dynamic loading: a machine without
+//! libcuda runs the rest of moeflux unchanged, and [`probe`] says why no GPU
+//! can be used instead of letting cudarc panic.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaStream};
+
+use crate::error::{Error, Result};
+
+/// The kernels, compiled at run time.
+const KERNELS: &str = include_str!("kernels.cu");
+
+/// Every kernel the backend launches (looked up once at start).
+const KERNEL_NAMES: &[&str] = &[
+    "qmatmul_b4",
+    "qmatmul_b8",
+    "qmatmul_b2",
+    "qmatmul_bx",
+    "dmatmul",
+    "qgather_rows",
+    "rms_norm",
+    "add_inplace",
+    "swiglu",
+    "attn_prep",
+    "attention",
+    "deltanet_split",
+    "conv_silu",
+    "deltanet_qk_norm",
+    "delta_rule",
+    "gated_norm",
+    "moe_gate_up_b4",
+    "moe_gate_up_b8",
+    "moe_gate_up_b2",
+    "moe_gate_up_bx",
+    "moe_down_b4",
+    "moe_down_b8",
+    "moe_down_b2",
+    "moe_down_bx",
+    "moe_combine",
+];
+
+/// What [`probe`] found.
+#[derive(Debug, Clone)]
+pub struct GpuInfo {
+    pub ordinal: usize,
+    pub name: String,
+    /// Compute capability.
+    pub cc: (i32, i32),
+    pub total_bytes: usize,
+    pub free_bytes: usize,
+}
+
+impl std::fmt::Display for GpuInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "GPU {} ({}, sm_{}{}, {:.1} GiB, {:.1} GiB free)",
+            self.ordinal,
+            self.name,
+            self.cc.0,
+            self.cc.1,
+            self.total_bytes as f64 / (1u64 << 30) as f64,
+            self.free_bytes as f64 / (1u64 << 30) as f64
+        )
+    }
+}
+
+fn gpu_err(what: &str, e: impl std::fmt::Display) -> Error {
+    Error::Gpu(format!("{what}: {e}"))
+}
+
+/// Whether the NVIDIA driver library can be loaded (a GPU may still be
+/// missing or unusable).
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to load the library.
+    unsafe { sys::is_culib_present() }
+}
+
+/// Finds GPU 0, or says why there is none: no CUDA driver library, no
+/// device, or the driver refused. Never panics.
+pub fn probe() -> Result<GpuInfo> {
+    if !driver_present() {
+        return Err(Error::Gpu(
+            "CUDA is not available: the NVIDIA driver library (libcuda.so) was not found".into(),
+        ));
+    }
+    let count = CudaContext::device_count().map_err(|e| gpu_err("CUDA is not usable", e))?;
+    if count < 1 {
+        return Err(Error::Gpu("CUDA is available but there is no GPU".into()));
+    }
+    let ctx = CudaContext::new(0).map_err(|e| gpu_err("cannot open GPU 0", e))?;
+    let (free_bytes, total_bytes) = ctx.mem_get_info().map_err(|e| gpu_err("GPU 0", e))?;
+    Ok(GpuInfo {
+        ordinal: 0,
+        name: ctx.name().map_err(|e| gpu_err("GPU 0", e))?,
+        cc: ctx.compute_capability().map_err(|e| gpu_err("GPU 0", e))?,
+        total_bytes,
+        free_bytes,
+    })
+}
+
+/// The context, streams and kernels of one GPU.
+pub struct Gpu {
+    pub info: GpuInfo,
+    pub ctx: Arc<CudaContext>,
+    /// Where compute runs, in order.
+    pub stream: Arc<CudaStream>,
+    /// Expert uploads, overlapping compute.
+    pub copy: Arc<CudaStream>,
+    funcs: HashMap<&'static str, CudaFunction>,
+}
+
+impl Gpu {
+    /// Opens GPU 0 and loads the kernels (compiling them once per kernel
+    /// source, architecture and NVRTC version; see [`ptx_cache_dir`]).
+    pub fn open() -> Result<Gpu> {
+        let info = probe()?;
+        let ctx = CudaContext::new(info.ordinal).map_err(|e| gpu_err("cannot open GPU", e))?;
+        // Synchronisation between the two streams is explicit (events).
+        // SAFETY: no buffer of this context exists yet.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(|e| gpu_err("GPU stream", e))?;
+        let copy = ctx.new_stream().map_err(|e| gpu_err("GPU stream", e))?;
+        let ptx = load_or_compile(info.cc)?;
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+            .map_err(|e| gpu_err("loading the compiled kernels", e))?;
+        let mut funcs = HashMap::new();
+        for &name in KERNEL_NAMES {
+            let f = module
+                .load_function(name)
+                .map_err(|e| gpu_err(&format!("kernel {name}"), e))?;
+            funcs.insert(name, f);
+        }
+        Ok(Gpu {
+            info,
+            ctx,
+            stream,
+            copy,
+            funcs,
+        })
+    }
+
+    /// Makes the context current on the calling thread (every entry point
+    /// that may run on a new thread calls this first).
+    pub fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| gpu_err("GPU context", e))
+    }
+
+    /// Launches kernel `name` on the compute stream. `params` point at the
+    /// kernel's arguments, in order, with the kernel's exact types.
+    ///
+    /// # Safety
+    /// The argument list must match the kernel's signature and every device
+    /// pointer in it must hold what the kernel reads and writes.
+    pub unsafe fn launch(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        let f = self.funcs.get(name).expect("kernel listed in KERNEL_NAMES");
+        result::launch_kernel(
+            f.cu_function(),
+            grid,
+            (block, 1, 1),
+            smem,
+            self.stream.cu_stream(),
+            params,
+        )
+        .map_err(|e| gpu_err(&format!("launching {name}"), e))
+    }
+
+    pub fn sync(&self) -> Result<()> {
+        self.stream.synchronize().map_err(|e| gpu_err("GPU", e))
+    }
+
+    /// Bytes of device memory free now.
+    pub fn free_bytes(&self) -> Result<usize> {
+        self.bind()?;
+        Ok(self.ctx.mem_get_info().map_err(|e| gpu_err("GPU", e))?.0)
+    }
+}
+
+/// Builds the kernel argument list for [`Gpu::launch`]: `args!(a, b, c)`.
+macro_rules! args {
+    ($($a:expr),* $(,)?) => {
+        [$( &$a as *const _ as *mut ::std::ffi::c_void ),*]
+    };
+}
+pub(crate) use args;
+
+/// Where compiled kernels are kept: `$MOEFLUX_CUDA_CACHE`, else
+/// `$XDG_CACHE_HOME/moeflux/cuda`, else `~/.cache/moeflux/cuda`.
+pub fn ptx_cache_dir() -> Option<PathBuf> {
+    if let Some(d) = std::env::var_os("MOEFLUX_CUDA_CACHE") {
+        return Some(PathBuf::from(d));
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(base.join("moeflux").join("cuda"))
+}
+
+fn arch_name(cc: (i32, i32)) -> &'static str {
+    // NVRTC wants a static string; the architectures moeflux knows.
+    match cc {
+        (9, 0) => "sm_90",
+        (8, 9) => "sm_89",
+        (8, 6) => "sm_86",
+        (8, 0) => "sm_80",
+        (10, 0) => "sm_100",
+        (12, 0) => "sm_120",
+        (7, 5) => "sm_75",
+        (7, 0) => "sm_70",
+        _ => "compute_70",
+    }
+}
+
+/// PTX of the kernels for `cc`, from the disk cache or compiled now (and
+/// cached; a cache that cannot be written only costs the compile next time).
+fn load_or_compile(cc: (i32, i32)) -> Result<String> {
+    let arch = arch_name(cc);
+    let key = format!(
+        "{:016x}-{arch}.ptx",
+        crate::session::snapshot::fnv1a(
+            format!("{KERNELS}\0{arch}\0{:?}", nvrtc_version()).as_bytes()
+        )
+    );
+    let cached = ptx_cache_dir().map(|d| d.join(&key));
+    if let Some(text) = cached
+        .as_ref()
+        .and_then(|p| std::fs::read_to_string(p).ok())
+    {
+        return Ok(text);
+    }
+    let ptx = compile(arch)?;
+    if let Some(path) = cached {
+        let _ = path
+            .parent()
+            .map(std::fs::create_dir_all)
+            .map(|_| crate::fsutil::write_file_atomic(&path, |w| w.write_all(ptx.as_bytes())));
+    }
+    Ok(ptx)
+}
+
+/// NVRTC's version (major, minor), part of the cache key.
+fn nvrtc_version() -> Option<(i32, i32)> {
+    // SAFETY: only called after the library was found (it is loaded by the
+    // compile path or here); plain out-parameters.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return None;
+    }
+    let (mut major, mut minor) = (0, 0);
+    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .ok()
+        .map(|()| (major, minor))
+}
+
+/// Compiles the kernels for `arch` with NVRTC.
+pub fn compile(arch: &'static str) -> Result<String> {
+    // SAFETY: only tries to load the library.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(Error::Gpu(
+            "NVRTC (libnvrtc.so) was not found: it compiles moeflux's GPU kernels".into(),
+        ));
+    }
+    let opts = cudarc::nvrtc::CompileOptions {
+        arch: Some(arch),
+        options: vec!["-std=c++17".into()],
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts)
+        .map_err(|e| Error::Gpu(format!("compiling the GPU kernels: {e}")))?;
+    Ok(ptx.to_src())
+}
+
+use std::io::Write as _;
+
+/// A device allocation, freed on drop.
+pub struct DevBuf {
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl DevBuf {
+    /// `bytes` of device memory, zeroed.
+    pub fn zeros(gpu: &Gpu, bytes: usize) -> Result<DevBuf> {
+        gpu.bind()?;
+        let n = bytes.max(1);
+        // SAFETY: a fresh allocation of n bytes, then zeroed.
+        let ptr = unsafe { result::malloc_sync(n) }
+            .map_err(|e| gpu_err(&format!("allocating {n} bytes of GPU memory"), e))?;
+        let buf = DevBuf {
+            ptr,
+            bytes: n,
+            ctx: gpu.ctx.clone(),
+        };
+        // SAFETY: the allocation holds n bytes.
+        unsafe { result::memset_d8_sync(ptr, 0, n) }.map_err(|e| gpu_err("GPU memset", e))?;
+        Ok(buf)
+    }
+
+    /// A device copy of `data`.
+    pub fn from_slice<T: Copy>(gpu: &Gpu, data: &[T]) -> Result<DevBuf> {
+        let buf = DevBuf::zeros(gpu, std::mem::size_of_val(data))?;
+        buf.upload(data)?;
+        Ok(buf)
+    }
+
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Copies `data` to the start of the buffer (synchronous).
+    pub fn upload<T: Copy>(&self, data: &[T]) -> Result<()> {
+        self.upload_at(0, data)
+    }
+
+    /// Copies `data` to byte `offset` of the buffer (synchronous).
+    pub fn upload_at<T: Copy>(&self, offset: usize, data: &[T]) -> Result<()> {
+        let n = std::mem::size_of_val(data);
+        assert!(
+            offset + n <= self.bytes,
+            "upload past the end of a GPU buffer"
+        );
+        if n == 0 {
+            return Ok(());
+        }
+        // SAFETY: the range lies inside the allocation; the copy is synchronous.
+        unsafe { result::memcpy_htod_sync(self.ptr + offset as u64, data) }
+            .map_err(|e| gpu_err("copy to GPU", e))
+    }
+
+    /// Copies the start of the buffer into `out` (synchronous; call after the
+    /// stream that wrote it is synchronised).
+    pub fn download<T: Copy>(&self, out: &mut [T]) -> Result<()> {
+        self.download_at(0, out)
+    }
+
+    pub fn download_at<T: Copy>(&self, offset: usize, out: &mut [T]) -> Result<()> {
+        let n = std::mem::size_of_val(out);
+        assert!(
+            offset + n <= self.bytes,
+            "download past the end of a GPU buffer"
+        );
+        if n == 0 {
+            return Ok(());
+        }
+        // SAFETY: the range lies inside the allocation; the copy is synchronous.
+        unsafe { result::memcpy_dtoh_sync(out, self.ptr + offset as u64) }
+            .map_err(|e| gpu_err("copy from GPU", e))
+    }
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by malloc_sync in this context, freed once.
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+// SAFETY: a device pointer is usable from any thread that binds the context.
+unsafe impl Send for DevBuf {}
+unsafe impl Sync for DevBuf {}
+
+/// Copies `bytes` from `src` to `dst` on `stream` (device to device, async).
+pub fn copy_dtod(stream: &CudaStream, dst: u64, src: u64, bytes: usize) -> Result<()> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    // SAFETY: callers pass ranges inside live allocations.
+    unsafe { result::memcpy_dtod_async(dst, src, bytes, stream.cu_stream()) }
+        .map_err(|e| gpu_err("GPU copy", e))
+}
+
+/// Host memory the GPU can copy from at full speed: an existing allocation
+/// registered as page-locked, unregistered on drop.
+pub struct Pinned {
+    ptr: *mut c_void,
+    ctx: Arc<CudaContext>,
+}
+
+impl Pinned {
+    /// Registers `mem` (which must outlive the returned value and not move).
+    pub fn register(gpu: &Gpu, mem: &mut [u8]) -> Result<Pinned> {
+        gpu.bind()?;
+        let ptr = mem.as_mut_ptr() as *mut c_void;
+        // SAFETY: the range is a live allocation of the caller's.
+        unsafe { sys::cuMemHostRegister_v2(ptr, mem.len(), 0) }
+            .result()
+            .map_err(|e| gpu_err("pinning host memory", e))?;
+        Ok(Pinned {
+            ptr,
+            ctx: gpu.ctx.clone(),
+        })
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: registered by `register`, unregistered once.
+            let _ = unsafe { sys::cuMemHostUnregister(self.ptr) }.result();
+        }
+    }
+}
+
+// SAFETY: only the registration is owned; the memory belongs to the caller.
+unsafe impl Send for Pinned {}
+unsafe impl Sync for Pinned {}
+
+/// Copies host `src` (pinned for full speed) to device `dst` on `stream`.
+///
+/// # Safety
+/// `src` must stay alive and unchanged until the stream has done the copy.
+pub unsafe fn copy_htod_async(stream: &CudaStream, dst: u64, src: &[u8]) -> Result<()> {
+    result::memcpy_htod_async(dst, src, stream.cu_stream()).map_err(|e| gpu_err("copy to GPU", e))
+}
+
+/// An event recorded on one stream that another stream waits for.
+pub fn stream_wait(waiter: &CudaStream, after: &CudaStream) -> Result<()> {
+    let ev = after
+        .record_event(None)
+        .map_err(|e| gpu_err("GPU event", e))?;
+    waiter.wait(&ev).map_err(|e| gpu_err("GPU event", e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kernels compile for the GPU architectures moeflux targets. Needs
+    /// NVRTC only (no GPU): CI installs it from PyPI (`nvidia-cuda-nvrtc`)
+    /// and runs this with `--ignored`.
+    #[test]
+    #[ignore]
+    fn kernels_compile_with_nvrtc() {
+        for arch in ["sm_90", "sm_80"] {
+            let ptx = compile(arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
+            for name in KERNEL_NAMES {
+                assert!(
+                    ptx.contains(&format!(".entry {name}(")),
+                    "{arch}: kernel {name} missing from the PTX"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn probe_never_panics() {
+        // Either a GPU or a message saying why not.
+        match probe() {
+            Ok(info) => assert!(!info.name.is_empty()),
+            Err(e) => assert!(matches!(e, Error::Gpu(_)), "{e}"),
+        }
+    }
+}

@@ -1,0 +1,489 @@
+// moeflux CUDA kernels, compiled at run time by NVRTC for the device found.
+//
+// Conventions: activations are f32, row-major [tokens, width]. Quantized
+// weights are MLX affine: per row, `cols * bits / 32` u32 words holding the
+// codes LSB-first, and per group of `gs` columns a scale and a bias (bf16 or
+// f32), w = q * scale + bias. Every kernel accumulates in f32.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+#define WARP 32
+#define NEG_INF __int_as_float(0xff800000u)
+
+__device__ __forceinline__ float bf16f(u16 h) { return __uint_as_float(((u32)h) << 16); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float siluf_(float x) { return x * sigmoidf_(x); }
+
+// Sum over a block (blockDim.x a multiple of 32, at most 1024); every thread
+// gets the result.
+__device__ float block_sum(float v) {
+    __shared__ float part[32];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) part[w] = v;
+    __syncthreads();
+    int nw = blockDim.x >> 5;
+    float t = lane < nw ? part[lane] : 0.0f;
+    return warp_sum(t);
+}
+
+// --------------------------------------------------------------------------
+// Quantized weights
+
+struct QW {
+    const u32* w;       // packed codes, rows * words_per_row
+    const void* s;      // scales, rows * groups (bf16 or f32)
+    const void* b;      // biases, like scales
+    int rows, cols, bits, gs, sf32;
+};
+
+__device__ __forceinline__ float qparam(const void* p, int i, int f32) {
+    return f32 ? ((const float*)p)[i] : bf16f(((const u16*)p)[i]);
+}
+
+// Code of element j of a row (any bit width: a code may straddle words).
+__device__ __forceinline__ u32 qcode(const u32* row, long j, int bits) {
+    long bit = j * bits;
+    long wi = bit >> 5;
+    int sh = (int)(bit & 31);
+    unsigned long long v = row[wi];
+    if (sh + bits > 32) v |= ((unsigned long long)row[wi + 1]) << 32;
+    return (u32)(v >> sh) & ((1u << bits) - 1u);
+}
+
+// Dot products of row `r` with TT token rows of x (x + t*xstride), one warp;
+// the result is in every lane.
+template <int BITS, int TT>
+__device__ __forceinline__ void qdot(const QW& q, int r, const float* x, long xstride, int nt,
+                                     float* out) {
+    int lane = threadIdx.x & 31;
+    float acc[TT];
+#pragma unroll
+    for (int t = 0; t < TT; t++) acc[t] = 0.0f;
+    long wpr = ((long)q.cols * q.bits) >> 5;
+    const u32* row = q.w + (long)r * wpr;
+    int gpr = q.cols / q.gs;
+    if constexpr (BITS == 2 || BITS == 4 || BITS == 8) {
+        const int EPW = 32 / BITS;
+        const u32 M = (1u << BITS) - 1u;
+        for (long wi = lane; wi < wpr; wi += WARP) {
+            u32 word = row[wi];
+            long c0 = wi * EPW;
+            int g = (int)(c0 / q.gs);
+            float s = qparam(q.s, r * gpr + g, q.sf32), b = qparam(q.b, r * gpr + g, q.sf32);
+#pragma unroll
+            for (int e = 0; e < EPW; e++) {
+                float w = fmaf((float)((word >> (e * BITS)) & M), s, b);
+#pragma unroll
+                for (int t = 0; t < TT; t++)
+                    if (t < nt) acc[t] = fmaf(w, x[t * xstride + c0 + e], acc[t]);
+            }
+        }
+    } else {
+        for (long j = lane; j < q.cols; j += WARP) {
+            int g = (int)(j / q.gs);
+            float w = fmaf((float)qcode(row, j, q.bits), qparam(q.s, r * gpr + g, q.sf32),
+                           qparam(q.b, r * gpr + g, q.sf32));
+#pragma unroll
+            for (int t = 0; t < TT; t++)
+                if (t < nt) acc[t] = fmaf(w, x[t * xstride + j], acc[t]);
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < TT; t++) out[t] = warp_sum(acc[t]);
+}
+
+#define ROWS_PER_BLOCK 8
+
+// out[t*rows + r] = W[r] . x[t] for t < n: a warp per row, tokens four at a
+// time (each weight word is decoded once for four tokens).
+template <int BITS>
+__device__ void qmatmul_body(QW q, const float* x, int n, float* out) {
+    int r = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    if (r >= q.rows) return;
+    int lane = threadIdx.x & 31;
+    for (int t0 = blockIdx.y * 4; t0 < n; t0 += gridDim.y * 4) {
+        int nt = min(4, n - t0);
+        float res[4];
+        qdot<BITS, 4>(q, r, x + (long)t0 * q.cols, q.cols, nt, res);
+        if (lane == 0)
+            for (int t = 0; t < nt; t++) out[(long)(t0 + t) * q.rows + r] = res[t];
+    }
+}
+
+extern "C" __global__ void qmatmul_b4(QW q, const float* x, int n, float* out) { qmatmul_body<4>(q, x, n, out); }
+extern "C" __global__ void qmatmul_b8(QW q, const float* x, int n, float* out) { qmatmul_body<8>(q, x, n, out); }
+extern "C" __global__ void qmatmul_b2(QW q, const float* x, int n, float* out) { qmatmul_body<2>(q, x, n, out); }
+extern "C" __global__ void qmatmul_bx(QW q, const float* x, int n, float* out) { qmatmul_body<0>(q, x, n, out); }
+
+// Dense (bf16 or f32) weights, same shape contract.
+extern "C" __global__ void dmatmul(const void* w, int f32, int rows, int cols, const float* x, int n,
+                                   float* out) {
+    int r = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    if (r >= rows) return;
+    int lane = threadIdx.x & 31;
+    for (int t = blockIdx.y; t < n; t += gridDim.y) {
+        float acc = 0.0f;
+        for (long j = lane; j < cols; j += WARP) {
+            float wv = f32 ? ((const float*)w)[(long)r * cols + j]
+                           : bf16f(((const u16*)w)[(long)r * cols + j]);
+            acc = fmaf(wv, x[(long)t * cols + j], acc);
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) out[(long)t * rows + r] = acc;
+    }
+}
+
+// Rows `ids[t]` of a quantized matrix, dequantized: out[t, :] (embedding).
+extern "C" __global__ void qgather_rows(QW q, const int* ids, float* out) {
+    int t = blockIdx.x;
+    long r = ids[t];
+    long wpr = ((long)q.cols * q.bits) >> 5;
+    int gpr = q.cols / q.gs;
+    for (long j = threadIdx.x; j < q.cols; j += blockDim.x) {
+        int g = (int)(j / q.gs);
+        float s = qparam(q.s, r * gpr + g, q.sf32), b = qparam(q.b, r * gpr + g, q.sf32);
+        out[(long)t * q.cols + j] = fmaf((float)qcode(q.w + r * wpr, j, q.bits), s, b);
+    }
+}
+
+// --------------------------------------------------------------------------
+// Elementwise and norms
+
+// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, a block per row.
+extern "C" __global__ void rms_norm(const float* x, const float* w, int width, float eps, float* out) {
+    const float* xr = x + (long)blockIdx.x * width;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = block_sum(ss);
+    float inv = rsqrtf(ss / width + eps);
+    for (int i = threadIdx.x; i < width; i += blockDim.x)
+        out[(long)blockIdx.x * width + i] = xr[i] * inv * w[i];
+}
+
+extern "C" __global__ void add_inplace(float* a, const float* b, long n) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        a[i] += b[i];
+}
+
+extern "C" __global__ void swiglu(const float* g, const float* u, float* out, long n) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        out[i] = siluf_(g[i]) * u[i];
+}
+
+// --------------------------------------------------------------------------
+// Gated full attention
+
+// Per (token, head): q = rope(rms_norm(qg[.., q half], q_norm)), gate copied
+// out; per (token, kv head): k = rope(rms_norm(k, k_norm)) in place. A block
+// of `hd` threads (a power of two, <= 1024) per (token, head); blockIdx.y is
+// the token, heads nh then nkv along blockIdx.x.
+extern "C" __global__ void attn_prep(const float* qg, float* k, const float* q_norm,
+                                     const float* k_norm, const double* inv_freq, int half_rot,
+                                     int nh, int nkv, int hd, float eps, long start, double pos_scale,
+                                     float* q_out, float* gate_out) {
+    extern __shared__ float sh[];
+    int t = blockIdx.y, h = blockIdx.x, i = threadIdx.x;
+    const float* src;
+    float* dst;
+    const float* nw;
+    if (h < nh) {
+        src = qg + ((long)t * nh + h) * 2 * hd;
+        dst = q_out + ((long)t * nh + h) * hd;
+        nw = q_norm;
+        gate_out[((long)t * nh + h) * hd + i] = src[hd + i];
+    } else {
+        src = k + ((long)t * nkv + (h - nh)) * hd;
+        dst = k + ((long)t * nkv + (h - nh)) * hd;
+        nw = k_norm;
+    }
+    float v = src[i];
+    float ss = block_sum(v * v);
+    float inv = rsqrtf(ss / hd + eps);
+    sh[i] = v * inv * nw[i];
+    __syncthreads();
+    float o = sh[i];
+    if (i < 2 * half_rot) {
+        int j = i < half_rot ? i : i - half_rot;
+        double ang = (double)(start + t) * pos_scale * inv_freq[j];
+        float c = (float)cos(ang), s = (float)sin(ang);
+        float a = sh[j], b = sh[j + half_rot];
+        o = i < half_rot ? a * c - b * s : a * s + b * c;
+    }
+    __syncthreads();
+    dst[i] = o;
+}
+
+// Causal attention of n new tokens (positions start..start+n) over the KV
+// cache rows 0..start+t, output times sigmoid(gate). A block of 8 warps per
+// (head, token) with an online softmax per warp over positions p = warp,
+// warp+8, ...; each lane holds hd/32 output channels (hd <= 256).
+extern "C" __global__ void attention(const float* q, const float* kc, const float* vc,
+                                     const float* gate, int nh, int nkv, int hd, long start,
+                                     float scale, float* out) {
+    const int NW = 8;
+    int h = blockIdx.x, t = blockIdx.y;
+    int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int g = h / (nh / nkv);
+    int per = hd / WARP;  // channels per lane, <= 8
+    long row = (long)nkv * hd;
+    const float* qh = q + ((long)t * nh + h) * hd;
+    float qv[8], acc[8];
+    for (int c = 0; c < per; c++) {
+        qv[c] = qh[lane + c * WARP];
+        acc[c] = 0.0f;
+    }
+    float m = NEG_INF, l = 0.0f;
+    long ctx = start + t + 1;
+    for (long p = w; p < ctx; p += NW) {
+        const float* kr = kc + p * row + (long)g * hd;
+        float d = 0.0f;
+        for (int c = 0; c < per; c++) d = fmaf(qv[c], kr[lane + c * WARP], d);
+        d = warp_sum(d) * scale;
+        float mn = fmaxf(m, d);
+        float corr = expf(m - mn), e = expf(d - mn);
+        l = l * corr + e;
+        const float* vr = vc + p * row + (long)g * hd;
+        for (int c = 0; c < per; c++) acc[c] = fmaf(e, vr[lane + c * WARP], acc[c] * corr);
+        m = mn;
+    }
+    __shared__ float sm[NW], sl[NW], sacc[NW][256];
+    if (lane == 0) {
+        sm[w] = m;
+        sl[w] = l;
+    }
+    for (int c = 0; c < per; c++) sacc[w][lane + c * WARP] = acc[c];
+    __syncthreads();
+    if (w == 0) {
+        float M = NEG_INF;
+        for (int i = 0; i < NW; i++) M = fmaxf(M, sm[i]);
+        float L = 0.0f;
+        for (int i = 0; i < NW; i++) L += sm[i] == NEG_INF ? 0.0f : sl[i] * expf(sm[i] - M);
+        for (int c = 0; c < per; c++) {
+            int ch = lane + c * WARP;
+            float o = 0.0f;
+            for (int i = 0; i < NW; i++)
+                if (sm[i] != NEG_INF) o += sacc[i][ch] * expf(sm[i] - M);
+            long oi = ((long)t * nh + h) * hd + ch;
+            out[oi] = o / L * sigmoidf_(gate[oi]);
+        }
+    }
+}
+
+// --------------------------------------------------------------------------
+// GatedDeltaNet
+
+// Qwen3-Next fused projections, per key head [q dk | k dk | v r*dv | z r*dv]
+// and [b r | a r], into mixed = [q (kd) | k (kd) | v (vd)], z, b, a.
+extern "C" __global__ void deltanet_split(const float* f, const float* gba, int nk, int dk, int dv,
+                                          int r, float* mixed, float* z, float* b, float* a) {
+    int t = blockIdx.y, kh = blockIdx.x;
+    int kd = nk * dk, vd = nk * r * dv, w = 2 * kd + 2 * vd, cd = 2 * kd + vd, nv = nk * r;
+    const float* s = f + (long)t * w + (long)kh * (2 * dk + 2 * r * dv);
+    float* m = mixed + (long)t * cd;
+    for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+        m[kh * dk + i] = s[i];
+        m[kd + kh * dk + i] = s[dk + i];
+    }
+    for (int i = threadIdx.x; i < r * dv; i += blockDim.x) {
+        m[2 * kd + kh * r * dv + i] = s[2 * dk + i];
+        z[(long)t * vd + kh * r * dv + i] = s[2 * dk + r * dv + i];
+    }
+    const float* sb = gba + (long)t * 2 * nv + kh * 2 * r;
+    for (int i = threadIdx.x; i < r; i += blockDim.x) {
+        b[(long)t * nv + kh * r + i] = sb[i];
+        a[(long)t * nv + kh * r + i] = sb[r + i];
+    }
+}
+
+// Causal depthwise conv over [state; inputs] then SiLU, in place; the state
+// keeps the last kk-1 raw inputs. A thread per channel, tokens in order.
+extern "C" __global__ void conv_silu(float* mixed, const float* w, float* state, int cd, int kk, int n) {
+    int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= cd) return;
+    int hist = kk - 1;
+    float st[8];
+    for (int j = 0; j < hist; j++) st[j] = state[(long)j * cd + ch];
+    for (int t = 0; t < n; t++) {
+        float x = mixed[(long)t * cd + ch];
+        float acc = 0.0f;
+        for (int j = 0; j < hist; j++) acc += w[ch * kk + j] * st[j];
+        acc += w[ch * kk + hist] * x;
+        for (int j = 0; j + 1 < hist; j++) st[j] = st[j + 1];
+        if (hist > 0) st[hist - 1] = x;
+        mixed[(long)t * cd + ch] = siluf_(acc);
+    }
+    for (int j = 0; j < hist; j++) state[(long)j * cd + ch] = st[j];
+}
+
+// q and k of every (token, key head): RMS-normalised (eps = 1e-6 / dk) and
+// scaled by 1/dk (q) or 1/sqrt(dk) (k). A block of dk threads per (head of
+// q or k, token): blockIdx.x < nk is q, else k.
+extern "C" __global__ void deltanet_qk_norm(float* mixed, int nk, int dk, int cd) {
+    int t = blockIdx.y, h = blockIdx.x;
+    float inv = rsqrtf((float)dk);
+    float eps = 1e-6f * inv * inv;
+    float scale = h < nk ? inv * inv : inv;
+    float* v = mixed + (long)t * cd + (long)h * dk;  // q heads then k heads, contiguous
+    float x = v[threadIdx.x];
+    float ss = block_sum(x * x);
+    v[threadIdx.x] = x * rsqrtf(ss / dk + eps) * scale;
+}
+
+// The delta rule over n tokens for one value head per block, a thread per
+// state row (dv threads); the row (dk <= 256 floats) stays in registers.
+// y layout: [t][nv][dv].
+extern "C" __global__ void delta_rule(const float* mixed, const float* a, const float* b,
+                                      const float* a_log, const float* dt_bias, float* state,
+                                      int n, int nk, int nv, int dk, int dv, float* y) {
+    __shared__ float qs[256], ks[256];
+    int h = blockIdx.x, i = threadIdx.x;
+    int kh = h / (nv / nk);
+    int kd = nk * dk, cd = 2 * kd + nv * dv;
+    float row[256];
+    float* srow = state + ((long)h * dv + i) * dk;
+    if (i < dv)
+        for (int j = 0; j < dk; j++) row[j] = srow[j];
+    float decay_rate = expf(a_log[h]);
+    for (int t = 0; t < n; t++) {
+        const float* m = mixed + (long)t * cd;
+        __syncthreads();
+        for (int j = i; j < dk; j += blockDim.x) {
+            qs[j] = m[kh * dk + j];
+            ks[j] = m[kd + kh * dk + j];
+        }
+        __syncthreads();
+        float av = a[(long)t * nv + h] + dt_bias[h];
+        float sp = fmaxf(av, 0.0f) + log1pf(expf(-fabsf(av)));
+        float g = expf(-decay_rate * sp);
+        float beta = sigmoidf_(b[(long)t * nv + h]);
+        if (i < dv) {
+            float kdot = 0.0f;
+            for (int j = 0; j < dk; j++) kdot = fmaf(row[j], ks[j], kdot);
+            float d = (m[2 * kd + h * dv + i] - g * kdot) * beta;
+            float out = 0.0f;
+            for (int j = 0; j < dk; j++) {
+                row[j] = fmaf(d, ks[j], g * row[j]);
+                out = fmaf(row[j], qs[j], out);
+            }
+            y[((long)t * nv + h) * dv + i] = out;
+        }
+    }
+    if (i < dv)
+        for (int j = 0; j < dk; j++) srow[j] = row[j];
+}
+
+// Gated RMSNorm per (token, value head): out = rms_norm(y, w) * silu(z); a
+// block of dv threads.
+extern "C" __global__ void gated_norm(const float* y, const float* z, const float* w, float eps,
+                                      int dv, float* out) {
+    long base = ((long)blockIdx.y * gridDim.x + blockIdx.x) * dv;
+    float v = y[base + threadIdx.x];
+    float ss = block_sum(v * v);
+    out[base + threadIdx.x] = v * rsqrtf(ss / dv + eps) * w[threadIdx.x] * siluf_(z[base + threadIdx.x]);
+}
+
+// --------------------------------------------------------------------------
+// Mixture of experts
+
+// One routed expert of a batch: where its projections live (device
+// pointers into the expert cache) and which (token, slot)s it serves.
+struct ExpertTask {
+    const char* base;  // the expert's extent
+    int first;         // its entries in slot_list: first .. first + count
+    int count;
+};
+
+struct ExpertLayout {
+    long gate_w, gate_s, gate_b, up_w, up_s, up_b, down_w, down_s, down_b;
+    int inter, hidden, bits, gs, sf32;
+};
+
+__device__ __forceinline__ QW expert_qw(const char* base, long wo, long so, long bo, int rows, int cols,
+                                        const ExpertLayout& L) {
+    QW q;
+    q.w = (const u32*)(base + wo);
+    q.s = base + so;
+    q.b = base + bo;
+    q.rows = rows;
+    q.cols = cols;
+    q.bits = L.bits;
+    q.gs = L.gs;
+    q.sf32 = L.sf32;
+    return q;
+}
+
+// act[e] = silu(gate_e x) * (up_e x) for every (expert task, its tokens);
+// blockIdx.y = task, a warp per intermediate row. `slot_list` holds
+// slot = token * k + j; act rows are indexed by the position in slot_list.
+template <int BITS>
+__device__ void moe_gate_up_body(const ExpertTask* tasks, ExpertLayout L, const int* slot_list, int k,
+                                 const float* x, float* act) {
+    ExpertTask T = tasks[blockIdx.y];
+    int r = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    if (r >= L.inter) return;
+    int lane = threadIdx.x & 31;
+    QW gq = expert_qw(T.base, L.gate_w, L.gate_s, L.gate_b, L.inter, L.hidden, L);
+    QW uq = expert_qw(T.base, L.up_w, L.up_s, L.up_b, L.inter, L.hidden, L);
+    for (int i = 0; i < T.count; i++) {
+        int tok = slot_list[T.first + i] / k;
+        float gv, uv;
+        qdot<BITS, 1>(gq, r, x + (long)tok * L.hidden, 0, 1, &gv);
+        qdot<BITS, 1>(uq, r, x + (long)tok * L.hidden, 0, 1, &uv);
+        if (lane == 0) act[(long)(T.first + i) * L.inter + r] = siluf_(gv) * uv;
+    }
+}
+
+// y[slot] = down_e act for every (task, its tokens); a warp per hidden row.
+template <int BITS>
+__device__ void moe_down_body(const ExpertTask* tasks, ExpertLayout L, const int* slot_list,
+                              const float* act, float* slot_out) {
+    ExpertTask T = tasks[blockIdx.y];
+    int r = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    if (r >= L.hidden) return;
+    int lane = threadIdx.x & 31;
+    QW dq = expert_qw(T.base, L.down_w, L.down_s, L.down_b, L.hidden, L.inter, L);
+    for (int i = 0; i < T.count; i++) {
+        float v;
+        qdot<BITS, 1>(dq, r, act + (long)(T.first + i) * L.inter, 0, 1, &v);
+        if (lane == 0) slot_out[(long)slot_list[T.first + i] * L.hidden + r] = v;
+    }
+}
+
+extern "C" __global__ void moe_gate_up_b4(const ExpertTask* t, ExpertLayout L, const int* s, int k, const float* x, float* a) { moe_gate_up_body<4>(t, L, s, k, x, a); }
+extern "C" __global__ void moe_gate_up_b8(const ExpertTask* t, ExpertLayout L, const int* s, int k, const float* x, float* a) { moe_gate_up_body<8>(t, L, s, k, x, a); }
+extern "C" __global__ void moe_gate_up_b2(const ExpertTask* t, ExpertLayout L, const int* s, int k, const float* x, float* a) { moe_gate_up_body<2>(t, L, s, k, x, a); }
+extern "C" __global__ void moe_gate_up_bx(const ExpertTask* t, ExpertLayout L, const int* s, int k, const float* x, float* a) { moe_gate_up_body<0>(t, L, s, k, x, a); }
+extern "C" __global__ void moe_down_b4(const ExpertTask* t, ExpertLayout L, const int* s, const float* a, float* y) { moe_down_body<4>(t, L, s, a, y); }
+extern "C" __global__ void moe_down_b8(const ExpertTask* t, ExpertLayout L, const int* s, const float* a, float* y) { moe_down_body<8>(t, L, s, a, y); }
+extern "C" __global__ void moe_down_b2(const ExpertTask* t, ExpertLayout L, const int* s, const float* a, float* y) { moe_down_body<2>(t, L, s, a, y); }
+extern "C" __global__ void moe_down_bx(const ExpertTask* t, ExpertLayout L, const int* s, const float* a, float* y) { moe_down_body<0>(t, L, s, a, y); }
+
+// out[t] = sum_j w[t,j] * slot_out[t*k+j] (slot order) + sigmoid(sg[t]) * shared[t]
+// (when `shared` is not null). A block per token.
+extern "C" __global__ void moe_combine(const float* slot_out, const float* wts, int k, int h,
+                                       const float* shared, const float* sg, float* out) {
+    int t = blockIdx.x;
+    float s = shared ? sigmoidf_(sg[t]) : 0.0f;
+    for (int i = threadIdx.x; i < h; i += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < k; j++) acc += wts[t * k + j] * slot_out[((long)t * k + j) * h + i];
+        if (shared) acc += s * shared[(long)t * h + i];
+        out[(long)t * h + i] = acc;
+    }
+}

@@ -1,0 +1,1049 @@
+//! The Qwen3.5-MoE / Qwen3-Next hybrid on the GPU: the whole dense part and
+//! the sequence state in VRAM, routed experts in the VRAM expert cache.
+//!
+//! The layer structure and the weights' locations come from the CPU model
+//! ([`QwenHybrid`], loaded from the same directory); the dense file is
+//! uploaded once as one buffer and every tensor is an offset into it. The
+//! router's top-K runs on the host with the CPU code, so both backends pick
+//! the same experts; everything else runs on the device.
+
+use crate::config::{Architecture, ModelConfig};
+use crate::error::{Error, Result};
+use crate::io::ExpertStore;
+use crate::model::deltanet::DeltaProjections;
+use crate::model::moe::{ComponentLayout, MoeBlock, Routing};
+use crate::model::qwen3_hybrid::{LogitsMode, Mixer, Mlp, QwenHybrid};
+use crate::model::state::{KvCache, LayerState, LinearState, ModelState};
+use crate::model::timing::{lap, PhaseTimes};
+use crate::model::weights::{DType, LinearRef};
+
+use super::device::{args, copy_dtod, DevBuf, Gpu};
+use super::experts::{CachePolicy, CacheStats, ExpertCache};
+
+/// A quantized matrix as the kernels take it (`struct QW`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct Qw {
+    w: u64,
+    s: u64,
+    b: u64,
+    rows: i32,
+    cols: i32,
+    bits: i32,
+    gs: i32,
+    sf32: i32,
+}
+
+/// Where an expert's projections are inside its extent (`struct ExpertLayout`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct ExpertLayoutC {
+    gate_w: i64,
+    gate_s: i64,
+    gate_b: i64,
+    up_w: i64,
+    up_s: i64,
+    up_b: i64,
+    down_w: i64,
+    down_s: i64,
+    down_b: i64,
+    inter: i32,
+    hidden: i32,
+    bits: i32,
+    gs: i32,
+    sf32: i32,
+}
+
+/// One expert of a layer's batch (`struct ExpertTask`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct ExpertTask {
+    base: u64,
+    first: i32,
+    count: i32,
+}
+
+/// A linear layer on the device.
+#[derive(Clone, Copy, Debug)]
+enum DevLinear {
+    Quant(Qw),
+    Dense {
+        w: u64,
+        f32: i32,
+        rows: i32,
+        cols: i32,
+    },
+}
+
+impl DevLinear {
+    fn rows(&self) -> usize {
+        match self {
+            DevLinear::Quant(q) => q.rows as usize,
+            DevLinear::Dense { rows, .. } => *rows as usize,
+        }
+    }
+}
+
+fn kernel_suffix(bits: i32) -> &'static str {
+    match bits {
+        4 => "b4",
+        8 => "b8",
+        2 => "b2",
+        _ => "bx",
+    }
+}
+
+struct GpuLinearAttn {
+    proj: GpuDeltaProj,
+    conv: DevBuf,
+    a_log: DevBuf,
+    dt_bias: DevBuf,
+    norm: DevBuf,
+    out: DevLinear,
+}
+
+enum GpuDeltaProj {
+    Split {
+        qkv: DevLinear,
+        z: DevLinear,
+        b: DevLinear,
+        a: DevLinear,
+    },
+    Fused {
+        qkvz: DevLinear,
+        ba: DevLinear,
+    },
+}
+
+struct GpuFullAttn {
+    q: DevLinear,
+    k: DevLinear,
+    v: DevLinear,
+    o: DevLinear,
+    q_norm: DevBuf,
+    k_norm: DevBuf,
+}
+
+enum GpuMixer {
+    Full(GpuFullAttn),
+    Linear(GpuLinearAttn),
+}
+
+struct GpuShared {
+    gate: DevLinear,
+    up: DevLinear,
+    down: DevLinear,
+    gate_scalar: DevLinear,
+}
+
+// One value per layer: the size difference between variants costs nothing.
+#[allow(clippy::large_enum_variant)]
+enum GpuMlp {
+    Moe {
+        router: DevLinear,
+        shared: Option<GpuShared>,
+        layout: ExpertLayoutC,
+    },
+    Dense {
+        gate: DevLinear,
+        up: DevLinear,
+        down: DevLinear,
+    },
+}
+
+struct GpuLayer {
+    input_norm: DevBuf,
+    post_norm: DevBuf,
+    mixer: GpuMixer,
+    mlp: GpuMlp,
+}
+
+/// KV cache of one full-attention layer; grows by doubling.
+struct GpuKv {
+    k: DevBuf,
+    v: DevBuf,
+    cap: usize,
+    len: usize,
+    row: usize,
+}
+
+struct GpuLinearState {
+    conv: DevBuf,
+    ssm: DevBuf,
+}
+
+enum GpuLayerState {
+    Full(GpuKv),
+    Linear(GpuLinearState),
+}
+
+/// Scratch buffers, grown on demand and reused across evals.
+#[derive(Default)]
+struct Scratch {
+    bufs: std::collections::HashMap<&'static str, DevBuf>,
+}
+
+impl Scratch {
+    /// Device address of scratch buffer `name` holding at least `bytes`.
+    fn get(&mut self, gpu: &Gpu, name: &'static str, bytes: usize) -> Result<u64> {
+        let grow = self.bufs.get(name).is_none_or(|b| b.bytes() < bytes);
+        if grow {
+            // Round up so slowly growing sizes do not reallocate every time.
+            let cap = bytes.max(256).next_power_of_two();
+            self.bufs.insert(name, DevBuf::zeros(gpu, cap)?);
+        }
+        Ok(self.bufs[name].ptr())
+    }
+}
+
+/// Options of the GPU backend.
+#[derive(Debug, Clone, Default)]
+pub struct CudaOptions {
+    /// Bytes of GPU memory for the expert cache; `None`: everything free
+    /// after the dense weights, state and scratch, less a reserve.
+    pub gpu_memory: Option<u64>,
+    pub cache_policy: CachePolicy,
+}
+
+/// Memory kept free for scratch and the KV caches' growth when the expert
+/// cache takes "everything else".
+const RESERVE: usize = 3 << 30;
+
+pub struct CudaModel {
+    gpu: Gpu,
+    config: ModelConfig,
+    _dense: DevBuf,
+    layers: Vec<GpuLayer>,
+    embed: Qw,
+    lm_head: DevLinear,
+    final_norm: DevBuf,
+    inv_freq: DevBuf,
+    state: Vec<GpuLayerState>,
+    cache: Option<ExpertCache>,
+    scratch: Scratch,
+}
+
+fn unsupported(what: String) -> Error {
+    Error::Gpu(format!("the GPU backend cannot run this model: {what}"))
+}
+
+impl CudaModel {
+    /// Uploads `model`'s dense weights and sets up state and the expert
+    /// cache.
+    pub fn new(gpu: Gpu, model: &QwenHybrid, opts: &CudaOptions) -> Result<CudaModel> {
+        gpu.bind()?;
+        let c = model.config.clone();
+        for (what, v) in [
+            ("head_dim", c.head_dim),
+            ("linear key head dim", c.linear.key_head_dim),
+            ("linear value head dim", c.linear.value_head_dim),
+        ] {
+            if v % 32 != 0 || v > 256 {
+                return Err(unsupported(format!(
+                    "{what} {v} (multiples of 32 up to 256)"
+                )));
+            }
+        }
+        if c.linear.conv_kernel > 9 {
+            return Err(unsupported(format!("conv kernel {}", c.linear.conv_kernel)));
+        }
+        let dense = DevBuf::from_slice(&gpu, model.dense.file_bytes())?;
+        let base = dense.ptr();
+        let lin = |l: &LinearRef| dev_linear(base, l);
+        let vec = |v: &[f32]| DevBuf::from_slice(&gpu, v);
+        let mut layers = Vec::with_capacity(model.layers.len());
+        let mut max_extent = 0usize;
+        for l in &model.layers {
+            let mixer = match &l.mixer {
+                Mixer::Full(a) => GpuMixer::Full(GpuFullAttn {
+                    q: lin(&a.q_proj),
+                    k: lin(&a.k_proj),
+                    v: lin(&a.v_proj),
+                    o: lin(&a.o_proj),
+                    q_norm: vec(&a.q_norm)?,
+                    k_norm: vec(&a.k_norm)?,
+                }),
+                Mixer::Linear(g) => GpuMixer::Linear(GpuLinearAttn {
+                    proj: match &g.proj {
+                        DeltaProjections::Split { qkv, z, b, a } => GpuDeltaProj::Split {
+                            qkv: lin(qkv),
+                            z: lin(z),
+                            b: lin(b),
+                            a: lin(a),
+                        },
+                        DeltaProjections::Fused { qkvz, ba } => GpuDeltaProj::Fused {
+                            qkvz: lin(qkvz),
+                            ba: lin(ba),
+                        },
+                    },
+                    conv: vec(&g.conv)?,
+                    a_log: vec(&g.a_log)?,
+                    dt_bias: vec(&g.dt_bias)?,
+                    norm: vec(&g.norm)?,
+                    out: lin(&g.out_proj),
+                }),
+            };
+            let mlp = match &l.mlp {
+                Mlp::Moe(m) => {
+                    max_extent = max_extent.max(m.experts.extent);
+                    GpuMlp::Moe {
+                        router: lin(&m.router),
+                        shared: m.shared.as_ref().map(|s| GpuShared {
+                            gate: lin(&s.gate),
+                            up: lin(&s.up),
+                            down: lin(&s.down),
+                            gate_scalar: lin(&s.gate_scalar),
+                        }),
+                        layout: expert_layout(m)?,
+                    }
+                }
+                Mlp::Dense(m) => GpuMlp::Dense {
+                    gate: lin(&m.gate),
+                    up: lin(&m.up),
+                    down: lin(&m.down),
+                },
+            };
+            layers.push(GpuLayer {
+                input_norm: vec(&l.input_norm)?,
+                post_norm: vec(&l.post_norm)?,
+                mixer,
+                mlp,
+            });
+        }
+        let embed = match lin(&model.embed) {
+            DevLinear::Quant(q) => q,
+            DevLinear::Dense { .. } => {
+                return Err(unsupported("an unquantized embedding".into()));
+            }
+        };
+        let inv_freq = DevBuf::from_slice(&gpu, &model.rope.inv_freq)?;
+        let mut m = CudaModel {
+            config: c,
+            _dense: dense,
+            layers,
+            embed,
+            lm_head: lin(&model.lm_head),
+            final_norm: vec(&model.final_norm)?,
+            inv_freq,
+            state: Vec::new(),
+            cache: None,
+            scratch: Scratch::default(),
+            gpu,
+        };
+        m.state = m.new_state()?;
+        if max_extent > 0 {
+            let budget = match opts.gpu_memory {
+                Some(b) => b as usize,
+                None => m.gpu.free_bytes()?.saturating_sub(RESERVE),
+            };
+            let min = m.config.moe.num_experts;
+            m.cache = Some(ExpertCache::new(
+                &m.gpu,
+                budget,
+                max_extent,
+                min,
+                opts.cache_policy,
+            )?);
+        }
+        Ok(m)
+    }
+
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    pub fn cache_stats(&self) -> CacheStats {
+        self.cache.as_ref().map(|c| c.stats).unwrap_or_default()
+    }
+
+    /// Expert slots in VRAM.
+    pub fn cache_slots(&self) -> usize {
+        self.cache.as_ref().map_or(0, |c| c.slots())
+    }
+
+    fn new_state(&self) -> Result<Vec<GpuLayerState>> {
+        let c = &self.config;
+        let l = &c.linear;
+        self.layers
+            .iter()
+            .map(|layer| {
+                Ok(match layer.mixer {
+                    GpuMixer::Full(_) => {
+                        let row = c.num_kv_heads * c.head_dim;
+                        GpuLayerState::Full(GpuKv {
+                            k: DevBuf::zeros(&self.gpu, 0)?,
+                            v: DevBuf::zeros(&self.gpu, 0)?,
+                            cap: 0,
+                            len: 0,
+                            row,
+                        })
+                    }
+                    GpuMixer::Linear(_) => GpuLayerState::Linear(GpuLinearState {
+                        conv: DevBuf::zeros(&self.gpu, 4 * (l.conv_kernel - 1) * l.conv_dim())?,
+                        ssm: DevBuf::zeros(
+                            &self.gpu,
+                            4 * l.num_v_heads * l.value_head_dim * l.key_head_dim,
+                        )?,
+                    }),
+                })
+            })
+            .collect()
+    }
+
+    /// Forgets the sequence: empty KV caches, zero recurrent states.
+    pub fn clear(&mut self) -> Result<()> {
+        self.gpu.bind()?;
+        self.gpu.sync()?;
+        self.state = self.new_state()?;
+        Ok(())
+    }
+
+    /// A host copy of the sequence state (same layout as the CPU backend's).
+    pub fn download_state(&self) -> Result<ModelState> {
+        self.gpu.bind()?;
+        self.gpu.sync()?;
+        let layers = self
+            .state
+            .iter()
+            .map(|s| {
+                Ok(match s {
+                    GpuLayerState::Full(kv) => {
+                        let mut k = vec![0.0f32; kv.len * kv.row];
+                        let mut v = vec![0.0f32; kv.len * kv.row];
+                        kv.k.download(&mut k)?;
+                        kv.v.download(&mut v)?;
+                        LayerState::Full(KvCache { k, v, row: kv.row })
+                    }
+                    GpuLayerState::Linear(ls) => LayerState::Linear(download_linear(ls)?),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(ModelState { layers })
+    }
+
+    /// The linear-attention states only (checkpoints).
+    pub fn linear_states(&self) -> Result<Vec<LinearState>> {
+        self.gpu.bind()?;
+        self.gpu.sync()?;
+        self.state
+            .iter()
+            .filter_map(|s| match s {
+                GpuLayerState::Linear(ls) => Some(download_linear(ls)),
+                GpuLayerState::Full(_) => None,
+            })
+            .collect()
+    }
+
+    /// Replaces the state with a host copy (from `download_state` or a
+    /// snapshot of either backend).
+    pub fn upload_state(&mut self, s: &ModelState) -> Result<()> {
+        self.gpu.bind()?;
+        self.gpu.sync()?;
+        let mut state = self.new_state()?;
+        for (dst, src) in state.iter_mut().zip(&s.layers) {
+            match (dst, src) {
+                (GpuLayerState::Full(kv), LayerState::Full(h)) => {
+                    let rows = h.len();
+                    kv.reserve(&self.gpu, rows)?;
+                    kv.k.upload(&h.k)?;
+                    kv.v.upload(&h.v)?;
+                    kv.len = rows;
+                }
+                (GpuLayerState::Linear(ls), LayerState::Linear(h)) => {
+                    ls.conv.upload(&h.conv)?;
+                    ls.ssm.upload(&h.ssm)?;
+                }
+                _ => {
+                    return Err(Error::Invalid(
+                        "state does not match the model's layers".into(),
+                    ))
+                }
+            }
+        }
+        self.state = state;
+        Ok(())
+    }
+
+    /// Keeps the first `pos` KV rows and puts `linear` (one per linear
+    /// layer, in order) into the linear layers.
+    pub fn rewind(&mut self, pos: usize, linear: &[LinearState]) -> Result<()> {
+        self.gpu.bind()?;
+        self.gpu.sync()?;
+        let mut lin = linear.iter();
+        for s in &mut self.state {
+            match s {
+                GpuLayerState::Full(kv) => kv.len = kv.len.min(pos),
+                GpuLayerState::Linear(ls) => {
+                    if let Some(h) = lin.next() {
+                        ls.conv.upload(&h.conv)?;
+                        ls.ssm.upload(&h.ssm)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Evaluates `tokens` at positions `start..` and returns logits like the
+    /// CPU model.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &mut self,
+        store: &ExpertStore,
+        k: usize,
+        tokens: &[u32],
+        start: usize,
+        mode: LogitsMode,
+        times: &mut PhaseTimes,
+    ) -> Result<Vec<f32>> {
+        self.gpu.bind()?;
+        let mut clock = std::time::Instant::now();
+        let c = self.config.clone();
+        let (n, h) = (tokens.len(), c.hidden_size);
+        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        let s = &mut self.scratch;
+        let g = &self.gpu;
+        let d_ids = s.get(g, "ids", 4 * n)?;
+        upload_to(g, d_ids, &ids)?;
+        let x = s.get(g, "x", 4 * n * h)?;
+        let xn = s.get(g, "xn", 4 * n * h)?;
+        let r = s.get(g, "r", 4 * n * h)?;
+        let embed = self.embed;
+        // SAFETY (every launch below): arguments match the kernels in
+        // kernels.cu and device buffers are sized for n tokens.
+        unsafe {
+            g.launch(
+                "qgather_rows",
+                (n as u32, 1, 1),
+                256,
+                0,
+                &mut args!(embed, d_ids, x),
+            )?
+        };
+        for i in 0..self.layers.len() {
+            self.rms_norm(x, self.layers[i].input_norm.ptr(), n, h, xn)?;
+            self.mixer(i, xn, n, start, r)?;
+            self.add(x, r, n * h)?;
+            lap(&mut clock, &mut times.attention);
+            self.rms_norm(x, self.layers[i].post_norm.ptr(), n, h, xn)?;
+            self.mlp(i, store, k, xn, n, r, times)?;
+            clock = std::time::Instant::now();
+            self.add(x, r, n * h)?;
+        }
+        let rows = match mode {
+            LogitsMode::All => 0..n,
+            LogitsMode::Last => n - 1..n,
+        };
+        let m = rows.len();
+        let normed = self.scratch.get(&self.gpu, "normed", 4 * m * h)?;
+        self.rms_norm(
+            x + (4 * rows.start * h) as u64,
+            self.final_norm.ptr(),
+            m,
+            h,
+            normed,
+        )?;
+        let v = c.vocab_size;
+        let logits = self.scratch.get(&self.gpu, "logits", 4 * m * v)?;
+        self.matmul(&self.lm_head.clone(), normed, m, logits)?;
+        let mut out = vec![0.0f32; m * v];
+        self.gpu.sync()?;
+        download_from(&self.gpu, logits, &mut out)?;
+        lap(&mut clock, &mut times.lm_head);
+        Ok(out)
+    }
+
+    fn rms_norm(&self, x: u64, w: u64, rows: usize, width: usize, out: u64) -> Result<()> {
+        let (wd, eps) = (width as i32, self.config.rms_norm_eps);
+        unsafe {
+            self.gpu.launch(
+                "rms_norm",
+                (rows as u32, 1, 1),
+                256,
+                0,
+                &mut args!(x, w, wd, eps, out),
+            )
+        }
+    }
+
+    fn add(&self, a: u64, b: u64, n: usize) -> Result<()> {
+        let nn = n as i64;
+        let blocks = n.div_ceil(256).min(4096) as u32;
+        unsafe {
+            self.gpu
+                .launch("add_inplace", (blocks, 1, 1), 256, 0, &mut args!(a, b, nn))
+        }
+    }
+
+    fn swiglu(&self, gate: u64, up: u64, out: u64, n: usize) -> Result<()> {
+        let nn = n as i64;
+        let blocks = n.div_ceil(256).min(4096) as u32;
+        unsafe {
+            self.gpu.launch(
+                "swiglu",
+                (blocks, 1, 1),
+                256,
+                0,
+                &mut args!(gate, up, out, nn),
+            )
+        }
+    }
+
+    /// `out[n, rows] = x[n, cols] W^T`.
+    fn matmul(&self, w: &DevLinear, x: u64, n: usize, out: u64) -> Result<()> {
+        let nn = n as i32;
+        let blocks = w.rows().div_ceil(8) as u32;
+        match *w {
+            DevLinear::Quant(q) => {
+                let name = format!("qmatmul_{}", kernel_suffix(q.bits));
+                let ty = (n.div_ceil(4)).min(64) as u32;
+                unsafe {
+                    self.gpu
+                        .launch(&name, (blocks, ty, 1), 256, 0, &mut args!(q, x, nn, out))
+                }
+            }
+            DevLinear::Dense { w, f32, rows, cols } => unsafe {
+                self.gpu.launch(
+                    "dmatmul",
+                    (blocks, n.min(64) as u32, 1),
+                    256,
+                    0,
+                    &mut args!(w, f32, rows, cols, x, nn, out),
+                )
+            },
+        }
+    }
+
+    fn mixer(&mut self, i: usize, xn: u64, n: usize, start: usize, out: u64) -> Result<()> {
+        match &self.layers[i].mixer {
+            GpuMixer::Full(_) => self.full_attention(i, xn, n, start, out),
+            GpuMixer::Linear(_) => self.linear_attention(i, xn, n, out),
+        }
+    }
+
+    fn full_attention(
+        &mut self,
+        i: usize,
+        xn: u64,
+        n: usize,
+        start: usize,
+        out: u64,
+    ) -> Result<()> {
+        let c = &self.config;
+        let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
+        let GpuMixer::Full(a) = &self.layers[i].mixer else {
+            unreachable!("called for full attention layers")
+        };
+        let (wq, wk, wv, wo) = (a.q, a.k, a.v, a.o);
+        let (qn, kn) = (a.q_norm.ptr(), a.k_norm.ptr());
+        let g = &self.gpu;
+        let s = &mut self.scratch;
+        let qg = s.get(g, "qg", 4 * n * 2 * nh * hd)?;
+        let k = s.get(g, "k", 4 * n * nkv * hd)?;
+        let v = s.get(g, "v", 4 * n * nkv * hd)?;
+        let q = s.get(g, "q", 4 * n * nh * hd)?;
+        let gate = s.get(g, "gate", 4 * n * nh * hd)?;
+        let attn = s.get(g, "attn", 4 * n * nh * hd)?;
+        self.matmul(&wq, xn, n, qg)?;
+        self.matmul(&wk, xn, n, k)?;
+        self.matmul(&wv, xn, n, v)?;
+        let half = (c.rope.rotary_dim / 2) as i32;
+        let (nh_i, nkv_i, hd_i) = (nh as i32, nkv as i32, hd as i32);
+        let (eps, st, ps) = (c.rms_norm_eps, start as i64, c.rope.position_scale);
+        let inv_freq = self.inv_freq.ptr();
+        unsafe {
+            self.gpu.launch(
+                "attn_prep",
+                ((nh + nkv) as u32, n as u32, 1),
+                hd as u32,
+                (4 * hd) as u32,
+                &mut args!(qg, k, qn, kn, inv_freq, half, nh_i, nkv_i, hd_i, eps, st, ps, q, gate),
+            )?
+        };
+        let GpuLayerState::Full(kv) = &mut self.state[i] else {
+            unreachable!("state built from the same layer list")
+        };
+        if kv.len != start {
+            return Err(Error::Invalid(format!(
+                "GPU KV cache holds {} rows, eval starts at {start}",
+                kv.len
+            )));
+        }
+        kv.reserve(&self.gpu, start + n)?;
+        let row_bytes = 4 * kv.row;
+        copy_dtod(
+            &self.gpu.stream,
+            kv.k.ptr() + (start * row_bytes) as u64,
+            k,
+            n * row_bytes,
+        )?;
+        copy_dtod(
+            &self.gpu.stream,
+            kv.v.ptr() + (start * row_bytes) as u64,
+            v,
+            n * row_bytes,
+        )?;
+        kv.len = start + n;
+        let (kc, vc) = (kv.k.ptr(), kv.v.ptr());
+        let scale = 1.0 / (hd as f32).sqrt();
+        unsafe {
+            self.gpu.launch(
+                "attention",
+                (nh as u32, n as u32, 1),
+                256,
+                0,
+                &mut args!(q, kc, vc, gate, nh_i, nkv_i, hd_i, st, scale, attn),
+            )?
+        };
+        self.matmul(&wo, attn, n, out)
+    }
+
+    fn linear_attention(&mut self, i: usize, xn: u64, n: usize, out: u64) -> Result<()> {
+        let c = self.config.clone();
+        let l = &c.linear;
+        let (nk, nv, dk, dv) = (
+            l.num_k_heads,
+            l.num_v_heads,
+            l.key_head_dim,
+            l.value_head_dim,
+        );
+        let (kd, vd, cd) = (l.key_dim(), l.value_dim(), l.conv_dim());
+        let g = &self.gpu;
+        let s = &mut self.scratch;
+        let mixed = s.get(g, "mixed", 4 * n * cd)?;
+        let z = s.get(g, "z", 4 * n * vd)?;
+        let b = s.get(g, "b", 4 * n * nv)?;
+        let a = s.get(g, "a", 4 * n * nv)?;
+        let y = s.get(g, "y", 4 * n * vd)?;
+        let o = s.get(g, "o", 4 * n * vd)?;
+        let fused = s.get(g, "fused", 4 * n * (2 * kd + 2 * vd))?;
+        let fba = s.get(g, "fba", 4 * n * 2 * nv)?;
+        let GpuMixer::Linear(la) = &self.layers[i].mixer else {
+            unreachable!("called for linear attention layers")
+        };
+        match &la.proj {
+            GpuDeltaProj::Split {
+                qkv,
+                z: zw,
+                b: bw,
+                a: aw,
+            } => {
+                self.matmul(qkv, xn, n, mixed)?;
+                self.matmul(zw, xn, n, z)?;
+                self.matmul(bw, xn, n, b)?;
+                self.matmul(aw, xn, n, a)?;
+            }
+            GpuDeltaProj::Fused { qkvz, ba } => {
+                self.matmul(qkvz, xn, n, fused)?;
+                self.matmul(ba, xn, n, fba)?;
+                let r = (nv / nk) as i32;
+                let (nk_i, dk_i, dv_i) = (nk as i32, dk as i32, dv as i32);
+                unsafe {
+                    self.gpu.launch(
+                        "deltanet_split",
+                        (nk as u32, n as u32, 1),
+                        128,
+                        0,
+                        &mut args!(fused, fba, nk_i, dk_i, dv_i, r, mixed, z, b, a),
+                    )?
+                };
+            }
+        }
+        let GpuLayerState::Linear(st) = &self.state[i] else {
+            unreachable!("state built from the same layer list")
+        };
+        let (conv_state, ssm) = (st.conv.ptr(), st.ssm.ptr());
+        let (conv_w, a_log, dt_bias, norm) = (
+            la.conv.ptr(),
+            la.a_log.ptr(),
+            la.dt_bias.ptr(),
+            la.norm.ptr(),
+        );
+        let out_w = la.out;
+        let (cd_i, kk, nn) = (cd as i32, l.conv_kernel as i32, n as i32);
+        let (nk_i, nv_i, dk_i, dv_i) = (nk as i32, nv as i32, dk as i32, dv as i32);
+        unsafe {
+            self.gpu.launch(
+                "conv_silu",
+                (cd.div_ceil(256) as u32, 1, 1),
+                256,
+                0,
+                &mut args!(mixed, conv_w, conv_state, cd_i, kk, nn),
+            )?;
+            self.gpu.launch(
+                "deltanet_qk_norm",
+                ((2 * nk) as u32, n as u32, 1),
+                dk as u32,
+                0,
+                &mut args!(mixed, nk_i, dk_i, cd_i),
+            )?;
+            self.gpu.launch(
+                "delta_rule",
+                (nv as u32, 1, 1),
+                dv.max(dk).next_multiple_of(32) as u32,
+                0,
+                &mut args!(mixed, a, b, a_log, dt_bias, ssm, nn, nk_i, nv_i, dk_i, dv_i, y),
+            )?;
+            let eps = c.rms_norm_eps;
+            self.gpu.launch(
+                "gated_norm",
+                (nv as u32, n as u32, 1),
+                dv as u32,
+                0,
+                &mut args!(y, z, norm, eps, dv_i, o),
+            )?;
+        }
+        self.matmul(&out_w, o, n, out)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn mlp(
+        &mut self,
+        i: usize,
+        store: &ExpertStore,
+        k: usize,
+        xn: u64,
+        n: usize,
+        out: u64,
+        times: &mut PhaseTimes,
+    ) -> Result<()> {
+        let h = self.config.hidden_size;
+        match &self.layers[i].mlp {
+            GpuMlp::Dense { gate, up, down } => {
+                let (gw, uw, dw) = (*gate, *up, *down);
+                let inter = gw.rows();
+                let s = &mut self.scratch;
+                let gb = s.get(&self.gpu, "g", 4 * n * inter)?;
+                let ub = s.get(&self.gpu, "u", 4 * n * inter)?;
+                let act = s.get(&self.gpu, "act", 4 * n * inter)?;
+                self.matmul(&gw, xn, n, gb)?;
+                self.matmul(&uw, xn, n, ub)?;
+                self.swiglu(gb, ub, act, n * inter)?;
+                self.matmul(&dw, act, n, out)
+            }
+            GpuMlp::Moe { .. } => self.moe(i, store, k, xn, n, h, out, times),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn moe(
+        &mut self,
+        i: usize,
+        store: &ExpertStore,
+        k: usize,
+        xn: u64,
+        n: usize,
+        h: usize,
+        out: u64,
+        times: &mut PhaseTimes,
+    ) -> Result<()> {
+        let mut clock = std::time::Instant::now();
+        let GpuMlp::Moe {
+            router,
+            shared,
+            layout,
+            ..
+        } = &self.layers[i].mlp
+        else {
+            unreachable!("called for MoE layers")
+        };
+        let (router, layout) = (*router, *layout);
+        let shared = shared
+            .as_ref()
+            .map(|s| (s.gate, s.up, s.down, s.gate_scalar));
+        let e = self.config.moe.num_experts;
+        let g = &self.gpu;
+        let s = &mut self.scratch;
+        let logits_d = s.get(g, "router", 4 * n * e)?;
+        self.matmul(&router, xn, n, logits_d)?;
+        let mut logits = vec![0.0f32; n * e];
+        self.gpu.sync()?;
+        download_from(&self.gpu, logits_d, &mut logits)?;
+        let routing = Routing::from_logits(&self.config, logits, k);
+        lap(&mut clock, &mut times.routing);
+
+        // Expert-major slot list: each expert's (token, slot)s contiguous.
+        let users = routing.users();
+        let ids: Vec<usize> = users.keys().copied().collect();
+        let ptrs = self
+            .cache
+            .as_mut()
+            .expect("MoE layers have an expert cache")
+            .ensure(&self.gpu, store, i, &ids)?;
+        lap(&mut clock, &mut times.expert_io);
+        let mut slot_list: Vec<i32> = Vec::with_capacity(n * k);
+        let mut tasks = Vec::with_capacity(ids.len());
+        for (e, ptr) in ids.iter().zip(&ptrs) {
+            let slots = &users[e];
+            tasks.push(ExpertTask {
+                base: *ptr,
+                first: slot_list.len() as i32,
+                count: slots.len() as i32,
+            });
+            slot_list.extend(slots.iter().map(|&s| s as i32));
+        }
+        let inter = layout.inter as usize;
+        let g = &self.gpu;
+        let s = &mut self.scratch;
+        let d_tasks = s.get(g, "tasks", std::mem::size_of_val(tasks.as_slice()))?;
+        let d_slots = s.get(g, "slots", 4 * slot_list.len())?;
+        let d_wts = s.get(g, "wts", 4 * n * k)?;
+        let act = s.get(g, "eact", 4 * n * k * inter)?;
+        let slot_out = s.get(g, "slot_out", 4 * n * k * h)?;
+        upload_to(g, d_tasks, &tasks)?;
+        upload_to(g, d_slots, &slot_list)?;
+        upload_to(g, d_wts, &routing.weights)?;
+
+        // Shared expert.
+        let (sy, sg) = match shared {
+            Some((gate, up, down, gate_scalar)) => {
+                let si = gate.rows();
+                let s = &mut self.scratch;
+                let gb = s.get(&self.gpu, "sg_g", 4 * n * si)?;
+                let ub = s.get(&self.gpu, "sg_u", 4 * n * si)?;
+                let sact = s.get(&self.gpu, "sg_act", 4 * n * si)?;
+                let sy = s.get(&self.gpu, "sg_y", 4 * n * h)?;
+                let sg = s.get(&self.gpu, "sg_s", 4 * n)?;
+                self.matmul(&gate, xn, n, gb)?;
+                self.matmul(&up, xn, n, ub)?;
+                self.matmul(&gate_scalar, xn, n, sg)?;
+                self.swiglu(gb, ub, sact, n * si)?;
+                self.matmul(&down, sact, n, sy)?;
+                (sy, sg)
+            }
+            None => (0u64, 0u64),
+        };
+        lap(&mut clock, &mut times.shared_mlp);
+
+        let sfx = kernel_suffix(layout.bits);
+        let n_tasks = tasks.len() as u32;
+        let k_i = k as i32;
+        let (h_i, nn) = (h as i32, n as u32);
+        unsafe {
+            self.gpu.launch(
+                &format!("moe_gate_up_{sfx}"),
+                (inter.div_ceil(8) as u32, n_tasks, 1),
+                256,
+                0,
+                &mut args!(d_tasks, layout, d_slots, k_i, xn, act),
+            )?;
+            self.gpu.launch(
+                &format!("moe_down_{sfx}"),
+                (h.div_ceil(8) as u32, n_tasks, 1),
+                256,
+                0,
+                &mut args!(d_tasks, layout, d_slots, act, slot_out),
+            )?;
+            self.gpu.launch(
+                "moe_combine",
+                (nn, 1, 1),
+                256,
+                0,
+                &mut args!(slot_out, d_wts, k_i, h_i, sy, sg, out),
+            )?;
+        }
+        lap(&mut clock, &mut times.expert_compute);
+        Ok(())
+    }
+}
+
+impl GpuKv {
+    /// Room for at least `rows` rows, keeping the existing ones.
+    fn reserve(&mut self, gpu: &Gpu, rows: usize) -> Result<()> {
+        if rows <= self.cap {
+            return Ok(());
+        }
+        let cap = rows.next_power_of_two().max(256);
+        let bytes = 4 * cap * self.row;
+        let (k, v) = (DevBuf::zeros(gpu, bytes)?, DevBuf::zeros(gpu, bytes)?);
+        let used = 4 * self.len * self.row;
+        copy_dtod(&gpu.stream, k.ptr(), self.k.ptr(), used)?;
+        copy_dtod(&gpu.stream, v.ptr(), self.v.ptr(), used)?;
+        gpu.sync()?;
+        self.k = k;
+        self.v = v;
+        self.cap = cap;
+        Ok(())
+    }
+}
+
+fn download_linear(ls: &GpuLinearState) -> Result<LinearState> {
+    let mut conv = vec![0.0f32; ls.conv.bytes() / 4];
+    let mut ssm = vec![0.0f32; ls.ssm.bytes() / 4];
+    ls.conv.download(&mut conv)?;
+    ls.ssm.download(&mut ssm)?;
+    Ok(LinearState { conv, ssm })
+}
+
+fn upload_to<T: Copy>(gpu: &Gpu, dst: u64, data: &[T]) -> Result<()> {
+    if data.is_empty() {
+        return Ok(());
+    }
+    // Ordered before the kernels that read it: the stream is synchronised
+    // first, then the copy is synchronous.
+    gpu.sync()?;
+    // SAFETY: `dst` is a scratch buffer sized for `data`.
+    unsafe { cudarc::driver::result::memcpy_htod_sync(dst, data) }
+        .map_err(|e| Error::Gpu(format!("copy to GPU: {e}")))
+}
+
+fn download_from<T: Copy>(_gpu: &Gpu, src: u64, out: &mut [T]) -> Result<()> {
+    // SAFETY: `src` is a device buffer holding at least `out`'s bytes.
+    unsafe { cudarc::driver::result::memcpy_dtoh_sync(out, src) }
+        .map_err(|e| Error::Gpu(format!("copy from GPU: {e}")))
+}
+
+fn dev_linear(base: u64, l: &LinearRef) -> DevLinear {
+    let at = |loc: &crate::model::weights::TensorLoc| base + loc.offset as u64;
+    match l.quant {
+        Some((spec, s, b)) => DevLinear::Quant(Qw {
+            w: at(&l.weight),
+            s: at(&s),
+            b: at(&b),
+            rows: l.rows as i32,
+            cols: l.cols as i32,
+            bits: spec.bits as i32,
+            gs: spec.group_size as i32,
+            sf32: (s.dtype == DType::F32) as i32,
+        }),
+        None => DevLinear::Dense {
+            w: at(&l.weight),
+            f32: (l.weight.dtype == DType::F32) as i32,
+            rows: l.rows as i32,
+            cols: l.cols as i32,
+        },
+    }
+}
+
+fn expert_layout(m: &MoeBlock) -> Result<ExpertLayoutC> {
+    let x = &m.experts;
+    let same =
+        |a: &ComponentLayout, b: &ComponentLayout| a.spec == b.spec && a.scales_f32 == b.scales_f32;
+    if !same(&x.gate, &x.up) || !same(&x.gate, &x.down) {
+        return Err(unsupported(format!(
+            "layer {}: routed expert projections quantized differently",
+            m.layer
+        )));
+    }
+    Ok(ExpertLayoutC {
+        gate_w: x.gate.weight as i64,
+        gate_s: x.gate.scales as i64,
+        gate_b: x.gate.biases as i64,
+        up_w: x.up.weight as i64,
+        up_s: x.up.scales as i64,
+        up_b: x.up.biases as i64,
+        down_w: x.down.weight as i64,
+        down_s: x.down.scales as i64,
+        down_b: x.down.biases as i64,
+        inter: x.gate.rows as i32,
+        hidden: x.gate.cols as i32,
+        bits: x.gate.spec.bits as i32,
+        gs: x.gate.spec.group_size as i32,
+        sf32: x.gate.scales_f32 as i32,
+    })
+}
+
+/// Architectures the GPU backend runs.
+pub fn supports(arch: Architecture) -> bool {
+    matches!(arch, Architecture::Qwen3_5Moe | Architecture::Qwen3Next)
+}

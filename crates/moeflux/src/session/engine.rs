@@ -1,0 +1,109 @@
+//! Where a session's forward pass runs, and its sequence state: on the CPU
+//! (state in host memory) or on a GPU (state in VRAM, copied to the host
+//! only for checkpoints and snapshots, in the same layout).
+
+use std::borrow::Cow;
+
+use crate::backend::cuda::model::CudaModel;
+use crate::error::Result;
+use crate::io::{ExpertBuf, ExpertStore};
+use crate::model::experts::{ExpertRun, PrefetchStats};
+use crate::model::qwen3_hybrid::{LogitsMode, QwenHybrid};
+use crate::model::state::{LinearState, ModelState};
+use crate::model::timing::PhaseTimes;
+
+pub(crate) enum Engine {
+    Cpu {
+        state: ModelState,
+        /// Reusable expert read buffers.
+        bufs: Vec<ExpertBuf>,
+    },
+    Cuda(Box<CudaModel>),
+}
+
+/// What a forward pass needs besides the engine.
+pub(crate) struct ForwardCtx<'a> {
+    pub model: &'a QwenHybrid,
+    pub store: &'a ExpertStore,
+    pub pool: &'a rayon::ThreadPool,
+    pub k: usize,
+    pub prefetch: bool,
+    pub prefetch_stats: &'a mut PrefetchStats,
+    pub times: &'a mut PhaseTimes,
+}
+
+impl Engine {
+    pub fn forward(
+        &mut self,
+        cx: ForwardCtx<'_>,
+        tokens: &[u32],
+        start: usize,
+        mode: LogitsMode,
+    ) -> Result<Vec<f32>> {
+        match self {
+            Engine::Cpu { state, bufs } => {
+                let mut run = ExpertRun {
+                    store: cx.store,
+                    bufs,
+                    k: cx.k,
+                    prefetch: cx.prefetch,
+                    pending: None,
+                    stats: cx.prefetch_stats,
+                };
+                let (model, times) = (cx.model, cx.times);
+                cx.pool
+                    .install(|| model.forward(&mut run, state, tokens, start, mode, times))
+            }
+            Engine::Cuda(m) => m.forward(cx.store, cx.k, tokens, start, mode, cx.times),
+        }
+    }
+
+    /// Empties the state (position 0).
+    pub fn clear(&mut self) -> Result<()> {
+        match self {
+            Engine::Cpu { state, .. } => {
+                state.clear();
+                Ok(())
+            }
+            Engine::Cuda(m) => m.clear(),
+        }
+    }
+
+    /// Copies of the linear-attention states, in layer order.
+    pub fn linear_states(&self) -> Result<Vec<LinearState>> {
+        match self {
+            Engine::Cpu { state, .. } => Ok(state.linear_states()),
+            Engine::Cuda(m) => m.linear_states(),
+        }
+    }
+
+    /// Keeps `pos` positions of the attention layers and installs `linear`.
+    pub fn rewind(&mut self, pos: usize, linear: &[LinearState]) -> Result<()> {
+        match self {
+            Engine::Cpu { state, .. } => {
+                state.rewind(pos, linear);
+                Ok(())
+            }
+            Engine::Cuda(m) => m.rewind(pos, linear),
+        }
+    }
+
+    /// The whole state in host memory.
+    pub fn host_state(&self) -> Result<Cow<'_, ModelState>> {
+        match self {
+            Engine::Cpu { state, .. } => Ok(Cow::Borrowed(state)),
+            Engine::Cuda(m) => Ok(Cow::Owned(m.download_state()?)),
+        }
+    }
+
+    /// Replaces the state (validated by the caller).
+    pub fn set_state(&mut self, new: ModelState) -> Result<()> {
+        match self {
+            Engine::Cpu { state, .. } => {
+                *state = new;
+                Ok(())
+            }
+            Engine::Cuda(m) => m.upload_state(&new),
+        }
+    }
+}
