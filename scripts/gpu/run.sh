@@ -4,6 +4,7 @@
 #   bash scripts/gpu/run.sh tests   GPU tests (goldens, GPU vs CPU, snapshots, cache)
 #   bash scripts/gpu/run.sh bench   synth models and GPU benchmarks (bench/gpu.sh)
 #   bash scripts/gpu/run.sh all     both
+# Arguments after the first go to bench/gpu.sh (e.g. `bench --parts a --quick`).
 set -uo pipefail
 what=${1:-all}
 out=${OUT:-$PWD/gpu-out}
@@ -20,6 +21,6 @@ if [[ $what == tests || $what == all ]]; then
   "$stage/gpu-tests" --ignored --test-threads=1 --nocapture 2>&1 | tee "$out/gpu-tests.log" || rc=1
 fi
 if [[ $what == bench || $what == all ]]; then
-  MOEFLUX=$stage/moeflux bash bench/gpu.sh 2>&1 | tee "$out/bench.log" || rc=1
+  MOEFLUX=$stage/moeflux bash bench/gpu.sh "${@:2}" 2>&1 | tee "$out/bench.log" || rc=1
 fi
 exit $rc

@@ -63,7 +63,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
     } else {
         None
     };
-    let mem_gb_s = bench::memory_read_gb_s(threads)?;
+    // On the GPU the roofline's memory is device memory, and expert misses
+    // cross PCIe.
+    let gpu_bw = session.gpu_bandwidths()?;
+    let mem_gb_s = match gpu_bw {
+        Some((hbm, _)) => hbm,
+        None => bench::memory_read_gb_s(threads)?,
+    };
+    let h2d_gb_s = gpu_bw.map(|(_, h2d)| h2d);
     let quiet = args.json;
     let result = bench::run(&mut session, &opts, &mut |line| {
         if !quiet {
@@ -76,6 +83,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         result: &result,
         threads,
         mem_gb_s,
+        h2d_gb_s,
         seq_gb_s,
     };
     if args.json {
@@ -92,6 +100,7 @@ struct Report<'a> {
     result: &'a BenchResult,
     threads: usize,
     mem_gb_s: f64,
+    h2d_gb_s: Option<f64>,
     seq_gb_s: Option<f64>,
 }
 
@@ -120,6 +129,15 @@ impl Report<'_> {
         self.mem_gb_s * 1e9 / self.session.decode_bytes_per_token() as f64
     }
 
+    /// Decode tokens per second if the weights streamed at the memory
+    /// bandwidth and the expert bytes missing from the GPU cache crossed
+    /// PCIe at the pinned copy bandwidth, one after the other.
+    fn pcie_ceiling_tok_s(&self, t: &TestResult) -> Option<f64> {
+        let h2d = self.h2d_gb_s?;
+        let dense = self.session.decode_bytes_per_token() as f64 / (self.mem_gb_s * 1e9);
+        Some(1.0 / (dense + t.uploaded_bytes_per_token() / (h2d * 1e9)))
+    }
+
     fn test_json(t: &TestResult) -> Value {
         let phases: serde_json::Map<String, Value> = t
             .times
@@ -140,6 +158,8 @@ impl Report<'_> {
             "page_cache_hit_rate": t.page_cache_hit_rate(),
             "prefetch_hit_rate": t.prefetch.hit_rate(),
             "prefetch_precision": t.prefetch.precision(),
+            "gpu_cache_hit_rate": t.gpu_cache.hit_rate(),
+            "uploaded_bytes_per_token": t.uploaded_bytes_per_token(),
         })
     }
 
@@ -168,6 +188,10 @@ impl Report<'_> {
             "memory_gb_s": self.mem_gb_s,
             "decode_roofline_tok_s": self.roofline_tok_s(),
             "sequential_direct_gb_s": self.seq_gb_s,
+            "h2d_pinned_gb_s": self.h2d_gb_s,
+            "gpu_cache_slots": self.session.gpu_cache_slots(),
+            "expert_bytes_total": self.session.expert_store().total_bytes(),
+            "decode_pcie_ceiling_tok_s": r.decode.as_ref().and_then(|t| self.pcie_ceiling_tok_s(t)),
         })
     }
 
@@ -244,6 +268,37 @@ impl Report<'_> {
             ));
         }
         out.push('\n');
+        if let Some(h2d) = self.h2d_gb_s {
+            let store = self.session.expert_store();
+            let total = store.total_bytes();
+            let extent = store.layers().next().map_or(0, |l| store.extent_bytes(l));
+            let cached = (self.session.gpu_cache_slots() * extent) as u64;
+            out.push_str(&format!(
+                "GPU expert cache: {} slots, {} ({:.0}% of the {} of experts); \
+                 pinned host-to-GPU {:.1} GB/s\n",
+                self.session.gpu_cache_slots(),
+                human_bytes(cached),
+                100.0 * cached.min(total) as f64 / total.max(1) as f64,
+                human_bytes(total),
+                h2d
+            ));
+            for (name, t) in &tests {
+                out.push_str(&format!(
+                    "  {name}: cache hit rate {}, {} uploaded per token",
+                    pct(t.gpu_cache.hit_rate()),
+                    human_bytes(t.uploaded_bytes_per_token() as u64)
+                ));
+                if name.starts_with("tg") {
+                    if let Some(c) = self.pcie_ceiling_tok_s(t) {
+                        out.push_str(&format!(
+                            "; PCIe ceiling {c:.1} tok/s ({:.0}% reached)",
+                            100.0 * t.mean_tok_s() / c
+                        ));
+                    }
+                }
+                out.push('\n');
+            }
+        }
         if let Some(seq) = self.seq_gb_s {
             out.push_str(&format!("sequential O_DIRECT read: {seq:.2} GB/s"));
             if let Some(t) = &r.decode {

@@ -6,6 +6,7 @@
 
 use std::time::{Duration, Instant};
 
+use crate::backend::cuda::CacheStats;
 use crate::error::{Error, Result};
 use crate::io::{procfs, IoStats};
 use crate::model::experts::PrefetchStats;
@@ -61,6 +62,8 @@ pub struct TestResult {
     pub mapped: bool,
     /// Speculative prefetch over the repetitions.
     pub prefetch: PrefetchStats,
+    /// GPU expert cache over the repetitions (zero on the CPU).
+    pub gpu_cache: CacheStats,
 }
 
 impl TestResult {
@@ -86,6 +89,11 @@ impl TestResult {
     /// Expert bytes read per evaluated token.
     pub fn expert_bytes_per_token(&self) -> f64 {
         self.io.bytes as f64 / (self.tokens * self.tok_s.len()).max(1) as f64
+    }
+
+    /// Expert bytes uploaded to the GPU per evaluated token (cache misses).
+    pub fn uploaded_bytes_per_token(&self) -> f64 {
+        self.gpu_cache.uploaded_bytes as f64 / (self.tokens * self.tok_s.len()).max(1) as f64
     }
 
     /// Expert bytes per second of wall time (the bandwidth the test
@@ -210,6 +218,7 @@ fn test(
         wall: Duration::ZERO,
         mapped: session.experts_mapped(),
         prefetch: PrefetchStats::default(),
+        gpu_cache: CacheStats::default(),
     };
     for rep in 0..opts.reps {
         session.clear();
@@ -222,6 +231,7 @@ fn test(
             procfs::disk_read_bytes(),
         );
         let pf0 = session.prefetch_stats();
+        let gc0 = session.gpu_cache_stats();
         let t0 = Instant::now();
         body(session)?;
         let wall = t0.elapsed();
@@ -232,6 +242,7 @@ fn test(
         let io = session.io_stats().since(&io0);
         r.io = r.io.plus(&io);
         r.prefetch = r.prefetch.plus(&session.prefetch_stats().since(&pf0));
+        r.gpu_cache = r.gpu_cache.plus(&session.gpu_cache_stats().since(&gc0));
         r.times = r.times.plus(&session.times().minus(&times0));
         r.wall += wall;
         let tok_s = tokens as f64 / wall.as_secs_f64();
@@ -302,11 +313,16 @@ mod tests {
             wall: Duration::from_secs(2),
             mapped: false,
             prefetch: PrefetchStats::default(),
+            gpu_cache: CacheStats {
+                uploaded_bytes: 4000,
+                ..Default::default()
+            },
         };
         assert_eq!(r.mean_tok_s(), 2.0);
         assert!((r.std_tok_s() - 2f64.sqrt()).abs() < 1e-12);
         assert_eq!(r.ms_per_token(r.times.attention), 2.0);
         assert_eq!(r.expert_bytes_per_token(), 100.0);
+        assert_eq!(r.uploaded_bytes_per_token(), 200.0);
         assert_eq!(r.page_cache_hit_rate(), Some(0.75));
         assert!((r.expert_gb_s() - 1e-6).abs() < 1e-15);
         let mapped = TestResult {

@@ -418,6 +418,16 @@ impl ExpertStore {
         self.layer(layer).map(|l| l.num_experts)
     }
 
+    /// Bytes of all expert extents of all layers (what a cache holding
+    /// every expert needs).
+    pub fn total_bytes(&self) -> u64 {
+        self.layers
+            .iter()
+            .flatten()
+            .map(|l| (l.num_experts * l.extent) as u64)
+            .sum()
+    }
+
     /// Model layer indices that have routed experts, ascending.
     pub fn layers(&self) -> impl Iterator<Item = usize> + '_ {
         self.layers.iter().flatten().map(|l| l.layer)

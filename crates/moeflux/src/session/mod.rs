@@ -286,6 +286,23 @@ impl Session {
         }
     }
 
+    /// GPU memory read bandwidth and pinned host-to-GPU copy bandwidth in
+    /// GB/s, measured now (`None` on the CPU).
+    pub fn gpu_bandwidths(&self) -> Result<Option<(f64, f64)>> {
+        match &self.engine {
+            Engine::Cuda(m) => Ok(Some((m.gpu().hbm_read_gb_s()?, m.gpu().h2d_pinned_gb_s()?))),
+            Engine::Cpu { .. } => Ok(None),
+        }
+    }
+
+    /// Expert slots of the GPU expert cache (0 on the CPU).
+    pub fn gpu_cache_slots(&self) -> usize {
+        match &self.engine {
+            Engine::Cuda(m) => m.cache_slots(),
+            Engine::Cpu { .. } => 0,
+        }
+    }
+
     /// Compute threads.
     pub fn threads(&self) -> usize {
         self.pool.current_num_threads()

@@ -45,6 +45,7 @@ const KERNEL_NAMES: &[&str] = &[
     "moe_down_b2",
     "moe_down_bx",
     "moe_combine",
+    "read_probe",
 ];
 
 /// What [`probe`] found.
@@ -185,6 +186,53 @@ impl Gpu {
 
     pub fn sync(&self) -> Result<()> {
         self.stream.synchronize().map_err(|e| gpu_err("GPU", e))
+    }
+
+    /// Device memory read bandwidth in GB/s: the best of a few full reads
+    /// of a 1 GiB buffer (the roofline's denominator).
+    pub fn hbm_read_gb_s(&self) -> Result<f64> {
+        let bytes = 1usize << 30;
+        let buf = DevBuf::zeros(self, bytes)?;
+        let sink = DevBuf::zeros(self, 4)?;
+        let (p, n, s) = (buf.ptr(), (bytes / 16) as i64, sink.ptr());
+        let blocks = 4 * self.multiprocessors()?;
+        let mut best = f64::MAX;
+        for _ in 0..5 {
+            self.sync()?;
+            let t = std::time::Instant::now();
+            // SAFETY: the buffer holds n 16-byte words; sink holds 4 bytes.
+            unsafe { self.launch("read_probe", (blocks, 1, 1), 1024, 0, &mut args!(p, n, s))? };
+            self.sync()?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        Ok(bytes as f64 / best / 1e9)
+    }
+
+    /// Host-to-device bandwidth from pinned memory in GB/s (the ceiling of
+    /// expert uploads): the best of a few 256 MiB copies.
+    pub fn h2d_pinned_gb_s(&self) -> Result<f64> {
+        let bytes = 256usize << 20;
+        let mut host = vec![1u8; bytes];
+        let pin = Pinned::register(self, &mut host)?;
+        let dev = DevBuf::zeros(self, bytes)?;
+        let mut best = f64::MAX;
+        for _ in 0..5 {
+            let t = std::time::Instant::now();
+            // SAFETY: `host` is pinned and outlives the synchronised copy.
+            unsafe { copy_htod_async(&self.copy, dev.ptr(), &host)? };
+            self.copy.synchronize().map_err(|e| gpu_err("GPU copy", e))?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        drop(pin);
+        Ok(bytes as f64 / best / 1e9)
+    }
+
+    fn multiprocessors(&self) -> Result<u32> {
+        use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT as SMS;
+        Ok(self
+            .ctx
+            .attribute(SMS)
+            .map_err(|e| gpu_err("GPU attribute", e))? as u32)
     }
 
     /// Bytes of device memory free now.

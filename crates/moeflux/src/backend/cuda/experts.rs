@@ -46,6 +46,23 @@ pub struct CacheStats {
 }
 
 impl CacheStats {
+    /// Counts since `earlier`.
+    pub fn since(&self, earlier: &CacheStats) -> CacheStats {
+        CacheStats {
+            hits: self.hits - earlier.hits,
+            misses: self.misses - earlier.misses,
+            uploaded_bytes: self.uploaded_bytes - earlier.uploaded_bytes,
+        }
+    }
+
+    pub fn plus(&self, o: &CacheStats) -> CacheStats {
+        CacheStats {
+            hits: self.hits + o.hits,
+            misses: self.misses + o.misses,
+            uploaded_bytes: self.uploaded_bytes + o.uploaded_bytes,
+        }
+    }
+
     pub fn hit_rate(&self) -> Option<f64> {
         let n = self.hits + self.misses;
         (n > 0).then(|| self.hits as f64 / n as f64)

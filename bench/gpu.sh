@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# moeflux on one NVIDIA GPU: the benchmarks of docs/PERFORMANCE.md's GPU section.
+# Runs on the GPU machine (scripts/gpu/run.sh bench), with synth models made there.
+#
+#   bench/gpu.sh [--parts a,b,c] [--reps R] [--dir DIR] [--out DIR] [--quick]
+#
+#   a  qwen3.6-35b-a3b widths, all 40 layers, every expert in VRAM: pp512, pp4096, tg128;
+#      decode against the roofline (weight bytes per token / measured device-memory bandwidth)
+#   b  the same model with --gpu-memory holding 25% of the expert bytes: tg128 with uniform
+#      routing and with --router-skew zipf:1, LFU-DA and LRU; decode against the PCIe ceiling
+#      (resident time + missed expert bytes / measured pinned host-to-GPU bandwidth)
+#   c  qwen3.5-397b-a17b widths, the first 12 layers (what the disk holds), --gpu-memory set
+#      to hold 30% of the experts (an 80 GB card's share of the 60-layer model), experts from
+#      the page cache: ms per layer and tok/s extrapolated to 60 layers, at top-10 and K=4
+#
+# $MOEFLUX names the binary (default: target/release/moeflux). Models go to --dir (default
+# /tmp/moeflux-bench) and are deleted when their part ends (the disk holds one at a time).
+# Each run's JSON goes to --out (default $OUT or ./gpu-out); one markdown table on stdout.
+# --quick: one repetition, shorter tests (a smoke run).
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+MOEFLUX=${MOEFLUX:-$REPO/target/release/moeflux}
+PARTS=a,b,c
+REPS=3
+DIR=/tmp/moeflux-bench
+OUTDIR=${OUT:-$PWD/gpu-out}
+QUICK=0
+
+die() { echo "bench/gpu.sh: error: $*" >&2; exit 1; }
+note() { echo "bench/gpu.sh: $*" >&2; }
+
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --parts) PARTS=${2:?}; shift 2 ;;
+    --reps) REPS=${2:?}; shift 2 ;;
+    --dir) DIR=${2:?}; shift 2 ;;
+    --out) OUTDIR=${2:?}; shift 2 ;;
+    --quick) QUICK=1; REPS=1; shift ;;
+    -h|--help) sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) die "unknown argument '$1' (see --help)" ;;
+  esac
+done
+[[ -x $MOEFLUX ]] || die "MOEFLUX=$MOEFLUX is not an executable (build it, or scripts/gpu/stage.sh)"
+[[ $REPS =~ ^[1-9][0-9]*$ ]] || die "--reps must be a positive integer"
+mkdir -p "$DIR" "$OUTDIR"
+has() { [[ ,$PARTS, == *,$1,* ]]; }
+
+ROWS=()
+# bench NAME MODEL ARGS...: one `moeflux bench --json` run, saved as NAME.json, one table row.
+bench() {
+  local name=$1 model=$2
+  shift 2
+  note "$name: moeflux bench $*"
+  "$MOEFLUX" bench --model "$model" --backend cuda --reps "$REPS" --json "$@" \
+    >"$OUTDIR/$name.json" 2>"$OUTDIR/$name.log" ||
+    { cat "$OUTDIR/$name.log" >&2; die "$name failed"; }
+  ROWS+=("$(python3 - "$name" "$OUTDIR/$name.json" <<'EOF'
+import json, sys
+name, path = sys.argv[1], sys.argv[2]
+r = json.load(open(path))
+def f(x, fmt="{:.1f}"):
+    return "-" if x is None else fmt.format(x)
+pp, tg = r.get("prefill"), r.get("decode")
+roof = r.get("decode_roofline_tok_s")
+ceil = r.get("decode_pcie_ceiling_tok_s")
+tgv = r.get("decode_tok_s")
+cells = [
+    name,
+    f(r.get("prefill_tok_s")) + (f" (pp{pp['tokens']})" if pp else ""),
+    f(tgv),
+    f(tg and tg["ms_per_token"].get("expert_io_wait"), "{:.2f}") if tg else "-",
+    f(tgv / roof * 100, "{:.0f}%") if tgv and roof else "-",
+    f(tg and tg.get("gpu_cache_hit_rate") and tg["gpu_cache_hit_rate"] * 100, "{:.1f}%") if tg else "-",
+    f(tg and tg["uploaded_bytes_per_token"] / 1e6, "{:.1f}") if tg else "-",
+    f(ceil) + (f" ({tgv / ceil * 100:.0f}%)" if ceil and tgv else ""),
+    f(r.get("h2d_pinned_gb_s")),
+    f(r.get("memory_gb_s"), "{:.0f}"),
+]
+print("| " + " | ".join(cells) + " |")
+EOF
+)")
+}
+
+synth() {
+  local dst=$1
+  shift
+  note "synth $* -> $dst"
+  local t0=$SECONDS
+  "$MOEFLUX" synth --force "$@" "$dst" >&2 || die "synth failed"
+  note "synth took $((SECONDS - t0)) s ($(du -sh "$dst" | cut -f1))"
+}
+
+# Expert bytes of a model directory (the expert files).
+expert_bytes() { du -cb "$1"/experts* 2>/dev/null | tail -n 1 | cut -f1; }
+
+if [[ $QUICK == 1 ]]; then PP=128; PPL=512; TG=32; else PP=512; PPL=4096; TG=128; fi
+
+if has a || has b; then
+  A3B=$DIR/a3b-40
+  synth "$A3B" --preset qwen3.6-35b-a3b
+fi
+
+if has a; then
+  bench a-resident-pp$PP "$A3B" --prompt-len $PP --gen $TG
+  bench a-resident-pp$PPL "$A3B" --prompt-len $PPL --gen 0
+fi
+
+if has b; then
+  budget=$(( $(expert_bytes "$A3B") / 4 ))
+  note "b: --gpu-memory $budget (25% of the expert bytes)"
+  for policy in lfu lru; do
+    bench b-25pct-uniform-$policy "$A3B" --prompt-len 0 --gen $TG --gpu-memory $budget --cache-policy $policy
+  done
+  synth "$A3B-zipf" --preset qwen3.6-35b-a3b --router-skew zipf:1
+  rm -rf "$A3B"
+  for policy in lfu lru; do
+    bench b-25pct-zipf1-$policy "$A3B-zipf" --prompt-len 0 --gen $TG --gpu-memory $budget --cache-policy $policy
+  done
+  rm -rf "$A3B-zipf"
+fi
+has a && rm -rf "$A3B"
+
+if has c; then
+  BIG=$DIR/397b-12
+  synth "$BIG" --preset qwen3.5-397b-a17b --layers 12
+  # 30% of the 12 layers' experts: an 80 GB card holds ~30% of the full model's experts.
+  budget=$(( $(expert_bytes "$BIG") * 3 / 10 ))
+  # Warm the page cache (the experts live in host RAM).
+  cat "$BIG"/experts* >/dev/null
+  bench c-397b-12l-top10 "$BIG" --prompt-len 0 --gen $TG --gpu-memory $budget
+  bench c-397b-12l-k4 "$BIG" --prompt-len 0 --gen $TG --gpu-memory $budget --experts-per-token 4
+  rm -rf "$BIG"
+fi
+
+echo
+echo "| run | prefill tok/s | decode tok/s | expert I/O ms/tok | of roofline | cache hits | MB uploaded/tok | PCIe ceiling tok/s | H2D GB/s | HBM GB/s |"
+echo "|---|---|---|---|---|---|---|---|---|---|"
+printf '%s\n' "${ROWS[@]}"
+if has c; then
+  python3 - "$OUTDIR" <<'EOF'
+import json, sys, os
+for name in ("c-397b-12l-top10", "c-397b-12l-k4"):
+    p = os.path.join(sys.argv[1], name + ".json")
+    if not os.path.exists(p):
+        continue
+    r = json.load(open(p))
+    tg = r["decode_tok_s"]
+    ms_layer = 1e3 / tg / r["layers"]
+    print(f"{name}: {ms_layer:.2f} ms per layer -> {1e3 / (ms_layer * 60):.2f} tok/s extrapolated to 60 layers")
+EOF
+fi
