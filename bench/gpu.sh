@@ -104,6 +104,7 @@ fi
 if has a; then
   bench a-resident-pp$PP "$A3B" --prompt-len $PP --gen $TG
   bench a-resident-pp$PPL "$A3B" --prompt-len $PPL --gen 0
+  bench a-resident-no-graphs "$A3B" --prompt-len 0 --gen $TG --no-cuda-graphs
 fi
 
 if has b; then

@@ -47,13 +47,18 @@ pub struct ModelArgs {
     #[arg(long, default_value = "auto", value_parser = parse_backend)]
     pub backend: Backend,
     /// GPU: memory for the routed-expert cache, e.g. `20G` or `512M`
-    /// (default: all free memory after the dense weights, less 3 GiB).
+    /// (default: all free memory after the dense weights, less 3 GiB, at most
+    /// what all experts take; when they all fit, they are loaded at start).
     #[arg(long, value_parser = parse_size)]
     pub gpu_memory: Option<u64>,
     /// GPU: which cached expert to replace: `lfu` (frequency with aging) or
     /// `lru`.
     #[arg(long, default_value = "lfu", value_parser = parse_policy)]
     pub cache_policy: CachePolicy,
+    /// GPU: launch every kernel of a decode step one by one instead of
+    /// replaying the step as a CUDA graph (for comparison and debugging).
+    #[arg(long)]
+    pub no_cuda_graphs: bool,
 }
 
 fn parse_backend(s: &str) -> std::result::Result<Backend, String> {
@@ -102,6 +107,7 @@ impl ModelArgs {
                 backend: self.backend,
                 gpu_memory: self.gpu_memory,
                 cache_policy: self.cache_policy,
+                cuda_graphs: !self.no_cuda_graphs,
                 ..Default::default()
             },
         )

@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 /// (display name, key) of each phase, in pipeline order.
-const PHASE_NAMES: [(&str, &str); 7] = [
+const PHASE_NAMES: [(&str, &str); 8] = [
     ("embed+norms", "embed_norms"),
     ("attention", "attention"),
     ("routing", "routing"),
@@ -11,6 +11,7 @@ const PHASE_NAMES: [(&str, &str); 7] = [
     ("expert compute", "expert_compute"),
     ("shared expert/MLP", "shared_mlp"),
     ("LM head", "lm_head"),
+    ("GPU step (CUDA graph)", "gpu_graph"),
 ];
 
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -29,6 +30,9 @@ pub struct PhaseTimes {
     pub shared_mlp: Duration,
     /// Final norm and LM head.
     pub lm_head: Duration,
+    /// A whole decode step replayed as one CUDA graph (its phases cannot be
+    /// told apart).
+    pub gpu_graph: Duration,
 }
 
 impl PhaseTimes {
@@ -40,6 +44,7 @@ impl PhaseTimes {
             + self.expert_compute
             + self.shared_mlp
             + self.lm_head
+            + self.gpu_graph
     }
 
     /// The time spent since an `earlier` reading of the same counters.
@@ -52,6 +57,7 @@ impl PhaseTimes {
             expert_compute: self.expert_compute.saturating_sub(earlier.expert_compute),
             shared_mlp: self.shared_mlp.saturating_sub(earlier.shared_mlp),
             lm_head: self.lm_head.saturating_sub(earlier.lm_head),
+            gpu_graph: self.gpu_graph.saturating_sub(earlier.gpu_graph),
         }
     }
 
@@ -65,23 +71,24 @@ impl PhaseTimes {
             expert_compute: self.expert_compute + other.expert_compute,
             shared_mlp: self.shared_mlp + other.shared_mlp,
             lm_head: self.lm_head + other.lm_head,
+            gpu_graph: self.gpu_graph + other.gpu_graph,
         }
     }
 
     /// `(name, duration)` pairs in pipeline order, for reports.
-    pub fn phases(&self) -> [(&'static str, Duration); 7] {
+    pub fn phases(&self) -> [(&'static str, Duration); 8] {
         let d = self.durations();
         std::array::from_fn(|i| (PHASE_NAMES[i].0, d[i]))
     }
 
     /// `(key, duration)` pairs in pipeline order, keys in snake case for
     /// machine-readable output.
-    pub fn keyed(&self) -> [(&'static str, Duration); 7] {
+    pub fn keyed(&self) -> [(&'static str, Duration); 8] {
         let d = self.durations();
         std::array::from_fn(|i| (PHASE_NAMES[i].1, d[i]))
     }
 
-    fn durations(&self) -> [Duration; 7] {
+    fn durations(&self) -> [Duration; 8] {
         [
             self.embed_norm,
             self.attention,
@@ -90,6 +97,7 @@ impl PhaseTimes {
             self.expert_compute,
             self.shared_mlp,
             self.lm_head,
+            self.gpu_graph,
         ]
     }
 }

@@ -48,6 +48,9 @@ pub struct SessionOptions {
     pub gpu_memory: Option<u64>,
     /// GPU backend: which cached expert to replace.
     pub cache_policy: CachePolicy,
+    /// GPU backend: replay decode steps as CUDA graphs (when every expert
+    /// is resident).
+    pub cuda_graphs: bool,
 }
 
 /// Where a session computes.
@@ -86,6 +89,7 @@ impl Default for SessionOptions {
             backend: Backend::Cpu,
             gpu_memory: None,
             cache_policy: CachePolicy::default(),
+            cuda_graphs: true,
         }
     }
 }
@@ -167,9 +171,10 @@ impl Session {
                 let cuda = CudaOptions {
                     gpu_memory: opts.gpu_memory,
                     cache_policy: opts.cache_policy,
+                    graphs: opts.cuda_graphs,
                 };
                 (
-                    Engine::Cuda(Box::new(CudaModel::new(gpu, &model, &cuda)?)),
+                    Engine::Cuda(Box::new(CudaModel::new(gpu, &model, &store, &cuda)?)),
                     note,
                 )
             }

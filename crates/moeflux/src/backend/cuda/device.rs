@@ -20,10 +20,7 @@ const KERNELS: &str = include_str!("kernels.cu");
 
 /// Every kernel the backend launches (looked up once at start).
 const KERNEL_NAMES: &[&str] = &[
-    "qmatmul_b4",
-    "qmatmul_b8",
-    "qmatmul_b2",
-    "qmatmul_bx",
+    "qmatmul",
     "dmatmul",
     "qgather_rows",
     "rms_norm",
@@ -45,6 +42,16 @@ const KERNEL_NAMES: &[&str] = &[
     "moe_down_b2",
     "moe_down_bx",
     "moe_combine",
+    "moe_route",
+    "moe_gate_up_slots_b4",
+    "moe_gate_up_slots_b8",
+    "moe_gate_up_slots_b2",
+    "moe_gate_up_slots_bx",
+    "moe_down_slots_b4",
+    "moe_down_slots_b8",
+    "moe_down_slots_b2",
+    "moe_down_slots_bx",
+    "kv_append",
     "read_probe",
 ];
 
@@ -220,7 +227,9 @@ impl Gpu {
             let t = std::time::Instant::now();
             // SAFETY: `host` is pinned and outlives the synchronised copy.
             unsafe { copy_htod_async(&self.copy, dev.ptr(), &host)? };
-            self.copy.synchronize().map_err(|e| gpu_err("GPU copy", e))?;
+            self.copy
+                .synchronize()
+                .map_err(|e| gpu_err("GPU copy", e))?;
             best = best.min(t.elapsed().as_secs_f64());
         }
         drop(pin);
@@ -477,6 +486,100 @@ impl Drop for Pinned {
 // SAFETY: only the registration is owned; the memory belongs to the caller.
 unsafe impl Send for Pinned {}
 unsafe impl Sync for Pinned {}
+
+/// Sets `bytes` bytes at `dst` to zero on `stream`.
+pub fn zero_async(stream: &CudaStream, dst: u64, bytes: usize) -> Result<()> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    // SAFETY: callers pass ranges inside live allocations.
+    unsafe { result::memset_d8_async(dst, 0, bytes, stream.cu_stream()) }
+        .map_err(|e| gpu_err("GPU memset", e))
+}
+
+/// Pinned host memory for the small per-step uploads (token ids, position,
+/// expert addresses), handed out bump-style and copied on the compute
+/// stream. Regions are reused after [`PinnedArena::reset`], which callers
+/// invoke only right after the compute stream was synchronised (so no copy
+/// from the arena is pending).
+pub struct PinnedArena {
+    // Registration first: it must go before the memory it covers.
+    pin: Option<Pinned>,
+    mem: Vec<u64>,
+    used: usize,
+}
+
+impl PinnedArena {
+    pub fn new() -> PinnedArena {
+        PinnedArena {
+            pin: None,
+            mem: Vec::new(),
+            used: 0,
+        }
+    }
+
+    pub fn reset(&mut self) {
+        self.used = 0;
+    }
+
+    /// Copies `data` to device address `dst` on the compute stream, through
+    /// the arena.
+    pub fn upload<T: Copy>(&mut self, gpu: &Gpu, dst: u64, data: &[T]) -> Result<()> {
+        let n = std::mem::size_of_val(data);
+        if n == 0 {
+            return Ok(());
+        }
+        let start = self.used.next_multiple_of(16);
+        if start + n > self.mem.len() * 8 {
+            // Growing moves the memory: wait for pending copies first.
+            gpu.sync()?;
+            self.pin = None;
+            self.mem = vec![0u64; ((start + n) * 2).div_ceil(8).max(1 << 13)];
+            // SAFETY: viewing the u64 buffer as bytes.
+            let bytes = unsafe {
+                std::slice::from_raw_parts_mut(self.mem.as_mut_ptr() as *mut u8, self.mem.len() * 8)
+            };
+            self.pin = Some(Pinned::register(gpu, bytes)?);
+        }
+        // SAFETY: the range lies inside `mem`; `T: Copy` is plain data.
+        let region = unsafe {
+            let p = (self.mem.as_mut_ptr() as *mut u8).add(start);
+            std::ptr::copy_nonoverlapping(data.as_ptr() as *const u8, p, n);
+            std::slice::from_raw_parts(p, n)
+        };
+        self.used = start + n;
+        // SAFETY: pinned; not rewritten before the stream is synchronised
+        // (see `reset`).
+        unsafe { copy_htod_async(&gpu.stream, dst, region) }
+    }
+}
+
+impl Default for PinnedArena {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Starts recording what the compute stream is given into a CUDA graph
+/// (nothing runs until the graph is launched); [`end_capture`] finishes.
+pub fn begin_capture(gpu: &Gpu) -> Result<()> {
+    use cudarc::driver::sys::CUstreamCaptureMode;
+    gpu.stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(|e| gpu_err("starting a CUDA graph capture", e))
+}
+
+/// Ends the capture begun by [`begin_capture`]; `recorded` is how the
+/// launches went (an error there wins and drops the graph).
+pub fn end_capture(gpu: &Gpu, recorded: Result<()>) -> Result<cudarc::driver::CudaGraph> {
+    use cudarc::driver::sys::CUgraphInstantiate_flags;
+    let graph = gpu
+        .stream
+        .end_capture(CUgraphInstantiate_flags(0))
+        .map_err(|e| gpu_err("finishing a CUDA graph capture", e));
+    recorded?;
+    graph?.ok_or_else(|| Error::Gpu("CUDA graph capture recorded nothing".into()))
+}
 
 /// Copies host `src` (pinned for full speed) to device `dst` on `stream`.
 ///

@@ -98,6 +98,9 @@ pub struct ExpertCache {
     floor: f64,
     clock: u64,
     staging: Vec<Staged>,
+    /// Once every expert is resident: per model layer, `num_experts` device
+    /// addresses (the router kernel looks experts up here, no host trip).
+    table: Option<(DevBuf, usize)>,
     pub stats: CacheStats,
 }
 
@@ -137,8 +140,51 @@ impl ExpertCache {
             floor: 0.0,
             clock: 0,
             staging,
+            table: None,
             stats: CacheStats::default(),
         })
+    }
+
+    /// Uploads every expert of `layers` (when they all fit) and builds the
+    /// address table, so decode never leaves the GPU. Returns whether it
+    /// did.
+    pub fn preload_all(
+        &mut self,
+        gpu: &Gpu,
+        store: &ExpertStore,
+        num_layers: usize,
+        num_experts: usize,
+    ) -> Result<bool> {
+        let layers: Vec<usize> = store.layers().collect();
+        if layers.len() * num_experts > self.n_slots {
+            return Ok(false);
+        }
+        let all: Vec<usize> = (0..num_experts).collect();
+        let mut table = vec![0u64; num_layers * num_experts];
+        for &l in &layers {
+            let ptrs = self.ensure(gpu, store, l, &all)?;
+            table[l * num_experts..(l + 1) * num_experts].copy_from_slice(&ptrs);
+        }
+        gpu.copy
+            .synchronize()
+            .map_err(|e| Error::Gpu(format!("expert upload: {e}")))?;
+        self.stats = CacheStats::default();
+        self.table = Some((DevBuf::from_slice(gpu, &table)?, num_experts));
+        Ok(true)
+    }
+
+    /// Device address of layer `layer`'s row of the address table, once
+    /// every expert is resident.
+    pub fn table_row(&self, layer: usize) -> Option<u64> {
+        self.table
+            .as_ref()
+            .map(|(t, e)| t.ptr() + (8 * layer * e) as u64)
+    }
+
+    /// Counts a resident layer's expert uses (the table path bypasses
+    /// `ensure`).
+    pub fn count_hits(&mut self, n: u64) {
+        self.stats.hits += n;
     }
 
     pub fn slots(&self) -> usize {

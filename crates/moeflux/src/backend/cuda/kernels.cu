@@ -67,7 +67,8 @@ __device__ __forceinline__ u32 qcode(const u32* row, long j, int bits) {
 }
 
 // Dot products of row `r` with TT token rows of x (x + t*xstride), one warp;
-// the result is in every lane.
+// the result is in every lane. 2/4/8-bit rows whose words are 16-byte
+// aligned are read 16 bytes per lane per step.
 template <int BITS, int TT>
 __device__ __forceinline__ void qdot(const QW& q, int r, const float* x, long xstride, int nt,
                                      float* out) {
@@ -78,27 +79,55 @@ __device__ __forceinline__ void qdot(const QW& q, int r, const float* x, long xs
     long wpr = ((long)q.cols * q.bits) >> 5;
     const u32* row = q.w + (long)r * wpr;
     int gpr = q.cols / q.gs;
+    const void* srow_s = q.sf32 ? (const void*)((const float*)q.s + (long)r * gpr)
+                                : (const void*)((const u16*)q.s + (long)r * gpr);
+    const void* srow_b = q.sf32 ? (const void*)((const float*)q.b + (long)r * gpr)
+                                : (const void*)((const u16*)q.b + (long)r * gpr);
     if constexpr (BITS == 2 || BITS == 4 || BITS == 8) {
         const int EPW = 32 / BITS;
         const u32 M = (1u << BITS) - 1u;
-        for (long wi = lane; wi < wpr; wi += WARP) {
-            u32 word = row[wi];
-            long c0 = wi * EPW;
-            int g = (int)(c0 / q.gs);
-            float s = qparam(q.s, r * gpr + g, q.sf32), b = qparam(q.b, r * gpr + g, q.sf32);
+        bool vec = ((wpr & 3) == 0) && ((((unsigned long long)row) & 15) == 0);
+        if (vec) {
+            const uint4* row4 = (const uint4*)row;
+            long n4 = wpr >> 2;
+            for (long vi = lane; vi < n4; vi += WARP) {
+                uint4 w4 = row4[vi];
+                u32 words[4] = {w4.x, w4.y, w4.z, w4.w};
 #pragma unroll
-            for (int e = 0; e < EPW; e++) {
-                float w = fmaf((float)((word >> (e * BITS)) & M), s, b);
+                for (int k = 0; k < 4; k++) {
+                    long c0 = (vi * 4 + k) * EPW;
+                    int g = (int)(c0 / q.gs);
+                    float s = qparam(srow_s, g, q.sf32), b = qparam(srow_b, g, q.sf32);
+                    u32 word = words[k];
 #pragma unroll
-                for (int t = 0; t < TT; t++)
-                    if (t < nt) acc[t] = fmaf(w, x[t * xstride + c0 + e], acc[t]);
+                    for (int e = 0; e < EPW; e++) {
+                        float w = fmaf((float)((word >> (e * BITS)) & M), s, b);
+#pragma unroll
+                        for (int t = 0; t < TT; t++)
+                            if (t < nt) acc[t] = fmaf(w, x[t * xstride + c0 + e], acc[t]);
+                    }
+                }
+            }
+        } else {
+            for (long wi = lane; wi < wpr; wi += WARP) {
+                u32 word = row[wi];
+                long c0 = wi * EPW;
+                int g = (int)(c0 / q.gs);
+                float s = qparam(srow_s, g, q.sf32), b = qparam(srow_b, g, q.sf32);
+#pragma unroll
+                for (int e = 0; e < EPW; e++) {
+                    float w = fmaf((float)((word >> (e * BITS)) & M), s, b);
+#pragma unroll
+                    for (int t = 0; t < TT; t++)
+                        if (t < nt) acc[t] = fmaf(w, x[t * xstride + c0 + e], acc[t]);
+                }
             }
         }
     } else {
         for (long j = lane; j < q.cols; j += WARP) {
             int g = (int)(j / q.gs);
-            float w = fmaf((float)qcode(row, j, q.bits), qparam(q.s, r * gpr + g, q.sf32),
-                           qparam(q.b, r * gpr + g, q.sf32));
+            float w = fmaf((float)qcode(row, j, q.bits), qparam(srow_s, g, q.sf32),
+                           qparam(srow_b, g, q.sf32));
 #pragma unroll
             for (int t = 0; t < TT; t++)
                 if (t < nt) acc[t] = fmaf(w, x[t * xstride + j], acc[t]);
@@ -108,32 +137,58 @@ __device__ __forceinline__ void qdot(const QW& q, int r, const float* x, long xs
     for (int t = 0; t < TT; t++) out[t] = warp_sum(acc[t]);
 }
 
-#define ROWS_PER_BLOCK 8
-
-// out[t*rows + r] = W[r] . x[t] for t < n: a warp per row, tokens four at a
-// time (each weight word is decoded once for four tokens).
-template <int BITS>
-__device__ void qmatmul_body(QW q, const float* x, int n, float* out) {
-    int r = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
-    if (r >= q.rows) return;
-    int lane = threadIdx.x & 31;
-    for (int t0 = blockIdx.y * 4; t0 < n; t0 += gridDim.y * 4) {
-        int nt = min(4, n - t0);
-        float res[4];
-        qdot<BITS, 4>(q, r, x + (long)t0 * q.cols, q.cols, nt, res);
-        if (lane == 0)
-            for (int t = 0; t < nt; t++) out[(long)(t0 + t) * q.rows + r] = res[t];
+// qdot for a row of any supported width (bits chosen at run time).
+template <int TT>
+__device__ __forceinline__ void qdot_any(const QW& q, int r, const float* x, long xstride, int nt,
+                                         float* out) {
+    switch (q.bits) {
+        case 4: qdot<4, TT>(q, r, x, xstride, nt, out); break;
+        case 8: qdot<8, TT>(q, r, x, xstride, nt, out); break;
+        case 2: qdot<2, TT>(q, r, x, xstride, nt, out); break;
+        default: qdot<0, TT>(q, r, x, xstride, nt, out); break;
     }
 }
 
-extern "C" __global__ void qmatmul_b4(QW q, const float* x, int n, float* out) { qmatmul_body<4>(q, x, n, out); }
-extern "C" __global__ void qmatmul_b8(QW q, const float* x, int n, float* out) { qmatmul_body<8>(q, x, n, out); }
-extern "C" __global__ void qmatmul_b2(QW q, const float* x, int n, float* out) { qmatmul_body<2>(q, x, n, out); }
-extern "C" __global__ void qmatmul_bx(QW q, const float* x, int n, float* out) { qmatmul_body<0>(q, x, n, out); }
+#define ROWS_PER_BLOCK 8
+
+// Up to four quantized matrices applied to the same input in one launch
+// (q/k/v, the GatedDeltaNet projections, router + shared expert):
+// out_m[t*rows_m + r] (+)= W_m[r] . x[t] for t < n. A warp per row of the
+// concatenated row space, tokens four at a time (each weight word is
+// decoded once for four tokens). Bit `m` of `accumulate` adds to out_m
+// instead of overwriting it (residual connections).
+struct MultiMatmul {
+    QW q[4];
+    float* out[4];
+    int first_block[5];  // blocks of matrix m: first_block[m] .. first_block[m+1]
+    int count;
+    int accumulate;
+};
+
+extern "C" __global__ void qmatmul(MultiMatmul mm, const float* x, int n) {
+    int m = 0;
+    while (m + 1 < mm.count && (int)blockIdx.x >= mm.first_block[m + 1]) m++;
+    const QW& q = mm.q[m];
+    int r = (blockIdx.x - mm.first_block[m]) * ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    if (r >= q.rows) return;
+    int lane = threadIdx.x & 31;
+    float* out = mm.out[m];
+    bool acc = (mm.accumulate >> m) & 1;
+    for (int t0 = blockIdx.y * 4; t0 < n; t0 += gridDim.y * 4) {
+        int nt = min(4, n - t0);
+        float res[4];
+        qdot_any<4>(q, r, x + (long)t0 * q.cols, q.cols, nt, res);
+        if (lane < nt) {
+            long oi = (long)(t0 + lane) * q.rows + r;
+            float v = lane == 0 ? res[0] : lane == 1 ? res[1] : lane == 2 ? res[2] : res[3];
+            out[oi] = acc ? out[oi] + v : v;
+        }
+    }
+}
 
 // Dense (bf16 or f32) weights, same shape contract.
 extern "C" __global__ void dmatmul(const void* w, int f32, int rows, int cols, const float* x, int n,
-                                   float* out) {
+                                   int accumulate, float* out) {
     int r = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
     if (r >= rows) return;
     int lane = threadIdx.x & 31;
@@ -145,7 +200,10 @@ extern "C" __global__ void dmatmul(const void* w, int f32, int rows, int cols, c
             acc = fmaf(wv, x[(long)t * cols + j], acc);
         }
         acc = warp_sum(acc);
-        if (lane == 0) out[(long)t * rows + r] = acc;
+        if (lane == 0) {
+            long oi = (long)t * rows + r;
+            out[oi] = accumulate ? out[oi] + acc : acc;
+        }
     }
 }
 
@@ -195,8 +253,9 @@ extern "C" __global__ void swiglu(const float* g, const float* u, float* out, lo
 // the token, heads nh then nkv along blockIdx.x.
 extern "C" __global__ void attn_prep(const float* qg, float* k, const float* q_norm,
                                      const float* k_norm, const double* inv_freq, int half_rot,
-                                     int nh, int nkv, int hd, float eps, long start, double pos_scale,
-                                     float* q_out, float* gate_out) {
+                                     int nh, int nkv, int hd, float eps, const long* pos,
+                                     double pos_scale, float* q_out, float* gate_out) {
+    long start = *pos;
     extern __shared__ float sh[];
     int t = blockIdx.y, h = blockIdx.x, i = threadIdx.x;
     const float* src;
@@ -234,8 +293,9 @@ extern "C" __global__ void attn_prep(const float* qg, float* k, const float* q_n
 // (head, token) with an online softmax per warp over positions p = warp,
 // warp+8, ...; each lane holds hd/32 output channels (hd <= 256).
 extern "C" __global__ void attention(const float* q, const float* kc, const float* vc,
-                                     const float* gate, int nh, int nkv, int hd, long start,
+                                     const float* gate, int nh, int nkv, int hd, const long* pos,
                                      float scale, float* out) {
+    long start = *pos;
     const int NW = 8;
     int h = blockIdx.x, t = blockIdx.y;
     int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -282,6 +342,17 @@ extern "C" __global__ void attention(const float* q, const float* kc, const floa
             long oi = ((long)t * nh + h) * hd + ch;
             out[oi] = o / L * sigmoidf_(gate[oi]);
         }
+    }
+}
+
+// Appends n rows of k and v at row *pos of the caches (row = nkv * hd floats).
+extern "C" __global__ void kv_append(const float* k, const float* v, float* kc, float* vc, int row,
+                                     const long* pos, int n) {
+    long base = *pos * (long)row;
+    long total = (long)n * row;
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < total; i += (long)gridDim.x * blockDim.x) {
+        kc[base + i] = k[i];
+        vc[base + i] = v[i];
     }
 }
 
@@ -345,47 +416,63 @@ extern "C" __global__ void deltanet_qk_norm(float* mixed, int nk, int dk, int cd
     v[threadIdx.x] = x * rsqrtf(ss / dk + eps) * scale;
 }
 
-// The delta rule over n tokens for one value head per block, a thread per
-// state row (dv threads); the row (dk <= 256 floats) stays in registers.
+// The delta rule over n tokens. Grid (value head, row block); a block of 8
+// warps owns 32 rows of the head's state (dv x dk), 4 per warp; a lane
+// keeps dk/32 columns of each of its rows in registers (dk <= 256).
 // y layout: [t][nv][dv].
+#define DR_ROWS_PER_WARP 4
 extern "C" __global__ void delta_rule(const float* mixed, const float* a, const float* b,
                                       const float* a_log, const float* dt_bias, float* state,
                                       int n, int nk, int nv, int dk, int dv, float* y) {
-    __shared__ float qs[256], ks[256];
-    int h = blockIdx.x, i = threadIdx.x;
+    int h = blockIdx.x;
+    int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int kh = h / (nv / nk);
     int kd = nk * dk, cd = 2 * kd + nv * dv;
-    float row[256];
-    float* srow = state + ((long)h * dv + i) * dk;
-    if (i < dv)
-        for (int j = 0; j < dk; j++) row[j] = srow[j];
+    int per = dk / WARP;  // <= 8
+    int row0 = blockIdx.y * 32 + w * DR_ROWS_PER_WARP;
+    float st[DR_ROWS_PER_WARP][8];
+#pragma unroll
+    for (int r = 0; r < DR_ROWS_PER_WARP; r++)
+#pragma unroll
+        for (int c = 0; c < 8; c++)
+            st[r][c] = (c < per && row0 + r < dv) ? state[((long)h * dv + row0 + r) * dk + lane + c * WARP] : 0.0f;
     float decay_rate = expf(a_log[h]);
     for (int t = 0; t < n; t++) {
         const float* m = mixed + (long)t * cd;
-        __syncthreads();
-        for (int j = i; j < dk; j += blockDim.x) {
-            qs[j] = m[kh * dk + j];
-            ks[j] = m[kd + kh * dk + j];
+        float qv[8], kv[8];
+#pragma unroll
+        for (int c = 0; c < 8; c++) {
+            qv[c] = c < per ? m[kh * dk + lane + c * WARP] : 0.0f;
+            kv[c] = c < per ? m[kd + kh * dk + lane + c * WARP] : 0.0f;
         }
-        __syncthreads();
         float av = a[(long)t * nv + h] + dt_bias[h];
         float sp = fmaxf(av, 0.0f) + log1pf(expf(-fabsf(av)));
         float g = expf(-decay_rate * sp);
         float beta = sigmoidf_(b[(long)t * nv + h]);
-        if (i < dv) {
+#pragma unroll
+        for (int r = 0; r < DR_ROWS_PER_WARP; r++) {
+            int row = row0 + r;
             float kdot = 0.0f;
-            for (int j = 0; j < dk; j++) kdot = fmaf(row[j], ks[j], kdot);
-            float d = (m[2 * kd + h * dv + i] - g * kdot) * beta;
-            float out = 0.0f;
-            for (int j = 0; j < dk; j++) {
-                row[j] = fmaf(d, ks[j], g * row[j]);
-                out = fmaf(row[j], qs[j], out);
+#pragma unroll
+            for (int c = 0; c < 8; c++) kdot = fmaf(st[r][c], kv[c], kdot);
+            kdot = warp_sum(kdot);
+            float vv = row < dv ? m[2 * kd + h * dv + row] : 0.0f;
+            float d = (vv - g * kdot) * beta;
+            float o = 0.0f;
+#pragma unroll
+            for (int c = 0; c < 8; c++) {
+                st[r][c] = fmaf(d, kv[c], g * st[r][c]);
+                o = fmaf(st[r][c], qv[c], o);
             }
-            y[((long)t * nv + h) * dv + i] = out;
+            o = warp_sum(o);
+            if (lane == 0 && row < dv) y[((long)t * nv + h) * dv + row] = o;
         }
     }
-    if (i < dv)
-        for (int j = 0; j < dk; j++) srow[j] = row[j];
+#pragma unroll
+    for (int r = 0; r < DR_ROWS_PER_WARP; r++)
+#pragma unroll
+        for (int c = 0; c < 8; c++)
+            if (c < per && row0 + r < dv) state[((long)h * dv + row0 + r) * dk + lane + c * WARP] = st[r][c];
 }
 
 // Gated RMSNorm per (token, value head): out = rms_norm(y, w) * silu(z); a
@@ -474,8 +561,9 @@ extern "C" __global__ void moe_down_b8(const ExpertTask* t, ExpertLayout L, cons
 extern "C" __global__ void moe_down_b2(const ExpertTask* t, ExpertLayout L, const int* s, const float* a, float* y) { moe_down_body<2>(t, L, s, a, y); }
 extern "C" __global__ void moe_down_bx(const ExpertTask* t, ExpertLayout L, const int* s, const float* a, float* y) { moe_down_body<0>(t, L, s, a, y); }
 
-// out[t] = sum_j w[t,j] * slot_out[t*k+j] (slot order) + sigmoid(sg[t]) * shared[t]
-// (when `shared` is not null). A block per token.
+// out[t] += sum_j w[t,j] * slot_out[t*k+j] (slot order) + sigmoid(sg[t]) * shared[t]
+// (when `shared` is not null): the MoE block's output added to the residual
+// stream. A block per token.
 extern "C" __global__ void moe_combine(const float* slot_out, const float* wts, int k, int h,
                                        const float* shared, const float* sg, float* out) {
     int t = blockIdx.x;
@@ -484,9 +572,116 @@ extern "C" __global__ void moe_combine(const float* slot_out, const float* wts, 
         float acc = 0.0f;
         for (int j = 0; j < k; j++) acc += wts[t * k + j] * slot_out[((long)t * k + j) * h + i];
         if (shared) acc += s * shared[(long)t * h + i];
-        out[(long)t * h + i] = acc;
+        out[(long)t * h + i] += acc;
     }
 }
+
+// Router: per token, softmax over the e logits, the k largest (ties to the
+// lower index, like the CPU), their probabilities (renormalised to sum 1
+// when `norm`), and, when `table` is not null, each chosen expert's address
+// table[expert] into bases. A warp per token; e <= 1024.
+extern "C" __global__ void moe_route(const float* logits, int n, int e, int k, int norm,
+                                     const unsigned long long* table, int* ids, float* wts,
+                                     unsigned long long* bases) {
+    int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (t >= n) return;
+    int lane = threadIdx.x & 31;
+    const float* l = logits + (long)t * e;
+    float v[32];
+    float m = NEG_INF;
+#pragma unroll
+    for (int c = 0; c < 32; c++) {
+        int i = lane + c * WARP;
+        v[c] = i < e ? l[i] : NEG_INF;
+        m = fmaxf(m, v[c]);
+    }
+    m = warp_max(m);
+    float sum = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 32; c++) {
+        int i = lane + c * WARP;
+        v[c] = i < e ? expf(v[c] - m) : -1.0f;
+        sum += i < e ? v[c] : 0.0f;
+    }
+    sum = warp_sum(sum);
+    float inv = 1.0f / sum;
+    float chosen = 0.0f, myw = 0.0f;
+    int myid = 0;
+    for (int j = 0; j < k; j++) {
+        // Lane-local best (largest value, lowest index), then across lanes.
+        float bv = -2.0f;
+        int bi = 0x7fffffff;
+#pragma unroll
+        for (int c = 0; c < 32; c++) {
+            int i = lane + c * WARP;
+            if (v[c] > bv) { bv = v[c]; bi = i; }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        }
+        float p = bv * inv;
+        if (lane == j) { myw = p; myid = bi; }
+        chosen += p;
+#pragma unroll
+        for (int c = 0; c < 32; c++)
+            if (lane + c * WARP == bi) v[c] = -2.0f;
+    }
+    if (lane < k) {
+        float w = norm ? myw / chosen : myw;
+        ids[(long)t * k + lane] = myid;
+        wts[(long)t * k + lane] = w;
+        if (table) bases[(long)t * k + lane] = table[myid];
+    }
+}
+
+// Per (token, slot) expert work, for decode: slot j = token * k + jj uses
+// the expert at bases[j]. act[j] = silu(gate x) * (up x); a warp per
+// intermediate row, blockIdx.y = slot.
+template <int BITS>
+__device__ void moe_gate_up_slots_body(const unsigned long long* bases, ExpertLayout L, int k,
+                                       const float* x, float* act) {
+    int j = blockIdx.y;
+    int r = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    if (r >= L.inter) return;
+    const char* base = (const char*)bases[j];
+    QW gq = expert_qw(base, L.gate_w, L.gate_s, L.gate_b, L.inter, L.hidden, L);
+    QW uq = expert_qw(base, L.up_w, L.up_s, L.up_b, L.inter, L.hidden, L);
+    const float* xt = x + (long)(j / k) * L.hidden;
+    float gv, uv;
+    qdot<BITS, 1>(gq, r, xt, 0, 1, &gv);
+    qdot<BITS, 1>(uq, r, xt, 0, 1, &uv);
+    if ((threadIdx.x & 31) == 0) act[(long)j * L.inter + r] = siluf_(gv) * uv;
+}
+
+// slot_out[j] = down act[j]; a warp per hidden row, blockIdx.y = slot.
+template <int BITS>
+__device__ void moe_down_slots_body(const unsigned long long* bases, ExpertLayout L, const float* act,
+                                    float* slot_out) {
+    int j = blockIdx.y;
+    int r = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    if (r >= L.hidden) return;
+    QW dq = expert_qw((const char*)bases[j], L.down_w, L.down_s, L.down_b, L.hidden, L.inter, L);
+    float v;
+    qdot<BITS, 1>(dq, r, act + (long)j * L.inter, 0, 1, &v);
+    if ((threadIdx.x & 31) == 0) slot_out[(long)j * L.hidden + r] = v;
+}
+
+#define SLOT_KERNELS(B, SFX)                                                                          \
+    extern "C" __global__ void moe_gate_up_slots_##SFX(const unsigned long long* bs, ExpertLayout L,  \
+                                                       int k, const float* x, float* a) {             \
+        moe_gate_up_slots_body<B>(bs, L, k, x, a);                                                    \
+    }                                                                                                 \
+    extern "C" __global__ void moe_down_slots_##SFX(const unsigned long long* bs, ExpertLayout L,     \
+                                                    const float* a, float* y) {                       \
+        moe_down_slots_body<B>(bs, L, a, y);                                                          \
+    }
+SLOT_KERNELS(4, b4)
+SLOT_KERNELS(8, b8)
+SLOT_KERNELS(2, b2)
+SLOT_KERNELS(0, bx)
 
 // --------------------------------------------------------------------------
 // Bandwidth probe: reads n 16-byte words; the sum is written only if it is

@@ -11,13 +11,15 @@ use crate::config::{Architecture, ModelConfig};
 use crate::error::{Error, Result};
 use crate::io::ExpertStore;
 use crate::model::deltanet::DeltaProjections;
-use crate::model::moe::{ComponentLayout, MoeBlock, Routing};
+use crate::model::moe::{ComponentLayout, MoeBlock};
 use crate::model::qwen3_hybrid::{LogitsMode, Mixer, Mlp, QwenHybrid};
 use crate::model::state::{KvCache, LayerState, LinearState, ModelState};
 use crate::model::timing::{lap, PhaseTimes};
 use crate::model::weights::{DType, LinearRef};
 
-use super::device::{args, copy_dtod, DevBuf, Gpu};
+use super::device::{
+    args, begin_capture, copy_dtod, end_capture, zero_async, DevBuf, Gpu, PinnedArena,
+};
 use super::experts::{CachePolicy, CacheStats, ExpertCache};
 
 /// A quantized matrix as the kernels take it (`struct QW`).
@@ -177,10 +179,12 @@ enum GpuLayerState {
     Linear(GpuLinearState),
 }
 
-/// Scratch buffers, grown on demand and reused across evals.
+/// Scratch buffers, grown on demand and reused across evals. Growth moves a
+/// buffer, which invalidates a captured CUDA graph (`grew` tells).
 #[derive(Default)]
 struct Scratch {
     bufs: std::collections::HashMap<&'static str, DevBuf>,
+    grew: bool,
 }
 
 impl Scratch {
@@ -190,28 +194,82 @@ impl Scratch {
         if grow {
             // Round up so slowly growing sizes do not reallocate every time.
             let cap = bytes.max(256).next_power_of_two();
+            gpu.sync()?;
             self.bufs.insert(name, DevBuf::zeros(gpu, cap)?);
+            self.grew = true;
         }
         Ok(self.bufs[name].ptr())
     }
 }
 
 /// Options of the GPU backend.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct CudaOptions {
     /// Bytes of GPU memory for the expert cache; `None`: everything free
-    /// after the dense weights, state and scratch, less a reserve.
+    /// after the dense weights, state and scratch, less a reserve. Never
+    /// more than all experts take.
     pub gpu_memory: Option<u64>,
     pub cache_policy: CachePolicy,
+    /// Replay decode steps as CUDA graphs when every expert is resident.
+    pub graphs: bool,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions {
+            gpu_memory: None,
+            cache_policy: CachePolicy::default(),
+            graphs: true,
+        }
+    }
 }
 
 /// Memory kept free for scratch and the KV caches' growth when the expert
 /// cache takes "everything else".
 const RESERVE: usize = 3 << 30;
 
+/// Up to this many tokens, the routed experts run per (token, slot) with
+/// the router's choice read on the device; longer batches group tokens by
+/// expert (each expert's weights read once) from a host copy of the choice.
+const SLOT_PATH_MAX_TOKENS: usize = 2;
+
+/// A matrix product of a [`CudaModel::matmuls`] group: `out (+)= x W^T`.
+#[derive(Clone, Copy)]
+struct Mm {
+    w: DevLinear,
+    out: u64,
+    accumulate: bool,
+}
+
+fn mm(w: DevLinear, out: u64) -> Mm {
+    Mm {
+        w,
+        out,
+        accumulate: false,
+    }
+}
+
+/// `struct MultiMatmul` of the kernels.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MultiMatmul {
+    q: [Qw; 4],
+    out: [u64; 4],
+    first_block: [i32; 5],
+    count: i32,
+    accumulate: i32,
+}
+
+/// A captured decode step and the buffer layout it was captured with.
+struct DecodeGraph {
+    graph: cudarc::driver::CudaGraph,
+    epoch: u64,
+}
+
 pub struct CudaModel {
     gpu: Gpu,
     config: ModelConfig,
+    opts: CudaOptions,
     _dense: DevBuf,
     layers: Vec<GpuLayer>,
     embed: Qw,
@@ -221,6 +279,16 @@ pub struct CudaModel {
     state: Vec<GpuLayerState>,
     cache: Option<ExpertCache>,
     scratch: Scratch,
+    arena: PinnedArena,
+    /// The position of the eval's first token, on the device (kernels read
+    /// it so a captured graph serves every position).
+    pos: DevBuf,
+    /// Bumped whenever a buffer a graph may have captured moves.
+    epoch: u64,
+    /// The epoch of the last eager decode step that allocated nothing: a
+    /// graph captured now would stay valid.
+    stable_epoch: Option<u64>,
+    graph: Option<DecodeGraph>,
 }
 
 fn unsupported(what: String) -> Error {
@@ -229,8 +297,14 @@ fn unsupported(what: String) -> Error {
 
 impl CudaModel {
     /// Uploads `model`'s dense weights and sets up state and the expert
-    /// cache.
-    pub fn new(gpu: Gpu, model: &QwenHybrid, opts: &CudaOptions) -> Result<CudaModel> {
+    /// cache; when every expert fits in the cache's budget, uploads them all
+    /// now.
+    pub fn new(
+        gpu: Gpu,
+        model: &QwenHybrid,
+        store: &ExpertStore,
+        opts: &CudaOptions,
+    ) -> Result<CudaModel> {
         gpu.bind()?;
         let c = model.config.clone();
         for (what, v) in [
@@ -246,6 +320,12 @@ impl CudaModel {
         }
         if c.linear.conv_kernel > 9 {
             return Err(unsupported(format!("conv kernel {}", c.linear.conv_kernel)));
+        }
+        if c.moe.num_experts > 1024 || c.moe.num_experts_per_tok > 32 {
+            return Err(unsupported(format!(
+                "{} experts, {} per token (at most 1024 and 32)",
+                c.moe.num_experts, c.moe.num_experts_per_tok
+            )));
         }
         let dense = DevBuf::from_slice(&gpu, model.dense.file_bytes())?;
         let base = dense.ptr();
@@ -317,8 +397,10 @@ impl CudaModel {
             }
         };
         let inv_freq = DevBuf::from_slice(&gpu, &model.rope.inv_freq)?;
+        let pos = DevBuf::zeros(&gpu, 8)?;
         let mut m = CudaModel {
             config: c,
+            opts: opts.clone(),
             _dense: dense,
             layers,
             embed,
@@ -328,22 +410,25 @@ impl CudaModel {
             state: Vec::new(),
             cache: None,
             scratch: Scratch::default(),
+            arena: PinnedArena::new(),
+            pos,
+            epoch: 0,
+            stable_epoch: None,
+            graph: None,
             gpu,
         };
         m.state = m.new_state()?;
         if max_extent > 0 {
+            let e = m.config.moe.num_experts;
+            let all = store.layers().count() * e * max_extent;
             let budget = match opts.gpu_memory {
                 Some(b) => b as usize,
                 None => m.gpu.free_bytes()?.saturating_sub(RESERVE),
-            };
-            let min = m.config.moe.num_experts;
-            m.cache = Some(ExpertCache::new(
-                &m.gpu,
-                budget,
-                max_extent,
-                min,
-                opts.cache_policy,
-            )?);
+            }
+            .min(all);
+            let mut cache = ExpertCache::new(&m.gpu, budget, max_extent, e, opts.cache_policy)?;
+            cache.preload_all(&m.gpu, store, m.layers.len(), e)?;
+            m.cache = Some(cache);
         }
         Ok(m)
     }
@@ -390,12 +475,20 @@ impl CudaModel {
             .collect()
     }
 
-    /// Forgets the sequence: empty KV caches, zero recurrent states.
+    /// Forgets the sequence: empty KV caches, zero recurrent states (in
+    /// place: buffers keep their addresses and capacity).
     pub fn clear(&mut self) -> Result<()> {
         self.gpu.bind()?;
-        self.gpu.sync()?;
-        self.state = self.new_state()?;
-        Ok(())
+        for s in &mut self.state {
+            match s {
+                GpuLayerState::Full(kv) => kv.len = 0,
+                GpuLayerState::Linear(ls) => {
+                    zero_async(&self.gpu.stream, ls.conv.ptr(), ls.conv.bytes())?;
+                    zero_async(&self.gpu.stream, ls.ssm.ptr(), ls.ssm.bytes())?;
+                }
+            }
+        }
+        self.gpu.sync()
     }
 
     /// A host copy of the sequence state (same layout as the CPU backend's).
@@ -439,12 +532,18 @@ impl CudaModel {
     pub fn upload_state(&mut self, s: &ModelState) -> Result<()> {
         self.gpu.bind()?;
         self.gpu.sync()?;
-        let mut state = self.new_state()?;
-        for (dst, src) in state.iter_mut().zip(&s.layers) {
+        if s.layers.len() != self.state.len() {
+            return Err(Error::Invalid(
+                "state does not match the model's layers".into(),
+            ));
+        }
+        for (dst, src) in self.state.iter_mut().zip(&s.layers) {
             match (dst, src) {
                 (GpuLayerState::Full(kv), LayerState::Full(h)) => {
                     let rows = h.len();
-                    kv.reserve(&self.gpu, rows)?;
+                    if kv.reserve(&self.gpu, rows)? {
+                        self.epoch += 1;
+                    }
                     kv.k.upload(&h.k)?;
                     kv.v.upload(&h.v)?;
                     kv.len = rows;
@@ -460,7 +559,6 @@ impl CudaModel {
                 }
             }
         }
-        self.state = state;
         Ok(())
     }
 
@@ -498,16 +596,135 @@ impl CudaModel {
     ) -> Result<Vec<f32>> {
         self.gpu.bind()?;
         let mut clock = std::time::Instant::now();
-        let c = self.config.clone();
-        let (n, h) = (tokens.len(), c.hidden_size);
+        let n = tokens.len();
+        // The KV caches take the new rows (room made now, before any graph
+        // replay that writes them).
+        for s in &mut self.state {
+            if let GpuLayerState::Full(kv) = s {
+                if kv.len != start {
+                    return Err(Error::Invalid(format!(
+                        "GPU KV cache holds {} rows, eval starts at {start}",
+                        kv.len
+                    )));
+                }
+                if kv.reserve(&self.gpu, start + n)? {
+                    self.epoch += 1;
+                }
+                kv.len = start + n;
+            }
+        }
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
-        let s = &mut self.scratch;
+        let d_ids = self.scratch.get(&self.gpu, "ids", 4 * n)?;
+        self.arena.reset();
+        self.arena.upload(&self.gpu, d_ids, &ids)?;
+        self.arena
+            .upload(&self.gpu, self.pos.ptr(), &[start as i64])?;
+        let resident = self.cache.as_ref().is_none_or(|c| c.table_row(0).is_some());
+        let graphable = self.opts.graphs && n == 1 && resident;
+        let rows = match mode {
+            LogitsMode::All => 0..n,
+            LogitsMode::Last => n - 1..n,
+        };
+        let m = rows.len();
+        if graphable && self.graph.as_ref().is_some_and(|g| g.epoch == self.epoch) {
+            let g = self.graph.as_ref().expect("checked above");
+            g.graph
+                .launch()
+                .map_err(|e| Error::Gpu(format!("CUDA graph launch: {e}")))?;
+            let uses = (k * self.moe_layers()) as u64;
+            if let Some(c) = self.cache.as_mut() {
+                c.count_hits(uses);
+            }
+            self.gpu.sync()?;
+            lap(&mut clock, &mut times.gpu_graph);
+        } else if graphable && self.stable_epoch == Some(self.epoch) {
+            let mut scratch_times = PhaseTimes::default();
+            begin_capture(&self.gpu)?;
+            let recorded = self.layers_forward(store, k, n, rows.clone(), &mut scratch_times);
+            let graph = end_capture(&self.gpu, recorded)?;
+            if self.scratch.grew {
+                // Allocated during capture: the layout moved; run eagerly
+                // next time.
+                self.scratch.grew = false;
+                self.epoch += 1;
+            }
+            self.graph = Some(DecodeGraph {
+                graph,
+                epoch: self.epoch,
+            });
+            return self.forward_replay_after_capture(m, clock, times);
+        } else {
+            self.scratch.grew = false;
+            let before = self.epoch;
+            self.layers_forward(store, k, n, rows, times)?;
+            if self.scratch.grew {
+                self.scratch.grew = false;
+                self.epoch += 1;
+            }
+            if graphable && self.epoch == before {
+                self.stable_epoch = Some(self.epoch);
+            }
+            clock = std::time::Instant::now();
+        }
+        self.download_logits(m, clock, times)
+    }
+
+    /// The first replay of a just-captured graph.
+    fn forward_replay_after_capture(
+        &mut self,
+        m: usize,
+        mut clock: std::time::Instant,
+        times: &mut PhaseTimes,
+    ) -> Result<Vec<f32>> {
+        let g = self.graph.as_ref().expect("just captured");
+        g.graph
+            .launch()
+            .map_err(|e| Error::Gpu(format!("CUDA graph launch: {e}")))?;
+        self.gpu.sync()?;
+        lap(&mut clock, &mut times.gpu_graph);
+        self.download_logits(m, clock, times)
+    }
+
+    fn download_logits(
+        &mut self,
+        m: usize,
+        mut clock: std::time::Instant,
+        times: &mut PhaseTimes,
+    ) -> Result<Vec<f32>> {
+        let v = self.config.vocab_size;
+        let logits = self.scratch.get(&self.gpu, "logits", 4 * m * v)?;
+        let mut out = vec![0.0f32; m * v];
+        self.gpu.sync()?;
+        download_from(&self.gpu, logits, &mut out)?;
+        lap(&mut clock, &mut times.lm_head);
+        Ok(out)
+    }
+
+    fn moe_layers(&self) -> usize {
+        self.layers
+            .iter()
+            .filter(|l| matches!(l.mlp, GpuMlp::Moe { .. }))
+            .count()
+    }
+
+    /// Every layer, the final norm and the LM head for `n` tokens whose ids
+    /// and first position are on the device; logits of `rows` land in the
+    /// "logits" scratch buffer.
+    fn layers_forward(
+        &mut self,
+        store: &ExpertStore,
+        k: usize,
+        n: usize,
+        rows: std::ops::Range<usize>,
+        times: &mut PhaseTimes,
+    ) -> Result<()> {
+        let mut clock = std::time::Instant::now();
+        let h = self.config.hidden_size;
         let g = &self.gpu;
+        let s = &mut self.scratch;
         let d_ids = s.get(g, "ids", 4 * n)?;
-        upload_to(g, d_ids, &ids)?;
         let x = s.get(g, "x", 4 * n * h)?;
         let xn = s.get(g, "xn", 4 * n * h)?;
-        let r = s.get(g, "r", 4 * n * h)?;
         let embed = self.embed;
         // SAFETY (every launch below): arguments match the kernels in
         // kernels.cu and device buffers are sized for n tokens.
@@ -520,20 +737,15 @@ impl CudaModel {
                 &mut args!(embed, d_ids, x),
             )?
         };
+        lap(&mut clock, &mut times.embed_norm);
         for i in 0..self.layers.len() {
             self.rms_norm(x, self.layers[i].input_norm.ptr(), n, h, xn)?;
-            self.mixer(i, xn, n, start, r)?;
-            self.add(x, r, n * h)?;
-            lap(&mut clock, &mut times.attention);
+            self.mixer(i, xn, n, x)?;
             self.rms_norm(x, self.layers[i].post_norm.ptr(), n, h, xn)?;
-            self.mlp(i, store, k, xn, n, r, times)?;
+            lap(&mut clock, &mut times.attention);
+            self.mlp(i, store, k, xn, n, x, times)?;
             clock = std::time::Instant::now();
-            self.add(x, r, n * h)?;
         }
-        let rows = match mode {
-            LogitsMode::All => 0..n,
-            LogitsMode::Last => n - 1..n,
-        };
         let m = rows.len();
         let normed = self.scratch.get(&self.gpu, "normed", 4 * m * h)?;
         self.rms_norm(
@@ -543,14 +755,11 @@ impl CudaModel {
             h,
             normed,
         )?;
-        let v = c.vocab_size;
+        let v = self.config.vocab_size;
         let logits = self.scratch.get(&self.gpu, "logits", 4 * m * v)?;
-        self.matmul(&self.lm_head.clone(), normed, m, logits)?;
-        let mut out = vec![0.0f32; m * v];
-        self.gpu.sync()?;
-        download_from(&self.gpu, logits, &mut out)?;
+        self.matmuls(&[mm(self.lm_head, logits)], normed, m)?;
         lap(&mut clock, &mut times.lm_head);
-        Ok(out)
+        Ok(())
     }
 
     fn rms_norm(&self, x: u64, w: u64, rows: usize, width: usize, out: u64) -> Result<()> {
@@ -563,15 +772,6 @@ impl CudaModel {
                 0,
                 &mut args!(x, w, wd, eps, out),
             )
-        }
-    }
-
-    fn add(&self, a: u64, b: u64, n: usize) -> Result<()> {
-        let nn = n as i64;
-        let blocks = n.div_ceil(256).min(4096) as u32;
-        unsafe {
-            self.gpu
-                .launch("add_inplace", (blocks, 1, 1), 256, 0, &mut args!(a, b, nn))
         }
     }
 
@@ -589,46 +789,74 @@ impl CudaModel {
         }
     }
 
-    /// `out[n, rows] = x[n, cols] W^T`.
-    fn matmul(&self, w: &DevLinear, x: u64, n: usize, out: u64) -> Result<()> {
+    /// Several products of the same input `x[n, cols]`: quantized ones four
+    /// to a launch, dense ones one each.
+    fn matmuls(&self, ops: &[Mm], x: u64, n: usize) -> Result<()> {
         let nn = n as i32;
-        let blocks = w.rows().div_ceil(8) as u32;
-        match *w {
-            DevLinear::Quant(q) => {
-                let name = format!("qmatmul_{}", kernel_suffix(q.bits));
-                let ty = (n.div_ceil(4)).min(64) as u32;
-                unsafe {
-                    self.gpu
-                        .launch(&name, (blocks, ty, 1), 256, 0, &mut args!(q, x, nn, out))
-                }
+        let ty = n.div_ceil(4).min(64) as u32;
+        let quant: Vec<(Qw, &Mm)> = ops
+            .iter()
+            .filter_map(|o| match o.w {
+                DevLinear::Quant(q) => Some((q, o)),
+                DevLinear::Dense { .. } => None,
+            })
+            .collect();
+        for group in quant.chunks(4) {
+            let mut p = MultiMatmul {
+                q: [group[0].0; 4],
+                out: [0; 4],
+                first_block: [0; 5],
+                count: group.len() as i32,
+                accumulate: 0,
+            };
+            let mut blocks = 0i32;
+            for (j, (q, o)) in group.iter().enumerate() {
+                p.q[j] = *q;
+                p.out[j] = o.out;
+                p.first_block[j] = blocks;
+                p.accumulate |= (o.accumulate as i32) << j;
+                blocks += (q.rows as usize).div_ceil(8) as i32;
             }
-            DevLinear::Dense { w, f32, rows, cols } => unsafe {
+            for j in group.len()..5 {
+                p.first_block[j] = blocks;
+            }
+            unsafe {
                 self.gpu.launch(
-                    "dmatmul",
-                    (blocks, n.min(64) as u32, 1),
+                    "qmatmul",
+                    (blocks as u32, ty, 1),
                     256,
                     0,
-                    &mut args!(w, f32, rows, cols, x, nn, out),
-                )
-            },
+                    &mut args!(p, x, nn),
+                )?
+            };
         }
+        for o in ops {
+            if let DevLinear::Dense { w, f32, rows, cols } = o.w {
+                let (acc, out) = (o.accumulate as i32, o.out);
+                let blocks = (rows as usize).div_ceil(8) as u32;
+                unsafe {
+                    self.gpu.launch(
+                        "dmatmul",
+                        (blocks, n.min(64) as u32, 1),
+                        256,
+                        0,
+                        &mut args!(w, f32, rows, cols, x, nn, acc, out),
+                    )?
+                };
+            }
+        }
+        Ok(())
     }
 
-    fn mixer(&mut self, i: usize, xn: u64, n: usize, start: usize, out: u64) -> Result<()> {
+    /// The token mixer of layer `i`, its output added to `x`.
+    fn mixer(&mut self, i: usize, xn: u64, n: usize, x: u64) -> Result<()> {
         match &self.layers[i].mixer {
-            GpuMixer::Full(_) => self.full_attention(i, xn, n, start, out),
-            GpuMixer::Linear(_) => self.linear_attention(i, xn, n, out),
+            GpuMixer::Full(_) => self.full_attention(i, xn, n, x),
+            GpuMixer::Linear(_) => self.linear_attention(i, xn, n, x),
         }
     }
 
-    fn full_attention(
-        &mut self,
-        i: usize,
-        xn: u64,
-        n: usize,
-        start: usize,
-        out: u64,
-    ) -> Result<()> {
+    fn full_attention(&mut self, i: usize, xn: u64, n: usize, x: u64) -> Result<()> {
         let c = &self.config;
         let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
         let GpuMixer::Full(a) = &self.layers[i].mixer else {
@@ -644,61 +872,53 @@ impl CudaModel {
         let q = s.get(g, "q", 4 * n * nh * hd)?;
         let gate = s.get(g, "gate", 4 * n * nh * hd)?;
         let attn = s.get(g, "attn", 4 * n * nh * hd)?;
-        self.matmul(&wq, xn, n, qg)?;
-        self.matmul(&wk, xn, n, k)?;
-        self.matmul(&wv, xn, n, v)?;
+        self.matmuls(&[mm(wq, qg), mm(wk, k), mm(wv, v)], xn, n)?;
         let half = (c.rope.rotary_dim / 2) as i32;
         let (nh_i, nkv_i, hd_i) = (nh as i32, nkv as i32, hd as i32);
-        let (eps, st, ps) = (c.rms_norm_eps, start as i64, c.rope.position_scale);
-        let inv_freq = self.inv_freq.ptr();
+        let (eps, ps) = (c.rms_norm_eps, c.rope.position_scale);
+        let (inv_freq, pos) = (self.inv_freq.ptr(), self.pos.ptr());
+        let GpuLayerState::Full(kv) = &self.state[i] else {
+            unreachable!("state built from the same layer list")
+        };
+        let (kc, vc, row) = (kv.k.ptr(), kv.v.ptr(), kv.row as i32);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let nn = n as i32;
+        let append_blocks = (n * kv.row).div_ceil(256).min(1024) as u32;
         unsafe {
             self.gpu.launch(
                 "attn_prep",
                 ((nh + nkv) as u32, n as u32, 1),
                 hd as u32,
                 (4 * hd) as u32,
-                &mut args!(qg, k, qn, kn, inv_freq, half, nh_i, nkv_i, hd_i, eps, st, ps, q, gate),
-            )?
-        };
-        let GpuLayerState::Full(kv) = &mut self.state[i] else {
-            unreachable!("state built from the same layer list")
-        };
-        if kv.len != start {
-            return Err(Error::Invalid(format!(
-                "GPU KV cache holds {} rows, eval starts at {start}",
-                kv.len
-            )));
-        }
-        kv.reserve(&self.gpu, start + n)?;
-        let row_bytes = 4 * kv.row;
-        copy_dtod(
-            &self.gpu.stream,
-            kv.k.ptr() + (start * row_bytes) as u64,
-            k,
-            n * row_bytes,
-        )?;
-        copy_dtod(
-            &self.gpu.stream,
-            kv.v.ptr() + (start * row_bytes) as u64,
-            v,
-            n * row_bytes,
-        )?;
-        kv.len = start + n;
-        let (kc, vc) = (kv.k.ptr(), kv.v.ptr());
-        let scale = 1.0 / (hd as f32).sqrt();
-        unsafe {
+                &mut args!(qg, k, qn, kn, inv_freq, half, nh_i, nkv_i, hd_i, eps, pos, ps, q, gate),
+            )?;
+            self.gpu.launch(
+                "kv_append",
+                (append_blocks, 1, 1),
+                256,
+                0,
+                &mut args!(k, v, kc, vc, row, pos, nn),
+            )?;
             self.gpu.launch(
                 "attention",
                 (nh as u32, n as u32, 1),
                 256,
                 0,
-                &mut args!(q, kc, vc, gate, nh_i, nkv_i, hd_i, st, scale, attn),
+                &mut args!(q, kc, vc, gate, nh_i, nkv_i, hd_i, pos, scale, attn),
             )?
         };
-        self.matmul(&wo, attn, n, out)
+        self.matmuls(
+            &[Mm {
+                w: wo,
+                out: x,
+                accumulate: true,
+            }],
+            attn,
+            n,
+        )
     }
 
-    fn linear_attention(&mut self, i: usize, xn: u64, n: usize, out: u64) -> Result<()> {
+    fn linear_attention(&mut self, i: usize, xn: u64, n: usize, x: u64) -> Result<()> {
         let c = self.config.clone();
         let l = &c.linear;
         let (nk, nv, dk, dv) = (
@@ -716,26 +936,23 @@ impl CudaModel {
         let a = s.get(g, "a", 4 * n * nv)?;
         let y = s.get(g, "y", 4 * n * vd)?;
         let o = s.get(g, "o", 4 * n * vd)?;
-        let fused = s.get(g, "fused", 4 * n * (2 * kd + 2 * vd))?;
-        let fba = s.get(g, "fba", 4 * n * 2 * nv)?;
         let GpuMixer::Linear(la) = &self.layers[i].mixer else {
             unreachable!("called for linear attention layers")
         };
-        match &la.proj {
+        match la.proj {
             GpuDeltaProj::Split {
                 qkv,
                 z: zw,
                 b: bw,
                 a: aw,
             } => {
-                self.matmul(qkv, xn, n, mixed)?;
-                self.matmul(zw, xn, n, z)?;
-                self.matmul(bw, xn, n, b)?;
-                self.matmul(aw, xn, n, a)?;
+                self.matmuls(&[mm(qkv, mixed), mm(zw, z), mm(bw, b), mm(aw, a)], xn, n)?;
             }
             GpuDeltaProj::Fused { qkvz, ba } => {
-                self.matmul(qkvz, xn, n, fused)?;
-                self.matmul(ba, xn, n, fba)?;
+                let s = &mut self.scratch;
+                let fused = s.get(&self.gpu, "fused", 4 * n * (2 * kd + 2 * vd))?;
+                let fba = s.get(&self.gpu, "fba", 4 * n * 2 * nv)?;
+                self.matmuls(&[mm(qkvz, fused), mm(ba, fba)], xn, n)?;
                 let r = (nv / nk) as i32;
                 let (nk_i, dk_i, dv_i) = (nk as i32, dk as i32, dv as i32);
                 unsafe {
@@ -749,6 +966,9 @@ impl CudaModel {
                 };
             }
         }
+        let GpuMixer::Linear(la) = &self.layers[i].mixer else {
+            unreachable!("called for linear attention layers")
+        };
         let GpuLayerState::Linear(st) = &self.state[i] else {
             unreachable!("state built from the same layer list")
         };
@@ -779,8 +999,8 @@ impl CudaModel {
             )?;
             self.gpu.launch(
                 "delta_rule",
-                (nv as u32, 1, 1),
-                dv.max(dk).next_multiple_of(32) as u32,
+                (nv as u32, dv.div_ceil(32) as u32, 1),
+                256,
                 0,
                 &mut args!(mixed, a, b, a_log, dt_bias, ssm, nn, nk_i, nv_i, dk_i, dv_i, y),
             )?;
@@ -793,9 +1013,19 @@ impl CudaModel {
                 &mut args!(y, z, norm, eps, dv_i, o),
             )?;
         }
-        self.matmul(&out_w, o, n, out)
+        self.matmuls(
+            &[Mm {
+                w: out_w,
+                out: x,
+                accumulate: true,
+            }],
+            o,
+            n,
+        )
     }
 
+    /// The MLP of layer `i` (dense or mixture of experts), its output added
+    /// to `x`.
     #[allow(clippy::too_many_arguments)]
     fn mlp(
         &mut self,
@@ -804,10 +1034,9 @@ impl CudaModel {
         k: usize,
         xn: u64,
         n: usize,
-        out: u64,
+        x: u64,
         times: &mut PhaseTimes,
     ) -> Result<()> {
-        let h = self.config.hidden_size;
         match &self.layers[i].mlp {
             GpuMlp::Dense { gate, up, down } => {
                 let (gw, uw, dw) = (*gate, *up, *down);
@@ -816,12 +1045,19 @@ impl CudaModel {
                 let gb = s.get(&self.gpu, "g", 4 * n * inter)?;
                 let ub = s.get(&self.gpu, "u", 4 * n * inter)?;
                 let act = s.get(&self.gpu, "act", 4 * n * inter)?;
-                self.matmul(&gw, xn, n, gb)?;
-                self.matmul(&uw, xn, n, ub)?;
+                self.matmuls(&[mm(gw, gb), mm(uw, ub)], xn, n)?;
                 self.swiglu(gb, ub, act, n * inter)?;
-                self.matmul(&dw, act, n, out)
+                self.matmuls(
+                    &[Mm {
+                        w: dw,
+                        out: x,
+                        accumulate: true,
+                    }],
+                    act,
+                    n,
+                )
             }
-            GpuMlp::Moe { .. } => self.moe(i, store, k, xn, n, h, out, times),
+            GpuMlp::Moe { .. } => self.moe(i, store, k, xn, n, x, times),
         }
     }
 
@@ -833,8 +1069,7 @@ impl CudaModel {
         k: usize,
         xn: u64,
         n: usize,
-        h: usize,
-        out: u64,
+        x: u64,
         times: &mut PhaseTimes,
     ) -> Result<()> {
         let mut clock = std::time::Instant::now();
@@ -842,7 +1077,6 @@ impl CudaModel {
             router,
             shared,
             layout,
-            ..
         } = &self.layers[i].mlp
         else {
             unreachable!("called for MoE layers")
@@ -851,50 +1085,18 @@ impl CudaModel {
         let shared = shared
             .as_ref()
             .map(|s| (s.gate, s.up, s.down, s.gate_scalar));
-        let e = self.config.moe.num_experts;
-        let g = &self.gpu;
-        let s = &mut self.scratch;
-        let logits_d = s.get(g, "router", 4 * n * e)?;
-        self.matmul(&router, xn, n, logits_d)?;
-        let mut logits = vec![0.0f32; n * e];
-        self.gpu.sync()?;
-        download_from(&self.gpu, logits_d, &mut logits)?;
-        let routing = Routing::from_logits(&self.config, logits, k);
-        lap(&mut clock, &mut times.routing);
-
-        // Expert-major slot list: each expert's (token, slot)s contiguous.
-        let users = routing.users();
-        let ids: Vec<usize> = users.keys().copied().collect();
-        let ptrs = self
-            .cache
-            .as_mut()
-            .expect("MoE layers have an expert cache")
-            .ensure(&self.gpu, store, i, &ids)?;
-        lap(&mut clock, &mut times.expert_io);
-        let mut slot_list: Vec<i32> = Vec::with_capacity(n * k);
-        let mut tasks = Vec::with_capacity(ids.len());
-        for (e, ptr) in ids.iter().zip(&ptrs) {
-            let slots = &users[e];
-            tasks.push(ExpertTask {
-                base: *ptr,
-                first: slot_list.len() as i32,
-                count: slots.len() as i32,
-            });
-            slot_list.extend(slots.iter().map(|&s| s as i32));
-        }
+        let (e, h) = (self.config.moe.num_experts, self.config.hidden_size);
         let inter = layout.inter as usize;
         let g = &self.gpu;
         let s = &mut self.scratch;
-        let d_tasks = s.get(g, "tasks", std::mem::size_of_val(tasks.as_slice()))?;
-        let d_slots = s.get(g, "slots", 4 * slot_list.len())?;
+        let logits_d = s.get(g, "router", 4 * n * e)?;
+        let d_ids = s.get(g, "route_ids", 4 * n * k)?;
         let d_wts = s.get(g, "wts", 4 * n * k)?;
+        let d_bases = s.get(g, "bases", 8 * n * k)?;
         let act = s.get(g, "eact", 4 * n * k * inter)?;
         let slot_out = s.get(g, "slot_out", 4 * n * k * h)?;
-        upload_to(g, d_tasks, &tasks)?;
-        upload_to(g, d_slots, &slot_list)?;
-        upload_to(g, d_wts, &routing.weights)?;
 
-        // Shared expert.
+        // Router and shared expert: one launch for the products of xn.
         let (sy, sg) = match shared {
             Some((gate, up, down, gate_scalar)) => {
                 let si = gate.rows();
@@ -904,42 +1106,143 @@ impl CudaModel {
                 let sact = s.get(&self.gpu, "sg_act", 4 * n * si)?;
                 let sy = s.get(&self.gpu, "sg_y", 4 * n * h)?;
                 let sg = s.get(&self.gpu, "sg_s", 4 * n)?;
-                self.matmul(&gate, xn, n, gb)?;
-                self.matmul(&up, xn, n, ub)?;
-                self.matmul(&gate_scalar, xn, n, sg)?;
+                self.matmuls(
+                    &[
+                        mm(router, logits_d),
+                        mm(gate, gb),
+                        mm(up, ub),
+                        mm(gate_scalar, sg),
+                    ],
+                    xn,
+                    n,
+                )?;
                 self.swiglu(gb, ub, sact, n * si)?;
-                self.matmul(&down, sact, n, sy)?;
+                self.matmuls(&[mm(down, sy)], sact, n)?;
                 (sy, sg)
             }
-            None => (0u64, 0u64),
+            None => {
+                self.matmuls(&[mm(router, logits_d)], xn, n)?;
+                (0u64, 0u64)
+            }
         };
         lap(&mut clock, &mut times.shared_mlp);
 
-        let sfx = kernel_suffix(layout.bits);
-        let n_tasks = tasks.len() as u32;
-        let k_i = k as i32;
-        let (h_i, nn) = (h as i32, n as u32);
+        let table = self.cache.as_ref().and_then(|c| c.table_row(i));
+        let slot_path = n <= SLOT_PATH_MAX_TOKENS;
+        let route_table = if slot_path { table.unwrap_or(0) } else { 0 };
+        let (nn, e_i, k_i) = (n as i32, e as i32, k as i32);
+        let norm = self.config.moe.norm_topk_prob as i32;
         unsafe {
             self.gpu.launch(
-                &format!("moe_gate_up_{sfx}"),
-                (inter.div_ceil(8) as u32, n_tasks, 1),
-                256,
+                "moe_route",
+                (n.div_ceil(4) as u32, 1, 1),
+                128,
                 0,
-                &mut args!(d_tasks, layout, d_slots, k_i, xn, act),
-            )?;
-            self.gpu.launch(
-                &format!("moe_down_{sfx}"),
-                (h.div_ceil(8) as u32, n_tasks, 1),
-                256,
-                0,
-                &mut args!(d_tasks, layout, d_slots, act, slot_out),
-            )?;
+                &mut args!(
+                    logits_d,
+                    nn,
+                    e_i,
+                    k_i,
+                    norm,
+                    route_table,
+                    d_ids,
+                    d_wts,
+                    d_bases
+                ),
+            )?
+        };
+        let sfx = kernel_suffix(layout.bits);
+        let cache = self
+            .cache
+            .as_mut()
+            .expect("MoE layers have an expert cache");
+        if slot_path && table.is_some() {
+            // Every expert resident: the router's choice never leaves the GPU.
+            cache.count_hits((n * k) as u64);
+        } else {
+            // The host needs the choice to bring missing experts in.
+            let mut ids = vec![0i32; n * k];
+            self.gpu.sync()?;
+            download_from(&self.gpu, d_ids, &mut ids)?;
+            self.arena.reset();
+            lap(&mut clock, &mut times.routing);
+            let mut users: std::collections::BTreeMap<usize, Vec<i32>> = Default::default();
+            for (j, &id) in ids.iter().enumerate() {
+                users.entry(id as usize).or_default().push(j as i32);
+            }
+            let unique: Vec<usize> = users.keys().copied().collect();
+            let ptrs = cache.ensure(&self.gpu, store, i, &unique)?;
+            lap(&mut clock, &mut times.expert_io);
+            if slot_path {
+                let mut bases = vec![0u64; n * k];
+                for (p, slots) in ptrs.iter().zip(users.values()) {
+                    for &j in slots {
+                        bases[j as usize] = *p;
+                    }
+                }
+                self.arena.upload(&self.gpu, d_bases, &bases)?;
+            } else {
+                let mut slot_list: Vec<i32> = Vec::with_capacity(n * k);
+                let mut tasks = Vec::with_capacity(unique.len());
+                for (p, slots) in ptrs.iter().zip(users.values()) {
+                    tasks.push(ExpertTask {
+                        base: *p,
+                        first: slot_list.len() as i32,
+                        count: slots.len() as i32,
+                    });
+                    slot_list.extend(slots);
+                }
+                let s = &mut self.scratch;
+                let d_tasks = s.get(&self.gpu, "tasks", std::mem::size_of_val(tasks.as_slice()))?;
+                let d_slots = s.get(&self.gpu, "slots", 4 * slot_list.len())?;
+                self.arena.upload(&self.gpu, d_tasks, &tasks)?;
+                self.arena.upload(&self.gpu, d_slots, &slot_list)?;
+                let n_tasks = tasks.len() as u32;
+                unsafe {
+                    self.gpu.launch(
+                        &format!("moe_gate_up_{sfx}"),
+                        (inter.div_ceil(8) as u32, n_tasks, 1),
+                        256,
+                        0,
+                        &mut args!(d_tasks, layout, d_slots, k_i, xn, act),
+                    )?;
+                    self.gpu.launch(
+                        &format!("moe_down_{sfx}"),
+                        (h.div_ceil(8) as u32, n_tasks, 1),
+                        256,
+                        0,
+                        &mut args!(d_tasks, layout, d_slots, act, slot_out),
+                    )?;
+                }
+            }
+        }
+        if slot_path {
+            let slots = (n * k) as u32;
+            unsafe {
+                self.gpu.launch(
+                    &format!("moe_gate_up_slots_{sfx}"),
+                    (inter.div_ceil(8) as u32, slots, 1),
+                    256,
+                    0,
+                    &mut args!(d_bases, layout, k_i, xn, act),
+                )?;
+                self.gpu.launch(
+                    &format!("moe_down_slots_{sfx}"),
+                    (h.div_ceil(8) as u32, slots, 1),
+                    256,
+                    0,
+                    &mut args!(d_bases, layout, act, slot_out),
+                )?;
+            }
+        }
+        let h_i = h as i32;
+        unsafe {
             self.gpu.launch(
                 "moe_combine",
-                (nn, 1, 1),
+                (n as u32, 1, 1),
                 256,
                 0,
-                &mut args!(slot_out, d_wts, k_i, h_i, sy, sg, out),
+                &mut args!(slot_out, d_wts, k_i, h_i, sy, sg, x),
             )?;
         }
         lap(&mut clock, &mut times.expert_compute);
@@ -948,10 +1251,11 @@ impl CudaModel {
 }
 
 impl GpuKv {
-    /// Room for at least `rows` rows, keeping the existing ones.
-    fn reserve(&mut self, gpu: &Gpu, rows: usize) -> Result<()> {
+    /// Room for at least `rows` rows, keeping the existing ones; returns
+    /// whether the buffers moved.
+    fn reserve(&mut self, gpu: &Gpu, rows: usize) -> Result<bool> {
         if rows <= self.cap {
-            return Ok(());
+            return Ok(false);
         }
         let cap = rows.next_power_of_two().max(256);
         let bytes = 4 * cap * self.row;
@@ -963,7 +1267,7 @@ impl GpuKv {
         self.k = k;
         self.v = v;
         self.cap = cap;
-        Ok(())
+        Ok(true)
     }
 }
 
@@ -973,18 +1277,6 @@ fn download_linear(ls: &GpuLinearState) -> Result<LinearState> {
     ls.conv.download(&mut conv)?;
     ls.ssm.download(&mut ssm)?;
     Ok(LinearState { conv, ssm })
-}
-
-fn upload_to<T: Copy>(gpu: &Gpu, dst: u64, data: &[T]) -> Result<()> {
-    if data.is_empty() {
-        return Ok(());
-    }
-    // Ordered before the kernels that read it: the stream is synchronised
-    // first, then the copy is synchronous.
-    gpu.sync()?;
-    // SAFETY: `dst` is a scratch buffer sized for `data`.
-    unsafe { cudarc::driver::result::memcpy_htod_sync(dst, data) }
-        .map_err(|e| Error::Gpu(format!("copy to GPU: {e}")))
 }
 
 fn download_from<T: Copy>(_gpu: &Gpu, src: u64, out: &mut [T]) -> Result<()> {
