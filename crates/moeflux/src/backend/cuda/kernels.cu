@@ -66,97 +66,126 @@ __device__ __forceinline__ u32 qcode(const u32* row, long j, int bits) {
     return (u32)(v >> sh) & ((1u << bits) - 1u);
 }
 
-// Dot products of row `r` with TT token rows of x (x + t*xstride), one warp;
-// the result is in every lane. 2/4/8-bit rows whose words are 16-byte
-// aligned are read 16 bytes per lane per step.
+// A warp's share of a quantized product: acc[rr][t] = W[r0 + rr] . x_t for
+// the warp's RW rows and up to TT tokens (x_t = xp[t], t < nt), summed over
+// the warp (every lane holds the sums). Lane l takes words l, l+32, ... of
+// each row, so a warp reads 128 contiguous bytes of a row per step, and
+// the activations it loads (float4s, reused by all RW rows) serve every
+// row. Per word: sum_e (q_e s + b) x_e = s (q . x) + b sum(x).
+#define RW 4
 template <int BITS, int TT>
-__device__ __forceinline__ void qdot(const QW& q, int r, const float* x, long xstride, int nt,
-                                     float* out) {
+__device__ __forceinline__ void qrows(const QW& q, int r0, const float* const* xp, int nt,
+                                      float (&acc)[RW][TT]) {
     int lane = threadIdx.x & 31;
-    float acc[TT];
 #pragma unroll
-    for (int t = 0; t < TT; t++) acc[t] = 0.0f;
+    for (int rr = 0; rr < RW; rr++)
+#pragma unroll
+        for (int t = 0; t < TT; t++) acc[rr][t] = 0.0f;
     long wpr = ((long)q.cols * q.bits) >> 5;
-    const u32* row = q.w + (long)r * wpr;
     int gpr = q.cols / q.gs;
-    const void* srow_s = q.sf32 ? (const void*)((const float*)q.s + (long)r * gpr)
-                                : (const void*)((const u16*)q.s + (long)r * gpr);
-    const void* srow_b = q.sf32 ? (const void*)((const float*)q.b + (long)r * gpr)
-                                : (const void*)((const u16*)q.b + (long)r * gpr);
+    int nr = min(RW, q.rows - r0);
+    bool aligned = true;
+#pragma unroll
+    for (int t = 0; t < TT; t++)
+        if (t < nt) aligned &= ((((unsigned long long)xp[t]) & 15) == 0);
     if constexpr (BITS == 2 || BITS == 4 || BITS == 8) {
-        const int EPW = 32 / BITS;
-        const u32 M = (1u << BITS) - 1u;
-        bool vec = ((wpr & 3) == 0) && ((((unsigned long long)row) & 15) == 0);
-        if (vec) {
-            const uint4* row4 = (const uint4*)row;
-            long n4 = wpr >> 2;
-            for (long vi = lane; vi < n4; vi += WARP) {
-                uint4 w4 = row4[vi];
-                u32 words[4] = {w4.x, w4.y, w4.z, w4.w};
+        if (aligned) {
+            const int EPW = 32 / BITS;
+            const u32 M = (1u << BITS) - 1u;
+            for (long wi = lane; wi < wpr; wi += WARP) {
+                long c0 = wi * EPW;
+                int g = (int)(c0 / q.gs);
+                float xv[TT][EPW], xs[TT];
 #pragma unroll
-                for (int k = 0; k < 4; k++) {
-                    long c0 = (vi * 4 + k) * EPW;
-                    int g = (int)(c0 / q.gs);
-                    float s = qparam(srow_s, g, q.sf32), b = qparam(srow_b, g, q.sf32);
-                    u32 word = words[k];
+                for (int t = 0; t < TT; t++) {
+                    xs[t] = 0.0f;
 #pragma unroll
-                    for (int e = 0; e < EPW; e++) {
-                        float w = fmaf((float)((word >> (e * BITS)) & M), s, b);
+                    for (int e4 = 0; e4 < EPW / 4; e4++) {
+                        float4 v = t < nt ? ((const float4*)(xp[t] + c0))[e4] : make_float4(0, 0, 0, 0);
+                        xv[t][4 * e4] = v.x;
+                        xv[t][4 * e4 + 1] = v.y;
+                        xv[t][4 * e4 + 2] = v.z;
+                        xv[t][4 * e4 + 3] = v.w;
+                        xs[t] += (v.x + v.y) + (v.z + v.w);
+                    }
+                }
 #pragma unroll
-                        for (int t = 0; t < TT; t++)
-                            if (t < nt) acc[t] = fmaf(w, x[t * xstride + c0 + e], acc[t]);
+                for (int rr = 0; rr < RW; rr++) {
+                    if (rr < nr) {
+                        long r = r0 + rr;
+                        u32 word = q.w[r * wpr + wi];
+                        float s = qparam(q.s, r * gpr + g, q.sf32), b = qparam(q.b, r * gpr + g, q.sf32);
+#pragma unroll
+                        for (int t = 0; t < TT; t++) {
+                            float d = 0.0f;
+#pragma unroll
+                            for (int e = 0; e < EPW; e++) d = fmaf((float)((word >> (e * BITS)) & M), xv[t][e], d);
+                            acc[rr][t] = fmaf(s, d, fmaf(b, xs[t], acc[rr][t]));
+                        }
                     }
                 }
             }
-        } else {
-            for (long wi = lane; wi < wpr; wi += WARP) {
-                u32 word = row[wi];
-                long c0 = wi * EPW;
-                int g = (int)(c0 / q.gs);
-                float s = qparam(srow_s, g, q.sf32), b = qparam(srow_b, g, q.sf32);
+            goto reduce;
+        }
+    }
+    // Any width (codes may straddle words) or unaligned activations.
+    for (long j = lane; j < q.cols; j += WARP) {
+        int g = (int)(j / q.gs);
+        float xj[TT];
 #pragma unroll
-                for (int e = 0; e < EPW; e++) {
-                    float w = fmaf((float)((word >> (e * BITS)) & M), s, b);
+        for (int t = 0; t < TT; t++) xj[t] = t < nt ? xp[t][j] : 0.0f;
 #pragma unroll
-                    for (int t = 0; t < TT; t++)
-                        if (t < nt) acc[t] = fmaf(w, x[t * xstride + c0 + e], acc[t]);
-                }
+        for (int rr = 0; rr < RW; rr++) {
+            if (rr < nr) {
+                long r = r0 + rr;
+                float w = fmaf((float)qcode(q.w + r * wpr, j, q.bits), qparam(q.s, r * gpr + g, q.sf32),
+                               qparam(q.b, r * gpr + g, q.sf32));
+#pragma unroll
+                for (int t = 0; t < TT; t++) acc[rr][t] = fmaf(w, xj[t], acc[rr][t]);
             }
         }
-    } else {
-        for (long j = lane; j < q.cols; j += WARP) {
-            int g = (int)(j / q.gs);
-            float w = fmaf((float)qcode(row, j, q.bits), qparam(srow_s, g, q.sf32),
-                           qparam(srow_b, g, q.sf32));
-#pragma unroll
-            for (int t = 0; t < TT; t++)
-                if (t < nt) acc[t] = fmaf(w, x[t * xstride + j], acc[t]);
-        }
     }
+reduce:
 #pragma unroll
-    for (int t = 0; t < TT; t++) out[t] = warp_sum(acc[t]);
+    for (int rr = 0; rr < RW; rr++)
+#pragma unroll
+        for (int t = 0; t < TT; t++) acc[rr][t] = warp_sum(acc[rr][t]);
 }
 
-// qdot for a row of any supported width (bits chosen at run time).
+// qrows for any supported width (chosen at run time).
 template <int TT>
-__device__ __forceinline__ void qdot_any(const QW& q, int r, const float* x, long xstride, int nt,
-                                         float* out) {
+__device__ __forceinline__ void qrows_any(const QW& q, int r0, const float* const* xp, int nt,
+                                          float (&acc)[RW][TT]) {
     switch (q.bits) {
-        case 4: qdot<4, TT>(q, r, x, xstride, nt, out); break;
-        case 8: qdot<8, TT>(q, r, x, xstride, nt, out); break;
-        case 2: qdot<2, TT>(q, r, x, xstride, nt, out); break;
-        default: qdot<0, TT>(q, r, x, xstride, nt, out); break;
+        case 4: qrows<4, TT>(q, r0, xp, nt, acc); break;
+        case 8: qrows<8, TT>(q, r0, xp, nt, acc); break;
+        case 2: qrows<2, TT>(q, r0, xp, nt, acc); break;
+        default: qrows<0, TT>(q, r0, xp, nt, acc); break;
     }
 }
 
-#define ROWS_PER_BLOCK 8
+// Writes a warp's results: lane rr*TT + t stores acc[rr][t] (all lanes hold
+// every sum), to out[t_index(t) * rows + r0 + rr], adding when `add`.
+template <int TT>
+__device__ __forceinline__ void store_rows(const float (&acc)[RW][TT], int r0, int rows, int nt,
+                                           float* out, long out_stride, const int* tok, bool add) {
+    int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int rr = 0; rr < RW; rr++)
+#pragma unroll
+        for (int t = 0; t < TT; t++)
+            if (lane == rr * TT + t && t < nt && r0 + rr < rows) {
+                long oi = (long)(tok ? tok[t] : t) * out_stride + r0 + rr;
+                out[oi] = add ? out[oi] + acc[rr][t] : acc[rr][t];
+            }
+}
 
 // Up to four quantized matrices applied to the same input in one launch
 // (q/k/v, the GatedDeltaNet projections, router + shared expert):
-// out_m[t*rows_m + r] (+)= W_m[r] . x[t] for t < n. A warp per row of the
-// concatenated row space, tokens four at a time (each weight word is
-// decoded once for four tokens). Bit `m` of `accumulate` adds to out_m
-// instead of overwriting it (residual connections).
+// out_m[t*rows_m + r] (+)= W_m[r] . x[t] for t < n. A block of 8 warps
+// covers 32 rows of the concatenated row space, tokens four at a time.
+// Bit `m` of `accumulate` adds to out_m instead of overwriting it
+// (residual connections).
 struct MultiMatmul {
     QW q[4];
     float* out[4];
@@ -165,31 +194,30 @@ struct MultiMatmul {
     int accumulate;
 };
 
+#define ROWS_PER_BLOCK (8 * RW)
+
 extern "C" __global__ void qmatmul(MultiMatmul mm, const float* x, int n) {
     int m = 0;
     while (m + 1 < mm.count && (int)blockIdx.x >= mm.first_block[m + 1]) m++;
     const QW& q = mm.q[m];
-    int r = (blockIdx.x - mm.first_block[m]) * ROWS_PER_BLOCK + (threadIdx.x >> 5);
-    if (r >= q.rows) return;
-    int lane = threadIdx.x & 31;
-    float* out = mm.out[m];
-    bool acc = (mm.accumulate >> m) & 1;
+    int r0 = (blockIdx.x - mm.first_block[m]) * ROWS_PER_BLOCK + (threadIdx.x >> 5) * RW;
+    if (r0 >= q.rows) return;
+    bool add = (mm.accumulate >> m) & 1;
     for (int t0 = blockIdx.y * 4; t0 < n; t0 += gridDim.y * 4) {
         int nt = min(4, n - t0);
-        float res[4];
-        qdot_any<4>(q, r, x + (long)t0 * q.cols, q.cols, nt, res);
-        if (lane < nt) {
-            long oi = (long)(t0 + lane) * q.rows + r;
-            float v = lane == 0 ? res[0] : lane == 1 ? res[1] : lane == 2 ? res[2] : res[3];
-            out[oi] = acc ? out[oi] + v : v;
-        }
+        const float* xp[4];
+#pragma unroll
+        for (int t = 0; t < 4; t++) xp[t] = x + (long)(t0 + min(t, nt - 1)) * q.cols;
+        float acc[RW][4];
+        qrows_any<4>(q, r0, xp, nt, acc);
+        store_rows<4>(acc, r0, q.rows, nt, mm.out[m] + (long)t0 * q.rows, q.rows, nullptr, add);
     }
 }
 
-// Dense (bf16 or f32) weights, same shape contract.
+// Dense (bf16 or f32) weights: a warp per row, 8 rows per block.
 extern "C" __global__ void dmatmul(const void* w, int f32, int rows, int cols, const float* x, int n,
                                    int accumulate, float* out) {
-    int r = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    int r = blockIdx.x * 8 + (threadIdx.x >> 5);
     if (r >= rows) return;
     int lane = threadIdx.x & 31;
     for (int t = blockIdx.y; t < n; t += gridDim.y) {
@@ -304,8 +332,9 @@ extern "C" __global__ void attention(const float* q, const float* kc, const floa
     long row = (long)nkv * hd;
     const float* qh = q + ((long)t * nh + h) * hd;
     float qv[8], acc[8];
-    for (int c = 0; c < per; c++) {
-        qv[c] = qh[lane + c * WARP];
+#pragma unroll
+    for (int c = 0; c < 8; c++) {
+        qv[c] = c < per ? qh[lane + c * WARP] : 0.0f;
         acc[c] = 0.0f;
     }
     float m = NEG_INF, l = 0.0f;
@@ -313,13 +342,17 @@ extern "C" __global__ void attention(const float* q, const float* kc, const floa
     for (long p = w; p < ctx; p += NW) {
         const float* kr = kc + p * row + (long)g * hd;
         float d = 0.0f;
-        for (int c = 0; c < per; c++) d = fmaf(qv[c], kr[lane + c * WARP], d);
+#pragma unroll
+        for (int c = 0; c < 8; c++)
+            if (c < per) d = fmaf(qv[c], kr[lane + c * WARP], d);
         d = warp_sum(d) * scale;
         float mn = fmaxf(m, d);
         float corr = expf(m - mn), e = expf(d - mn);
         l = l * corr + e;
         const float* vr = vc + p * row + (long)g * hd;
-        for (int c = 0; c < per; c++) acc[c] = fmaf(e, vr[lane + c * WARP], acc[c] * corr);
+#pragma unroll
+        for (int c = 0; c < 8; c++)
+            if (c < per) acc[c] = fmaf(e, vr[lane + c * WARP], acc[c] * corr);
         m = mn;
     }
     __shared__ float sm[NW], sl[NW], sacc[NW][256];
@@ -327,7 +360,9 @@ extern "C" __global__ void attention(const float* q, const float* kc, const floa
         sm[w] = m;
         sl[w] = l;
     }
-    for (int c = 0; c < per; c++) sacc[w][lane + c * WARP] = acc[c];
+#pragma unroll
+    for (int c = 0; c < 8; c++)
+        if (c < per) sacc[w][lane + c * WARP] = acc[c];
     __syncthreads();
     if (w == 0) {
         float M = NEG_INF;
@@ -516,39 +551,51 @@ __device__ __forceinline__ QW expert_qw(const char* base, long wo, long so, long
 }
 
 // act[e] = silu(gate_e x) * (up_e x) for every (expert task, its tokens);
-// blockIdx.y = task, a warp per intermediate row. `slot_list` holds
-// slot = token * k + j; act rows are indexed by the position in slot_list.
+// blockIdx.y = task, a warp per RW intermediate rows, the task's tokens four
+// at a time. `slot_list` holds slot = token * k + j; act rows are indexed by
+// the position in slot_list.
 template <int BITS>
 __device__ void moe_gate_up_body(const ExpertTask* tasks, ExpertLayout L, const int* slot_list, int k,
                                  const float* x, float* act) {
     ExpertTask T = tasks[blockIdx.y];
-    int r = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
-    if (r >= L.inter) return;
+    int r0 = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5) * RW;
+    if (r0 >= L.inter) return;
     int lane = threadIdx.x & 31;
     QW gq = expert_qw(T.base, L.gate_w, L.gate_s, L.gate_b, L.inter, L.hidden, L);
     QW uq = expert_qw(T.base, L.up_w, L.up_s, L.up_b, L.inter, L.hidden, L);
-    for (int i = 0; i < T.count; i++) {
-        int tok = slot_list[T.first + i] / k;
-        float gv, uv;
-        qdot<BITS, 1>(gq, r, x + (long)tok * L.hidden, 0, 1, &gv);
-        qdot<BITS, 1>(uq, r, x + (long)tok * L.hidden, 0, 1, &uv);
-        if (lane == 0) act[(long)(T.first + i) * L.inter + r] = siluf_(gv) * uv;
+    for (int i0 = 0; i0 < T.count; i0 += 4) {
+        int nt = min(4, T.count - i0);
+        const float* xp[4];
+#pragma unroll
+        for (int t = 0; t < 4; t++) xp[t] = x + (long)(slot_list[T.first + i0 + min(t, nt - 1)] / k) * L.hidden;
+        float ga[RW][4], ua[RW][4];
+        qrows<BITS, 4>(gq, r0, xp, nt, ga);
+        qrows<BITS, 4>(uq, r0, xp, nt, ua);
+#pragma unroll
+        for (int rr = 0; rr < RW; rr++)
+#pragma unroll
+            for (int t = 0; t < 4; t++)
+                if (lane == rr * 4 + t && t < nt && r0 + rr < L.inter)
+                    act[(long)(T.first + i0 + t) * L.inter + r0 + rr] = siluf_(ga[rr][t]) * ua[rr][t];
     }
 }
 
-// y[slot] = down_e act for every (task, its tokens); a warp per hidden row.
+// y[slot] = down_e act for every (task, its tokens); a warp per RW hidden rows.
 template <int BITS>
 __device__ void moe_down_body(const ExpertTask* tasks, ExpertLayout L, const int* slot_list,
                               const float* act, float* slot_out) {
     ExpertTask T = tasks[blockIdx.y];
-    int r = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
-    if (r >= L.hidden) return;
-    int lane = threadIdx.x & 31;
+    int r0 = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5) * RW;
+    if (r0 >= L.hidden) return;
     QW dq = expert_qw(T.base, L.down_w, L.down_s, L.down_b, L.hidden, L.inter, L);
-    for (int i = 0; i < T.count; i++) {
-        float v;
-        qdot<BITS, 1>(dq, r, act + (long)(T.first + i) * L.inter, 0, 1, &v);
-        if (lane == 0) slot_out[(long)slot_list[T.first + i] * L.hidden + r] = v;
+    for (int i0 = 0; i0 < T.count; i0 += 4) {
+        int nt = min(4, T.count - i0);
+        const float* xp[4];
+#pragma unroll
+        for (int t = 0; t < 4; t++) xp[t] = act + (long)(T.first + i0 + min(t, nt - 1)) * L.inter;
+        float acc[RW][4];
+        qrows<BITS, 4>(dq, r0, xp, nt, acc);
+        store_rows<4>(acc, r0, L.hidden, nt, slot_out, L.hidden, slot_list + T.first + i0, false);
     }
 }
 
@@ -638,35 +685,39 @@ extern "C" __global__ void moe_route(const float* logits, int n, int e, int k, i
 }
 
 // Per (token, slot) expert work, for decode: slot j = token * k + jj uses
-// the expert at bases[j]. act[j] = silu(gate x) * (up x); a warp per
-// intermediate row, blockIdx.y = slot.
+// the expert at bases[j]. act[j] = silu(gate x) * (up x); a warp per RW
+// intermediate rows, blockIdx.y = slot.
 template <int BITS>
 __device__ void moe_gate_up_slots_body(const unsigned long long* bases, ExpertLayout L, int k,
                                        const float* x, float* act) {
     int j = blockIdx.y;
-    int r = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
-    if (r >= L.inter) return;
+    int r0 = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5) * RW;
+    if (r0 >= L.inter) return;
+    int lane = threadIdx.x & 31;
     const char* base = (const char*)bases[j];
     QW gq = expert_qw(base, L.gate_w, L.gate_s, L.gate_b, L.inter, L.hidden, L);
     QW uq = expert_qw(base, L.up_w, L.up_s, L.up_b, L.inter, L.hidden, L);
-    const float* xt = x + (long)(j / k) * L.hidden;
-    float gv, uv;
-    qdot<BITS, 1>(gq, r, xt, 0, 1, &gv);
-    qdot<BITS, 1>(uq, r, xt, 0, 1, &uv);
-    if ((threadIdx.x & 31) == 0) act[(long)j * L.inter + r] = siluf_(gv) * uv;
+    const float* xp[1] = {x + (long)(j / k) * L.hidden};
+    float ga[RW][1], ua[RW][1];
+    qrows<BITS, 1>(gq, r0, xp, 1, ga);
+    qrows<BITS, 1>(uq, r0, xp, 1, ua);
+#pragma unroll
+    for (int rr = 0; rr < RW; rr++)
+        if (lane == rr && r0 + rr < L.inter) act[(long)j * L.inter + r0 + rr] = siluf_(ga[rr][0]) * ua[rr][0];
 }
 
-// slot_out[j] = down act[j]; a warp per hidden row, blockIdx.y = slot.
+// slot_out[j] = down act[j]; a warp per RW hidden rows, blockIdx.y = slot.
 template <int BITS>
 __device__ void moe_down_slots_body(const unsigned long long* bases, ExpertLayout L, const float* act,
                                     float* slot_out) {
     int j = blockIdx.y;
-    int r = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
-    if (r >= L.hidden) return;
+    int r0 = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5) * RW;
+    if (r0 >= L.hidden) return;
     QW dq = expert_qw((const char*)bases[j], L.down_w, L.down_s, L.down_b, L.hidden, L.inter, L);
-    float v;
-    qdot<BITS, 1>(dq, r, act + (long)j * L.inter, 0, 1, &v);
-    if ((threadIdx.x & 31) == 0) slot_out[(long)j * L.hidden + r] = v;
+    const float* xp[1] = {act + (long)j * L.inter};
+    float acc[RW][1];
+    qrows<BITS, 1>(dq, r0, xp, 1, acc);
+    store_rows<1>(acc, r0, L.hidden, 1, slot_out + (long)j * L.hidden, 0, nullptr, false);
 }
 
 #define SLOT_KERNELS(B, SFX)                                                                          \

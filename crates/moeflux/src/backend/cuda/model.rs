@@ -233,6 +233,10 @@ const RESERVE: usize = 3 << 30;
 /// expert (each expert's weights read once) from a host copy of the choice.
 const SLOT_PATH_MAX_TOKENS: usize = 2;
 
+/// Output rows per block of the quantized product kernels (`ROWS_PER_BLOCK`
+/// in kernels.cu: 8 warps of `RW` = 4 rows).
+const ROWS_PER_BLOCK: usize = 32;
+
 /// A matrix product of a [`CudaModel::matmuls`] group: `out (+)= x W^T`.
 #[derive(Clone, Copy)]
 struct Mm {
@@ -815,7 +819,7 @@ impl CudaModel {
                 p.out[j] = o.out;
                 p.first_block[j] = blocks;
                 p.accumulate |= (o.accumulate as i32) << j;
-                blocks += (q.rows as usize).div_ceil(8) as i32;
+                blocks += (q.rows as usize).div_ceil(ROWS_PER_BLOCK) as i32;
             }
             for j in group.len()..5 {
                 p.first_block[j] = blocks;
@@ -1201,14 +1205,14 @@ impl CudaModel {
                 unsafe {
                     self.gpu.launch(
                         &format!("moe_gate_up_{sfx}"),
-                        (inter.div_ceil(8) as u32, n_tasks, 1),
+                        (inter.div_ceil(ROWS_PER_BLOCK) as u32, n_tasks, 1),
                         256,
                         0,
                         &mut args!(d_tasks, layout, d_slots, k_i, xn, act),
                     )?;
                     self.gpu.launch(
                         &format!("moe_down_{sfx}"),
-                        (h.div_ceil(8) as u32, n_tasks, 1),
+                        (h.div_ceil(ROWS_PER_BLOCK) as u32, n_tasks, 1),
                         256,
                         0,
                         &mut args!(d_tasks, layout, d_slots, act, slot_out),
@@ -1221,14 +1225,14 @@ impl CudaModel {
             unsafe {
                 self.gpu.launch(
                     &format!("moe_gate_up_slots_{sfx}"),
-                    (inter.div_ceil(8) as u32, slots, 1),
+                    (inter.div_ceil(ROWS_PER_BLOCK) as u32, slots, 1),
                     256,
                     0,
                     &mut args!(d_bases, layout, k_i, xn, act),
                 )?;
                 self.gpu.launch(
                     &format!("moe_down_slots_{sfx}"),
-                    (h.div_ceil(8) as u32, slots, 1),
+                    (h.div_ceil(ROWS_PER_BLOCK) as u32, slots, 1),
                     256,
                     0,
                     &mut args!(d_bases, layout, act, slot_out),
