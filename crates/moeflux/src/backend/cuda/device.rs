@@ -124,6 +124,29 @@ pub struct Gpu {
     /// Expert uploads, overlapping compute.
     pub copy: Arc<CudaStream>,
     funcs: HashMap<&'static str, CudaFunction>,
+    /// `MOEFLUX_CUDA_PROFILE=1`: GPU time and launches per kernel, printed
+    /// when the GPU is closed (each launch is timed alone: slow).
+    profile: Option<std::sync::Mutex<HashMap<String, (u64, f64)>>>,
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        let Some(p) = self.profile.take() else {
+            return;
+        };
+        let p = p.into_inner().unwrap_or_else(|e| e.into_inner());
+        let mut rows: Vec<_> = p.into_iter().collect();
+        rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+        let total: f64 = rows.iter().map(|r| r.1 .1).sum();
+        eprintln!("GPU time per kernel (MOEFLUX_CUDA_PROFILE), {total:.1} ms in all:");
+        for (name, (count, ms)) in rows {
+            eprintln!(
+                "  {name:<24} {ms:>10.2} ms {:>5.1}% {count:>9} launches {:>8.2} us each",
+                100.0 * ms / total.max(1e-9),
+                1e3 * ms / count.max(1) as f64
+            );
+        }
+    }
 }
 
 impl Gpu {
@@ -148,12 +171,16 @@ impl Gpu {
                 .map_err(|e| gpu_err(&format!("kernel {name}"), e))?;
             funcs.insert(name, f);
         }
+        let profile = std::env::var_os("MOEFLUX_CUDA_PROFILE")
+            .is_some_and(|v| v != "0")
+            .then(Default::default);
         Ok(Gpu {
             info,
             ctx,
             stream,
             copy,
             funcs,
+            profile,
         })
     }
 
@@ -180,6 +207,39 @@ impl Gpu {
         params: &mut [*mut c_void],
     ) -> Result<()> {
         let f = self.funcs.get(name).expect("kernel listed in KERNEL_NAMES");
+        if let Some(p) = &self.profile {
+            use cudarc::driver::sys::{CUevent_flags, CUstreamCaptureStatus};
+            let capturing = self
+                .stream
+                .capture_status()
+                .map_err(|e| gpu_err("GPU", e))?
+                != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+            if !capturing {
+                let ev = |s: &CudaStream| {
+                    s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                        .map_err(|e| gpu_err("GPU event", e))
+                };
+                let start = ev(&self.stream)?;
+                result::launch_kernel(
+                    f.cu_function(),
+                    grid,
+                    (block, 1, 1),
+                    smem,
+                    self.stream.cu_stream(),
+                    params,
+                )
+                .map_err(|e| gpu_err(&format!("launching {name}"), e))?;
+                let end = ev(&self.stream)?;
+                let ms = start
+                    .elapsed_ms(&end)
+                    .map_err(|e| gpu_err(&format!("running {name}"), e))?;
+                let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
+                let slot = p.entry(name.to_string()).or_default();
+                slot.0 += 1;
+                slot.1 += ms as f64;
+                return Ok(());
+            }
+        }
         result::launch_kernel(
             f.cu_function(),
             grid,
@@ -557,6 +617,36 @@ impl PinnedArena {
 impl Default for PinnedArena {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+/// A pinned host buffer for results copied back from the GPU (pinned
+/// copies run at full PCIe speed; pageable ones at a fraction).
+#[derive(Default)]
+pub struct PinnedDownload {
+    pin: Option<Pinned>,
+    mem: Vec<f32>,
+}
+
+impl PinnedDownload {
+    /// Copies `n` f32 from device address `src` once the compute stream has
+    /// done everything before it.
+    pub fn download_f32(&mut self, gpu: &Gpu, src: u64, n: usize) -> Result<Vec<f32>> {
+        if self.mem.len() < n {
+            gpu.sync()?;
+            self.pin = None;
+            self.mem = vec![0.0; n];
+            // SAFETY: viewing the f32 buffer as bytes.
+            let bytes =
+                unsafe { std::slice::from_raw_parts_mut(self.mem.as_mut_ptr() as *mut u8, 4 * n) };
+            self.pin = Some(Pinned::register(gpu, bytes)?);
+        }
+        // SAFETY: `mem` holds n f32 and is pinned; the stream is synchronised
+        // before it is read.
+        unsafe { result::memcpy_dtoh_async(&mut self.mem[..n], src, gpu.stream.cu_stream()) }
+            .map_err(|e| gpu_err("copy from GPU", e))?;
+        gpu.sync()?;
+        Ok(self.mem[..n].to_vec())
     }
 }
 

@@ -19,6 +19,7 @@ use crate::model::weights::{DType, LinearRef};
 
 use super::device::{
     args, begin_capture, copy_dtod, end_capture, zero_async, DevBuf, Gpu, PinnedArena,
+    PinnedDownload,
 };
 use super::experts::{CachePolicy, CacheStats, ExpertCache};
 
@@ -284,6 +285,7 @@ pub struct CudaModel {
     cache: Option<ExpertCache>,
     scratch: Scratch,
     arena: PinnedArena,
+    logits_host: PinnedDownload,
     /// The position of the eval's first token, on the device (kernels read
     /// it so a captured graph serves every position).
     pos: DevBuf,
@@ -415,6 +417,7 @@ impl CudaModel {
             cache: None,
             scratch: Scratch::default(),
             arena: PinnedArena::new(),
+            logits_host: PinnedDownload::default(),
             pos,
             epoch: 0,
             stable_epoch: None,
@@ -697,9 +700,7 @@ impl CudaModel {
     ) -> Result<Vec<f32>> {
         let v = self.config.vocab_size;
         let logits = self.scratch.get(&self.gpu, "logits", 4 * m * v)?;
-        let mut out = vec![0.0f32; m * v];
-        self.gpu.sync()?;
-        download_from(&self.gpu, logits, &mut out)?;
+        let out = self.logits_host.download_f32(&self.gpu, logits, m * v)?;
         lap(&mut clock, &mut times.lm_head);
         Ok(out)
     }
