@@ -21,6 +21,7 @@ const KERNELS: &str = include_str!("kernels.cu");
 /// Every kernel the backend launches (looked up once at start).
 const KERNEL_NAMES: &[&str] = &[
     "qmatmul",
+    "qmatmul1",
     "dmatmul",
     "qgather_rows",
     "rms_norm",
@@ -141,7 +142,7 @@ impl Drop for Gpu {
         eprintln!("GPU time per kernel (MOEFLUX_CUDA_PROFILE), {total:.1} ms in all:");
         for (name, (count, ms)) in rows {
             eprintln!(
-                "  {name:<24} {ms:>10.2} ms {:>5.1}% {count:>9} launches {:>8.2} us each",
+                "  {name:<34} {ms:>10.2} ms {:>5.1}% {count:>9} launches {:>8.2} us each",
                 100.0 * ms / total.max(1e-9),
                 1e3 * ms / count.max(1) as f64
             );
@@ -234,7 +235,9 @@ impl Gpu {
                     .elapsed_ms(&end)
                     .map_err(|e| gpu_err(&format!("running {name}"), e))?;
                 let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
-                let slot = p.entry(name.to_string()).or_default();
+                let slot = p
+                    .entry(format!("{name} [{}x{}]", grid.0, grid.1))
+                    .or_default();
                 slot.0 += 1;
                 slot.1 += ms as f64;
                 return Ok(());

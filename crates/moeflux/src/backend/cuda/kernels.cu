@@ -52,7 +52,7 @@ struct QW {
     int rows, cols, bits, gs, sf32;
 };
 
-__device__ __forceinline__ float qparam(const void* p, int i, int f32) {
+__device__ __forceinline__ float qparam(const void* p, long i, int f32) {
     return f32 ? ((const float*)p)[i] : bf16f(((const u16*)p)[i]);
 }
 
@@ -92,9 +92,15 @@ __device__ __forceinline__ void qrows(const QW& q, int r0, const float* const* x
         if (aligned) {
             const int EPW = 32 / BITS;
             const u32 M = (1u << BITS) - 1u;
-            for (long wi = lane; wi < wpr; wi += WARP) {
-                long c0 = wi * EPW;
-                int g = (int)(c0 / q.gs);
+            // Words per group: a power of two in every MLX layout (shift),
+            // else a division.
+            int wpg = q.gs / EPW;
+            int lw = __ffs(wpg) - 1;
+            bool pow2 = (wpg & (wpg - 1)) == 0;
+            int iwpr = (int)wpr;
+            for (int wi = lane; wi < iwpr; wi += WARP) {
+                int c0 = wi * EPW;
+                int g = pow2 ? (wi >> lw) : wi / wpg;
                 float xv[TT][EPW], xs[TT];
 #pragma unroll
                 for (int t = 0; t < TT; t++) {
@@ -114,13 +120,22 @@ __device__ __forceinline__ void qrows(const QW& q, int r0, const float* const* x
                     if (rr < nr) {
                         long r = r0 + rr;
                         u32 word = q.w[r * wpr + wi];
-                        float s = qparam(q.s, r * gpr + g, q.sf32), b = qparam(q.b, r * gpr + g, q.sf32);
+                        long pi = r * gpr + g;
+                        float s = qparam(q.s, pi, q.sf32), b = qparam(q.b, pi, q.sf32);
+                        // Codes as floats without int->float conversions:
+                        // 2^23 + code has the code in its mantissa.
+                        float cf[EPW];
+#pragma unroll
+                        for (int e = 0; e < EPW; e++)
+                            cf[e] = __uint_as_float(0x4B000000u | ((word >> (e * BITS)) & M)) - 8388608.0f;
 #pragma unroll
                         for (int t = 0; t < TT; t++) {
-                            float d = 0.0f;
+                            if (t < nt) {
+                                float d = 0.0f;
 #pragma unroll
-                            for (int e = 0; e < EPW; e++) d = fmaf((float)((word >> (e * BITS)) & M), xv[t][e], d);
-                            acc[rr][t] = fmaf(s, d, fmaf(b, xs[t], acc[rr][t]));
+                                for (int e = 0; e < EPW; e++) d = fmaf(cf[e], xv[t][e], d);
+                                acc[rr][t] = fmaf(s, d, fmaf(b, xs[t], acc[rr][t]));
+                            }
                         }
                     }
                 }
@@ -196,23 +211,29 @@ struct MultiMatmul {
 
 #define ROWS_PER_BLOCK (8 * RW)
 
-extern "C" __global__ void qmatmul(MultiMatmul mm, const float* x, int n) {
+template <int TT>
+__device__ void qmatmul_body(const MultiMatmul& mm, const float* x, int n) {
     int m = 0;
     while (m + 1 < mm.count && (int)blockIdx.x >= mm.first_block[m + 1]) m++;
     const QW& q = mm.q[m];
     int r0 = (blockIdx.x - mm.first_block[m]) * ROWS_PER_BLOCK + (threadIdx.x >> 5) * RW;
     if (r0 >= q.rows) return;
     bool add = (mm.accumulate >> m) & 1;
-    for (int t0 = blockIdx.y * 4; t0 < n; t0 += gridDim.y * 4) {
-        int nt = min(4, n - t0);
-        const float* xp[4];
+    for (int t0 = blockIdx.y * TT; t0 < n; t0 += gridDim.y * TT) {
+        int nt = min(TT, n - t0);
+        const float* xp[TT];
 #pragma unroll
-        for (int t = 0; t < 4; t++) xp[t] = x + (long)(t0 + min(t, nt - 1)) * q.cols;
-        float acc[RW][4];
-        qrows_any<4>(q, r0, xp, nt, acc);
-        store_rows<4>(acc, r0, q.rows, nt, mm.out[m] + (long)t0 * q.rows, q.rows, nullptr, add);
+        for (int t = 0; t < TT; t++) xp[t] = x + (long)(t0 + min(t, nt - 1)) * q.cols;
+        float acc[RW][TT];
+        qrows_any<TT>(q, r0, xp, nt, acc);
+        store_rows<TT>(acc, r0, q.rows, nt, mm.out[m] + (long)t0 * q.rows, q.rows, nullptr, add);
     }
 }
+
+// Tokens four at a time (each weight word decoded once for four tokens).
+extern "C" __global__ void qmatmul(MultiMatmul mm, const float* x, int n) { qmatmul_body<4>(mm, x, n); }
+// One token (decode).
+extern "C" __global__ void qmatmul1(MultiMatmul mm, const float* x, int n) { qmatmul_body<1>(mm, x, n); }
 
 // Dense (bf16 or f32) weights: a warp per row, 8 rows per block.
 extern "C" __global__ void dmatmul(const void* w, int f32, int rows, int cols, const float* x, int n,
