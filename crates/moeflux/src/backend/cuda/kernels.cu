@@ -75,7 +75,7 @@ __device__ __forceinline__ u32 qcode(const u32* row, long j, int bits) {
 #define RW 4
 template <int BITS, int TT>
 __device__ __forceinline__ void qrows(const QW& q, int r0, const float* const* xp, int nt,
-                                      float (&acc)[RW][TT]) {
+                                      float (&acc)[RW][TT], int part, int parts) {
     int lane = threadIdx.x & 31;
 #pragma unroll
     for (int rr = 0; rr < RW; rr++)
@@ -98,7 +98,7 @@ __device__ __forceinline__ void qrows(const QW& q, int r0, const float* const* x
             int lw = __ffs(wpg) - 1;
             bool pow2 = (wpg & (wpg - 1)) == 0;
             int iwpr = (int)wpr;
-            for (int wi = lane; wi < iwpr; wi += WARP) {
+            for (int wi = part * WARP + lane; wi < iwpr; wi += parts * WARP) {
                 int c0 = wi * EPW;
                 int g = pow2 ? (wi >> lw) : wi / wpg;
                 float xv[TT][EPW], xs[TT];
@@ -144,7 +144,7 @@ __device__ __forceinline__ void qrows(const QW& q, int r0, const float* const* x
         }
     }
     // Any width (codes may straddle words) or unaligned activations.
-    for (long j = lane; j < q.cols; j += WARP) {
+    for (long j = part * WARP + lane; j < q.cols; j += parts * WARP) {
         int g = (int)(j / q.gs);
         float xj[TT];
 #pragma unroll
@@ -170,12 +170,48 @@ reduce:
 // qrows for any supported width (chosen at run time).
 template <int TT>
 __device__ __forceinline__ void qrows_any(const QW& q, int r0, const float* const* xp, int nt,
-                                          float (&acc)[RW][TT]) {
+                                          float (&acc)[RW][TT], int part, int parts) {
     switch (q.bits) {
-        case 4: qrows<4, TT>(q, r0, xp, nt, acc); break;
-        case 8: qrows<8, TT>(q, r0, xp, nt, acc); break;
-        case 2: qrows<2, TT>(q, r0, xp, nt, acc); break;
-        default: qrows<0, TT>(q, r0, xp, nt, acc); break;
+        case 4: qrows<4, TT>(q, r0, xp, nt, acc, part, parts); break;
+        case 8: qrows<8, TT>(q, r0, xp, nt, acc, part, parts); break;
+        case 2: qrows<2, TT>(q, r0, xp, nt, acc, part, parts); break;
+        default: qrows<0, TT>(q, r0, xp, nt, acc, part, parts); break;
+    }
+}
+
+// Warps that share a group of RW rows, each taking every parts-th stretch
+// of 32 words: enough that a row's words give every lane work (short rows
+// leave more groups per block). The host computes the same (rows per
+// block = RW * 8 / col_split).
+__device__ __forceinline__ int col_split(const QW& q) {
+    long wpr = ((long)q.cols * q.bits) >> 5;
+    return wpr >= 256 ? 8 : wpr >= 128 ? 4 : wpr >= 64 ? 2 : 1;
+}
+
+// Sums the partial results of the `parts` consecutive warps of each row
+// group; the first warp of a group ends up with the totals. Every thread of
+// the block must call it (it synchronises).
+template <int TT>
+__device__ __forceinline__ void reduce_parts(float (&acc)[RW][TT], int parts) {
+    __shared__ float red[8][RW][TT];
+    int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (parts > 1) {
+        if (lane == 0)
+#pragma unroll
+            for (int rr = 0; rr < RW; rr++)
+#pragma unroll
+                for (int t = 0; t < TT; t++) red[w][rr][t] = acc[rr][t];
+        __syncthreads();
+        if (w % parts == 0)
+#pragma unroll
+            for (int rr = 0; rr < RW; rr++)
+#pragma unroll
+                for (int t = 0; t < TT; t++) {
+                    float v = 0.0f;
+                    for (int c = 0; c < parts; c++) v += red[w + c][rr][t];
+                    acc[rr][t] = v;
+                }
+        __syncthreads();
     }
 }
 
@@ -209,15 +245,16 @@ struct MultiMatmul {
     int accumulate;
 };
 
-#define ROWS_PER_BLOCK (8 * RW)
 
 template <int TT>
 __device__ void qmatmul_body(const MultiMatmul& mm, const float* x, int n) {
     int m = 0;
     while (m + 1 < mm.count && (int)blockIdx.x >= mm.first_block[m + 1]) m++;
     const QW& q = mm.q[m];
-    int r0 = (blockIdx.x - mm.first_block[m]) * ROWS_PER_BLOCK + (threadIdx.x >> 5) * RW;
-    if (r0 >= q.rows) return;
+    int parts = col_split(q), w = threadIdx.x >> 5;
+    int part = w % parts;
+    int r0 = ((blockIdx.x - mm.first_block[m]) * (8 / parts) + w / parts) * RW;
+    bool active = r0 < q.rows;
     bool add = (mm.accumulate >> m) & 1;
     for (int t0 = blockIdx.y * TT; t0 < n; t0 += gridDim.y * TT) {
         int nt = min(TT, n - t0);
@@ -225,15 +262,17 @@ __device__ void qmatmul_body(const MultiMatmul& mm, const float* x, int n) {
 #pragma unroll
         for (int t = 0; t < TT; t++) xp[t] = x + (long)(t0 + min(t, nt - 1)) * q.cols;
         float acc[RW][TT];
-        qrows_any<TT>(q, r0, xp, nt, acc);
-        store_rows<TT>(acc, r0, q.rows, nt, mm.out[m] + (long)t0 * q.rows, q.rows, nullptr, add);
+        if (active) qrows_any<TT>(q, r0, xp, nt, acc, part, parts);
+        reduce_parts<TT>(acc, parts);
+        if (active && part == 0)
+            store_rows<TT>(acc, r0, q.rows, nt, mm.out[m] + (long)t0 * q.rows, q.rows, nullptr, add);
     }
 }
 
 // Tokens four at a time (each weight word decoded once for four tokens).
-extern "C" __global__ void qmatmul(MultiMatmul mm, const float* x, int n) { qmatmul_body<4>(mm, x, n); }
+extern "C" __global__ void __launch_bounds__(256) qmatmul(MultiMatmul mm, const float* x, int n) { qmatmul_body<4>(mm, x, n); }
 // One token (decode).
-extern "C" __global__ void qmatmul1(MultiMatmul mm, const float* x, int n) { qmatmul_body<1>(mm, x, n); }
+extern "C" __global__ void __launch_bounds__(256, 4) qmatmul1(MultiMatmul mm, const float* x, int n) { qmatmul_body<1>(mm, x, n); }
 
 // Dense (bf16 or f32) weights: a warp per row, 8 rows per block.
 extern "C" __global__ void dmatmul(const void* w, int f32, int rows, int cols, const float* x, int n,
@@ -579,44 +618,54 @@ template <int BITS>
 __device__ void moe_gate_up_body(const ExpertTask* tasks, ExpertLayout L, const int* slot_list, int k,
                                  const float* x, float* act) {
     ExpertTask T = tasks[blockIdx.y];
-    int r0 = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5) * RW;
-    if (r0 >= L.inter) return;
-    int lane = threadIdx.x & 31;
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     QW gq = expert_qw(T.base, L.gate_w, L.gate_s, L.gate_b, L.inter, L.hidden, L);
     QW uq = expert_qw(T.base, L.up_w, L.up_s, L.up_b, L.inter, L.hidden, L);
+    int parts = col_split(gq), part = w % parts;
+    int r0 = (blockIdx.x * (8 / parts) + w / parts) * RW;
+    bool active = r0 < L.inter;
     for (int i0 = 0; i0 < T.count; i0 += 4) {
         int nt = min(4, T.count - i0);
         const float* xp[4];
 #pragma unroll
         for (int t = 0; t < 4; t++) xp[t] = x + (long)(slot_list[T.first + i0 + min(t, nt - 1)] / k) * L.hidden;
         float ga[RW][4], ua[RW][4];
-        qrows<BITS, 4>(gq, r0, xp, nt, ga);
-        qrows<BITS, 4>(uq, r0, xp, nt, ua);
+        if (active) {
+            qrows<BITS, 4>(gq, r0, xp, nt, ga, part, parts);
+            qrows<BITS, 4>(uq, r0, xp, nt, ua, part, parts);
+        }
+        reduce_parts<4>(ga, parts);
+        reduce_parts<4>(ua, parts);
+        if (active && part == 0)
 #pragma unroll
-        for (int rr = 0; rr < RW; rr++)
+            for (int rr = 0; rr < RW; rr++)
 #pragma unroll
-            for (int t = 0; t < 4; t++)
-                if (lane == rr * 4 + t && t < nt && r0 + rr < L.inter)
-                    act[(long)(T.first + i0 + t) * L.inter + r0 + rr] = siluf_(ga[rr][t]) * ua[rr][t];
+                for (int t = 0; t < 4; t++)
+                    if (lane == rr * 4 + t && t < nt && r0 + rr < L.inter)
+                        act[(long)(T.first + i0 + t) * L.inter + r0 + rr] = siluf_(ga[rr][t]) * ua[rr][t];
     }
 }
 
-// y[slot] = down_e act for every (task, its tokens); a warp per RW hidden rows.
+// y[slot] = down_e act for every (task, its tokens).
 template <int BITS>
 __device__ void moe_down_body(const ExpertTask* tasks, ExpertLayout L, const int* slot_list,
                               const float* act, float* slot_out) {
     ExpertTask T = tasks[blockIdx.y];
-    int r0 = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5) * RW;
-    if (r0 >= L.hidden) return;
+    int w = threadIdx.x >> 5;
     QW dq = expert_qw(T.base, L.down_w, L.down_s, L.down_b, L.hidden, L.inter, L);
+    int parts = col_split(dq), part = w % parts;
+    int r0 = (blockIdx.x * (8 / parts) + w / parts) * RW;
+    bool active = r0 < L.hidden;
     for (int i0 = 0; i0 < T.count; i0 += 4) {
         int nt = min(4, T.count - i0);
         const float* xp[4];
 #pragma unroll
         for (int t = 0; t < 4; t++) xp[t] = act + (long)(T.first + i0 + min(t, nt - 1)) * L.inter;
         float acc[RW][4];
-        qrows<BITS, 4>(dq, r0, xp, nt, acc);
-        store_rows<4>(acc, r0, L.hidden, nt, slot_out, L.hidden, slot_list + T.first + i0, false);
+        if (active) qrows<BITS, 4>(dq, r0, xp, nt, acc, part, parts);
+        reduce_parts<4>(acc, parts);
+        if (active && part == 0)
+            store_rows<4>(acc, r0, L.hidden, nt, slot_out, L.hidden, slot_list + T.first + i0, false);
     }
 }
 
@@ -712,33 +761,42 @@ template <int BITS>
 __device__ void moe_gate_up_slots_body(const unsigned long long* bases, ExpertLayout L, int k,
                                        const float* x, float* act) {
     int j = blockIdx.y;
-    int r0 = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5) * RW;
-    if (r0 >= L.inter) return;
-    int lane = threadIdx.x & 31;
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const char* base = (const char*)bases[j];
     QW gq = expert_qw(base, L.gate_w, L.gate_s, L.gate_b, L.inter, L.hidden, L);
     QW uq = expert_qw(base, L.up_w, L.up_s, L.up_b, L.inter, L.hidden, L);
+    int parts = col_split(gq), part = w % parts;
+    int r0 = (blockIdx.x * (8 / parts) + w / parts) * RW;
+    bool active = r0 < L.inter;
     const float* xp[1] = {x + (long)(j / k) * L.hidden};
     float ga[RW][1], ua[RW][1];
-    qrows<BITS, 1>(gq, r0, xp, 1, ga);
-    qrows<BITS, 1>(uq, r0, xp, 1, ua);
+    if (active) {
+        qrows<BITS, 1>(gq, r0, xp, 1, ga, part, parts);
+        qrows<BITS, 1>(uq, r0, xp, 1, ua, part, parts);
+    }
+    reduce_parts<1>(ga, parts);
+    reduce_parts<1>(ua, parts);
+    if (active && part == 0)
 #pragma unroll
-    for (int rr = 0; rr < RW; rr++)
-        if (lane == rr && r0 + rr < L.inter) act[(long)j * L.inter + r0 + rr] = siluf_(ga[rr][0]) * ua[rr][0];
+        for (int rr = 0; rr < RW; rr++)
+            if (lane == rr && r0 + rr < L.inter) act[(long)j * L.inter + r0 + rr] = siluf_(ga[rr][0]) * ua[rr][0];
 }
 
-// slot_out[j] = down act[j]; a warp per RW hidden rows, blockIdx.y = slot.
+// slot_out[j] = down act[j]; blockIdx.y = slot.
 template <int BITS>
 __device__ void moe_down_slots_body(const unsigned long long* bases, ExpertLayout L, const float* act,
                                     float* slot_out) {
     int j = blockIdx.y;
-    int r0 = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5) * RW;
-    if (r0 >= L.hidden) return;
+    int w = threadIdx.x >> 5;
     QW dq = expert_qw((const char*)bases[j], L.down_w, L.down_s, L.down_b, L.hidden, L.inter, L);
+    int parts = col_split(dq), part = w % parts;
+    int r0 = (blockIdx.x * (8 / parts) + w / parts) * RW;
+    bool active = r0 < L.hidden;
     const float* xp[1] = {act + (long)j * L.inter};
     float acc[RW][1];
-    qrows<BITS, 1>(dq, r0, xp, 1, acc);
-    store_rows<1>(acc, r0, L.hidden, 1, slot_out + (long)j * L.hidden, 0, nullptr, false);
+    if (active) qrows<BITS, 1>(dq, r0, xp, 1, acc, part, parts);
+    reduce_parts<1>(acc, parts);
+    if (active && part == 0) store_rows<1>(acc, r0, L.hidden, 1, slot_out + (long)j * L.hidden, 0, nullptr, false);
 }
 
 #define SLOT_KERNELS(B, SFX)                                                                          \

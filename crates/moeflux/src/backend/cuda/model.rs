@@ -234,9 +234,19 @@ const RESERVE: usize = 3 << 30;
 /// expert (each expert's weights read once) from a host copy of the choice.
 const SLOT_PATH_MAX_TOKENS: usize = 2;
 
-/// Output rows per block of the quantized product kernels (`ROWS_PER_BLOCK`
-/// in kernels.cu: 8 warps of `RW` = 4 rows).
-const ROWS_PER_BLOCK: usize = 32;
+/// Output rows per block of the quantized product kernels for rows of
+/// `cols` codes of `bits` bits: 8 warps in groups of 4 rows, the warps of a
+/// group splitting the row's words (`col_split` in kernels.cu).
+fn rows_per_block(cols: usize, bits: usize) -> usize {
+    let words = cols * bits / 32;
+    let split = match words {
+        256.. => 8,
+        128.. => 4,
+        64.. => 2,
+        _ => 1,
+    };
+    4 * 8 / split
+}
 
 /// A matrix product of a [`CudaModel::matmuls`] group: `out (+)= x W^T`.
 #[derive(Clone, Copy)]
@@ -820,19 +830,17 @@ impl CudaModel {
                 p.out[j] = o.out;
                 p.first_block[j] = blocks;
                 p.accumulate |= (o.accumulate as i32) << j;
-                blocks += (q.rows as usize).div_ceil(ROWS_PER_BLOCK) as i32;
+                blocks += (q.rows as usize)
+                    .div_ceil(rows_per_block(q.cols as usize, q.bits as usize))
+                    as i32;
             }
             for j in group.len()..5 {
                 p.first_block[j] = blocks;
             }
+            let kernel = if n == 1 { "qmatmul1" } else { "qmatmul" };
             unsafe {
-                self.gpu.launch(
-                    "qmatmul",
-                    (blocks as u32, ty, 1),
-                    256,
-                    0,
-                    &mut args!(p, x, nn),
-                )?
+                self.gpu
+                    .launch(kernel, (blocks as u32, ty, 1), 256, 0, &mut args!(p, x, nn))?
             };
         }
         for o in ops {
@@ -1091,7 +1099,7 @@ impl CudaModel {
             .as_ref()
             .map(|s| (s.gate, s.up, s.down, s.gate_scalar));
         let (e, h) = (self.config.moe.num_experts, self.config.hidden_size);
-        let inter = layout.inter as usize;
+        let (inter, bits) = (layout.inter as usize, layout.bits as usize);
         let g = &self.gpu;
         let s = &mut self.scratch;
         let logits_d = s.get(g, "router", 4 * n * e)?;
@@ -1206,14 +1214,14 @@ impl CudaModel {
                 unsafe {
                     self.gpu.launch(
                         &format!("moe_gate_up_{sfx}"),
-                        (inter.div_ceil(ROWS_PER_BLOCK) as u32, n_tasks, 1),
+                        (inter.div_ceil(rows_per_block(h, bits)) as u32, n_tasks, 1),
                         256,
                         0,
                         &mut args!(d_tasks, layout, d_slots, k_i, xn, act),
                     )?;
                     self.gpu.launch(
                         &format!("moe_down_{sfx}"),
-                        (h.div_ceil(ROWS_PER_BLOCK) as u32, n_tasks, 1),
+                        (h.div_ceil(rows_per_block(inter, bits)) as u32, n_tasks, 1),
                         256,
                         0,
                         &mut args!(d_tasks, layout, d_slots, act, slot_out),
@@ -1226,14 +1234,14 @@ impl CudaModel {
             unsafe {
                 self.gpu.launch(
                     &format!("moe_gate_up_slots_{sfx}"),
-                    (inter.div_ceil(ROWS_PER_BLOCK) as u32, slots, 1),
+                    (inter.div_ceil(rows_per_block(h, bits)) as u32, slots, 1),
                     256,
                     0,
                     &mut args!(d_bases, layout, k_i, xn, act),
                 )?;
                 self.gpu.launch(
                     &format!("moe_down_slots_{sfx}"),
-                    (h.div_ceil(ROWS_PER_BLOCK) as u32, slots, 1),
+                    (h.div_ceil(rows_per_block(inter, bits)) as u32, slots, 1),
                     256,
                     0,
                     &mut args!(d_bases, layout, act, slot_out),
