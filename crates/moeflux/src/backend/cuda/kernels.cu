@@ -98,6 +98,49 @@ __device__ __forceinline__ void qrows(const QW& q, int r0, const float* const* x
             int lw = __ffs(wpg) - 1;
             bool pow2 = (wpg & (wpg - 1)) == 0;
             int iwpr = (int)wpr;
+            // One token: each lane reads 16 bytes (4 words) of each row per
+            // step, so a warp keeps 2 KB of weights in flight.
+            bool v16 = TT == 1 && (wpr & 3) == 0 && ((((unsigned long long)q.w) & 15) == 0);
+            if (v16) {
+                int n4 = iwpr >> 2;
+                for (int v = part * WARP + lane; v < n4; v += parts * WARP) {
+                    uint4 wv[RW];
+#pragma unroll
+                    for (int rr = 0; rr < RW; rr++)
+                        wv[rr] = rr < nr ? ((const uint4*)(q.w + (long)(r0 + rr) * wpr))[v] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+                    for (int kk = 0; kk < 4; kk++) {
+                        int wi = v * 4 + kk;
+                        int c0 = wi * EPW;
+                        int g = pow2 ? (wi >> lw) : wi / wpg;
+                        float xv[EPW], xs = 0.0f;
+#pragma unroll
+                        for (int e4 = 0; e4 < EPW / 4; e4++) {
+                            float4 f = ((const float4*)(xp[0] + c0))[e4];
+                            xv[4 * e4] = f.x;
+                            xv[4 * e4 + 1] = f.y;
+                            xv[4 * e4 + 2] = f.z;
+                            xv[4 * e4 + 3] = f.w;
+                            xs += (f.x + f.y) + (f.z + f.w);
+                        }
+#pragma unroll
+                        for (int rr = 0; rr < RW; rr++) {
+                            if (rr < nr) {
+                                u32 word = kk == 0 ? wv[rr].x : kk == 1 ? wv[rr].y : kk == 2 ? wv[rr].z : wv[rr].w;
+                                long pi = (long)(r0 + rr) * gpr + g;
+                                float sc = qparam(q.s, pi, q.sf32), bi = qparam(q.b, pi, q.sf32);
+                                float d = 0.0f;
+#pragma unroll
+                                for (int e = 0; e < EPW; e++)
+                                    d = fmaf(__uint_as_float(0x4B000000u | ((word >> (e * BITS)) & M)) - 8388608.0f,
+                                             xv[e], d);
+                                acc[rr][0] = fmaf(sc, d, fmaf(bi, xs, acc[rr][0]));
+                            }
+                        }
+                    }
+                }
+                goto reduce;
+            }
             for (int wi = part * WARP + lane; wi < iwpr; wi += parts * WARP) {
                 int c0 = wi * EPW;
                 int g = pow2 ? (wi >> lw) : wi / wpg;
@@ -180,12 +223,15 @@ __device__ __forceinline__ void qrows_any(const QW& q, int r0, const float* cons
 }
 
 // Warps that share a group of RW rows, each taking every parts-th stretch
-// of 32 words: enough that a row's words give every lane work (short rows
-// leave more groups per block). The host computes the same (rows per
-// block = RW * 8 / col_split).
-__device__ __forceinline__ int col_split(const QW& q) {
-    long wpr = ((long)q.cols * q.bits) >> 5;
-    return wpr >= 256 ? 8 : wpr >= 128 ? 4 : wpr >= 64 ? 2 : 1;
+// of the row: enough that a row gives every lane work (short rows leave
+// more groups per block). The host computes the same (rows per block =
+// RW * 8 / col_split).
+// One token only: products of several tokens (prefill) keep whole rows per
+// warp, which already has work enough.
+__device__ __forceinline__ int col_split(const QW& q, int tt) {
+    long u4 = ((long)q.cols * q.bits) >> 7;  // 16-byte units per row
+    if (tt > 1) return 1;
+    return u4 >= 256 ? 8 : u4 >= 128 ? 4 : u4 >= 64 ? 2 : 1;
 }
 
 // Sums the partial results of the `parts` consecutive warps of each row
@@ -251,7 +297,7 @@ __device__ void qmatmul_body(const MultiMatmul& mm, const float* x, int n) {
     int m = 0;
     while (m + 1 < mm.count && (int)blockIdx.x >= mm.first_block[m + 1]) m++;
     const QW& q = mm.q[m];
-    int parts = col_split(q), w = threadIdx.x >> 5;
+    int parts = col_split(q, TT), w = threadIdx.x >> 5;
     int part = w % parts;
     int r0 = ((blockIdx.x - mm.first_block[m]) * (8 / parts) + w / parts) * RW;
     bool active = r0 < q.rows;
@@ -621,7 +667,7 @@ __device__ void moe_gate_up_body(const ExpertTask* tasks, ExpertLayout L, const 
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     QW gq = expert_qw(T.base, L.gate_w, L.gate_s, L.gate_b, L.inter, L.hidden, L);
     QW uq = expert_qw(T.base, L.up_w, L.up_s, L.up_b, L.inter, L.hidden, L);
-    int parts = col_split(gq), part = w % parts;
+    int parts = col_split(gq, 4), part = w % parts;
     int r0 = (blockIdx.x * (8 / parts) + w / parts) * RW;
     bool active = r0 < L.inter;
     for (int i0 = 0; i0 < T.count; i0 += 4) {
@@ -653,7 +699,7 @@ __device__ void moe_down_body(const ExpertTask* tasks, ExpertLayout L, const int
     ExpertTask T = tasks[blockIdx.y];
     int w = threadIdx.x >> 5;
     QW dq = expert_qw(T.base, L.down_w, L.down_s, L.down_b, L.hidden, L.inter, L);
-    int parts = col_split(dq), part = w % parts;
+    int parts = col_split(dq, 4), part = w % parts;
     int r0 = (blockIdx.x * (8 / parts) + w / parts) * RW;
     bool active = r0 < L.hidden;
     for (int i0 = 0; i0 < T.count; i0 += 4) {
@@ -765,7 +811,7 @@ __device__ void moe_gate_up_slots_body(const unsigned long long* bases, ExpertLa
     const char* base = (const char*)bases[j];
     QW gq = expert_qw(base, L.gate_w, L.gate_s, L.gate_b, L.inter, L.hidden, L);
     QW uq = expert_qw(base, L.up_w, L.up_s, L.up_b, L.inter, L.hidden, L);
-    int parts = col_split(gq), part = w % parts;
+    int parts = col_split(gq, 1), part = w % parts;
     int r0 = (blockIdx.x * (8 / parts) + w / parts) * RW;
     bool active = r0 < L.inter;
     const float* xp[1] = {x + (long)(j / k) * L.hidden};
@@ -789,7 +835,7 @@ __device__ void moe_down_slots_body(const unsigned long long* bases, ExpertLayou
     int j = blockIdx.y;
     int w = threadIdx.x >> 5;
     QW dq = expert_qw((const char*)bases[j], L.down_w, L.down_s, L.down_b, L.hidden, L.inter, L);
-    int parts = col_split(dq), part = w % parts;
+    int parts = col_split(dq, 1), part = w % parts;
     int r0 = (blockIdx.x * (8 / parts) + w / parts) * RW;
     bool active = r0 < L.hidden;
     const float* xp[1] = {act + (long)j * L.inter};

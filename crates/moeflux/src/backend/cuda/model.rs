@@ -235,11 +235,12 @@ const RESERVE: usize = 3 << 30;
 const SLOT_PATH_MAX_TOKENS: usize = 2;
 
 /// Output rows per block of the quantized product kernels for rows of
-/// `cols` codes of `bits` bits: 8 warps in groups of 4 rows, the warps of a
-/// group splitting the row's words (`col_split` in kernels.cu).
-fn rows_per_block(cols: usize, bits: usize) -> usize {
-    let words = cols * bits / 32;
-    let split = match words {
+/// `cols` codes of `bits` bits: 8 warps in groups of 4 rows; for one token
+/// the warps of a group split the row (`col_split` in kernels.cu).
+fn rows_per_block(cols: usize, bits: usize, one_token: bool) -> usize {
+    let units = cols * bits / 128;
+    let split = match units {
+        _ if !one_token => 1,
         256.. => 8,
         128.. => 4,
         64.. => 2,
@@ -830,9 +831,11 @@ impl CudaModel {
                 p.out[j] = o.out;
                 p.first_block[j] = blocks;
                 p.accumulate |= (o.accumulate as i32) << j;
-                blocks += (q.rows as usize)
-                    .div_ceil(rows_per_block(q.cols as usize, q.bits as usize))
-                    as i32;
+                blocks += (q.rows as usize).div_ceil(rows_per_block(
+                    q.cols as usize,
+                    q.bits as usize,
+                    n == 1,
+                )) as i32;
             }
             for j in group.len()..5 {
                 p.first_block[j] = blocks;
@@ -1214,14 +1217,22 @@ impl CudaModel {
                 unsafe {
                     self.gpu.launch(
                         &format!("moe_gate_up_{sfx}"),
-                        (inter.div_ceil(rows_per_block(h, bits)) as u32, n_tasks, 1),
+                        (
+                            inter.div_ceil(rows_per_block(h, bits, false)) as u32,
+                            n_tasks,
+                            1,
+                        ),
                         256,
                         0,
                         &mut args!(d_tasks, layout, d_slots, k_i, xn, act),
                     )?;
                     self.gpu.launch(
                         &format!("moe_down_{sfx}"),
-                        (h.div_ceil(rows_per_block(inter, bits)) as u32, n_tasks, 1),
+                        (
+                            h.div_ceil(rows_per_block(inter, bits, false)) as u32,
+                            n_tasks,
+                            1,
+                        ),
                         256,
                         0,
                         &mut args!(d_tasks, layout, d_slots, act, slot_out),
@@ -1234,14 +1245,22 @@ impl CudaModel {
             unsafe {
                 self.gpu.launch(
                     &format!("moe_gate_up_slots_{sfx}"),
-                    (inter.div_ceil(rows_per_block(h, bits)) as u32, slots, 1),
+                    (
+                        inter.div_ceil(rows_per_block(h, bits, false)) as u32,
+                        slots,
+                        1,
+                    ),
                     256,
                     0,
                     &mut args!(d_bases, layout, k_i, xn, act),
                 )?;
                 self.gpu.launch(
                     &format!("moe_down_slots_{sfx}"),
-                    (h.div_ceil(rows_per_block(inter, bits)) as u32, slots, 1),
+                    (
+                        h.div_ceil(rows_per_block(inter, bits, true)) as u32,
+                        slots,
+                        1,
+                    ),
                     256,
                     0,
                     &mut args!(d_bases, layout, act, slot_out),
