@@ -1246,7 +1246,7 @@ impl CudaModel {
                 self.gpu.launch(
                     &format!("moe_gate_up_slots_{sfx}"),
                     (
-                        inter.div_ceil(rows_per_block(h, bits, false)) as u32,
+                        inter.div_ceil(rows_per_block(h, bits, true)) as u32,
                         slots,
                         1,
                     ),
