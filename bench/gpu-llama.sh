@@ -43,7 +43,8 @@
 #   --jobs J            build jobs (default: nproc)
 #   --rm-gguf           delete the exported GGUF at the end
 # Environment: PYTHON (default python3), CUDA_ARCH (default 90), NVCC (default: nvcc on PATH,
-# else /usr/local/cuda/bin/nvcc).
+# else /usr/local/cuda*/bin/nvcc), CMAKE_CUDA_FLAGS (extra nvcc flags, e.g.
+# -allow-unsupported-compiler when nvcc refuses the host gcc; NVCC_CCBIN is honoured by nvcc).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -146,9 +147,15 @@ build_llama() {
   done
   local nvcc=
   if ((CUDA)); then
-    nvcc=${NVCC:-$(command -v nvcc || true)}
-    [[ -n $nvcc ]] || nvcc=/usr/local/cuda/bin/nvcc
-    [[ -x $nvcc ]] || die "nvcc not found (not on PATH, not /usr/local/cuda/bin/nvcc); set NVCC=/path/to/nvcc or use --cpu-only"
+    if [[ -n ${NVCC:-} ]]; then
+      nvcc=$NVCC
+      [[ -x $nvcc ]] || die "NVCC=$nvcc is not an executable"
+    else
+      nvcc=$(command -v nvcc || true)
+      [[ -n $nvcc ]] || nvcc=$(ls -d /usr/local/cuda/bin/nvcc /usr/local/cuda-*/bin/nvcc 2>/dev/null | head -1 || true)
+      [[ -n $nvcc && -x $nvcc ]] || die "nvcc not found (not on PATH, nor /usr/local/cuda*/bin/nvcc); set NVCC=/path/to/nvcc, or --cpu-only"
+    fi
+    [[ -n ${CMAKE_CUDA_FLAGS:-} ]] && flags+=("-DCMAKE_CUDA_FLAGS=$CMAKE_CUDA_FLAGS")
     flags+=(-DGGML_CUDA=ON "-DCMAKE_CUDA_COMPILER=$nvcc" "-DCMAKE_CUDA_ARCHITECTURES=$CUDA_ARCH"
       -DGGML_CUDA_FA=ON -DGGML_CUDA_FA_ALL_QUANTS=OFF -DGGML_CUDA_FA_QUANTS=f16-f16 -DGGML_CUDA_NCCL=OFF
       -DGGML_CUDA_GRAPHS=ON)
@@ -183,7 +190,10 @@ build_llama() {
         cmake -S "$src/llama.cpp" -B "$build" "${gen[@]}" "${flags[@]}" >"$OUT_DIR/llama-configure.log" 2>&1 || true
       fi
       [[ -f $build/build.ninja || -f $build/Makefile ]] && grep -q "Generating done" "$OUT_DIR/llama-configure.log" \
-        || { tail -30 "$OUT_DIR/llama-configure.log" >&2; die "cmake configure failed; see $OUT_DIR/llama-configure.log"; }
+        || { tail -30 "$OUT_DIR/llama-configure.log" >&2
+             grep -q "unsupported GNU version" "$OUT_DIR/llama-configure.log" \
+               && note "nvcc rejects this gcc: try CMAKE_CUDA_FLAGS=-allow-unsupported-compiler, or NVCC_CCBIN=/path/to/older/g++"
+             die "cmake configure failed; see $OUT_DIR/llama-configure.log"; }
     fi
     if ((CUDA)) && ! grep -q "Including CUDA backend" "$OUT_DIR/llama-configure.log"; then
       die "the configure step did not include the CUDA backend; see $OUT_DIR/llama-configure.log"
@@ -196,6 +206,8 @@ build_llama() {
     local start=$SECONDS
     cmake --build "$build" -j "$JOBS" --target llama-bench >"$OUT_DIR/llama-build.log" 2>&1 \
       || { grep -E -m20 "error|Error" "$OUT_DIR/llama-build.log" >&2 || tail -30 "$OUT_DIR/llama-build.log" >&2
+           grep -q "unsupported GNU version" "$OUT_DIR/llama-build.log" \
+             && note "nvcc rejects this gcc: try CMAKE_CUDA_FLAGS=-allow-unsupported-compiler"
            die "the llama.cpp build failed; see $OUT_DIR/llama-build.log"; }
     [[ -x $build/bin/llama-bench ]] || die "the build did not produce $build/bin/llama-bench"
     note "llama-bench built in $((SECONDS - start)) s"
@@ -272,7 +284,12 @@ if ((EXPORT_ONLY)); then
   note "--export-only: $GGUF is ready; stopping"
   exit 0
 fi
-if ((RM_GGUF && EXPORTED)); then trap 'rm -f "$GGUF"' EXIT; fi
+SMI_PID=
+cleanup() {
+  if [[ -n $SMI_PID ]]; then kill "$SMI_PID" 2>/dev/null || true; fi
+  if ((RM_GGUF && EXPORTED)); then rm -f "$GGUF"; fi
+}
+trap cleanup EXIT
 
 # --- 4. runs -----------------------------------------------------------------------------------
 REPORT=$REPO/bench/gpu_llama_report.py
@@ -293,7 +310,7 @@ command -v nvidia-smi >/dev/null && nvidia-smi -i "$gpu_index" >/dev/null 2>&1 &
 
 RUNS=()
 run_bench() {  # name n_cpu_moe
-  local name=$1 n=$2 args=() vram= smi_pid=
+  local name=$1 n=$2 args=() vram=
   ((n > 0)) && args=(-ncmoe "$n")
   args+=("${LB_EXTRA[@]}")
   note "llama-bench $name: -p $PP -n $TG -ngl $NGL -fa $FA -r $REPS -t $THREADS ${args[*]}"
@@ -301,12 +318,12 @@ run_bench() {  # name n_cpu_moe
     vram=$OUT_DIR/llama-$name.vram
     nvidia-smi -i "$gpu_index" --query-gpu=memory.used --format=csv,noheader,nounits >"$vram"
     nvidia-smi -i "$gpu_index" --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 >>"$vram" 2>/dev/null &
-    smi_pid=$!
+    SMI_PID=$!
   fi
   local rc=0 start=$SECONDS
   "$LB" -m "$GGUF" -p "$PP" -n "$TG" -ngl "$NGL" -fa "$FA" -r "$REPS" -t "$THREADS" "${args[@]}" -o json \
     >"$OUT_DIR/llama-$name.json" 2>"$OUT_DIR/llama-$name.log" || rc=$?
-  if [[ -n $smi_pid ]]; then kill "$smi_pid" 2>/dev/null || true; wait "$smi_pid" 2>/dev/null || true; fi
+  if [[ -n $SMI_PID ]]; then kill "$SMI_PID" 2>/dev/null || true; wait "$SMI_PID" 2>/dev/null || true; SMI_PID=; fi
   if ((rc != 0)); then
     tail -20 "$OUT_DIR/llama-$name.log" >&2
     die "llama-bench $name failed (status $rc); see $OUT_DIR/llama-$name.log"
