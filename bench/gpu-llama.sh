@@ -156,6 +156,17 @@ build_llama() {
       [[ -n $nvcc && -x $nvcc ]] || die "nvcc not found (not on PATH, nor /usr/local/cuda*/bin/nvcc); set NVCC=/path/to/nvcc, or --cpu-only"
     fi
     [[ -n ${CMAKE_CUDA_FLAGS:-} ]] && flags+=("-DCMAKE_CUDA_FLAGS=$CMAKE_CUDA_FLAGS")
+    # CMake leaves the toolkit's library directories (implicit to nvcc) out of the RUNPATH; put
+    # them in, so that linking llama-bench and running it find libcudart/libcublas even when
+    # neither ld.so.conf nor LD_LIBRARY_PATH names them
+    local root d rpath=()
+    root=$(cd "$(dirname "$nvcc")/.." && pwd)
+    for d in "$root/lib64" "$root/lib" "$root/targets/x86_64-linux/lib"; do
+      [[ -d $d ]] || continue
+      d=$(cd "$d" && pwd -P)
+      [[ " ${rpath[*]} " == *" $d "* ]] || rpath+=("$d")
+    done
+    ((${#rpath[@]})) && flags+=("-DCMAKE_BUILD_RPATH=$(IFS=';'; echo "${rpath[*]}")")
     flags+=(-DGGML_CUDA=ON "-DCMAKE_CUDA_COMPILER=$nvcc" "-DCMAKE_CUDA_ARCHITECTURES=$CUDA_ARCH"
       -DGGML_CUDA_FA=ON -DGGML_CUDA_FA_ALL_QUANTS=OFF -DGGML_CUDA_FA_QUANTS=f16-f16 -DGGML_CUDA_NCCL=OFF
       -DGGML_CUDA_GRAPHS=ON)
@@ -224,7 +235,7 @@ else
   build_llama
 fi
 "$LB" --list-devices >"$OUT_DIR/llama-devices.txt" 2>&1 || { cat "$OUT_DIR/llama-devices.txt" >&2; die "$LB --list-devices failed"; }
-if ((CUDA)) && ! grep -q "CUDA" "$OUT_DIR/llama-devices.txt"; then
+if ((CUDA)) && ! grep -qE '^[[:space:]]*CUDA[0-9]+:' "$OUT_DIR/llama-devices.txt"; then
   cat "$OUT_DIR/llama-devices.txt" >&2
   [[ -n $LB_GIVEN ]] || die "llama-bench sees no CUDA device (see above); is the GPU visible (nvidia-smi)?"
   note "warning: $LB lists no CUDA device (a CPU-only build?); going on"
