@@ -4,14 +4,16 @@
 #   gpu-stage/moeflux       the release binary
 #   gpu-stage/gpu-tests     the GPU test executable (crates/moeflux/tests/gpu.rs)
 #   gpu-stage/lib-tests     the library's unit tests (the NVRTC compile check)
+#   (gpu-stage/llama/ from scripts/gpu/stage-llama.sh is left as it is)
 # Binaries are stripped of debug info to fit the 64 MiB carry limit.
 # Then, through the device tool, with carry ["gpu-stage"]:
 #   bash scripts/gpu/run.sh [tests|bench|all]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 stage=gpu-stage
-rm -rf "$stage"
+# gpu-stage/llama/ (scripts/gpu/stage-llama.sh: llama.cpp's source for bench/gpu-llama.sh) is kept.
 mkdir -p "$stage"
+find "$stage" -mindepth 1 -maxdepth 1 ! -name llama -exec rm -rf {} +
 
 cargo build --release -p moeflux-cli
 cp target/release/moeflux "$stage/moeflux"
@@ -27,5 +29,5 @@ for l in sys.stdin:
 }
 cp "$(exe --test gpu)" "$stage/gpu-tests"
 cp "$(exe --lib)" "$stage/lib-tests"
-strip --strip-debug "$stage"/*
+strip --strip-debug "$stage/moeflux" "$stage/gpu-tests" "$stage/lib-tests"
 du -sh "$stage"/*
