@@ -113,11 +113,14 @@ if has b; then
   for policy in lfu lru; do
     bench b-25pct-uniform-$policy "$A3B" --prompt-len 0 --gen $TG --gpu-memory $budget --cache-policy $policy
   done
+  # Misses from the pinned host tier instead of staging reads.
+  bench b-25pct-uniform-lfu-host "$A3B" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G
   synth "$A3B-zipf" --preset qwen3.6-35b-a3b --router-skew zipf:1
   rm -rf "$A3B"
   for policy in lfu lru; do
     bench b-25pct-zipf1-$policy "$A3B-zipf" --prompt-len 0 --gen $TG --gpu-memory $budget --cache-policy $policy
   done
+  bench b-25pct-zipf1-lfu-host "$A3B-zipf" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G
   rm -rf "$A3B-zipf"
 fi
 has a && rm -rf "$A3B"
@@ -129,8 +132,8 @@ if has c; then
   budget=$(( $(expert_bytes "$BIG") * 3 / 10 ))
   # Warm the page cache (the experts live in host RAM).
   cat "$BIG"/experts* >/dev/null
-  bench c-397b-12l-top10 "$BIG" --prompt-len 0 --gen $TG --gpu-memory $budget
-  bench c-397b-12l-k4 "$BIG" --prompt-len 0 --gen $TG --gpu-memory $budget --experts-per-token 4
+  bench c-397b-12l-top10 "$BIG" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G
+  bench c-397b-12l-k4 "$BIG" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G --experts-per-token 4
   rm -rf "$BIG"
 fi
 

@@ -55,6 +55,12 @@ pub struct ModelArgs {
     /// `lru`.
     #[arg(long, default_value = "lfu", value_parser = parse_policy)]
     pub cache_policy: CachePolicy,
+    /// GPU: host RAM to pin for the experts the GPU cache cannot hold, e.g.
+    /// `64G` (whole layers of the expert files, in layer order): misses are
+    /// then copied at full PCIe speed instead of being read into staging
+    /// buffers first.
+    #[arg(long, value_parser = parse_size)]
+    pub host_cache: Option<u64>,
     /// GPU: launch every kernel of a decode step one by one instead of
     /// replaying the step as a CUDA graph (for comparison and debugging).
     #[arg(long)]
@@ -108,6 +114,7 @@ impl ModelArgs {
                 gpu_memory: self.gpu_memory,
                 cache_policy: self.cache_policy,
                 cuda_graphs: !self.no_cuda_graphs,
+                host_cache: self.host_cache,
                 ..Default::default()
             },
         )

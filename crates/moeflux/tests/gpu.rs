@@ -191,6 +191,26 @@ fn gpu_matches_cpu_on_a_synthetic_model_with_a_small_evicting_cache() {
         assert!(d <= GUARD, "{policy:?} incremental: max rel diff {d:e}");
         eprintln!("{policy:?}: {:?}", g.gpu_cache_stats());
     }
+    // Misses copied from the pinned host tier (the mapped expert files).
+    let budget = ((experts + 8) * extent) as u64;
+    let mut g = Session::open(
+        &dir,
+        SessionOptions {
+            backend: Backend::Cuda,
+            gpu_memory: Some(budget),
+            host_cache: Some(1 << 40),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert!(g.backend().contains("host tier"), "{}", g.backend());
+    let mut rows = Vec::new();
+    for &t in &toks {
+        rows.extend(g.eval(&[t], LogitsMode::Last).unwrap());
+    }
+    let d = max_rel_diff(&rows, &want);
+    assert!(d <= GUARD, "host tier incremental: max rel diff {d:e}");
+    assert!(g.gpu_cache_stats().misses > 0);
 }
 
 #[test]

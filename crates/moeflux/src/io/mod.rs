@@ -402,6 +402,11 @@ impl ExpertStore {
         })
     }
 
+    /// The whole expert file of a mapped `layer` (`None` when not mapped).
+    pub fn mapping(&self, layer: usize) -> Option<&[u8]> {
+        self.layer(layer)?.map.as_deref()
+    }
+
     /// Bytes of one expert extent of `layer` (`expert_bytes` rounded up to
     /// 4096): the length an [`ExpertBuf`] for this layer must have at least.
     ///

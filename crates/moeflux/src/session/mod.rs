@@ -51,6 +51,10 @@ pub struct SessionOptions {
     /// GPU backend: replay decode steps as CUDA graphs (when every expert
     /// is resident).
     pub cuda_graphs: bool,
+    /// GPU backend: bytes of host RAM to pin for routed experts the VRAM
+    /// cache cannot hold (whole layers of the mapped expert files), so
+    /// misses cross PCIe at full speed.
+    pub host_cache: Option<u64>,
 }
 
 /// Where a session computes.
@@ -90,6 +94,7 @@ impl Default for SessionOptions {
             gpu_memory: None,
             cache_policy: CachePolicy::default(),
             cuda_graphs: true,
+            host_cache: None,
         }
     }
 }
@@ -158,8 +163,9 @@ impl Session {
             &manifest,
             &ExpertStoreOptions {
                 direct_io: opts.direct_io,
-                // The GPU uploads experts from pinned buffers: read into them.
-                mmap: opts.mmap && gpu.is_err(),
+                // The GPU uploads experts from pinned buffers: read into
+                // them, unless the mapped files themselves are pinned.
+                mmap: opts.mmap && (gpu.is_err() || opts.host_cache.is_some()),
                 io_threads: opts.io_threads.max(1),
                 ..Default::default()
             },
@@ -167,16 +173,22 @@ impl Session {
         let model = QwenHybrid::load(dir, &manifest, config)?;
         let (engine, backend_note) = match gpu {
             Ok(gpu) => {
-                let note = format!("cuda: {}", gpu.info);
+                let mut note = format!("cuda: {}", gpu.info);
                 let cuda = CudaOptions {
                     gpu_memory: opts.gpu_memory,
                     cache_policy: opts.cache_policy,
                     graphs: opts.cuda_graphs,
+                    host_cache: opts.host_cache,
                 };
-                (
-                    Engine::Cuda(Box::new(CudaModel::new(gpu, &model, &store, &cuda)?)),
-                    note,
-                )
+                let m = CudaModel::new(gpu, &model, &store, &cuda)?;
+                let (layers, bytes) = m.host_tier();
+                if layers > 0 {
+                    note.push_str(&format!(
+                        "; host tier: experts of {layers} layers ({:.1} GB) pinned",
+                        bytes as f64 / 1e9
+                    ));
+                }
+                (Engine::Cuda(Box::new(m)), note)
             }
             Err(why) => (
                 Engine::Cpu {

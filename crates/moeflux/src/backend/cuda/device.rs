@@ -537,6 +537,24 @@ impl Pinned {
     }
 }
 
+impl Pinned {
+    /// Registers read-only memory (e.g. a read-only file mapping) as pinned
+    /// so the GPU can copy from it at full speed.
+    pub fn register_read_only(gpu: &Gpu, mem: &[u8]) -> Result<Pinned> {
+        gpu.bind()?;
+        let ptr = mem.as_ptr() as *mut c_void;
+        // SAFETY: the range is a live mapping of the caller's; the GPU only
+        // reads it.
+        unsafe { sys::cuMemHostRegister_v2(ptr, mem.len(), sys::CU_MEMHOSTREGISTER_READ_ONLY) }
+            .result()
+            .map_err(|e| gpu_err("pinning host memory", e))?;
+        Ok(Pinned {
+            ptr,
+            ctx: gpu.ctx.clone(),
+        })
+    }
+}
+
 impl Drop for Pinned {
     fn drop(&mut self) {
         if self.ctx.bind_to_thread().is_ok() {

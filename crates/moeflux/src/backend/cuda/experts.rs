@@ -8,7 +8,7 @@
 //! stay while the aging floor lets a once-popular expert leave eventually.
 //! LRU is there to compare against (`CachePolicy::Lru`).
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 
 use crate::error::{Error, Result};
 use crate::io::{ExpertBuf, ExpertStore};
@@ -93,11 +93,19 @@ pub struct ExpertCache {
     owner: Vec<Option<(usize, usize)>>,
     index: HashMap<(usize, usize), usize>,
     policy: CachePolicy,
-    prio: Vec<f64>,
+    prio: Vec<u64>,
     uses: Vec<u64>,
-    floor: f64,
+    /// Occupied slots by (priority, slot): the first is the next victim.
+    order: BTreeSet<(u64, usize)>,
+    /// Slots holding nothing.
+    free: Vec<usize>,
+    floor: u64,
     clock: u64,
     staging: Vec<Staged>,
+    /// The host tier: per model layer, the registration that pins its
+    /// mapped expert file (misses of such layers are copied straight from
+    /// it at full PCIe speed).
+    host: Vec<Option<Pinned>>,
     /// Once every expert is resident: per model layer, `num_experts` device
     /// addresses (the router kernel looks experts up here, no host trip).
     table: Option<(DevBuf, usize)>,
@@ -135,11 +143,14 @@ impl ExpertCache {
             owner: vec![None; n_slots],
             index: HashMap::new(),
             policy,
-            prio: vec![0.0; n_slots],
+            prio: vec![0; n_slots],
             uses: vec![0; n_slots],
-            floor: 0.0,
+            order: BTreeSet::new(),
+            free: (0..n_slots).rev().collect(),
+            floor: 0,
             clock: 0,
             staging,
+            host: Vec::new(),
             table: None,
             stats: CacheStats::default(),
         })
@@ -195,13 +206,84 @@ impl ExpertCache {
         self.slots.ptr() + (s * self.extent) as u64
     }
 
+    /// Counts a use of occupied slot `s` and updates its priority.
     fn touch(&mut self, s: usize) {
+        self.order.remove(&(self.prio[s], s));
         self.clock += 1;
         self.uses[s] += 1;
         self.prio[s] = match self.policy {
-            CachePolicy::LfuDa => self.floor + self.uses[s] as f64,
-            CachePolicy::Lru => self.clock as f64,
+            CachePolicy::LfuDa => self.floor + self.uses[s],
+            CachePolicy::Lru => self.clock,
         };
+        self.order.insert((self.prio[s], s));
+    }
+
+    /// A slot to overwrite: an empty one, else the lowest priority one not
+    /// in `busy` (used by the current call); it is left empty.
+    fn take_victim(&mut self, busy: &[bool]) -> usize {
+        if let Some(s) = self.free.pop() {
+            return s;
+        }
+        let &(p, s) = self
+            .order
+            .iter()
+            .find(|(_, s)| !busy[*s])
+            .expect("ids.len() <= n_slots leaves a slot this call does not use");
+        self.order.remove(&(p, s));
+        if let Some(old) = self.owner[s].take() {
+            self.index.remove(&old);
+        }
+        if self.policy == CachePolicy::LfuDa {
+            self.floor = p;
+        }
+        s
+    }
+
+    /// Forgets what slot `s` holds.
+    fn invalidate(&mut self, s: usize) {
+        if let Some(k) = self.owner[s].take() {
+            self.index.remove(&k);
+            self.order.remove(&(self.prio[s], s));
+            self.free.push(s);
+        }
+    }
+
+    /// Pins the mapped expert files of as many layers as fit in `budget`
+    /// bytes (in layer order) as the host tier; returns the layers and
+    /// bytes pinned. Needs the store opened with mappings.
+    pub fn pin_host_tier(
+        &mut self,
+        gpu: &Gpu,
+        store: &ExpertStore,
+        budget: u64,
+    ) -> Result<(usize, u64)> {
+        let (mut layers, mut bytes) = (0, 0u64);
+        for l in store.layers() {
+            let Some(map) = store.mapping(l) else {
+                break;
+            };
+            if bytes + map.len() as u64 > budget {
+                break;
+            }
+            let pin = Pinned::register_read_only(gpu, map).map_err(|e| {
+                Error::Gpu(format!(
+                    "pinning the expert file of layer {l} ({:.2} GB) as the host tier: {e} \
+                     (lower --host-cache, or raise the locked-memory limit)",
+                    map.len() as f64 / 1e9
+                ))
+            })?;
+            if self.host.len() <= l {
+                self.host.resize_with(l + 1, || None);
+            }
+            self.host[l] = Some(pin);
+            layers += 1;
+            bytes += map.len() as u64;
+        }
+        Ok((layers, bytes))
+    }
+
+    fn host_pinned(&self, layer: usize) -> bool {
+        self.host.get(layer).is_some_and(|p| p.is_some())
     }
 
     /// Makes experts `ids` of `layer` resident and returns their device
@@ -231,43 +313,30 @@ impl ExpertCache {
                 None => misses.push(i),
             }
         }
-        // Victims: lowest priority among slots this call does not use.
+        // Hits first (so a victim is never one this call uses).
         let mut busy = vec![false; self.n_slots];
         for &s in slot_of.iter().filter(|&&s| s != usize::MAX) {
             busy[s] = true;
+            self.touch(s);
         }
         for &i in &misses {
-            let victim = (0..self.n_slots)
-                .filter(|&s| !busy[s])
-                .min_by(|&a, &b| {
-                    // Empty slots first, then the lowest priority.
-                    let ka = (self.owner[a].is_some(), self.prio[a]);
-                    let kb = (self.owner[b].is_some(), self.prio[b]);
-                    ka.partial_cmp(&kb).expect("priorities are finite")
-                })
-                .expect("ids.len() <= n_slots leaves a free slot");
-            if let Some(old) = self.owner[victim].take() {
-                self.index.remove(&old);
-                if self.policy == CachePolicy::LfuDa {
-                    self.floor = self.prio[victim];
-                }
-            }
+            let victim = self.take_victim(&busy);
             busy[victim] = true;
             self.uses[victim] = 0;
             self.owner[victim] = Some((layer, ids[i]));
             self.index.insert((layer, ids[i]), victim);
+            self.touch(victim);
             slot_of[i] = victim;
             self.stats.misses += 1;
-        }
-        for &s in &slot_of {
-            self.touch(s);
         }
         self.upload(gpu, store, layer, ids, &misses, &slot_of)?;
         Ok(slot_of.iter().map(|&s| self.slot_ptr(s)).collect())
     }
 
-    /// Reads the missing experts into the staging buffers a wave at a time
-    /// and copies each to its slot on the copy stream as it lands.
+    /// Copies the missing experts to their slots on the copy stream: from
+    /// the host tier directly, else read into pinned staging buffers a wave
+    /// at a time (or, for a mapped store, from the mapping) and copied as
+    /// each lands. The compute stream waits for the copies.
     fn upload(
         &mut self,
         gpu: &Gpu,
@@ -281,28 +350,52 @@ impl ExpertCache {
             return Ok(());
         }
         let extent = store.extent_bytes(layer);
+        if self.host_pinned(layer) {
+            for &i in misses {
+                let src = store
+                    .mapped(layer, ids[i])
+                    .expect("host-tier layers are mapped");
+                // SAFETY: the mapping is pinned and read-only; it lives as
+                // long as the store, which outlives the copy (the compute
+                // stream waits for it below).
+                unsafe { copy_htod_async(&gpu.copy, self.slot_ptr(slot_of[i]), src)? };
+                self.stats.uploaded_bytes += extent as u64;
+            }
+            return stream_wait(&gpu.stream, &gpu.copy);
+        }
+        let mapped = store.is_mapped(layer) == Some(true);
         for wave in misses.chunks(STAGING) {
             let wave_ids: Vec<usize> = wave.iter().map(|&i| ids[i]).collect();
-            let staged: Vec<Staged> = self.staging.drain(..wave.len()).collect();
+            let staged: Vec<Staged> = if mapped {
+                Vec::new()
+            } else {
+                self.staging.drain(..wave.len()).collect()
+            };
             let (pins, bufs): (Vec<Pinned>, Vec<ExpertBuf>) =
                 staged.into_iter().map(|s| (s.pin, s.buf)).unzip();
             // The request is valid by construction (ids from the router, one
-            // buffer each), so the buffers come back through `fetch`.
+            // buffer each unless mapped), so the buffers come back.
             let mut fetch = store.fetch(layer, &wave_ids, bufs)?;
             let mut landed_bufs: Vec<Option<ExpertBuf>> = (0..wave.len()).map(|_| None).collect();
             let mut first_err = None;
             while let Some(l) = fetch.next_landed() {
-                let buf = l.buf.expect("the GPU opens the expert store unmapped");
                 if let Err(e) = l.result {
                     first_err.get_or_insert(e);
                 } else {
                     let dst = self.slot_ptr(slot_of[wave[l.index]]);
-                    // SAFETY: the buffer is pinned and is not touched again
-                    // until the copy stream is synchronised below.
-                    unsafe { copy_htod_async(&gpu.copy, dst, &buf.as_bytes()[..extent])? };
+                    let src = match &l.buf {
+                        Some(buf) => &buf.as_bytes()[..extent],
+                        None => store
+                            .mapped(layer, wave_ids[l.index])
+                            .expect("a mapped layer serves its extents"),
+                    };
+                    // SAFETY: a staging buffer is pinned and not touched
+                    // again until the copy stream is synchronised below; a
+                    // mapping outlives the copy.
+                    unsafe { copy_htod_async(&gpu.copy, dst, src)? };
                     self.stats.uploaded_bytes += extent as u64;
                 }
-                landed_bufs[l.index] = Some(buf);
+                landed_bufs[l.index] = l.buf;
             }
             gpu.copy
                 .synchronize()
@@ -314,10 +407,7 @@ impl ExpertCache {
             if let Some(e) = first_err {
                 // The slots meant for this wave hold nothing valid.
                 for &i in wave {
-                    let s = slot_of[i];
-                    if let Some(k) = self.owner[s].take() {
-                        self.index.remove(&k);
-                    }
+                    self.invalidate(slot_of[i]);
                 }
                 return Err(e);
             }

@@ -213,6 +213,10 @@ pub struct CudaOptions {
     pub cache_policy: CachePolicy,
     /// Replay decode steps as CUDA graphs when every expert is resident.
     pub graphs: bool,
+    /// Bytes of host RAM to pin as the expert host tier (whole layers of
+    /// the mapped expert files); only used when the VRAM cache cannot hold
+    /// every expert.
+    pub host_cache: Option<u64>,
 }
 
 impl Default for CudaOptions {
@@ -221,6 +225,7 @@ impl Default for CudaOptions {
             gpu_memory: None,
             cache_policy: CachePolicy::default(),
             graphs: true,
+            host_cache: None,
         }
     }
 }
@@ -306,6 +311,8 @@ pub struct CudaModel {
     /// graph captured now would stay valid.
     stable_epoch: Option<u64>,
     graph: Option<DecodeGraph>,
+    /// Layers and bytes of expert files pinned in host RAM.
+    host_tier: (usize, u64),
 }
 
 fn unsupported(what: String) -> Error {
@@ -433,6 +440,7 @@ impl CudaModel {
             epoch: 0,
             stable_epoch: None,
             graph: None,
+            host_tier: (0, 0),
             gpu,
         };
         m.state = m.new_state()?;
@@ -445,7 +453,11 @@ impl CudaModel {
             }
             .min(all);
             let mut cache = ExpertCache::new(&m.gpu, budget, max_extent, e, opts.cache_policy)?;
-            cache.preload_all(&m.gpu, store, m.layers.len(), e)?;
+            if !cache.preload_all(&m.gpu, store, m.layers.len(), e)? {
+                if let Some(host) = opts.host_cache {
+                    m.host_tier = cache.pin_host_tier(&m.gpu, store, host)?;
+                }
+            }
             m.cache = Some(cache);
         }
         Ok(m)
@@ -457,6 +469,11 @@ impl CudaModel {
 
     pub fn cache_stats(&self) -> CacheStats {
         self.cache.as_ref().map(|c| c.stats).unwrap_or_default()
+    }
+
+    /// Layers and bytes of expert files pinned in host RAM (`--host-cache`).
+    pub fn host_tier(&self) -> (usize, u64) {
+        self.host_tier
     }
 
     /// Expert slots in VRAM.
