@@ -128,6 +128,9 @@ pub struct Gpu {
     /// `MOEFLUX_CUDA_PROFILE=1`: GPU time and launches per kernel, printed
     /// when the GPU is closed (each launch is timed alone: slow).
     profile: Option<std::sync::Mutex<HashMap<String, (u64, f64)>>>,
+    /// Programmatic dependent launches (sm_90+; `MOEFLUX_CUDA_PDL=0` turns
+    /// them off).
+    pdl: bool,
 }
 
 impl Drop for Gpu {
@@ -175,6 +178,7 @@ impl Gpu {
         let profile = std::env::var_os("MOEFLUX_CUDA_PROFILE")
             .is_some_and(|v| v != "0")
             .then(Default::default);
+        let pdl = info.cc.0 >= 9 && std::env::var_os("MOEFLUX_CUDA_PDL").is_none_or(|v| v != "0");
         Ok(Gpu {
             info,
             ctx,
@@ -182,6 +186,7 @@ impl Gpu {
             copy,
             funcs,
             profile,
+            pdl,
         })
     }
 
@@ -221,15 +226,8 @@ impl Gpu {
                         .map_err(|e| gpu_err("GPU event", e))
                 };
                 let start = ev(&self.stream)?;
-                result::launch_kernel(
-                    f.cu_function(),
-                    grid,
-                    (block, 1, 1),
-                    smem,
-                    self.stream.cu_stream(),
-                    params,
-                )
-                .map_err(|e| gpu_err(&format!("launching {name}"), e))?;
+                self.raw_launch(f, grid, block, smem, params)
+                    .map_err(|e| gpu_err(&format!("launching {name}"), e))?;
                 let end = ev(&self.stream)?;
                 let ms = start
                     .elapsed_ms(&end)
@@ -243,15 +241,54 @@ impl Gpu {
                 return Ok(());
             }
         }
-        result::launch_kernel(
+        self.raw_launch(f, grid, block, smem, params)
+            .map_err(|e| gpu_err(&format!("launching {name}"), e))
+    }
+
+    /// Launches on the compute stream; on Hopper and later with
+    /// programmatic stream serialisation, so a kernel's launch overlaps the
+    /// end of the previous one (every kernel waits for its predecessor
+    /// first: `PDL_ENTER` in kernels.cu).
+    unsafe fn raw_launch(
+        &self,
+        f: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        params: &mut [*mut c_void],
+    ) -> std::result::Result<(), result::DriverError> {
+        if !self.pdl {
+            return result::launch_kernel(
+                f.cu_function(),
+                grid,
+                (block, 1, 1),
+                smem,
+                self.stream.cu_stream(),
+                params,
+            );
+        }
+        let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        sys::cuLaunchKernelEx(
+            &config,
             f.cu_function(),
-            grid,
-            (block, 1, 1),
-            smem,
-            self.stream.cu_stream(),
-            params,
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
         )
-        .map_err(|e| gpu_err(&format!("launching {name}"), e))
+        .result()
     }
 
     pub fn sync(&self) -> Result<()> {

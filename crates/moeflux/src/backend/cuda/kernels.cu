@@ -11,6 +11,22 @@ typedef unsigned short u16;
 #define WARP 32
 #define NEG_INF __int_as_float(0xff800000u)
 
+// Programmatic dependent launch (Hopper+): a kernel may be launched while
+// the previous one finishes; it waits for it (and its writes) before doing
+// anything, and lets the next one launch at once. Without the launch
+// attribute (or before sm_90) both are no-ops.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PDL_ENTER()                                            \
+    do {                                                       \
+        asm volatile("griddepcontrol.wait;" ::: "memory");     \
+        asm volatile("griddepcontrol.launch_dependents;" :::); \
+    } while (0)
+#else
+#define PDL_ENTER() \
+    do {            \
+    } while (0)
+#endif
+
 __device__ __forceinline__ float bf16f(u16 h) { return __uint_as_float(((u32)h) << 16); }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -316,13 +332,13 @@ __device__ void qmatmul_body(const MultiMatmul& mm, const float* x, int n) {
 }
 
 // Tokens four at a time (each weight word decoded once for four tokens).
-extern "C" __global__ void __launch_bounds__(256) qmatmul(MultiMatmul mm, const float* x, int n) { qmatmul_body<4>(mm, x, n); }
+extern "C" __global__ void __launch_bounds__(256) qmatmul(MultiMatmul mm, const float* x, int n) { PDL_ENTER(); qmatmul_body<4>(mm, x, n); }
 // One token (decode).
-extern "C" __global__ void __launch_bounds__(256, 4) qmatmul1(MultiMatmul mm, const float* x, int n) { qmatmul_body<1>(mm, x, n); }
+extern "C" __global__ void __launch_bounds__(256, 4) qmatmul1(MultiMatmul mm, const float* x, int n) { PDL_ENTER(); qmatmul_body<1>(mm, x, n); }
 
 // Dense (bf16 or f32) weights: a warp per row, 8 rows per block.
 extern "C" __global__ void dmatmul(const void* w, int f32, int rows, int cols, const float* x, int n,
-                                   int accumulate, float* out) {
+                                   int accumulate, float* out) { PDL_ENTER();
     int r = blockIdx.x * 8 + (threadIdx.x >> 5);
     if (r >= rows) return;
     int lane = threadIdx.x & 31;
@@ -342,7 +358,7 @@ extern "C" __global__ void dmatmul(const void* w, int f32, int rows, int cols, c
 }
 
 // Rows `ids[t]` of a quantized matrix, dequantized: out[t, :] (embedding).
-extern "C" __global__ void qgather_rows(QW q, const int* ids, float* out) {
+extern "C" __global__ void qgather_rows(QW q, const int* ids, float* out) { PDL_ENTER();
     int t = blockIdx.x;
     long r = ids[t];
     long wpr = ((long)q.cols * q.bits) >> 5;
@@ -358,7 +374,7 @@ extern "C" __global__ void qgather_rows(QW q, const int* ids, float* out) {
 // Elementwise and norms
 
 // out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, a block per row.
-extern "C" __global__ void rms_norm(const float* x, const float* w, int width, float eps, float* out) {
+extern "C" __global__ void rms_norm(const float* x, const float* w, int width, float eps, float* out) { PDL_ENTER();
     const float* xr = x + (long)blockIdx.x * width;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < width; i += blockDim.x) ss += xr[i] * xr[i];
@@ -368,12 +384,12 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, int width, f
         out[(long)blockIdx.x * width + i] = xr[i] * inv * w[i];
 }
 
-extern "C" __global__ void add_inplace(float* a, const float* b, long n) {
+extern "C" __global__ void add_inplace(float* a, const float* b, long n) { PDL_ENTER();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
         a[i] += b[i];
 }
 
-extern "C" __global__ void swiglu(const float* g, const float* u, float* out, long n) {
+extern "C" __global__ void swiglu(const float* g, const float* u, float* out, long n) { PDL_ENTER();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
         out[i] = siluf_(g[i]) * u[i];
 }
@@ -388,7 +404,7 @@ extern "C" __global__ void swiglu(const float* g, const float* u, float* out, lo
 extern "C" __global__ void attn_prep(const float* qg, float* k, const float* q_norm,
                                      const float* k_norm, const double* inv_freq, int half_rot,
                                      int nh, int nkv, int hd, float eps, const long* pos,
-                                     double pos_scale, float* q_out, float* gate_out) {
+                                     double pos_scale, float* q_out, float* gate_out) { PDL_ENTER();
     long start = *pos;
     extern __shared__ float sh[];
     int t = blockIdx.y, h = blockIdx.x, i = threadIdx.x;
@@ -428,7 +444,7 @@ extern "C" __global__ void attn_prep(const float* qg, float* k, const float* q_n
 // warp+8, ...; each lane holds hd/32 output channels (hd <= 256).
 extern "C" __global__ void attention(const float* q, const float* kc, const float* vc,
                                      const float* gate, int nh, int nkv, int hd, const long* pos,
-                                     float scale, float* out) {
+                                     float scale, float* out) { PDL_ENTER();
     long start = *pos;
     const int NW = 8;
     int h = blockIdx.x, t = blockIdx.y;
@@ -488,7 +504,7 @@ extern "C" __global__ void attention(const float* q, const float* kc, const floa
 
 // Appends n rows of k and v at row *pos of the caches (row = nkv * hd floats).
 extern "C" __global__ void kv_append(const float* k, const float* v, float* kc, float* vc, int row,
-                                     const long* pos, int n) {
+                                     const long* pos, int n) { PDL_ENTER();
     long base = *pos * (long)row;
     long total = (long)n * row;
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < total; i += (long)gridDim.x * blockDim.x) {
@@ -503,7 +519,7 @@ extern "C" __global__ void kv_append(const float* k, const float* v, float* kc, 
 // Qwen3-Next fused projections, per key head [q dk | k dk | v r*dv | z r*dv]
 // and [b r | a r], into mixed = [q (kd) | k (kd) | v (vd)], z, b, a.
 extern "C" __global__ void deltanet_split(const float* f, const float* gba, int nk, int dk, int dv,
-                                          int r, float* mixed, float* z, float* b, float* a) {
+                                          int r, float* mixed, float* z, float* b, float* a) { PDL_ENTER();
     int t = blockIdx.y, kh = blockIdx.x;
     int kd = nk * dk, vd = nk * r * dv, w = 2 * kd + 2 * vd, cd = 2 * kd + vd, nv = nk * r;
     const float* s = f + (long)t * w + (long)kh * (2 * dk + 2 * r * dv);
@@ -525,7 +541,7 @@ extern "C" __global__ void deltanet_split(const float* f, const float* gba, int 
 
 // Causal depthwise conv over [state; inputs] then SiLU, in place; the state
 // keeps the last kk-1 raw inputs. A thread per channel, tokens in order.
-extern "C" __global__ void conv_silu(float* mixed, const float* w, float* state, int cd, int kk, int n) {
+extern "C" __global__ void conv_silu(float* mixed, const float* w, float* state, int cd, int kk, int n) { PDL_ENTER();
     int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= cd) return;
     int hist = kk - 1;
@@ -546,7 +562,7 @@ extern "C" __global__ void conv_silu(float* mixed, const float* w, float* state,
 // q and k of every (token, key head): RMS-normalised (eps = 1e-6 / dk) and
 // scaled by 1/dk (q) or 1/sqrt(dk) (k). A block of dk threads per (head of
 // q or k, token): blockIdx.x < nk is q, else k.
-extern "C" __global__ void deltanet_qk_norm(float* mixed, int nk, int dk, int cd) {
+extern "C" __global__ void deltanet_qk_norm(float* mixed, int nk, int dk, int cd) { PDL_ENTER();
     int t = blockIdx.y, h = blockIdx.x;
     float inv = rsqrtf((float)dk);
     float eps = 1e-6f * inv * inv;
@@ -564,7 +580,7 @@ extern "C" __global__ void deltanet_qk_norm(float* mixed, int nk, int dk, int cd
 #define DR_ROWS_PER_WARP 4
 extern "C" __global__ void delta_rule(const float* mixed, const float* a, const float* b,
                                       const float* a_log, const float* dt_bias, float* state,
-                                      int n, int nk, int nv, int dk, int dv, float* y) {
+                                      int n, int nk, int nv, int dk, int dv, float* y) { PDL_ENTER();
     int h = blockIdx.x;
     int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int kh = h / (nv / nk);
@@ -619,7 +635,7 @@ extern "C" __global__ void delta_rule(const float* mixed, const float* a, const 
 // Gated RMSNorm per (token, value head): out = rms_norm(y, w) * silu(z); a
 // block of dv threads.
 extern "C" __global__ void gated_norm(const float* y, const float* z, const float* w, float eps,
-                                      int dv, float* out) {
+                                      int dv, float* out) { PDL_ENTER();
     long base = ((long)blockIdx.y * gridDim.x + blockIdx.x) * dv;
     float v = y[base + threadIdx.x];
     float ss = block_sum(v * v);
@@ -715,20 +731,20 @@ __device__ void moe_down_body(const ExpertTask* tasks, ExpertLayout L, const int
     }
 }
 
-extern "C" __global__ void moe_gate_up_b4(const ExpertTask* t, ExpertLayout L, const int* s, int k, const float* x, float* a) { moe_gate_up_body<4>(t, L, s, k, x, a); }
-extern "C" __global__ void moe_gate_up_b8(const ExpertTask* t, ExpertLayout L, const int* s, int k, const float* x, float* a) { moe_gate_up_body<8>(t, L, s, k, x, a); }
-extern "C" __global__ void moe_gate_up_b2(const ExpertTask* t, ExpertLayout L, const int* s, int k, const float* x, float* a) { moe_gate_up_body<2>(t, L, s, k, x, a); }
-extern "C" __global__ void moe_gate_up_bx(const ExpertTask* t, ExpertLayout L, const int* s, int k, const float* x, float* a) { moe_gate_up_body<0>(t, L, s, k, x, a); }
-extern "C" __global__ void moe_down_b4(const ExpertTask* t, ExpertLayout L, const int* s, const float* a, float* y) { moe_down_body<4>(t, L, s, a, y); }
-extern "C" __global__ void moe_down_b8(const ExpertTask* t, ExpertLayout L, const int* s, const float* a, float* y) { moe_down_body<8>(t, L, s, a, y); }
-extern "C" __global__ void moe_down_b2(const ExpertTask* t, ExpertLayout L, const int* s, const float* a, float* y) { moe_down_body<2>(t, L, s, a, y); }
-extern "C" __global__ void moe_down_bx(const ExpertTask* t, ExpertLayout L, const int* s, const float* a, float* y) { moe_down_body<0>(t, L, s, a, y); }
+extern "C" __global__ void moe_gate_up_b4(const ExpertTask* t, ExpertLayout L, const int* s, int k, const float* x, float* a) { PDL_ENTER(); moe_gate_up_body<4>(t, L, s, k, x, a); }
+extern "C" __global__ void moe_gate_up_b8(const ExpertTask* t, ExpertLayout L, const int* s, int k, const float* x, float* a) { PDL_ENTER(); moe_gate_up_body<8>(t, L, s, k, x, a); }
+extern "C" __global__ void moe_gate_up_b2(const ExpertTask* t, ExpertLayout L, const int* s, int k, const float* x, float* a) { PDL_ENTER(); moe_gate_up_body<2>(t, L, s, k, x, a); }
+extern "C" __global__ void moe_gate_up_bx(const ExpertTask* t, ExpertLayout L, const int* s, int k, const float* x, float* a) { PDL_ENTER(); moe_gate_up_body<0>(t, L, s, k, x, a); }
+extern "C" __global__ void moe_down_b4(const ExpertTask* t, ExpertLayout L, const int* s, const float* a, float* y) { PDL_ENTER(); moe_down_body<4>(t, L, s, a, y); }
+extern "C" __global__ void moe_down_b8(const ExpertTask* t, ExpertLayout L, const int* s, const float* a, float* y) { PDL_ENTER(); moe_down_body<8>(t, L, s, a, y); }
+extern "C" __global__ void moe_down_b2(const ExpertTask* t, ExpertLayout L, const int* s, const float* a, float* y) { PDL_ENTER(); moe_down_body<2>(t, L, s, a, y); }
+extern "C" __global__ void moe_down_bx(const ExpertTask* t, ExpertLayout L, const int* s, const float* a, float* y) { PDL_ENTER(); moe_down_body<0>(t, L, s, a, y); }
 
 // out[t] += sum_j w[t,j] * slot_out[t*k+j] (slot order) + sigmoid(sg[t]) * shared[t]
 // (when `shared` is not null): the MoE block's output added to the residual
 // stream. A block per token.
 extern "C" __global__ void moe_combine(const float* slot_out, const float* wts, int k, int h,
-                                       const float* shared, const float* sg, float* out) {
+                                       const float* shared, const float* sg, float* out) { PDL_ENTER();
     int t = blockIdx.x;
     float s = shared ? sigmoidf_(sg[t]) : 0.0f;
     for (int i = threadIdx.x; i < h; i += blockDim.x) {
@@ -745,7 +761,7 @@ extern "C" __global__ void moe_combine(const float* slot_out, const float* wts, 
 // table[expert] into bases. A warp per token; e <= 1024.
 extern "C" __global__ void moe_route(const float* logits, int n, int e, int k, int norm,
                                      const unsigned long long* table, int* ids, float* wts,
-                                     unsigned long long* bases) {
+                                     unsigned long long* bases) { PDL_ENTER();
     int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (t >= n) return;
     int lane = threadIdx.x & 31;
@@ -847,11 +863,11 @@ __device__ void moe_down_slots_body(const unsigned long long* bases, ExpertLayou
 
 #define SLOT_KERNELS(B, SFX)                                                                          \
     extern "C" __global__ void moe_gate_up_slots_##SFX(const unsigned long long* bs, ExpertLayout L,  \
-                                                       int k, const float* x, float* a) {             \
+                                                       int k, const float* x, float* a) { PDL_ENTER();             \
         moe_gate_up_slots_body<B>(bs, L, k, x, a);                                                    \
     }                                                                                                 \
     extern "C" __global__ void moe_down_slots_##SFX(const unsigned long long* bs, ExpertLayout L,     \
-                                                    const float* a, float* y) {                       \
+                                                    const float* a, float* y) { PDL_ENTER();                       \
         moe_down_slots_body<B>(bs, L, a, y);                                                          \
     }
 SLOT_KERNELS(4, b4)
@@ -862,7 +878,7 @@ SLOT_KERNELS(0, bx)
 // --------------------------------------------------------------------------
 // Bandwidth probe: reads n 16-byte words; the sum is written only if it is
 // impossible (keeps the loads).
-extern "C" __global__ void read_probe(const uint4* p, long n, u32* sink) {
+extern "C" __global__ void read_probe(const uint4* p, long n, u32* sink) { PDL_ENTER();
     u32 acc = 0;
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
         uint4 v = p[i];
