@@ -131,7 +131,7 @@ if has c; then
   # 30% of the 12 layers' experts: an 80 GB card holds ~30% of the full model's experts.
   budget=$(( $(expert_bytes "$BIG") * 3 / 10 ))
   # Warm the page cache (the experts live in host RAM).
-  cat "$BIG"/experts* >/dev/null
+  find "$BIG"/experts -type f -exec cat {} + >/dev/null
   bench c-397b-12l-top10 "$BIG" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G
   bench c-397b-12l-k4 "$BIG" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G --experts-per-token 4
   rm -rf "$BIG"
