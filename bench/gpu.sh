@@ -87,7 +87,8 @@ synth() {
   shift
   note "synth $* -> $dst"
   local t0=$SECONDS
-  "$MOEFLUX" synth --force "$@" "$dst" >&2 || die "synth failed"
+  rm -rf "$dst" # the disk holds one model at a time
+  "$MOEFLUX" synth "$@" "$dst" >&2 || die "synth failed"
   note "synth took $((SECONDS - t0)) s ($(du -sh "$dst" | cut -f1))"
 }
 
