@@ -305,42 +305,11 @@ struct MultiMatmul {
     int first_block[5];  // blocks of matrix m: first_block[m] .. first_block[m+1]
     int count;
     int accumulate;
-    // One token only: the input is first transformed into shared memory
-    // (saves the launch of the kernel that would do it): 1 = RMSNorm with
-    // weights pro_w (block 0 also writes the result to pro_out when not
-    // null), 2 = silu(x) * pro_up. 0 = none.
-    int pro;
-    float eps;
-    const float* pro_w;
-    const float* pro_up;
-    float* pro_out;
 };
 
 
 template <int TT>
 __device__ void qmatmul_body(const MultiMatmul& mm, const float* x, int n) {
-    if (TT == 1 && mm.pro != 0) {
-        // Same arithmetic as the rms_norm / swiglu kernels (256 threads).
-        extern __shared__ float4 pro_smem[];
-        float* xs = (float*)pro_smem;
-        int cols = mm.q[0].cols;
-        if (mm.pro == 1) {
-            float ss = 0.0f;
-            for (int i = threadIdx.x; i < cols; i += blockDim.x) ss += x[i] * x[i];
-            ss = block_sum(ss);
-            float inv = rsqrtf(ss / cols + mm.eps);
-            bool write = mm.pro_out && blockIdx.x == 0 && blockIdx.y == 0;
-            for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-                float v = x[i] * inv * mm.pro_w[i];
-                xs[i] = v;
-                if (write) mm.pro_out[i] = v;
-            }
-        } else {
-            for (int i = threadIdx.x; i < cols; i += blockDim.x) xs[i] = siluf_(x[i]) * mm.pro_up[i];
-        }
-        __syncthreads();
-        x = xs;
-    }
     int m = 0;
     while (m + 1 < mm.count && (int)blockIdx.x >= mm.first_block[m + 1]) m++;
     const QW& q = mm.q[m];

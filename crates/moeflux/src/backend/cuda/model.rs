@@ -279,29 +279,6 @@ struct MultiMatmul {
     first_block: [i32; 5],
     count: i32,
     accumulate: i32,
-    pro: i32,
-    eps: f32,
-    pro_w: u64,
-    pro_up: u64,
-    pro_out: u64,
-}
-
-/// What a group of products does to its input first.
-#[derive(Clone, Copy)]
-enum Pro {
-    None,
-    /// RMSNorm with weights `w`; the normalised rows land in `out`.
-    Norm {
-        w: u64,
-        out: u64,
-    },
-    /// `silu(x) * up` (rows of `width`), materialised in `act` when not
-    /// fused.
-    Swiglu {
-        up: u64,
-        act: u64,
-        width: usize,
-    },
 }
 
 /// A captured decode step and the buffer layout it was captured with.
@@ -795,17 +772,11 @@ impl CudaModel {
         };
         lap(&mut clock, &mut times.embed_norm);
         for i in 0..self.layers.len() {
-            let norm = Pro::Norm {
-                w: self.layers[i].input_norm.ptr(),
-                out: xn,
-            };
-            self.mixer(i, norm, n, x)?;
+            self.rms_norm(x, self.layers[i].input_norm.ptr(), n, h, xn)?;
+            self.mixer(i, xn, n, x)?;
+            self.rms_norm(x, self.layers[i].post_norm.ptr(), n, h, xn)?;
             lap(&mut clock, &mut times.attention);
-            let norm = Pro::Norm {
-                w: self.layers[i].post_norm.ptr(),
-                out: xn,
-            };
-            self.mlp(i, store, k, norm, xn, n, x, times)?;
+            self.mlp(i, store, k, xn, n, x, times)?;
             clock = std::time::Instant::now();
         }
         let m = rows.len();
@@ -854,33 +825,6 @@ impl CudaModel {
     /// Several products of the same input `x[n, cols]`: quantized ones four
     /// to a launch, dense ones one each.
     fn matmuls(&self, ops: &[Mm], x: u64, n: usize) -> Result<()> {
-        self.matmuls_of(ops, x, n, Pro::None)
-    }
-
-    /// [`Self::matmuls`] of `x` transformed by `pro` first: inside the
-    /// product kernel for one token and quantized matrices of one launch,
-    /// else by its own kernel.
-    fn matmuls_of(&self, ops: &[Mm], x: u64, n: usize, pro: Pro) -> Result<()> {
-        let fused =
-            n == 1 && ops.len() <= 4 && ops.iter().all(|o| matches!(o.w, DevLinear::Quant(_)));
-        let (x, pro) = match pro {
-            Pro::None => (x, Pro::None),
-            _ if fused => (x, pro),
-            Pro::Norm { w, out } => {
-                let cols = self.config.hidden_size;
-                self.rms_norm(x, w, n, cols, out)?;
-                (out, Pro::None)
-            }
-            Pro::Swiglu { up, act, width } => {
-                self.swiglu(x, up, act, n * width)?;
-                (act, Pro::None)
-            }
-        };
-        let (pro_kind, pro_w, pro_up, pro_out) = match pro {
-            Pro::None => (0, 0, 0, 0),
-            Pro::Norm { w, out } => (1, w, 0, out),
-            Pro::Swiglu { up, .. } => (2, 0, up, 0),
-        };
         let nn = n as i32;
         let ty = n.div_ceil(4).min(64) as u32;
         let quant: Vec<(Qw, &Mm)> = ops
@@ -897,11 +841,6 @@ impl CudaModel {
                 first_block: [0; 5],
                 count: group.len() as i32,
                 accumulate: 0,
-                pro: pro_kind,
-                eps: self.config.rms_norm_eps,
-                pro_w,
-                pro_up,
-                pro_out,
             };
             let mut blocks = 0i32;
             for (j, (q, o)) in group.iter().enumerate() {
@@ -919,19 +858,9 @@ impl CudaModel {
                 p.first_block[j] = blocks;
             }
             let kernel = if n == 1 { "qmatmul1" } else { "qmatmul" };
-            let smem = if pro_kind != 0 {
-                4 * group[0].0.cols as u32
-            } else {
-                0
-            };
             unsafe {
-                self.gpu.launch(
-                    kernel,
-                    (blocks as u32, ty, 1),
-                    256,
-                    smem,
-                    &mut args!(p, x, nn),
-                )?
+                self.gpu
+                    .launch(kernel, (blocks as u32, ty, 1), 256, 0, &mut args!(p, x, nn))?
             };
         }
         for o in ops {
@@ -952,16 +881,15 @@ impl CudaModel {
         Ok(())
     }
 
-    /// The token mixer of layer `i` on `norm` of x, its output added to
-    /// `x`.
-    fn mixer(&mut self, i: usize, norm: Pro, n: usize, x: u64) -> Result<()> {
+    /// The token mixer of layer `i`, its output added to `x`.
+    fn mixer(&mut self, i: usize, xn: u64, n: usize, x: u64) -> Result<()> {
         match &self.layers[i].mixer {
-            GpuMixer::Full(_) => self.full_attention(i, norm, n, x),
-            GpuMixer::Linear(_) => self.linear_attention(i, norm, n, x),
+            GpuMixer::Full(_) => self.full_attention(i, xn, n, x),
+            GpuMixer::Linear(_) => self.linear_attention(i, xn, n, x),
         }
     }
 
-    fn full_attention(&mut self, i: usize, norm: Pro, n: usize, x: u64) -> Result<()> {
+    fn full_attention(&mut self, i: usize, xn: u64, n: usize, x: u64) -> Result<()> {
         let c = &self.config;
         let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
         let GpuMixer::Full(a) = &self.layers[i].mixer else {
@@ -977,7 +905,7 @@ impl CudaModel {
         let q = s.get(g, "q", 4 * n * nh * hd)?;
         let gate = s.get(g, "gate", 4 * n * nh * hd)?;
         let attn = s.get(g, "attn", 4 * n * nh * hd)?;
-        self.matmuls_of(&[mm(wq, qg), mm(wk, k), mm(wv, v)], x, n, norm)?;
+        self.matmuls(&[mm(wq, qg), mm(wk, k), mm(wv, v)], xn, n)?;
         let half = (c.rope.rotary_dim / 2) as i32;
         let (nh_i, nkv_i, hd_i) = (nh as i32, nkv as i32, hd as i32);
         let (eps, ps) = (c.rms_norm_eps, c.rope.position_scale);
@@ -1023,7 +951,7 @@ impl CudaModel {
         )
     }
 
-    fn linear_attention(&mut self, i: usize, norm: Pro, n: usize, x: u64) -> Result<()> {
+    fn linear_attention(&mut self, i: usize, xn: u64, n: usize, x: u64) -> Result<()> {
         let c = self.config.clone();
         let l = &c.linear;
         let (nk, nv, dk, dv) = (
@@ -1051,18 +979,13 @@ impl CudaModel {
                 b: bw,
                 a: aw,
             } => {
-                self.matmuls_of(
-                    &[mm(qkv, mixed), mm(zw, z), mm(bw, b), mm(aw, a)],
-                    x,
-                    n,
-                    norm,
-                )?;
+                self.matmuls(&[mm(qkv, mixed), mm(zw, z), mm(bw, b), mm(aw, a)], xn, n)?;
             }
             GpuDeltaProj::Fused { qkvz, ba } => {
                 let s = &mut self.scratch;
                 let fused = s.get(&self.gpu, "fused", 4 * n * (2 * kd + 2 * vd))?;
                 let fba = s.get(&self.gpu, "fba", 4 * n * 2 * nv)?;
-                self.matmuls_of(&[mm(qkvz, fused), mm(ba, fba)], x, n, norm)?;
+                self.matmuls(&[mm(qkvz, fused), mm(ba, fba)], xn, n)?;
                 let r = (nv / nk) as i32;
                 let (nk_i, dk_i, dv_i) = (nk as i32, dk as i32, dv as i32);
                 unsafe {
@@ -1137,15 +1060,11 @@ impl CudaModel {
     /// The MLP of layer `i` (dense or mixture of experts), its output added
     /// to `x`.
     #[allow(clippy::too_many_arguments)]
-    /// The MLP of layer `i` (dense or mixture of experts) on `norm` of x
-    /// (whose rows also land in `xn`), its output added to `x`.
-    #[allow(clippy::too_many_arguments)]
     fn mlp(
         &mut self,
         i: usize,
         store: &ExpertStore,
         k: usize,
-        norm: Pro,
         xn: u64,
         n: usize,
         x: u64,
@@ -1159,24 +1078,19 @@ impl CudaModel {
                 let gb = s.get(&self.gpu, "g", 4 * n * inter)?;
                 let ub = s.get(&self.gpu, "u", 4 * n * inter)?;
                 let act = s.get(&self.gpu, "act", 4 * n * inter)?;
-                self.matmuls_of(&[mm(gw, gb), mm(uw, ub)], x, n, norm)?;
-                let swiglu = Pro::Swiglu {
-                    up: ub,
-                    act,
-                    width: inter,
-                };
-                self.matmuls_of(
+                self.matmuls(&[mm(gw, gb), mm(uw, ub)], xn, n)?;
+                self.swiglu(gb, ub, act, n * inter)?;
+                self.matmuls(
                     &[Mm {
                         w: dw,
                         out: x,
                         accumulate: true,
                     }],
-                    gb,
+                    act,
                     n,
-                    swiglu,
                 )
             }
-            GpuMlp::Moe { .. } => self.moe(i, store, k, norm, xn, n, x, times),
+            GpuMlp::Moe { .. } => self.moe(i, store, k, xn, n, x, times),
         }
     }
 
@@ -1186,7 +1100,6 @@ impl CudaModel {
         i: usize,
         store: &ExpertStore,
         k: usize,
-        norm: Pro,
         xn: u64,
         n: usize,
         x: u64,
@@ -1226,27 +1139,22 @@ impl CudaModel {
                 let sact = s.get(&self.gpu, "sg_act", 4 * n * si)?;
                 let sy = s.get(&self.gpu, "sg_y", 4 * n * h)?;
                 let sg = s.get(&self.gpu, "sg_s", 4 * n)?;
-                self.matmuls_of(
+                self.matmuls(
                     &[
                         mm(router, logits_d),
                         mm(gate, gb),
                         mm(up, ub),
                         mm(gate_scalar, sg),
                     ],
-                    x,
+                    xn,
                     n,
-                    norm,
                 )?;
-                let swiglu = Pro::Swiglu {
-                    up: ub,
-                    act: sact,
-                    width: si,
-                };
-                self.matmuls_of(&[mm(down, sy)], gb, n, swiglu)?;
+                self.swiglu(gb, ub, sact, n * si)?;
+                self.matmuls(&[mm(down, sy)], sact, n)?;
                 (sy, sg)
             }
             None => {
-                self.matmuls_of(&[mm(router, logits_d)], x, n, norm)?;
+                self.matmuls(&[mm(router, logits_d)], xn, n)?;
                 (0u64, 0u64)
             }
         };
