@@ -742,12 +742,12 @@ extern "C" __global__ void moe_down_bx(const ExpertTask* t, ExpertLayout L, cons
 
 // out[t] += sum_j w[t,j] * slot_out[t*k+j] (slot order) + sigmoid(sg[t]) * shared[t]
 // (when `shared` is not null): the MoE block's output added to the residual
-// stream. A block per token.
+// stream. Grid (token, column blocks).
 extern "C" __global__ void moe_combine(const float* slot_out, const float* wts, int k, int h,
                                        const float* shared, const float* sg, float* out) { PDL_ENTER();
     int t = blockIdx.x;
     float s = shared ? sigmoidf_(sg[t]) : 0.0f;
-    for (int i = threadIdx.x; i < h; i += blockDim.x) {
+    for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < h; i += gridDim.y * blockDim.x) {
         float acc = 0.0f;
         for (int j = 0; j < k; j++) acc += wts[t * k + j] * slot_out[((long)t * k + j) * h + i];
         if (shared) acc += s * shared[(long)t * h + i];

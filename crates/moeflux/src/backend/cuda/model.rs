@@ -801,7 +801,7 @@ impl CudaModel {
             self.gpu.launch(
                 "rms_norm",
                 (rows as u32, 1, 1),
-                256,
+                1024,
                 0,
                 &mut args!(x, w, wd, eps, out),
             )
@@ -1288,7 +1288,7 @@ impl CudaModel {
         unsafe {
             self.gpu.launch(
                 "moe_combine",
-                (n as u32, 1, 1),
+                (n as u32, h.div_ceil(256) as u32, 1),
                 256,
                 0,
                 &mut args!(slot_out, d_wts, k_i, h_i, sy, sg, x),
