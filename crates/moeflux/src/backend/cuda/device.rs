@@ -25,7 +25,6 @@ const KERNEL_NAMES: &[&str] = &[
     "dmatmul",
     "qgather_rows",
     "rms_norm",
-    "add_inplace",
     "swiglu",
     "attn_prep",
     "attention",

@@ -384,11 +384,6 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, int width, f
         out[(long)blockIdx.x * width + i] = xr[i] * inv * w[i];
 }
 
-extern "C" __global__ void add_inplace(float* a, const float* b, long n) { PDL_ENTER();
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
-        a[i] += b[i];
-}
-
 extern "C" __global__ void swiglu(const float* g, const float* u, float* out, long n) { PDL_ENTER();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
         out[i] = siluf_(g[i]) * u[i];
