@@ -137,24 +137,8 @@ fn max_rel_diff(a: &[f32], b: &[f32]) -> f32 {
 /// A small synthetic model with a real model's expert count, top-k and a
 /// Zipf-skewed router (so the cache policies see realistic reuse).
 fn synth_model(dst: &std::path::Path) {
-    use moeflux::synth::{synth, QwenShape, RouterSkew, SynthOptions, SynthSpec};
-    let spec = SynthSpec::Qwen3_5Moe(QwenShape {
-        hidden_size: 256,
-        num_layers: 4,
-        num_attention_heads: 2,
-        num_kv_heads: 1,
-        head_dim: 64,
-        vocab_size: 512,
-        num_experts: 128,
-        experts_per_token: 8,
-        moe_intermediate: 64,
-        shared_intermediate: 64,
-        linear_v_heads: 2,
-        linear_k_heads: 1,
-        linear_head_dim: 64,
-        full_attention_interval: 2,
-        eos_token_ids: &[2],
-    });
+    use moeflux::synth::{synth, RouterSkew, SynthOptions};
+    let spec = common::small_moe_spec();
     let mut o = SynthOptions::new("gpu-test", spec);
     o.seed = 7;
     o.router_skew = Some(RouterSkew::Zipf(1.0));

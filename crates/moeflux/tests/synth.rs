@@ -1,35 +1,19 @@
 //! `synth`: deterministic bytes, a directory `Session::open` accepts with
 //! sane logits, the router skew's popularity curve, and bad options.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use moeflux::convert::{ConvertProgress, ConvertStage};
 use moeflux::format::Manifest;
 use moeflux::synth::skew::zipf_frequencies;
-use moeflux::synth::{find_preset, synth, QwenShape, RouterSkew, SynthOptions, SynthSpec};
+use moeflux::synth::{find_preset, synth, RouterSkew, SynthOptions, SynthSpec};
 use moeflux::{Error, LogitsMode, Session, SessionOptions};
 
-/// Small, but with a real model's expert count and top-k, so that routing
-/// statistics mean something.
 fn spec() -> SynthSpec {
-    SynthSpec::Qwen3_5Moe(QwenShape {
-        hidden_size: 256,
-        num_layers: 4,
-        num_attention_heads: 2,
-        num_kv_heads: 1,
-        head_dim: 64,
-        vocab_size: 512,
-        num_experts: 128,
-        experts_per_token: 8,
-        moe_intermediate: 64,
-        shared_intermediate: 64,
-        linear_v_heads: 2,
-        linear_k_heads: 1,
-        linear_head_dim: 64,
-        full_attention_interval: 2,
-        eos_token_ids: &[2],
-    })
+    common::small_moe_spec()
 }
 
 fn make(dst: &Path, f: impl FnOnce(&mut SynthOptions)) -> PathBuf {

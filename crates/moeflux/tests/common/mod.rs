@@ -148,3 +148,25 @@ pub fn check_within(name: &str, golden: &Golden, got: &[f32], tol_rel: f32, guar
     eprintln!("{name}: max |diff| = {worst:.3e} (tolerance {tol:.3e})");
     worst
 }
+
+/// A small synthetic model shape with a real model's expert count and
+/// top-k, so that routing statistics and expert caches mean something.
+pub fn small_moe_spec() -> moeflux::synth::SynthSpec {
+    moeflux::synth::SynthSpec::Qwen3_5Moe(moeflux::synth::QwenShape {
+        hidden_size: 256,
+        num_layers: 4,
+        num_attention_heads: 2,
+        num_kv_heads: 1,
+        head_dim: 64,
+        vocab_size: 512,
+        num_experts: 128,
+        experts_per_token: 8,
+        moe_intermediate: 64,
+        shared_intermediate: 64,
+        linear_v_heads: 2,
+        linear_k_heads: 1,
+        linear_head_dim: 64,
+        full_attention_interval: 2,
+        eos_token_ids: &[2],
+    })
+}
