@@ -120,31 +120,19 @@ __device__ __forceinline__ void qrows(const QW& q, int r0, const float* const* x
             if (v16) {
                 int n4 = iwpr >> 2;
                 for (int v = part * WARP + lane; v < n4; v += parts * WARP) {
-                    // Every load of the step first (weights, the group's scale
-                    // and bias, activations), so the step costs one memory
-                    // round trip; rows past the end read the last row and are
-                    // not used.
-                    int g0 = pow2 ? ((v * 4) >> lw) : (v * 4) / wpg;
                     uint4 wv[RW];
-                    float sc0[RW], bi0[RW];
 #pragma unroll
-                    for (int rr = 0; rr < RW; rr++) {
-                        long r = min(r0 + rr, q.rows - 1);
-                        wv[rr] = ((const uint4*)(q.w + r * wpr))[v];
-                        sc0[rr] = qparam(q.s, r * gpr + g0, q.sf32);
-                        bi0[rr] = qparam(q.b, r * gpr + g0, q.sf32);
-                    }
-                    float4 xf[EPW];  // 4 words x EPW/4 float4s
-#pragma unroll
-                    for (int e4 = 0; e4 < EPW; e4++) xf[e4] = ((const float4*)(xp[0] + v * 4 * EPW))[e4];
+                    for (int rr = 0; rr < RW; rr++)
+                        wv[rr] = rr < nr ? ((const uint4*)(q.w + (long)(r0 + rr) * wpr))[v] : make_uint4(0, 0, 0, 0);
 #pragma unroll
                     for (int kk = 0; kk < 4; kk++) {
                         int wi = v * 4 + kk;
+                        int c0 = wi * EPW;
                         int g = pow2 ? (wi >> lw) : wi / wpg;
                         float xv[EPW], xs = 0.0f;
 #pragma unroll
                         for (int e4 = 0; e4 < EPW / 4; e4++) {
-                            float4 f = xf[kk * (EPW / 4) + e4];
+                            float4 f = ((const float4*)(xp[0] + c0))[e4];
                             xv[4 * e4] = f.x;
                             xv[4 * e4 + 1] = f.y;
                             xv[4 * e4 + 2] = f.z;
@@ -155,12 +143,8 @@ __device__ __forceinline__ void qrows(const QW& q, int r0, const float* const* x
                         for (int rr = 0; rr < RW; rr++) {
                             if (rr < nr) {
                                 u32 word = kk == 0 ? wv[rr].x : kk == 1 ? wv[rr].y : kk == 2 ? wv[rr].z : wv[rr].w;
-                                float sc = sc0[rr], bi = bi0[rr];
-                                if (g != g0) {
-                                    long pi = (long)(r0 + rr) * gpr + g;
-                                    sc = qparam(q.s, pi, q.sf32);
-                                    bi = qparam(q.b, pi, q.sf32);
-                                }
+                                long pi = (long)(r0 + rr) * gpr + g;
+                                float sc = qparam(q.s, pi, q.sf32), bi = qparam(q.b, pi, q.sf32);
                                 float d = 0.0f;
 #pragma unroll
                                 for (int e = 0; e < EPW; e++)
@@ -350,7 +334,7 @@ __device__ void qmatmul_body(const MultiMatmul& mm, const float* x, int n) {
 // Tokens four at a time (each weight word decoded once for four tokens).
 extern "C" __global__ void __launch_bounds__(256) qmatmul(MultiMatmul mm, const float* x, int n) { PDL_ENTER(); qmatmul_body<4>(mm, x, n); }
 // One token (decode).
-extern "C" __global__ void __launch_bounds__(256, 3) qmatmul1(MultiMatmul mm, const float* x, int n) { PDL_ENTER(); qmatmul_body<1>(mm, x, n); }
+extern "C" __global__ void __launch_bounds__(256, 4) qmatmul1(MultiMatmul mm, const float* x, int n) { PDL_ENTER(); qmatmul_body<1>(mm, x, n); }
 
 // Dense (bf16 or f32) weights: a warp per row, 8 rows per block.
 extern "C" __global__ void dmatmul(const void* w, int f32, int rows, int cols, const float* x, int n,
