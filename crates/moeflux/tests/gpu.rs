@@ -2,7 +2,7 @@
 //! for every fixture (batch, incremental, mixed), the CPU backend on random
 //! inputs, snapshots across backends, truncation, and a tiny expert cache
 //! that must evict. These need an NVIDIA GPU and are ignored by default; on
-//! the GPU machine: `scripts/gpu/run.sh` (see scripts/gpu/README.md), or
+//! the GPU machine: `scripts/gpu/run.sh tests` (see scripts/gpu/README.md), or
 //! `cargo test --release -p moeflux --test gpu -- --ignored`.
 
 mod common;
