@@ -132,6 +132,16 @@ impl ModelArgs {
         {
             eprintln!("warning: {}", session.backend());
         }
+        if !session.on_gpu() {
+            let gpu_only = [
+                ("--gpu-memory", self.gpu_memory.is_some()),
+                ("--host-cache", self.host_cache.is_some()),
+                ("--no-cuda-graphs", self.no_cuda_graphs),
+            ];
+            for (flag, _) in gpu_only.iter().filter(|(_, given)| *given) {
+                eprintln!("warning: {flag} has no effect on the CPU");
+            }
+        }
         let full = session.config().moe.num_experts_per_tok;
         if let Some(k) = self.experts_per_token.filter(|&k| k < full) {
             eprintln!(

@@ -106,3 +106,46 @@ fn bad_requests_are_one_error_line() {
     let e = one_line_error(&moeflux(&["bench", "--model", m, "--prompt-len", "100000"]));
     assert!(e.contains("context"), "{e}");
 }
+
+/// Without an NVIDIA driver: `--backend cuda` is a one-line error that says
+/// CUDA is unavailable, `auto` runs on the CPU, and GPU-only flags warn.
+/// (On a machine with a GPU the first two would differ; the GPU tests cover
+/// it there.)
+#[test]
+fn backend_choice_without_a_gpu() {
+    if moeflux::backend::cuda::device::driver_present() {
+        eprintln!("skipped: an NVIDIA driver is present");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let model = convert("qwen35moe-q4", tmp.path());
+    let m = s(&model);
+    let e = one_line_error(&moeflux(&["bench", "--model", m, "--backend", "cuda"]));
+    assert!(e.contains("CUDA is not available"), "{e}");
+    let out = moeflux(&[
+        "bench",
+        "--model",
+        m,
+        "--backend",
+        "auto",
+        "--prompt-len",
+        "4",
+        "--gen",
+        "2",
+        "--reps",
+        "1",
+        "--host-cache",
+        "1G",
+        "--json",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&ok(&out)).unwrap();
+    assert!(v["backend"].as_str().unwrap().starts_with("cpu"), "{v}");
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("--host-cache has no effect on the CPU"),
+        "{err}"
+    );
+    let out = moeflux(&["bench", "--model", m, "--backend", "tpu"]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("auto, cpu, cuda"));
+}
