@@ -614,23 +614,53 @@ pub fn zero_async(stream: &CudaStream, dst: u64, bytes: usize) -> Result<()> {
         .map_err(|e| gpu_err("GPU memset", e))
 }
 
+/// A growable host buffer registered as pinned (the registration is
+/// dropped before the memory it covers).
+struct PinnedVec<T> {
+    pin: Option<Pinned>,
+    mem: Vec<T>,
+}
+
+impl<T: Copy + Default> PinnedVec<T> {
+    fn new() -> Self {
+        PinnedVec {
+            pin: None,
+            mem: Vec::new(),
+        }
+    }
+
+    /// Room for at least `len` elements; growing first waits for the
+    /// compute stream (a pending copy may still read the old memory).
+    fn reserve(&mut self, gpu: &Gpu, len: usize) -> Result<()> {
+        if self.mem.len() >= len {
+            return Ok(());
+        }
+        gpu.sync()?;
+        self.pin = None;
+        self.mem = vec![T::default(); len];
+        let bytes = std::mem::size_of_val(self.mem.as_slice());
+        // SAFETY: viewing the buffer of plain values as bytes.
+        let view =
+            unsafe { std::slice::from_raw_parts_mut(self.mem.as_mut_ptr() as *mut u8, bytes) };
+        self.pin = Some(Pinned::register(gpu, view)?);
+        Ok(())
+    }
+}
+
 /// Pinned host memory for the small per-step uploads (token ids, position,
 /// expert addresses), handed out bump-style and copied on the compute
 /// stream. Regions are reused after [`PinnedArena::reset`], which callers
 /// invoke only right after the compute stream was synchronised (so no copy
 /// from the arena is pending).
 pub struct PinnedArena {
-    // Registration first: it must go before the memory it covers.
-    pin: Option<Pinned>,
-    mem: Vec<u64>,
+    buf: PinnedVec<u64>,
     used: usize,
 }
 
 impl PinnedArena {
     pub fn new() -> PinnedArena {
         PinnedArena {
-            pin: None,
-            mem: Vec::new(),
+            buf: PinnedVec::new(),
             used: 0,
         }
     }
@@ -647,20 +677,13 @@ impl PinnedArena {
             return Ok(());
         }
         let start = self.used.next_multiple_of(16);
-        if start + n > self.mem.len() * 8 {
-            // Growing moves the memory: wait for pending copies first.
-            gpu.sync()?;
-            self.pin = None;
-            self.mem = vec![0u64; ((start + n) * 2).div_ceil(8).max(1 << 13)];
-            // SAFETY: viewing the u64 buffer as bytes.
-            let bytes = unsafe {
-                std::slice::from_raw_parts_mut(self.mem.as_mut_ptr() as *mut u8, self.mem.len() * 8)
-            };
-            self.pin = Some(Pinned::register(gpu, bytes)?);
+        if start + n > self.buf.mem.len() * 8 {
+            self.buf
+                .reserve(gpu, ((start + n) * 2).div_ceil(8).max(1 << 13))?;
         }
         // SAFETY: the range lies inside `mem`; `T: Copy` is plain data.
         let region = unsafe {
-            let p = (self.mem.as_mut_ptr() as *mut u8).add(start);
+            let p = (self.buf.mem.as_mut_ptr() as *mut u8).add(start);
             std::ptr::copy_nonoverlapping(data.as_ptr() as *const u8, p, n);
             std::slice::from_raw_parts(p, n)
         };
@@ -679,31 +702,29 @@ impl Default for PinnedArena {
 
 /// A pinned host buffer for results copied back from the GPU (pinned
 /// copies run at full PCIe speed; pageable ones at a fraction).
-#[derive(Default)]
 pub struct PinnedDownload {
-    pin: Option<Pinned>,
-    mem: Vec<f32>,
+    buf: PinnedVec<f32>,
+}
+
+impl Default for PinnedDownload {
+    fn default() -> Self {
+        PinnedDownload {
+            buf: PinnedVec::new(),
+        }
+    }
 }
 
 impl PinnedDownload {
     /// Copies `n` f32 from device address `src` once the compute stream has
     /// done everything before it.
     pub fn download_f32(&mut self, gpu: &Gpu, src: u64, n: usize) -> Result<Vec<f32>> {
-        if self.mem.len() < n {
-            gpu.sync()?;
-            self.pin = None;
-            self.mem = vec![0.0; n];
-            // SAFETY: viewing the f32 buffer as bytes.
-            let bytes =
-                unsafe { std::slice::from_raw_parts_mut(self.mem.as_mut_ptr() as *mut u8, 4 * n) };
-            self.pin = Some(Pinned::register(gpu, bytes)?);
-        }
+        self.buf.reserve(gpu, n)?;
         // SAFETY: `mem` holds n f32 and is pinned; the stream is synchronised
         // before it is read.
-        unsafe { result::memcpy_dtoh_async(&mut self.mem[..n], src, gpu.stream.cu_stream()) }
+        unsafe { result::memcpy_dtoh_async(&mut self.buf.mem[..n], src, gpu.stream.cu_stream()) }
             .map_err(|e| gpu_err("copy from GPU", e))?;
         gpu.sync()?;
-        Ok(self.mem[..n].to_vec())
+        Ok(self.buf.mem[..n].to_vec())
     }
 }
 

@@ -184,6 +184,11 @@ impl ExpertCache {
         Ok(true)
     }
 
+    /// Whether every expert is resident (the address table exists).
+    pub fn all_resident(&self) -> bool {
+        self.table.is_some()
+    }
+
     /// Device address of layer `layer`'s row of the address table, once
     /// every expert is resident.
     pub fn table_row(&self, layer: usize) -> Option<u64> {

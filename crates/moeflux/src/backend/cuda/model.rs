@@ -654,14 +654,31 @@ impl CudaModel {
         self.arena.upload(&self.gpu, d_ids, &ids)?;
         self.arena
             .upload(&self.gpu, self.pos.ptr(), &[start as i64])?;
-        let resident = self.cache.as_ref().is_none_or(|c| c.table_row(0).is_some());
+        let resident = self.cache.as_ref().is_none_or(|c| c.all_resident());
         let graphable = self.opts.graphs && n == 1 && resident;
         let rows = match mode {
             LogitsMode::All => 0..n,
             LogitsMode::Last => n - 1..n,
         };
         let m = rows.len();
-        if graphable && self.graph.as_ref().is_some_and(|g| g.epoch == self.epoch) {
+        if graphable && !self.graph_valid() && self.stable_epoch == Some(self.epoch) {
+            begin_capture(&self.gpu)?;
+            let recorded =
+                self.layers_forward(store, k, n, rows.clone(), &mut PhaseTimes::default());
+            let graph = end_capture(&self.gpu, recorded)?;
+            if self.scratch.grew {
+                // Allocated during capture: the layout moved, the graph is
+                // stale; run eagerly.
+                self.scratch.grew = false;
+                self.epoch += 1;
+            } else {
+                self.graph = Some(DecodeGraph {
+                    graph,
+                    epoch: self.epoch,
+                });
+            }
+        }
+        if graphable && self.graph_valid() {
             let g = self.graph.as_ref().expect("checked above");
             g.graph
                 .launch()
@@ -672,22 +689,6 @@ impl CudaModel {
             }
             self.gpu.sync()?;
             lap(&mut clock, &mut times.gpu_graph);
-        } else if graphable && self.stable_epoch == Some(self.epoch) {
-            let mut scratch_times = PhaseTimes::default();
-            begin_capture(&self.gpu)?;
-            let recorded = self.layers_forward(store, k, n, rows.clone(), &mut scratch_times);
-            let graph = end_capture(&self.gpu, recorded)?;
-            if self.scratch.grew {
-                // Allocated during capture: the layout moved; run eagerly
-                // next time.
-                self.scratch.grew = false;
-                self.epoch += 1;
-            }
-            self.graph = Some(DecodeGraph {
-                graph,
-                epoch: self.epoch,
-            });
-            return self.forward_replay_after_capture(m, clock, times);
         } else {
             self.scratch.grew = false;
             let before = self.epoch;
@@ -704,20 +705,9 @@ impl CudaModel {
         self.download_logits(m, clock, times)
     }
 
-    /// The first replay of a just-captured graph.
-    fn forward_replay_after_capture(
-        &mut self,
-        m: usize,
-        mut clock: std::time::Instant,
-        times: &mut PhaseTimes,
-    ) -> Result<Vec<f32>> {
-        let g = self.graph.as_ref().expect("just captured");
-        g.graph
-            .launch()
-            .map_err(|e| Error::Gpu(format!("CUDA graph launch: {e}")))?;
-        self.gpu.sync()?;
-        lap(&mut clock, &mut times.gpu_graph);
-        self.download_logits(m, clock, times)
+    /// Whether the captured decode graph matches the current buffers.
+    fn graph_valid(&self) -> bool {
+        self.graph.as_ref().is_some_and(|g| g.epoch == self.epoch)
     }
 
     fn download_logits(
@@ -1185,6 +1175,9 @@ impl CudaModel {
             )?
         };
         let sfx = kernel_suffix(layout.bits);
+        // Per-slot kernels take one token: rows split across warps.
+        let gate_up_blocks = inter.div_ceil(rows_per_block(h, bits, slot_path)) as u32;
+        let down_blocks = h.div_ceil(rows_per_block(inter, bits, slot_path)) as u32;
         let cache = self
             .cache
             .as_mut()
@@ -1234,22 +1227,14 @@ impl CudaModel {
                 unsafe {
                     self.gpu.launch(
                         &format!("moe_gate_up_{sfx}"),
-                        (
-                            inter.div_ceil(rows_per_block(h, bits, false)) as u32,
-                            n_tasks,
-                            1,
-                        ),
+                        (gate_up_blocks, n_tasks, 1),
                         256,
                         0,
                         &mut args!(d_tasks, layout, d_slots, k_i, xn, act),
                     )?;
                     self.gpu.launch(
                         &format!("moe_down_{sfx}"),
-                        (
-                            h.div_ceil(rows_per_block(inter, bits, false)) as u32,
-                            n_tasks,
-                            1,
-                        ),
+                        (down_blocks, n_tasks, 1),
                         256,
                         0,
                         &mut args!(d_tasks, layout, d_slots, act, slot_out),
@@ -1262,22 +1247,14 @@ impl CudaModel {
             unsafe {
                 self.gpu.launch(
                     &format!("moe_gate_up_slots_{sfx}"),
-                    (
-                        inter.div_ceil(rows_per_block(h, bits, true)) as u32,
-                        slots,
-                        1,
-                    ),
+                    (gate_up_blocks, slots, 1),
                     256,
                     0,
                     &mut args!(d_bases, layout, k_i, xn, act),
                 )?;
                 self.gpu.launch(
                     &format!("moe_down_slots_{sfx}"),
-                    (
-                        h.div_ceil(rows_per_block(inter, bits, true)) as u32,
-                        slots,
-                        1,
-                    ),
+                    (down_blocks, slots, 1),
                     256,
                     0,
                     &mut args!(d_bases, layout, act, slot_out),
