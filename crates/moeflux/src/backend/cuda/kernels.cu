@@ -336,6 +336,154 @@ extern "C" __global__ void __launch_bounds__(256) qmatmul(MultiMatmul mm, const 
 // One token (decode).
 extern "C" __global__ void __launch_bounds__(256, 4) qmatmul1(MultiMatmul mm, const float* x, int n) { PDL_ENTER(); qmatmul_body<1>(mm, x, n); }
 
+// --------------------------------------------------------------------------
+// One-token products with the activations held in registers.
+//
+// A warp reads a matrix in 512-byte chunks, lane l taking bytes 16l..16l+15
+// of each, always at the same columns: rows of at least 512 bytes are cut
+// into 512-byte slices (the slices of a row go to `parts` warps of a block,
+// summed in shared memory); shorter rows (a power of two of bytes) fill a
+// chunk with 512/rb rows. So a lane loads its activations once and reuses
+// them for every row it meets, and it issues the loads of NC chunks before
+// using any (NC * 16 bytes in flight per lane). A chunk lies inside one
+// quantization group (gs * bits >= 128, checked by the host), so it needs
+// one scale and one bias.
+struct QmvGeom {
+    int rb;      // bytes per row
+    int slices;  // 512-byte slices per row (1 for short rows)
+    int rpc;     // rows per chunk (1 for long rows)
+    int lpr;     // lanes per row in a chunk
+    int parts;   // warps sharing a row group (power of two <= min(8, slices))
+};
+
+__device__ __forceinline__ QmvGeom qmv_geom(int cols, int bits) {
+    QmvGeom g;
+    g.rb = cols * bits / 8;
+    if (g.rb >= 512) {
+        g.slices = g.rb / 512;
+        g.rpc = 1;
+        g.lpr = 32;
+        g.parts = g.slices >= 8 ? 8 : g.slices >= 4 ? 4 : g.slices >= 2 ? 2 : 1;
+    } else {
+        g.slices = 1;
+        g.rpc = 512 / g.rb;
+        g.lpr = g.rb / 16;
+        g.parts = 1;
+    }
+    return g;
+}
+
+// A warp's chunks: chunk i < na is row group `rg` of matrix a, chunk i >= na
+// the same rows of matrix b (gate and up of an expert); acc[i] ends up
+// reduced over the lanes of its row (every lane of those lanes holds it)
+// and over the warps of the row group (warp `part` 0 of the group holds it).
+template <int BITS, int NC>
+__device__ __forceinline__ void qmv_chunks(const QW& a, const QW& b, int na, const QmvGeom& G, int rg, int part,
+                                           const float* x, float (&acc)[NC]) {
+    constexpr int EPL = 128 / BITS;  // elements per lane per chunk
+    constexpr int EPW = 32 / BITS;
+    constexpr u32 M = (1u << BITS) - 1u;
+    int lane = threadIdx.x & 31;
+    long wpr = G.rb >> 2;
+    int gpr = a.cols / a.gs;
+    int rsub = G.rb >= 512 ? 0 : (16 * lane) / G.rb;
+#pragma unroll
+    for (int i = 0; i < NC; i++) acc[i] = 0.0f;
+    for (int s = part; s < G.slices; s += G.parts) {
+        int cb = G.rb >= 512 ? s * 512 + 16 * lane : (16 * lane) % G.rb;
+        int c0 = cb * 8 / BITS;
+        int g = c0 / a.gs;
+        uint4 wv[NC];
+        float sc[NC], bi[NC];
+#pragma unroll
+        for (int i = 0; i < NC; i++) {
+            const QW& q = i < na ? a : b;
+            int r = (rg * (i < na ? na : NC - na) + (i < na ? i : i - na)) * G.rpc + rsub;
+            wv[i] = r < q.rows ? __ldg((const uint4*)(q.w + (long)r * wpr) + (cb >> 4)) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int i = 0; i < NC; i++) {
+            const QW& q = i < na ? a : b;
+            int r = (rg * (i < na ? na : NC - na) + (i < na ? i : i - na)) * G.rpc + rsub;
+            long pi = (long)min(r, q.rows - 1) * gpr + g;
+            sc[i] = qparam(q.s, pi, q.sf32);
+            bi[i] = qparam(q.b, pi, q.sf32);
+        }
+        float xv[EPL], xs = 0.0f;
+#pragma unroll
+        for (int e4 = 0; e4 < EPL / 4; e4++) {
+            float4 f = __ldg((const float4*)(x + c0) + e4);
+            xv[4 * e4] = f.x;
+            xv[4 * e4 + 1] = f.y;
+            xv[4 * e4 + 2] = f.z;
+            xv[4 * e4 + 3] = f.w;
+            xs += (f.x + f.y) + (f.z + f.w);
+        }
+#pragma unroll
+        for (int i = 0; i < NC; i++) {
+            float d = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+                u32 word = kk == 0 ? wv[i].x : kk == 1 ? wv[i].y : kk == 2 ? wv[i].z : wv[i].w;
+#pragma unroll
+                for (int e = 0; e < EPW; e++)
+                    d = fmaf(__uint_as_float(0x4B000000u | ((word >> (e * BITS)) & M)) - 8388608.0f,
+                             xv[kk * EPW + e], d);
+            }
+            acc[i] = fmaf(sc[i], d, fmaf(bi[i], xs, acc[i]));
+        }
+    }
+    // Over the lanes of a row: all 32 for long rows, lpr for short ones.
+#pragma unroll
+    for (int i = 0; i < NC; i++)
+        for (int o = G.lpr >> 1; o > 0; o >>= 1) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], o);
+    if (G.parts > 1) {
+        __shared__ float red[8][NC];
+        int w = threadIdx.x >> 5;
+        if (lane == 0)
+#pragma unroll
+            for (int i = 0; i < NC; i++) red[w][i] = acc[i];
+        __syncthreads();
+        if (part == 0)
+#pragma unroll
+            for (int i = 0; i < NC; i++) {
+                float v = 0.0f;
+                for (int c = 0; c < G.parts; c++) v += red[w + c][i];
+                acc[i] = v;
+            }
+    }
+}
+
+template <int BITS, int NC>
+__device__ __forceinline__ void qmv_body(const MultiMatmul& mm, const float* x) {
+    int m = 0;
+    while (m + 1 < mm.count && (int)blockIdx.x >= mm.first_block[m + 1]) m++;
+    const QW& q = mm.q[m];
+    QmvGeom G = qmv_geom(q.cols, q.bits);
+    int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int part = w % G.parts;
+    int rg = (blockIdx.x - mm.first_block[m]) * (8 / G.parts) + w / G.parts;
+    float acc[NC];
+    qmv_chunks<BITS, NC>(q, q, NC, G, rg, part, x, acc);
+    if (part != 0 || lane % G.lpr != 0) return;
+    bool add = (mm.accumulate >> m) & 1;
+    float* out = mm.out[m];
+#pragma unroll
+    for (int i = 0; i < NC; i++) {
+        int r = (rg * NC + i) * G.rpc + lane / G.lpr;
+        if (r < q.rows) out[r] = add ? out[r] + acc[i] : acc[i];
+    }
+}
+
+#ifndef QMV_NC
+#define QMV_NC 8  // chunks per warp: QMV_CHUNKS in model.rs
+#endif
+// One token, every matrix of the group quantized with the same width BITS
+// and fitting the chunk layout (the host checks; else qmatmul1).
+extern "C" __global__ void __launch_bounds__(256) qmv_b4(MultiMatmul mm, const float* x) { PDL_ENTER(); qmv_body<4, QMV_NC>(mm, x); }
+extern "C" __global__ void __launch_bounds__(256) qmv_b8(MultiMatmul mm, const float* x) { PDL_ENTER(); qmv_body<8, QMV_NC>(mm, x); }
+extern "C" __global__ void __launch_bounds__(256) qmv_b2(MultiMatmul mm, const float* x) { PDL_ENTER(); qmv_body<2, QMV_NC>(mm, x); }
+
 // Dense (bf16 or f32) weights: a warp per row, 8 rows per block.
 extern "C" __global__ void dmatmul(const void* w, int f32, int rows, int cols, const float* x, int n,
                                    int accumulate, float* out) { PDL_ENTER();
@@ -855,6 +1003,63 @@ __device__ void moe_down_slots_body(const unsigned long long* bases, ExpertLayou
     reduce_parts<1>(acc, parts);
     if (active && part == 0) store_rows<1>(acc, r0, L.hidden, 1, slot_out + (long)j * L.hidden, 0, nullptr, false);
 }
+
+// The same per-slot products with activations in registers (qmv_chunks):
+// a warp takes NC/2 intermediate rows of gate and the same rows of up.
+template <int BITS>
+__device__ void moe_gate_up_qmv_body(const unsigned long long* bases, ExpertLayout L, int k, const float* x,
+                                     float* act) {
+    int j = blockIdx.y;
+    const char* base = (const char*)bases[j];
+    QW gq = expert_qw(base, L.gate_w, L.gate_s, L.gate_b, L.inter, L.hidden, L);
+    QW uq = expert_qw(base, L.up_w, L.up_s, L.up_b, L.inter, L.hidden, L);
+    QmvGeom G = qmv_geom(L.hidden, BITS);
+    int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int part = w % G.parts;
+    int rg = blockIdx.x * (8 / G.parts) + w / G.parts;
+    float acc[QMV_NC];
+    qmv_chunks<BITS, QMV_NC>(gq, uq, QMV_NC / 2, G, rg, part, x + (long)(j / k) * L.hidden, acc);
+    if (part != 0 || lane % G.lpr != 0) return;
+#pragma unroll
+    for (int i = 0; i < QMV_NC / 2; i++) {
+        int r = (rg * (QMV_NC / 2) + i) * G.rpc + lane / G.lpr;
+        if (r < L.inter) act[(long)j * L.inter + r] = siluf_(acc[i]) * acc[i + QMV_NC / 2];
+    }
+}
+
+template <int BITS>
+__device__ void moe_down_qmv_body(const unsigned long long* bases, ExpertLayout L, const float* act,
+                                  float* slot_out) {
+    int j = blockIdx.y;
+    QW dq = expert_qw((const char*)bases[j], L.down_w, L.down_s, L.down_b, L.hidden, L.inter, L);
+    QmvGeom G = qmv_geom(L.inter, BITS);
+    int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int part = w % G.parts;
+    int rg = blockIdx.x * (8 / G.parts) + w / G.parts;
+    float acc[QMV_NC];
+    qmv_chunks<BITS, QMV_NC>(dq, dq, QMV_NC, G, rg, part, act + (long)j * L.inter, acc);
+    if (part != 0 || lane % G.lpr != 0) return;
+#pragma unroll
+    for (int i = 0; i < QMV_NC; i++) {
+        int r = (rg * QMV_NC + i) * G.rpc + lane / G.lpr;
+        if (r < L.hidden) slot_out[(long)j * L.hidden + r] = acc[i];
+    }
+}
+
+#define QMV_SLOT_KERNELS(B)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) moe_gate_up_qmv_b##B(                                \
+        const unsigned long long* bs, ExpertLayout L, int k, const float* x, float* a) {                   \
+        PDL_ENTER();                                                                                        \
+        moe_gate_up_qmv_body<B>(bs, L, k, x, a);                                                            \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256) moe_down_qmv_b##B(                                   \
+        const unsigned long long* bs, ExpertLayout L, const float* a, float* y) {                          \
+        PDL_ENTER();                                                                                        \
+        moe_down_qmv_body<B>(bs, L, a, y);                                                                  \
+    }
+QMV_SLOT_KERNELS(4)
+QMV_SLOT_KERNELS(8)
+QMV_SLOT_KERNELS(2)
 
 #define SLOT_KERNELS(B, SFX)                                                                          \
     extern "C" __global__ void moe_gate_up_slots_##SFX(const unsigned long long* bs, ExpertLayout L,  \

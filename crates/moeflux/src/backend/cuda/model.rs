@@ -254,6 +254,52 @@ fn rows_per_block(cols: usize, bits: usize, one_token: bool) -> usize {
     4 * 8 / split
 }
 
+/// Chunks of a warp in the activation-stationary one-token kernels
+/// (`QMV_NC` in kernels.cu).
+const QMV_CHUNKS: usize = 8;
+
+/// Output rows per block of the activation-stationary one-token kernels
+/// (`qmv_geom` in kernels.cu) for rows of `cols` codes of `bits` bits and
+/// `chunks` chunks per warp, or `None` when the matrix does not fit their
+/// layout: 2/4/8-bit codes, a 16-byte lane chunk inside one quantization
+/// group, rows of a multiple of 512 bytes or a power of two of bytes below.
+fn qmv_rows_per_block(cols: usize, bits: usize, gs: usize, chunks: usize) -> Option<usize> {
+    if !matches!(bits, 2 | 4 | 8) || gs % (128 / bits) != 0 || (cols * bits) % 8 != 0 {
+        return None;
+    }
+    let rb = cols * bits / 8;
+    if rb >= 512 {
+        if rb % 512 != 0 {
+            return None;
+        }
+        let parts = (rb / 512).min(8);
+        let parts = 1 << parts.ilog2();
+        Some(8 / parts * chunks)
+    } else if rb >= 16 && rb.is_power_of_two() {
+        Some(8 * chunks * (512 / rb))
+    } else {
+        None
+    }
+}
+
+/// The activation-stationary one-token product kernel for `bits`.
+fn qmv_kernel(bits: i32) -> &'static str {
+    match bits {
+        4 => "qmv_b4",
+        8 => "qmv_b8",
+        _ => "qmv_b2",
+    }
+}
+
+/// Rows per block of [`qmv_kernel`] for `q`, when it fits (see
+/// [`qmv_rows_per_block`]; the codes must also be 16-byte aligned).
+fn qmv_fit(q: &Qw) -> Option<usize> {
+    if q.w % 16 != 0 {
+        return None;
+    }
+    qmv_rows_per_block(q.cols as usize, q.bits as usize, q.gs as usize, QMV_CHUNKS)
+}
+
 /// A matrix product of a [`CudaModel::matmuls`] group: `out (+)= x W^T`.
 #[derive(Clone, Copy)]
 struct Mm {
@@ -817,14 +863,25 @@ impl CudaModel {
     fn matmuls(&self, ops: &[Mm], x: u64, n: usize) -> Result<()> {
         let nn = n as i32;
         let ty = n.div_ceil(4).min(64) as u32;
-        let quant: Vec<(Qw, &Mm)> = ops
-            .iter()
-            .filter_map(|o| match o.w {
-                DevLinear::Quant(q) => Some((q, o)),
-                DevLinear::Dense { .. } => None,
-            })
-            .collect();
-        for group in quant.chunks(4) {
+        // One token: matrices that fit the activation-stationary kernels go
+        // to them, grouped by code width; the rest to the general kernels.
+        let mut groups: Vec<(Option<i32>, Vec<(Qw, &Mm, usize)>)> = Vec::new();
+        for o in ops {
+            let DevLinear::Quant(q) = o.w else { continue };
+            let fit = if n == 1 { qmv_fit(&q) } else { None };
+            let (key, rpb) = match fit {
+                Some(rpb) => (Some(q.bits), rpb),
+                None => (
+                    None,
+                    rows_per_block(q.cols as usize, q.bits as usize, n == 1),
+                ),
+            };
+            match groups.iter_mut().find(|g| g.0 == key && g.1.len() < 4) {
+                Some(g) => g.1.push((q, o, rpb)),
+                None => groups.push((key, vec![(q, o, rpb)])),
+            }
+        }
+        for (key, group) in &groups {
             let mut p = MultiMatmul {
                 q: [group[0].0; 4],
                 out: [0; 4],
@@ -833,24 +890,36 @@ impl CudaModel {
                 accumulate: 0,
             };
             let mut blocks = 0i32;
-            for (j, (q, o)) in group.iter().enumerate() {
+            for (j, (q, o, rpb)) in group.iter().enumerate() {
                 p.q[j] = *q;
                 p.out[j] = o.out;
                 p.first_block[j] = blocks;
                 p.accumulate |= (o.accumulate as i32) << j;
-                blocks += (q.rows as usize).div_ceil(rows_per_block(
-                    q.cols as usize,
-                    q.bits as usize,
-                    n == 1,
-                )) as i32;
+                blocks += (q.rows as usize).div_ceil(*rpb) as i32;
             }
             for j in group.len()..5 {
                 p.first_block[j] = blocks;
             }
-            let kernel = if n == 1 { "qmatmul1" } else { "qmatmul" };
             unsafe {
-                self.gpu
-                    .launch(kernel, (blocks as u32, ty, 1), 256, 0, &mut args!(p, x, nn))?
+                match key {
+                    Some(bits) => self.gpu.launch(
+                        qmv_kernel(*bits),
+                        (blocks as u32, 1, 1),
+                        256,
+                        0,
+                        &mut args!(p, x),
+                    )?,
+                    None => {
+                        let kernel = if n == 1 { "qmatmul1" } else { "qmatmul" };
+                        self.gpu.launch(
+                            kernel,
+                            (blocks as u32, ty, 1),
+                            256,
+                            0,
+                            &mut args!(p, x, nn),
+                        )?
+                    }
+                }
             };
         }
         for o in ops {
@@ -1175,9 +1244,16 @@ impl CudaModel {
             )?
         };
         let sfx = kernel_suffix(layout.bits);
-        // Per-slot kernels take one token: rows split across warps.
-        let gate_up_blocks = inter.div_ceil(rows_per_block(h, bits, slot_path)) as u32;
-        let down_blocks = h.div_ceil(rows_per_block(inter, bits, slot_path)) as u32;
+        // Per-slot kernels take one token: rows split across warps, or the
+        // activation-stationary kernels when the layout fits them.
+        let qmv = slot_path.then(|| qmv_slot_grids(&layout)).flatten();
+        let (gate_up_blocks, down_blocks) = match qmv {
+            Some(grids) => grids,
+            None => (
+                inter.div_ceil(rows_per_block(h, bits, slot_path)) as u32,
+                h.div_ceil(rows_per_block(inter, bits, slot_path)) as u32,
+            ),
+        };
         let cache = self
             .cache
             .as_mut()
@@ -1244,16 +1320,23 @@ impl CudaModel {
         }
         if slot_path {
             let slots = (n * k) as u32;
+            let (gate_up, down) = match qmv {
+                Some(_) => qmv_slot_kernels(layout.bits),
+                None => (
+                    format!("moe_gate_up_slots_{sfx}"),
+                    format!("moe_down_slots_{sfx}"),
+                ),
+            };
             unsafe {
                 self.gpu.launch(
-                    &format!("moe_gate_up_slots_{sfx}"),
+                    &gate_up,
                     (gate_up_blocks, slots, 1),
                     256,
                     0,
                     &mut args!(d_bases, layout, k_i, xn, act),
                 )?;
                 self.gpu.launch(
-                    &format!("moe_down_slots_{sfx}"),
+                    &down,
                     (down_blocks, slots, 1),
                     256,
                     0,
@@ -1333,6 +1416,30 @@ fn dev_linear(base: u64, l: &LinearRef) -> DevLinear {
     }
 }
 
+/// Blocks of the activation-stationary per-slot kernels (gate/up, down)
+/// when the experts' layout fits them (every piece 16-byte aligned; the
+/// cache's slots are).
+fn qmv_slot_grids(l: &ExpertLayoutC) -> Option<(u32, u32)> {
+    let offsets = [l.gate_w, l.up_w, l.down_w];
+    if offsets.iter().any(|o| o % 16 != 0) {
+        return None;
+    }
+    let (h, inter) = (l.hidden as usize, l.inter as usize);
+    let (bits, gs) = (l.bits as usize, l.gs as usize);
+    let gate_up = qmv_rows_per_block(h, bits, gs, QMV_CHUNKS / 2)?;
+    let down = qmv_rows_per_block(inter, bits, gs, QMV_CHUNKS)?;
+    Some((inter.div_ceil(gate_up) as u32, h.div_ceil(down) as u32))
+}
+
+fn qmv_slot_kernels(bits: i32) -> (String, String) {
+    let b = match bits {
+        4 => "b4",
+        8 => "b8",
+        _ => "b2",
+    };
+    (format!("moe_gate_up_qmv_{b}"), format!("moe_down_qmv_{b}"))
+}
+
 fn expert_layout(m: &MoeBlock) -> Result<ExpertLayoutC> {
     let x = &m.experts;
     let same =
@@ -1364,4 +1471,28 @@ fn expert_layout(m: &MoeBlock) -> Result<ExpertLayoutC> {
 /// Architectures the GPU backend runs.
 pub fn supports(arch: Architecture) -> bool {
     matches!(arch, Architecture::Qwen3_5Moe | Architecture::Qwen3Next)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::qmv_rows_per_block;
+
+    #[test]
+    fn qmv_geometry_matches_the_kernel_layout() {
+        // Long rows: 512-byte slices shared by up to 8 warps of a block.
+        assert_eq!(qmv_rows_per_block(2048, 4, 64, 8), Some(32)); // 2 slices
+        assert_eq!(qmv_rows_per_block(4096, 4, 64, 8), Some(16)); // 4 slices
+        assert_eq!(qmv_rows_per_block(8192, 8, 64, 8), Some(8)); // 16 slices
+        assert_eq!(qmv_rows_per_block(3072, 4, 64, 8), Some(32)); // 3 slices: 2 warps
+        assert_eq!(qmv_rows_per_block(1024, 4, 64, 8), Some(64)); // one slice
+                                                                  // Short rows: 512 / row bytes rows per chunk.
+        assert_eq!(qmv_rows_per_block(512, 4, 64, 8), Some(128));
+        assert_eq!(qmv_rows_per_block(64, 4, 64, 4), Some(32 * 16));
+        // Not the layout: odd row bytes, a chunk across groups, other widths.
+        assert_eq!(qmv_rows_per_block(2560, 4, 64, 8), None); // 1280 bytes
+        assert_eq!(qmv_rows_per_block(768, 4, 64, 8), None); // 384 bytes
+        assert_eq!(qmv_rows_per_block(2048, 2, 32, 8), None); // 64 codes > gs
+        assert_eq!(qmv_rows_per_block(2048, 3, 64, 8), None);
+        assert_eq!(qmv_rows_per_block(16, 4, 16, 8), None); // 8-byte rows
+    }
 }

@@ -1,0 +1,169 @@
+// Kernel micro-benchmark for the one-token (decode) products: the kernels of
+// moeflux's kernels.cu on synthetic weights of real model widths, each
+// timed as a CUDA graph of back-to-back launches over rotating weight
+// copies (so the reads come from device memory, not L2), and checked
+// against each other. Built and run on the GPU machine by run.sh here.
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+#include <random>
+#include <string>
+#include <algorithm>
+#include <cuda_runtime.h>
+
+#include "../../../crates/moeflux/src/backend/cuda/kernels.cu"
+
+#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); exit(1); } } while (0)
+
+static std::mt19937_64 rng(12345);
+
+static void* dev_random(size_t bytes) {
+    std::vector<unsigned char> h(bytes);
+    for (size_t i = 0; i < bytes; i += 8) { unsigned long long v = rng(); memcpy(&h[i], &v, std::min<size_t>(8, bytes - i)); }
+    void* d; CK(cudaMalloc(&d, bytes)); CK(cudaMemcpy(d, h.data(), bytes, cudaMemcpyHostToDevice));
+    return d;
+}
+static u16 to_bf16(float f) { u32 u; memcpy(&u, &f, 4); return (u16)(u >> 16); }
+static void* dev_params(size_t n, float lo, float hi) {
+    std::uniform_real_distribution<float> d(lo, hi);
+    std::vector<u16> h(n); for (auto& v : h) v = to_bf16(d(rng));
+    void* p; CK(cudaMalloc(&p, n * 2)); CK(cudaMemcpy(p, h.data(), n * 2, cudaMemcpyHostToDevice));
+    return p;
+}
+static float* dev_floats(size_t n, float lo, float hi) {
+    std::uniform_real_distribution<float> d(lo, hi);
+    std::vector<float> h(n); for (auto& v : h) v = d(rng);
+    float* p; CK(cudaMalloc(&p, n * 4)); CK(cudaMemcpy(p, h.data(), n * 4, cudaMemcpyHostToDevice));
+    return p;
+}
+static QW make_qw(int rows, int cols, int bits, int gs) {
+    QW q; size_t wb = (size_t)rows * cols * bits / 8; size_t np = (size_t)rows * (cols / gs);
+    q.w = (const u32*)dev_random(wb); q.s = dev_params(np, 0.005f, 0.02f); q.b = dev_params(np, -0.1f, -0.02f);
+    q.rows = rows; q.cols = cols; q.bits = bits; q.gs = gs; q.sf32 = 0; return q;
+}
+static size_t qw_bytes(const QW& q) { return (size_t)q.rows * q.cols * q.bits / 8 + (size_t)q.rows * (q.cols / q.gs) * 4; }
+
+// Host mirror of the kernels' geometries.
+static int old_rows_per_block(int cols, int bits) {
+    int units = cols * bits / 128; int split = units >= 256 ? 8 : units >= 128 ? 4 : units >= 64 ? 2 : 1; return 32 / split;
+}
+static int qmv_rows_per_block(int cols, int bits, int nc) {
+    int rb = cols * bits / 8;
+    if (rb >= 512) { int sl = rb / 512; int parts = sl >= 8 ? 8 : sl >= 4 ? 4 : sl >= 2 ? 2 : 1; return (8 / parts) * nc; }
+    return 8 * nc * (512 / rb);
+}
+
+template <class F>
+static double time_graph(F launch_i, int n) {
+    cudaStream_t s; CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    launch_i(s, 0); CK(cudaStreamSynchronize(s)); CK(cudaGetLastError());
+    cudaGraph_t g; cudaGraphExec_t ge;
+    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    for (int i = 0; i < n; i++) launch_i(s, i);
+    CK(cudaStreamEndCapture(s, &g)); CK(cudaGraphInstantiate(&ge, g, 0));
+    cudaEvent_t a, b; CK(cudaEventCreate(&a)); CK(cudaEventCreate(&b));
+    double best = 1e30;
+    for (int r = 0; r < 7; r++) {
+        CK(cudaEventRecord(a, s)); CK(cudaGraphLaunch(ge, s)); CK(cudaEventRecord(b, s)); CK(cudaEventSynchronize(b));
+        float ms; CK(cudaEventElapsedTime(&ms, a, b)); best = std::min(best, (double)ms);
+    }
+    CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g)); CK(cudaStreamDestroy(s));
+    return best * 1e3 / n;  // us per launch
+}
+
+static void compare(const char* what, const float* da, const float* db, size_t n) {
+    std::vector<float> a(n), b(n);
+    CK(cudaMemcpy(a.data(), da, n * 4, cudaMemcpyDeviceToHost)); CK(cudaMemcpy(b.data(), db, n * 4, cudaMemcpyDeviceToHost));
+    double md = 0, mx = 0; for (size_t i = 0; i < n; i++) { md = std::max(md, (double)fabsf(a[i] - b[i])); mx = std::max(mx, (double)fabsf(a[i])); }
+    printf("    check %-10s max|diff| %.3g  max|ref| %.3g  rel %.2e %s\n", what, md, mx, md / std::max(mx, 1e-30), md <= 1e-4 * mx ? "ok" : "MISMATCH");
+}
+
+static MultiMatmul one(const QW& q, float* out, int blocks) {
+    MultiMatmul mm; memset(&mm, 0, sizeof mm); mm.q[0] = q; mm.out[0] = out; mm.count = 1; mm.accumulate = 0;
+    mm.first_block[0] = 0; for (int j = 1; j < 5; j++) mm.first_block[j] = blocks; return mm;
+}
+
+static void bench_product(const char* name, int rows, int cols, int bits, int gs) {
+    QW probe = make_qw(rows, cols, bits, gs);
+    size_t bytes = qw_bytes(probe);
+    int copies = (int)std::max<size_t>(1, std::min<size_t>(16, (size_t)256e6 / bytes + 1));
+    std::vector<QW> qs{probe}; for (int c = 1; c < copies; c++) qs.push_back(make_qw(rows, cols, bits, gs));
+    float* x = dev_floats(cols, -1, 1); float *o1, *o2; CK(cudaMalloc(&o1, rows * 4)); CK(cudaMalloc(&o2, rows * 4));
+    int b_old = (rows + old_rows_per_block(cols, bits) - 1) / old_rows_per_block(cols, bits);
+    int b_new = (rows + qmv_rows_per_block(cols, bits, QMV_NC) - 1) / qmv_rows_per_block(cols, bits, QMV_NC);
+    int n = rows > 100000 ? 20 : 200;
+    double t_old = time_graph([&](cudaStream_t s, int i) { qmatmul1<<<dim3(b_old, 1), 256, 0, s>>>(one(qs[i % copies], o1, b_old), x, 1); }, n);
+    double t_new = time_graph([&](cudaStream_t s, int i) { qmv_b4<<<dim3(b_new), 256, 0, s>>>(one(qs[i % copies], o2, b_new), x); }, n);
+    qmatmul1<<<dim3(b_old, 1), 256>>>(one(qs[0], o1, b_old), x, 1); qmv_b4<<<b_new, 256>>>(one(qs[0], o2, b_new), x); CK(cudaDeviceSynchronize());
+    printf("%-28s %7.1f MB | qmatmul1 %8.2f us %6.0f GB/s (%d blocks) | qmv %8.2f us %6.0f GB/s (%d blocks)\n", name, bytes / 1e6,
+           t_old, bytes / t_old / 1e3, b_old, t_new, bytes / t_new / 1e3, b_new);
+    compare("qmv", o1, o2, rows);
+}
+
+// Experts of one layer in one buffer (MLX layout per expert: gate, up, down;
+// each weights, scales, biases), `k` random distinct experts per token.
+static void bench_slots(const char* name, int n_exp, int k, int hidden, int inter, int bits, int gs) {
+    ExpertLayout L; long off = 0;
+    auto seg = [&](long n) { long o = off; off += (n + 255) / 256 * 256; return o; };
+    L.gate_w = seg((long)inter * hidden * bits / 8); L.gate_s = seg((long)inter * (hidden / gs) * 2); L.gate_b = seg((long)inter * (hidden / gs) * 2);
+    L.up_w = seg((long)inter * hidden * bits / 8); L.up_s = seg((long)inter * (hidden / gs) * 2); L.up_b = seg((long)inter * (hidden / gs) * 2);
+    L.down_w = seg((long)hidden * inter * bits / 8); L.down_s = seg((long)hidden * (inter / gs) * 2); L.down_b = seg((long)hidden * (inter / gs) * 2);
+    L.inter = inter; L.hidden = hidden; L.bits = bits; L.gs = gs; L.sf32 = 0;
+    long ext = off;
+    // Random codes; scales/biases bf16 in a sane range (fill whole extents,
+    // then overwrite the parameter segments).
+    char* all = (char*)dev_random((size_t)ext * n_exp);
+    {
+        std::uniform_real_distribution<float> ds(0.005f, 0.02f), db(-0.1f, -0.02f);
+        std::vector<u16> hs(inter * (hidden / gs)), hd(hidden * (inter / gs));
+        for (int e = 0; e < n_exp; e++) {
+            for (auto& v : hs) v = to_bf16(ds(rng)); CK(cudaMemcpy(all + e * ext + L.gate_s, hs.data(), hs.size() * 2, cudaMemcpyHostToDevice)); CK(cudaMemcpy(all + e * ext + L.up_s, hs.data(), hs.size() * 2, cudaMemcpyHostToDevice));
+            for (auto& v : hs) v = to_bf16(db(rng)); CK(cudaMemcpy(all + e * ext + L.gate_b, hs.data(), hs.size() * 2, cudaMemcpyHostToDevice)); CK(cudaMemcpy(all + e * ext + L.up_b, hs.data(), hs.size() * 2, cudaMemcpyHostToDevice));
+            for (auto& v : hd) v = to_bf16(ds(rng)); CK(cudaMemcpy(all + e * ext + L.down_s, hd.data(), hd.size() * 2, cudaMemcpyHostToDevice));
+            for (auto& v : hd) v = to_bf16(db(rng)); CK(cudaMemcpy(all + e * ext + L.down_b, hd.data(), hd.size() * 2, cudaMemcpyHostToDevice));
+        }
+    }
+    const int T = 64;
+    std::vector<unsigned long long> hb(T * k);
+    for (int t = 0; t < T; t++) {
+        std::vector<int> ids(n_exp); for (int e = 0; e < n_exp; e++) ids[e] = e; std::shuffle(ids.begin(), ids.end(), rng);
+        for (int j = 0; j < k; j++) hb[t * k + j] = (unsigned long long)(all + (long)ids[j] * ext);
+    }
+    unsigned long long* bases; CK(cudaMalloc(&bases, hb.size() * 8)); CK(cudaMemcpy(bases, hb.data(), hb.size() * 8, cudaMemcpyHostToDevice));
+    float* x = dev_floats(hidden, -1, 1);
+    float *a1, *a2, *y1, *y2; CK(cudaMalloc(&a1, k * inter * 4)); CK(cudaMalloc(&a2, k * inter * 4)); CK(cudaMalloc(&y1, k * hidden * 4)); CK(cudaMalloc(&y2, k * hidden * 4));
+    size_t gu_bytes = (size_t)k * 2 * ((size_t)inter * hidden * bits / 8 + (size_t)inter * (hidden / gs) * 4);
+    size_t dn_bytes = (size_t)k * ((size_t)hidden * inter * bits / 8 + (size_t)hidden * (inter / gs) * 4);
+    int gu_old = (inter + old_rows_per_block(hidden, bits) - 1) / old_rows_per_block(hidden, bits);
+    int dn_old = (hidden + old_rows_per_block(inter, bits) - 1) / old_rows_per_block(inter, bits);
+    int gu_new = (inter + qmv_rows_per_block(hidden, bits, QMV_NC / 2) - 1) / qmv_rows_per_block(hidden, bits, QMV_NC / 2);
+    int dn_new = (hidden + qmv_rows_per_block(inter, bits, QMV_NC) - 1) / qmv_rows_per_block(inter, bits, QMV_NC);
+    int n = 200;
+    double g_old = time_graph([&](cudaStream_t s, int i) { moe_gate_up_slots_b4<<<dim3(gu_old, k), 256, 0, s>>>(bases + (i % T) * k, L, k, x, a1); }, n);
+    double g_new = time_graph([&](cudaStream_t s, int i) { moe_gate_up_qmv_b4<<<dim3(gu_new, k), 256, 0, s>>>(bases + (i % T) * k, L, k, x, a2); }, n);
+    double d_old = time_graph([&](cudaStream_t s, int i) { moe_down_slots_b4<<<dim3(dn_old, k), 256, 0, s>>>(bases + (i % T) * k, L, a1, y1); }, n);
+    double d_new = time_graph([&](cudaStream_t s, int i) { moe_down_qmv_b4<<<dim3(dn_new, k), 256, 0, s>>>(bases + (i % T) * k, L, a1, y2); }, n);
+    moe_gate_up_slots_b4<<<dim3(gu_old, k), 256>>>(bases, L, k, x, a1); moe_gate_up_qmv_b4<<<dim3(gu_new, k), 256>>>(bases, L, k, x, a2);
+    moe_down_slots_b4<<<dim3(dn_old, k), 256>>>(bases, L, a1, y1); moe_down_qmv_b4<<<dim3(dn_new, k), 256>>>(bases, L, a1, y2);
+    CK(cudaDeviceSynchronize());
+    printf("%-28s gate/up %6.1f MB | old %7.2f us %6.0f GB/s (%dx%d) | qmv %7.2f us %6.0f GB/s (%dx%d)\n", name, gu_bytes / 1e6, g_old, gu_bytes / g_old / 1e3, gu_old, k, g_new, gu_bytes / g_new / 1e3, gu_new, k);
+    compare("gate/up", a1, a2, (size_t)k * inter);
+    printf("%-28s down    %6.1f MB | old %7.2f us %6.0f GB/s (%dx%d) | qmv %7.2f us %6.0f GB/s (%dx%d)\n", name, dn_bytes / 1e6, d_old, dn_bytes / d_old / 1e3, dn_old, k, d_new, dn_bytes / d_new / 1e3, dn_new, k);
+    compare("down", y1, y2, (size_t)k * hidden);
+}
+
+int main() {
+    cudaDeviceProp p; CK(cudaGetDeviceProperties(&p, 0));
+    printf("%s, %d SMs, L2 %d MB, QMV_NC %d\n", p.name, p.multiProcessorCount, p.l2CacheSize >> 20, QMV_NC);
+    bench_product("A3B deltanet in (12288x2048)", 12288, 2048, 4, 64);
+    bench_product("A3B out proj (2048x4096)", 2048, 4096, 4, 64);
+    bench_product("A3B shared gate (512x2048)", 512, 2048, 4, 64);
+    bench_product("A3B shared down (2048x512)", 2048, 512, 4, 64);
+    bench_product("A3B router (256x2048)", 256, 2048, 4, 64);
+    bench_product("397B deltanet in (16384x4096)", 16384, 4096, 4, 64);
+    bench_product("A3B LM head (248320x2048)", 248320, 2048, 4, 64);
+    bench_slots("A3B experts (256, top-8)", 256, 8, 2048, 512, 4, 64);
+    bench_slots("397B experts (512, top-10)", 256, 10, 4096, 1024, 4, 64);
+    return 0;
+}
