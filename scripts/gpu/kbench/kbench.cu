@@ -153,9 +153,39 @@ static void bench_slots(const char* name, int n_exp, int k, int hidden, int inte
     compare("down", y1, y2, (size_t)k * hidden);
 }
 
+extern "C" __global__ void null_kernel(int* p) { PDL_ENTER(); if (p) *p = 1; }
+
+// Launches with programmatic dependent launch (as moeflux does on sm_90).
+template <class... A>
+static void launch_pdl(void (*k)(A...), dim3 grid, int block, cudaStream_t s, A... args) {
+    cudaLaunchConfig_t c = {};
+    c.gridDim = grid; c.blockDim = dim3(block); c.stream = s;
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization; at[0].val.programmaticStreamSerializationAllowed = 1;
+    c.attrs = at; c.numAttrs = 1;
+    CK(cudaLaunchKernelEx(&c, k, args...));
+}
+
+// Per-launch floor of a graph of dependent launches, with and without PDL,
+// and a small product both ways.
+static void bench_floor() {
+    int* sink; CK(cudaMalloc(&sink, 4));
+    double plain = time_graph([&](cudaStream_t s, int) { null_kernel<<<1, 32, 0, s>>>(nullptr); }, 500);
+    double pdl = time_graph([&](cudaStream_t s, int) { launch_pdl(null_kernel, dim3(1), 32, s, (int*)nullptr); }, 500);
+    double wide = time_graph([&](cudaStream_t s, int) { launch_pdl(null_kernel, dim3(264), 256, s, (int*)nullptr); }, 500);
+    printf("floor: empty kernel %.2f us plain, %.2f us PDL, %.2f us PDL 264x256\n", plain, pdl, wide);
+    QW q = make_qw(1280, 2048, 4, 64); float* x = dev_floats(2048, -1, 1); float* o; CK(cudaMalloc(&o, 1280 * 4));
+    int b = (1280 + qmv_rows_per_block(2048, 4, QMV_NC) - 1) / qmv_rows_per_block(2048, 4, QMV_NC);
+    MultiMatmul mm = one(q, o, b);
+    double p1 = time_graph([&](cudaStream_t s, int) { qmv_b4<<<b, 256, 0, s>>>(mm, x); }, 500);
+    double p2 = time_graph([&](cudaStream_t s, int) { launch_pdl(qmv_b4, dim3(b), 256, s, mm, (const float*)x); }, 500);
+    printf("floor: qmv 1280x2048 (1.3 MB, L2-resident) %.2f us plain, %.2f us PDL\n", p1, p2);
+}
+
 int main() {
     cudaDeviceProp p; CK(cudaGetDeviceProperties(&p, 0));
     printf("%s, %d SMs, L2 %d MB, QMV_NC %d\n", p.name, p.multiProcessorCount, p.l2CacheSize >> 20, QMV_NC);
+    bench_floor();
     bench_product("A3B deltanet in (12288x2048)", 12288, 2048, 4, 64);
     bench_product("A3B out proj (2048x4096)", 2048, 4096, 4, 64);
     bench_product("A3B shared gate (512x2048)", 512, 2048, 4, 64);
