@@ -986,3 +986,12 @@ fn large_synthetic_mlx_checkpoint() {
         eprintln!("kept {}", t.keep().display());
     }
 }
+
+/// HF FP8 e4m3 with 128x128 block scales (`weight_scale_inv`), unsplit
+/// `kv_b_proj`, per-expert tensors and an MTP layer: bit-identical to what
+/// the real `mlx_lm.convert` made of the same files (its sanitize decodes
+/// the blocks to bf16 and splits kv_b_proj; then both quantize to 4 bits).
+#[test]
+fn hf_deepseek_v3_fp8_equals_mlx_convert() {
+    check_hf_equals_mlx("deepseekv3-fp8");
+}
