@@ -27,7 +27,8 @@ Fixtures:
   input scaling is not 1), norm_topk_prob false, 4-bit g64.
 * deepseekv3-fp8/: Hugging Face layout in FP8 e4m3 with 128x128 block scales
   (`weight_scale_inv`), unsplit `kv_b_proj`, per-expert tensors, an MTP layer to drop;
-  expected_mlx/ is the real `mlx_lm.convert -q` output, and the golden is for it.
+  expected_mlx/ is the real `mlx_lm.convert -q` output, and the golden is for it;
+  e4m3_table.npy is mlx's float32 decode of all 256 e4m3 codes.
 """
 import argparse
 import copy
@@ -204,6 +205,13 @@ def fp8_encode(w: np.ndarray):
     return codes, scale
 
 
+def write_e4m3_table(path: Path):
+    """mlx's decode of every e4m3 code (mx.from_fp8, float32) as a [256] .npy: the
+    reference the engine's FP8 decoder is tested against."""
+    codes = mx.array(np.arange(256, dtype=np.uint8))
+    np.save(path, np.array(mx.from_fp8(codes, dtype=F32)).astype(np.float32))
+
+
 def write_safetensors(path: Path, tensors):
     """tensors: name -> (dtype string, shape, bytes). Writes F8_E4M3, which mx cannot."""
     header, off = {"__metadata__": {"format": "pt"}}, 0
@@ -254,6 +262,7 @@ def build_fp8_fixture(fixdir: Path, config, seed, tok_json):
         {"bos_token_id": 0, "eos_token_id": 2, "do_sample": False}, indent=2) + "\n")
     mf.write_tokenizer(src, tok_json)
     print(f"  fp8: {n_fp8} e4m3 tensors with 128x128 block scales")
+    write_e4m3_table(fixdir / "e4m3_table.npy")
     # mlx_lm.convert dequantizes the e4m3 blocks in sanitize(); check it quantized the result.
     cmd = mf.run_convert(src, exp)
     got = json.loads((exp / "config.json").read_text())

@@ -995,3 +995,22 @@ fn large_synthetic_mlx_checkpoint() {
 fn hf_deepseek_v3_fp8_equals_mlx_convert() {
     check_hf_equals_mlx("deepseekv3-fp8");
 }
+
+/// The FP8 decoder against mlx's `mx.from_fp8` for all 256 e4m3 codes
+/// (`deepseekv3-fp8/e4m3_table.npy`, written by make_deepseek_fixtures.py).
+#[test]
+fn e4m3_decode_matches_mlx_for_every_code() {
+    let bytes = std::fs::read(fixture("deepseekv3-fp8").join("e4m3_table.npy")).unwrap();
+    let table: Vec<f32> = npyz::NpyFile::new(&bytes[..])
+        .unwrap()
+        .into_vec()
+        .unwrap();
+    assert_eq!(table.len(), 256);
+    for (code, &want) in table.iter().enumerate() {
+        let got = moeflux::convert::fp8::e4m3_to_f32(code as u8);
+        assert!(
+            got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+            "code {code:#04x}: {got} vs mlx {want}"
+        );
+    }
+}

@@ -266,3 +266,109 @@ fn parse_rope(f: &Fields, rotary_dim: usize) -> Result<RopeConfig> {
     }
     Ok(rope)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::*;
+    use serde_json::json;
+
+    fn parse(v: Value) -> Result<ModelConfig> {
+        ModelConfig::from_json(&v, std::path::Path::new("config.json"))
+    }
+
+    /// DeepSeek-V3's own config.json (the fields mlx-lm reads).
+    fn v3() -> Value {
+        json!({
+            "model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61,
+            "num_attention_heads": 128, "num_key_value_heads": 128, "vocab_size": 129280,
+            "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 256,
+            "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+            "moe_layer_freq": 1, "q_lora_rank": 1536, "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+            "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+            "scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": true,
+            "rope_theta": 10000, "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+            "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+            "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                    "weight_block_size": [128, 128]},
+            "eos_token_id": 1
+        })
+    }
+
+    #[test]
+    fn deepseek_v3_shape() {
+        let c = parse(v3()).unwrap();
+        assert_eq!(c.arch, Architecture::DeepseekV3);
+        let m = c.mla.unwrap();
+        assert_eq!((m.q_lora_rank, m.kv_lora_rank, m.cache_row()), (Some(1536), 512, 576));
+        assert_eq!(c.head_dim, 192);
+        assert!(c.layer_kinds.iter().all(|k| *k == LayerKind::Mla));
+        assert_eq!(c.mlp_kinds[..4], [MlpKind::Dense, MlpKind::Dense, MlpKind::Dense, MlpKind::Moe]);
+        assert_eq!(c.moe.shared_intermediate, 2048);
+        assert_eq!(
+            c.moe.router,
+            RouterKind::NoauxTc {
+                n_group: 8,
+                topk_group: 4,
+                routed_scaling_factor: 2.5
+            }
+        );
+        let y = c.rope.yarn.unwrap();
+        assert_eq!((y.factor, y.mscale_all_dim), (40.0, 1.0));
+        assert!(c.rope.interleaved && c.rope.rotary_dim == 64);
+        // The FP8 quantization_config describes the source, not MLX groups.
+        assert!(c.quantization.is_none());
+        assert_eq!(c.eos_token_ids, vec![1]);
+    }
+
+    #[test]
+    fn kimi_k2_null_q_lora_and_yarn_defaults() {
+        let mut v = v3();
+        v["model_type"] = json!("kimi_k2");
+        v["q_lora_rank"] = Value::Null;
+        v["n_group"] = json!(1);
+        v["topk_group"] = json!(1);
+        v["moe_layer_freq"] = json!(2);
+        v["rope_scaling"] = json!({"type": "deepseek_yarn", "factor": 32});
+        let c = parse(v).unwrap();
+        assert_eq!(c.arch, Architecture::KimiK2);
+        assert_eq!(c.mla.unwrap().q_lora_rank, None);
+        // MoE from layer 3 on, every second layer (i % moe_layer_freq == 0).
+        assert_eq!(c.mlp_kinds[3..7], [MlpKind::Dense, MlpKind::Moe, MlpKind::Dense, MlpKind::Moe]);
+        let y = c.rope.yarn.unwrap();
+        assert_eq!(
+            (y.original_max_position_embeddings, y.beta_fast, y.beta_slow, y.mscale, y.mscale_all_dim),
+            (4096.0, 32.0, 1.0, 1.0, 0.0)
+        );
+    }
+
+    #[test]
+    fn bad_values_name_their_field() {
+        let cases: Vec<(&str, Value, &str)> = vec![
+            ("kv_lora_rank", Value::Null, "kv_lora_rank"),
+            ("qk_rope_head_dim", json!(63), "qk_rope_head_dim"),
+            ("scoring_func", json!("softmax"), "scoring_func"),
+            ("topk_method", json!("greedy"), "topk_method"),
+            ("n_group", json!(7), "n_group"),
+            ("topk_group", json!(9), "topk_group"),
+            ("num_experts_per_tok", json!(200), "num_experts_per_tok"),
+            ("routed_scaling_factor", json!(-1.0), "routed_scaling_factor"),
+            ("moe_layer_freq", json!(0), "moe_layer_freq"),
+            ("intermediate_size", json!(0), "intermediate_size"),
+            ("rope_scaling", json!({"type": "yarn"}), "rope_scaling.factor"),
+            ("rope_scaling", json!({"type": "longrope", "factor": 2}), "rope_scaling.type"),
+            ("v_head_dim", json!("128"), "v_head_dim"),
+        ];
+        for (field, value, named) in cases {
+            let mut v = v3();
+            v[field] = value.clone();
+            let e = parse(v).expect_err(field).to_string();
+            assert!(e.contains(named), "{field} = {value}: {e}");
+        }
+        let mut v = v3();
+        v["quantization_config"]["quant_method"] = json!("gptq");
+        let e = parse(v).unwrap_err().to_string();
+        assert!(e.contains("quant_method") && e.contains("gptq"), "{e}");
+    }
+}

@@ -73,7 +73,7 @@ mod tests {
         // 8 experts in 4 groups of 2, keep 2 groups, top-2.
         let probs = [0.9, 0.1, 0.5, 0.45, 0.2, 0.3, 0.6, 0.55];
         let logits: Vec<f32> = probs.iter().map(|&p| logit(p)).collect();
-        let mut bias = [0.0f32; 8];
+        let bias = [0.0f32; 8];
         // Unbiased group scores: 1.0, 0.95, 0.5, 1.15 -> groups 3 and 0.
         let r = NoauxTc {
             bias: &bias,
@@ -88,8 +88,12 @@ mod tests {
         assert!((w[0] - 0.9 * 2.5).abs() < 1e-5 && (w[1] - 0.6 * 2.5).abs() < 1e-5);
         // A bias on expert 5 lifts group 2 (1.2) over group 0 (1.0) and makes
         // expert 5 the top pick, yet its weight stays its unbiased score.
-        bias[5] = 0.7;
-        let r = NoauxTc { bias: &bias, ..r };
+        let mut lifted = bias;
+        lifted[5] = 0.7;
+        let r = NoauxTc {
+            bias: &lifted,
+            ..r
+        };
         let (e, w) = r.route(&logits);
         assert_eq!(e, vec![5, 6]);
         assert!((w[0] - 0.3 * 2.5).abs() < 1e-5 && (w[1] - 0.6 * 2.5).abs() < 1e-5);
