@@ -1001,10 +1001,7 @@ fn hf_deepseek_v3_fp8_equals_mlx_convert() {
 #[test]
 fn e4m3_decode_matches_mlx_for_every_code() {
     let bytes = std::fs::read(fixture("deepseekv3-fp8").join("e4m3_table.npy")).unwrap();
-    let table: Vec<f32> = npyz::NpyFile::new(&bytes[..])
-        .unwrap()
-        .into_vec()
-        .unwrap();
+    let table: Vec<f32> = npyz::NpyFile::new(&bytes[..]).unwrap().into_vec().unwrap();
     assert_eq!(table.len(), 256);
     for (code, &want) in table.iter().enumerate() {
         let got = moeflux::convert::fp8::e4m3_to_f32(code as u8);

@@ -68,7 +68,11 @@ fn deepseek_on_cuda_is_a_clear_error() {
     )
     .unwrap();
     assert!(!s.on_gpu());
-    assert!(s.backend().contains("not supported on the CUDA backend"), "{}", s.backend());
+    assert!(
+        s.backend().contains("not supported on the CUDA backend"),
+        "{}",
+        s.backend()
+    );
 }
 
 /// Rewrites a version 2 snapshot of a model without MLA as version 1 (15

@@ -10,7 +10,11 @@ use super::{
 };
 use crate::error::Result;
 
-pub(super) fn parse(f: &Fields, top: &Map<String, Value>, arch: Architecture) -> Result<ModelConfig> {
+pub(super) fn parse(
+    f: &Fields,
+    top: &Map<String, Value>,
+    arch: Architecture,
+) -> Result<ModelConfig> {
     let hidden_size = positive(f, "hidden_size", f.usize("hidden_size")?)?;
     let num_layers = positive(f, "num_hidden_layers", f.usize("num_hidden_layers")?)?;
     let num_attention_heads = positive(f, "num_attention_heads", f.usize("num_attention_heads")?)?;
@@ -36,7 +40,10 @@ pub(super) fn parse(f: &Fields, top: &Map<String, Value>, arch: Architecture) ->
     if !mla.qk_rope_head_dim.is_multiple_of(2) {
         return Err(f.err(
             "qk_rope_head_dim",
-            format!("{} is odd; rotary pairs need an even width", mla.qk_rope_head_dim),
+            format!(
+                "{} is odd; rotary pairs need an even width",
+                mla.qk_rope_head_dim
+            ),
         ));
     }
 
@@ -121,7 +128,10 @@ fn parse_moe(f: &Fields) -> Result<MoeConfig> {
     }
     let scaling = f.f64_opt("routed_scaling_factor")?.unwrap_or(1.0);
     if !(scaling.is_finite() && scaling > 0.0) {
-        return Err(f.err("routed_scaling_factor", format!("{scaling} must be positive")));
+        return Err(f.err(
+            "routed_scaling_factor",
+            format!("{scaling} must be positive"),
+        ));
     }
     Ok(MoeConfig {
         num_experts,
@@ -154,7 +164,10 @@ fn check_moe(f: &Fields, m: &MoeConfig) -> Result<()> {
     if !m.num_experts.is_multiple_of(n_group) {
         return Err(f.err(
             "n_group",
-            format!("{n_group} does not divide n_routed_experts {}", m.num_experts),
+            format!(
+                "{n_group} does not divide n_routed_experts {}",
+                m.num_experts
+            ),
         ));
     }
     if topk_group == 0 || topk_group > n_group {
@@ -170,7 +183,11 @@ fn check_moe(f: &Fields, m: &MoeConfig) -> Result<()> {
             format!("{n_group} groups of {per_group} expert; a group score sums its top 2"),
         ));
     }
-    let reachable = if n_group > 1 { topk_group * per_group } else { m.num_experts };
+    let reachable = if n_group > 1 {
+        topk_group * per_group
+    } else {
+        m.num_experts
+    };
     if m.num_experts_per_tok > reachable {
         return Err(f.err(
             "num_experts_per_tok",
@@ -253,7 +270,10 @@ fn parse_rope(f: &Fields, rotary_dim: usize) -> Result<RopeConfig> {
                 ));
             }
             if y.beta_fast <= 0.0 || y.beta_slow <= 0.0 {
-                return Err(f.err("rope_scaling.beta_fast", "beta_fast and beta_slow must be positive"));
+                return Err(f.err(
+                    "rope_scaling.beta_fast",
+                    "beta_fast and beta_slow must be positive",
+                ));
             }
             rope.yarn = Some(y);
         }
@@ -301,10 +321,16 @@ mod tests {
         let c = parse(v3()).unwrap();
         assert_eq!(c.arch, Architecture::DeepseekV3);
         let m = c.mla.unwrap();
-        assert_eq!((m.q_lora_rank, m.kv_lora_rank, m.cache_row()), (Some(1536), 512, 576));
+        assert_eq!(
+            (m.q_lora_rank, m.kv_lora_rank, m.cache_row()),
+            (Some(1536), 512, 576)
+        );
         assert_eq!(c.head_dim, 192);
         assert!(c.layer_kinds.iter().all(|k| *k == LayerKind::Mla));
-        assert_eq!(c.mlp_kinds[..4], [MlpKind::Dense, MlpKind::Dense, MlpKind::Dense, MlpKind::Moe]);
+        assert_eq!(
+            c.mlp_kinds[..4],
+            [MlpKind::Dense, MlpKind::Dense, MlpKind::Dense, MlpKind::Moe]
+        );
         assert_eq!(c.moe.shared_intermediate, 2048);
         assert_eq!(
             c.moe.router,
@@ -335,10 +361,19 @@ mod tests {
         assert_eq!(c.arch, Architecture::KimiK2);
         assert_eq!(c.mla.unwrap().q_lora_rank, None);
         // MoE from layer 3 on, every second layer (i % moe_layer_freq == 0).
-        assert_eq!(c.mlp_kinds[3..7], [MlpKind::Dense, MlpKind::Moe, MlpKind::Dense, MlpKind::Moe]);
+        assert_eq!(
+            c.mlp_kinds[3..7],
+            [MlpKind::Dense, MlpKind::Moe, MlpKind::Dense, MlpKind::Moe]
+        );
         let y = c.rope.yarn.unwrap();
         assert_eq!(
-            (y.original_max_position_embeddings, y.beta_fast, y.beta_slow, y.mscale, y.mscale_all_dim),
+            (
+                y.original_max_position_embeddings,
+                y.beta_fast,
+                y.beta_slow,
+                y.mscale,
+                y.mscale_all_dim
+            ),
             (4096.0, 32.0, 1.0, 1.0, 0.0)
         );
     }
@@ -353,11 +388,23 @@ mod tests {
             ("n_group", json!(7), "n_group"),
             ("topk_group", json!(9), "topk_group"),
             ("num_experts_per_tok", json!(200), "num_experts_per_tok"),
-            ("routed_scaling_factor", json!(-1.0), "routed_scaling_factor"),
+            (
+                "routed_scaling_factor",
+                json!(-1.0),
+                "routed_scaling_factor",
+            ),
             ("moe_layer_freq", json!(0), "moe_layer_freq"),
             ("intermediate_size", json!(0), "intermediate_size"),
-            ("rope_scaling", json!({"type": "yarn"}), "rope_scaling.factor"),
-            ("rope_scaling", json!({"type": "longrope", "factor": 2}), "rope_scaling.type"),
+            (
+                "rope_scaling",
+                json!({"type": "yarn"}),
+                "rope_scaling.factor",
+            ),
+            (
+                "rope_scaling",
+                json!({"type": "longrope", "factor": 2}),
+                "rope_scaling.type",
+            ),
             ("v_head_dim", json!("128"), "v_head_dim"),
         ];
         for (field, value, named) in cases {

@@ -145,9 +145,7 @@ pub fn write(
             }
             // A kv_b_proj half is produced from the whole source tensor: one item.
             DenseJob::Quantize {
-                rows,
-                kvb: Some(_),
-                ..
+                rows, kvb: Some(_), ..
             } => split(j, *rows, *rows, &mut items),
             DenseJob::Quantize { rows, cols, .. } => {
                 split(j, *rows, CHUNK_BYTES / (cols * 4).max(1), &mut items);

@@ -72,7 +72,7 @@ mod tests {
         assert_eq!(rows[129], 2.0); // row 127, col 129
         assert_eq!(rows[130], 3.0); // row 128, col 0
         assert_eq!(rows[259], 4.0); // row 128, col 129
-        // The product is rounded to bf16: 1.0 * (1 + 2^-10) -> 1.0.
+                                    // The product is rounded to bf16: 1.0 * (1 + 2^-10) -> 1.0.
         let r = decode_rows(&[0x38], &[1.0 + 2f32.powi(-10)], 1, 0, 1);
         assert_eq!(r[0], 1.0);
         assert_eq!(scale_shape(130, 64), [2, 1]);

@@ -77,7 +77,10 @@ mod tests {
         };
         // embed_q[h][c][i] = kv_b[h, i][c]
         assert_eq!(e.shape(), [6, 2]);
-        assert_eq!(e.rows(&full, 0, 6), vec![0., 10., 1., 11., 2., 12., 100., 110., 101., 111., 102., 112.]);
+        assert_eq!(
+            e.rows(&full, 0, 6),
+            vec![0., 10., 1., 11., 2., 12., 100., 110., 101., 111., 102., 112.]
+        );
         let u = KvbSplit {
             half: KvbHalf::UnembedOut,
             ..e

@@ -135,7 +135,9 @@ fn mlx_name(arch: Architecture, raw: &str) -> Option<String> {
 pub fn canonical_of_mlx(arch: Architecture, mlx: &str) -> String {
     match arch {
         Architecture::Qwen3_5Moe => mlx.strip_prefix("language_model.").unwrap_or(mlx).into(),
-        Architecture::Qwen3Next | Architecture::DeepseekV3 | Architecture::KimiK2 => mlx.to_string(),
+        Architecture::Qwen3Next | Architecture::DeepseekV3 | Architecture::KimiK2 => {
+            mlx.to_string()
+        }
     }
 }
 
@@ -341,7 +343,11 @@ pub fn sanitize(src: &Source) -> Result<Sanitized> {
             }
             let a = format!("model.layers.{l}.self_attn.");
             kvb_halves.push((format!("{a}embed_q.weight"), raw.clone(), e));
-            kvb_halves.push((format!("{a}unembed_out.weight"), raw, split(KvbHalf::UnembedOut)));
+            kvb_halves.push((
+                format!("{a}unembed_out.weight"),
+                raw,
+                split(KvbHalf::UnembedOut),
+            ));
         }
     }
 

@@ -185,7 +185,10 @@ impl Source {
                 return Err(Error::tensor(
                     &path,
                     name,
-                    format!("FP8 weight of shape {:?}; only 2-D weights are supported", t.shape),
+                    format!(
+                        "FP8 weight of shape {:?}; only 2-D weights are supported",
+                        t.shape
+                    ),
                 ));
             }
             let want = fp8::scale_shape(t.shape[0], t.shape[1]);

@@ -188,9 +188,7 @@ impl MlaAttention {
         let q = self.project(d, c, &m, rope, xn, n, start, cache);
         let attn = match path {
             MlaPath::Absorbed => self.attend_absorbed(d, c, &m, scale, &q, n, start, cache),
-            MlaPath::Decompressed => {
-                self.attend_decompressed(d, c, &m, scale, &q, n, start, cache)
-            }
+            MlaPath::Decompressed => self.attend_decompressed(d, c, &m, scale, &q, n, start, cache),
         };
         matmul(&d.view(&self.o_proj), &attn, n, out);
         Ok(())

@@ -90,10 +90,7 @@ mod tests {
         // expert 5 the top pick, yet its weight stays its unbiased score.
         let mut lifted = bias;
         lifted[5] = 0.7;
-        let r = NoauxTc {
-            bias: &lifted,
-            ..r
-        };
+        let r = NoauxTc { bias: &lifted, ..r };
         let (e, w) = r.route(&logits);
         assert_eq!(e, vec![5, 6]);
         assert!((w[0] - 0.3 * 2.5).abs() < 1e-5 && (w[1] - 0.6 * 2.5).abs() < 1e-5);

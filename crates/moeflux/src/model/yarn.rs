@@ -86,7 +86,8 @@ impl MlaRope {
 /// between extrapolated and interpolated frequencies (`high` nudged when equal).
 fn correction_range(y: &YarnConfig, dims: usize, base: f64) -> (f64, f64) {
     let corr_dim = |rotations: f64| {
-        dims as f64 * (y.original_max_position_embeddings / (rotations * 2.0 * std::f64::consts::PI)).ln()
+        dims as f64
+            * (y.original_max_position_embeddings / (rotations * 2.0 * std::f64::consts::PI)).ln()
             / (2.0 * base.ln())
     };
     let low = corr_dim(y.beta_fast).floor().max(0.0);
@@ -151,7 +152,10 @@ mod tests {
         }
         for i in 23..32 {
             let want = plain.inv_freq[i] / 40.0;
-            assert!((r.inv_freq[i] - want).abs() <= 1e-15 * want, "pair {i} is interpolated");
+            assert!(
+                (r.inv_freq[i] - want).abs() <= 1e-15 * want,
+                "pair {i} is interpolated"
+            );
         }
         let mla = MlaConfig {
             q_lora_rank: Some(1536),
@@ -164,7 +168,10 @@ mod tests {
         let want = (m * m / 192f64.sqrt()) as f32;
         assert_eq!(softmax_scale(&mla, &rope(Some(y))), want);
         assert!((want * 192f32.sqrt() - 1.8738).abs() < 1e-3);
-        assert_eq!(softmax_scale(&mla, &rope(None)), (1.0 / 192f64.sqrt()) as f32);
+        assert_eq!(
+            softmax_scale(&mla, &rope(None)),
+            (1.0 / 192f64.sqrt()) as f32
+        );
     }
 
     #[test]

@@ -9,9 +9,9 @@ use crate::error::Result;
 use crate::io::{ExpertBuf, ExpertStore};
 use crate::model::experts::{ExpertRun, PrefetchStats};
 use crate::model::qwen3_hybrid::LogitsMode;
-use crate::model::Model;
 use crate::model::state::{LinearState, ModelState};
 use crate::model::timing::PhaseTimes;
+use crate::model::Model;
 
 pub(crate) enum Engine {
     Cpu {

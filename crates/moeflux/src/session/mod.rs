@@ -14,9 +14,9 @@ use crate::format::{Manifest, MANIFEST_FILE};
 use crate::io::{ExpertStore, ExpertStoreOptions, IoStats};
 use crate::model::experts::PrefetchStats;
 pub use crate::model::qwen3_hybrid::LogitsMode;
-use crate::model::Model;
 use crate::model::state::LinearState;
 pub use crate::model::timing::PhaseTimes;
+use crate::model::Model;
 use engine::{Engine, ForwardCtx};
 
 #[derive(Debug, Clone)]
@@ -196,7 +196,7 @@ impl Session {
                     graphs: opts.cuda_graphs,
                     host_cache: opts.host_cache,
                 };
-                let m = CudaModel::new(gpu, &model, &store, &cuda)?;
+                let m = CudaModel::new(gpu, model, &store, &cuda)?;
                 let (layers, bytes) = m.host_tier();
                 if layers > 0 {
                     note.push_str(&format!(
@@ -256,7 +256,7 @@ impl Session {
     }
 
     pub fn config(&self) -> &ModelConfig {
-        &self.model.config()
+        self.model.config()
     }
 
     pub fn model_dir(&self) -> &Path {

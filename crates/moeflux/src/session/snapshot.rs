@@ -239,7 +239,11 @@ pub fn load(
                 })
             }
             LayerState::Mla(m) => LayerState::Mla(MlaCache {
-                latent: r.f32s(position.checked_mul(m.kv_lora_rank).ok_or("length overflow")?)?,
+                latent: r.f32s(
+                    position
+                        .checked_mul(m.kv_lora_rank)
+                        .ok_or("length overflow")?,
+                )?,
                 rope: r.f32s(position.checked_mul(m.rope_dim).ok_or("length overflow")?)?,
                 kv_lora_rank: m.kv_lora_rank,
                 rope_dim: m.rope_dim,

@@ -232,12 +232,12 @@ pub fn synth(dst: &Path, opts: &SynthOptions) -> Result<SynthReport> {
             WeightKind::Vector { len } => {
                 // mlx-lm keeps A_log (qwen3_5) and the router's correction
                 // bias (deepseek_v3) in float32 (cast_predicate).
-                let dtype = if w.name.ends_with("A_log") || w.name.ends_with("e_score_correction_bias")
-                {
-                    Dtype::F32
-                } else {
-                    Dtype::BF16
-                };
+                let dtype =
+                    if w.name.ends_with("A_log") || w.name.ends_with("e_score_correction_bias") {
+                        Dtype::F32
+                    } else {
+                        Dtype::BF16
+                    };
                 let out = push(w.name, dtype, vec![len]);
                 jobs.push(Job::Floats { out, kind: w.kind });
             }
