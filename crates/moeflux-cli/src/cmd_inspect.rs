@@ -22,6 +22,7 @@ fn kind_name(k: LayerKind) -> &'static str {
     match k {
         LayerKind::LinearAttention => "linear",
         LayerKind::FullAttention => "full",
+        LayerKind::Mla => "mla",
     }
 }
 

@@ -9,6 +9,8 @@ use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
 
+mod deepseek;
+
 /// Model families this build can run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Architecture {
@@ -16,15 +18,23 @@ pub enum Architecture {
     Qwen3_5Moe,
     /// `qwen3_next` (Qwen3-Next-80B): fused per-key-head GatedDeltaNet projections.
     Qwen3Next,
+    /// `deepseek_v3` (DeepSeek-V3/R1, Cogito-V2 671B): MLA in every layer, YaRN rotary,
+    /// `noaux_tc` grouped sigmoid router, ungated shared experts, first layers dense.
+    DeepseekV3,
+    /// `kimi_k2`: the DeepSeek-V3 architecture under another name (mlx-lm maps it to
+    /// `deepseek_v3`).
+    KimiK2,
 }
 
 impl Architecture {
-    pub const SUPPORTED: &'static str = "qwen3_5_moe, qwen3_next";
+    pub const SUPPORTED: &'static str = "qwen3_5_moe, qwen3_next, deepseek_v3, kimi_k2";
 
     pub fn from_model_type(s: &str) -> Option<Self> {
         match s {
             "qwen3_5_moe" => Some(Self::Qwen3_5Moe),
             "qwen3_next" => Some(Self::Qwen3Next),
+            "deepseek_v3" => Some(Self::DeepseekV3),
+            "kimi_k2" => Some(Self::KimiK2),
             _ => None,
         }
     }
@@ -33,7 +43,14 @@ impl Architecture {
         match self {
             Self::Qwen3_5Moe => "qwen3_5_moe",
             Self::Qwen3Next => "qwen3_next",
+            Self::DeepseekV3 => "deepseek_v3",
+            Self::KimiK2 => "kimi_k2",
         }
+    }
+
+    /// The DeepSeek-V3 family (MLA attention, `noaux_tc` router).
+    pub fn is_deepseek(self) -> bool {
+        matches!(self, Self::DeepseekV3 | Self::KimiK2)
     }
 }
 
@@ -41,6 +58,8 @@ impl Architecture {
 pub enum LayerKind {
     LinearAttention,
     FullAttention,
+    /// DeepSeek-V3 multi-head latent attention.
+    Mla,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -121,8 +140,63 @@ pub struct MoeConfig {
     pub num_experts: usize,
     pub num_experts_per_tok: usize,
     pub moe_intermediate: usize,
+    /// Width of the shared expert (DeepSeek: `moe_intermediate_size * n_shared_experts`);
+    /// 0 for none.
     pub shared_intermediate: usize,
     pub norm_topk_prob: bool,
+    pub router: RouterKind,
+}
+
+/// How a MoE layer picks its experts.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RouterKind {
+    /// Qwen: softmax over all experts, top-K; the shared expert is scaled by
+    /// `sigmoid(shared_expert_gate x)`.
+    Softmax,
+    /// DeepSeek-V3 `noaux_tc`: sigmoid scores; the correction bias is added for the
+    /// choice only (top-2 sum per group, the best `topk_group` groups, top-K inside
+    /// them); weights are the unbiased scores, renormalised when `norm_topk_prob`,
+    /// times `routed_scaling_factor`. The shared experts are added ungated.
+    NoauxTc {
+        n_group: usize,
+        topk_group: usize,
+        routed_scaling_factor: f32,
+    },
+}
+
+/// DeepSeek-V3 multi-head latent attention shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MlaConfig {
+    /// Rank of the query compression (`q_a_proj`); `None`: a plain `q_proj`.
+    pub q_lora_rank: Option<usize>,
+    /// Width of the compressed KV latent that is cached per token.
+    pub kv_lora_rank: usize,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+}
+
+impl MlaConfig {
+    /// Query/key width per head: the no-position part plus the rotary part.
+    pub fn q_head_dim(&self) -> usize {
+        self.qk_nope_head_dim + self.qk_rope_head_dim
+    }
+    /// Floats cached per token per layer: the latent plus the shared rotary key.
+    pub fn cache_row(&self) -> usize {
+        self.kv_lora_rank + self.qk_rope_head_dim
+    }
+}
+
+/// YaRN rotary scaling (`rope_scaling` of type `yarn` / `deepseek_yarn`), with
+/// mlx-lm's `YarnRoPE` defaults for absent keys.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct YarnConfig {
+    pub factor: f64,
+    pub original_max_position_embeddings: f64,
+    pub beta_fast: f64,
+    pub beta_slow: f64,
+    pub mscale: f64,
+    pub mscale_all_dim: f64,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -132,6 +206,11 @@ pub struct RopeConfig {
     pub rotary_dim: usize,
     /// Position multiplier (`1/factor` for `linear` scaling, else 1).
     pub position_scale: f64,
+    /// Rotate interleaved pairs `(2i, 2i+1)` (mlx `traditional=True`, DeepSeek)
+    /// instead of half-split pairs `(i, i + rotary_dim/2)` (Qwen).
+    pub interleaved: bool,
+    /// YaRN frequency interpolation and magnitude scaling (DeepSeek).
+    pub yarn: Option<YarnConfig>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -152,6 +231,8 @@ pub struct ModelConfig {
     pub linear: LinearAttnConfig,
     pub moe: MoeConfig,
     pub rope: RopeConfig,
+    /// MLA shape (DeepSeek-V3 family only).
+    pub mla: Option<MlaConfig>,
     pub quantization: Option<QuantConfig>,
     /// End-of-sequence ids named in config.json (`eos_token_id`, scalar or list).
     pub eos_token_ids: Vec<u32>,
@@ -271,6 +352,9 @@ impl ModelConfig {
                 model_type: model_type.to_string(),
                 supported: Architecture::SUPPORTED.to_string(),
             })?;
+        if arch.is_deepseek() {
+            return deepseek::parse(&f, top, arch);
+        }
 
         let hidden_size = positive(&f, "hidden_size", f.usize("hidden_size")?)?;
         let num_layers = positive(&f, "num_hidden_layers", f.usize("num_hidden_layers")?)?;
@@ -331,10 +415,10 @@ impl ModelConfig {
             num_experts_per_tok: f.usize_opt("num_experts_per_tok")?.unwrap_or(0),
             moe_intermediate: f.usize_opt("moe_intermediate_size")?.unwrap_or(0),
             shared_intermediate: f.usize_opt("shared_expert_intermediate_size")?.unwrap_or(0),
-            norm_topk_prob: f.bool_opt("norm_topk_prob")?.unwrap_or(match arch {
-                Architecture::Qwen3_5Moe => true,
-                Architecture::Qwen3Next => false,
-            }),
+            norm_topk_prob: f
+                .bool_opt("norm_topk_prob")?
+                .unwrap_or(arch == Architecture::Qwen3_5Moe),
+            router: RouterKind::Softmax,
         };
         let mlp_kinds = Self::parse_mlp_kinds(&f, arch, num_layers, &moe)?;
         if mlp_kinds.contains(&MlpKind::Moe) {
@@ -356,24 +440,7 @@ impl ModelConfig {
 
         let rope = Self::parse_rope(&f, head_dim)?;
         let quantization = Self::parse_quantization(&f, top)?;
-        // Union over text_config and the top level: mlx-lm writes the
-        // generation_config ids at the top, Qwen3.5's text_config has its own.
-        let mut eos_token_ids: Vec<u32> = Vec::new();
-        for m in &f.layers {
-            let ids: Vec<u32> = match m.get("eos_token_id") {
-                Some(Value::Array(a)) => a
-                    .iter()
-                    .filter_map(|v| v.as_u64().map(|x| x as u32))
-                    .collect(),
-                Some(v) => v.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-                None => Vec::new(),
-            };
-            for id in ids {
-                if !eos_token_ids.contains(&id) {
-                    eos_token_ids.push(id);
-                }
-            }
-        }
+        let eos_token_ids = eos_ids(&f);
 
         Ok(ModelConfig {
             arch,
@@ -392,6 +459,7 @@ impl ModelConfig {
             linear,
             moe,
             rope,
+            mla: None,
             quantization,
             eos_token_ids,
         })
@@ -475,7 +543,7 @@ impl ModelConfig {
         match arch {
             // mlx-lm's qwen3_5 makes every layer MoE when num_experts > 0.
             Architecture::Qwen3_5Moe => Ok(vec![MlpKind::Moe; num_layers]),
-            Architecture::Qwen3Next => {
+            Architecture::Qwen3Next | Architecture::DeepseekV3 | Architecture::KimiK2 => {
                 let step = f.usize_opt("decoder_sparse_step")?.unwrap_or(1);
                 if step == 0 {
                     return Err(f.err("decoder_sparse_step", "must be greater than zero"));
@@ -592,6 +660,8 @@ impl ModelConfig {
             theta,
             rotary_dim,
             position_scale,
+            interleaved: false,
+            yarn: None,
         })
     }
 
@@ -604,6 +674,18 @@ impl ModelConfig {
             Some(Value::Object(m)) => m,
             Some(v) => return Err(f.err("quantization", format!("expected an object, got {v}"))),
         };
+        // A Hugging Face `quantization_config` describes the source weights, not
+        // MLX affine groups: FP8 block weights (DeepSeek-V3 releases) are decoded
+        // by `convert` from their `weight_scale_inv` tensors; others are refused.
+        if let Some(method) = q.get("quant_method") {
+            return match method.as_str() {
+                Some("fp8") if !q.contains_key("bits") => Ok(None),
+                _ => Err(f.err(
+                    "quantization_config.quant_method",
+                    format!("{method} is not supported (supported: fp8 block weights, MLX affine)"),
+                )),
+            };
+        }
         let spec_of = |field: &str, m: &Map<String, Value>| -> Result<QuantSpec> {
             if let Some(mode) = m.get("mode").and_then(Value::as_str) {
                 if mode != "affine" {
@@ -654,12 +736,35 @@ impl ModelConfig {
         self.mlp_kinds[layer] == MlpKind::Moe
     }
 
+    /// Layers with a position-indexed cache (full attention or MLA).
     pub fn num_full_attention_layers(&self) -> usize {
         self.layer_kinds
             .iter()
-            .filter(|k| **k == LayerKind::FullAttention)
+            .filter(|k| **k != LayerKind::LinearAttention)
             .count()
     }
+}
+
+/// End-of-sequence ids, the union over text_config and the top level: mlx-lm
+/// writes the generation_config ids at the top, Qwen3.5's text_config has its own.
+fn eos_ids(f: &Fields) -> Vec<u32> {
+    let mut eos_token_ids: Vec<u32> = Vec::new();
+    for m in &f.layers {
+        let ids: Vec<u32> = match m.get("eos_token_id") {
+            Some(Value::Array(a)) => a
+                .iter()
+                .filter_map(|v| v.as_u64().map(|x| x as u32))
+                .collect(),
+            Some(v) => v.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+            None => Vec::new(),
+        };
+        for id in ids {
+            if !eos_token_ids.contains(&id) {
+                eos_token_ids.push(id);
+            }
+        }
+    }
+    eos_token_ids
 }
 
 /// Path of `config.json` inside a directory (for messages).

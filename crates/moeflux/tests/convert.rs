@@ -986,3 +986,28 @@ fn large_synthetic_mlx_checkpoint() {
         eprintln!("kept {}", t.keep().display());
     }
 }
+
+/// HF FP8 e4m3 with 128x128 block scales (`weight_scale_inv`), unsplit
+/// `kv_b_proj`, per-expert tensors and an MTP layer: bit-identical to what
+/// the real `mlx_lm.convert` made of the same files (its sanitize decodes
+/// the blocks to bf16 and splits kv_b_proj; then both quantize to 4 bits).
+#[test]
+fn hf_deepseek_v3_fp8_equals_mlx_convert() {
+    check_hf_equals_mlx("deepseekv3-fp8");
+}
+
+/// The FP8 decoder against mlx's `mx.from_fp8` for all 256 e4m3 codes
+/// (`deepseekv3-fp8/e4m3_table.npy`, written by make_deepseek_fixtures.py).
+#[test]
+fn e4m3_decode_matches_mlx_for_every_code() {
+    let bytes = std::fs::read(fixture("deepseekv3-fp8").join("e4m3_table.npy")).unwrap();
+    let table: Vec<f32> = npyz::NpyFile::new(&bytes[..]).unwrap().into_vec().unwrap();
+    assert_eq!(table.len(), 256);
+    for (code, &want) in table.iter().enumerate() {
+        let got = moeflux::convert::fp8::e4m3_to_f32(code as u8);
+        assert!(
+            got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+            "code {code:#04x}: {got} vs mlx {want}"
+        );
+    }
+}

@@ -143,6 +143,10 @@ pub fn write(
                     debug_assert!(src_ty.is_some());
                 }
             }
+            // A kv_b_proj half is produced from the whole source tensor: one item.
+            DenseJob::Quantize {
+                rows, kvb: Some(_), ..
+            } => split(j, *rows, *rows, &mut items),
             DenseJob::Quantize { rows, cols, .. } => {
                 split(j, *rows, CHUNK_BYTES / (cols * 4).max(1), &mut items);
             }
@@ -235,13 +239,16 @@ fn run_item(
             cols,
             spec,
             work,
+            kvb,
             ..
         } => {
-            let t = &src.tensors[raw];
-            let es = dtype::size_of(t.dtype);
             let (r0, r1) = (it.start, it.end);
             let rows = r1 - r0;
-            let mut w = dtype::decode(&src.data(t)[r0 * cols * es..r1 * cols * es], *src_ty);
+            // Float rows, FP8 blocks decoded (see `Source::float_rows`).
+            let mut w = match kvb {
+                Some(k) => k.rows(&src.float_rows(raw, 0, k.source_rows()), r0, r1),
+                None => src.float_rows(raw, r0, r1),
+            };
             if work.narrows(*src_ty) {
                 for x in &mut w {
                     *x = work.round(*x);

@@ -177,7 +177,7 @@ fn float_ty(src: &Source, c: &ComponentPlan, e: usize) -> FloatTy {
         ExpertSrc::Stacked { raw, .. } => raw,
         ExpertSrc::Quantized { .. } => unreachable!("float experts only"),
     };
-    FloatTy::from_dtype(src.tensors[raw].dtype).expect("checked by the plan")
+    src.float_ty(raw).expect("checked by the plan")
 }
 
 /// Expert `e` of a float component as f32 [rows, cols] (exact).
@@ -197,11 +197,7 @@ fn float_expert(src: &Source, c: &ComponentPlan, e: usize) -> Vec<f32> {
                 ty,
             )
         }
-        ExpertSrc::PerExpert(raws) => {
-            let t = &src.tensors[&raws[e]];
-            let ty = FloatTy::from_dtype(t.dtype).expect("checked by the plan");
-            dtype::decode(src.data(t), ty)
-        }
+        ExpertSrc::PerExpert(raws) => src.float_rows(&raws[e], 0, c.rows),
         ExpertSrc::Quantized { .. } => unreachable!("float experts only"),
     }
 }

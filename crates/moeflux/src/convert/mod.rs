@@ -12,6 +12,8 @@
 pub mod dense;
 pub mod dtype;
 pub mod experts;
+pub mod fp8;
+pub mod kvb;
 pub mod output;
 pub mod plan;
 pub mod sanitize;

@@ -23,6 +23,7 @@ use crate::model::schema::{self, WeightKind, EXPERT_COMPONENTS};
 use crate::quant::affine::words_per_row;
 
 use super::dtype::{self, FloatTy};
+use super::kvb::KvbSplit;
 use super::sanitize::{mlx_module_path, DenseSrc, ExpertSrc, Sanitized};
 use super::source::Source;
 
@@ -85,6 +86,8 @@ pub enum DenseJob {
         spec: QuantSpec,
         /// Type the weight is cast to first; scales/biases are rounded to it.
         work: FloatTy,
+        /// `raw` is MLA's whole `kv_b_proj`; this output is one half of it.
+        kvb: Option<KvbSplit>,
     },
 }
 
@@ -188,11 +191,11 @@ impl<'a> Planner<'a> {
 
     fn float_ty(&self, raw: &str) -> Result<FloatTy> {
         let t = self.raw(raw);
-        FloatTy::from_dtype(t.dtype).ok_or_else(|| {
+        self.src.float_ty(raw).ok_or_else(|| {
             self.err(
                 raw,
                 format!(
-                    "dtype {:?}, expected a float type (BF16, F16, F32)",
+                    "dtype {:?}, expected a float type (BF16, F16, F32, or F8_E4M3 with block scales)",
                     t.dtype
                 ),
             )
@@ -220,6 +223,10 @@ impl<'a> Planner<'a> {
         if self.src.config.arch == Architecture::Qwen3_5Moe && canon.ends_with("A_log") {
             return None;
         }
+        // deepseek_v3's cast_predicate keeps the router's correction bias.
+        if self.src.config.arch.is_deepseek() && canon.ends_with("e_score_correction_bias") {
+            return None;
+        }
         self.cast
     }
 
@@ -228,6 +235,16 @@ impl<'a> Planner<'a> {
         let d = self.dense(canon).ok_or_else(|| self.missing(canon))?;
         let ty = self.float_ty(&d.raw)?;
         self.check_shape(&d.raw, &d.shape, want, what)?;
+        if d.kvb.is_some() || self.src.fp8_scales.contains_key(&d.raw) {
+            // Only the quantizing path splits kv_b_proj and decodes FP8 blocks.
+            return Err(self.err(
+                &d.raw,
+                format!(
+                    "would be stored unquantized as `{canon}` (input width not a multiple of \
+                     {DEFAULT_GROUP_SIZE}), which FP8 and kv_b_proj sources do not support"
+                ),
+            ));
+        }
         let cast = self.cast_for(canon);
         let out_ty = cast.unwrap_or(ty);
         let out = self.push_out(canon.to_string(), out_ty.stored(), d.shape.clone());
@@ -250,13 +267,20 @@ impl<'a> Planner<'a> {
         let d = self.dense(&wname).ok_or_else(|| self.missing(&wname))?;
         let ty = self.float_ty(&d.raw)?;
         self.check_shape(&d.raw, &d.shape, &[rows, cols], "[out, in]")?;
-        if self.kind == SourceKind::Unquantized && cols.is_multiple_of(DEFAULT_GROUP_SIZE) {
-            let arch = self.src.config.arch;
+        let arch = self.src.config.arch;
+        // mlx-lm's MoEGate is a plain parameter, never quantized: the router
+        // stays in the checkpoint's float type (cast like every float).
+        let deepseek_router = arch.is_deepseek() && module.ends_with("mlp.gate");
+        if self.kind == SourceKind::Unquantized
+            && cols.is_multiple_of(DEFAULT_GROUP_SIZE)
+            && !deepseek_router
+        {
             let gate = module.ends_with("mlp.gate") || module.ends_with("shared_expert_gate");
             // qwen3_5's predicate is only active for MoE models; qwen3_next's always.
             let gate_active = match arch {
                 Architecture::Qwen3_5Moe => self.src.config.moe.num_experts > 0,
                 Architecture::Qwen3Next => true,
+                Architecture::DeepseekV3 | Architecture::KimiK2 => false,
             };
             let bits = if gate && gate_active {
                 self.gate_overrides.insert(
@@ -290,6 +314,7 @@ impl<'a> Planner<'a> {
                 cols,
                 spec: sp,
                 work,
+                kvb: d.kvb,
             });
         } else {
             // Left unquantized (mlx-lm skips inputs not divisible by the group size).

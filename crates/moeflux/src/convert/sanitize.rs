@@ -12,6 +12,14 @@
 //! - qwen3_next: stack per-expert `mlp.experts.{e}.{proj}.weight`; drop `mtp.*`;
 //!   conv1d as above; add 1 to the norms only when per-expert tensors were present.
 //!
+//! - deepseek_v3 / kimi_k2 (`models/deepseek_v3.py`): stack per-expert
+//!   `mlp.experts.{e}.{proj}.weight`; split `self_attn.kv_b_proj` into
+//!   `embed_q` / `unembed_out` (see [`super::kvb`]; mlx-lm checkpoints already
+//!   hold them split as `[heads, rows, cols]`, read here as 2-D); FP8 weights
+//!   are decoded with their `weight_scale_inv` (see [`super::fp8`]); drop the
+//!   multi-token-prediction layers (index >= `num_hidden_layers`) and
+//!   `rotary_emb.inv_freq`. Norms are stored as is (not zero-centred).
+//!
 //! Tied embeddings drop `lm_head`. Nothing is read here except shapes: the
 //! transformations are recorded and applied while writing.
 
@@ -21,6 +29,7 @@ use crate::config::Architecture;
 use crate::error::{Error, Result};
 use crate::model::schema::EXPERT_COMPONENTS;
 
+use super::kvb::{KvbHalf, KvbSplit};
 use super::source::Source;
 
 /// Suffixes of the zero-centred RMSNorm weights HF stores as `w - 1`.
@@ -41,6 +50,8 @@ pub struct DenseSrc {
     pub shape: Vec<usize>,
     /// Add 1.0 in the source dtype (HF zero-centred norm).
     pub plus_one: bool,
+    /// This tensor is one half of MLA's `kv_b_proj` (`raw`), split on write.
+    pub kvb: Option<KvbSplit>,
 }
 
 /// Where one stacked expert projection comes from.
@@ -114,7 +125,9 @@ fn mlx_name(arch: Architecture, raw: &str) -> Option<String> {
                 format!("language_model.{raw}")
             }
         }
-        Architecture::Qwen3Next => raw.to_string(),
+        Architecture::Qwen3Next | Architecture::DeepseekV3 | Architecture::KimiK2 => {
+            raw.to_string()
+        }
     })
 }
 
@@ -122,7 +135,9 @@ fn mlx_name(arch: Architecture, raw: &str) -> Option<String> {
 pub fn canonical_of_mlx(arch: Architecture, mlx: &str) -> String {
     match arch {
         Architecture::Qwen3_5Moe => mlx.strip_prefix("language_model.").unwrap_or(mlx).into(),
-        Architecture::Qwen3Next => mlx.to_string(),
+        Architecture::Qwen3Next | Architecture::DeepseekV3 | Architecture::KimiK2 => {
+            mlx.to_string()
+        }
     }
 }
 
@@ -131,7 +146,9 @@ pub fn canonical_of_mlx(arch: Architecture, mlx: &str) -> String {
 pub fn mlx_module_path(arch: Architecture, canonical: &str) -> String {
     match arch {
         Architecture::Qwen3_5Moe => format!("language_model.{canonical}"),
-        Architecture::Qwen3Next => canonical.to_string(),
+        Architecture::Qwen3Next | Architecture::DeepseekV3 | Architecture::KimiK2 => {
+            canonical.to_string()
+        }
     }
 }
 
@@ -141,6 +158,11 @@ fn layer_and_rest(name: &str) -> Option<(usize, &str)> {
     let dot = s.find('.')?;
     let layer = s[..dot].parse().ok()?;
     Some((layer, &s[dot + 1..]))
+}
+
+/// Whether `raw` is the block-scale tensor of an FP8 weight.
+fn is_fp8_scale(src: &Source, raw: &str) -> bool {
+    src.fp8_scales.values().any(|s| s == raw)
 }
 
 fn component_index(c: &str) -> Option<usize> {
@@ -177,11 +199,21 @@ pub fn sanitize(src: &Source) -> Result<Sanitized> {
         Architecture::Qwen3Next => names.keys().any(|k| {
             k.starts_with("model.layers.") && k.ends_with(".mlp.experts.0.up_proj.weight")
         }),
+        // DeepSeek norms are plain weights in both layouts.
+        Architecture::DeepseekV3 | Architecture::KimiK2 => false,
     };
+    if arch.is_deepseek() {
+        // FP8 block scales are read with their weights, not copied.
+        names.retain(|_, raw| !raw.ends_with("_scale_inv") || !is_fp8_scale(src, raw));
+    }
 
     // Known extras.
     names.retain(|canon, raw| {
-        let drop = canon.contains("mtp.")
+        let mtp_layer = arch.is_deepseek()
+            && (layer_and_rest(canon).is_some_and(|(l, _)| l >= cfg.num_layers)
+                || canon.contains("rotary_emb.inv_freq"));
+        let drop = mtp_layer
+            || canon.contains("mtp.")
             || (cfg.tie_word_embeddings
                 && canon
                     .strip_prefix("lm_head.")
@@ -250,7 +282,7 @@ pub fn sanitize(src: &Source) -> Result<Sanitized> {
                 }
             }
         }
-        Architecture::Qwen3Next => {
+        Architecture::Qwen3Next | Architecture::DeepseekV3 | Architecture::KimiK2 => {
             let moe_layers: Vec<usize> = names
                 .keys()
                 .filter(|k| k.ends_with(".mlp.experts.0.up_proj.weight"))
@@ -270,6 +302,52 @@ pub fn sanitize(src: &Source) -> Result<Sanitized> {
                     out.experts.insert((l, ci), ExpertSrc::PerExpert(raws));
                 }
             }
+        }
+    }
+
+    let mut kvb_halves: Vec<(String, String, KvbSplit)> = Vec::new();
+    if let Some(m) = cfg.mla.filter(|_| arch.is_deepseek()) {
+        for l in 0..cfg.num_layers {
+            let p = format!("model.layers.{l}.self_attn.kv_b_proj");
+            let Some(raw) = take(&mut names, &format!("{p}.weight")) else {
+                continue;
+            };
+            if names.contains_key(&format!("{p}.scales")) {
+                return Err(Error::tensor(
+                    src.file_of(&raw),
+                    &raw,
+                    "a quantized, unsplit kv_b_proj (older mlx-lm) is not supported; \
+                     convert from the Hugging Face checkpoint or a current mlx-lm one \
+                     (embed_q / unembed_out)",
+                ));
+            }
+            let split = |half| KvbSplit {
+                half,
+                heads: cfg.num_attention_heads,
+                nope: m.qk_nope_head_dim,
+                v: m.v_head_dim,
+                kv_lora: m.kv_lora_rank,
+            };
+            let e = split(KvbHalf::EmbedQ);
+            let shape = &src.tensors[&raw].shape;
+            if shape.as_slice() != [e.source_rows(), e.kv_lora] {
+                return Err(Error::tensor(
+                    src.file_of(&raw),
+                    &raw,
+                    format!(
+                        "shape {shape:?}, expected [{}, {}] (heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank)",
+                        e.source_rows(),
+                        e.kv_lora
+                    ),
+                ));
+            }
+            let a = format!("model.layers.{l}.self_attn.");
+            kvb_halves.push((format!("{a}embed_q.weight"), raw.clone(), e));
+            kvb_halves.push((
+                format!("{a}unembed_out.weight"),
+                raw,
+                split(KvbHalf::UnembedOut),
+            ));
         }
     }
 
@@ -331,6 +409,16 @@ pub fn sanitize(src: &Source) -> Result<Sanitized> {
         if canon.contains("conv1d.weight") && shape.len() == 3 && shape[2] != 1 {
             shape.swap(1, 2); // moveaxis(2, 1): [C, 1, K] -> [C, K, 1], same bytes
         }
+        // mlx-lm's MultiLinear halves of kv_b_proj are [heads, rows, cols]:
+        // the same bytes as [heads * rows, cols].
+        if arch.is_deepseek()
+            && shape.len() == 3
+            && [".embed_q.", ".unembed_out."]
+                .iter()
+                .any(|m| canon.contains(m))
+        {
+            shape = vec![shape[0] * shape[1], shape[2]];
+        }
         let plus_one =
             out.shift_norms && shape.len() == 1 && NORM_SUFFIXES.iter().any(|s| canon.ends_with(s));
         out.dense.insert(
@@ -339,6 +427,25 @@ pub fn sanitize(src: &Source) -> Result<Sanitized> {
                 raw,
                 shape,
                 plus_one,
+                kvb: None,
+            },
+        );
+    }
+    for (canon, raw, split) in kvb_halves {
+        if let Some(prev) = out.dense.get(&canon) {
+            return Err(Error::tensor(
+                src.file_of(&raw),
+                &raw,
+                format!("the checkpoint also has `{}`", prev.raw),
+            ));
+        }
+        out.dense.insert(
+            canon,
+            DenseSrc {
+                raw,
+                shape: split.shape().to_vec(),
+                plus_one: false,
+                kvb: Some(split),
             },
         );
     }

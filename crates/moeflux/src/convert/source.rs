@@ -13,6 +13,9 @@ use serde_json::Value;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 
+use super::dtype::{self, FloatTy};
+use super::fp8;
+
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
 pub const SINGLE_FILE: &str = "model.safetensors";
 
@@ -53,6 +56,8 @@ pub struct Source {
     pub shards: Vec<Shard>,
     /// Every tensor of every shard by its name in the checkpoint.
     pub tensors: BTreeMap<String, RawTensor>,
+    /// FP8 (`F8_E4M3`) weight -> its `<name>_scale_inv` block scales.
+    pub fp8_scales: BTreeMap<String, String>,
 }
 
 impl Source {
@@ -162,6 +167,47 @@ impl Source {
             }
         }
 
+        let mut fp8_scales = BTreeMap::new();
+        for (name, t) in &tensors {
+            if t.dtype != Dtype::F8_E4M3 {
+                continue;
+            }
+            let path = dir.join(&shard_files[t.shard]);
+            let sname = format!("{name}_scale_inv");
+            let Some(st) = tensors.get(&sname) else {
+                return Err(Error::tensor(
+                    &path,
+                    name,
+                    format!("FP8 (F8_E4M3) weight without its block scales `{sname}`"),
+                ));
+            };
+            if t.shape.len() != 2 {
+                return Err(Error::tensor(
+                    &path,
+                    name,
+                    format!(
+                        "FP8 weight of shape {:?}; only 2-D weights are supported",
+                        t.shape
+                    ),
+                ));
+            }
+            let want = fp8::scale_shape(t.shape[0], t.shape[1]);
+            if st.shape != want || !matches!(st.dtype, Dtype::F32 | Dtype::BF16) {
+                return Err(Error::tensor(
+                    dir.join(&shard_files[st.shard]),
+                    &sname,
+                    format!(
+                        "{:?} {:?}; expected F32 or BF16 {want:?} (one scale per {b}x{b} block of {:?})",
+                        st.dtype,
+                        st.shape,
+                        t.shape,
+                        b = fp8::BLOCK
+                    ),
+                ));
+            }
+            fp8_scales.insert(name.clone(), sname);
+        }
+
         Ok(Source {
             dir: dir.to_path_buf(),
             config_path,
@@ -170,7 +216,38 @@ impl Source {
             index_path,
             shards,
             tensors,
+            fp8_scales,
         })
+    }
+
+    /// The float type a tensor's values are read in: FP8 weights come out of
+    /// block dequantization as bf16 (as in mlx-lm); `None` for non-floats.
+    pub fn float_ty(&self, raw: &str) -> Option<FloatTy> {
+        let t = self.tensors.get(raw)?;
+        if self.fp8_scales.contains_key(raw) {
+            return Some(FloatTy::Bf16);
+        }
+        FloatTy::from_dtype(t.dtype)
+    }
+
+    /// Rows `r0..r1` of a 2-D float (or FP8 block-scaled) tensor in f32.
+    pub fn float_rows(&self, raw: &str, r0: usize, r1: usize) -> Vec<f32> {
+        let t = &self.tensors[raw];
+        let cols = t.shape.get(1).copied().unwrap_or(1);
+        let data = self.data(t);
+        match self.fp8_scales.get(raw) {
+            Some(sname) => {
+                let st = &self.tensors[sname];
+                let sty = FloatTy::from_dtype(st.dtype).expect("checked at open");
+                let scales = dtype::decode(self.data(st), sty);
+                fp8::decode_rows(data, &scales, cols, r0, r1)
+            }
+            None => {
+                let ty = FloatTy::from_dtype(t.dtype).expect("float tensor");
+                let es = dtype::size_of(t.dtype);
+                dtype::decode(&data[r0 * cols * es..r1 * cols * es], ty)
+            }
+        }
     }
 
     pub fn get(&self, name: &str) -> Option<&RawTensor> {
@@ -247,6 +324,16 @@ fn check_foreign_quantization(v: &Value, path: &Path) -> Result<()> {
         .and_then(|q| q.get("quant_method"))
         .and_then(Value::as_str)
     {
+        // DeepSeek-V3 / Kimi-K2 releases: e4m3 weights with 128x128 block scales
+        // (`weight_scale_inv`), decoded by convert (see `convert::fp8`).
+        let deepseek = v
+            .get("model_type")
+            .and_then(Value::as_str)
+            .and_then(crate::config::Architecture::from_model_type)
+            .is_some_and(|a| a.is_deepseek());
+        if method == "fp8" && deepseek {
+            return Ok(());
+        }
         return Err(Error::Config {
             path: path.to_path_buf(),
             field: "quantization_config.quant_method".into(),

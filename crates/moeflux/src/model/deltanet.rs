@@ -57,6 +57,12 @@ impl GatedDeltaNet {
                 )?,
                 ba: d.linear(&format!("{p}in_proj_ba"), 2 * l.num_v_heads, h)?,
             },
+            Architecture::DeepseekV3 | Architecture::KimiK2 => {
+                return Err(crate::error::Error::Invalid(format!(
+                    "{}: the DeepSeek-V3 family has no GatedDeltaNet layers",
+                    c.arch.model_type()
+                )))
+            }
         };
         Ok(GatedDeltaNet {
             proj,

@@ -1,18 +1,21 @@
-//! The sparse MoE block: softmax router with top-K, routed SwiGLU experts
-//! streamed from the expert store, and a shared expert scaled by a sigmoid
-//! gate. A batch is evaluated expert-major: each routed expert is read once
-//! per layer per batch and applied to every token that chose it.
+//! The sparse MoE block: a router (Qwen: softmax top-K; DeepSeek-V3:
+//! `noaux_tc`, see [`crate::model::router`]), routed SwiGLU experts streamed
+//! from the expert store, and a shared expert (Qwen: scaled by a sigmoid gate;
+//! DeepSeek: added as is). A batch is evaluated expert-major: each routed
+//! expert is read once per layer per batch and applied to every token that
+//! chose it.
 
 use std::collections::BTreeMap;
 use std::time::Instant;
 
 use crate::backend::cpu::ops;
 use crate::backend::cpu::qmatmul::{matmul, matmul_group};
-use crate::config::{ModelConfig, QuantSpec};
+use crate::config::{ModelConfig, QuantSpec, RouterKind};
 use crate::error::{Error, Result};
 use crate::format::ExpertLayer;
 use crate::io::{ExpertBuf, ExpertStore, Landed};
 use crate::model::experts::{most_chosen, ExpertRun, Prefetched};
+use crate::model::router::NoauxTc;
 use crate::model::timing::{lap, PhaseTimes};
 use crate::model::weights::{DenseStore, LinearRef};
 use crate::quant::{affine, QMatrix, ScaleData, Weight};
@@ -32,7 +35,13 @@ pub struct SharedExpert {
 pub struct MoeBlock {
     pub layer: usize,
     pub router: LinearRef,
+    /// Qwen's shared expert with its sigmoid gate.
     pub shared: Option<SharedExpert>,
+    /// DeepSeek's shared experts (one SwiGLU MLP of `n_shared_experts` widths),
+    /// added without a gate.
+    pub ungated_shared: Option<DenseMlp>,
+    /// DeepSeek's `e_score_correction_bias` (`noaux_tc` routing).
+    pub score_bias: Option<Vec<f32>>,
     pub experts: ExpertLayout,
 }
 
@@ -218,6 +227,23 @@ impl Routing {
         }
     }
 
+    /// From router logits `[n, num_experts]` by `noaux_tc` (see
+    /// [`crate::model::router`]).
+    pub fn noaux_tc(logits: &[f32], e: usize, r: NoauxTc) -> Routing {
+        let mut experts = Vec::with_capacity(logits.len() / e * r.k);
+        let mut weights = Vec::with_capacity(logits.len() / e * r.k);
+        for row in logits.chunks_exact(e) {
+            let (ex, w) = r.route(row);
+            experts.extend(ex);
+            weights.extend(w);
+        }
+        Routing {
+            k: r.k,
+            experts,
+            weights,
+        }
+    }
+
     /// Every chosen expert once, ascending, with the (token, slot) indices
     /// (`token * k + j`) it serves.
     pub fn users(&self) -> BTreeMap<usize, Vec<usize>> {
@@ -239,6 +265,23 @@ impl MoeBlock {
     ) -> Result<Self> {
         let h = c.hidden_size;
         let p = format!("{prefix}mlp.");
+        if let RouterKind::NoauxTc { .. } = c.moe.router {
+            let s = c.moe.shared_intermediate;
+            let ungated_shared = if s > 0 {
+                Some(DenseMlp::load_at(d, &format!("{p}shared_experts."), s, h)?)
+            } else {
+                None
+            };
+            let e = c.moe.num_experts;
+            return Ok(MoeBlock {
+                layer,
+                router: d.linear(&format!("{p}gate"), e, h)?,
+                shared: None,
+                ungated_shared,
+                score_bias: Some(d.floats(&format!("{p}gate.e_score_correction_bias"), &[e])?),
+                experts,
+            });
+        }
         let shared = if c.moe.shared_intermediate > 0 {
             let s = c.moe.shared_intermediate;
             Some(SharedExpert {
@@ -254,11 +297,14 @@ impl MoeBlock {
             layer,
             router: d.linear(&format!("{p}gate"), c.moe.num_experts, h)?,
             shared,
+            ungated_shared: None,
+            score_bias: None,
             experts,
         })
     }
 
-    /// Softmax over all experts, top-`k`, renormalised iff `norm_topk_prob`.
+    /// The router's choice of `k` experts per token: softmax top-`k`
+    /// (renormalised iff `norm_topk_prob`) or `noaux_tc`.
     pub fn route(
         &self,
         d: &DenseStore,
@@ -269,7 +315,28 @@ impl MoeBlock {
     ) -> Routing {
         let mut logits = vec![0.0f32; n * c.moe.num_experts];
         matmul(&d.view(&self.router), xn, n, &mut logits);
-        Routing::from_logits(c, logits, k)
+        match (c.moe.router, &self.score_bias) {
+            (
+                RouterKind::NoauxTc {
+                    n_group,
+                    topk_group,
+                    routed_scaling_factor,
+                },
+                Some(bias),
+            ) => Routing::noaux_tc(
+                &logits,
+                c.moe.num_experts,
+                NoauxTc {
+                    bias,
+                    n_group,
+                    topk_group,
+                    k,
+                    norm_topk_prob: c.moe.norm_topk_prob,
+                    routed_scaling_factor,
+                },
+            ),
+            _ => Routing::from_logits(c, logits, k),
+        }
     }
 
     /// Writes the block's output for `n` normed tokens to `out`.
@@ -330,6 +397,11 @@ impl MoeBlock {
         }
 
         let shared = self.shared.as_ref().map(|sh| sh.forward(d, xn, n, h));
+        let ungated = self.ungated_shared.as_ref().map(|m| {
+            let mut y = vec![0.0f32; n * h];
+            m.forward(d, xn, n, &mut y);
+            y
+        });
         lap(&mut clock, &mut times.shared_mlp);
 
         let mut slot_out = vec![0.0f32; n * k * h];
@@ -390,6 +462,9 @@ impl MoeBlock {
                     *a += sg * b;
                 }
             }
+        }
+        if let Some(y) = ungated {
+            ops::add_inplace(out, &y);
         }
         lap(&mut clock, &mut times.shared_mlp);
         Ok(())
@@ -483,7 +558,8 @@ impl SharedExpert {
     }
 }
 
-/// A dense SwiGLU MLP (Qwen3-Next `mlp_only_layers`).
+/// A dense SwiGLU MLP (Qwen3-Next `mlp_only_layers`, DeepSeek's first layers
+/// and its shared experts).
 pub struct DenseMlp {
     pub gate: LinearRef,
     pub up: LinearRef,
@@ -492,11 +568,20 @@ pub struct DenseMlp {
 
 impl DenseMlp {
     pub fn load(d: &DenseStore, c: &ModelConfig, prefix: &str) -> Result<Self> {
-        let (h, i) = (c.hidden_size, c.intermediate_size);
+        Self::load_at(
+            d,
+            &format!("{prefix}mlp."),
+            c.intermediate_size,
+            c.hidden_size,
+        )
+    }
+
+    /// `{module}gate_proj`, `up_proj`, `down_proj` of width `i`.
+    pub fn load_at(d: &DenseStore, module: &str, i: usize, h: usize) -> Result<Self> {
         Ok(DenseMlp {
-            gate: d.linear(&format!("{prefix}mlp.gate_proj"), i, h)?,
-            up: d.linear(&format!("{prefix}mlp.up_proj"), i, h)?,
-            down: d.linear(&format!("{prefix}mlp.down_proj"), h, i)?,
+            gate: d.linear(&format!("{module}gate_proj"), i, h)?,
+            up: d.linear(&format!("{module}up_proj"), i, h)?,
+            down: d.linear(&format!("{module}down_proj"), h, i)?,
         })
     }
 

@@ -73,6 +73,12 @@ impl QwenHybrid {
                 LayerKind::LinearAttention => {
                     Mixer::Linear(GatedDeltaNet::load(&dense, &config, &p)?)
                 }
+                LayerKind::Mla => {
+                    return Err(Error::format(
+                        &manifest_path,
+                        format!("layer {i} is MLA, which the Qwen layer stack does not run"),
+                    ))
+                }
             };
             let mlp = match config.mlp_kinds[i] {
                 MlpKind::Moe => {

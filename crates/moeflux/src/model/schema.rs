@@ -84,6 +84,7 @@ pub fn dense_weights(c: &ModelConfig) -> Vec<WeightSpec> {
                 w.push(vector(format!("{p}self_attn.q_norm.weight"), hd));
                 w.push(vector(format!("{p}self_attn.k_norm.weight"), hd));
             }
+            LayerKind::Mla => mla_weights(c, &p, &mut w),
             LayerKind::LinearAttention => {
                 let l = &c.linear;
                 let a = format!("{p}linear_attn.");
@@ -94,7 +95,8 @@ pub fn dense_weights(c: &ModelConfig) -> Vec<WeightSpec> {
                         w.push(linear(format!("{a}in_proj_b"), l.num_v_heads, h));
                         w.push(linear(format!("{a}in_proj_a"), l.num_v_heads, h));
                     }
-                    Architecture::Qwen3Next => {
+                    // The config never gives the DeepSeek family linear layers.
+                    Architecture::Qwen3Next | Architecture::DeepseekV3 | Architecture::KimiK2 => {
                         w.push(linear(
                             format!("{a}in_proj_qkvz"),
                             2 * l.key_dim() + 2 * l.value_dim(),
@@ -117,6 +119,22 @@ pub fn dense_weights(c: &ModelConfig) -> Vec<WeightSpec> {
             }
         }
         match c.mlp_kinds[i] {
+            MlpKind::Moe if c.arch.is_deepseek() => {
+                let m = &c.moe;
+                // The router stays in the checkpoint's float type (mlx-lm never
+                // quantizes MoEGate); its correction bias is F32.
+                w.push(linear(format!("{p}mlp.gate"), m.num_experts, h));
+                w.push(vector(
+                    format!("{p}mlp.gate.e_score_correction_bias"),
+                    m.num_experts,
+                ));
+                if m.shared_intermediate > 0 {
+                    let s = m.shared_intermediate;
+                    w.push(linear(format!("{p}mlp.shared_experts.gate_proj"), s, h));
+                    w.push(linear(format!("{p}mlp.shared_experts.up_proj"), s, h));
+                    w.push(linear(format!("{p}mlp.shared_experts.down_proj"), h, s));
+                }
+            }
             MlpKind::Moe => {
                 let m = &c.moe;
                 w.push(linear(format!("{p}mlp.gate"), m.num_experts, h));
@@ -141,6 +159,36 @@ pub fn dense_weights(c: &ModelConfig) -> Vec<WeightSpec> {
         w.push(linear("lm_head".into(), c.vocab_size, h));
     }
     w
+}
+
+/// MLA projections of one layer (mlx-lm names: `kv_b_proj` is stored split
+/// into per-head `embed_q` `[heads, kv_lora, nope]` and `unembed_out`
+/// `[heads, v, kv_lora]`, kept here as 2-D `[heads * rows, cols]`).
+fn mla_weights(c: &ModelConfig, p: &str, w: &mut Vec<WeightSpec>) {
+    let Some(m) = c.mla else { return };
+    let (h, nh) = (c.hidden_size, c.num_attention_heads);
+    let a = format!("{p}self_attn.");
+    match m.q_lora_rank {
+        Some(r) => {
+            w.push(linear(format!("{a}q_a_proj"), r, h));
+            w.push(vector(format!("{a}q_a_layernorm.weight"), r));
+            w.push(linear(format!("{a}q_b_proj"), nh * m.q_head_dim(), r));
+        }
+        None => w.push(linear(format!("{a}q_proj"), nh * m.q_head_dim(), h)),
+    }
+    w.push(linear(format!("{a}kv_a_proj_with_mqa"), m.cache_row(), h));
+    w.push(vector(format!("{a}kv_a_layernorm.weight"), m.kv_lora_rank));
+    w.push(linear(
+        format!("{a}embed_q"),
+        nh * m.kv_lora_rank,
+        m.qk_nope_head_dim,
+    ));
+    w.push(linear(
+        format!("{a}unembed_out"),
+        nh * m.v_head_dim,
+        m.kv_lora_rank,
+    ));
+    w.push(linear(format!("{a}o_proj"), h, nh * m.v_head_dim));
 }
 
 /// The routed experts of every MoE layer.

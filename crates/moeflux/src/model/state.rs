@@ -1,5 +1,5 @@
-//! Per-sequence state: a KV cache per full-attention layer and a conv +
-//! recurrent state per GatedDeltaNet layer.
+//! Per-sequence state: a KV cache per full-attention layer, a latent cache per
+//! MLA layer and a conv + recurrent state per GatedDeltaNet layer.
 
 /// Keys and values of one full-attention layer, row `p` = position `p`,
 /// each row `[kv_heads * head_dim]`.
@@ -31,6 +31,39 @@ impl KvCache {
     }
 }
 
+/// The cache of one MLA layer (DeepSeek-V3), row `p` = position `p`: the
+/// normalised KV latent `[kv_lora_rank]` and the rotated key part shared by all
+/// heads `[qk_rope_head_dim]`. Keys and values of every head are recovered from
+/// the latent (absorbed into the query / output, or decompressed for a batch).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MlaCache {
+    pub latent: Vec<f32>,
+    pub rope: Vec<f32>,
+    pub kv_lora_rank: usize,
+    pub rope_dim: usize,
+}
+
+impl MlaCache {
+    pub fn new(kv_lora_rank: usize, rope_dim: usize) -> Self {
+        MlaCache {
+            latent: Vec::new(),
+            rope: Vec::new(),
+            kv_lora_rank,
+            rope_dim,
+        }
+    }
+    pub fn len(&self) -> usize {
+        self.latent.len() / self.kv_lora_rank
+    }
+    pub fn is_empty(&self) -> bool {
+        self.latent.is_empty()
+    }
+    pub fn truncate(&mut self, n: usize) {
+        self.latent.truncate(n * self.kv_lora_rank);
+        self.rope.truncate(n * self.rope_dim);
+    }
+}
+
 /// State of one GatedDeltaNet layer: the last `kernel-1` conv inputs
 /// `[kernel-1][conv_dim]` and the recurrent state `[v_heads][v_dim][k_dim]`.
 #[derive(Debug, Clone, PartialEq)]
@@ -43,6 +76,7 @@ pub struct LinearState {
 pub enum LayerState {
     Full(KvCache),
     Linear(LinearState),
+    Mla(MlaCache),
 }
 
 /// The whole model's state for one sequence.
@@ -56,6 +90,7 @@ impl ModelState {
         for l in &mut self.layers {
             match l {
                 LayerState::Full(kv) => kv.truncate(0),
+                LayerState::Mla(m) => m.truncate(0),
                 LayerState::Linear(s) => {
                     s.conv.fill(0.0);
                     s.ssm.fill(0.0);
@@ -76,7 +111,7 @@ impl ModelState {
             .iter()
             .filter_map(|l| match l {
                 LayerState::Linear(s) => Some(s.clone()),
-                LayerState::Full(_) => None,
+                LayerState::Full(_) | LayerState::Mla(_) => None,
             })
             .collect()
     }
@@ -87,6 +122,7 @@ impl ModelState {
         for l in &mut self.layers {
             match l {
                 LayerState::Full(kv) => kv.truncate(n),
+                LayerState::Mla(m) => m.truncate(n),
                 LayerState::Linear(s) => {
                     s.clone_from(it.next().expect("one state per linear layer"))
                 }

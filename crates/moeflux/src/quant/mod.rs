@@ -115,3 +115,44 @@ impl Weight<'_> {
         }
     }
 }
+
+impl<'a> ScaleData<'a> {
+    fn range(&self, a: usize, b: usize) -> ScaleData<'a> {
+        match *self {
+            ScaleData::Bf16(s) => ScaleData::Bf16(&s[a..b]),
+            ScaleData::F32(s) => ScaleData::F32(&s[a..b]),
+        }
+    }
+}
+
+impl<'a> Weight<'a> {
+    /// Rows `r0..r1` as a matrix of their own (a per-head block of MLA's
+    /// `embed_q` / `unembed_out`, stored as `[heads * rows, cols]`).
+    pub fn row_block(&self, r0: usize, r1: usize) -> Weight<'a> {
+        assert!(r0 <= r1 && r1 <= self.rows(), "row block {r0}..{r1}");
+        match *self {
+            Weight::Quantized(q) => {
+                let (wpr, gpr) = (q.words_per_row(), q.groups_per_row());
+                Weight::Quantized(QMatrix {
+                    rows: r1 - r0,
+                    cols: q.cols,
+                    spec: q.spec,
+                    packed: &q.packed[r0 * wpr..r1 * wpr],
+                    scales: q.scales.range(r0 * gpr, r1 * gpr),
+                    biases: q.biases.range(r0 * gpr, r1 * gpr),
+                })
+            }
+            Weight::Dense(d) => {
+                let (a, b) = (r0 * d.cols, r1 * d.cols);
+                Weight::Dense(DenseMatrix {
+                    rows: r1 - r0,
+                    cols: d.cols,
+                    data: match d.data {
+                        DenseData::Bf16(x) => DenseData::Bf16(&x[a..b]),
+                        DenseData::F32(x) => DenseData::F32(&x[a..b]),
+                    },
+                })
+            }
+        }
+    }
+}

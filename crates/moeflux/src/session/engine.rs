@@ -8,9 +8,10 @@ use crate::backend::cuda::model::CudaModel;
 use crate::error::Result;
 use crate::io::{ExpertBuf, ExpertStore};
 use crate::model::experts::{ExpertRun, PrefetchStats};
-use crate::model::qwen3_hybrid::{LogitsMode, QwenHybrid};
+use crate::model::qwen3_hybrid::LogitsMode;
 use crate::model::state::{LinearState, ModelState};
 use crate::model::timing::PhaseTimes;
+use crate::model::Model;
 
 pub(crate) enum Engine {
     Cpu {
@@ -23,7 +24,7 @@ pub(crate) enum Engine {
 
 /// What a forward pass needs besides the engine.
 pub(crate) struct ForwardCtx<'a> {
-    pub model: &'a QwenHybrid,
+    pub model: &'a Model,
     pub store: &'a ExpertStore,
     pub pool: &'a rayon::ThreadPool,
     pub k: usize,

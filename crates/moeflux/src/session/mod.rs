@@ -14,9 +14,9 @@ use crate::format::{Manifest, MANIFEST_FILE};
 use crate::io::{ExpertStore, ExpertStoreOptions, IoStats};
 use crate::model::experts::PrefetchStats;
 pub use crate::model::qwen3_hybrid::LogitsMode;
-use crate::model::qwen3_hybrid::QwenHybrid;
 use crate::model::state::LinearState;
 pub use crate::model::timing::PhaseTimes;
+use crate::model::Model;
 use engine::{Engine, ForwardCtx};
 
 #[derive(Debug, Clone)]
@@ -99,9 +99,14 @@ impl Default for SessionOptions {
     }
 }
 
+/// Why a DeepSeek-V3-family model cannot open on the GPU backend (the MLA
+/// kernels are not written yet).
+pub const DEEPSEEK_CUDA_UNSUPPORTED: &str =
+    "DeepSeek-V3 (MLA) is not supported on the CUDA backend yet";
+
 pub struct Session {
     dir: PathBuf,
-    model: QwenHybrid,
+    model: Model,
     store: ExpertStore,
     pool: rayon::ThreadPool,
     engine: Engine,
@@ -153,10 +158,17 @@ impl Session {
             }
         };
         let max_context = opts.max_context.unwrap_or(config.max_position_embeddings);
-        let gpu = match opts.backend {
-            Backend::Cpu => Err("CPU backend requested".to_string()),
-            Backend::Cuda => Ok(Gpu::open()?),
-            Backend::Auto => Gpu::open().map_err(|e| e.to_string()),
+        // Families the GPU backend cannot run yet; see the dispatch below.
+        let gpu_unsupported = config
+            .arch
+            .is_deepseek()
+            .then_some(DEEPSEEK_CUDA_UNSUPPORTED);
+        let gpu = match (opts.backend, gpu_unsupported) {
+            (Backend::Cpu, _) => Err("CPU backend requested".to_string()),
+            (Backend::Cuda, Some(why)) => return Err(Error::Invalid(why.to_string())),
+            (Backend::Auto, Some(why)) => Err(why.to_string()),
+            (Backend::Cuda, None) => Ok(Gpu::open()?),
+            (Backend::Auto, None) => Gpu::open().map_err(|e| e.to_string()),
         };
         let store = ExpertStore::open(
             dir,
@@ -170,9 +182,13 @@ impl Session {
                 ..Default::default()
             },
         )?;
-        let model = QwenHybrid::load(dir, &manifest, config)?;
-        let (engine, backend_note) = match gpu {
-            Ok(gpu) => {
+        let model = Model::load(dir, &manifest, config)?;
+        let (engine, backend_note) = match (gpu, &model) {
+            // The GPU dispatch point: one arm per family the CUDA backend runs.
+            (Ok(_), Model::DeepseekV3(_)) => {
+                return Err(Error::Invalid(DEEPSEEK_CUDA_UNSUPPORTED.to_string()))
+            }
+            (Ok(gpu), Model::Qwen(model)) => {
                 let mut note = format!("cuda: {}", gpu.info);
                 let cuda = CudaOptions {
                     gpu_memory: opts.gpu_memory,
@@ -180,7 +196,7 @@ impl Session {
                     graphs: opts.cuda_graphs,
                     host_cache: opts.host_cache,
                 };
-                let m = CudaModel::new(gpu, &model, &store, &cuda)?;
+                let m = CudaModel::new(gpu, model, &store, &cuda)?;
                 let (layers, bytes) = m.host_tier();
                 if layers > 0 {
                     note.push_str(&format!(
@@ -190,12 +206,13 @@ impl Session {
                 }
                 (Engine::Cuda(Box::new(m)), note)
             }
-            Err(why) => (
+            (Err(why), _) => (
                 Engine::Cpu {
                     state: model.new_state(),
                     bufs: Vec::new(),
                 },
                 match opts.backend {
+                    Backend::Auto if gpu_unsupported.is_some() => format!("cpu ({why})"),
                     Backend::Auto => format!("cpu (no GPU: {why})"),
                     _ => "cpu".to_string(),
                 },
@@ -213,8 +230,8 @@ impl Session {
             .map_err(|e| Error::Invalid(format!("cannot start {threads} compute threads: {e}")))?;
         let decode_bytes_per_token = manifest.decode_bytes_per_token(
             k_active,
-            model.config.vocab_size,
-            model.config.tie_word_embeddings,
+            model.config().vocab_size,
+            model.config().tie_word_embeddings,
         );
         Ok(Session {
             dir: dir.to_path_buf(),
@@ -239,7 +256,7 @@ impl Session {
     }
 
     pub fn config(&self) -> &ModelConfig {
-        &self.model.config
+        self.model.config()
     }
 
     pub fn model_dir(&self) -> &Path {
@@ -247,7 +264,7 @@ impl Session {
     }
 
     pub fn vocab_size(&self) -> usize {
-        self.model.config.vocab_size
+        self.model.config().vocab_size
     }
 
     /// Routed experts evaluated per token.
@@ -480,7 +497,7 @@ impl Session {
 
     fn has_linear_layers(&self) -> bool {
         self.model
-            .config
+            .config()
             .layer_kinds
             .contains(&LayerKind::LinearAttention)
     }
@@ -536,7 +553,7 @@ impl Session {
             ));
         }
         Ok(snapshot::save(
-            &self.model.config,
+            self.model.config(),
             self.fingerprint,
             &self.tokens,
             self.engine.host_state()?.as_ref(),
@@ -549,7 +566,7 @@ impl Session {
     pub fn state_load(&mut self, bytes: &[u8]) -> Result<()> {
         let template = self.model.new_state();
         let (tokens, state) = snapshot::load(
-            &self.model.config,
+            self.model.config(),
             self.fingerprint,
             self.max_context,
             &template,

@@ -4,19 +4,27 @@
 //! b"MFLXSNAP" | u32 version | u32 word count W | W x u64 shape words
 //! | n_tokens x u32 token ids
 //! | per layer: full attention: K then V, position x kv_heads*head_dim f32
+//! |            MLA: latent rows (position x kv_lora_rank f32) then rotary
+//! |                 key rows (position x qk_rope_head_dim f32)
 //! |            linear: conv state then recurrent state, f32
 //! | u64 FNV-1a of everything before
 //! ```
 //! Everything is little-endian. Loading validates every word, the exact
 //! length and the checksum before anything is decoded into the session.
+//!
+//! Version 2 added the MLA layer kind and two shape words (`kv_lora_rank`,
+//! `qk_rope_head_dim`, 0 for models without MLA); version 1 snapshots (15
+//! words, Qwen models) still load, the two words read as 0.
 
 use crate::config::{Architecture, ModelConfig};
-use crate::model::state::{KvCache, LayerState, LinearState, ModelState};
+use crate::model::state::{KvCache, LayerState, LinearState, MlaCache, ModelState};
 
 pub const MAGIC: &[u8; 8] = b"MFLXSNAP";
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
+/// Shape words of a version 1 snapshot (before MLA).
+const V1_WORDS: usize = 15;
 
-const WORD_NAMES: [&str; 15] = [
+const WORD_NAMES: [&str; 17] = [
     "architecture",
     "num_layers",
     "hidden_size",
@@ -32,6 +40,8 @@ const WORD_NAMES: [&str; 15] = [
     "linear_attention_layers",
     "model_fingerprint",
     "position",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
 ];
 
 /// FNV-1a, 64-bit: cheap integrity and identity hashing.
@@ -44,13 +54,15 @@ pub fn fnv1a(bytes: &[u8]) -> u64 {
     h
 }
 
-fn shape_words(c: &ModelConfig, fingerprint: u64, position: usize) -> [u64; 15] {
+fn shape_words(c: &ModelConfig, fingerprint: u64, position: usize) -> [u64; 17] {
     let l = &c.linear;
     let full = c.num_full_attention_layers();
     [
         match c.arch {
             Architecture::Qwen3_5Moe => 1,
             Architecture::Qwen3Next => 2,
+            Architecture::DeepseekV3 => 3,
+            Architecture::KimiK2 => 4,
         },
         c.num_layers as u64,
         c.hidden_size as u64,
@@ -66,6 +78,8 @@ fn shape_words(c: &ModelConfig, fingerprint: u64, position: usize) -> [u64; 15] 
         (c.num_layers - full) as u64,
         fingerprint,
         position as u64,
+        c.mla.map_or(0, |m| m.kv_lora_rank) as u64,
+        c.mla.map_or(0, |m| m.qk_rope_head_dim) as u64,
     ]
 }
 
@@ -93,6 +107,10 @@ pub fn save(c: &ModelConfig, fingerprint: u64, tokens: &[u32], state: &ModelStat
             LayerState::Full(kv) => {
                 put_f32s(&mut out, &kv.k);
                 put_f32s(&mut out, &kv.v);
+            }
+            LayerState::Mla(m) => {
+                put_f32s(&mut out, &m.latent);
+                put_f32s(&mut out, &m.rope);
             }
             LayerState::Linear(s) => {
                 put_f32s(&mut out, &s.conv);
@@ -156,20 +174,24 @@ pub fn load(
         return Err("bad magic: not a moeflux snapshot".into());
     }
     let version = r.u32()?;
-    if version != VERSION {
-        return Err(format!(
-            "version {version} is not supported (this build reads {VERSION})"
-        ));
-    }
+    let expect_words = match version {
+        1 => V1_WORDS,
+        VERSION => WORD_NAMES.len(),
+        _ => {
+            return Err(format!(
+                "version {version} is not supported (this build reads 1 and {VERSION})"
+            ))
+        }
+    };
     let count = r.u32()? as usize;
-    if count != WORD_NAMES.len() {
+    if count != expect_words {
         return Err(format!(
-            "header has {count} shape words, expected {}",
-            WORD_NAMES.len()
+            "header has {count} shape words, expected {expect_words} for version {version}"
         ));
     }
-    let mut words = [0u64; 15];
-    for w in &mut words {
+    // Words a version 1 snapshot lacks read as 0 (no MLA).
+    let mut words = [0u64; 17];
+    for w in &mut words[..count] {
         *w = r.u64()?;
     }
     let position = words[14];
@@ -216,6 +238,16 @@ pub fn load(
                     row: kv.row,
                 })
             }
+            LayerState::Mla(m) => LayerState::Mla(MlaCache {
+                latent: r.f32s(
+                    position
+                        .checked_mul(m.kv_lora_rank)
+                        .ok_or("length overflow")?,
+                )?,
+                rope: r.f32s(position.checked_mul(m.rope_dim).ok_or("length overflow")?)?,
+                kv_lora_rank: m.kv_lora_rank,
+                rope_dim: m.rope_dim,
+            }),
             LayerState::Linear(s) => LayerState::Linear(LinearState {
                 conv: r.f32s(s.conv.len())?,
                 ssm: r.f32s(s.ssm.len())?,

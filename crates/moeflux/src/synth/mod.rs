@@ -42,7 +42,7 @@ use crate::format::manifest::{SourceInfo, FORMAT_NAME, FORMAT_VERSION};
 use crate::format::{ExpertLayer, Manifest, TensorEntry, DENSE_FILE, EXPERTS_DIR, MANIFEST_FILE};
 use crate::model::schema::{self, WeightKind, EXPERT_COMPONENTS};
 
-pub use presets::{find_preset, presets, Preset, QwenShape, SynthSpec};
+pub use presets::{find_preset, presets, DeepseekShape, Preset, QwenShape, SynthSpec};
 
 use init::{Init, LinearInit};
 
@@ -230,12 +230,14 @@ pub fn synth(dst: &Path, opts: &SynthOptions) -> Result<SynthReport> {
                 jobs.push(Job::Linear { cols, init, outs });
             }
             WeightKind::Vector { len } => {
-                // mlx-lm keeps A_log in float32 (qwen3_5 cast_predicate).
-                let dtype = if w.name.ends_with("A_log") {
-                    Dtype::F32
-                } else {
-                    Dtype::BF16
-                };
+                // mlx-lm keeps A_log (qwen3_5) and the router's correction
+                // bias (deepseek_v3) in float32 (cast_predicate).
+                let dtype =
+                    if w.name.ends_with("A_log") || w.name.ends_with("e_score_correction_bias") {
+                        Dtype::F32
+                    } else {
+                        Dtype::BF16
+                    };
                 let out = push(w.name, dtype, vec![len]);
                 jobs.push(Job::Floats { out, kind: w.kind });
             }
@@ -328,6 +330,14 @@ pub fn synth(dst: &Path, opts: &SynthOptions) -> Result<SynthReport> {
     })
 }
 
+/// The first MoE layer of a spec (DeepSeek's first layers are dense).
+fn config_first_moe(spec: &SynthSpec) -> usize {
+    match spec {
+        SynthSpec::Qwen3_5Moe(_) => 0,
+        SynthSpec::DeepseekV3(s) => s.first_k_dense,
+    }
+}
+
 /// The expert files' layouts, as `convert` lays them out (BF16 scales).
 fn expert_layouts(config: &ModelConfig, bits: u32) -> Vec<ExpertLayer> {
     let spec = QuantSpec {
@@ -353,6 +363,7 @@ fn expert_layouts(config: &ModelConfig, bits: u32) -> Vec<ExpertLayer> {
 fn config_json(opts: &SynthOptions, layers: usize) -> serde_json::Value {
     let arch = match opts.spec {
         SynthSpec::Qwen3_5Moe(_) => crate::config::Architecture::Qwen3_5Moe,
+        SynthSpec::DeepseekV3(_) => crate::config::Architecture::DeepseekV3,
     };
     let spec = |bits| QuantSpec {
         bits,
@@ -361,7 +372,17 @@ fn config_json(opts: &SynthOptions, layers: usize) -> serde_json::Value {
     let mut overrides = std::collections::BTreeMap::new();
     for l in 0..layers {
         let p = format!("model.layers.{l}.mlp.");
-        for m in ["gate", "shared_expert_gate"] {
+        // The router at 8 bits (Qwen also its shared-expert gate; DeepSeek
+        // checkpoints keep the router in bf16, a synthetic model quantizes it).
+        let gates: &[&str] = if arch.is_deepseek() {
+            &["gate"]
+        } else {
+            &["gate", "shared_expert_gate"]
+        };
+        for m in gates {
+            if arch.is_deepseek() && l < config_first_moe(&opts.spec) {
+                continue;
+            }
             overrides.insert(mlx_module_path(arch, &format!("{p}{m}")), spec(8));
         }
         if opts.expert_bits != DEFAULT_BITS {

@@ -12,6 +12,34 @@ use crate::error::{Error, Result};
 #[derive(Debug, Clone, PartialEq)]
 pub enum SynthSpec {
     Qwen3_5Moe(QwenShape),
+    DeepseekV3(DeepseekShape),
+}
+
+/// A `deepseek_v3` model (Cogito-V2 671B, DeepSeek-V3/R1): MLA in every layer,
+/// the first `first_k_dense` layers with a dense SwiGLU MLP, then MoE layers
+/// with a `noaux_tc` router and ungated shared experts; YaRN rotary.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeepseekShape {
+    pub hidden_size: usize,
+    pub num_layers: usize,
+    pub num_attention_heads: usize,
+    pub vocab_size: usize,
+    pub num_experts: usize,
+    pub experts_per_token: usize,
+    pub moe_intermediate: usize,
+    pub n_shared_experts: usize,
+    /// Width of the dense MLP of the first layers.
+    pub intermediate_size: usize,
+    pub first_k_dense: usize,
+    pub q_lora_rank: usize,
+    pub kv_lora_rank: usize,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    pub n_group: usize,
+    pub topk_group: usize,
+    pub routed_scaling_factor: f64,
+    pub eos_token_ids: &'static [u32],
 }
 
 /// A `qwen3_5_moe` hybrid (Qwen3.5 / Qwen3.6): GatedDeltaNet layers with a
@@ -95,6 +123,32 @@ pub fn presets() -> Vec<Preset> {
             }),
         },
         Preset {
+            name: "cogito-v2-671b",
+            description: "Cogito-V2 671B (DeepSeek-V3 architecture): hidden 7168, 61 layers \
+                          (first 3 dense, 18432), MLA 128 heads, 256 experts top-8 of 2048",
+            spec: SynthSpec::DeepseekV3(DeepseekShape {
+                hidden_size: 7168,
+                num_layers: 61,
+                num_attention_heads: 128,
+                vocab_size: 129_280,
+                num_experts: 256,
+                experts_per_token: 8,
+                moe_intermediate: 2048,
+                n_shared_experts: 1,
+                intermediate_size: 18_432,
+                first_k_dense: 3,
+                q_lora_rank: 1536,
+                kv_lora_rank: 512,
+                qk_nope_head_dim: 128,
+                qk_rope_head_dim: 64,
+                v_head_dim: 128,
+                n_group: 8,
+                topk_group: 4,
+                routed_scaling_factor: 2.5,
+                eos_token_ids: &[1],
+            }),
+        },
+        Preset {
             name: "qwen3.5-tiny",
             description: "the test fixtures' qwen3_5_moe shape (hidden 128, 4 layers, \
                           16 experts top-4, vocab 1024): a model in milliseconds",
@@ -133,6 +187,7 @@ impl SynthSpec {
     pub fn num_layers(&self) -> usize {
         match self {
             SynthSpec::Qwen3_5Moe(s) => s.num_layers,
+            SynthSpec::DeepseekV3(s) => s.num_layers,
         }
     }
 
@@ -178,6 +233,51 @@ impl SynthSpec {
                 },
                 "tie_word_embeddings": false,
                 "eos_token_id": s.eos_token_ids,
+            }),
+            SynthSpec::DeepseekV3(s) => json!({
+                "architectures": ["DeepseekV3ForCausalLM"],
+                "model_type": "deepseek_v3",
+                "hidden_size": s.hidden_size,
+                "num_hidden_layers": layers,
+                "num_attention_heads": s.num_attention_heads,
+                "num_key_value_heads": s.num_attention_heads,
+                "vocab_size": s.vocab_size,
+                "intermediate_size": s.intermediate_size,
+                "moe_intermediate_size": s.moe_intermediate,
+                "n_routed_experts": s.num_experts,
+                "n_shared_experts": s.n_shared_experts,
+                "num_experts_per_tok": s.experts_per_token,
+                "first_k_dense_replace": s.first_k_dense,
+                "moe_layer_freq": 1,
+                "q_lora_rank": s.q_lora_rank,
+                "kv_lora_rank": s.kv_lora_rank,
+                "qk_nope_head_dim": s.qk_nope_head_dim,
+                "qk_rope_head_dim": s.qk_rope_head_dim,
+                "v_head_dim": s.v_head_dim,
+                "n_group": s.n_group,
+                "topk_group": s.topk_group,
+                "routed_scaling_factor": s.routed_scaling_factor,
+                "scoring_func": "sigmoid",
+                "topk_method": "noaux_tc",
+                "norm_topk_prob": true,
+                "rms_norm_eps": 1e-6,
+                "rope_theta": 10000,
+                "rope_scaling": {
+                    "type": "yarn",
+                    "factor": 40,
+                    "original_max_position_embeddings": 4096,
+                    "beta_fast": 32,
+                    "beta_slow": 1,
+                    "mscale": 1.0,
+                    "mscale_all_dim": 1.0
+                },
+                "max_position_embeddings": 163_840,
+                "tie_word_embeddings": false,
+                "attention_bias": false,
+                "hidden_act": "silu",
+                "torch_dtype": "bfloat16",
+                "bos_token_id": 0,
+                "eos_token_id": s.eos_token_ids.last(),
             }),
         }
     }

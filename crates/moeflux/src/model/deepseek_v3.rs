@@ -1,0 +1,178 @@
+//! The DeepSeek-V3 family (`deepseek_v3`, `kimi_k2`; Cogito-V2 671B,
+//! DeepSeek-V3/R1, Kimi-K2): MLA in every layer, then a dense SwiGLU MLP in
+//! the first `first_k_dense_replace` layers and a `noaux_tc` MoE block (with
+//! ungated shared experts) in the others. The MoE blocks are the same
+//! expert-major, streaming [`MoeBlock`] the Qwen models use.
+
+use std::path::Path;
+
+use crate::backend::cpu::ops;
+use crate::backend::cpu::qmatmul::{dequantize_row, matmul};
+use crate::config::{MlpKind, ModelConfig};
+use crate::error::{Error, Result};
+use crate::format::Manifest;
+use crate::model::experts::ExpertRun;
+use crate::model::mla::MlaAttention;
+use crate::model::moe::{DenseMlp, ExpertLayout, MoeBlock};
+use crate::model::qwen3_hybrid::{LogitsMode, Mlp};
+use crate::model::schema::layer_prefix;
+use crate::model::state::{LayerState, MlaCache, ModelState};
+use crate::model::timing::{lap, PhaseTimes};
+use crate::model::weights::{DenseStore, LinearRef};
+use crate::model::yarn::{self, MlaRope};
+
+pub struct DsLayer {
+    pub input_norm: Vec<f32>,
+    pub post_norm: Vec<f32>,
+    pub attn: MlaAttention,
+    pub mlp: Mlp,
+}
+
+pub struct DeepseekV3 {
+    pub config: ModelConfig,
+    pub dense: DenseStore,
+    pub embed: LinearRef,
+    pub lm_head: LinearRef,
+    pub final_norm: Vec<f32>,
+    pub layers: Vec<DsLayer>,
+    pub rope: MlaRope,
+    /// Softmax scale with YaRN's `mscale_all_dim` folded in.
+    pub scale: f32,
+}
+
+impl DeepseekV3 {
+    pub fn load(dir: &Path, manifest: &Manifest, config: ModelConfig) -> Result<Self> {
+        let manifest_path = dir.join(crate::format::MANIFEST_FILE);
+        let mla = config.mla.ok_or_else(|| {
+            Error::format(&manifest_path, "DeepSeek-V3 config without an MLA shape")
+        })?;
+        let dense = DenseStore::open(dir, manifest)?;
+        dense.validate_schema(&config)?;
+        let (h, v) = (config.hidden_size, config.vocab_size);
+        let embed = dense.linear("model.embed_tokens", v, h)?;
+        let lm_head = if config.tie_word_embeddings {
+            embed
+        } else {
+            dense.linear("lm_head", v, h)?
+        };
+        let mut layers = Vec::with_capacity(config.num_layers);
+        for i in 0..config.num_layers {
+            let p = layer_prefix(i);
+            let mlp = match config.mlp_kinds[i] {
+                MlpKind::Moe => {
+                    let el = manifest.expert_layer(i).ok_or_else(|| {
+                        Error::format(
+                            &manifest_path,
+                            format!("no routed experts listed for MoE layer {i}"),
+                        )
+                    })?;
+                    let layout = ExpertLayout::from_manifest(el, &config, &manifest_path)?;
+                    Mlp::Moe(MoeBlock::load(&dense, &config, &p, i, layout)?)
+                }
+                MlpKind::Dense => Mlp::Dense(DenseMlp::load(&dense, &config, &p)?),
+            };
+            layers.push(DsLayer {
+                input_norm: dense.floats(&format!("{p}input_layernorm.weight"), &[h])?,
+                post_norm: dense.floats(&format!("{p}post_attention_layernorm.weight"), &[h])?,
+                attn: MlaAttention::load(&dense, &config, &p)?,
+                mlp,
+            });
+        }
+        Ok(DeepseekV3 {
+            final_norm: dense.floats("model.norm.weight", &[h])?,
+            rope: MlaRope::new(&config.rope),
+            scale: yarn::softmax_scale(&mla, &config.rope),
+            config,
+            dense,
+            embed,
+            lm_head,
+            layers,
+        })
+    }
+
+    fn next_moe(&self, i: usize) -> Option<&MoeBlock> {
+        self.layers[i + 1..].iter().find_map(|l| match &l.mlp {
+            Mlp::Moe(m) => Some(m),
+            Mlp::Dense(_) => None,
+        })
+    }
+
+    pub fn new_state(&self) -> ModelState {
+        let m = self.config.mla.expect("checked at load");
+        ModelState {
+            layers: self
+                .layers
+                .iter()
+                .map(|_| LayerState::Mla(MlaCache::new(m.kv_lora_rank, m.qk_rope_head_dim)))
+                .collect(),
+        }
+    }
+
+    /// Evaluates `tokens` at positions `start..` over the whole batch, layer
+    /// by layer, and returns logits `[rows, vocab]` for the last token or all.
+    pub fn forward(
+        &self,
+        run: &mut ExpertRun<'_>,
+        state: &mut ModelState,
+        tokens: &[u32],
+        start: usize,
+        mode: LogitsMode,
+        times: &mut PhaseTimes,
+    ) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let mut clock = std::time::Instant::now();
+        let (n, h) = (tokens.len(), c.hidden_size);
+        let d = &self.dense;
+        let embed = d.view(&self.embed);
+        let mut x = vec![0.0f32; n * h];
+        for (t, &tok) in tokens.iter().enumerate() {
+            dequantize_row(&embed, tok as usize, &mut x[t * h..(t + 1) * h]);
+        }
+        let mut xn = vec![0.0f32; n * h];
+        let mut r = vec![0.0f32; n * h];
+        for (i, (layer, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
+            ops::rms_norm_rows(&x, &layer.input_norm, c.rms_norm_eps, &mut xn);
+            lap(&mut clock, &mut times.embed_norm);
+            let LayerState::Mla(cache) = ls else {
+                return Err(Error::Invalid(format!(
+                    "layer {i}: state is not an MLA cache"
+                )));
+            };
+            layer
+                .attn
+                .forward(d, c, &self.rope, self.scale, &xn, n, start, cache, &mut r)?;
+            ops::add_inplace(&mut x, &r);
+            lap(&mut clock, &mut times.attention);
+            ops::rms_norm_rows(&x, &layer.post_norm, c.rms_norm_eps, &mut xn);
+            lap(&mut clock, &mut times.embed_norm);
+            match &layer.mlp {
+                Mlp::Moe(m) => {
+                    m.forward(d, c, run, self.next_moe(i), &xn, n, &mut r, times)?;
+                    clock = std::time::Instant::now();
+                }
+                Mlp::Dense(m) => {
+                    m.forward(d, &xn, n, &mut r);
+                    lap(&mut clock, &mut times.shared_mlp);
+                }
+            }
+            ops::add_inplace(&mut x, &r);
+            lap(&mut clock, &mut times.embed_norm);
+        }
+        let rows = match mode {
+            LogitsMode::All => 0..n,
+            LogitsMode::Last => n - 1..n,
+        };
+        let m = rows.len();
+        let mut normed = vec![0.0f32; m * h];
+        ops::rms_norm_rows(
+            &x[rows.start * h..rows.end * h],
+            &self.final_norm,
+            c.rms_norm_eps,
+            &mut normed,
+        );
+        let mut logits = vec![0.0f32; m * c.vocab_size];
+        matmul(&d.view(&self.lm_head), &normed, m, &mut logits);
+        lap(&mut clock, &mut times.lm_head);
+        Ok(logits)
+    }
+}

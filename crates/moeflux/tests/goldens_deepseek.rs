@@ -1,0 +1,54 @@
+//! End-to-end agreement with mlx-lm for the DeepSeek-V3 family (MLA,
+//! `noaux_tc` routing, dense first layer, YaRN): each fixture is converted,
+//! then evaluated as one batch (decompressed MLA), one token at a time
+//! (absorbed MLA, the decode path) and as prefill + decode, and every
+//! position's logits are compared with mlx-lm's float32 forward on the
+//! dequantized weights (tools/goldens/make_deepseek_fixtures.py).
+//!
+//! Unlike the Qwen models, batch and incremental logits are not bitwise
+//! equal here: the two MLA paths sum in different orders (as in mlx-lm,
+//! whose two paths differ by ~1e-5 in float32). Each must match the golden.
+
+mod common;
+
+use common::{check_against_golden, convert_fixture, fixtures, open, Golden};
+use moeflux::LogitsMode;
+
+fn run_fixture(name: &str, src: &str, golden_dir: &str) {
+    let golden = Golden::load(&fixtures().join(golden_dir));
+    let (_tmp, dir) = convert_fixture(src, None);
+
+    let mut batch = open(&dir);
+    let all = batch.eval(&golden.tokens, LogitsMode::All).unwrap();
+    check_against_golden(&format!("{name} batch"), &golden, &all);
+
+    let mut inc = open(&dir);
+    let mut rows = Vec::new();
+    for &t in &golden.tokens {
+        rows.extend(inc.eval(&[t], LogitsMode::Last).unwrap());
+    }
+    check_against_golden(&format!("{name} incremental"), &golden, &rows);
+
+    let mut mixed = open(&dir);
+    let p = golden.prompt_len;
+    let mut rows = mixed.eval(&golden.tokens[..p], LogitsMode::All).unwrap();
+    for &t in &golden.tokens[p..] {
+        rows.extend(mixed.eval(&[t], LogitsMode::Last).unwrap());
+    }
+    check_against_golden(&format!("{name} prefill+decode"), &golden, &rows);
+}
+
+#[test]
+fn deepseek_v3_q4_mla_noaux_tc_yarn() {
+    run_fixture("deepseekv3-q4", "deepseekv3-q4/src", "deepseekv3-q4");
+}
+
+#[test]
+fn kimi_k2_q4_plain_q_proj_one_group_rope_mscale() {
+    run_fixture("kimik2-q4", "kimik2-q4/src", "kimik2-q4");
+}
+
+#[test]
+fn deepseek_v3_from_hugging_face_fp8() {
+    run_fixture("deepseekv3-fp8", "deepseekv3-fp8/src", "deepseekv3-fp8");
+}

@@ -1,0 +1,107 @@
+//! Sequence state of MLA models: snapshots hold the latent and rotary-key
+//! rows and restore them exactly; truncation is exact (every layer is
+//! attention); the CUDA backend refuses the family with a clear error.
+//! Also: version 1 snapshots (before MLA) of Qwen models still load.
+
+mod common;
+
+use common::{convert_fixture, fixtures, open, Golden};
+use moeflux::{Backend, LogitsMode, Session, SessionOptions};
+
+#[test]
+fn mla_snapshot_roundtrip_and_exact_truncate() {
+    let golden = Golden::load(&fixtures().join("deepseekv3-q4"));
+    let (_tmp, dir) = convert_fixture("deepseekv3-q4/src", None);
+    let toks = &golden.tokens;
+
+    let mut a = open(&dir);
+    a.eval(&toks[..20], LogitsMode::All).unwrap();
+    let snap = a.state_save().unwrap();
+    let want = a.eval(&toks[20..], LogitsMode::All).unwrap();
+
+    let mut b = open(&dir);
+    b.eval(&toks[..3], LogitsMode::Last).unwrap();
+    b.state_load(&snap).unwrap();
+    assert_eq!(b.position(), 20);
+    assert_eq!(b.eval(&toks[20..], LogitsMode::All).unwrap(), want);
+
+    // A corrupted snapshot is refused and leaves the session as it was.
+    let mut bad = snap.clone();
+    let mid = bad.len() / 2;
+    bad[mid] ^= 1;
+    assert!(b.state_load(&bad).is_err());
+    assert_eq!(b.position(), 32);
+
+    // Truncate: no checkpoint needed, rows dropped exactly.
+    a.truncate(10).unwrap();
+    let after = a.eval(&toks[10..], LogitsMode::All).unwrap();
+    let mut fresh = open(&dir);
+    fresh.eval(&toks[..10], LogitsMode::All).unwrap();
+    assert_eq!(fresh.eval(&toks[10..], LogitsMode::All).unwrap(), after);
+}
+
+#[test]
+fn deepseek_on_cuda_is_a_clear_error() {
+    let (_tmp, dir) = convert_fixture("deepseekv3-q4/src", None);
+    let err = Session::open(
+        &dir,
+        SessionOptions {
+            backend: Backend::Cuda,
+            ..Default::default()
+        },
+    )
+    .err()
+    .expect("DeepSeek on CUDA must be refused")
+    .to_string();
+    assert!(
+        err.contains("DeepSeek-V3 (MLA) is not supported on the CUDA backend yet"),
+        "{err}"
+    );
+    // Auto falls back to the CPU and says why.
+    let s = Session::open(
+        &dir,
+        SessionOptions {
+            backend: Backend::Auto,
+            threads: Some(2),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert!(!s.on_gpu());
+    assert!(
+        s.backend().contains("not supported on the CUDA backend"),
+        "{}",
+        s.backend()
+    );
+}
+
+/// Rewrites a version 2 snapshot of a model without MLA as version 1 (15
+/// shape words, no kv_lora_rank / qk_rope_head_dim), with its checksum.
+fn as_v1(v2: &[u8]) -> Vec<u8> {
+    let words = u32::from_le_bytes(v2[12..16].try_into().unwrap()) as usize;
+    assert_eq!(words, 17);
+    let tail_words = &v2[16 + 15 * 8..16 + 17 * 8];
+    assert!(tail_words.iter().all(|&b| b == 0), "model has MLA words");
+    let mut out = Vec::new();
+    out.extend_from_slice(&v2[..8]);
+    out.extend_from_slice(&1u32.to_le_bytes());
+    out.extend_from_slice(&15u32.to_le_bytes());
+    out.extend_from_slice(&v2[16..16 + 15 * 8]);
+    out.extend_from_slice(&v2[16 + 17 * 8..v2.len() - 8]);
+    let sum = moeflux::session::snapshot::fnv1a(&out);
+    out.extend_from_slice(&sum.to_le_bytes());
+    out
+}
+
+#[test]
+fn qwen_version_1_snapshot_still_loads() {
+    let golden = Golden::load(&fixtures().join("qwen35moe-q4"));
+    let (_tmp, dir) = convert_fixture("qwen35moe-q4/src", None);
+    let mut a = open(&dir);
+    a.eval(&golden.tokens[..12], LogitsMode::All).unwrap();
+    let v1 = as_v1(&a.state_save().unwrap());
+    let want = a.eval(&golden.tokens[12..], LogitsMode::All).unwrap();
+    let mut b = open(&dir);
+    b.state_load(&v1).unwrap();
+    assert_eq!(b.eval(&golden.tokens[12..], LogitsMode::All).unwrap(), want);
+}
