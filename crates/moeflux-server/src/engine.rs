@@ -328,6 +328,20 @@ impl Worker {
                 }
             }
         }
+        // A checkpoint before the last prompt token too: the same prompt
+        // again (a retry, another sample) then evaluates one token.
+        if n - 1 > session.position() {
+            let from = session.position();
+            for part in prompt[from..n - 1].chunks(chunk) {
+                if job.cancel.load(Ordering::Relaxed) {
+                    return Err(ApiError::internal(CANCELLED));
+                }
+                session
+                    .eval(part, LogitsMode::Last)
+                    .map_err(engine_error)?;
+            }
+            session.checkpoint();
+        }
         let own_prefill = t0.elapsed();
 
         // 3. The rest of the prompt and the answer.

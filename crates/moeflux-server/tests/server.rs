@@ -105,8 +105,11 @@ async fn sse(s: &Server, body: &Value) -> Vec<String> {
         .collect()
 }
 
+/// Greedy, without the template's thinking block (so the answer is
+/// `content`, not `reasoning_content`).
 fn greedy(messages: Value, max_tokens: u32) -> Value {
-    json!({"model": "x", "messages": messages, "temperature": 0, "max_tokens": max_tokens})
+    json!({"model": "x", "messages": messages, "temperature": 0, "max_tokens": max_tokens,
+           "chat_template_kwargs": {"enable_thinking": false}})
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -141,6 +144,7 @@ async fn streaming_equals_non_streaming() {
     let v = chat(&s, body.clone()).await;
     let choice = &v["choices"][0];
     let content = choice["message"]["content"].as_str().unwrap().to_string();
+    assert!(!content.is_empty());
     let usage = &v["usage"];
     assert!(usage["prompt_tokens"].as_u64().unwrap() > 5);
     assert!(usage["completion_tokens"].as_u64().unwrap() >= 1);
@@ -179,6 +183,26 @@ async fn streaming_equals_non_streaming() {
     );
 }
 
+/// With the template's thinking block the answer is reasoning, streamed
+/// as `reasoning_content` deltas.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reasoning_streams_like_it_answers() {
+    let s = server(ServerOptions::default());
+    let mut body = greedy(json!([{"role": "user", "content": "Think about it"}]), 10);
+    body.as_object_mut().unwrap().remove("chat_template_kwargs");
+    let v = chat(&s, body.clone()).await;
+    let reasoning = v["choices"][0]["message"]["reasoning_content"].as_str().unwrap();
+    assert!(!reasoning.is_empty());
+    body["stream"] = json!(true);
+    let data = sse(&s, &body).await;
+    let streamed: String = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str::<Value>(d).unwrap())
+        .filter_map(|c| c["choices"][0]["delta"]["reasoning_content"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(streamed, reasoning);
+}
+
 /// A follow-up turn, after another conversation took the session, restores
 /// the snapshot taken at its message boundary: the same greedy answer as
 /// from scratch, with far fewer tokens prefilled.
@@ -204,13 +228,16 @@ async fn prefix_reuse_gives_the_fresh_answer() {
         .as_str()
         .unwrap()
         .to_string();
+    assert!(!reply.is_empty());
     chat(&reuse, greedy(json!(b), 4)).await; // the session now holds another conversation
     a.push(json!({"role": "assistant", "content": reply}));
     a.push(json!({"role": "user", "content": "And of Italy?"}));
     let r2 = chat(&reuse, greedy(json!(a), 8)).await;
     let f2 = chat(&fresh, greedy(json!(a), 8)).await;
+    let answer = &r2["choices"][0]["message"];
+    assert!(!answer["content"].as_str().unwrap().is_empty(), "{answer}");
     assert_eq!(
-        r2["choices"][0]["message"]["content"], f2["choices"][0]["message"]["content"],
+        answer, &f2["choices"][0]["message"],
         "reused and fresh answers differ"
     );
     let cached = r2["usage"]["prompt_tokens_details"]["cached_tokens"]
