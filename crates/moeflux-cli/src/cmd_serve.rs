@@ -100,7 +100,22 @@ pub fn run(args: ServeArgs) -> Result<()> {
             },
         );
         let shutdown = async {
-            let _ = tokio::signal::ctrl_c().await;
+            // Ctrl-C or SIGTERM (service managers): stop accepting, let
+            // running answers finish.
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+            let sigterm = async {
+                match term.as_mut() {
+                    Some(t) => {
+                        t.recv().await;
+                    }
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = sigterm => {}
+            }
             eprintln!("\nshutting down (Ctrl-C again to exit at once)");
             tokio::spawn(async {
                 let _ = tokio::signal::ctrl_c().await;

@@ -57,6 +57,7 @@ pub struct SamplingFields {
     /// `max_completion_tokens`, else `max_tokens`, with the field's name.
     pub max_tokens: Option<(i64, &'static str)>,
     pub n: Option<i64>,
+    pub ignore_eos: Option<bool>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -81,6 +82,8 @@ pub struct ChatRequest {
     pub max_tokens: Option<i64>,
     pub max_completion_tokens: Option<i64>,
     pub n: Option<i64>,
+    /// Keep generating past end-of-sequence (vLLM's extension; benchmarks).
+    pub ignore_eos: Option<bool>,
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<i64>,
     pub logit_bias: Option<Map<String, Json>>,
@@ -108,6 +111,7 @@ pub struct CompletionRequest {
     pub stop: Option<Stop>,
     pub max_tokens: Option<i64>,
     pub n: Option<i64>,
+    pub ignore_eos: Option<bool>,
     pub best_of: Option<i64>,
     pub logprobs: Option<i64>,
     pub echo: Option<bool>,
@@ -133,6 +137,7 @@ impl ChatRequest {
                 _ => None,
             },
             n: self.n,
+            ignore_eos: self.ignore_eos,
         }
     }
 
@@ -229,6 +234,7 @@ impl CompletionRequest {
             stop: self.stop.clone(),
             max_tokens: self.max_tokens.map(|n| (n, "max_tokens")),
             n: self.n,
+            ignore_eos: self.ignore_eos,
         }
     }
 
@@ -347,6 +353,7 @@ pub struct GenParams {
     pub stop: Vec<String>,
     /// `None`: until the context is full.
     pub max_tokens: Option<usize>,
+    pub ignore_eos: bool,
 }
 
 /// Checks the sampling fields (OpenAI's ranges) and fills in defaults.
@@ -432,6 +439,7 @@ pub fn gen_params(
         sampler,
         stop,
         max_tokens,
+        ignore_eos: f.ignore_eos.unwrap_or(false),
     })
 }
 

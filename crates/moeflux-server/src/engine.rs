@@ -352,7 +352,7 @@ impl Worker {
             prefill_chunk: chunk,
             starts_in_reasoning: job.starts_in_reasoning,
             checkpoint_after_prefill: true,
-            ignore_eos: false,
+            ignore_eos: job.params.ignore_eos,
         };
         let cancel = &job.cancel;
         let events = &job.events;

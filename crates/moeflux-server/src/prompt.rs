@@ -77,7 +77,11 @@ pub fn chat_prompt(
     let mut text = render(input.messages, &opts)?;
     let mut starts_in_reasoning = text.trim_end().ends_with("<think>");
     let forced = match (format, input.choice) {
-        (Some(f), ToolChoice::Required) => Some(f.forced_prefix(None)),
+        // With one tool, "required" can only mean that one: force its name.
+        (Some(f), ToolChoice::Required) => match input.tools.unwrap_or_default() {
+            [only] => Some(f.forced_prefix(only["function"]["name"].as_str())),
+            _ => Some(f.forced_prefix(None)),
+        },
         (Some(f), ToolChoice::Named(n)) => Some(f.forced_prefix(Some(n))),
         _ => None,
     };

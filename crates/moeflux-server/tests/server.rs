@@ -519,7 +519,7 @@ async fn full_queue_429_and_disconnect_cancels() {
         2000,
     );
     long["stream"] = json!(true);
-    long["temperature"] = json!(1.0);
+    long["ignore_eos"] = json!(true);
     long["seed"] = json!(1);
     let resp = s
         .router()
