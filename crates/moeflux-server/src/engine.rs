@@ -336,9 +336,7 @@ impl Worker {
                 if job.cancel.load(Ordering::Relaxed) {
                     return Err(ApiError::internal(CANCELLED));
                 }
-                session
-                    .eval(part, LogitsMode::Last)
-                    .map_err(engine_error)?;
+                session.eval(part, LogitsMode::Last).map_err(engine_error)?;
             }
             session.checkpoint();
         }

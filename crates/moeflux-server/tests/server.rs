@@ -191,14 +191,20 @@ async fn reasoning_streams_like_it_answers() {
     let mut body = greedy(json!([{"role": "user", "content": "Think about it"}]), 10);
     body.as_object_mut().unwrap().remove("chat_template_kwargs");
     let v = chat(&s, body.clone()).await;
-    let reasoning = v["choices"][0]["message"]["reasoning_content"].as_str().unwrap();
+    let reasoning = v["choices"][0]["message"]["reasoning_content"]
+        .as_str()
+        .unwrap();
     assert!(!reasoning.is_empty());
     body["stream"] = json!(true);
     let data = sse(&s, &body).await;
     let streamed: String = data[..data.len() - 1]
         .iter()
         .map(|d| serde_json::from_str::<Value>(d).unwrap())
-        .filter_map(|c| c["choices"][0]["delta"]["reasoning_content"].as_str().map(str::to_string))
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["reasoning_content"]
+                .as_str()
+                .map(str::to_string)
+        })
         .collect();
     assert_eq!(streamed, reasoning);
 }
