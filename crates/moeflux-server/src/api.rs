@@ -457,12 +457,8 @@ pub enum ToolChoice {
 pub fn tool_choice(tools: Option<&[Json]>, choice: Option<&Json>) -> Result<ToolChoice, ApiError> {
     let tools = tools.unwrap_or_default();
     for (i, t) in tools.iter().enumerate() {
-        let f = t.get("function");
-        if t.get("type").and_then(Json::as_str) != Some("function")
-            || !f
-                .and_then(|f| f.get("name"))
-                .is_some_and(|n| n.as_str().is_some_and(|s| !s.is_empty()))
-        {
+        let named = t["function"]["name"].as_str().is_some_and(|s| !s.is_empty());
+        if t.get("type").and_then(Json::as_str) != Some("function") || !named {
             return Err(ApiError::invalid(
                 format!("tools[{i}]"),
                 "a tool must be {\"type\": \"function\", \"function\": {\"name\": ..., \"parameters\": ...}}",
