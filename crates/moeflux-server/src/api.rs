@@ -457,7 +457,9 @@ pub enum ToolChoice {
 pub fn tool_choice(tools: Option<&[Json]>, choice: Option<&Json>) -> Result<ToolChoice, ApiError> {
     let tools = tools.unwrap_or_default();
     for (i, t) in tools.iter().enumerate() {
-        let named = t["function"]["name"].as_str().is_some_and(|s| !s.is_empty());
+        let named = t["function"]["name"]
+            .as_str()
+            .is_some_and(|s| !s.is_empty());
         if t.get("type").and_then(Json::as_str) != Some("function") || !named {
             return Err(ApiError::invalid(
                 format!("tools[{i}]"),
