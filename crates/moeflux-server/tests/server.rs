@@ -330,6 +330,18 @@ async fn tool_round_trip_through_the_template() {
     }
     assert_eq!(name, "get_weather");
     assert_eq!(arguments, call["function"]["arguments"].as_str().unwrap());
+    // With the template's thinking block open, a forced call closes it
+    // first: no reasoning, the call.
+    let mut thinking = body.clone();
+    thinking["stream"] = json!(false);
+    thinking
+        .as_object_mut()
+        .unwrap()
+        .remove("chat_template_kwargs");
+    let v = chat(&s, thinking).await;
+    let msg = &v["choices"][0]["message"];
+    assert!(msg.get("reasoning_content").is_none(), "{msg}");
+    assert_eq!(msg["tool_calls"][0]["function"]["name"], "get_weather");
     // The call and its result go back through the template.
     let history = json!([
         {"role": "user", "content": "Weather in Paris?"},
