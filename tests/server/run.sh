@@ -17,9 +17,20 @@ venv=target/py-serve-venv
 stamp=$venv/.requirements
 if ! cmp -s tests/server/requirements.txt "$stamp" 2>/dev/null; then
   rm -rf "$venv"
-  python3 -m venv "$venv"
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-    -r tests/server/requirements.txt
+  if python3 -m venv "$venv"; then
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+      -r tests/server/requirements.txt
+  else
+    # No venv module (a bare Debian python3): a --target directory.
+    python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
+      --target "$venv/site" -r tests/server/requirements.txt
+  fi
   cp tests/server/requirements.txt "$stamp"
 fi
-PYTHONDONTWRITEBYTECODE=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/server "$@"
+if [[ -x $venv/bin/python ]]; then
+  py=$venv/bin/python
+else
+  py=python3
+  export PYTHONPATH="$PWD/$venv/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+PYTHONDONTWRITEBYTECODE=1 "$py" -m pytest -q -p no:cacheprovider tests/server "$@"
