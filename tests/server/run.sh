@@ -22,6 +22,7 @@ if ! cmp -s tests/server/requirements.txt "$stamp" 2>/dev/null; then
       -r tests/server/requirements.txt
   else
     # No venv module (a bare Debian python3): a --target directory.
+    rm -rf "$venv"
     python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
       --target "$venv/site" -r tests/server/requirements.txt
   fi
