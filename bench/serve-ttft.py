@@ -14,7 +14,8 @@ Three runs of the same conversation (greedy, fixed-length replies with
 TTFT is measured by the client (request sent -> first streamed text) and
 reported by the server (`timings.ttft_ms`: start of the job -> first token).
 Without --model, a model is made with `moeflux synth` (Qwen3.6-35B-A3B
-widths, first --layers layers, the fixture tokenizer and ChatML template).
+widths, first --layers layers, the Qwen3.5 tokenizer, built-in ChatML
+template).
 Only the standard library is used.
 
   python3 bench/serve-ttft.py [--bin target/release/moeflux] [--model DIR]
@@ -114,6 +115,10 @@ def main():
     ap.add_argument("--words", type=int, default=40, help="words per user message")
     ap.add_argument("--reply-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int)
+    ap.add_argument("--tokenizer", default=str(ROOT / "target/tokenizer-data/qwen3_5.tokenizer.json"),
+                    help="tokenizer.json for the synth model (default: the Qwen3.5 one the "
+                         "tokenizer truth test fetches; `python3 tools/tokenizer/prepare.py DIR` "
+                         "writes it)")
     a = ap.parse_args()
 
     tmp = None
@@ -122,8 +127,10 @@ def main():
         tmp = tempfile.TemporaryDirectory(prefix="moeflux-serve-ttft-")
         model = Path(tmp.name) / "model"
         print(f"synth {a.preset} --layers {a.layers} -> {model}", file=sys.stderr)
+        if not Path(a.tokenizer).is_file():
+            sys.exit(f"no tokenizer at {a.tokenizer}; see --help")
         subprocess.run([a.bin, "synth", "--preset", a.preset, str(model), "--layers",
-                        str(a.layers), "--tokenizer", str(ROOT / "tests/fixtures/qwen35moe-q4/src")],
+                        str(a.layers), "--tokenizer", a.tokenizer],
                        check=True, stdout=subprocess.DEVNULL)
     extra = ["--threads", str(a.threads)] if a.threads else []
 
