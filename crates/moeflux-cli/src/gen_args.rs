@@ -40,7 +40,7 @@ pub struct ModelArgs {
     #[arg(long)]
     pub prefetch: bool,
     /// Longest context in tokens (default: the model's maximum).
-    #[arg(long)]
+    #[arg(long, visible_alias = "ctx-size")]
     pub ctx: Option<usize>,
     /// Where to compute: `auto` uses an NVIDIA GPU when the CUDA driver and
     /// a device are present, else the CPU.

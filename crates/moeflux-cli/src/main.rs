@@ -7,6 +7,7 @@ mod cmd_convert;
 mod cmd_inspect;
 mod cmd_logits;
 mod cmd_run;
+mod cmd_serve;
 mod cmd_synth;
 mod cmd_tokenize;
 mod gen_args;
@@ -37,6 +38,8 @@ enum Command {
     Run(cmd_run::RunArgs),
     /// Interactive multi-turn chat with the model's chat template.
     Chat(cmd_chat::ChatArgs),
+    /// OpenAI-compatible HTTP server (chat, completions, tools, streaming).
+    Serve(cmd_serve::ServeArgs),
     /// Measure prompt-processing and generation speed on a model.
     Bench(cmd_bench::BenchArgs),
     /// Convert an mlx-lm or Hugging Face checkpoint into a moeflux model directory.
@@ -103,6 +106,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(a) => cmd_run::run(a),
         Command::Chat(a) => cmd_chat::run(a),
+        Command::Serve(a) => cmd_serve::run(a),
         Command::Bench(a) => cmd_bench::run(a),
         Command::Convert(a) => cmd_convert::run(a),
         Command::Synth(a) => cmd_synth::run(a),

@@ -1,0 +1,182 @@
+//! `moeflux-server`: an OpenAI-compatible HTTP server over one moeflux
+//! model, the engine behind `moeflux serve`, embeddable in other programs.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use moeflux::{Session, SessionOptions};
+//! use moeflux_server::{Server, ServerOptions};
+//! let dir = std::path::PathBuf::from("model-dir");
+//! let d = dir.clone();
+//! let server = Server::start(&dir, ServerOptions::default(), Box::new(move || {
+//!     Session::open(&d, SessionOptions::default()).map_err(|e| e.to_string())
+//! }))?;
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
+//! server.serve(listener, std::future::pending()).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! Modules: [`api`] (request types, validation), [`routes`] (handlers,
+//! auth), [`respond`] (responses and SSE streams), [`tools`] (tool-call
+//! parsing), [`prompt`] (template, forced calls, message boundaries),
+//! [`engine`] (the session's thread and its bounded FIFO queue),
+//! [`prefix_cache`] (snapshots at message boundaries), [`metrics`],
+//! [`error`] (OpenAI error objects).
+
+pub mod api;
+pub mod engine;
+pub mod error;
+pub mod metrics;
+pub mod prefix_cache;
+pub mod prompt;
+pub mod respond;
+pub mod routes;
+pub mod tools;
+
+use std::future::Future;
+use std::hash::{BuildHasher, Hasher};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use moeflux::text::chat::ChatTemplate;
+use moeflux::text::tokenizer::Tokenizer;
+use moeflux::Session;
+
+pub use engine::EngineOptions;
+pub use error::ApiError;
+pub use prefix_cache::PrefixCacheOptions;
+
+use api::Defaults;
+use engine::{EngineHandle, ModelInfo};
+use metrics::Metrics;
+use tools::ToolFormat;
+
+#[derive(Debug, Clone)]
+pub struct ServerOptions {
+    /// Required as `Authorization: Bearer KEY` on every endpoint but
+    /// `/health`.
+    pub api_key: Option<String>,
+    /// The model id in responses and `/v1/models` (default: the model
+    /// directory's name).
+    pub model_name: Option<String>,
+    /// Largest request body accepted, in bytes.
+    pub max_body_bytes: usize,
+    pub engine: EngineOptions,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        ServerOptions {
+            api_key: None,
+            model_name: None,
+            max_body_bytes: 4 << 20,
+            engine: EngineOptions::default(),
+        }
+    }
+}
+
+/// What every handler shares.
+pub struct AppState {
+    pub engine: EngineHandle,
+    pub tokenizer: Arc<Tokenizer>,
+    pub template: Arc<ChatTemplate>,
+    pub tool_format: Option<ToolFormat>,
+    pub defaults: Defaults,
+    pub model_name: String,
+    pub info: ModelInfo,
+    pub metrics: Arc<Metrics>,
+    pub api_key: Option<String>,
+    pub max_body_bytes: usize,
+    /// Unix time the server started (`created` of the model).
+    pub started: u64,
+}
+
+/// A loaded model behind the HTTP API.
+pub struct Server {
+    state: Arc<AppState>,
+}
+
+impl Server {
+    /// Loads the tokenizer and chat template from `model_dir`, then opens
+    /// the session with `open` on the engine thread (so the session never
+    /// crosses threads) and waits until it is ready.
+    pub fn start(
+        model_dir: &Path,
+        opts: ServerOptions,
+        open: Box<dyn FnOnce() -> Result<Session, String> + Send>,
+    ) -> Result<Server, String> {
+        let tokenizer = Arc::new(Tokenizer::from_model_dir(model_dir).map_err(|e| e.to_string())?);
+        let template = ChatTemplate::from_model_dir(model_dir).map_err(|e| e.to_string())?;
+        let tool_format = ToolFormat::detect(template.source());
+        let metrics = Arc::new(Metrics::default());
+        let (engine, info) = EngineHandle::start(
+            open,
+            tokenizer.clone(),
+            opts.engine.clone(),
+            metrics.clone(),
+        )?;
+        let model_name = opts.model_name.clone().unwrap_or_else(|| {
+            model_dir
+                .canonicalize()
+                .ok()
+                .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+                .unwrap_or_else(|| "moeflux".into())
+        });
+        Ok(Server {
+            state: Arc::new(AppState {
+                engine,
+                tokenizer,
+                template: Arc::new(template),
+                tool_format,
+                defaults: Defaults::from_model_dir(model_dir),
+                model_name,
+                info,
+                metrics,
+                api_key: opts.api_key.filter(|k| !k.is_empty()),
+                max_body_bytes: opts.max_body_bytes,
+                started: unix_now(),
+            }),
+        })
+    }
+
+    pub fn state(&self) -> &Arc<AppState> {
+        &self.state
+    }
+
+    /// The HTTP routes (for embedding in a larger axum app, or tests).
+    pub fn router(&self) -> axum::Router {
+        routes::router(self.state.clone())
+    }
+
+    /// Serves on `listener` until `shutdown` resolves.
+    pub async fn serve(
+        self,
+        listener: tokio::net::TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<()> {
+        axum::serve(listener, self.router())
+            .with_graceful_shutdown(shutdown)
+            .await
+    }
+}
+
+pub(crate) fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// A random 64-bit value (the standard library's per-process random hash
+/// keys, mixed with a counter): ids and default seeds, nothing secret.
+pub(crate) fn random_u64() -> u64 {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    h.finish()
+}
+
+/// `prefix` + 24 hex digits.
+pub(crate) fn random_id(prefix: &str) -> String {
+    format!("{prefix}{:016x}{:08x}", random_u64(), random_u64() as u32)
+}

@@ -1,0 +1,133 @@
+//! From a validated request to prompt tokens: the chat template (with
+//! `tools`), a forced tool-call opening for `tool_choice` `required` or a
+//! named function, and the message boundaries worth a prefix snapshot.
+//! CPU work (template, tokenizer): run off the async threads.
+
+use moeflux::text::chat::{ChatMessage, ChatTemplate, RenderOptions};
+use moeflux::text::tokenizer::Tokenizer;
+use serde_json::{Map, Value as Json};
+
+use crate::api::ToolChoice;
+use crate::error::ApiError;
+use crate::tools::ToolFormat;
+
+pub struct ChatPrompt {
+    pub tokens: Vec<u32>,
+    /// Ends of whole messages inside `tokens` (ascending, shorter than it).
+    pub boundaries: Vec<usize>,
+    pub starts_in_reasoning: bool,
+    /// Parse `<tool_call>`s out of the answer.
+    pub parse_tools: bool,
+    /// Text appended to the prompt that the tool parser must see as the
+    /// start of the answer (a forced call).
+    pub forced: Option<String>,
+}
+
+pub struct ChatInput<'a> {
+    pub messages: &'a [ChatMessage],
+    pub tools: Option<&'a [Json]>,
+    pub choice: &'a ToolChoice,
+    pub template_kwargs: Option<&'a Map<String, Json>>,
+}
+
+pub fn chat_prompt(
+    template: &ChatTemplate,
+    tokenizer: &Tokenizer,
+    tool_format: Option<ToolFormat>,
+    input: &ChatInput<'_>,
+) -> Result<ChatPrompt, ApiError> {
+    let use_tools = *input.choice != ToolChoice::None && input.tools.is_some_and(|t| !t.is_empty());
+    let format = match (use_tools, tool_format) {
+        (false, _) => None,
+        (true, Some(f)) => Some(f),
+        (true, None) => {
+            return Err(ApiError::invalid(
+                "tools",
+                "this model's chat template does not render tools",
+            ))
+        }
+    };
+    let mut opts = RenderOptions {
+        add_generation_prompt: true,
+        tools: use_tools.then(|| Json::Array(input.tools.unwrap_or_default().to_vec())),
+        ..Default::default()
+    };
+    if let Some(kw) = input.template_kwargs {
+        for (k, v) in kw {
+            match (k.as_str(), v) {
+                ("enable_thinking", Json::Bool(b)) => opts.enable_thinking = Some(*b),
+                ("enable_thinking", _) => {
+                    return Err(ApiError::invalid(
+                        "chat_template_kwargs.enable_thinking",
+                        "`enable_thinking` must be a boolean",
+                    ))
+                }
+                _ => {
+                    opts.extra.insert(k.clone(), v.clone());
+                }
+            }
+        }
+    }
+    let render = |messages: &[ChatMessage], opts: &RenderOptions| {
+        template.render(messages, opts).map_err(|e| match e {
+            moeflux::Error::Invalid(m) => ApiError::invalid("messages", m),
+            other => ApiError::internal(other.to_string()),
+        })
+    };
+    let mut text = render(input.messages, &opts)?;
+    let mut starts_in_reasoning = text.trim_end().ends_with("<think>");
+    let forced = match (format, input.choice) {
+        // With one tool, "required" can only mean that one: force its name.
+        (Some(f), ToolChoice::Required) => match input.tools.unwrap_or_default() {
+            [only] => Some(f.forced_prefix(only["function"]["name"].as_str())),
+            _ => Some(f.forced_prefix(None)),
+        },
+        (Some(f), ToolChoice::Named(n)) => Some(f.forced_prefix(Some(n))),
+        _ => None,
+    };
+    if let Some(f) = &forced {
+        if starts_in_reasoning {
+            // Close the (empty) reasoning block before the forced call.
+            text.push_str("\n</think>\n\n");
+            starts_in_reasoning = false;
+        }
+        text.push_str(f);
+    }
+    let tokens = encode(tokenizer, &text)?;
+
+    // Message boundaries: the conversation without its last one or two
+    // messages, rendered alone, where its tokens are a prefix of the
+    // prompt. The next turn of this conversation starts with them.
+    let mut boundaries = Vec::new();
+    let closed = RenderOptions {
+        add_generation_prompt: false,
+        ..opts.clone()
+    };
+    let n = input.messages.len();
+    for k in [n.saturating_sub(1), n].into_iter().filter(|&k| k >= 1) {
+        let Ok(part) = template.render(&input.messages[..k], &closed) else {
+            continue;
+        };
+        let Ok(ids) = tokenizer.encode(&part, false) else {
+            continue;
+        };
+        if !ids.is_empty() && ids.len() < tokens.len() && tokens.starts_with(&ids) {
+            boundaries.push(ids.len());
+        }
+    }
+    boundaries.sort_unstable();
+    boundaries.dedup();
+    Ok(ChatPrompt {
+        tokens,
+        boundaries,
+        starts_in_reasoning,
+        parse_tools: use_tools,
+        forced,
+    })
+}
+
+pub fn encode(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>, ApiError> {
+    tokenizer
+        .encode(text, false)
+        .map_err(|e| ApiError::internal(format!("tokenizer: {e}")))
+}

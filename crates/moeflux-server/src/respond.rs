@@ -1,0 +1,328 @@
+//! Turning a job's engine events into the OpenAI response: one JSON object,
+//! or an SSE stream of chunks ending with `data: [DONE]`. Content goes
+//! through the tool-call parser when tools are in play.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use moeflux::generate::FinishReason;
+use serde_json::{json, Value as Json_};
+use tokio::sync::mpsc::{self, UnboundedReceiver};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::StreamExt;
+
+use crate::engine::{EngineEvent, Outcome};
+use crate::error::ApiError;
+use crate::tools::{Delta, ToolCallParser};
+use crate::{random_id, unix_now, AppState};
+
+/// Raises the job's cancel flag when dropped: the handler future or the
+/// stream task ended, so nobody reads the answer any more.
+pub struct CancelOnDrop(pub Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+/// How to answer.
+pub struct Answer {
+    /// `chat.completion` (else `text_completion`).
+    pub chat: bool,
+    pub stream: bool,
+    pub include_usage: bool,
+    /// Parse tool calls (the request's tools, for parameter types).
+    pub tools: Option<Vec<Json_>>,
+    /// A forced call opening appended to the prompt (the parser's start).
+    pub forced: Option<String>,
+}
+
+pub async fn answer(
+    st: Arc<AppState>,
+    a: Answer,
+    rx: UnboundedReceiver<EngineEvent>,
+    cancel: CancelOnDrop,
+) -> Response {
+    if a.stream {
+        stream(st, a, rx, cancel)
+    } else {
+        match collect(&st, &a, rx).await {
+            Ok(v) => Json(v).into_response(),
+            Err(e) => e.into_response(),
+        }
+        // `cancel` drops here; the job is over anyway.
+    }
+}
+
+/// What is common to every object of one answer.
+struct Ids {
+    id: String,
+    created: u64,
+    model: String,
+    chat: bool,
+}
+
+impl Ids {
+    fn new(st: &AppState, chat: bool) -> Ids {
+        Ids {
+            id: random_id(if chat { "chatcmpl-" } else { "cmpl-" }),
+            created: unix_now(),
+            model: st.model_name.clone(),
+            chat,
+        }
+    }
+
+    fn object(&self, choices: Json_, streaming: bool) -> Json_ {
+        let object = match (self.chat, streaming) {
+            (true, false) => "chat.completion",
+            (true, true) => "chat.completion.chunk",
+            (false, _) => "text_completion",
+        };
+        json!({
+            "id": self.id,
+            "object": object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        })
+    }
+}
+
+fn parser(a: &Answer) -> Option<ToolCallParser> {
+    a.tools.as_ref().map(|t| {
+        let tools = Json_::Array(t.clone());
+        ToolCallParser::new(Some(&tools), Box::new(|| random_id("call_")))
+    })
+}
+
+fn finish_reason(o: &Outcome, tool_calls: bool) -> &'static str {
+    match o.finish {
+        FinishReason::Length => "length",
+        _ if tool_calls => "tool_calls",
+        _ => "stop",
+    }
+}
+
+fn usage(o: &Outcome) -> Json_ {
+    json!({
+        "prompt_tokens": o.prompt_tokens,
+        "completion_tokens": o.completion_tokens,
+        "total_tokens": o.prompt_tokens + o.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": o.cached_tokens},
+    })
+}
+
+/// Server-side timings (like llama.cpp's `timings`; not in OpenAI's API).
+fn timings(o: &Outcome) -> Json_ {
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    json!({
+        "queued_ms": ms(o.queued),
+        "prompt_ms": ms(o.prefill),
+        "ttft_ms": ms(o.ttft),
+        "decode_ms": ms(o.decode),
+        "prompt_tokens_evaluated": o.prompt_tokens - o.cached_tokens,
+    })
+}
+
+fn tool_call_json(c: &crate::tools::ToolCall) -> Json_ {
+    json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}})
+}
+
+async fn collect(
+    st: &AppState,
+    a: &Answer,
+    mut rx: UnboundedReceiver<EngineEvent>,
+) -> Result<Json_, ApiError> {
+    let mut parser = parser(a);
+    let (mut content, mut reasoning) = (String::new(), String::new());
+    let take = |deltas: Vec<Delta>, content: &mut String| {
+        for d in deltas {
+            if let Delta::Content(s) = d {
+                content.push_str(&s);
+            }
+        }
+    };
+    if let (Some(p), Some(f)) = (parser.as_mut(), &a.forced) {
+        take(p.push(f), &mut content);
+    }
+    let outcome = loop {
+        match rx.recv().await {
+            Some(EngineEvent::Text {
+                text,
+                reasoning: true,
+            }) if a.chat => reasoning.push_str(&text),
+            Some(EngineEvent::Text { text, .. }) => match parser.as_mut() {
+                Some(p) => take(p.push(&text), &mut content),
+                None => content.push_str(&text),
+            },
+            Some(EngineEvent::Done(r)) => break r?,
+            None => return Err(ApiError::internal("the engine stopped")),
+        }
+    };
+    let calls: Vec<Json_> = match parser.as_mut() {
+        Some(p) => {
+            take(p.finish(), &mut content);
+            p.calls().iter().map(tool_call_json).collect()
+        }
+        None => Vec::new(),
+    };
+    let ids = Ids::new(st, a.chat);
+    let finish = finish_reason(&outcome, !calls.is_empty());
+    let choice = if a.chat {
+        let mut message = json!({
+            "role": "assistant",
+            "content": if content.is_empty() && !calls.is_empty() { Json_::Null } else { content.into() },
+        });
+        if !reasoning.is_empty() {
+            message["reasoning_content"] = reasoning.into();
+        }
+        if !calls.is_empty() {
+            message["tool_calls"] = calls.into();
+        }
+        json!({"index": 0, "message": message, "logprobs": null, "finish_reason": finish})
+    } else {
+        json!({"index": 0, "text": content, "logprobs": null, "finish_reason": finish})
+    };
+    let mut v = ids.object(json!([choice]), false);
+    v["usage"] = usage(&outcome);
+    v["timings"] = timings(&outcome);
+    Ok(v)
+}
+
+/// Builds the chunks of a streamed answer.
+struct Chunks {
+    ids: Ids,
+}
+
+impl Chunks {
+    fn delta(&self, delta: Json_, finish: Option<&str>) -> Json_ {
+        let choice = if self.ids.chat {
+            json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+        } else {
+            let text = delta.get("content").cloned().unwrap_or_else(|| "".into());
+            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+        };
+        self.ids.object(json!([choice]), true)
+    }
+
+    fn parsed(&self, deltas: Vec<Delta>) -> Vec<Json_> {
+        deltas
+            .into_iter()
+            .map(|d| match d {
+                Delta::Content(s) => self.delta(json!({"content": s}), None),
+                Delta::CallStart { index, id, name } => self.delta(
+                    json!({"tool_calls": [{"index": index, "id": id, "type": "function",
+                        "function": {"name": name, "arguments": ""}}]}),
+                    None,
+                ),
+                Delta::CallArgs { index, fragment } => self.delta(
+                    json!({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]}),
+                    None,
+                ),
+            })
+            .collect()
+    }
+}
+
+fn data(v: &Json_) -> Event {
+    Event::default().data(v.to_string())
+}
+
+fn stream(
+    st: Arc<AppState>,
+    a: Answer,
+    mut rx: UnboundedReceiver<EngineEvent>,
+    cancel: CancelOnDrop,
+) -> Response {
+    let (tx, out) = mpsc::channel::<Event>(64);
+    tokio::spawn(async move {
+        // Dropped when this task ends: early (client gone) cancels the job.
+        let _cancel = cancel;
+        let c = Chunks {
+            ids: Ids::new(&st, a.chat),
+        };
+        let mut parser = parser(&a);
+        let mut first: Vec<Json_> = Vec::new();
+        if a.chat {
+            first.push(c.delta(json!({"role": "assistant", "content": ""}), None));
+        }
+        if let (Some(p), Some(f)) = (parser.as_mut(), &a.forced) {
+            first.extend(c.parsed(p.push(f)));
+        }
+        for v in first {
+            if tx.send(data(&v)).await.is_err() {
+                return;
+            }
+        }
+        loop {
+            let ev = tokio::select! {
+                ev = rx.recv() => ev,
+                _ = tx.closed() => return,
+            };
+            let chunks = match ev {
+                Some(EngineEvent::Text {
+                    text,
+                    reasoning: true,
+                }) if a.chat => {
+                    vec![c.delta(json!({"reasoning_content": text}), None)]
+                }
+                Some(EngineEvent::Text { text, .. }) => match parser.as_mut() {
+                    Some(p) => c.parsed(p.push(&text)),
+                    None => vec![c.delta(json!({"content": text}), None)],
+                },
+                Some(EngineEvent::Done(Ok(o))) => {
+                    let mut v = match parser.as_mut() {
+                        Some(p) => c.parsed(p.finish()),
+                        None => Vec::new(),
+                    };
+                    let calls = parser.as_ref().is_some_and(|p| !p.calls().is_empty());
+                    let mut last = c.delta(json!({}), Some(finish_reason(&o, calls)));
+                    // Usage on the final chunk always (clients that did not
+                    // ask ignore it), and OpenAI's usage-only chunk on request.
+                    last["usage"] = usage(&o);
+                    last["timings"] = timings(&o);
+                    v.push(last);
+                    if a.include_usage {
+                        let mut u = c.ids.object(json!([]), true);
+                        u["usage"] = usage(&o);
+                        v.push(u);
+                    }
+                    for x in v {
+                        if tx.send(data(&x)).await.is_err() {
+                            return;
+                        }
+                    }
+                    break;
+                }
+                Some(EngineEvent::Done(Err(e))) => {
+                    let _ = tx.send(data(&e.body())).await;
+                    break;
+                }
+                None => {
+                    let _ = tx
+                        .send(data(&ApiError::internal("the engine stopped").body()))
+                        .await;
+                    break;
+                }
+            };
+            for v in chunks {
+                if tx.send(data(&v)).await.is_err() {
+                    return;
+                }
+            }
+        }
+        let _ = tx.send(Event::default().data("[DONE]")).await;
+    });
+    let events = ReceiverStream::new(out).map(Ok::<_, Infallible>);
+    // Keep-alive comments during a long prefill also reveal a client that
+    // has gone (the write fails), which cancels the job.
+    Sse::new(events)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(2)))
+        .into_response()
+}

@@ -1,0 +1,625 @@
+//! The server end to end through its router (no sockets): endpoints,
+//! streaming, tools through the chat template, prefix reuse, errors, the
+//! queue and cancellation. The model is the converted `qwen35moe-q4`
+//! fixture (random weights), with the Qwen3.5 chat template installed.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use moeflux::{Session, SessionOptions};
+use moeflux_server::{EngineOptions, PrefixCacheOptions, Server, ServerOptions};
+use serde_json::{json, Value};
+use tower::ServiceExt;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+/// The fixture model converted once per test binary, with the Qwen3.5
+/// template (which renders tools).
+fn model_dir() -> PathBuf {
+    static DIR: std::sync::OnceLock<(tempfile::TempDir, PathBuf)> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        let tmp = tempfile::tempdir().unwrap();
+        let dst = tmp.path().join("tiny-qwen");
+        moeflux::convert::convert(
+            &fixtures().join("qwen35moe-q4/src"),
+            &dst,
+            &Default::default(),
+        )
+        .unwrap();
+        std::fs::copy(
+            fixtures().join("templates/qwen3.5/chat_template.jinja"),
+            dst.join("chat_template.jinja"),
+        )
+        .unwrap();
+        (tmp, dst)
+    })
+    .1
+    .clone()
+}
+
+fn server(opts: ServerOptions) -> Server {
+    let dir = model_dir();
+    let d = dir.clone();
+    Server::start(
+        &dir,
+        opts,
+        Box::new(move || {
+            Session::open(
+                &d,
+                SessionOptions {
+                    threads: Some(2),
+                    max_context: Some(2048),
+                    ..Default::default()
+                },
+            )
+            .map_err(|e| e.to_string())
+        }),
+    )
+    .unwrap()
+}
+
+fn post(path: &str, body: &Value) -> Request<Body> {
+    Request::post(path)
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_string()))
+        .unwrap()
+}
+
+async fn call(s: &Server, req: Request<Body>) -> (StatusCode, Value) {
+    let resp = s.router().oneshot(req).await.unwrap();
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    let v = serde_json::from_slice(&bytes)
+        .unwrap_or(Value::String(String::from_utf8_lossy(&bytes).into_owned()));
+    (status, v)
+}
+
+async fn chat(s: &Server, body: Value) -> Value {
+    let (status, v) = call(s, post("/v1/chat/completions", &body)).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    v
+}
+
+/// The `data:` payloads of an SSE body.
+async fn sse(s: &Server, body: &Value) -> Vec<String> {
+    let resp = s
+        .router()
+        .oneshot(post("/v1/chat/completions", body))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(
+        resp.headers()["content-type"].to_str().unwrap(),
+        "text/event-stream"
+    );
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    String::from_utf8(bytes.to_vec())
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: ").map(str::to_string))
+        .collect()
+}
+
+/// Greedy, without the template's thinking block (so the answer is
+/// `content`, not `reasoning_content`).
+fn greedy(messages: Value, max_tokens: u32) -> Value {
+    json!({"model": "x", "messages": messages, "temperature": 0, "max_tokens": max_tokens,
+           "chat_template_kwargs": {"enable_thinking": false}})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_health_metrics() {
+    let s = server(ServerOptions::default());
+    let (st, v) = call(&s, Request::get("/v1/models").body(Body::empty()).unwrap()).await;
+    assert_eq!(st, StatusCode::OK);
+    assert_eq!(v["data"][0]["id"], "tiny-qwen");
+    assert_eq!(v["data"][0]["max_model_len"], 2048);
+    let (st, v) = call(&s, Request::get("/health").body(Body::empty()).unwrap()).await;
+    assert_eq!(st, StatusCode::OK);
+    assert_eq!(v["status"], "ok");
+    let (st, v) = call(&s, Request::get("/metrics").body(Body::empty()).unwrap()).await;
+    assert_eq!(st, StatusCode::OK);
+    let text = v.as_str().unwrap();
+    for name in [
+        "moeflux_requests_total",
+        "moeflux_prefill_tokens_per_second",
+        "moeflux_decode_tokens_per_second",
+        "moeflux_expert_cache_hit_ratio",
+        "moeflux_queue_depth",
+    ] {
+        assert!(text.contains(name), "{name} missing");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_equals_non_streaming() {
+    let s = server(ServerOptions::default());
+    let msgs = json!([{"role": "user", "content": "Hello there"}]);
+    let mut body = greedy(msgs, 12);
+    let v = chat(&s, body.clone()).await;
+    let choice = &v["choices"][0];
+    let content = choice["message"]["content"].as_str().unwrap().to_string();
+    assert!(!content.is_empty());
+    let usage = &v["usage"];
+    assert!(usage["prompt_tokens"].as_u64().unwrap() > 5);
+    assert!(usage["completion_tokens"].as_u64().unwrap() >= 1);
+    assert_eq!(
+        usage["total_tokens"].as_u64(),
+        Some(
+            usage["prompt_tokens"].as_u64().unwrap() + usage["completion_tokens"].as_u64().unwrap()
+        )
+    );
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let data = sse(&s, &body).await;
+    assert_eq!(data.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let streamed: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(streamed, content);
+    let finish: Vec<&Value> = chunks
+        .iter()
+        .map(|c| &c["choices"][0]["finish_reason"])
+        .filter(|f| !f.is_null())
+        .collect();
+    assert_eq!(finish, vec![&choice["finish_reason"]]);
+    // The usage-only chunk: no choices, the same counts.
+    let last = chunks.last().unwrap();
+    assert_eq!(last["choices"], json!([]));
+    assert_eq!(
+        last["usage"]["completion_tokens"],
+        usage["completion_tokens"]
+    );
+}
+
+/// With the template's thinking block the answer is reasoning, streamed
+/// as `reasoning_content` deltas.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reasoning_streams_like_it_answers() {
+    let s = server(ServerOptions::default());
+    let mut body = greedy(json!([{"role": "user", "content": "Think about it"}]), 10);
+    body.as_object_mut().unwrap().remove("chat_template_kwargs");
+    let v = chat(&s, body.clone()).await;
+    let reasoning = v["choices"][0]["message"]["reasoning_content"]
+        .as_str()
+        .unwrap();
+    assert!(!reasoning.is_empty());
+    body["stream"] = json!(true);
+    let data = sse(&s, &body).await;
+    let streamed: String = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str::<Value>(d).unwrap())
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["reasoning_content"]
+                .as_str()
+                .map(str::to_string)
+        })
+        .collect();
+    assert_eq!(streamed, reasoning);
+}
+
+/// A follow-up turn, after another conversation took the session, restores
+/// the snapshot taken at its message boundary: the same greedy answer as
+/// from scratch, with far fewer tokens prefilled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_reuse_gives_the_fresh_answer() {
+    let reuse = server(ServerOptions::default());
+    let fresh = server(ServerOptions {
+        engine: EngineOptions {
+            no_prefix_reuse: true,
+            ..Default::default()
+        },
+        ..Default::default()
+    });
+    let sys =
+        json!({"role": "system", "content": "You are a terse assistant. Answer in one line."});
+    let mut a = vec![
+        sys.clone(),
+        json!({"role": "user", "content": "What is the capital of France? Explain."}),
+    ];
+    let b = vec![json!({"role": "user", "content": "Something else entirely, about boats."})];
+    let r1 = chat(&reuse, greedy(json!(a), 8)).await;
+    let reply = r1["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(!reply.is_empty());
+    chat(&reuse, greedy(json!(b), 4)).await; // the session now holds another conversation
+    a.push(json!({"role": "assistant", "content": reply}));
+    a.push(json!({"role": "user", "content": "And of Italy?"}));
+    let r2 = chat(&reuse, greedy(json!(a), 8)).await;
+    let f2 = chat(&fresh, greedy(json!(a), 8)).await;
+    let answer = &r2["choices"][0]["message"];
+    assert!(!answer["content"].as_str().unwrap().is_empty(), "{answer}");
+    assert_eq!(
+        answer, &f2["choices"][0]["message"],
+        "reused and fresh answers differ"
+    );
+    let cached = r2["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    let prompt = r2["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(prompt, f2["usage"]["prompt_tokens"].as_u64().unwrap());
+    assert_eq!(f2["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(
+        f2["timings"]["prompt_tokens_evaluated"].as_u64(),
+        Some(prompt)
+    );
+    // Everything up to the end of the first user message came from the
+    // snapshot, so only the reply and the new message were prefilled.
+    assert!(cached * 2 > prompt, "cached {cached} of {prompt}");
+    assert_eq!(
+        r2["timings"]["prompt_tokens_evaluated"].as_u64(),
+        Some(prompt - cached)
+    );
+    let (_, m) = call(
+        &reuse,
+        Request::get("/metrics").body(Body::empty()).unwrap(),
+    )
+    .await;
+    assert!(
+        m.as_str()
+            .unwrap()
+            .contains("moeflux_prefix_cache_hits_total 1\n"),
+        "{m}"
+    );
+}
+
+fn weather_tools() -> Value {
+    json!([{"type": "function", "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tool_round_trip_through_the_template() {
+    let s = server(ServerOptions::default());
+    let tools = weather_tools();
+    // The tool definitions reach the prompt.
+    let plain = chat(
+        &s,
+        greedy(json!([{"role": "user", "content": "Weather?"}]), 1),
+    )
+    .await;
+    let mut body = greedy(json!([{"role": "user", "content": "Weather?"}]), 1);
+    body["tools"] = tools.clone();
+    let with_tools = chat(&s, body).await;
+    assert!(
+        with_tools["usage"]["prompt_tokens"].as_u64().unwrap()
+            > plain["usage"]["prompt_tokens"].as_u64().unwrap() + 50
+    );
+    // A forced call comes back as an OpenAI tool call with JSON arguments.
+    let mut body = greedy(
+        json!([{"role": "user", "content": "Weather in Paris?"}]),
+        24,
+    );
+    body["tools"] = tools.clone();
+    body["tool_choice"] = json!({"type": "function", "function": {"name": "get_weather"}});
+    let v = chat(&s, body.clone()).await;
+    let msg = &v["choices"][0]["message"];
+    let call = &msg["tool_calls"][0];
+    assert_eq!(call["type"], "function");
+    assert_eq!(call["function"]["name"], "get_weather");
+    assert!(call["id"].as_str().unwrap().starts_with("call_"));
+    let args: Value =
+        serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert!(args.is_object());
+    // The same streamed: deltas assemble to the same call.
+    body["stream"] = json!(true);
+    let data = sse(&s, &body).await;
+    let (mut name, mut arguments) = (String::new(), String::new());
+    for d in &data[..data.len() - 1] {
+        let c: Value = serde_json::from_str(d).unwrap();
+        if let Some(tc) = c["choices"][0]["delta"]["tool_calls"].as_array() {
+            assert_eq!(tc[0]["index"], 0);
+            name.push_str(tc[0]["function"]["name"].as_str().unwrap_or(""));
+            arguments.push_str(tc[0]["function"]["arguments"].as_str().unwrap_or(""));
+        }
+    }
+    assert_eq!(name, "get_weather");
+    assert_eq!(arguments, call["function"]["arguments"].as_str().unwrap());
+    // With the template's thinking block open, a forced call closes it
+    // first: no reasoning, the call.
+    let mut thinking = body.clone();
+    thinking["stream"] = json!(false);
+    thinking
+        .as_object_mut()
+        .unwrap()
+        .remove("chat_template_kwargs");
+    let v = chat(&s, thinking).await;
+    let msg = &v["choices"][0]["message"];
+    assert!(msg.get("reasoning_content").is_none(), "{msg}");
+    assert_eq!(msg["tool_calls"][0]["function"]["name"], "get_weather");
+    // The call and its result go back through the template.
+    let history = json!([
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": null, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "{\"temp_c\": 21}"},
+    ]);
+    let mut body = greedy(history, 4);
+    body["tools"] = tools;
+    let v = chat(&s, body).await;
+    assert!(
+        v["usage"]["prompt_tokens"].as_u64().unwrap()
+            > with_tools["usage"]["prompt_tokens"].as_u64().unwrap()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rendered_tool_history_is_qwen_xml() {
+    use moeflux::text::chat::{ChatMessage, ChatTemplate};
+    use moeflux::text::tokenizer::Tokenizer;
+    use moeflux_server::api::ToolChoice;
+    use moeflux_server::prompt::{chat_prompt, ChatInput};
+    let dir = model_dir();
+    let tok = Tokenizer::from_model_dir(&dir).unwrap();
+    let tpl = ChatTemplate::from_model_dir(&dir).unwrap();
+    let messages: Vec<ChatMessage> = serde_json::from_value(json!([
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]))
+    .unwrap();
+    let tools: Vec<Value> = serde_json::from_value(weather_tools()).unwrap();
+    let p = chat_prompt(
+        &tpl,
+        &tok,
+        moeflux_server::tools::ToolFormat::detect(tpl.source()),
+        &ChatInput {
+            messages: &messages,
+            tools: Some(&tools),
+            choice: &ToolChoice::Auto,
+            template_kwargs: None,
+        },
+    )
+    .unwrap();
+    let text = tok.decode(&p.tokens, false).unwrap();
+    assert!(text.contains("\"name\": \"get_weather\""), "{text}");
+    assert!(
+        text.contains("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"),
+        "{text}"
+    );
+    assert!(
+        text.contains("<tool_response>\nsunny\n</tool_response>"),
+        "{text}"
+    );
+    assert!(p.parse_tools && p.forced.is_none());
+    // Boundaries: ends of whole messages, inside the prompt.
+    assert!(!p.boundaries.is_empty());
+    for &b in &p.boundaries {
+        let head = tok.decode(&p.tokens[..b], false).unwrap();
+        assert!(head.ends_with("<|im_end|>\n"), "{head:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_openai_errors() {
+    let s = server(ServerOptions {
+        max_body_bytes: 4096,
+        ..Default::default()
+    });
+    let raw = |body: &str| {
+        Request::post("/v1/chat/completions")
+            .body(Body::from(body.to_string()))
+            .unwrap()
+    };
+    let cases: Vec<(Request<Body>, StatusCode, Option<&str>)> = vec![
+        (raw("{\"messages\": ["), StatusCode::BAD_REQUEST, None),
+        (
+            post(
+                "/v1/chat/completions",
+                &json!({"messages": [{"role": "bot", "content": "x"}]}),
+            ),
+            StatusCode::BAD_REQUEST,
+            Some("messages[0].role"),
+        ),
+        (
+            post(
+                "/v1/chat/completions",
+                &json!({"messages": [{"role": "user", "content": "x"}], "temperature": 9}),
+            ),
+            StatusCode::BAD_REQUEST,
+            Some("temperature"),
+        ),
+        (
+            post(
+                "/v1/chat/completions",
+                &json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}),
+            ),
+            StatusCode::BAD_REQUEST,
+            Some("max_tokens"),
+        ),
+        (
+            post(
+                "/v1/chat/completions",
+                &json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2040}),
+            ),
+            StatusCode::BAD_REQUEST,
+            Some("messages"),
+        ),
+        (
+            post("/v1/completions", &json!({"prompt": [5, 99999]})),
+            StatusCode::BAD_REQUEST,
+            Some("prompt[1]"),
+        ),
+        (
+            post(
+                "/v1/chat/completions",
+                &json!({"messages": [{"role": "user", "content": "x".repeat(5000)}]}),
+            ),
+            StatusCode::PAYLOAD_TOO_LARGE,
+            None,
+        ),
+        (
+            Request::get("/v1/nothing").body(Body::empty()).unwrap(),
+            StatusCode::NOT_FOUND,
+            None,
+        ),
+        (
+            Request::get("/v1/chat/completions")
+                .body(Body::empty())
+                .unwrap(),
+            StatusCode::METHOD_NOT_ALLOWED,
+            None,
+        ),
+    ];
+    for (req, status, param) in cases {
+        let uri = req.uri().to_string();
+        let (st, v) = call(&s, req).await;
+        assert_eq!(st, status, "{uri}: {v}");
+        let e = &v["error"];
+        assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+        assert!(e["type"].is_string(), "{v}");
+        assert!(e.get("code").is_some() && e.get("param").is_some(), "{v}");
+        if let Some(p) = param {
+            assert_eq!(e["param"], p, "{v}");
+        }
+    }
+    // The server still answers.
+    chat(&s, greedy(json!([{"role": "user", "content": "hi"}]), 2)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_key_is_required_when_set() {
+    let s = server(ServerOptions {
+        api_key: Some("sekrit".into()),
+        ..Default::default()
+    });
+    let models = |auth: Option<&str>| {
+        let mut r = Request::get("/v1/models");
+        if let Some(a) = auth {
+            r = r.header("authorization", a);
+        }
+        r.body(Body::empty()).unwrap()
+    };
+    let (st, v) = call(&s, models(None)).await;
+    assert_eq!(st, StatusCode::UNAUTHORIZED);
+    assert_eq!(v["error"]["type"], "authentication_error");
+    assert_eq!(
+        call(&s, models(Some("Bearer wrong"))).await.0,
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        call(&s, models(Some("Bearer sekrit"))).await.0,
+        StatusCode::OK
+    );
+    let health = Request::get("/health").body(Body::empty()).unwrap();
+    assert_eq!(call(&s, health).await.0, StatusCode::OK);
+}
+
+/// With no room in the queue, a second request while one runs gets 429
+/// with Retry-After; dropping the running stream cancels its generation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_queue_429_and_disconnect_cancels() {
+    let s = server(ServerOptions {
+        engine: EngineOptions {
+            max_queue: 0,
+            prefix_cache: PrefixCacheOptions::default(),
+            ..Default::default()
+        },
+        ..Default::default()
+    });
+    let mut long = greedy(
+        json!([{"role": "user", "content": "Tell a long story"}]),
+        2000,
+    );
+    long["stream"] = json!(true);
+    long["ignore_eos"] = json!(true);
+    long["seed"] = json!(1);
+    let resp = s
+        .router()
+        .oneshot(post("/v1/chat/completions", &long))
+        .await
+        .unwrap();
+    let mut body = resp.into_body();
+    // The first chunk: the engine is busy with this request.
+    let first = body.frame().await.unwrap().unwrap();
+    assert!(first.is_data());
+    let resp = s
+        .router()
+        .oneshot(post(
+            "/v1/chat/completions",
+            &greedy(json!([{"role": "user", "content": "hi"}]), 2),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::TOO_MANY_REQUESTS);
+    let retry: u64 = resp.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(retry >= 1);
+    drop(body); // the client goes away
+    let metrics = || async {
+        let (_, m) = call(&s, Request::get("/metrics").body(Body::empty()).unwrap()).await;
+        m.as_str().unwrap().to_string()
+    };
+    let mut cancelled = false;
+    for _ in 0..200 {
+        let m = metrics().await;
+        if m.contains("moeflux_requests_cancelled_total 1\n")
+            && m.contains("moeflux_requests_running 0\n")
+        {
+            cancelled = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(cancelled, "{}", metrics().await);
+    let m = metrics().await;
+    // Far fewer than the 2000 tokens asked for were generated.
+    let generated: f64 = m
+        .lines()
+        .find_map(|l| l.strip_prefix("moeflux_generated_tokens_total "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(generated < 1500.0, "{generated}");
+    // And the engine takes new work.
+    chat(&s, greedy(json!([{"role": "user", "content": "hi"}]), 2)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_endpoint() {
+    let s = server(ServerOptions::default());
+    let (st, v) = call(
+        &s,
+        post(
+            "/v1/completions",
+            &json!({"prompt": "Once upon", "max_tokens": 5, "temperature": 0, "stop": ["\n\n"]}),
+        ),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["object"], "text_completion");
+    assert!(v["choices"][0]["text"].is_string());
+    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() <= 5);
+    // Token-id prompts give the same answer as their text.
+    let ids = moeflux::text::tokenizer::Tokenizer::from_model_dir(model_dir())
+        .unwrap()
+        .encode("Once upon", false)
+        .unwrap();
+    let (_, w) = call(
+        &s,
+        post(
+            "/v1/completions",
+            &json!({"prompt": ids, "max_tokens": 5, "temperature": 0, "stop": ["\n\n"]}),
+        ),
+    )
+    .await;
+    assert_eq!(w["choices"][0]["text"], v["choices"][0]["text"]);
+}
