@@ -264,12 +264,15 @@ const QMV_CHUNKS: usize = 8;
 /// layout: 2/4/8-bit codes, a 16-byte lane chunk inside one quantization
 /// group, rows of a multiple of 512 bytes or a power of two of bytes below.
 fn qmv_rows_per_block(cols: usize, bits: usize, gs: usize, chunks: usize) -> Option<usize> {
-    if !matches!(bits, 2 | 4 | 8) || gs % (128 / bits) != 0 || (cols * bits) % 8 != 0 {
+    if !matches!(bits, 2 | 4 | 8)
+        || !gs.is_multiple_of(128 / bits)
+        || !(cols * bits).is_multiple_of(8)
+    {
         return None;
     }
     let rb = cols * bits / 8;
     if rb >= 512 {
-        if rb % 512 != 0 {
+        if !rb.is_multiple_of(512) {
             return None;
         }
         let parts = (rb / 512).min(8);
@@ -294,11 +297,15 @@ fn qmv_kernel(bits: i32) -> &'static str {
 /// Rows per block of [`qmv_kernel`] for `q`, when it fits (see
 /// [`qmv_rows_per_block`]; the codes must also be 16-byte aligned).
 fn qmv_fit(q: &Qw) -> Option<usize> {
-    if q.w % 16 != 0 {
+    if !q.w.is_multiple_of(16) {
         return None;
     }
     qmv_rows_per_block(q.cols as usize, q.bits as usize, q.gs as usize, QMV_CHUNKS)
 }
+
+/// Products of one launch: the `qmv` code width (`None`: the general
+/// kernels) and each matrix with its rows per block.
+type LaunchGroup<'a> = (Option<i32>, Vec<(Qw, &'a Mm, usize)>);
 
 /// A matrix product of a [`CudaModel::matmuls`] group: `out (+)= x W^T`.
 #[derive(Clone, Copy)]
@@ -865,7 +872,7 @@ impl CudaModel {
         let ty = n.div_ceil(4).min(64) as u32;
         // One token: matrices that fit the activation-stationary kernels go
         // to them, grouped by code width; the rest to the general kernels.
-        let mut groups: Vec<(Option<i32>, Vec<(Qw, &Mm, usize)>)> = Vec::new();
+        let mut groups: Vec<LaunchGroup> = Vec::new();
         for o in ops {
             let DevLinear::Quant(q) = o.w else { continue };
             let fit = if n == 1 { qmv_fit(&q) } else { None };
