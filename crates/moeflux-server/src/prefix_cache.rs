@@ -263,7 +263,10 @@ mod tests {
         c.insert(vec![1, 2], vec![12; 10]);
         c.insert(vec![1, 2, 3, 4], vec![34; 10]);
         c.insert(vec![9], vec![9; 10]);
-        assert_eq!(c.get(&[1, 2, 3, 4, 5], 10), Some((4, vec![34u8; 10].into())));
+        assert_eq!(
+            c.get(&[1, 2, 3, 4, 5], 10),
+            Some((4, vec![34u8; 10].into()))
+        );
         // The whole prompt is not a usable prefix when capped below it.
         assert_eq!(c.get(&[1, 2, 3, 4], 3), Some((2, vec![12u8; 10].into())));
         assert_eq!(c.get(&[1, 3], 10), None);

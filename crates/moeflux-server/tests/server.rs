@@ -629,14 +629,7 @@ async fn completions_endpoint() {
 /// next request gets the same answer as before the failure.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_error_fails_only_its_request() {
-    // A private copy: other tests share the model directory.
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("tiny-qwen");
-    std::fs::create_dir_all(dir.join("experts")).unwrap();
-    for entry in walk(&model_dir()) {
-        let rel = entry.strip_prefix(model_dir()).unwrap();
-        std::fs::copy(&entry, dir.join(rel)).unwrap();
-    }
+    let (_tmp, dir) = private_copy();
     let d = dir.clone();
     let s = Server::start(
         &dir,
@@ -689,6 +682,70 @@ async fn engine_error_fails_only_its_request() {
         .as_str()
         .unwrap()
         .contains("moeflux_engine_errors_total 1\n"));
+}
+
+/// A copy of the model directory this test may change.
+fn private_copy() -> (tempfile::TempDir, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("tiny-qwen");
+    std::fs::create_dir_all(dir.join("experts")).unwrap();
+    for entry in walk(&model_dir()) {
+        let rel = entry.strip_prefix(model_dir()).unwrap();
+        std::fs::copy(&entry, dir.join(rel)).unwrap();
+    }
+    (tmp, dir)
+}
+
+/// The Qwen3 (Hermes) template: calls in the JSON spelling, forced and
+/// streamed the same as returned whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_tool_calls_with_a_qwen3_template() {
+    let (_tmp, dir) = private_copy();
+    let cfg: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("templates/qwen3/tokenizer_config.json")).unwrap(),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("chat_template.jinja"),
+        cfg["chat_template"].as_str().unwrap(),
+    )
+    .unwrap();
+    let d = dir.clone();
+    let s = Server::start(
+        &dir,
+        ServerOptions::default(),
+        Box::new(move || {
+            Session::open(
+                &d,
+                SessionOptions {
+                    threads: Some(2),
+                    ..Default::default()
+                },
+            )
+            .map_err(|e| e.to_string())
+        }),
+    )
+    .unwrap();
+    assert_eq!(
+        s.state().tool_format,
+        Some(moeflux_server::tools::ToolFormat::Json)
+    );
+    let mut body = greedy(json!([{"role": "user", "content": "Weather in Rome?"}]), 24);
+    body["tools"] = weather_tools();
+    body["tool_choice"] = json!("required");
+    let v = chat(&s, body.clone()).await;
+    let call = &v["choices"][0]["message"]["tool_calls"][0];
+    assert_eq!(call["function"]["name"], "get_weather", "{v}");
+    body["stream"] = json!(true);
+    let data = sse(&s, &body).await;
+    let mut arguments = String::new();
+    for d in &data[..data.len() - 1] {
+        let c: Value = serde_json::from_str(d).unwrap();
+        if let Some(tc) = c["choices"][0]["delta"]["tool_calls"].as_array() {
+            arguments.push_str(tc[0]["function"]["arguments"].as_str().unwrap_or(""));
+        }
+    }
+    assert_eq!(arguments, call["function"]["arguments"].as_str().unwrap());
 }
 
 fn walk(dir: &Path) -> Vec<PathBuf> {
