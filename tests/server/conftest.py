@@ -37,7 +37,7 @@ class Server:
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             [str(BIN), "serve", "--model", str(model_dir), "--port", "0",
-             "--backend", "cpu", "--threads", "2", "--ctx-size", "2048", *args],
+             "--backend", "cpu", "--threads", "2", "--ctx-size", "8192", *args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )

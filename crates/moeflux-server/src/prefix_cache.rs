@@ -11,6 +11,7 @@
 //! directory (with its own budget), and beyond that are dropped.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 #[derive(Debug, Clone, Default)]
 pub struct PrefixCacheOptions {
@@ -33,7 +34,8 @@ pub struct PrefixCacheStats {
 }
 
 enum Stored {
-    Ram(Vec<u8>),
+    /// Shared so that a hit is not a copy of a possibly large snapshot.
+    Ram(Arc<[u8]>),
     Disk(PathBuf),
 }
 
@@ -106,7 +108,7 @@ impl PrefixCache {
 
     /// The snapshot of the longest cached prefix of `prompt` (at most
     /// `max_len` tokens) and its length. Counts a hit or a miss.
-    pub fn get(&mut self, prompt: &[u32], max_len: usize) -> Option<(usize, Vec<u8>)> {
+    pub fn get(&mut self, prompt: &[u32], max_len: usize) -> Option<(usize, Arc<[u8]>)> {
         let Some(i) = self.best(prompt, max_len) else {
             self.stats.misses += 1;
             return None;
@@ -116,7 +118,7 @@ impl PrefixCache {
         let bytes = match &self.entries[i].data {
             Stored::Ram(b) => b.clone(),
             Stored::Disk(path) => match std::fs::read(path) {
-                Ok(b) => b,
+                Ok(b) => b.into(),
                 Err(_) => {
                     self.remove(i);
                     self.stats.misses += 1;
@@ -152,7 +154,7 @@ impl PrefixCache {
         let size = snapshot.len() as u64;
         self.entries.push(Entry {
             tokens,
-            data: Stored::Ram(snapshot),
+            data: Stored::Ram(snapshot.into()),
             size,
             last_used: self.clock,
         });
@@ -261,9 +263,12 @@ mod tests {
         c.insert(vec![1, 2], vec![12; 10]);
         c.insert(vec![1, 2, 3, 4], vec![34; 10]);
         c.insert(vec![9], vec![9; 10]);
-        assert_eq!(c.get(&[1, 2, 3, 4, 5], 10), Some((4, vec![34; 10])));
+        assert_eq!(
+            c.get(&[1, 2, 3, 4, 5], 10),
+            Some((4, vec![34u8; 10].into()))
+        );
         // The whole prompt is not a usable prefix when capped below it.
-        assert_eq!(c.get(&[1, 2, 3, 4], 3), Some((2, vec![12; 10])));
+        assert_eq!(c.get(&[1, 2, 3, 4], 3), Some((2, vec![12u8; 10].into())));
         assert_eq!(c.get(&[1, 3], 10), None);
         assert_eq!(c.longest(&[1, 2, 3, 4, 0], 10), 4);
         let s = c.stats();
@@ -297,8 +302,8 @@ mod tests {
         let s = c.stats();
         assert_eq!((s.entries, s.ram_bytes, s.disk_bytes), (3, 10, 20));
         assert!(!c.contains(&[1]));
-        assert_eq!(c.get(&[2, 0], 5), Some((1, vec![2; 10])));
-        assert_eq!(c.get(&[4], 5), Some((1, vec![4; 10])));
+        assert_eq!(c.get(&[2, 0], 5), Some((1, vec![2u8; 10].into())));
+        assert_eq!(c.get(&[4], 5), Some((1, vec![4u8; 10].into())));
         let files = std::fs::read_dir(dir.path()).unwrap().count();
         assert_eq!(files, 2);
         drop(c);

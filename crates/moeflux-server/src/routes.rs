@@ -15,6 +15,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::json;
 use tokio::sync::mpsc::unbounded_channel;
+use tower_http::catch_panic::CatchPanicLayer;
 
 use crate::api::{self, ChatRequest, CompletionRequest, Prompt};
 use crate::engine::Job;
@@ -35,6 +36,13 @@ pub fn router(state: Arc<AppState>) -> Router {
         .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
         .layer(middleware::from_fn_with_state(state.clone(), auth))
         .layer(DefaultBodyLimit::max(state.max_body_bytes))
+        // A bug in a handler answers 500 with an error object; the server
+        // and the other requests go on.
+        .layer(CatchPanicLayer::custom(
+            |_: Box<dyn std::any::Any + Send>| {
+                ApiError::internal("internal error: the request handler panicked").into_response()
+            },
+        ))
         .with_state(state)
 }
 

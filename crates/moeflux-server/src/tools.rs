@@ -12,10 +12,12 @@
 //! tag, so either spelling is understood whatever the template is. Text
 //! before a call streams as content; a tail that may still grow into
 //! `<tool_call>` is held back so partial tags never leak; whitespace
-//! between content and a call is dropped. XML calls stream per parameter
-//! (the name as soon as `<function=NAME>` is complete, then one arguments
-//! fragment per finished parameter); JSON calls stream once complete. A
-//! call that cannot be parsed is returned as content, so no text is lost.
+//! between content and a call is dropped. Calls stream as OpenAI deltas:
+//! the name as soon as it is complete, then the arguments — XML one
+//! fragment per finished parameter, JSON as the argument object's text
+//! arrives (a JSON call whose name comes after its arguments, or whose
+//! arguments are a string, is sent whole at the end). A JSON call that
+//! cannot be parsed is returned as content, so no text is lost.
 
 use std::collections::HashMap;
 
@@ -92,13 +94,41 @@ pub enum Delta {
 /// Parameter types by function name, from the request's `tools`.
 type Schemas = HashMap<String, HashMap<String, Json>>;
 
+/// A JSON call being streamed.
+#[derive(Debug, Clone, Copy)]
+struct JsonStream {
+    index: usize,
+    args: ArgsScan,
+}
+
+/// Where the streaming of a JSON call's `arguments` object is.
+#[derive(Debug, Clone, Copy)]
+enum ArgsScan {
+    /// `"arguments": {` not seen yet.
+    Seeking,
+    /// Sent up to byte `scanned` of the buffer; JSON nesting state there
+    /// (`arrays` bit `i`: level `i` is an array; deeper levels are not
+    /// tracked for closing).
+    Object {
+        scanned: usize,
+        depth: u32,
+        arrays: u64,
+        in_str: bool,
+        esc: bool,
+    },
+    /// The object closed.
+    Done,
+    /// Arguments that are not an object (a string): sent at the end.
+    Other,
+}
+
 #[derive(Debug)]
 enum State {
     Text,
     /// After `<tool_call>`, before deciding the spelling.
     CallStart,
-    /// JSON spelling: wait for the closing tag, then parse.
-    Json,
+    /// JSON spelling; `Some` once the call's name was sent.
+    Json(Option<JsonStream>),
     /// XML spelling inside `<function=..>`: parameters.
     XmlParams {
         index: usize,
@@ -162,11 +192,8 @@ impl ToolCallParser {
                 }
                 push_content(&mut out, s);
             }
-            State::CallStart | State::Json => {
-                if !self.try_json_call(&rest, &mut out) {
-                    push_content(&mut out, format!("{OPEN}{rest}"));
-                }
-            }
+            State::CallStart => self.end_json_call(None, &rest, false, &mut out),
+            State::Json(js) => self.end_json_call(js, &rest, false, &mut out),
             State::XmlParams { index, any } => {
                 // Parameters finished so far are in; close the object.
                 self.args(index, if any { "}" } else { "{}" }, &mut out);
@@ -183,7 +210,7 @@ impl ToolCallParser {
             State::CallStart => {
                 let t = self.buf.trim_start();
                 if t.starts_with('{') {
-                    self.state = State::Json;
+                    self.state = State::Json(None);
                     true
                 } else if t.starts_with(FUNCTION) {
                     let Some(end) = t.find('>') else {
@@ -199,19 +226,20 @@ impl ToolCallParser {
                 } else {
                     // Neither spelling: treat as JSON (parsed or returned
                     // as text at the closing tag).
-                    self.state = State::Json;
+                    self.state = State::Json(None);
                     true
                 }
             }
-            State::Json => {
-                let Some(end) = self.buf.find(CLOSE) else {
+            State::Json(js) => {
+                let close = self.buf.find(CLOSE);
+                let js = self.json_progress(js, close.unwrap_or(self.buf.len()), out);
+                let Some(end) = close else {
+                    self.state = State::Json(js);
                     return false;
                 };
                 let body = self.buf[..end].to_string();
                 self.buf.drain(..end + CLOSE.len());
-                if !self.try_json_call(&body, out) {
-                    push_content(out, format!("{OPEN}{body}{CLOSE}"));
-                }
+                self.end_json_call(js, &body, true, out);
                 self.state = State::Text;
                 true
             }
@@ -327,27 +355,149 @@ impl ToolCallParser {
         });
     }
 
-    /// `{"name": .., "arguments": {..}}` (or `parameters`; arguments given
-    /// as a JSON string are accepted too). False when `body` is not that.
-    fn try_json_call(&mut self, body: &str, out: &mut Vec<Delta>) -> bool {
-        let Ok(Json::Object(obj)) = serde_json::from_str::<Json>(body.trim()) else {
-            return false;
+    /// Streams what the JSON call in `buf[..limit]` allows: its name once
+    /// complete, then the text of its `arguments` object as it arrives.
+    fn json_progress(
+        &mut self,
+        js: Option<JsonStream>,
+        limit: usize,
+        out: &mut Vec<Delta>,
+    ) -> Option<JsonStream> {
+        let mut js = match js {
+            Some(j) => j,
+            None => {
+                let name = json_name(&self.buf[..limit])?;
+                let index = self.start_call(name, out);
+                JsonStream {
+                    index,
+                    args: ArgsScan::Seeking,
+                }
+            }
         };
-        let Some(name) = obj.get("name").and_then(Json::as_str) else {
-            return false;
+        if let ArgsScan::Seeking = js.args {
+            match json_args_start(&self.buf[..limit]) {
+                Some(Some(pos)) => {
+                    js.args = ArgsScan::Object {
+                        scanned: pos,
+                        depth: 0,
+                        arrays: 0,
+                        in_str: false,
+                        esc: false,
+                    }
+                }
+                Some(None) => js.args = ArgsScan::Other,
+                None => {}
+            }
+        }
+        if let ArgsScan::Object {
+            mut scanned,
+            mut depth,
+            mut arrays,
+            mut in_str,
+            mut esc,
+        } = js.args
+        {
+            let start = scanned;
+            let bytes = self.buf.as_bytes();
+            let mut done = false;
+            while scanned < limit {
+                let b = bytes[scanned];
+                scanned += 1;
+                if in_str {
+                    if esc {
+                        esc = false;
+                    } else if b == b'\\' {
+                        esc = true;
+                    } else if b == b'"' {
+                        in_str = false;
+                    }
+                } else {
+                    match b {
+                        b'"' => in_str = true,
+                        b'{' | b'[' => {
+                            if depth < 64 {
+                                arrays = (arrays & !(1 << depth)) | (u64::from(b == b'[') << depth);
+                            }
+                            depth += 1;
+                        }
+                        b'}' | b']' => {
+                            depth = depth.saturating_sub(1);
+                            if depth == 0 {
+                                done = true;
+                                break;
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            // Cuts fall after an ASCII brace or at the end of pushed text:
+            // character boundaries.
+            if scanned > start {
+                let fragment = self.buf[start..scanned].to_string();
+                self.args(js.index, &fragment, out);
+            }
+            js.args = if done {
+                ArgsScan::Done
+            } else {
+                ArgsScan::Object {
+                    scanned,
+                    depth,
+                    arrays,
+                    in_str,
+                    esc,
+                }
+            };
+        }
+        Some(js)
+    }
+
+    /// The JSON call `body` is over (`closed`: by its tag): finish what was
+    /// streamed, or parse it whole; unparseable, it is content.
+    fn end_json_call(
+        &mut self,
+        js: Option<JsonStream>,
+        body: &str,
+        closed: bool,
+        out: &mut Vec<Delta>,
+    ) {
+        let Some(j) = js else {
+            match json_call(body) {
+                Some((name, args)) => {
+                    let index = self.start_call(name, out);
+                    self.args(index, &args, out);
+                }
+                None => {
+                    let close = if closed { CLOSE } else { "" };
+                    push_content(out, format!("{OPEN}{body}{close}"));
+                }
+            }
+            return;
         };
-        let args = match obj.get("arguments").or_else(|| obj.get("parameters")) {
-            None | Some(Json::Null) => Json::Object(Map::new()),
-            Some(Json::String(s)) => match serde_json::from_str::<Json>(s) {
-                Ok(v @ Json::Object(_)) => v,
-                _ => return false,
-            },
-            Some(v @ Json::Object(_)) => v.clone(),
-            Some(_) => return false,
-        };
-        let index = self.start_call(name.to_string(), out);
-        self.args(index, &args.to_string(), out);
-        true
+        match j.args {
+            ArgsScan::Done => {}
+            ArgsScan::Seeking | ArgsScan::Other => {
+                let args = json_call(body).map_or_else(|| "{}".to_string(), |(_, a)| a);
+                self.args(j.index, &args, out);
+            }
+            ArgsScan::Object {
+                depth,
+                arrays,
+                in_str,
+                ..
+            } => {
+                // Cut short: close the open string, arrays and objects.
+                let mut tail = String::new();
+                if in_str {
+                    tail.push('"');
+                }
+                for level in (0..depth).rev() {
+                    let array = level < 64 && arrays & (1 << level) != 0;
+                    tail.push(if array { ']' } else { '}' });
+                }
+                self.args(j.index, &tail, out);
+            }
+        }
     }
 
     /// An XML parameter value as JSON: a string where the schema says so,
@@ -370,6 +520,76 @@ impl ToolCallParser {
             }
         }
         Json::from(raw).to_string()
+    }
+}
+
+/// `{"name": .., "arguments": {..}}` (or `parameters`; arguments given as a
+/// JSON string are accepted too) as (name, compact arguments).
+fn json_call(body: &str) -> Option<(String, String)> {
+    let Ok(Json::Object(obj)) = serde_json::from_str::<Json>(body.trim()) else {
+        return None;
+    };
+    let name = obj.get("name").and_then(Json::as_str)?;
+    let args = match obj.get("arguments").or_else(|| obj.get("parameters")) {
+        None | Some(Json::Null) => Json::Object(Map::new()),
+        Some(Json::String(s)) => match serde_json::from_str::<Json>(s) {
+            Ok(v @ Json::Object(_)) => v,
+            _ => return None,
+        },
+        Some(v @ Json::Object(_)) => v.clone(),
+        Some(_) => return None,
+    };
+    Some((name.to_string(), args.to_string()))
+}
+
+/// The call's name once `"name": "..."` is complete in a body that starts
+/// as an object, and comes before `"arguments"` (else a `"name"` inside
+/// the arguments could be taken for it).
+fn json_name(body: &str) -> Option<String> {
+    let t = body.trim_start();
+    if !t.starts_with('{') {
+        return None;
+    }
+    let k = t.find("\"name\"")?;
+    if t.find("\"arguments\"").is_some_and(|a| a < k) {
+        return None;
+    }
+    let rest = t[k + 6..].trim_start().strip_prefix(':')?.trim_start();
+    if !rest.starts_with('"') {
+        return None;
+    }
+    let mut esc = false;
+    for (i, b) in rest.bytes().enumerate().skip(1) {
+        if esc {
+            esc = false;
+        } else if b == b'\\' {
+            esc = true;
+        } else if b == b'"' {
+            return serde_json::from_str(&rest[..=i]).ok();
+        }
+    }
+    None
+}
+
+/// Where the `arguments` object starts: `Some(Some(pos))`; `Some(None)`
+/// when the arguments are not an object; `None` when not known yet.
+fn json_args_start(body: &str) -> Option<Option<usize>> {
+    let (k, key) = ["\"arguments\"", "\"parameters\""]
+        .iter()
+        .filter_map(|key| body.find(key).map(|k| (k, key.len())))
+        .min()?;
+    let t = body[k + key..].trim_start();
+    if t.is_empty() {
+        return None;
+    }
+    let Some(t) = t.strip_prefix(':') else {
+        return Some(None);
+    };
+    let t = t.trim_start();
+    match t.chars().next() {
+        None => None,
+        Some('{') => Some(Some(body.len() - t.len())),
+        Some(_) => Some(None),
     }
 }
 
@@ -549,10 +769,11 @@ mod tests {
         let text = "<tool_call>\n{\"name\": \"a\", \"arguments\": {\"x\": 1}}\n</tool_call>\n<tool_call>\n{\"name\": \"b\", \"arguments\": \"{\\\"y\\\": [2]}\"}\n</tool_call>\n";
         let (content, calls) = check_all_splits(None, text);
         assert_eq!(content, "");
+        // Object arguments stream as written; string arguments are parsed.
         assert_eq!(
             calls,
             vec![
-                ("a".to_string(), "{\"x\":1}".to_string()),
+                ("a".to_string(), "{\"x\": 1}".to_string()),
                 ("b".to_string(), "{\"y\":[2]}".to_string())
             ]
         );
@@ -582,10 +803,20 @@ mod tests {
 
     #[test]
     fn unfinished_calls_at_the_end() {
-        // Truncated JSON call: content.
+        // Truncated JSON calls: the name was out, so a call, with what
+        // its arguments had (closed); before the name, content.
         let (content, calls) = check_all_splits(None, "<tool_call>\n{\"name\": \"a\", \"argu");
+        assert_eq!(content, "");
+        assert_eq!(calls, vec![("a".to_string(), "{}".to_string())]);
+        let (_, calls) = check_all_splits(
+            None,
+            "<tool_call>\n{\"name\": \"a\", \"arguments\": {\"x\": [1, {\"y\": \"}",
+        );
+        assert_eq!(calls[0].1, "{\"x\": [1, {\"y\": \"}\"}]}");
+        serde_json::from_str::<Json>(&calls[0].1).unwrap();
+        let (content, calls) = check_all_splits(None, "<tool_call>\n{\"na");
         assert!(calls.is_empty());
-        assert_eq!(content, "<tool_call>\n{\"name\": \"a\", \"argu");
+        assert_eq!(content, "<tool_call>\n{\"na");
         // Truncated XML call: closed with the finished parameters.
         let (_, calls) = check_all_splits(
             None,
@@ -612,8 +843,47 @@ mod tests {
             assert_eq!(content, "");
             assert_eq!(calls.len(), 1, "{format:?}");
             assert_eq!(calls[0].1, "f");
-            assert_eq!(calls[0].2, "{\"q\":\"hi\"}");
+            let args: Json = serde_json::from_str(&calls[0].2).unwrap();
+            assert_eq!(args, serde_json::json!({"q": "hi"}));
         }
+    }
+
+    #[test]
+    fn json_call_streams_name_then_arguments() {
+        let mut p = parser(None);
+        let d = p.push("<tool_call>\n{\"name\": \"get_w");
+        assert!(d.is_empty());
+        let d = p.push("eather\", \"arguments\": {\"city\": \"Pa");
+        assert_eq!(
+            d,
+            vec![
+                Delta::CallStart {
+                    index: 0,
+                    id: "call_1".into(),
+                    name: "get_weather".into()
+                },
+                Delta::CallArgs {
+                    index: 0,
+                    fragment: "{\"city\": \"Pa".into()
+                }
+            ]
+        );
+        // Braces inside strings do not end the object.
+        let d = p.push("ris }\"}}\n</tool_call>");
+        assert_eq!(
+            d,
+            vec![Delta::CallArgs {
+                index: 0,
+                fragment: "ris }\"}".into()
+            }]
+        );
+        assert_eq!(p.calls()[0].arguments, "{\"city\": \"Paris }\"}");
+        // Arguments before the name: sent whole at the end.
+        let (_, calls) = check_all_splits(
+            None,
+            "<tool_call>{\"arguments\": {\"name\": 1}, \"name\": \"f\"}</tool_call>",
+        );
+        assert_eq!(calls, vec![("f".to_string(), "{\"name\":1}".to_string())]);
     }
 
     #[test]

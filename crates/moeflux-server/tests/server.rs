@@ -623,3 +623,139 @@ async fn completions_endpoint() {
     .await;
     assert_eq!(w["choices"][0]["text"], v["choices"][0]["text"]);
 }
+
+/// An engine failure (an expert file cut short under a running server)
+/// fails that request with a 500 error object; once the file is back the
+/// next request gets the same answer as before the failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_error_fails_only_its_request() {
+    let (_tmp, dir) = private_copy();
+    let d = dir.clone();
+    let s = Server::start(
+        &dir,
+        ServerOptions::default(),
+        Box::new(move || {
+            // Reads with pread: a truncated file is then an I/O error, not
+            // a fault in a mapping.
+            Session::open(
+                &d,
+                SessionOptions {
+                    threads: Some(2),
+                    mmap: false,
+                    max_context: Some(2048),
+                    ..Default::default()
+                },
+            )
+            .map_err(|e| e.to_string())
+        }),
+    )
+    .unwrap();
+    let body = greedy(json!([{"role": "user", "content": "A question"}]), 6);
+    let before = chat(&s, body.clone()).await;
+    let experts = dir.join("experts/layer_000.bin");
+    let bytes = std::fs::read(&experts).unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(&experts)
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+    let other = greedy(json!([{"role": "user", "content": "Another question"}]), 6);
+    let (st, v) = call(&s, post("/v1/chat/completions", &other)).await;
+    assert_eq!(st, StatusCode::INTERNAL_SERVER_ERROR, "{v}");
+    assert_eq!(v["error"]["type"], "server_error");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("layer_000.bin"),
+        "{v}"
+    );
+    std::fs::write(&experts, bytes).unwrap();
+    let after = chat(&s, body).await;
+    assert_eq!(
+        after["choices"][0]["message"],
+        before["choices"][0]["message"]
+    );
+    let (_, m) = call(&s, Request::get("/metrics").body(Body::empty()).unwrap()).await;
+    assert!(m
+        .as_str()
+        .unwrap()
+        .contains("moeflux_engine_errors_total 1\n"));
+}
+
+/// A copy of the model directory this test may change.
+fn private_copy() -> (tempfile::TempDir, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("tiny-qwen");
+    std::fs::create_dir_all(dir.join("experts")).unwrap();
+    for entry in walk(&model_dir()) {
+        let rel = entry.strip_prefix(model_dir()).unwrap();
+        std::fs::copy(&entry, dir.join(rel)).unwrap();
+    }
+    (tmp, dir)
+}
+
+/// The Qwen3 (Hermes) template: calls in the JSON spelling, forced and
+/// streamed the same as returned whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_tool_calls_with_a_qwen3_template() {
+    let (_tmp, dir) = private_copy();
+    let cfg: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("templates/qwen3/tokenizer_config.json")).unwrap(),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("chat_template.jinja"),
+        cfg["chat_template"].as_str().unwrap(),
+    )
+    .unwrap();
+    let d = dir.clone();
+    let s = Server::start(
+        &dir,
+        ServerOptions::default(),
+        Box::new(move || {
+            Session::open(
+                &d,
+                SessionOptions {
+                    threads: Some(2),
+                    ..Default::default()
+                },
+            )
+            .map_err(|e| e.to_string())
+        }),
+    )
+    .unwrap();
+    assert_eq!(
+        s.state().tool_format,
+        Some(moeflux_server::tools::ToolFormat::Json)
+    );
+    let mut body = greedy(json!([{"role": "user", "content": "Weather in Rome?"}]), 24);
+    body["tools"] = weather_tools();
+    body["tool_choice"] = json!("required");
+    let v = chat(&s, body.clone()).await;
+    let call = &v["choices"][0]["message"]["tool_calls"][0];
+    assert_eq!(call["function"]["name"], "get_weather", "{v}");
+    body["stream"] = json!(true);
+    let data = sse(&s, &body).await;
+    let mut arguments = String::new();
+    for d in &data[..data.len() - 1] {
+        let c: Value = serde_json::from_str(d).unwrap();
+        if let Some(tc) = c["choices"][0]["delta"]["tool_calls"].as_array() {
+            arguments.push_str(tc[0]["function"]["arguments"].as_str().unwrap_or(""));
+        }
+    }
+    assert_eq!(arguments, call["function"]["arguments"].as_str().unwrap());
+}
+
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        if e.path().is_dir() {
+            out.extend(walk(&e.path()));
+        } else {
+            out.push(e.path());
+        }
+    }
+    out
+}
