@@ -25,6 +25,8 @@ Fixtures:
 * kimik2-q4/: model_type kimi_k2 (same architecture): q_lora_rank null (plain q_proj),
   1 group, 2 shared experts, YaRN with mscale 1.0 vs mscale_all_dim 0.707 (so the rope
   input scaling is not 1), norm_topk_prob false, 4-bit g64.
+* deepseekv3-legacy-q4/: an older mlx-lm checkpoint with kv_b_proj quantized unsplit;
+  expected_split.safetensors is current mlx-lm's split and re-quantized embed_q/unembed_out.
 * deepseekv3-fp8/: Hugging Face layout in FP8 e4m3 with 128x128 block scales
   (`weight_scale_inv`), unsplit `kv_b_proj`, per-expert tensors, an MTP layer to drop;
   expected_mlx/ is the real `mlx_lm.convert -q` output, and the golden is for it;
@@ -270,6 +272,38 @@ def build_fp8_fixture(fixdir: Path, config, seed, tok_json):
     return cmd
 
 
+def build_legacy_mlx_fixture(fixdir: Path, config, seed, tok_json):
+    """An mlx-lm checkpoint as older mlx-lm wrote it: kv_b_proj fused and quantized as one
+    linear layer (no embed_q / unembed_out). expected_split.safetensors holds what current
+    mlx-lm's sanitize makes of it (dequantize in bf16, split, quantize again)."""
+    src = fixdir / "src"
+    src.mkdir(parents=True)
+    model = build_random_deepseek(config, seed)
+    mf.cast_like_convert(model, config)
+    params = dict(tree_flatten(model.parameters()))
+    heads, nope = config["num_attention_heads"], config["qk_nope_head_dim"]
+    fused = {}
+    for k, v in params.items():
+        if k.endswith("self_attn.embed_q.weight"):
+            p = k[: -len("embed_q.weight")]
+            wv = params[p + "unembed_out.weight"]
+            fused[p + "kv_b_proj"] = mx.concatenate([v.swapaxes(-1, -2), wv], axis=1).reshape(
+                heads * (nope + wv.shape[1]), -1)
+    qmodel, qconfig = mf.quantize_model(model, config, GS, 4)
+    q = {k: v for k, v in tree_flatten(qmodel.parameters())
+         if ".embed_q." not in k and ".unembed_out." not in k}
+    for p, w in fused.items():
+        q[p + ".weight"], q[p + ".scales"], q[p + ".biases"] = mx.quantize(w, GS, 4)
+    mx.eval(q)
+    mx.save_safetensors(str(src / "model.safetensors"), q, metadata={"format": "mlx"})
+    mf.save_config(qconfig, src / "config.json")
+    mf.write_tokenizer(src, tok_json)
+    m, _ = mf.load_model(src)
+    exp = {k: v for k, v in tree_flatten(m.parameters()) if ".embed_q." in k or ".unembed_out." in k}
+    mx.save_safetensors(str(fixdir / "expected_split.safetensors"), exp, metadata={"format": "mlx"})
+    print(f"  legacy: {len(fused)} quantized kv_b_proj, {len(exp)} split tensors expected")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=mf.REPO / "tests" / "fixtures")
@@ -304,6 +338,14 @@ def main():
            "kimi_k2 (deepseek_v3 architecture), 3 layers (layer 0 dense), q_lora_rank null (q_proj), "
            "1 group, 2 shared experts, YaRN factor 40 with mscale 1.0 / mscale_all_dim 0.707, "
            "norm_topk_prob false, 4-bit g64", "src", common)
+
+    d = fresh("deepseekv3-legacy-q4")
+    build_legacy_mlx_fixture(d, deepseek_config(layers=2, experts=8, topk=2, n_group=2, topk_group=1),
+                             204, tok_json)
+    golden(d, d / "src", 2004,
+           "deepseek_v3 as older mlx-lm wrote it: kv_b_proj quantized unsplit (4-bit g64); 2 layers "
+           "(layer 0 dense), 8 experts top-2 in 2 groups; golden through current mlx-lm, whose "
+           "sanitize splits kv_b_proj (expected_split.safetensors)", "src", common)
 
     d = fresh("deepseekv3-fp8")
     cmd = build_fp8_fixture(d, deepseek_config(experts=8, topk=2, n_group=2, topk_group=1), 203, tok_json)

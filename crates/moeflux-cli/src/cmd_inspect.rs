@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use moeflux::config::{LayerKind, MlpKind, ModelConfig};
+use moeflux::config::{LayerKind, MlpKind, ModelConfig, RouterKind};
 use moeflux::format::{Manifest, MANIFEST_FILE};
 use serde_json::{json, Value};
 
@@ -72,8 +72,20 @@ fn group_of(name: &str) -> &'static str {
         "router"
     } else if m.ends_with("shared_expert_gate") {
         "shared expert gate"
-    } else if m.contains("mlp.shared_expert.") {
+    } else if m.contains("mlp.shared_expert.") || m.contains("mlp.shared_experts.") {
         "shared expert"
+    } else if m.contains(".self_attn.")
+        && [
+            "q_a_proj",
+            "q_b_proj",
+            "kv_a_proj_with_mqa",
+            "embed_q",
+            "unembed_out",
+        ]
+        .iter()
+        .any(|s| m.ends_with(s))
+    {
+        "MLA projections"
     } else if m.contains(".self_attn.") && m.ends_with("_proj") {
         "full attention"
     } else if m.contains(".linear_attn.") && (m.contains("in_proj") || m.ends_with("out_proj")) {
@@ -155,6 +167,24 @@ pub fn summary(m: &Manifest, c: &ModelConfig) -> Value {
             "norm_topk_prob": c.moe.norm_topk_prob,
             "moe_layers": m.experts.len(),
         },
+        "mla": c.mla.map(|a| json!({
+            "q_lora_rank": a.q_lora_rank,
+            "kv_lora_rank": a.kv_lora_rank,
+            "qk_nope_head_dim": a.qk_nope_head_dim,
+            "qk_rope_head_dim": a.qk_rope_head_dim,
+            "v_head_dim": a.v_head_dim,
+            "cache_floats_per_token_layer": a.cache_row(),
+            "yarn_factor": c.rope.yarn.map(|y| y.factor),
+        })),
+        "router": match c.moe.router {
+            RouterKind::Softmax => json!({"kind": "softmax"}),
+            RouterKind::NoauxTc { n_group, topk_group, routed_scaling_factor } => json!({
+                "kind": "noaux_tc",
+                "n_group": n_group,
+                "topk_group": topk_group,
+                "routed_scaling_factor": routed_scaling_factor,
+            }),
+        },
         "quantization": groups,
         "dense_tensors": m.tensors.len(),
         "dense_bytes": m.dense_bytes(),
@@ -191,21 +221,47 @@ fn print_text(s: &Value) {
             ""
         }
     );
-    println!(
-        "full attention {} heads, {} kv heads, head dim {}, rotary dim {}",
-        n("/full_attention/heads"),
-        n("/full_attention/kv_heads"),
-        n("/full_attention/head_dim"),
-        n("/full_attention/rotary_dim")
-    );
-    println!(
-        "linear attn    {} k heads x {}, {} v heads x {}, conv kernel {}",
-        n("/linear_attention/k_heads"),
-        n("/linear_attention/k_head_dim"),
-        n("/linear_attention/v_heads"),
-        n("/linear_attention/v_head_dim"),
-        n("/linear_attention/conv_kernel")
-    );
+    if g("/mla").is_object() {
+        let q_lora = match g("/mla/q_lora_rank").as_u64() {
+            Some(r) => format!("q_lora {r}"),
+            None => "q_proj".into(),
+        };
+        println!(
+            "MLA            {} heads, {q_lora}, kv_lora {}, nope {}, rope {}, v {}; cache {} floats/token/layer{}",
+            n("/full_attention/heads"),
+            n("/mla/kv_lora_rank"),
+            n("/mla/qk_nope_head_dim"),
+            n("/mla/qk_rope_head_dim"),
+            n("/mla/v_head_dim"),
+            n("/mla/cache_floats_per_token_layer"),
+            match g("/mla/yarn_factor").as_f64() {
+                Some(f) => format!(", YaRN x{f}"),
+                None => String::new(),
+            }
+        );
+        println!(
+            "router         noaux_tc, {} groups keep {}, scaling {}",
+            n("/router/n_group"),
+            n("/router/topk_group"),
+            g("/router/routed_scaling_factor").as_f64().unwrap_or(1.0)
+        );
+    } else {
+        println!(
+            "full attention {} heads, {} kv heads, head dim {}, rotary dim {}",
+            n("/full_attention/heads"),
+            n("/full_attention/kv_heads"),
+            n("/full_attention/head_dim"),
+            n("/full_attention/rotary_dim")
+        );
+        println!(
+            "linear attn    {} k heads x {}, {} v heads x {}, conv kernel {}",
+            n("/linear_attention/k_heads"),
+            n("/linear_attention/k_head_dim"),
+            n("/linear_attention/v_heads"),
+            n("/linear_attention/v_head_dim"),
+            n("/linear_attention/conv_kernel")
+        );
+    }
     println!(
         "experts        {} per MoE layer, K = {}, intermediate {}, shared expert {}",
         n("/moe/experts"),
@@ -319,5 +375,13 @@ mod tests {
         );
         assert_eq!(group_of("model.layers.2.mlp.down_proj.weight"), "dense MLP");
         assert_eq!(group_of("model.embed_tokens.weight"), "embedding");
+        assert_eq!(
+            group_of("model.layers.1.self_attn.unembed_out.scales"),
+            "MLA projections"
+        );
+        assert_eq!(
+            group_of("model.layers.1.mlp.shared_experts.down_proj.weight"),
+            "shared expert"
+        );
     }
 }

@@ -12,8 +12,8 @@ use crate::progress::{human_bytes, ConvertBar};
 
 #[derive(Debug, Args)]
 pub struct SynthArgs {
-    /// Model shape: qwen3.6-35b-a3b, qwen3.5-397b-a17b, or qwen3.5-tiny
-    /// (the test fixtures' size).
+    /// Model shape: qwen3.6-35b-a3b, qwen3.5-397b-a17b, cogito-v2-671b
+    /// (DeepSeek-V3 architecture), or qwen3.5-tiny (the test fixtures' size).
     #[arg(long, value_name = "NAME")]
     pub preset: String,
     /// Write only the first N layers (identical to the full model's).

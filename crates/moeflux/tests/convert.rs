@@ -1011,3 +1011,28 @@ fn e4m3_decode_matches_mlx_for_every_code() {
         );
     }
 }
+
+/// An older mlx-lm checkpoint with `kv_b_proj` quantized unsplit: convert
+/// dequantizes it in bf16, splits it and re-quantizes both halves exactly as
+/// current mlx-lm's sanitize (`expected_split.safetensors`, [heads, rows, cols]).
+#[test]
+fn mlx_unsplit_quantized_kv_b_proj_matches_mlx_sanitize() {
+    let fx = fixture("deepseekv3-legacy-q4");
+    let (_t, dst) = convert_fixture(&fx.join("src"), &opts());
+    let m = check_model_dir(&dst);
+    let dense = std::fs::read(dst.join(DENSE_FILE)).unwrap();
+    let exp_bytes = std::fs::read(fx.join("expected_split.safetensors")).unwrap();
+    let exp = safetensors::SafeTensors::deserialize(&exp_bytes).unwrap();
+    let mut n = 0;
+    for (name, view) in exp.tensors() {
+        let t = &m.tensors[&name];
+        let s = view.shape();
+        assert_eq!(t.shape, vec![s[0] * s[1], s[2]], "{name}");
+        assert!(
+            dense[t.offset as usize..(t.offset + t.bytes) as usize] == *view.data(),
+            "{name} differs from mlx-lm's split"
+        );
+        n += 1;
+    }
+    assert_eq!(n, 12);
+}

@@ -52,3 +52,12 @@ fn kimi_k2_q4_plain_q_proj_one_group_rope_mscale() {
 fn deepseek_v3_from_hugging_face_fp8() {
     run_fixture("deepseekv3-fp8", "deepseekv3-fp8/src", "deepseekv3-fp8");
 }
+
+#[test]
+fn deepseek_v3_older_mlx_with_quantized_unsplit_kv_b_proj() {
+    run_fixture(
+        "deepseekv3-legacy-q4",
+        "deepseekv3-legacy-q4/src",
+        "deepseekv3-legacy-q4",
+    );
+}

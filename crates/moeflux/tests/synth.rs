@@ -235,3 +235,62 @@ fn cancelled_while_writing_leaves_nothing() {
         );
     }
 }
+
+/// A DeepSeek-V3-shaped synthetic model (MLA, dense first layer, noaux_tc
+/// MoE) opens, runs with finite unit-order logits, and its 2-layer cut of
+/// the cogito-v2-671b preset has the real model's config.
+#[test]
+fn deepseek_v3_synth_opens_and_runs() {
+    let p = find_preset("cogito-v2-671b").unwrap();
+    let SynthSpec::DeepseekV3(real) = p.spec else {
+        panic!("cogito-v2-671b is a DeepSeek-V3 shape");
+    };
+    assert_eq!(
+        (
+            real.num_layers,
+            real.hidden_size,
+            real.num_experts,
+            real.first_k_dense
+        ),
+        (61, 7168, 256, 3)
+    );
+    let small = moeflux::synth::DeepseekShape {
+        hidden_size: 128,
+        num_layers: 3,
+        num_attention_heads: 2,
+        vocab_size: 512,
+        num_experts: 16,
+        experts_per_token: 4,
+        moe_intermediate: 64,
+        n_shared_experts: 1,
+        intermediate_size: 128,
+        first_k_dense: 1,
+        q_lora_rank: 64,
+        kv_lora_rank: 64,
+        qk_nope_head_dim: 64,
+        qk_rope_head_dim: 64,
+        v_head_dim: 64,
+        n_group: 4,
+        topk_group: 2,
+        ..real
+    };
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("ds");
+    synth(&dir, &SynthOptions::new("ds", SynthSpec::DeepseekV3(small))).unwrap();
+    let mut s = Session::open(&dir, SessionOptions::default()).unwrap();
+    assert_eq!(s.config().arch, moeflux::Architecture::DeepseekV3);
+    let tokens: Vec<u32> = (0..16).map(|i| (i * 37 + 5) % 512).collect();
+    let logits = s.eval(&tokens, LogitsMode::All).unwrap();
+    for row in logits.chunks(512) {
+        let rms = (row.iter().map(|x| x * x).sum::<f32>() / 512.0).sqrt();
+        assert!(
+            rms.is_finite() && (0.1..10.0).contains(&rms),
+            "logit RMS {rms}"
+        );
+    }
+    let m = Manifest::read(&dir.join("moeflux.json")).unwrap();
+    assert_eq!(
+        m.experts.iter().map(|e| e.layer).collect::<Vec<_>>(),
+        vec![1, 2]
+    );
+}

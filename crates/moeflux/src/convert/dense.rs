@@ -22,6 +22,7 @@ use crate::format::TensorEntry;
 use crate::quant::affine;
 
 use super::dtype::{self, FloatTy};
+use super::kvb::{self, KvbQuantSrc, KvbSplit};
 use super::plan::{DenseJob, OutTensor, Plan};
 use super::source::Source;
 use super::Ctx;
@@ -189,6 +190,29 @@ pub fn write(
         .collect())
 }
 
+/// A whole quantized `kv_b_proj`, dequantized as `mx.dequantize` does in
+/// its scales' type.
+fn dequantized_kvb(src: &Source, raw: &str, q: &KvbQuantSrc, k: &KvbSplit) -> Vec<f32> {
+    let words = dtype::decode_u32(src.data(&src.tensors[raw]));
+    let s = dtype::decode(src.data(&src.tensors[&q.scales]), q.scale_ty);
+    let b = dtype::decode(src.data(&src.tensors[&q.biases]), q.scale_ty);
+    let (kvl, rows) = (k.kv_lora, k.source_rows());
+    let wpr = affine::words_per_row(kvl, q.spec.bits);
+    let g = kvl / q.spec.group_size;
+    let mut out = vec![0f32; rows * kvl];
+    for (r, row) in out.chunks_exact_mut(kvl).enumerate() {
+        kvb::dequantize_row_as(
+            &words[r * wpr..(r + 1) * wpr],
+            &s[r * g..(r + 1) * g],
+            &b[r * g..(r + 1) * g],
+            q.spec,
+            q.scale_ty,
+            row,
+        );
+    }
+    out
+}
+
 /// Produces and writes one item; returns the bytes written.
 fn run_item(
     src: &Source,
@@ -240,14 +264,16 @@ fn run_item(
             spec,
             work,
             kvb,
+            kvb_quant,
             ..
         } => {
             let (r0, r1) = (it.start, it.end);
             let rows = r1 - r0;
             // Float rows, FP8 blocks decoded (see `Source::float_rows`).
-            let mut w = match kvb {
-                Some(k) => k.rows(&src.float_rows(raw, 0, k.source_rows()), r0, r1),
-                None => src.float_rows(raw, r0, r1),
+            let mut w = match (kvb, kvb_quant) {
+                (Some(k), Some(q)) => k.rows(&dequantized_kvb(src, raw, q, k), r0, r1),
+                (Some(k), None) => k.rows(&src.float_rows(raw, 0, k.source_rows()), r0, r1),
+                _ => src.float_rows(raw, r0, r1),
             };
             if work.narrows(*src_ty) {
                 for x in &mut w {

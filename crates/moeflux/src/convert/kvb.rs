@@ -5,6 +5,40 @@
 //! `unembed_out` = the v rows, `[heads, v, kv_lora]` (both kept 2-D as
 //! `[heads * rows, cols]`).
 
+use crate::config::QuantSpec;
+use crate::convert::dtype::FloatTy;
+use crate::quant::affine;
+
+/// An mlx-lm checkpoint from before the split (older mlx-lm): `kv_b_proj`
+/// quantized as a plain linear layer. mlx-lm's sanitize dequantizes it in the
+/// scales' type, splits it and quantizes both halves again with the same bits
+/// and group size; so does convert.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvbQuantSrc {
+    pub scales: String,
+    pub biases: String,
+    pub spec: QuantSpec,
+    pub scale_ty: FloatTy,
+}
+
+/// `mx.dequantize` of one quantized row in the scales' type: for bf16 that is
+/// `bf16(bf16(scale * q) + bias)` (two roundings, measured against mlx); f32
+/// scales give the f32 result.
+pub fn dequantize_row_as(
+    row: &[u32],
+    scales: &[f32],
+    biases: &[f32],
+    spec: QuantSpec,
+    ty: FloatTy,
+    out: &mut [f32],
+) {
+    for (j, o) in out.iter_mut().enumerate() {
+        let g = j / spec.group_size;
+        let q = affine::unpack_code(row, j, spec.bits) as f32;
+        *o = ty.round(ty.round(q * scales[g]) + biases[g]);
+    }
+}
+
 /// Which half of `kv_b_proj`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KvbHalf {

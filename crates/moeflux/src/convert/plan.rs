@@ -23,7 +23,7 @@ use crate::model::schema::{self, WeightKind, EXPERT_COMPONENTS};
 use crate::quant::affine::words_per_row;
 
 use super::dtype::{self, FloatTy};
-use super::kvb::KvbSplit;
+use super::kvb::{KvbQuantSrc, KvbSplit};
 use super::sanitize::{mlx_module_path, DenseSrc, ExpertSrc, Sanitized};
 use super::source::Source;
 
@@ -88,6 +88,8 @@ pub enum DenseJob {
         work: FloatTy,
         /// `raw` is MLA's whole `kv_b_proj`; this output is one half of it.
         kvb: Option<KvbSplit>,
+        /// ... and `raw` is quantized (older mlx-lm checkpoints).
+        kvb_quant: Option<KvbQuantSrc>,
     },
 }
 
@@ -260,6 +262,10 @@ impl<'a> Planner<'a> {
 
     fn linear(&mut self, module: &str, rows: usize, cols: usize) -> Result<()> {
         let wname = format!("{module}.weight");
+        if let Some(d) = self.san.dense.get(&wname).filter(|d| d.kvb_quant.is_some()) {
+            let d = d.clone();
+            return self.requantized_kvb_half(&wname, d, rows, cols);
+        }
         let has_scales = self.san.dense.contains_key(&format!("{module}.scales"));
         if has_scales {
             return self.quantized_linear(module, rows, cols);
@@ -315,12 +321,97 @@ impl<'a> Planner<'a> {
                 spec: sp,
                 work,
                 kvb: d.kvb,
+                kvb_quant: None,
             });
         } else {
             // Left unquantized (mlx-lm skips inputs not divisible by the group size).
             self.used.pop();
             self.float_tensor(&wname, &[rows, cols], "[out, in]")?;
         }
+        Ok(())
+    }
+
+    /// One half of an unsplit quantized `kv_b_proj`: dequantized in its
+    /// scales' type, split and quantized again with its bits and group size,
+    /// as mlx-lm's `deepseek_v3.sanitize` (which infers both from the shapes).
+    fn requantized_kvb_half(
+        &mut self,
+        wname: &str,
+        d: DenseSrc,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        self.used.push(wname.to_string());
+        let (Some(k), Some((scales, biases))) = (d.kvb, d.kvb_quant.clone()) else {
+            unreachable!("called for quantized kv_b_proj halves");
+        };
+        let w = self.raw(&d.raw);
+        let (s, b) = (self.raw(&scales), self.raw(&biases));
+        if w.dtype != Dtype::U32 || w.shape.len() != 2 || s.shape.len() != 2 {
+            return Err(self.err(
+                &d.raw,
+                "quantized kv_b_proj: expected U32 [rows, packed] codes",
+            ));
+        }
+        let (packed, groups) = (w.shape[1], s.shape[1]);
+        let bits = (packed * 32 / k.kv_lora) as u32;
+        let group_size = k.kv_lora.checked_div(groups).unwrap_or(0);
+        let q = spec(bits, group_size);
+        q.validate().map_err(|r| self.err(&d.raw, r))?;
+        let sty = self.float_ty(&scales)?;
+        if self.float_ty(&biases)? != sty || s.shape != b.shape {
+            return Err(self.err(&biases, "scales and biases differ in dtype or shape"));
+        }
+        let rows_src = k.source_rows();
+        if w.shape != [rows_src, words_per_row(k.kv_lora, bits)]
+            || s.shape != [rows_src, k.kv_lora / group_size]
+            || !cols.is_multiple_of(group_size)
+        {
+            return Err(self.err(
+                &d.raw,
+                format!(
+                    "quantized kv_b_proj {:?} with scales {:?} does not fit \
+                     [{rows_src}, {}] at {bits} bits, group {group_size}",
+                    w.shape, s.shape, k.kv_lora
+                ),
+            ));
+        }
+        let module = wname.trim_end_matches(".weight");
+        let groups_out = cols / group_size;
+        let outs = [
+            self.push_out(
+                wname.to_string(),
+                Dtype::U32,
+                vec![rows, words_per_row(cols, bits)],
+            ),
+            self.push_out(
+                format!("{module}.scales"),
+                sty.stored(),
+                vec![rows, groups_out],
+            ),
+            self.push_out(
+                format!("{module}.biases"),
+                sty.stored(),
+                vec![rows, groups_out],
+            ),
+        ];
+        self.quantized.insert(module.to_string(), q);
+        self.jobs.push(DenseJob::Quantize {
+            outs,
+            raw: d.raw,
+            src_ty: sty,
+            rows,
+            cols,
+            spec: q,
+            work: sty,
+            kvb: Some(k),
+            kvb_quant: Some(KvbQuantSrc {
+                scales,
+                biases,
+                spec: q,
+                scale_ty: sty,
+            }),
+        });
         Ok(())
     }
 

@@ -52,6 +52,8 @@ pub struct DenseSrc {
     pub plus_one: bool,
     /// This tensor is one half of MLA's `kv_b_proj` (`raw`), split on write.
     pub kvb: Option<KvbSplit>,
+    /// `raw` is a quantized `kv_b_proj` with these scales and biases.
+    pub kvb_quant: Option<(String, String)>,
 }
 
 /// Where one stacked expert projection comes from.
@@ -305,22 +307,28 @@ pub fn sanitize(src: &Source) -> Result<Sanitized> {
         }
     }
 
-    let mut kvb_halves: Vec<(String, String, KvbSplit)> = Vec::new();
+    type KvbHalfSrc = (String, String, KvbSplit, Option<(String, String)>);
+    let mut kvb_halves: Vec<KvbHalfSrc> = Vec::new();
     if let Some(m) = cfg.mla.filter(|_| arch.is_deepseek()) {
         for l in 0..cfg.num_layers {
             let p = format!("model.layers.{l}.self_attn.kv_b_proj");
             let Some(raw) = take(&mut names, &format!("{p}.weight")) else {
                 continue;
             };
-            if names.contains_key(&format!("{p}.scales")) {
-                return Err(Error::tensor(
-                    src.file_of(&raw),
-                    &raw,
-                    "a quantized, unsplit kv_b_proj (older mlx-lm) is not supported; \
-                     convert from the Hugging Face checkpoint or a current mlx-lm one \
-                     (embed_q / unembed_out)",
-                ));
-            }
+            // Older mlx-lm checkpoints quantize kv_b_proj unsplit.
+            let quant = match (
+                take(&mut names, &format!("{p}.scales")),
+                take(&mut names, &format!("{p}.biases")),
+            ) {
+                (Some(s), Some(b)) => Some((s, b)),
+                (None, None) => None,
+                _ => {
+                    return Err(missing(
+                        &format!("{p}.biases"),
+                        "kv_b_proj.scales and .biases come together",
+                    ))
+                }
+            };
             let split = |half| KvbSplit {
                 half,
                 heads: cfg.num_attention_heads,
@@ -330,7 +338,10 @@ pub fn sanitize(src: &Source) -> Result<Sanitized> {
             };
             let e = split(KvbHalf::EmbedQ);
             let shape = &src.tensors[&raw].shape;
-            if shape.as_slice() != [e.source_rows(), e.kv_lora] {
+            // Quantized: the column count is checked with the scales in the plan.
+            if shape.first() != Some(&e.source_rows())
+                || (quant.is_none() && shape.as_slice() != [e.source_rows(), e.kv_lora])
+            {
                 return Err(Error::tensor(
                     src.file_of(&raw),
                     &raw,
@@ -342,11 +353,12 @@ pub fn sanitize(src: &Source) -> Result<Sanitized> {
                 ));
             }
             let a = format!("model.layers.{l}.self_attn.");
-            kvb_halves.push((format!("{a}embed_q.weight"), raw.clone(), e));
+            kvb_halves.push((format!("{a}embed_q.weight"), raw.clone(), e, quant.clone()));
             kvb_halves.push((
                 format!("{a}unembed_out.weight"),
                 raw,
                 split(KvbHalf::UnembedOut),
+                quant,
             ));
         }
     }
@@ -428,10 +440,11 @@ pub fn sanitize(src: &Source) -> Result<Sanitized> {
                 shape,
                 plus_one,
                 kvb: None,
+                kvb_quant: None,
             },
         );
     }
-    for (canon, raw, split) in kvb_halves {
+    for (canon, raw, split, kvb_quant) in kvb_halves {
         if let Some(prev) = out.dense.get(&canon) {
             return Err(Error::tensor(
                 src.file_of(&raw),
@@ -446,6 +459,7 @@ pub fn sanitize(src: &Source) -> Result<Sanitized> {
                 shape: split.shape().to_vec(),
                 plus_one: false,
                 kvb: Some(split),
+                kvb_quant,
             },
         );
     }
