@@ -7,14 +7,14 @@
 use std::path::Path;
 
 use crate::backend::cpu::ops;
-use crate::backend::cpu::qmatmul::{dequantize_row, matmul};
+use crate::backend::cpu::qmatmul::dequantize_row;
 use crate::config::{MlpKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::format::Manifest;
 use crate::model::experts::ExpertRun;
 use crate::model::mla::MlaAttention;
 use crate::model::moe::{DenseMlp, ExpertLayout, MoeBlock};
-use crate::model::qwen3_hybrid::{LogitsMode, Mlp};
+use crate::model::qwen3_hybrid::{final_logits, LogitsMode, Mlp, MlpHalf};
 use crate::model::schema::layer_prefix;
 use crate::model::state::{LayerState, MlaCache, ModelState};
 use crate::model::timing::{lap, PhaseTimes};
@@ -143,35 +143,14 @@ impl DeepseekV3 {
                 .forward(d, c, &self.rope, self.scale, &xn, n, start, cache, &mut r)?;
             ops::add_inplace(&mut x, &r);
             lap(&mut clock, &mut times.attention);
-            ops::rms_norm_rows(&x, &layer.post_norm, c.rms_norm_eps, &mut xn);
-            lap(&mut clock, &mut times.embed_norm);
-            match &layer.mlp {
-                Mlp::Moe(m) => {
-                    m.forward(d, c, run, self.next_moe(i), &xn, n, &mut r, times)?;
-                    clock = std::time::Instant::now();
-                }
-                Mlp::Dense(m) => {
-                    m.forward(d, &xn, n, &mut r);
-                    lap(&mut clock, &mut times.shared_mlp);
-                }
-            }
-            ops::add_inplace(&mut x, &r);
-            lap(&mut clock, &mut times.embed_norm);
+            let half = MlpHalf {
+                mlp: &layer.mlp,
+                post_norm: &layer.post_norm,
+                next: self.next_moe(i),
+            };
+            half.forward(d, c, run, n, &mut x, &mut xn, &mut r, &mut clock, times)?;
         }
-        let rows = match mode {
-            LogitsMode::All => 0..n,
-            LogitsMode::Last => n - 1..n,
-        };
-        let m = rows.len();
-        let mut normed = vec![0.0f32; m * h];
-        ops::rms_norm_rows(
-            &x[rows.start * h..rows.end * h],
-            &self.final_norm,
-            c.rms_norm_eps,
-            &mut normed,
-        );
-        let mut logits = vec![0.0f32; m * c.vocab_size];
-        matmul(&d.view(&self.lm_head), &normed, m, &mut logits);
+        let logits = final_logits(d, c, &self.final_norm, &self.lm_head, &x, n, mode);
         lap(&mut clock, &mut times.lm_head);
         Ok(logits)
     }

@@ -168,37 +168,88 @@ impl QwenHybrid {
             }
             ops::add_inplace(&mut x, &r);
             lap(&mut clock, &mut times.attention);
-            ops::rms_norm_rows(&x, &layer.post_norm, c.rms_norm_eps, &mut xn);
-            lap(&mut clock, &mut times.embed_norm);
-            match &layer.mlp {
-                Mlp::Moe(m) => {
-                    // Times its own phases.
-                    m.forward(d, c, run, self.next_moe(i), &xn, n, &mut r, times)?;
-                    clock = std::time::Instant::now();
-                }
-                Mlp::Dense(m) => {
-                    m.forward(d, &xn, n, &mut r);
-                    lap(&mut clock, &mut times.shared_mlp);
-                }
-            }
-            ops::add_inplace(&mut x, &r);
-            lap(&mut clock, &mut times.embed_norm);
+            let half = MlpHalf {
+                mlp: &layer.mlp,
+                post_norm: &layer.post_norm,
+                next: self.next_moe(i),
+            };
+            half.forward(d, c, run, n, &mut x, &mut xn, &mut r, &mut clock, times)?;
         }
-        let rows = match mode {
-            LogitsMode::All => 0..n,
-            LogitsMode::Last => n - 1..n,
-        };
-        let m = rows.len();
-        let mut normed = vec![0.0f32; m * h];
-        ops::rms_norm_rows(
-            &x[rows.start * h..rows.end * h],
-            &self.final_norm,
-            c.rms_norm_eps,
-            &mut normed,
-        );
-        let mut logits = vec![0.0f32; m * c.vocab_size];
-        matmul(&d.view(&self.lm_head), &normed, m, &mut logits);
+        let logits = final_logits(d, c, &self.final_norm, &self.lm_head, &x, n, mode);
         lap(&mut clock, &mut times.lm_head);
         Ok(logits)
     }
+}
+
+/// The MLP half of a layer, the same in every layer stack: post-attention
+/// RMSNorm, the MLP (dense or mixture of experts), its output added to `x`.
+pub(crate) struct MlpHalf<'a> {
+    pub mlp: &'a Mlp,
+    pub post_norm: &'a [f32],
+    /// The next MoE block (its router drives speculative prefetch).
+    pub next: Option<&'a MoeBlock>,
+}
+
+impl MlpHalf<'_> {
+    /// `xn` and `r` are scratch of `x`'s size; `clock` is the caller's
+    /// phase clock.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        d: &DenseStore,
+        c: &ModelConfig,
+        run: &mut ExpertRun<'_>,
+        n: usize,
+        x: &mut [f32],
+        xn: &mut [f32],
+        r: &mut [f32],
+        clock: &mut std::time::Instant,
+        times: &mut PhaseTimes,
+    ) -> Result<()> {
+        ops::rms_norm_rows(x, self.post_norm, c.rms_norm_eps, xn);
+        lap(clock, &mut times.embed_norm);
+        match self.mlp {
+            Mlp::Moe(m) => {
+                // Times its own phases.
+                m.forward(d, c, run, self.next, xn, n, r, times)?;
+                *clock = std::time::Instant::now();
+            }
+            Mlp::Dense(m) => {
+                m.forward(d, xn, n, r);
+                lap(clock, &mut times.shared_mlp);
+            }
+        }
+        ops::add_inplace(x, r);
+        lap(clock, &mut times.embed_norm);
+        Ok(())
+    }
+}
+
+/// Final RMSNorm and LM head over the rows of `x` (`[n, hidden]`) that
+/// `mode` asks for: logits `[rows, vocab]`.
+pub(crate) fn final_logits(
+    d: &DenseStore,
+    c: &ModelConfig,
+    final_norm: &[f32],
+    lm_head: &LinearRef,
+    x: &[f32],
+    n: usize,
+    mode: LogitsMode,
+) -> Vec<f32> {
+    let h = c.hidden_size;
+    let rows = match mode {
+        LogitsMode::All => 0..n,
+        LogitsMode::Last => n - 1..n,
+    };
+    let m = rows.len();
+    let mut normed = vec![0.0f32; m * h];
+    ops::rms_norm_rows(
+        &x[rows.start * h..rows.end * h],
+        final_norm,
+        c.rms_norm_eps,
+        &mut normed,
+    );
+    let mut logits = vec![0.0f32; m * c.vocab_size];
+    matmul(&d.view(lm_head), &normed, m, &mut logits);
+    logits
 }

@@ -82,6 +82,29 @@ __device__ __forceinline__ u32 qcode(const u32* row, long j, int bits) {
     return (u32)(v >> sh) & ((1u << bits) - 1u);
 }
 
+// Code e of a packed word as a float, without an int->float conversion:
+// 2^23 + code has the code in its mantissa.
+template <int BITS>
+__device__ __forceinline__ float qcodef(u32 word, int e) {
+    return __uint_as_float(0x4B000000u | ((word >> (e * BITS)) & ((1u << BITS) - 1u))) - 8388608.0f;
+}
+
+// N activations from p (16-byte aligned) into xv; returns their sum.
+template <int N>
+__device__ __forceinline__ float load_acts(const float* p, float* xv) {
+    float xs = 0.0f;
+#pragma unroll
+    for (int e4 = 0; e4 < N / 4; e4++) {
+        float4 f = __ldg((const float4*)p + e4);
+        xv[4 * e4] = f.x;
+        xv[4 * e4 + 1] = f.y;
+        xv[4 * e4 + 2] = f.z;
+        xv[4 * e4 + 3] = f.w;
+        xs += (f.x + f.y) + (f.z + f.w);
+    }
+    return xs;
+}
+
 // A warp's share of a quantized product: acc[rr][t] = W[r0 + rr] . x_t for
 // the warp's RW rows and up to TT tokens (x_t = xp[t], t < nt), summed over
 // the warp (every lane holds the sums). Lane l takes words l, l+32, ... of
@@ -107,7 +130,6 @@ __device__ __forceinline__ void qrows(const QW& q, int r0, const float* const* x
     if constexpr (BITS == 2 || BITS == 4 || BITS == 8) {
         if (aligned) {
             const int EPW = 32 / BITS;
-            const u32 M = (1u << BITS) - 1u;
             // Words per group: a power of two in every MLX layout (shift),
             // else a division.
             int wpg = q.gs / EPW;
@@ -129,16 +151,8 @@ __device__ __forceinline__ void qrows(const QW& q, int r0, const float* const* x
                         int wi = v * 4 + kk;
                         int c0 = wi * EPW;
                         int g = pow2 ? (wi >> lw) : wi / wpg;
-                        float xv[EPW], xs = 0.0f;
-#pragma unroll
-                        for (int e4 = 0; e4 < EPW / 4; e4++) {
-                            float4 f = ((const float4*)(xp[0] + c0))[e4];
-                            xv[4 * e4] = f.x;
-                            xv[4 * e4 + 1] = f.y;
-                            xv[4 * e4 + 2] = f.z;
-                            xv[4 * e4 + 3] = f.w;
-                            xs += (f.x + f.y) + (f.z + f.w);
-                        }
+                        float xv[EPW];
+                        float xs = load_acts<EPW>(xp[0] + c0, xv);
 #pragma unroll
                         for (int rr = 0; rr < RW; rr++) {
                             if (rr < nr) {
@@ -148,8 +162,7 @@ __device__ __forceinline__ void qrows(const QW& q, int r0, const float* const* x
                                 float d = 0.0f;
 #pragma unroll
                                 for (int e = 0; e < EPW; e++)
-                                    d = fmaf(__uint_as_float(0x4B000000u | ((word >> (e * BITS)) & M)) - 8388608.0f,
-                                             xv[e], d);
+                                    d = fmaf(qcodef<BITS>(word, e), xv[e], d);
                                 acc[rr][0] = fmaf(sc, d, fmaf(bi, xs, acc[rr][0]));
                             }
                         }
@@ -181,12 +194,9 @@ __device__ __forceinline__ void qrows(const QW& q, int r0, const float* const* x
                         u32 word = q.w[r * wpr + wi];
                         long pi = r * gpr + g;
                         float s = qparam(q.s, pi, q.sf32), b = qparam(q.b, pi, q.sf32);
-                        // Codes as floats without int->float conversions:
-                        // 2^23 + code has the code in its mantissa.
                         float cf[EPW];
 #pragma unroll
-                        for (int e = 0; e < EPW; e++)
-                            cf[e] = __uint_as_float(0x4B000000u | ((word >> (e * BITS)) & M)) - 8388608.0f;
+                        for (int e = 0; e < EPW; e++) cf[e] = qcodef<BITS>(word, e);
 #pragma unroll
                         for (int t = 0; t < TT; t++) {
                             if (t < nt) {
@@ -382,7 +392,6 @@ __device__ __forceinline__ void qmv_chunks(const QW& a, const QW& b, int na, con
                                            const float* x, float (&acc)[NC]) {
     constexpr int EPL = 128 / BITS;  // elements per lane per chunk
     constexpr int EPW = 32 / BITS;
-    constexpr u32 M = (1u << BITS) - 1u;
     int lane = threadIdx.x & 31;
     long wpr = G.rb >> 2;
     int gpr = a.cols / a.gs;
@@ -409,16 +418,8 @@ __device__ __forceinline__ void qmv_chunks(const QW& a, const QW& b, int na, con
             sc[i] = qparam(q.s, pi, q.sf32);
             bi[i] = qparam(q.b, pi, q.sf32);
         }
-        float xv[EPL], xs = 0.0f;
-#pragma unroll
-        for (int e4 = 0; e4 < EPL / 4; e4++) {
-            float4 f = __ldg((const float4*)(x + c0) + e4);
-            xv[4 * e4] = f.x;
-            xv[4 * e4 + 1] = f.y;
-            xv[4 * e4 + 2] = f.z;
-            xv[4 * e4 + 3] = f.w;
-            xs += (f.x + f.y) + (f.z + f.w);
-        }
+        float xv[EPL];
+        float xs = load_acts<EPL>(x + c0, xv);
 #pragma unroll
         for (int i = 0; i < NC; i++) {
             float d = 0.0f;
@@ -427,8 +428,7 @@ __device__ __forceinline__ void qmv_chunks(const QW& a, const QW& b, int na, con
                 u32 word = kk == 0 ? wv[i].x : kk == 1 ? wv[i].y : kk == 2 ? wv[i].z : wv[i].w;
 #pragma unroll
                 for (int e = 0; e < EPW; e++)
-                    d = fmaf(__uint_as_float(0x4B000000u | ((word >> (e * BITS)) & M)) - 8388608.0f,
-                             xv[kk * EPW + e], d);
+                    d = fmaf(qcodef<BITS>(word, e), xv[kk * EPW + e], d);
             }
             acc[i] = fmaf(sc[i], d, fmaf(bi[i], xs, acc[i]));
         }
