@@ -69,6 +69,10 @@ pub struct EngineOptions {
     pub no_prefix_reuse: bool,
     /// Tokens per prefill batch (also the cancellation granularity).
     pub prefill_chunk: usize,
+    /// Pause after each streamed text event. Zero in use; tests set it so a
+    /// job is still running when they need it to be, on any machine speed.
+    #[doc(hidden)]
+    pub event_delay: Duration,
 }
 
 impl Default for EngineOptions {
@@ -81,6 +85,7 @@ impl Default for EngineOptions {
             },
             no_prefix_reuse: false,
             prefill_chunk: 512,
+            event_delay: Duration::ZERO,
         }
     }
 }
@@ -354,6 +359,7 @@ impl Worker {
         };
         let cancel = &job.cancel;
         let events = &job.events;
+        let event_delay = self.opts.event_delay;
         let stats = generate(
             session,
             &self.tokenizer,
@@ -368,6 +374,9 @@ impl Worker {
                     };
                     if events.send(ev).is_err() {
                         cancel.store(true, Ordering::SeqCst);
+                    }
+                    if !event_delay.is_zero() {
+                        std::thread::sleep(event_delay);
                     }
                 }
             },

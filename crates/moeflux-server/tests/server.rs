@@ -528,6 +528,9 @@ async fn full_queue_429_and_disconnect_cancels() {
         engine: EngineOptions {
             max_queue: 0,
             prefix_cache: PrefixCacheOptions::default(),
+            // 2000 tokens of the tiny model would otherwise finish before
+            // the second request arrives on a fast machine.
+            event_delay: Duration::from_millis(5),
             ..Default::default()
         },
         ..Default::default()
