@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 use moeflux::convert::{convert, ConvertOptions};
 use moeflux::{Session, SessionOptions};
 
+pub mod oracle;
+
 /// `tests/fixtures`; `$MOEFLUX_FIXTURES` overrides it where the test binary
 /// runs away from its source tree (the GPU machine).
 pub fn fixtures() -> PathBuf {
