@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from hfckpt import load_state, text_model
+from ppl import perplexity
 
 NORM_SUFFIXES = (".input_layernorm.weight", ".post_attention_layernorm.weight",
                  "model.norm.weight", ".q_norm.weight", ".k_norm.weight")
@@ -124,13 +125,21 @@ def main():
             rows.append({"ids": keep, "logits": [float(f"{row[i].item():.9g}") for i in keep],
                          "logsumexp": float(f"{z.item():.12g}"), "argmax": int(row.argmax())})
         golden.append({"name": name, "tokens": ids, "positions": rows})
+    # Perplexity on the same weights: a short overlapping run the CPU test
+    # repeats, and the whole held-out text (docs/DEMO.md).
+    val_text = args.val.read_text()
+    ppl = [perplexity(model, args.model / "tokenizer.json", val_text, ctx=w, dev=dev, stride=s,
+                      max_tokens=m)
+           for w, s, m in [(256, 96, 1500), (512, 512, None)]]
     manifest = (args.model / "moeflux.json").read_bytes()
     args.out.write_text(json.dumps({
         "oracle": f"transformers Qwen3_5MoeForCausalLM float32 on {args.device}, "
                   "weights dequantized from the moeflux directory",
         "moeflux_json_sha256": hashlib.sha256(manifest).hexdigest(),
+        "held_out_sha256": hashlib.sha256(val_text.encode()).hexdigest(),
         "vocab_size": vocab,
         "prompts": golden,
+        "perplexity": ppl,
     }, separators=(",", ":")) + "\n")
     print(f"wrote {args.out}: {sum(len(p['tokens']) for p in golden)} positions")
 

@@ -27,8 +27,9 @@ def windows(n, ctx, stride):
 
 
 @torch.no_grad()
-def perplexity(model, tokenizer_json, text, ctx, dev, stride=None):
+def perplexity(model, tokenizer_json, text, ctx, dev, stride=None, max_tokens=None):
     ids = Tokenizer.from_file(str(tokenizer_json)).encode(text, add_special_tokens=False).ids
+    ids = ids[:max_tokens]
     nll, count = 0.0, 0
     for begin, end, first in windows(len(ids), ctx, stride or ctx):
         x = torch.tensor([ids[begin:end]], device=dev)
@@ -37,4 +38,5 @@ def perplexity(model, tokenizer_json, text, ctx, dev, stride=None):
         nll -= logp[first - begin - 1:end - begin - 1].gather(1, targets[:, None]).sum().item()
         count += end - first
     return {"tokens": len(ids), "scored": count, "nll_per_token": nll / count,
-            "perplexity": math.exp(nll / count), "ctx": ctx, "stride": stride or ctx}
+            "perplexity": math.exp(nll / count), "ctx": ctx, "stride": stride or ctx,
+            "max_tokens": max_tokens}

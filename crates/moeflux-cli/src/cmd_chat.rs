@@ -33,7 +33,7 @@ const HELP: &str =
 const CHAT_MAGIC: &[u8; 8] = b"MFLXCHAT";
 
 pub fn run(args: ChatArgs) -> Result<()> {
-    let sampler = args.sampling.sampler(&args.model.model)?;
+    let sampler = args.sampling.sampler(&args.model.dir()?)?;
     let mut loaded = load(&args.model)?;
     let cancel = interrupt_flag()?;
     let initial: Vec<ChatMessage> = args

@@ -33,7 +33,7 @@ pub struct RunArgs {
 }
 
 pub fn run(args: RunArgs) -> Result<()> {
-    let sampler = args.sampling.sampler(&args.model.model)?;
+    let sampler = args.sampling.sampler(&args.model.dir()?)?;
     let mut loaded = load(&args.model)?;
     let (prompt_ids, starts_in_reasoning) = match (&args.prompt_ids, &args.prompt) {
         (Some(ids), _) => (parse_tokens(ids)?, false),

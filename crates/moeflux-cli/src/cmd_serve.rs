@@ -65,8 +65,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
         },
     };
     let m = args.model.clone();
+    let dir = args.model.dir()?;
     let server = Server::start(
-        &args.model.model,
+        &dir,
         opts,
         Box::new(move || {
             let s = m.open_session().map_err(|e| format!("{e:#}"))?;
@@ -75,7 +76,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         }),
     )
     .map_err(anyhow::Error::msg)
-    .with_context(|| format!("starting the server on {}", args.model.model.display()))?;
+    .with_context(|| format!("starting the server on {}", dir.display()))?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("moeflux-http")

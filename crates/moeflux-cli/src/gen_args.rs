@@ -17,9 +17,10 @@ use moeflux::{Session, SessionOptions};
 
 #[derive(Debug, Clone, Args)]
 pub struct ModelArgs {
-    /// Model directory written by `moeflux convert`.
+    /// Model directory written by `moeflux convert` (default: the demo model
+    /// in the source tree's `models/demo`).
     #[arg(long)]
-    pub model: PathBuf,
+    pub model: Option<PathBuf>,
     /// Compute threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -99,10 +100,26 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
 }
 
 impl ModelArgs {
-    /// Opens the session these flags describe.
+    /// The model directory: `--model`, else the demo model.
+    pub fn dir(&self) -> Result<PathBuf> {
+        match &self.model {
+            Some(dir) => Ok(dir.clone()),
+            None => crate::demo::model_dir(),
+        }
+    }
+
+    /// Opens the session these flags describe (saying so when it is the
+    /// demo model because no `--model` was given).
     pub fn open_session(&self) -> Result<Session> {
+        let dir = self.dir()?;
+        if self.model.is_none() {
+            eprintln!(
+                "no --model given: using the demo model {} (docs/DEMO.md)",
+                dir.display()
+            );
+        }
         Session::open(
-            &self.model,
+            &dir,
             SessionOptions {
                 threads: self.threads,
                 experts_per_token: self.experts_per_token,
@@ -118,7 +135,7 @@ impl ModelArgs {
                 ..Default::default()
             },
         )
-        .with_context(|| format!("opening model {}", self.model.display()))
+        .with_context(|| format!("opening model {}", dir.display()))
     }
 
     /// On stderr: which GPU the session uses (or why `auto` could not use
@@ -274,8 +291,9 @@ pub fn load(m: &ModelArgs) -> Result<Loaded> {
     let t0 = Instant::now();
     let spinner = crate::progress::spinner("loading model");
     let session = m.open_session()?;
-    let tokenizer = Tokenizer::from_model_dir(&m.model)?;
-    let template = ChatTemplate::from_model_dir(&m.model)?;
+    let dir = m.dir()?;
+    let tokenizer = Tokenizer::from_model_dir(&dir)?;
+    let template = ChatTemplate::from_model_dir(&dir)?;
     spinner.finish_and_clear();
     m.report(&session);
     Ok(Loaded {

@@ -6,10 +6,12 @@ mod cmd_chat;
 mod cmd_convert;
 mod cmd_inspect;
 mod cmd_logits;
+mod cmd_perplexity;
 mod cmd_run;
 mod cmd_serve;
 mod cmd_synth;
 mod cmd_tokenize;
+mod demo;
 mod gen_args;
 mod output;
 mod progress;
@@ -50,6 +52,8 @@ enum Command {
     Inspect(cmd_inspect::InspectArgs),
     /// Write the float32 logits of every position of a token list as .npy.
     Logits(cmd_logits::LogitsArgs),
+    /// Perplexity of a text file (held-out quality), in windows like Hugging Face's recipe.
+    Perplexity(cmd_perplexity::PerplexityArgs),
     /// Encode text to token ids, or decode ids to text, with a model's tokenizer.
     Tokenize(cmd_tokenize::TokenizeArgs),
 }
@@ -112,6 +116,7 @@ fn main() -> ExitCode {
         Command::Synth(a) => cmd_synth::run(a),
         Command::Inspect(a) => cmd_inspect::run(a),
         Command::Logits(a) => cmd_logits::run(a),
+        Command::Perplexity(a) => cmd_perplexity::run(a),
         Command::Tokenize(a) => cmd_tokenize::run(a),
     };
     match result {

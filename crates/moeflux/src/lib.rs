@@ -11,6 +11,7 @@ pub mod fsutil;
 pub mod generate;
 pub mod io;
 pub mod model;
+pub mod perplexity;
 pub mod quant;
 pub mod sample;
 pub mod text;

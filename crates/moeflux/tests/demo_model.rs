@@ -29,3 +29,11 @@ fn demo_model_matches_transformers_token_by_token() {
     let mut s = common::open(&demo_model());
     oracle().check("cpu incremental", &mut s, true, TOL, GUARD);
 }
+
+/// The held-out text the demo model never saw, scored in overlapping windows.
+#[test]
+fn demo_model_perplexity_matches_transformers() {
+    let mut s = common::open(&demo_model());
+    // Logits agree to ~1e-5 relative; the mean log-probability follows them.
+    oracle().check_perplexity("cpu", &mut s, 1e-4);
+}

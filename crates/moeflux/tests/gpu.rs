@@ -7,6 +7,7 @@
 
 mod common;
 
+use common::oracle::{demo_model, Oracle};
 use common::{check_within, convert_fixture, fixtures, Golden};
 use moeflux::backend::cuda::CachePolicy;
 use moeflux::{Backend, LogitsMode, Session, SessionOptions};
@@ -281,4 +282,16 @@ fn cuda_graph_decode_equals_eager_decode() {
     let want = cpu(&dir).eval(&toks[..20], LogitsMode::Last).unwrap();
     let d = max_rel_diff(&last, &want);
     assert!(d <= GUARD, "graph decode vs CPU: {d:e}");
+}
+
+/// The demo model against transformers (tests/demo_model.rs on the CPU):
+/// logits in a batch and token by token, and perplexity.
+#[test]
+#[ignore]
+fn demo_model_matches_transformers() {
+    let oracle = Oracle::load(&fixtures().join("demo-oracle/oracle.json"), &demo_model());
+    let mut s = gpu(&demo_model());
+    oracle.check("demo gpu batch", &mut s, false, TOL, GUARD);
+    oracle.check("demo gpu incremental", &mut s, true, TOL, GUARD);
+    oracle.check_perplexity("demo gpu", &mut s, 1e-3);
 }

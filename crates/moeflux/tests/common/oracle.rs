@@ -4,15 +4,24 @@
 
 use std::path::{Path, PathBuf};
 
+use moeflux::perplexity::{perplexity, PerplexityOptions};
+use moeflux::text::tokenizer::Tokenizer;
 use moeflux::{LogitsMode, Session};
 
-/// `models/demo`; `$MOEFLUX_MODELS` overrides the folder away from the source
-/// tree (the GPU machine).
+/// The checkout's root, found from the fixtures folder (which
+/// `$MOEFLUX_FIXTURES` moves on the GPU machine).
+fn checkout() -> PathBuf {
+    super::fixtures().join("../..")
+}
+
+/// `models/demo`.
 pub fn demo_model() -> PathBuf {
-    match std::env::var_os("MOEFLUX_MODELS") {
-        Some(d) => PathBuf::from(d).join("demo"),
-        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/demo"),
-    }
+    checkout().join("models/demo")
+}
+
+/// The demo model's held-out text.
+pub fn held_out_text() -> Vec<u8> {
+    std::fs::read(checkout().join("tools/train-demo/heldout.txt")).unwrap()
 }
 
 pub struct Position {
@@ -28,9 +37,21 @@ pub struct Prompt {
     pub positions: Vec<Position>,
 }
 
+/// transformers' perplexity of the first `max_tokens` of the held-out text.
+pub struct PerplexityRef {
+    pub window: usize,
+    pub stride: usize,
+    pub max_tokens: usize,
+    pub scored: usize,
+    pub nll_per_token: f64,
+}
+
 pub struct Oracle {
     pub prompts: Vec<Prompt>,
     pub vocab: usize,
+    pub held_out_sha256: String,
+    /// The short perplexity run (the whole-text one is for docs/DEMO.md).
+    pub perplexity: PerplexityRef,
 }
 
 impl Oracle {
@@ -73,9 +94,19 @@ impl Oracle {
                     .collect(),
             })
             .collect();
+        let p = &v["perplexity"][0];
+        let int = |k: &str| p[k].as_u64().unwrap() as usize;
         Oracle {
             prompts,
             vocab: v["vocab_size"].as_u64().unwrap() as usize,
+            held_out_sha256: v["held_out_sha256"].as_str().unwrap().to_string(),
+            perplexity: PerplexityRef {
+                window: int("ctx"),
+                stride: int("stride"),
+                max_tokens: int("max_tokens"),
+                scored: int("scored"),
+                nll_per_token: p["nll_per_token"].as_f64().unwrap(),
+            },
         }
     }
 
@@ -149,6 +180,41 @@ impl Oracle {
     }
 }
 
+impl Oracle {
+    /// The held-out text, tokenized by moeflux and scored in the golden's
+    /// windows, against transformers' perplexity of the same tokens on the
+    /// same weights: |nll/token difference| must stay below `max_diff`.
+    pub fn check_perplexity(&self, what: &str, session: &mut Session, max_diff: f64) -> f64 {
+        let text = held_out_text();
+        assert_eq!(
+            sha256_hex(&text),
+            self.held_out_sha256,
+            "another held-out text"
+        );
+        let tok = Tokenizer::from_model_dir(demo_model()).unwrap();
+        let mut tokens = tok
+            .encode(std::str::from_utf8(&text).unwrap(), false)
+            .unwrap();
+        let r = &self.perplexity;
+        tokens.truncate(r.max_tokens);
+        let opts = PerplexityOptions {
+            window: r.window,
+            stride: r.stride,
+            batch: 64,
+        };
+        let p = perplexity(session, &tokens, opts, None, |_, _| {}).unwrap();
+        assert_eq!(p.scored, r.scored, "{what}: tokens scored");
+        let d = (p.nll_per_token() - r.nll_per_token).abs();
+        eprintln!(
+            "{what}: perplexity {:.4} vs transformers {:.4}, |nll/token diff| = {d:.2e}",
+            p.perplexity(),
+            r.nll_per_token.exp()
+        );
+        assert!(d < max_diff, "{what}: nll/token differs by {d:e}");
+        d
+    }
+}
+
 fn logsumexp(row: &[f32]) -> f64 {
     let m = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
     m + row.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln()
@@ -158,7 +224,7 @@ fn argmax(row: &[f32]) -> usize {
     (0..row.len()).fold(0, |b, i| if row[i] > row[b] { i } else { b })
 }
 
-fn sha256_hex(bytes: &[u8]) -> String {
+pub fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::Digest;
     sha2::Sha256::digest(bytes)
         .iter()

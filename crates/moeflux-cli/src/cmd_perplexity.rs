@@ -1,0 +1,123 @@
+//! `moeflux perplexity`: how well the model predicts a text file.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use moeflux::perplexity::{perplexity, PerplexityOptions};
+use moeflux::text::tokenizer::Tokenizer;
+
+use crate::gen_args::{interrupt_flag, ModelArgs};
+
+#[derive(Debug, Args)]
+pub struct PerplexityArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// UTF-8 text file, tokenized whole with no special tokens added.
+    pub file: PathBuf,
+    /// Tokens per window: the most context a prediction sees.
+    #[arg(long, default_value_t = 512)]
+    pub window: usize,
+    /// Tokens between window starts (default: the window, so windows do not
+    /// overlap); smaller gives predictions more context at more compute.
+    #[arg(long)]
+    pub stride: Option<usize>,
+    /// Tokens per evaluation batch inside a window.
+    #[arg(long, default_value_t = 256)]
+    pub batch: usize,
+    /// Score only the first N tokens of the text.
+    #[arg(long)]
+    pub max_tokens: Option<usize>,
+    /// Print the result as one JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(mut args: PerplexityArgs) -> Result<()> {
+    let text =
+        std::fs::read(&args.file).with_context(|| format!("reading {}", args.file.display()))?;
+    let text = String::from_utf8(text)
+        .with_context(|| format!("{} is not UTF-8 text", args.file.display()))?;
+    let dir = args.model.dir()?;
+    let tokenizer = Tokenizer::from_model_dir(&dir)?;
+    let mut tokens = tokenizer.encode(&text, false)?;
+    if let Some(n) = args.max_tokens {
+        tokens.truncate(n);
+    }
+    if tokens.len() < 2 {
+        bail!(
+            "{}: {} token(s) after tokenizing; perplexity needs at least 2",
+            args.file.display(),
+            tokens.len()
+        );
+    }
+    // The session needs no more context than one window.
+    args.model.ctx.get_or_insert(args.window);
+    let opts = PerplexityOptions {
+        window: args.window,
+        stride: args.stride.unwrap_or(args.window),
+        batch: args.batch,
+    };
+    let mut session = args.model.open_session()?;
+    args.model.report(&session);
+    let cancel = interrupt_flag()?;
+    let bar = std::io::stderr().is_terminal().then(|| {
+        let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr()).with_style(
+            ProgressStyle::with_template(
+                "{spinner} [{elapsed_precise}] {wide_bar} {pos}/{len} tokens {per_sec} ETA {eta}",
+            )
+            .expect("valid template")
+            .progress_chars("=> "),
+        );
+        bar.enable_steady_tick(Duration::from_millis(200));
+        bar
+    });
+    let t0 = Instant::now();
+    let result = perplexity(&mut session, &tokens, opts, Some(&cancel), |done, total| {
+        if let Some(bar) = &bar {
+            bar.set_length(total as u64);
+            bar.set_position(done as u64);
+        }
+    });
+    if let Some(bar) = &bar {
+        bar.finish_and_clear();
+    }
+    let p = match result {
+        Err(moeflux::Error::Cancelled) => bail!("interrupted"),
+        r => r?,
+    };
+    let secs = t0.elapsed().as_secs_f64();
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "file": args.file,
+                "model": dir,
+                "backend": session.backend(),
+                "tokens": p.tokens,
+                "scored": p.scored,
+                "nll_per_token": p.nll_per_token(),
+                "perplexity": p.perplexity(),
+                "window": opts.window,
+                "stride": opts.stride,
+                "seconds": secs,
+            })
+        );
+    } else {
+        println!(
+            "perplexity {:.4} | {:.5} nats/token over {} of {} tokens (window {}, stride {}) | {:.1} s, {:.0} tok/s",
+            p.perplexity(),
+            p.nll_per_token(),
+            p.scored,
+            p.tokens,
+            opts.window,
+            opts.stride,
+            secs,
+            p.scored as f64 / secs
+        );
+    }
+    Ok(())
+}
