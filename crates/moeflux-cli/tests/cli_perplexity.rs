@@ -47,7 +47,10 @@ fn perplexity_of_held_out_text_on_the_demo_model() {
     let out = moeflux(&["perplexity", &file, "--max-tokens", "300"]);
     let line = ok(&out);
     assert!(line.starts_with("perplexity "), "{line}");
-    assert!(line.contains("over 299 of 300 tokens (window 512, stride 512)"), "{line}");
+    assert!(
+        line.contains("over 299 of 300 tokens (window 512, stride 512)"),
+        "{line}"
+    );
 }
 
 #[test]
@@ -64,7 +67,10 @@ fn perplexity_bad_input_is_one_error_line() {
         (vec!["perplexity", s(&empty)], "perplexity needs at least 2"),
         (vec!["perplexity", s(&binary)], "is not UTF-8"),
         (vec!["perplexity", &file, "--stride", "0"], "stride"),
-        (vec!["perplexity", &file, "--window", "1"], "at least 2 tokens"),
+        (
+            vec!["perplexity", &file, "--window", "1"],
+            "at least 2 tokens",
+        ),
         (
             vec!["perplexity", &file, "--window", "64", "--stride", "65"],
             "stride",
