@@ -16,7 +16,8 @@
 #      (3 dense + 1 or 5 MoE): every expert in VRAM (pp and tg), then the 8 layers with one
 #      layer's worth of expert slots (20% of them; an 80 GB card holds ~18% of the 61-layer
 #      model's) and misses from the pinned host tier or from staging reads; ms per MoE layer
-#      (the difference of the two depths) and s/token extrapolated to 61 layers
+#      (the difference of the two depths) and s/token extrapolated to 61 layers; then the
+#      GPU time per kernel of 8 resident layers (MOEFLUX_CUDA_PROFILE, no graphs)
 #
 # $MOEFLUX names the binary (default: target/release/moeflux). Models go to --dir (default
 # /tmp/moeflux-bench) and are deleted when their part ends (the disk holds one at a time).
@@ -42,7 +43,7 @@ while [[ $# -gt 0 ]]; do
     --dir) DIR=${2:?}; shift 2 ;;
     --out) OUTDIR=${2:?}; shift 2 ;;
     --quick) QUICK=1; REPS=1; shift ;;
-    -h|--help) sed -n '2,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,25p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac
 done
@@ -153,6 +154,10 @@ if has d; then
       budget=$(( $(expert_bytes "$DS") / 5 ))
       bench d-cogito-8l-host "$DS" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G
       bench d-cogito-8l-staging "$DS" --prompt-len 0 --gen $TG --gpu-memory $budget
+      # Where a resident decode step goes: GPU time per kernel, launched one by one.
+      export MOEFLUX_CUDA_PROFILE=1
+      bench d-cogito-8l-profile "$DS" --prompt-len 0 --gen 32 --no-cuda-graphs
+      unset MOEFLUX_CUDA_PROFILE
     fi
     rm -rf "$DS"
   done
@@ -204,4 +209,5 @@ if r4 and r8:
         print(f"{name}: +{extra:.2f} ms per MoE layer over resident at a {hit * 100:.1f}% VRAM hit "
               f"rate -> {t / 1e3:.2f} s/token ({1e3 / t:.1f} tok/s) extrapolated to 61 layers")
 EOF
+  grep -A 30 "GPU time per kernel" "$OUTDIR/d-cogito-8l-profile.log" || true
 fi

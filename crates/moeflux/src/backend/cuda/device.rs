@@ -66,6 +66,9 @@ const KERNEL_NAMES: &[&str] = &[
     "moe_route_noaux",
     "qmatmul_heads",
     "qmatmul_heads1",
+    "qmv_heads_b4",
+    "qmv_heads_b8",
+    "qmv_heads_b2",
     "mla_prep",
     "mla_attention",
 ];

@@ -141,6 +141,14 @@ fn qmv_kernel(bits: i32) -> &'static str {
     }
 }
 
+/// Rows one warp of the activation-stationary kernels covers (its chunks
+/// times the rows per 512-byte chunk) for rows of `cols` codes of `bits`
+/// bits; [`qmv_rows_per_block`] must have accepted the layout.
+fn qmv_warp_rows(cols: usize, bits: usize) -> usize {
+    let rb = cols * bits / 8;
+    QMV_CHUNKS * if rb >= 512 { 1 } else { 512 / rb }
+}
+
 /// Rows per block of [`qmv_kernel`] for `q`, when it fits (see
 /// [`qmv_rows_per_block`]; the codes must also be 16-byte aligned).
 fn qmv_fit(q: &Qw) -> Option<usize> {
@@ -288,6 +296,34 @@ pub(super) struct PerHead {
 pub(super) fn head_matmul(gpu: &Gpu, w: Qw, h: PerHead, x: u64, n: usize, out: u64) -> Result<()> {
     debug_assert!(h.rows_per_head.is_multiple_of(ROWS_PER_WARP));
     let one = n == 1;
+    // One token: the activation-stationary kernels when a warp's rows stay
+    // inside one head and every head's input is 16-byte aligned.
+    let qmv = qmv_fit(&w).filter(|_| {
+        one && (4 * h.x_head).is_multiple_of(16)
+            && x.is_multiple_of(16)
+            && h.rows_per_head
+                .is_multiple_of(qmv_warp_rows(w.cols as usize, w.bits as usize))
+    });
+    if let Some(rpb) = qmv {
+        let blocks = (w.rows as usize).div_ceil(rpb) as u32;
+        let (x_head, rph) = (h.x_head as i64, h.rows_per_head as i32);
+        let kernel = match w.bits {
+            4 => "qmv_heads_b4",
+            8 => "qmv_heads_b8",
+            _ => "qmv_heads_b2",
+        };
+        // SAFETY: `qmv_heads_b*` in mla.cu; x holds every head's input of
+        // one token, out one row per matrix row.
+        return unsafe {
+            gpu.launch(
+                kernel,
+                (blocks, 1, 1),
+                256,
+                0,
+                &mut args!(w, x, x_head, rph, out),
+            )
+        };
+    }
     let blocks = (w.rows as usize).div_ceil(rows_per_block(w.cols as usize, w.bits as usize, one));
     let ty = n.div_ceil(4).min(64) as u32;
     let (x_tok, x_head) = (h.x_token as i64, h.x_head as i64);

@@ -3,8 +3,8 @@
 // The absorbed form of model/mla.rs, launched by backend/cuda/mla.rs:
 //
 //   mla_prep        latent norm + rotary key into the cache, rotary queries
-//   qmatmul_heads*  per-head products: q_nope -> latent space (embed_q),
-//                   attended latent -> values (unembed_out)
+//   qmatmul_heads*, per-head products: q_nope -> latent space (embed_q),
+//   qmv_heads_b*    attended latent -> values (unembed_out)
 //   mla_attention   scores against the cached latents, softmax, weighted sum
 
 // --------------------------------------------------------------------------
@@ -47,6 +47,38 @@ extern "C" __global__ void __launch_bounds__(256, 4) qmatmul_heads1(QW q, const 
     PDL_ENTER();
     qmatmul_heads_body<1>(q, x, x_tok, x_head, rph, n, out);
 }
+
+// One token with the activations in registers (qmv_chunks of kernels.cu):
+// a warp's row group (QMV_NC chunks of G.rpc rows) lies inside one head, as
+// the host checks (rph a multiple of its rows), so the warp reads that
+// head's input x + h * x_head for all of them.
+template <int BITS>
+__device__ __forceinline__ void qmv_heads_body(const QW& q, const float* x, long x_head, int rph, float* out) {
+    QmvGeom G = qmv_geom(q.cols, BITS);
+    int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int part = w % G.parts;
+    int rg = blockIdx.x * (8 / G.parts) + w / G.parts;
+    // Row groups past the last row still load activations: keep them in range.
+    int head = min(rg * QMV_NC * G.rpc / rph, q.rows / rph - 1);
+    float acc[QMV_NC];
+    qmv_chunks<BITS, QMV_NC>(q, q, QMV_NC, G, rg, part, x + (long)head * x_head, acc);
+    if (part != 0 || lane % G.lpr != 0) return;
+#pragma unroll
+    for (int i = 0; i < QMV_NC; i++) {
+        int r = (rg * QMV_NC + i) * G.rpc + lane / G.lpr;
+        if (r < q.rows) out[r] = acc[i];
+    }
+}
+
+#define QMV_HEADS_KERNEL(B)                                                                               \
+    extern "C" __global__ void __launch_bounds__(256)                                                     \
+        qmv_heads_b##B(QW q, const float* x, long x_head, int rph, float* out) {                          \
+        PDL_ENTER();                                                                                      \
+        qmv_heads_body<B>(q, x, x_head, rph, out);                                                        \
+    }
+QMV_HEADS_KERNEL(4)
+QMV_HEADS_KERNEL(8)
+QMV_HEADS_KERNEL(2)
 
 // --------------------------------------------------------------------------
 // Cache and rotary inputs
