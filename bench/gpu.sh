@@ -12,6 +12,12 @@
 #   c  qwen3.5-397b-a17b widths, the first 12 layers (what the disk holds), --gpu-memory set
 #      to hold 30% of the experts (an 80 GB card's share of the 60-layer model), experts from
 #      the page cache: ms per layer and tok/s extrapolated to 60 layers, at top-10 and K=4
+#   d  cogito-v2-671b widths (DeepSeek-V3: MLA, 256 experts top-8), the first 4 and 8 layers
+#      (3 dense + 1 or 5 MoE): every expert in VRAM (pp and tg), then the 8 layers with one
+#      layer's worth of expert slots (20% of them; an 80 GB card holds ~18% of the 61-layer
+#      model's) and misses from the pinned host tier or from staging reads; ms per MoE layer
+#      (the difference of the two depths) and s/token extrapolated to 61 layers; then the
+#      GPU time per kernel of 8 resident layers (MOEFLUX_CUDA_PROFILE, no graphs)
 #
 # $MOEFLUX names the binary (default: target/release/moeflux). Models go to --dir (default
 # /tmp/moeflux-bench) and are deleted when their part ends (the disk holds one at a time).
@@ -37,7 +43,7 @@ while [[ $# -gt 0 ]]; do
     --dir) DIR=${2:?}; shift 2 ;;
     --out) OUTDIR=${2:?}; shift 2 ;;
     --quick) QUICK=1; REPS=1; shift ;;
-    -h|--help) sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,25p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac
 done
@@ -95,7 +101,7 @@ synth() {
 # Expert bytes of a model directory (the expert files).
 expert_bytes() { du -cb "$1"/experts* 2>/dev/null | tail -n 1 | cut -f1; }
 
-if [[ $QUICK == 1 ]]; then PP=128; PPL=512; TG=32; else PP=512; PPL=4096; TG=128; fi
+if [[ $QUICK == 1 ]]; then PP=128; PPL=512; TG=32; PPD=32; else PP=512; PPL=4096; TG=128; PPD=128; fi
 
 if has a || has b; then
   A3B=$DIR/a3b-40
@@ -138,6 +144,25 @@ if has c; then
   rm -rf "$BIG"
 fi
 
+if has d; then
+  for L in 4 8; do
+    DS=$DIR/cogito-$L
+    synth "$DS" --preset cogito-v2-671b --layers $L
+    bench d-cogito-${L}l-resident "$DS" --prompt-len $PPD --gen $TG
+    if [[ $L == 8 ]]; then
+      # One MoE layer's worth of slots (the cache's minimum): 20% of the 5 layers' experts.
+      budget=$(( $(expert_bytes "$DS") / 5 ))
+      bench d-cogito-8l-host "$DS" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G
+      bench d-cogito-8l-staging "$DS" --prompt-len 0 --gen $TG --gpu-memory $budget
+      # Where a resident decode step goes: GPU time per kernel, launched one by one.
+      export MOEFLUX_CUDA_PROFILE=1
+      bench d-cogito-8l-profile "$DS" --prompt-len 0 --gen 32 --no-cuda-graphs
+      unset MOEFLUX_CUDA_PROFILE
+    fi
+    rm -rf "$DS"
+  done
+fi
+
 echo
 echo "| run | prefill tok/s | decode tok/s | expert I/O ms/tok | of roofline | cache hits | MB uploaded/tok | PCIe ceiling tok/s | H2D GB/s | HBM GB/s |"
 echo "|---|---|---|---|---|---|---|---|---|---|"
@@ -154,4 +179,35 @@ for name in ("c-397b-12l-top10", "c-397b-12l-k4"):
     ms_layer = 1e3 / tg / r["layers"]
     print(f"{name}: {ms_layer:.2f} ms per layer -> {1e3 / (ms_layer * 60):.2f} tok/s extrapolated to 60 layers")
 EOF
+fi
+if has d; then
+  python3 - "$OUTDIR" <<'EOF'
+import json, sys, os
+def load(name):
+    p = os.path.join(sys.argv[1], name + ".json")
+    return json.load(open(p)) if os.path.exists(p) else None
+r4, r8 = load("d-cogito-4l-resident"), load("d-cogito-8l-resident")
+if r4 and r8:
+    # 4 layers = 3 dense + 1 MoE (+ embedding, LM head); each further layer is MoE.
+    ms4, ms8 = 1e3 / r4["decode_tok_s"], 1e3 / r8["decode_tok_s"]
+    slope = (ms8 - ms4) / 4
+    full = ms4 + 57 * slope
+    print(f"d resident: {ms4:.2f} ms/token at 4 layers, {ms8:.2f} at 8: {slope:.3f} ms per MoE layer "
+          f"-> {full:.1f} ms/token ({1e3 / full:.1f} tok/s) extrapolated to 61 layers")
+    if r4.get("prefill_tok_s") and r8.get("prefill_tok_s"):
+        p4, p8 = 1e3 / r4["prefill_tok_s"], 1e3 / r8["prefill_tok_s"]
+        pf = p4 + 57 * (p8 - p4) / 4
+        print(f"d resident prefill: {(p8 - p4) / 4:.3f} ms per MoE layer per token -> "
+              f"{1e3 / pf:.1f} tok/s extrapolated to 61 layers")
+    for name in ("d-cogito-8l-host", "d-cogito-8l-staging"):
+        r = load(name)
+        if not r:
+            continue
+        extra = (1e3 / r["decode_tok_s"] - ms8) / 5
+        t = full + 58 * extra
+        hit = r["decode"]["gpu_cache_hit_rate"] or 0
+        print(f"{name}: +{extra:.2f} ms per MoE layer over resident at a {hit * 100:.1f}% VRAM hit "
+              f"rate -> {t / 1e3:.2f} s/token ({1e3 / t:.1f} tok/s) extrapolated to 61 layers")
+EOF
+  grep -A 30 "GPU time per kernel" "$OUTDIR/d-cogito-8l-profile.log" || true
 fi

@@ -8,9 +8,11 @@
 # Binaries are stripped of debug info to fit the 64 MiB carry limit.
 # Then, through the device tool, with carry ["gpu-stage"]:
 #   bash scripts/gpu/run.sh [tests|bench|all]
+# MOEFLUX_STAGE=DIR stages into DIR instead, with copies of run.sh and bench/gpu.sh, so
+# that the stage runs its own scripts from another checkout (scripts/gpu/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-stage=gpu-stage
+stage=${MOEFLUX_STAGE:-gpu-stage}
 # gpu-stage/llama/ (scripts/gpu/stage-llama.sh: llama.cpp's source for bench/gpu-llama.sh) is kept.
 mkdir -p "$stage"
 find "$stage" -mindepth 1 -maxdepth 1 ! -name llama -exec rm -rf {} +
@@ -30,4 +32,8 @@ for l in sys.stdin:
 cp "$(exe --test gpu)" "$stage/gpu-tests"
 cp "$(exe --lib)" "$stage/lib-tests"
 strip --strip-debug "$stage/moeflux" "$stage/gpu-tests" "$stage/lib-tests"
+if [[ $stage != gpu-stage ]]; then
+  cp scripts/gpu/run.sh "$stage/run.sh"
+  cp bench/gpu.sh "$stage/gpu.sh"
+fi
 du -sh "$stage"/*

@@ -1,6 +1,6 @@
 //! Sequence state of MLA models: snapshots hold the latent and rotary-key
 //! rows and restore them exactly; truncation is exact (every layer is
-//! attention); the CUDA backend refuses the family with a clear error.
+//! attention); `auto` picks the GPU for the family when there is one.
 //! Also: version 1 snapshots (before MLA) of Qwen models still load.
 
 mod common;
@@ -40,25 +40,16 @@ fn mla_snapshot_roundtrip_and_exact_truncate() {
     assert_eq!(fresh.eval(&toks[10..], LogitsMode::All).unwrap(), after);
 }
 
+/// `auto` runs the DeepSeek family on a GPU when one can be used, and on
+/// the CPU (saying why) when not; an MLA snapshot taken on whichever
+/// backend `auto` chose loads on the CPU backend and continues identically
+/// there. (GPU-side agreement with the CPU and the goldens: tests/gpu.rs.)
 #[test]
-fn deepseek_on_cuda_is_a_clear_error() {
+fn deepseek_auto_backend_follows_the_gpu() {
+    let golden = Golden::load(&fixtures().join("deepseekv3-q4"));
     let (_tmp, dir) = convert_fixture("deepseekv3-q4/src", None);
-    let err = Session::open(
-        &dir,
-        SessionOptions {
-            backend: Backend::Cuda,
-            ..Default::default()
-        },
-    )
-    .err()
-    .expect("DeepSeek on CUDA must be refused")
-    .to_string();
-    assert!(
-        err.contains("DeepSeek-V3 (MLA) is not supported on the CUDA backend yet"),
-        "{err}"
-    );
-    // Auto falls back to the CPU and says why.
-    let s = Session::open(
+    let gpu_usable = moeflux::backend::cuda::Gpu::open().is_ok();
+    let mut auto = Session::open(
         &dir,
         SessionOptions {
             backend: Backend::Auto,
@@ -67,12 +58,32 @@ fn deepseek_on_cuda_is_a_clear_error() {
         },
     )
     .unwrap();
-    assert!(!s.on_gpu());
-    assert!(
-        s.backend().contains("not supported on the CUDA backend"),
-        "{}",
-        s.backend()
-    );
+    assert_eq!(auto.on_gpu(), gpu_usable, "{}", auto.backend());
+    if !gpu_usable {
+        assert!(
+            auto.backend().starts_with("cpu (no GPU: "),
+            "{}",
+            auto.backend()
+        );
+    }
+    let toks = &golden.tokens;
+    auto.eval(&toks[..12], LogitsMode::All).unwrap();
+    let snap = auto.state_save().unwrap();
+    let mut cpu = open(&dir);
+    cpu.state_load(&snap).unwrap();
+    assert_eq!(cpu.position(), 12);
+    let a = auto.eval(&toks[12..], LogitsMode::All).unwrap();
+    let b = cpu.eval(&toks[12..], LogitsMode::All).unwrap();
+    if gpu_usable {
+        let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let d = a
+            .iter()
+            .zip(&b)
+            .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(d <= 1e-4 * scale, "GPU vs CPU after a snapshot: {d:e}");
+    } else {
+        assert_eq!(a, b);
+    }
 }
 
 /// Rewrites a version 2 snapshot of a model without MLA as version 1 (15

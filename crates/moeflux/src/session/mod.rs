@@ -99,11 +99,6 @@ impl Default for SessionOptions {
     }
 }
 
-/// Why a DeepSeek-V3-family model cannot open on the GPU backend (the MLA
-/// kernels are not written yet).
-pub const DEEPSEEK_CUDA_UNSUPPORTED: &str =
-    "DeepSeek-V3 (MLA) is not supported on the CUDA backend yet";
-
 pub struct Session {
     dir: PathBuf,
     model: Model,
@@ -158,17 +153,10 @@ impl Session {
             }
         };
         let max_context = opts.max_context.unwrap_or(config.max_position_embeddings);
-        // Families the GPU backend cannot run yet; see the dispatch below.
-        let gpu_unsupported = config
-            .arch
-            .is_deepseek()
-            .then_some(DEEPSEEK_CUDA_UNSUPPORTED);
-        let gpu = match (opts.backend, gpu_unsupported) {
-            (Backend::Cpu, _) => Err("CPU backend requested".to_string()),
-            (Backend::Cuda, Some(why)) => return Err(Error::Invalid(why.to_string())),
-            (Backend::Auto, Some(why)) => Err(why.to_string()),
-            (Backend::Cuda, None) => Ok(Gpu::open()?),
-            (Backend::Auto, None) => Gpu::open().map_err(|e| e.to_string()),
+        let gpu = match opts.backend {
+            Backend::Cpu => Err("CPU backend requested".to_string()),
+            Backend::Cuda => Ok(Gpu::open()?),
+            Backend::Auto => Gpu::open().map_err(|e| e.to_string()),
         };
         let store = ExpertStore::open(
             dir,
@@ -183,12 +171,9 @@ impl Session {
             },
         )?;
         let model = Model::load(dir, &manifest, config)?;
-        let (engine, backend_note) = match (gpu, &model) {
-            // The GPU dispatch point: one arm per family the CUDA backend runs.
-            (Ok(_), Model::DeepseekV3(_)) => {
-                return Err(Error::Invalid(DEEPSEEK_CUDA_UNSUPPORTED.to_string()))
-            }
-            (Ok(gpu), Model::Qwen(model)) => {
+        let (engine, backend_note) = match gpu {
+            // Every family runs on the GPU (the CUDA model takes either).
+            Ok(gpu) => {
                 let mut note = format!("cuda: {}", gpu.info);
                 let cuda = CudaOptions {
                     gpu_memory: opts.gpu_memory,
@@ -196,7 +181,7 @@ impl Session {
                     graphs: opts.cuda_graphs,
                     host_cache: opts.host_cache,
                 };
-                let m = CudaModel::new(gpu, model, &store, &cuda)?;
+                let m = CudaModel::new(gpu, &model, &store, &cuda)?;
                 let (layers, bytes) = m.host_tier();
                 if layers > 0 {
                     note.push_str(&format!(
@@ -206,13 +191,12 @@ impl Session {
                 }
                 (Engine::Cuda(Box::new(m)), note)
             }
-            (Err(why), _) => (
+            Err(why) => (
                 Engine::Cpu {
                     state: model.new_state(),
                     bufs: Vec::new(),
                 },
                 match opts.backend {
-                    Backend::Auto if gpu_unsupported.is_some() => format!("cpu ({why})"),
                     Backend::Auto => format!("cpu (no GPU: {why})"),
                     _ => "cpu".to_string(),
                 },

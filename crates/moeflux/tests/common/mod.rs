@@ -172,3 +172,31 @@ pub fn small_moe_spec() -> moeflux::synth::SynthSpec {
         eos_token_ids: &[2],
     })
 }
+
+/// A small DeepSeek-V3-shaped synthetic model (MLA with a query LoRA and
+/// value heads narrower than the key heads, one dense layer, grouped
+/// `noaux_tc` routing over a real expert count); every quantized width a
+/// multiple of the group size 64.
+pub fn small_deepseek_spec() -> moeflux::synth::SynthSpec {
+    moeflux::synth::SynthSpec::DeepseekV3(moeflux::synth::DeepseekShape {
+        hidden_size: 256,
+        num_layers: 4,
+        num_attention_heads: 4,
+        vocab_size: 512,
+        num_experts: 64,
+        experts_per_token: 6,
+        moe_intermediate: 64,
+        n_shared_experts: 1,
+        intermediate_size: 128,
+        first_k_dense: 1,
+        q_lora_rank: 64,
+        kv_lora_rank: 128,
+        qk_nope_head_dim: 64,
+        qk_rope_head_dim: 32,
+        v_head_dim: 32,
+        n_group: 8,
+        topk_group: 3,
+        routed_scaling_factor: 2.5,
+        eos_token_ids: &[2],
+    })
+}

@@ -15,8 +15,9 @@ use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaStream};
 
 use crate::error::{Error, Result};
 
-/// The kernels, compiled at run time.
-const KERNELS: &str = include_str!("kernels.cu");
+/// The kernels, compiled at run time as one source: the common ones, then
+/// multi-head latent attention's (which use the common helpers).
+const KERNELS: &str = concat!(include_str!("kernels.cu"), include_str!("mla.cu"));
 
 /// Every kernel the backend launches (looked up once at start).
 const KERNEL_NAMES: &[&str] = &[
@@ -62,6 +63,14 @@ const KERNEL_NAMES: &[&str] = &[
     "moe_down_qmv_b2",
     "kv_append",
     "read_probe",
+    "moe_route_noaux",
+    "qmatmul_heads",
+    "qmatmul_heads1",
+    "qmv_heads_b4",
+    "qmv_heads_b8",
+    "qmv_heads_b2",
+    "mla_prep",
+    "mla_attention",
 ];
 
 /// What [`probe`] found.

@@ -1,0 +1,411 @@
+//! Linear layers on the device and the launches of their products: the
+//! quantized matrix descriptor the kernels take, grouped products of one
+//! input (up to four matrices per launch, residual adds fused), the
+//! activation-stationary one-token kernels' geometry, and per-head products
+//! (MLA's absorptions), plus the row-wise RMSNorm and SwiGLU every layer
+//! stack uses.
+
+use crate::error::Result;
+use crate::model::weights::{DType, LinearRef};
+
+use super::device::{args, Gpu};
+
+/// A quantized matrix as the kernels take it (`struct QW`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Qw {
+    pub w: u64,
+    pub s: u64,
+    pub b: u64,
+    pub rows: i32,
+    pub cols: i32,
+    pub bits: i32,
+    pub gs: i32,
+    pub sf32: i32,
+}
+
+/// A linear layer on the device.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum DevLinear {
+    Quant(Qw),
+    Dense {
+        w: u64,
+        f32: i32,
+        rows: i32,
+        cols: i32,
+    },
+}
+
+impl DevLinear {
+    pub fn rows(&self) -> usize {
+        match self {
+            DevLinear::Quant(q) => q.rows as usize,
+            DevLinear::Dense { rows, .. } => *rows as usize,
+        }
+    }
+}
+
+/// `l` inside the dense file uploaded at device address `base`.
+pub(super) fn dev_linear(base: u64, l: &LinearRef) -> DevLinear {
+    let at = |loc: &crate::model::weights::TensorLoc| base + loc.offset as u64;
+    match l.quant {
+        Some((spec, s, b)) => DevLinear::Quant(Qw {
+            w: at(&l.weight),
+            s: at(&s),
+            b: at(&b),
+            rows: l.rows as i32,
+            cols: l.cols as i32,
+            bits: spec.bits as i32,
+            gs: spec.group_size as i32,
+            sf32: (s.dtype == DType::F32) as i32,
+        }),
+        None => DevLinear::Dense {
+            w: at(&l.weight),
+            f32: (l.weight.dtype == DType::F32) as i32,
+            rows: l.rows as i32,
+            cols: l.cols as i32,
+        },
+    }
+}
+
+/// Suffix of the kernels specialised for a code width (`bx`: any width).
+pub(super) fn kernel_suffix(bits: i32) -> &'static str {
+    match bits {
+        4 => "b4",
+        8 => "b8",
+        2 => "b2",
+        _ => "bx",
+    }
+}
+
+/// Output rows per block of the quantized product kernels for rows of
+/// `cols` codes of `bits` bits: 8 warps in groups of 4 rows; for one token
+/// the warps of a group split the row (`col_split` in kernels.cu).
+pub(super) fn rows_per_block(cols: usize, bits: usize, one_token: bool) -> usize {
+    let units = cols * bits / 128;
+    let split = match units {
+        _ if !one_token => 1,
+        256.. => 8,
+        128.. => 4,
+        64.. => 2,
+        _ => 1,
+    };
+    4 * 8 / split
+}
+
+/// Rows of one warp in the quantized product kernels (`RW` in kernels.cu).
+pub(super) const ROWS_PER_WARP: usize = 4;
+
+/// Chunks of a warp in the activation-stationary one-token kernels
+/// (`QMV_NC` in kernels.cu).
+pub(super) const QMV_CHUNKS: usize = 8;
+
+/// Output rows per block of the activation-stationary one-token kernels
+/// (`qmv_geom` in kernels.cu) for rows of `cols` codes of `bits` bits and
+/// `chunks` chunks per warp, or `None` when the matrix does not fit their
+/// layout: 2/4/8-bit codes, a 16-byte lane chunk inside one quantization
+/// group, rows of a multiple of 512 bytes or a power of two of bytes below.
+pub(super) fn qmv_rows_per_block(
+    cols: usize,
+    bits: usize,
+    gs: usize,
+    chunks: usize,
+) -> Option<usize> {
+    if !matches!(bits, 2 | 4 | 8)
+        || !gs.is_multiple_of(128 / bits)
+        || !(cols * bits).is_multiple_of(8)
+    {
+        return None;
+    }
+    let rb = cols * bits / 8;
+    if rb >= 512 {
+        if !rb.is_multiple_of(512) {
+            return None;
+        }
+        let parts = (rb / 512).min(8);
+        let parts = 1 << parts.ilog2();
+        Some(8 / parts * chunks)
+    } else if rb >= 16 && rb.is_power_of_two() {
+        Some(8 * chunks * (512 / rb))
+    } else {
+        None
+    }
+}
+
+/// The activation-stationary one-token product kernel for `bits`.
+fn qmv_kernel(bits: i32) -> &'static str {
+    match bits {
+        4 => "qmv_b4",
+        8 => "qmv_b8",
+        _ => "qmv_b2",
+    }
+}
+
+/// Rows one warp of the activation-stationary kernels covers (its chunks
+/// times the rows per 512-byte chunk) for rows of `cols` codes of `bits`
+/// bits; [`qmv_rows_per_block`] must have accepted the layout.
+fn qmv_warp_rows(cols: usize, bits: usize) -> usize {
+    let rb = cols * bits / 8;
+    QMV_CHUNKS * if rb >= 512 { 1 } else { 512 / rb }
+}
+
+/// Rows per block of [`qmv_kernel`] for `q`, when it fits (see
+/// [`qmv_rows_per_block`]; the codes must also be 16-byte aligned).
+fn qmv_fit(q: &Qw) -> Option<usize> {
+    if !q.w.is_multiple_of(16) {
+        return None;
+    }
+    qmv_rows_per_block(q.cols as usize, q.bits as usize, q.gs as usize, QMV_CHUNKS)
+}
+
+/// Products of one launch: the `qmv` code width (`None`: the general
+/// kernels) and each matrix with its rows per block.
+type LaunchGroup<'a> = (Option<i32>, Vec<(Qw, &'a Mm, usize)>);
+
+/// A matrix product of a [`matmuls`] group: `out (+)= x W^T`.
+#[derive(Clone, Copy)]
+pub(super) struct Mm {
+    pub w: DevLinear,
+    pub out: u64,
+    pub accumulate: bool,
+}
+
+/// `out = x W^T`.
+pub(super) fn mm(w: DevLinear, out: u64) -> Mm {
+    Mm {
+        w,
+        out,
+        accumulate: false,
+    }
+}
+
+/// `out += x W^T` (a residual connection).
+pub(super) fn mm_add(w: DevLinear, out: u64) -> Mm {
+    Mm {
+        w,
+        out,
+        accumulate: true,
+    }
+}
+
+/// `struct MultiMatmul` of the kernels.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MultiMatmul {
+    q: [Qw; 4],
+    out: [u64; 4],
+    first_block: [i32; 5],
+    count: i32,
+    accumulate: i32,
+}
+
+/// Several products of the same input `x[n, cols]`: quantized ones four
+/// to a launch, dense ones one each.
+pub(super) fn matmuls(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
+    let nn = n as i32;
+    let ty = n.div_ceil(4).min(64) as u32;
+    // One token: matrices that fit the activation-stationary kernels go
+    // to them, grouped by code width; the rest to the general kernels.
+    let mut groups: Vec<LaunchGroup> = Vec::new();
+    for o in ops {
+        let DevLinear::Quant(q) = o.w else { continue };
+        let fit = if n == 1 { qmv_fit(&q) } else { None };
+        let (key, rpb) = match fit {
+            Some(rpb) => (Some(q.bits), rpb),
+            None => (
+                None,
+                rows_per_block(q.cols as usize, q.bits as usize, n == 1),
+            ),
+        };
+        match groups.iter_mut().find(|g| g.0 == key && g.1.len() < 4) {
+            Some(g) => g.1.push((q, o, rpb)),
+            None => groups.push((key, vec![(q, o, rpb)])),
+        }
+    }
+    for (key, group) in &groups {
+        let mut p = MultiMatmul {
+            q: [group[0].0; 4],
+            out: [0; 4],
+            first_block: [0; 5],
+            count: group.len() as i32,
+            accumulate: 0,
+        };
+        let mut blocks = 0i32;
+        for (j, (q, o, rpb)) in group.iter().enumerate() {
+            p.q[j] = *q;
+            p.out[j] = o.out;
+            p.first_block[j] = blocks;
+            p.accumulate |= (o.accumulate as i32) << j;
+            blocks += (q.rows as usize).div_ceil(*rpb) as i32;
+        }
+        for j in group.len()..5 {
+            p.first_block[j] = blocks;
+        }
+        // SAFETY: arguments match the kernels in kernels.cu; the caller
+        // sized x and every output for n tokens.
+        unsafe {
+            match key {
+                Some(bits) => gpu.launch(
+                    qmv_kernel(*bits),
+                    (blocks as u32, 1, 1),
+                    256,
+                    0,
+                    &mut args!(p, x),
+                )?,
+                None => {
+                    let kernel = if n == 1 { "qmatmul1" } else { "qmatmul" };
+                    gpu.launch(kernel, (blocks as u32, ty, 1), 256, 0, &mut args!(p, x, nn))?
+                }
+            }
+        };
+    }
+    for o in ops {
+        if let DevLinear::Dense { w, f32, rows, cols } = o.w {
+            let (acc, out) = (o.accumulate as i32, o.out);
+            let blocks = (rows as usize).div_ceil(8) as u32;
+            // SAFETY: as above (`dmatmul`).
+            unsafe {
+                gpu.launch(
+                    "dmatmul",
+                    (blocks, n.min(64) as u32, 1),
+                    256,
+                    0,
+                    &mut args!(w, f32, rows, cols, x, nn, acc, out),
+                )?
+            };
+        }
+    }
+    Ok(())
+}
+
+/// The layout of a [`head_matmul`]: the rows of `w` come in blocks of
+/// `rows_per_head`, one per head, and head `h` of token `t` reads its input
+/// at `x + 4 * (t * x_token + h * x_head)` (strides in floats).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct PerHead {
+    pub rows_per_head: usize,
+    pub x_token: usize,
+    pub x_head: usize,
+}
+
+/// `out[t, r] = W[r] . x[t, head(r)]` for `n` tokens, every head in one
+/// launch (MLA's absorptions: `embed_q` on each head's `q_nope`,
+/// `unembed_out` on each head's attended latent). `rows_per_head` must be a
+/// multiple of [`ROWS_PER_WARP`] (checked when the model is loaded), so the
+/// rows of a warp share one head.
+pub(super) fn head_matmul(gpu: &Gpu, w: Qw, h: PerHead, x: u64, n: usize, out: u64) -> Result<()> {
+    debug_assert!(h.rows_per_head.is_multiple_of(ROWS_PER_WARP));
+    let one = n == 1;
+    // One token: the activation-stationary kernels when a warp's rows stay
+    // inside one head and every head's input is 16-byte aligned.
+    let qmv = qmv_fit(&w).filter(|_| {
+        one && (4 * h.x_head).is_multiple_of(16)
+            && x.is_multiple_of(16)
+            && h.rows_per_head
+                .is_multiple_of(qmv_warp_rows(w.cols as usize, w.bits as usize))
+    });
+    if let Some(rpb) = qmv {
+        let blocks = (w.rows as usize).div_ceil(rpb) as u32;
+        let (x_head, rph) = (h.x_head as i64, h.rows_per_head as i32);
+        let kernel = match w.bits {
+            4 => "qmv_heads_b4",
+            8 => "qmv_heads_b8",
+            _ => "qmv_heads_b2",
+        };
+        // SAFETY: `qmv_heads_b*` in mla.cu; x holds every head's input of
+        // one token, out one row per matrix row.
+        return unsafe {
+            gpu.launch(
+                kernel,
+                (blocks, 1, 1),
+                256,
+                0,
+                &mut args!(w, x, x_head, rph, out),
+            )
+        };
+    }
+    let blocks = (w.rows as usize).div_ceil(rows_per_block(w.cols as usize, w.bits as usize, one));
+    let ty = n.div_ceil(4).min(64) as u32;
+    let (x_tok, x_head) = (h.x_token as i64, h.x_head as i64);
+    let (rph, nn) = (h.rows_per_head as i32, n as i32);
+    let kernel = if one {
+        "qmatmul_heads1"
+    } else {
+        "qmatmul_heads"
+    };
+    // SAFETY: arguments match `qmatmul_heads*` in mla.cu; the caller sized x
+    // and out for n tokens of every head.
+    unsafe {
+        gpu.launch(
+            kernel,
+            (blocks as u32, ty, 1),
+            256,
+            0,
+            &mut args!(w, x, x_tok, x_head, rph, nn, out),
+        )
+    }
+}
+
+/// `out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w` for `rows` rows of `width`.
+pub(super) fn rms_norm(
+    gpu: &Gpu,
+    x: u64,
+    w: u64,
+    rows: usize,
+    width: usize,
+    eps: f32,
+    out: u64,
+) -> Result<()> {
+    let wd = width as i32;
+    // SAFETY: `rms_norm` in kernels.cu; x and out hold rows x width floats.
+    unsafe {
+        gpu.launch(
+            "rms_norm",
+            (rows as u32, 1, 1),
+            1024,
+            0,
+            &mut args!(x, w, wd, eps, out),
+        )
+    }
+}
+
+/// `out = silu(gate) * up` over `n` floats.
+pub(super) fn swiglu(gpu: &Gpu, gate: u64, up: u64, out: u64, n: usize) -> Result<()> {
+    let nn = n as i64;
+    let blocks = n.div_ceil(256).min(4096) as u32;
+    // SAFETY: `swiglu` in kernels.cu; every buffer holds n floats.
+    unsafe {
+        gpu.launch(
+            "swiglu",
+            (blocks, 1, 1),
+            256,
+            0,
+            &mut args!(gate, up, out, nn),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::qmv_rows_per_block;
+
+    #[test]
+    fn qmv_geometry_matches_the_kernel_layout() {
+        // Long rows: 512-byte slices shared by up to 8 warps of a block.
+        assert_eq!(qmv_rows_per_block(2048, 4, 64, 8), Some(32)); // 2 slices
+        assert_eq!(qmv_rows_per_block(4096, 4, 64, 8), Some(16)); // 4 slices
+        assert_eq!(qmv_rows_per_block(8192, 8, 64, 8), Some(8)); // 16 slices
+        assert_eq!(qmv_rows_per_block(3072, 4, 64, 8), Some(32)); // 3 slices: 2 warps
+        assert_eq!(qmv_rows_per_block(1024, 4, 64, 8), Some(64)); // one slice
+
+        // Short rows: 512 / row bytes rows per chunk.
+        assert_eq!(qmv_rows_per_block(512, 4, 64, 8), Some(128));
+        assert_eq!(qmv_rows_per_block(64, 4, 64, 4), Some(32 * 16));
+        // Not the layout: odd row bytes, a chunk across groups, other widths.
+        assert_eq!(qmv_rows_per_block(2560, 4, 64, 8), None); // 1280 bytes
+        assert_eq!(qmv_rows_per_block(768, 4, 64, 8), None); // 384 bytes
+        assert_eq!(qmv_rows_per_block(2048, 2, 32, 8), None); // 64 codes > gs
+        assert_eq!(qmv_rows_per_block(2048, 3, 64, 8), None);
+        assert_eq!(qmv_rows_per_block(16, 4, 16, 8), None); // 8-byte rows
+    }
+}

@@ -1,0 +1,516 @@
+//! The MLP half of a layer on the GPU, shared by every family: a dense
+//! SwiGLU MLP, or a mixture of experts (router, shared expert, routed
+//! experts through the VRAM expert cache, combine). The routers differ by
+//! family — softmax top-K (Qwen) or `noaux_tc` (DeepSeek-V3) — and so do
+//! the shared experts (Qwen's scaled by a sigmoid gate, DeepSeek's added as
+//! they are); the expert machinery is the same.
+
+use crate::config::{ModelConfig, RouterKind};
+use crate::error::Result;
+use crate::model::moe::{ComponentLayout, MoeBlock};
+use crate::model::qwen3_hybrid::Mlp;
+use crate::model::timing::{lap, PhaseTimes};
+
+use super::device::{args, DevBuf, Gpu};
+use super::linear::{
+    dev_linear, kernel_suffix, matmuls, mm, mm_add, qmv_rows_per_block, rows_per_block, swiglu,
+    DevLinear, QMV_CHUNKS,
+};
+use super::model::{unsupported, Ctx};
+
+/// Where an expert's projections are inside its extent (`struct ExpertLayout`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct ExpertLayoutC {
+    gate_w: i64,
+    gate_s: i64,
+    gate_b: i64,
+    up_w: i64,
+    up_s: i64,
+    up_b: i64,
+    down_w: i64,
+    down_s: i64,
+    down_b: i64,
+    inter: i32,
+    hidden: i32,
+    bits: i32,
+    gs: i32,
+    sf32: i32,
+}
+
+/// One expert of a layer's batch (`struct ExpertTask`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct ExpertTask {
+    base: u64,
+    first: i32,
+    count: i32,
+}
+
+/// Up to this many tokens, the routed experts run per (token, slot) with
+/// the router's choice read on the device; longer batches group tokens by
+/// expert (each expert's weights read once) from a host copy of the choice.
+const SLOT_PATH_MAX_TOKENS: usize = 2;
+
+/// The largest expert count and experts per token the router kernels take
+/// (32 experts per lane of a warp; one lane per chosen expert).
+const MAX_EXPERTS: usize = 1024;
+const MAX_K: usize = 32;
+
+/// A SwiGLU MLP: `down(silu(gate x) * up x)`.
+#[derive(Clone, Copy)]
+pub(super) struct GpuSwiglu {
+    gate: DevLinear,
+    up: DevLinear,
+    down: DevLinear,
+}
+
+/// How a MoE layer picks its experts (kernels `moe_route` and
+/// `moe_route_noaux`).
+enum GpuRoute {
+    /// Softmax top-K, renormalised when `norm_topk_prob` (Qwen).
+    Softmax,
+    /// DeepSeek-V3 `noaux_tc` (see `model/router.rs`).
+    NoauxTc {
+        bias: DevBuf,
+        n_group: usize,
+        topk_group: usize,
+        scaling: f32,
+    },
+}
+
+pub(super) struct GpuMoe {
+    router: DevLinear,
+    route: GpuRoute,
+    shared: Option<GpuSwiglu>,
+    /// Qwen's shared-expert gate (`sigmoid(gate x)` scales the shared
+    /// expert); DeepSeek's shared experts have none.
+    shared_gate: Option<DevLinear>,
+    layout: ExpertLayoutC,
+}
+
+// One value per layer: the size difference between variants costs nothing.
+#[allow(clippy::large_enum_variant)]
+pub(super) enum GpuMlp {
+    Moe(GpuMoe),
+    Dense(GpuSwiglu),
+}
+
+/// `m` on the device (`base`: the uploaded dense file); also the bytes of
+/// one routed expert's extent (0 for a dense MLP).
+pub(super) fn upload_mlp(
+    gpu: &Gpu,
+    base: u64,
+    c: &ModelConfig,
+    m: &Mlp,
+) -> Result<(GpuMlp, usize)> {
+    let lin = |l| dev_linear(base, l);
+    let m = match m {
+        Mlp::Dense(d) => {
+            return Ok((
+                GpuMlp::Dense(GpuSwiglu {
+                    gate: lin(&d.gate),
+                    up: lin(&d.up),
+                    down: lin(&d.down),
+                }),
+                0,
+            ))
+        }
+        Mlp::Moe(m) => m,
+    };
+    let (e, k) = (c.moe.num_experts, c.moe.num_experts_per_tok);
+    if e > MAX_EXPERTS || k > MAX_K {
+        return Err(unsupported(format!(
+            "{e} experts, {k} per token (at most {MAX_EXPERTS} and {MAX_K})"
+        )));
+    }
+    let route = match (c.moe.router, &m.score_bias) {
+        (
+            RouterKind::NoauxTc {
+                n_group,
+                topk_group,
+                routed_scaling_factor,
+            },
+            Some(bias),
+        ) => {
+            // The kernel gives each group a lane and sums a group's top two.
+            let grouped = n_group > 1;
+            if grouped
+                && (n_group > 32
+                    || !e.is_multiple_of(n_group)
+                    || e / n_group < 2
+                    || topk_group == 0
+                    || topk_group > n_group)
+            {
+                return Err(unsupported(format!(
+                    "noaux_tc routing of {e} experts in {n_group} groups keeping {topk_group} \
+                     (at most 32 groups of at least 2 experts)"
+                )));
+            }
+            GpuRoute::NoauxTc {
+                bias: DevBuf::from_slice(gpu, bias)?,
+                n_group,
+                topk_group,
+                scaling: routed_scaling_factor,
+            }
+        }
+        _ => GpuRoute::Softmax,
+    };
+    let (shared, shared_gate) = match (&m.shared, &m.ungated_shared) {
+        (Some(s), _) => (
+            Some(GpuSwiglu {
+                gate: lin(&s.gate),
+                up: lin(&s.up),
+                down: lin(&s.down),
+            }),
+            Some(lin(&s.gate_scalar)),
+        ),
+        (None, Some(d)) => (
+            Some(GpuSwiglu {
+                gate: lin(&d.gate),
+                up: lin(&d.up),
+                down: lin(&d.down),
+            }),
+            None,
+        ),
+        (None, None) => (None, None),
+    };
+    Ok((
+        GpuMlp::Moe(GpuMoe {
+            router: lin(&m.router),
+            route,
+            shared,
+            shared_gate,
+            layout: expert_layout(m)?,
+        }),
+        m.experts.extent,
+    ))
+}
+
+impl GpuMlp {
+    /// The MLP of layer `i` on the normed `xn`, its output added to `x`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        cx: &mut Ctx,
+        i: usize,
+        xn: u64,
+        n: usize,
+        x: u64,
+        times: &mut PhaseTimes,
+    ) -> Result<()> {
+        match self {
+            GpuMlp::Dense(d) => {
+                let inter = d.gate.rows();
+                let (g, s) = (cx.gpu, &mut *cx.scratch);
+                let gb = s.get(g, "g", 4 * n * inter)?;
+                let ub = s.get(g, "u", 4 * n * inter)?;
+                let act = s.get(g, "act", 4 * n * inter)?;
+                matmuls(g, &[mm(d.gate, gb), mm(d.up, ub)], xn, n)?;
+                swiglu(g, gb, ub, act, n * inter)?;
+                matmuls(g, &[mm_add(d.down, x)], act, n)
+            }
+            GpuMlp::Moe(m) => m.forward(cx, i, xn, n, x, times),
+        }
+    }
+}
+
+impl GpuMoe {
+    fn forward(
+        &self,
+        cx: &mut Ctx,
+        i: usize,
+        xn: u64,
+        n: usize,
+        x: u64,
+        times: &mut PhaseTimes,
+    ) -> Result<()> {
+        let mut clock = std::time::Instant::now();
+        let layout = self.layout;
+        let (e, h, k) = (cx.config.moe.num_experts, cx.config.hidden_size, cx.k);
+        let (inter, bits) = (layout.inter as usize, layout.bits as usize);
+        let g = cx.gpu;
+        let s = &mut *cx.scratch;
+        let logits_d = s.get(g, "router", 4 * n * e)?;
+        let d_ids = s.get(g, "route_ids", 4 * n * k)?;
+        let d_wts = s.get(g, "wts", 4 * n * k)?;
+        let d_bases = s.get(g, "bases", 8 * n * k)?;
+        let act = s.get(g, "eact", 4 * n * k * inter)?;
+        let slot_out = s.get(g, "slot_out", 4 * n * k * h)?;
+
+        // Router and shared expert: one launch for the products of xn.
+        let mut ops = vec![mm(self.router, logits_d)];
+        let (mut sy, mut sg) = (0u64, 0u64);
+        if let Some(sh) = self.shared {
+            let si = sh.gate.rows();
+            let gb = s.get(g, "sg_g", 4 * n * si)?;
+            let ub = s.get(g, "sg_u", 4 * n * si)?;
+            let sact = s.get(g, "sg_act", 4 * n * si)?;
+            sy = s.get(g, "sg_y", 4 * n * h)?;
+            ops.extend([mm(sh.gate, gb), mm(sh.up, ub)]);
+            if let Some(gate) = self.shared_gate {
+                sg = s.get(g, "sg_s", 4 * n)?;
+                ops.push(mm(gate, sg));
+            }
+            matmuls(g, &ops, xn, n)?;
+            swiglu(g, gb, ub, sact, n * si)?;
+            matmuls(g, &[mm(sh.down, sy)], sact, n)?;
+        } else {
+            matmuls(g, &ops, xn, n)?;
+        }
+        lap(&mut clock, &mut times.shared_mlp);
+
+        let cache = cx
+            .cache
+            .as_deref_mut()
+            .expect("MoE layers have an expert cache");
+        let table = cache.table_row(i);
+        let slot_path = n <= SLOT_PATH_MAX_TOKENS;
+        let route_table = if slot_path { table.unwrap_or(0) } else { 0 };
+        self.route(
+            g,
+            cx.config,
+            logits_d,
+            n,
+            k,
+            route_table,
+            d_ids,
+            d_wts,
+            d_bases,
+        )?;
+        let sfx = kernel_suffix(layout.bits);
+        // Per-slot kernels take one token: rows split across warps, or the
+        // activation-stationary kernels when the layout fits them.
+        let qmv = slot_path.then(|| qmv_slot_grids(&layout)).flatten();
+        let (gate_up_blocks, down_blocks) = match qmv {
+            Some(grids) => grids,
+            None => (
+                inter.div_ceil(rows_per_block(h, bits, slot_path)) as u32,
+                h.div_ceil(rows_per_block(inter, bits, slot_path)) as u32,
+            ),
+        };
+        let k_i = k as i32;
+        if slot_path && table.is_some() {
+            // Every expert resident: the router's choice never leaves the GPU.
+            cache.count_hits((n * k) as u64);
+        } else {
+            // The host needs the choice to bring missing experts in.
+            let mut ids = vec![0i32; n * k];
+            g.sync()?;
+            download_from(d_ids, &mut ids)?;
+            cx.arena.reset();
+            lap(&mut clock, &mut times.routing);
+            let mut users: std::collections::BTreeMap<usize, Vec<i32>> = Default::default();
+            for (j, &id) in ids.iter().enumerate() {
+                users.entry(id as usize).or_default().push(j as i32);
+            }
+            let unique: Vec<usize> = users.keys().copied().collect();
+            let ptrs = cache.ensure(g, cx.store, i, &unique)?;
+            lap(&mut clock, &mut times.expert_io);
+            if slot_path {
+                let mut bases = vec![0u64; n * k];
+                for (p, slots) in ptrs.iter().zip(users.values()) {
+                    for &j in slots {
+                        bases[j as usize] = *p;
+                    }
+                }
+                cx.arena.upload(g, d_bases, &bases)?;
+            } else {
+                let mut slot_list: Vec<i32> = Vec::with_capacity(n * k);
+                let mut tasks = Vec::with_capacity(unique.len());
+                for (p, slots) in ptrs.iter().zip(users.values()) {
+                    tasks.push(ExpertTask {
+                        base: *p,
+                        first: slot_list.len() as i32,
+                        count: slots.len() as i32,
+                    });
+                    slot_list.extend(slots);
+                }
+                let s = &mut *cx.scratch;
+                let d_tasks = s.get(g, "tasks", std::mem::size_of_val(tasks.as_slice()))?;
+                let d_slots = s.get(g, "slots", 4 * slot_list.len())?;
+                cx.arena.upload(g, d_tasks, &tasks)?;
+                cx.arena.upload(g, d_slots, &slot_list)?;
+                let n_tasks = tasks.len() as u32;
+                // SAFETY (both launches): arguments match the kernels in
+                // kernels.cu; tasks point at resident experts, buffers are
+                // sized for n * k slots.
+                unsafe {
+                    g.launch(
+                        &format!("moe_gate_up_{sfx}"),
+                        (gate_up_blocks, n_tasks, 1),
+                        256,
+                        0,
+                        &mut args!(d_tasks, layout, d_slots, k_i, xn, act),
+                    )?;
+                    g.launch(
+                        &format!("moe_down_{sfx}"),
+                        (down_blocks, n_tasks, 1),
+                        256,
+                        0,
+                        &mut args!(d_tasks, layout, d_slots, act, slot_out),
+                    )?;
+                }
+            }
+        }
+        if slot_path {
+            let slots = (n * k) as u32;
+            let (gate_up, down) = match qmv {
+                Some(_) => qmv_slot_kernels(layout.bits),
+                None => (
+                    format!("moe_gate_up_slots_{sfx}"),
+                    format!("moe_down_slots_{sfx}"),
+                ),
+            };
+            // SAFETY (both launches): as above; bases hold resident experts.
+            unsafe {
+                g.launch(
+                    &gate_up,
+                    (gate_up_blocks, slots, 1),
+                    256,
+                    0,
+                    &mut args!(d_bases, layout, k_i, xn, act),
+                )?;
+                g.launch(
+                    &down,
+                    (down_blocks, slots, 1),
+                    256,
+                    0,
+                    &mut args!(d_bases, layout, act, slot_out),
+                )?;
+            }
+        }
+        let h_i = h as i32;
+        // SAFETY: `moe_combine` in kernels.cu; sy and sg are null or hold n
+        // rows (shared output, gate logit).
+        unsafe {
+            g.launch(
+                "moe_combine",
+                (n as u32, h.div_ceil(256) as u32, 1),
+                256,
+                0,
+                &mut args!(slot_out, d_wts, k_i, h_i, sy, sg, x),
+            )?;
+        }
+        lap(&mut clock, &mut times.expert_compute);
+        Ok(())
+    }
+
+    /// The router's choice for `n` tokens from their logits: expert ids and
+    /// weights per (token, slot), and, with `table` (the layer's row of the
+    /// resident experts' addresses), each slot's expert address.
+    #[allow(clippy::too_many_arguments)]
+    fn route(
+        &self,
+        g: &Gpu,
+        c: &ModelConfig,
+        logits: u64,
+        n: usize,
+        k: usize,
+        table: u64,
+        ids: u64,
+        wts: u64,
+        bases: u64,
+    ) -> Result<()> {
+        let (nn, e_i, k_i) = (n as i32, c.moe.num_experts as i32, k as i32);
+        let grid = (n.div_ceil(4) as u32, 1, 1);
+        match &self.route {
+            GpuRoute::Softmax => {
+                let norm = c.moe.norm_topk_prob as i32;
+                // SAFETY: `moe_route` in kernels.cu (4 tokens per block of
+                // 128); logits hold n rows, outputs n * k slots.
+                unsafe {
+                    g.launch(
+                        "moe_route",
+                        grid,
+                        128,
+                        0,
+                        &mut args!(logits, nn, e_i, k_i, norm, table, ids, wts, bases),
+                    )
+                }
+            }
+            GpuRoute::NoauxTc {
+                bias,
+                n_group,
+                topk_group,
+                scaling,
+            } => {
+                // As the CPU: renormalised only when more than one is chosen.
+                let norm = (c.moe.norm_topk_prob && k > 1) as i32;
+                let (bias, ng, tg, rsf) =
+                    (bias.ptr(), *n_group as i32, *topk_group as i32, *scaling);
+                // SAFETY: `moe_route_noaux` in kernels.cu, as above; bias
+                // holds one float per expert.
+                unsafe {
+                    g.launch(
+                        "moe_route_noaux",
+                        grid,
+                        128,
+                        0,
+                        &mut args!(
+                            logits, bias, nn, e_i, k_i, ng, tg, norm, rsf, table, ids, wts, bases
+                        ),
+                    )
+                }
+            }
+        }
+    }
+}
+
+fn download_from<T: Copy>(src: u64, out: &mut [T]) -> Result<()> {
+    // SAFETY: `src` is a device buffer holding at least `out`'s bytes.
+    unsafe { cudarc::driver::result::memcpy_dtoh_sync(out, src) }
+        .map_err(|e| crate::error::Error::Gpu(format!("copy from GPU: {e}")))
+}
+
+/// Blocks of the activation-stationary per-slot kernels (gate/up, down)
+/// when the experts' layout fits them (every piece 16-byte aligned; the
+/// cache's slots are).
+fn qmv_slot_grids(l: &ExpertLayoutC) -> Option<(u32, u32)> {
+    let offsets = [l.gate_w, l.up_w, l.down_w];
+    if offsets.iter().any(|o| o % 16 != 0) {
+        return None;
+    }
+    let (h, inter) = (l.hidden as usize, l.inter as usize);
+    let (bits, gs) = (l.bits as usize, l.gs as usize);
+    let gate_up = qmv_rows_per_block(h, bits, gs, QMV_CHUNKS / 2)?;
+    let down = qmv_rows_per_block(inter, bits, gs, QMV_CHUNKS)?;
+    Some((inter.div_ceil(gate_up) as u32, h.div_ceil(down) as u32))
+}
+
+fn qmv_slot_kernels(bits: i32) -> (String, String) {
+    let b = match bits {
+        4 => "b4",
+        8 => "b8",
+        _ => "b2",
+    };
+    (format!("moe_gate_up_qmv_{b}"), format!("moe_down_qmv_{b}"))
+}
+
+fn expert_layout(m: &MoeBlock) -> Result<ExpertLayoutC> {
+    let x = &m.experts;
+    let same =
+        |a: &ComponentLayout, b: &ComponentLayout| a.spec == b.spec && a.scales_f32 == b.scales_f32;
+    if !same(&x.gate, &x.up) || !same(&x.gate, &x.down) {
+        return Err(unsupported(format!(
+            "layer {}: routed expert projections quantized differently",
+            m.layer
+        )));
+    }
+    Ok(ExpertLayoutC {
+        gate_w: x.gate.weight as i64,
+        gate_s: x.gate.scales as i64,
+        gate_b: x.gate.biases as i64,
+        up_w: x.up.weight as i64,
+        up_s: x.up.scales as i64,
+        up_b: x.up.biases as i64,
+        down_w: x.down.weight as i64,
+        down_s: x.down.scales as i64,
+        down_b: x.down.biases as i64,
+        inter: x.gate.rows as i32,
+        hidden: x.gate.cols as i32,
+        bits: x.gate.spec.bits as i32,
+        gs: x.gate.spec.group_size as i32,
+        sf32: x.gate.scales_f32 as i32,
+    })
+}

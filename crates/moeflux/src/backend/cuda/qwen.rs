@@ -1,0 +1,271 @@
+//! The token mixers of the Qwen3.5-MoE / Qwen3-Next hybrid on the GPU:
+//! gated full attention (KV cache) and GatedDeltaNet (conv + delta rule).
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::model::deltanet::DeltaProjections;
+use crate::model::qwen3_hybrid::Mixer;
+
+use super::device::{args, DevBuf, Gpu};
+use super::linear::{dev_linear, matmuls, mm, mm_add, DevLinear};
+use super::model::{unsupported, Ctx, GpuMixer};
+use super::state::{GpuLayerState, GpuLinearState, RowCache};
+
+pub(super) struct GpuFullAttn {
+    q: DevLinear,
+    k: DevLinear,
+    v: DevLinear,
+    o: DevLinear,
+    q_norm: DevBuf,
+    k_norm: DevBuf,
+}
+
+pub(super) struct GpuLinearAttn {
+    proj: GpuDeltaProj,
+    conv: DevBuf,
+    a_log: DevBuf,
+    dt_bias: DevBuf,
+    norm: DevBuf,
+    out: DevLinear,
+}
+
+enum GpuDeltaProj {
+    Split {
+        qkv: DevLinear,
+        z: DevLinear,
+        b: DevLinear,
+        a: DevLinear,
+    },
+    Fused {
+        qkvz: DevLinear,
+        ba: DevLinear,
+    },
+}
+
+/// The shapes the Qwen kernels take (a warp's lanes over a head's channels,
+/// a thread per conv tap).
+pub(super) fn check_shape(c: &ModelConfig) -> Result<()> {
+    for (what, v) in [
+        ("head_dim", c.head_dim),
+        ("linear key head dim", c.linear.key_head_dim),
+        ("linear value head dim", c.linear.value_head_dim),
+    ] {
+        if v % 32 != 0 || v > 256 {
+            return Err(unsupported(format!(
+                "{what} {v} (multiples of 32 up to 256)"
+            )));
+        }
+    }
+    if c.linear.conv_kernel > 9 {
+        return Err(unsupported(format!("conv kernel {}", c.linear.conv_kernel)));
+    }
+    Ok(())
+}
+
+/// A Qwen mixer's weights on the device (`base`: the uploaded dense file).
+pub(super) fn upload_mixer(gpu: &Gpu, base: u64, m: &Mixer) -> Result<GpuMixer> {
+    let lin = |l| dev_linear(base, l);
+    let vec = |v: &[f32]| DevBuf::from_slice(gpu, v);
+    Ok(match m {
+        Mixer::Full(a) => GpuMixer::Full(GpuFullAttn {
+            q: lin(&a.q_proj),
+            k: lin(&a.k_proj),
+            v: lin(&a.v_proj),
+            o: lin(&a.o_proj),
+            q_norm: vec(&a.q_norm)?,
+            k_norm: vec(&a.k_norm)?,
+        }),
+        Mixer::Linear(g) => GpuMixer::Linear(GpuLinearAttn {
+            proj: match &g.proj {
+                DeltaProjections::Split { qkv, z, b, a } => GpuDeltaProj::Split {
+                    qkv: lin(qkv),
+                    z: lin(z),
+                    b: lin(b),
+                    a: lin(a),
+                },
+                DeltaProjections::Fused { qkvz, ba } => GpuDeltaProj::Fused {
+                    qkvz: lin(qkvz),
+                    ba: lin(ba),
+                },
+            },
+            conv: vec(&g.conv)?,
+            a_log: vec(&g.a_log)?,
+            dt_bias: vec(&g.dt_bias)?,
+            norm: vec(&g.norm)?,
+            out: lin(&g.out_proj),
+        }),
+    })
+}
+
+/// An empty KV cache for a full-attention layer.
+pub(super) fn new_kv(gpu: &Gpu, c: &ModelConfig) -> Result<GpuLayerState> {
+    let row = c.num_kv_heads * c.head_dim;
+    Ok(GpuLayerState::Full(RowCache::new(gpu, row, row)?))
+}
+
+/// A zero GatedDeltaNet state.
+pub(super) fn new_linear_state(gpu: &Gpu, c: &ModelConfig) -> Result<GpuLayerState> {
+    let l = &c.linear;
+    Ok(GpuLayerState::Linear(GpuLinearState {
+        conv: DevBuf::zeros(gpu, 4 * (l.conv_kernel - 1) * l.conv_dim())?,
+        ssm: DevBuf::zeros(gpu, 4 * l.num_v_heads * l.value_head_dim * l.key_head_dim)?,
+    }))
+}
+
+fn state_error(i: usize) -> Error {
+    Error::Invalid(format!("layer {i}: GPU state does not match its mixer"))
+}
+
+impl GpuFullAttn {
+    /// Gated full attention of layer `i`, its output added to `x`.
+    pub fn forward(&self, cx: &mut Ctx, i: usize, xn: u64, n: usize, x: u64) -> Result<()> {
+        let c = cx.config;
+        let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
+        let (wq, wk, wv, wo) = (self.q, self.k, self.v, self.o);
+        let (qn, kn) = (self.q_norm.ptr(), self.k_norm.ptr());
+        let g = cx.gpu;
+        let s = &mut *cx.scratch;
+        let qg = s.get(g, "qg", 4 * n * 2 * nh * hd)?;
+        let k = s.get(g, "k", 4 * n * nkv * hd)?;
+        let v = s.get(g, "v", 4 * n * nkv * hd)?;
+        let q = s.get(g, "q", 4 * n * nh * hd)?;
+        let gate = s.get(g, "gate", 4 * n * nh * hd)?;
+        let attn = s.get(g, "attn", 4 * n * nh * hd)?;
+        matmuls(g, &[mm(wq, qg), mm(wk, k), mm(wv, v)], xn, n)?;
+        let half = (c.rope.rotary_dim / 2) as i32;
+        let (nh_i, nkv_i, hd_i) = (nh as i32, nkv as i32, hd as i32);
+        let (eps, ps) = (c.rms_norm_eps, c.rope.position_scale);
+        let (inv_freq, pos) = (cx.inv_freq, cx.pos);
+        let Some(GpuLayerState::Full(kv)) = cx.state.layers.get(i) else {
+            return Err(state_error(i));
+        };
+        let (kc, vc, row) = (kv.a.ptr(), kv.b.ptr(), kv.row_a as i32);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let nn = n as i32;
+        let append_blocks = (n * kv.row_a).div_ceil(256).min(1024) as u32;
+        // SAFETY (every launch below): arguments match the kernels in
+        // kernels.cu; the scratch buffers are sized for n tokens and the
+        // cache for its rows (grown before the eval).
+        unsafe {
+            g.launch(
+                "attn_prep",
+                ((nh + nkv) as u32, n as u32, 1),
+                hd as u32,
+                (4 * hd) as u32,
+                &mut args!(qg, k, qn, kn, inv_freq, half, nh_i, nkv_i, hd_i, eps, pos, ps, q, gate),
+            )?;
+            g.launch(
+                "kv_append",
+                (append_blocks, 1, 1),
+                256,
+                0,
+                &mut args!(k, v, kc, vc, row, pos, nn),
+            )?;
+            g.launch(
+                "attention",
+                (nh as u32, n as u32, 1),
+                256,
+                0,
+                &mut args!(q, kc, vc, gate, nh_i, nkv_i, hd_i, pos, scale, attn),
+            )?
+        };
+        matmuls(g, &[mm_add(wo, x)], attn, n)
+    }
+}
+
+impl GpuLinearAttn {
+    /// GatedDeltaNet of layer `i`, its output added to `x`.
+    pub fn forward(&self, cx: &mut Ctx, i: usize, xn: u64, n: usize, x: u64) -> Result<()> {
+        let la = self;
+        let l = &cx.config.linear;
+        let (nk, nv, dk, dv) = (
+            l.num_k_heads,
+            l.num_v_heads,
+            l.key_head_dim,
+            l.value_head_dim,
+        );
+        let (kd, vd, cd) = (l.key_dim(), l.value_dim(), l.conv_dim());
+        let conv_kernel = l.conv_kernel;
+        let eps = cx.config.rms_norm_eps;
+        let g = cx.gpu;
+        let s = &mut *cx.scratch;
+        let mixed = s.get(g, "mixed", 4 * n * cd)?;
+        let z = s.get(g, "z", 4 * n * vd)?;
+        let b = s.get(g, "b", 4 * n * nv)?;
+        let a = s.get(g, "a", 4 * n * nv)?;
+        let y = s.get(g, "y", 4 * n * vd)?;
+        let o = s.get(g, "o", 4 * n * vd)?;
+        match la.proj {
+            GpuDeltaProj::Split {
+                qkv,
+                z: zw,
+                b: bw,
+                a: aw,
+            } => {
+                matmuls(g, &[mm(qkv, mixed), mm(zw, z), mm(bw, b), mm(aw, a)], xn, n)?;
+            }
+            GpuDeltaProj::Fused { qkvz, ba } => {
+                let fused = s.get(g, "fused", 4 * n * (2 * kd + 2 * vd))?;
+                let fba = s.get(g, "fba", 4 * n * 2 * nv)?;
+                matmuls(g, &[mm(qkvz, fused), mm(ba, fba)], xn, n)?;
+                let r = (nv / nk) as i32;
+                let (nk_i, dk_i, dv_i) = (nk as i32, dk as i32, dv as i32);
+                // SAFETY: `deltanet_split` in kernels.cu, buffers sized above.
+                unsafe {
+                    g.launch(
+                        "deltanet_split",
+                        (nk as u32, n as u32, 1),
+                        128,
+                        0,
+                        &mut args!(fused, fba, nk_i, dk_i, dv_i, r, mixed, z, b, a),
+                    )?
+                };
+            }
+        }
+        let Some(GpuLayerState::Linear(st)) = cx.state.layers.get(i) else {
+            return Err(state_error(i));
+        };
+        let (conv_state, ssm) = (st.conv.ptr(), st.ssm.ptr());
+        let (conv_w, a_log, dt_bias, norm) = (
+            la.conv.ptr(),
+            la.a_log.ptr(),
+            la.dt_bias.ptr(),
+            la.norm.ptr(),
+        );
+        let (cd_i, kk, nn) = (cd as i32, conv_kernel as i32, n as i32);
+        let (nk_i, nv_i, dk_i, dv_i) = (nk as i32, nv as i32, dk as i32, dv as i32);
+        // SAFETY (every launch below): arguments match the kernels in
+        // kernels.cu; buffers sized above, states at model load.
+        unsafe {
+            g.launch(
+                "conv_silu",
+                (cd.div_ceil(256) as u32, 1, 1),
+                256,
+                0,
+                &mut args!(mixed, conv_w, conv_state, cd_i, kk, nn),
+            )?;
+            g.launch(
+                "deltanet_qk_norm",
+                ((2 * nk) as u32, n as u32, 1),
+                dk as u32,
+                0,
+                &mut args!(mixed, nk_i, dk_i, cd_i),
+            )?;
+            g.launch(
+                "delta_rule",
+                (nv as u32, dv.div_ceil(32) as u32, 1),
+                256,
+                0,
+                &mut args!(mixed, a, b, a_log, dt_bias, ssm, nn, nk_i, nv_i, dk_i, dv_i, y),
+            )?;
+            g.launch(
+                "gated_norm",
+                (nv as u32, n as u32, 1),
+                dv as u32,
+                0,
+                &mut args!(y, z, norm, eps, dv_i, o),
+            )?;
+        }
+        matmuls(g, &[mm_add(la.out, x)], o, n)
+    }
+}

@@ -1,0 +1,81 @@
+// A tiny CPU emulation of the CUDA features moeflux's kernels use: one OS
+// thread per CUDA thread, blocks one after another, barriers for
+// __syncthreads / __syncwarp and warp shuffles. For logic checks only.
+#pragma once
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+struct dim3 { unsigned x = 1, y = 1, z = 1; };
+struct float4 { float x, y, z, w; };
+struct uint4 { unsigned x, y, z, w; };
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+
+inline thread_local dim3 threadIdx;
+inline dim3 blockIdx, blockDim, gridDim;
+inline std::vector<float> g_dyn_smem(1 << 20);
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+
+inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }
+template <class T> T __ldg(const T* p) { return *p; }
+inline int __ffs(int x) { return __builtin_ffs(x); }
+inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+using std::min;
+using std::max;
+inline long min(long a, int b) { return a < b ? a : b; }
+
+struct WarpSync {
+    std::barrier<> bar{32};
+    unsigned long long slot[32];
+};
+inline std::vector<std::unique_ptr<WarpSync>> g_warps;
+inline std::barrier<>* g_block_bar = nullptr;
+
+template <class T> T __shfl_xor_sync(unsigned, T v, int o) {
+    int w = threadIdx.x / 32, l = threadIdx.x % 32;
+    auto& ws = *g_warps[w];
+    memcpy(&ws.slot[l], &v, sizeof(T));
+    ws.bar.arrive_and_wait();
+    T r;
+    memcpy(&r, &ws.slot[l ^ o], sizeof(T));
+    ws.bar.arrive_and_wait();
+    return r;
+}
+inline void __syncwarp(unsigned = 0xffffffffu) { g_warps[threadIdx.x / 32]->bar.arrive_and_wait(); }
+inline void __syncthreads() { g_block_bar->arrive_and_wait(); }
+
+template <class F> void emu_launch(dim3 grid, unsigned threads, F f) {
+    gridDim = grid;
+    blockDim = {threads, 1, 1};
+    for (unsigned bz = 0; bz < grid.z; bz++)
+        for (unsigned by = 0; by < grid.y; by++)
+            for (unsigned bx = 0; bx < grid.x; bx++) {
+                blockIdx = {bx, by, bz};
+                std::barrier<> bar(threads);
+                g_block_bar = &bar;
+                g_warps.clear();
+                for (unsigned w = 0; w < threads / 32; w++) g_warps.push_back(std::make_unique<WarpSync>());
+                std::vector<std::thread> ts;
+                for (unsigned i = 0; i < threads; i++)
+                    ts.emplace_back([i, &f] {
+                        threadIdx = {i, 0, 0};
+                        f();
+                    });
+                for (auto& t : ts) t.join();
+            }
+}

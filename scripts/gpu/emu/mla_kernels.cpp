@@ -1,0 +1,319 @@
+// Checks of the MLA and noaux_tc kernels under cuda_emu.h (see run.sh): each kernel on
+// random inputs against a naive double-precision reference of model/mla.rs, model/yarn.rs
+// and model/router.rs, at the fixtures' and DeepSeek-V3's widths.
+#include "cuda_emu.h"
+#include KERNELS_SOURCE  // kernels.cu + mla.cu, made by run.sh
+#include <cstdio>
+#include <random>
+#include <numeric>
+
+static std::mt19937_64 rng(42);
+static float urand(float a = -1, float b = 1) { return std::uniform_real_distribution<float>(a, b)(rng); }
+static u16 to_bf16(float f) { unsigned u; memcpy(&u, &f, 4); return (u16)(u >> 16); }
+static float from_bf16(u16 h) { unsigned u = ((unsigned)h) << 16; float f; memcpy(&f, &u, 4); return f; }
+
+struct HostQ {
+    int rows, cols, bits = 4, gs = 64;
+    std::vector<u32> w;
+    std::vector<u16> s, b;
+    std::vector<float> deq;  // reference weights
+    HostQ(int r, int c) : rows(r), cols(c) {
+        int wpr = c * bits / 32, gpr = c / gs;
+        w.assign((size_t)r * wpr, 0);
+        s.resize((size_t)r * gpr);
+        b.resize((size_t)r * gpr);
+        deq.resize((size_t)r * c);
+        for (auto& x : s) x = to_bf16(urand(0.01f, 0.1f));
+        for (auto& x : b) x = to_bf16(urand(-0.3f, 0.3f));
+        for (int i = 0; i < r; i++)
+            for (int j = 0; j < c; j++) {
+                u32 code = rng() & 15;
+                w[(size_t)i * wpr + j * 4 / 32] |= code << ((j * 4) % 32);
+                float sc = from_bf16(s[(size_t)i * gpr + j / gs]), bi = from_bf16(b[(size_t)i * gpr + j / gs]);
+                deq[(size_t)i * c + j] = code * sc + bi;
+            }
+    }
+    QW qw() const {
+        QW q;
+        q.w = w.data(); q.s = s.data(); q.b = b.data();
+        q.rows = rows; q.cols = cols; q.bits = bits; q.gs = gs; q.sf32 = 0;
+        return q;
+    }
+};
+
+static int fails = 0;
+static void check(const char* what, const std::vector<float>& got, const std::vector<double>& want, double rel) {
+    double scale = 0, worst = 0;
+    for (double v : want) scale = std::max(scale, std::fabs(v));
+    for (size_t i = 0; i < want.size(); i++) {
+        double d = std::fabs(got[i] - want[i]);
+        if (!(d == d)) d = 1e30;
+        worst = std::max(worst, d);
+    }
+    bool ok = worst <= rel * scale;
+    if (!ok) fails++;
+    printf("%-40s max|diff| %.3e of %.3e %s\n", what, worst, scale, ok ? "ok" : "FAIL");
+}
+
+// rows per block as the host computes it (linear.rs rows_per_block)
+static int rpb(int cols, int bits, bool one) {
+    int units = cols * bits / 128;
+    int split = !one ? 1 : units >= 256 ? 8 : units >= 128 ? 4 : units >= 64 ? 2 : 1;
+    return 4 * 8 / split;
+}
+
+static void test_heads(int nh, int rph, int cols, int x_head, int n) {
+    HostQ W(nh * rph, cols);
+    long x_tok = (long)nh * x_head;
+    std::vector<float> x((size_t)n * x_tok + 16);
+    for (auto& v : x) v = urand();
+    std::vector<float> out((size_t)n * W.rows, NAN);
+    QW q = W.qw();
+    bool one = n == 1;
+    unsigned blocks = (W.rows + rpb(cols, 4, one) - 1) / rpb(cols, 4, one);
+    unsigned ty = std::min((n + 3) / 4, 64);
+    float* o = out.data();
+    const float* xp = x.data();
+    emu_launch({blocks, ty, 1}, 256, [&] {
+        if (one) qmatmul_heads1(q, xp, x_tok, x_head, rph, n, o);
+        else qmatmul_heads(q, xp, x_tok, x_head, rph, n, o);
+    });
+    std::vector<double> want((size_t)n * W.rows);
+    for (int t = 0; t < n; t++)
+        for (int r = 0; r < W.rows; r++) {
+            double acc = 0;
+            int h = r / rph;
+            for (int j = 0; j < cols; j++) acc += (double)W.deq[(size_t)r * cols + j] * x[t * x_tok + (long)h * x_head + j];
+            want[(size_t)t * W.rows + r] = acc;
+        }
+    char name[128];
+    snprintf(name, sizeof name, "qmatmul_heads nh%d rph%d cols%d n%d", nh, rph, cols, n);
+    check(name, out, want, 1e-5);
+}
+
+// linear.rs qmv_rows_per_block (4-bit, chunks per warp nc)
+static int qmv_rpb(int cols, int nc) {
+    int rb = cols * 4 / 8;
+    if (rb >= 512) {
+        int parts = std::min(rb / 512, 8);
+        int p2 = 1;
+        while (p2 * 2 <= parts) p2 *= 2;
+        return 8 / p2 * nc;
+    }
+    return 8 * nc * (512 / rb);
+}
+
+// The one-token activation-stationary per-head products (qmv_heads_b4).
+static void test_qmv_heads(int nh, int rph, int cols, int x_head) {
+    HostQ W(nh * rph, cols);
+    std::vector<float> x((size_t)nh * x_head + 16);
+    for (auto& v : x) v = urand();
+    std::vector<float> out(W.rows, NAN);
+    QW q = W.qw();
+    unsigned blocks = (W.rows + qmv_rpb(cols, 8) - 1) / qmv_rpb(cols, 8);
+    float* o = out.data();
+    const float* xp = x.data();
+    emu_launch({blocks, 1, 1}, 256, [&] { qmv_heads_b4(q, xp, x_head, rph, o); });
+    std::vector<double> want(W.rows);
+    for (int r = 0; r < W.rows; r++) {
+        double acc = 0;
+        for (int j = 0; j < cols; j++) acc += (double)W.deq[(size_t)r * cols + j] * x[(long)(r / rph) * x_head + j];
+        want[r] = acc;
+    }
+    char name[128];
+    snprintf(name, sizeof name, "qmv_heads_b4 nh%d rph%d cols%d", nh, rph, cols);
+    check(name, out, want, 1e-5);
+}
+
+// model/yarn.rs MlaRope::apply
+static void rope_ref(double* x, int r, long pos, double ps, const std::vector<double>& inv, float ms) {
+    double p = pos * ps;
+    for (int i = 0; i < r / 2; i++) {
+        double s = sin(p * inv[i]), c = cos(p * inv[i]);
+        double a = x[2 * i] * ms, b = x[2 * i + 1] * ms;
+        x[2 * i] = a * c - b * s;
+        x[2 * i + 1] = a * s + b * c;
+    }
+}
+
+static void test_mla(int nh, int kvl, int r, int nope, int n, long start, int t0chunk) {
+    int qhd = nope + r;
+    float eps = 1e-6f, mscale = 1.3f, scale = 0.11f;
+    double ps = 1.0;
+    std::vector<double> inv(r / 2);
+    for (int i = 0; i < r / 2; i++) inv[i] = pow(10000.0, -2.0 * i / r) / (i > r / 4 ? 40.0 : 1.0);
+    long ctx = start + n;
+    // Cache rows before start: random (earlier tokens).
+    std::vector<float> lat((size_t)(ctx + 3) * kvl, NAN), rope((size_t)(ctx + 3) * r, NAN);
+    for (long p = 0; p < start; p++) {
+        for (int i = 0; i < kvl; i++) lat[p * kvl + i] = urand();
+        for (int i = 0; i < r; i++) rope[p * r + i] = urand();
+    }
+    std::vector<float> kv((size_t)n * (kvl + r)), q((size_t)n * nh * qhd), knorm(kvl);
+    for (auto& v : kv) v = urand(-2, 2);
+    for (auto& v : q) v = urand();
+    for (auto& v : knorm) v = urand(0.5, 1.5);
+    std::vector<float> q0 = q;
+    long pos = start;
+    // prep
+    {
+        const float* kvp = kv.data(); float* qp = q.data(); const float* kn = knorm.data();
+        const double* ip = inv.data(); float* lp = lat.data(); float* rp = rope.data(); const long* pp = &pos;
+        emu_launch({(unsigned)(1 + nh), (unsigned)n, 1}, 256, [&] {
+            mla_prep(kvp, qp, kn, ip, nh, kvl, r, qhd, nope, eps, mscale, pp, ps, lp, rp);
+        });
+    }
+    // reference prep
+    std::vector<double> rlat((size_t)ctx * kvl), rrope((size_t)ctx * r), rq(q0.begin(), q0.end());
+    for (long p = 0; p < start; p++) {
+        for (int i = 0; i < kvl; i++) rlat[p * kvl + i] = lat[p * kvl + i];
+        for (int i = 0; i < r; i++) rrope[p * r + i] = rope[p * r + i];
+    }
+    for (int t = 0; t < n; t++) {
+        long p = start + t;
+        double ss = 0;
+        for (int i = 0; i < kvl; i++) ss += (double)kv[t * (kvl + r) + i] * kv[t * (kvl + r) + i];
+        double invr = 1.0 / sqrt(ss / kvl + eps);
+        for (int i = 0; i < kvl; i++) rlat[p * kvl + i] = kv[t * (kvl + r) + i] * invr * knorm[i];
+        for (int i = 0; i < r; i++) rrope[p * r + i] = kv[t * (kvl + r) + kvl + i];
+        rope_ref(&rrope[p * r], r, p, ps, inv, mscale);
+        for (int h = 0; h < nh; h++) rope_ref(&rq[((size_t)t * nh + h) * qhd + nope], r, p, ps, inv, mscale);
+    }
+    std::vector<float> glat(lat.begin(), lat.begin() + ctx * kvl), grope(rope.begin(), rope.begin() + ctx * r);
+    check("mla_prep latent cache", glat, rlat, 1e-5);
+    check("mla_prep rope cache", grope, rrope, 1e-5);
+    check("mla_prep rotated queries", q, rq, 1e-5);
+    // attention over chunks of t0chunk tokens: qa = absorbed queries (random here)
+    std::vector<float> qa((size_t)n * nh * kvl);
+    for (auto& v : qa) v = urand();
+    std::vector<float> out((size_t)n * nh * kvl, NAN);
+    for (int t0 = 0; t0 < n; t0 += t0chunk) {
+        int m = std::min(t0chunk, n - t0);
+        const float* qap = qa.data() + (size_t)t0 * nh * kvl;
+        const float* qp = q.data() + (size_t)t0 * nh * qhd;
+        const float* lp = lat.data(); const float* rp = rope.data(); const long* pp = &pos;
+        float* op = out.data() + (size_t)t0 * nh * kvl;
+        emu_launch({(unsigned)nh, (unsigned)m, 1}, 256, [&] {
+            mla_attention(qap, qp, lp, rp, nh, kvl, r, qhd, nope, pp, t0, scale, op);
+        });
+    }
+    std::vector<double> want((size_t)n * nh * kvl, 0.0);
+    for (int t = 0; t < n; t++)
+        for (int h = 0; h < nh; h++) {
+            long cx = start + t + 1;
+            std::vector<double> sc(cx);
+            double mx = -1e300;
+            for (long p = 0; p < cx; p++) {
+                double d = 0;
+                for (int i = 0; i < kvl; i++) d += (double)qa[((size_t)t * nh + h) * kvl + i] * rlat[p * kvl + i];
+                for (int i = 0; i < r; i++) d += rq[((size_t)t * nh + h) * qhd + nope + i] * rrope[p * r + i];
+                sc[p] = d * scale;
+                mx = std::max(mx, sc[p]);
+            }
+            double sum = 0;
+            for (auto& v : sc) { v = exp(v - mx); sum += v; }
+            for (long p = 0; p < cx; p++)
+                for (int i = 0; i < kvl; i++) want[((size_t)t * nh + h) * kvl + i] += sc[p] / sum * rlat[p * kvl + i];
+        }
+    char name[128];
+    snprintf(name, sizeof name, "mla_attention nh%d kvl%d r%d n%d start%ld chunk%d", nh, kvl, r, n, start, t0chunk);
+    check(name, out, want, 1e-5);
+}
+
+// model/router.rs NoauxTc::route, with ops::top_k (stable, ties to the lower index)
+static std::vector<int> top_k(const std::vector<float>& x, int k) {
+    std::vector<int> idx(x.size());
+    std::iota(idx.begin(), idx.end(), 0);
+    std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return x[a] > x[b]; });
+    idx.resize(k);
+    return idx;
+}
+
+static void test_route(int e, int k, int n_group, int topk_group, bool norm, int n, bool ties) {
+    std::vector<float> logits((size_t)n * e), bias(e);
+    for (auto& v : logits) v = ties ? (float)(rng() % 5) - 2.0f : urand(-3, 3);
+    for (auto& v : bias) v = ties ? 0.0f : urand(-0.2f, 0.2f);
+    std::vector<unsigned long long> table(e);
+    for (int i = 0; i < e; i++) table[i] = 1000 + i;
+    std::vector<int> ids((size_t)n * k, -1);
+    std::vector<float> wts((size_t)n * k, NAN);
+    std::vector<unsigned long long> bases((size_t)n * k, 0);
+    float scaling = 2.5f;
+    int nrm = norm && k > 1;
+    {
+        const float* lp = logits.data(); const float* bp = bias.data(); const unsigned long long* tp = table.data();
+        int* ip = ids.data(); float* wp = wts.data(); unsigned long long* bsp = bases.data();
+        emu_launch({(unsigned)((n + 3) / 4), 1, 1}, 128, [&] {
+            moe_route_noaux(lp, bp, n, e, k, n_group, topk_group, nrm, scaling, tp, ip, wp, bsp);
+        });
+    }
+    int bad = 0;
+    double wdiff = 0;
+    for (int t = 0; t < n; t++) {
+        std::vector<float> s(e), b(e);
+        for (int i = 0; i < e; i++) {
+            s[i] = 1.0f / (1.0f + expf(-logits[(size_t)t * e + i]));
+            b[i] = s[i] + bias[i];
+        }
+        if (n_group > 1) {
+            int per = e / n_group;
+            std::vector<float> gs(n_group);
+            for (int g = 0; g < n_group; g++) {
+                std::vector<float> grp(b.begin() + g * per, b.begin() + (g + 1) * per);
+                auto top = top_k(grp, 2);
+                gs[g] = grp[top[0]] + grp[top[1]];
+            }
+            auto keep = top_k(gs, topk_group);
+            for (int g = 0; g < n_group; g++)
+                if (std::find(keep.begin(), keep.end(), g) == keep.end())
+                    for (int i = g * per; i < (g + 1) * per; i++) b[i] = 0.0f;
+        }
+        auto ex = top_k(b, k);
+        std::vector<float> w(k);
+        for (int j = 0; j < k; j++) w[j] = s[ex[j]];
+        if (k > 1 && norm) {
+            float sum = 0;
+            for (float x : w) sum += x;
+            for (float& x : w) x /= sum;
+        }
+        for (int j = 0; j < k; j++) {
+            w[j] *= scaling;
+            if (ids[(size_t)t * k + j] != ex[j] || bases[(size_t)t * k + j] != 1000ull + ex[j]) bad++;
+            wdiff = std::max(wdiff, (double)std::fabs(wts[(size_t)t * k + j] - w[j]));
+        }
+    }
+    bool ok = bad == 0 && wdiff <= 1e-6;
+    if (!ok) fails++;
+    printf("moe_route_noaux e%d k%d g%d/%d norm%d ties%d: %d wrong ids, max|w diff| %.2e %s\n", e, k, n_group,
+           topk_group, (int)norm, (int)ties, bad, wdiff, ok ? "ok" : "FAIL");
+}
+
+int main() {
+    test_heads(4, 64, 64, 96, 1);     // fixture embed_q, one token
+    test_heads(4, 64, 64, 96, 7);     // fixture embed_q, batch
+    test_heads(4, 64, 64, 64, 5);     // fixture unembed_out (x_head = kvl)
+    test_heads(3, 512, 128, 192, 1);  // DeepSeek-V3 embed_q widths, 3 heads
+    test_heads(3, 128, 512, 512, 6);  // DeepSeek-V3 unembed_out widths
+    test_heads(2, 128, 512, 512, 1);
+    test_qmv_heads(3, 512, 128, 192);  // DeepSeek-V3 embed_q: 64 rows per warp
+    test_qmv_heads(3, 128, 512, 512);  // DeepSeek-V3 unembed_out: 16 rows per warp
+    test_qmv_heads(2, 128, 64, 96);    // the small synthetic model's embed_q
+    test_qmv_heads(5, 16, 2048, 2048); // long rows: 2 slices, 2 warps per row group
+    test_qmv_heads(5, 64, 128, 128);   // a partial last block (rows past the end)
+    test_mla(4, 64, 32, 64, 7, 0, 64);
+    test_mla(4, 64, 32, 64, 1, 9, 1);
+    test_mla(3, 512, 64, 128, 5, 11, 2);   // chunks of 2
+    test_mla(2, 512, 64, 128, 1, 20, 1);
+    test_mla(2, 128, 32, 64, 9, 3, 4);
+    test_route(16, 4, 4, 2, true, 9, false);
+    test_route(16, 4, 4, 2, true, 9, true);
+    test_route(16, 4, 1, 1, false, 5, false);  // kimi: one group
+    test_route(8, 2, 2, 1, true, 6, false);
+    test_route(256, 8, 8, 4, true, 6, false);  // DeepSeek-V3
+    test_route(256, 8, 8, 4, true, 6, true);
+    test_route(384, 8, 1, 1, true, 5, false);  // Kimi-K2
+    test_route(64, 6, 8, 3, true, 5, false);
+    test_route(64, 1, 8, 3, true, 5, false);   // k = 1: no renormalisation
+    printf(fails ? "%d FAILED\n" : "all ok\n", fails);
+    return fails != 0;
+}
