@@ -7,14 +7,13 @@
 use std::path::Path;
 
 use crate::backend::cpu::ops;
-use crate::backend::cpu::qmatmul::dequantize_row;
 use crate::config::{MlpKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::format::Manifest;
 use crate::model::experts::ExpertRun;
 use crate::model::mla::MlaAttention;
 use crate::model::moe::{DenseMlp, ExpertLayout, MoeBlock};
-use crate::model::qwen3_hybrid::{final_logits, LogitsMode, Mlp, MlpHalf};
+use crate::model::qwen3_hybrid::{embed_tokens, final_logits, LogitsMode, Mlp, MlpHalf};
 use crate::model::schema::layer_prefix;
 use crate::model::state::{LayerState, MlaCache, ModelState};
 use crate::model::timing::{lap, PhaseTimes};
@@ -123,11 +122,7 @@ impl DeepseekV3 {
         let mut clock = std::time::Instant::now();
         let (n, h) = (tokens.len(), c.hidden_size);
         let d = &self.dense;
-        let embed = d.view(&self.embed);
-        let mut x = vec![0.0f32; n * h];
-        for (t, &tok) in tokens.iter().enumerate() {
-            dequantize_row(&embed, tok as usize, &mut x[t * h..(t + 1) * h]);
-        }
+        let mut x = embed_tokens(d, &self.embed, tokens, h);
         let mut xn = vec![0.0f32; n * h];
         let mut r = vec![0.0f32; n * h];
         for (i, (layer, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {

@@ -149,11 +149,7 @@ impl QwenHybrid {
         let mut clock = std::time::Instant::now();
         let (n, h) = (tokens.len(), c.hidden_size);
         let d = &self.dense;
-        let embed = d.view(&self.embed);
-        let mut x = vec![0.0f32; n * h];
-        for (t, &tok) in tokens.iter().enumerate() {
-            dequantize_row(&embed, tok as usize, &mut x[t * h..(t + 1) * h]);
-        }
+        let mut x = embed_tokens(d, &self.embed, tokens, h);
         let mut xn = vec![0.0f32; n * h];
         let mut r = vec![0.0f32; n * h];
         for (i, (layer, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
@@ -223,6 +219,22 @@ impl MlpHalf<'_> {
         lap(clock, &mut times.embed_norm);
         Ok(())
     }
+}
+
+/// The embedding rows of `tokens`, `[tokens, h]` (the head of every layer
+/// stack).
+pub(crate) fn embed_tokens(
+    d: &DenseStore,
+    embed: &LinearRef,
+    tokens: &[u32],
+    h: usize,
+) -> Vec<f32> {
+    let embed = d.view(embed);
+    let mut x = vec![0.0f32; tokens.len() * h];
+    for (row, &tok) in x.chunks_exact_mut(h).zip(tokens) {
+        dequantize_row(&embed, tok as usize, row);
+    }
+    x
 }
 
 /// Final RMSNorm and LM head over the rows of `x` (`[n, hidden]`) that
