@@ -5,36 +5,20 @@
 
 mod common;
 
-use common::{check_against_golden, convert_fixture, fixtures, open, Golden};
-use moeflux::LogitsMode;
+use common::{
+    check_against_golden, convert_fixture, eval_three_ways, fixtures, open, Golden, EVAL_MODES,
+};
 
 fn run_fixture(name: &str, src: &str, golden_dir: &str, expert_bits: Option<u32>) {
     let golden = Golden::load(&fixtures().join(golden_dir));
     let (_tmp, dir) = convert_fixture(src, expert_bits);
-
-    let mut batch = open(&dir);
-    let all = batch.eval(&golden.tokens, LogitsMode::All).unwrap();
-    check_against_golden(&format!("{name} batch"), &golden, &all);
-
-    let mut inc = open(&dir);
-    let mut rows = Vec::new();
-    for &t in &golden.tokens {
-        rows.extend(inc.eval(&[t], LogitsMode::Last).unwrap());
+    let rows = eval_three_ways(&golden, || open(&dir));
+    for (mode, got) in EVAL_MODES.iter().zip(&rows) {
+        check_against_golden(&format!("{name} {mode}"), &golden, got);
     }
-    check_against_golden(&format!("{name} incremental"), &golden, &rows);
-
-    // Prompt as a batch, then the continuation one token at a time.
-    let mut mixed = open(&dir);
-    let p = golden.prompt_len;
-    let mut rows = mixed.eval(&golden.tokens[..p], LogitsMode::All).unwrap();
-    for &t in &golden.tokens[p..] {
-        rows.extend(mixed.eval(&[t], LogitsMode::Last).unwrap());
-    }
-    check_against_golden(&format!("{name} prefill+decode"), &golden, &rows);
-
     // Every token's arithmetic is independent of the batch it is in.
     assert_eq!(
-        all, rows,
+        rows[0], rows[2],
         "{name}: batch and incremental logits differ bitwise"
     );
 }

@@ -12,7 +12,10 @@ mod common;
 use std::path::Path;
 
 use common::oracle::{demo_model, Oracle};
-use common::{check_against_golden, check_within, convert_fixture, fixtures, Golden};
+use common::{
+    check_against_golden, check_within, convert_fixture, eval_three_ways, fixtures, Golden,
+    EVAL_MODES,
+};
 use moeflux::backend::cuda::CachePolicy;
 use moeflux::{Backend, LogitsMode, Session, SessionOptions};
 
@@ -71,24 +74,10 @@ fn run_fixture_with(
 ) {
     let golden = Golden::load(&fixtures().join(golden_dir));
     let (_tmp, dir) = convert_fixture(src, expert_bits);
-
-    let all = gpu(&dir).eval(&golden.tokens, LogitsMode::All).unwrap();
-    check(&format!("{name} gpu batch"), &golden, &all);
-
-    let mut inc = gpu(&dir);
-    let mut rows = Vec::new();
-    for &t in &golden.tokens {
-        rows.extend(inc.eval(&[t], LogitsMode::Last).unwrap());
+    let rows = eval_three_ways(&golden, || gpu(&dir));
+    for (mode, got) in EVAL_MODES.iter().zip(&rows) {
+        check(&format!("{name} gpu {mode}"), &golden, got);
     }
-    check(&format!("{name} gpu incremental"), &golden, &rows);
-
-    let mut mixed = gpu(&dir);
-    let p = golden.prompt_len;
-    let mut rows = mixed.eval(&golden.tokens[..p], LogitsMode::All).unwrap();
-    for &t in &golden.tokens[p..] {
-        rows.extend(mixed.eval(&[t], LogitsMode::Last).unwrap());
-    }
-    check(&format!("{name} gpu prefill+decode"), &golden, &rows);
 }
 
 /// The DeepSeek-V3 family on the GPU within the CPU's bounds

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use moeflux::convert::{convert, ConvertOptions};
-use moeflux::{Session, SessionOptions};
+use moeflux::{LogitsMode, Session, SessionOptions};
 
 pub mod oracle;
 
@@ -84,6 +84,28 @@ pub fn open(dir: &Path) -> Session {
         },
     )
     .unwrap()
+}
+
+/// The golden's tokens evaluated the three ways every backend must agree
+/// on, each in a fresh session from `open`: one batch, one token at a time,
+/// and the prompt as a batch then the continuation one token at a time.
+pub const EVAL_MODES: [&str; 3] = ["batch", "incremental", "prefill+decode"];
+
+/// Logits `[tokens, vocab]` for each of [`EVAL_MODES`].
+pub fn eval_three_ways(golden: &Golden, open: impl Fn() -> Session) -> [Vec<f32>; 3] {
+    let batch = open().eval(&golden.tokens, LogitsMode::All).unwrap();
+    let mut s = open();
+    let mut incremental = Vec::new();
+    for &t in &golden.tokens {
+        incremental.extend(s.eval(&[t], LogitsMode::Last).unwrap());
+    }
+    let mut s = open();
+    let p = golden.prompt_len;
+    let mut mixed = s.eval(&golden.tokens[..p], LogitsMode::All).unwrap();
+    for &t in &golden.tokens[p..] {
+        mixed.extend(s.eval(&[t], LogitsMode::Last).unwrap());
+    }
+    [batch, incremental, mixed]
 }
 
 fn argmax(x: &[f32]) -> usize {
