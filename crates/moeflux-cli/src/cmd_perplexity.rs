@@ -63,6 +63,14 @@ pub fn run(mut args: PerplexityArgs) -> Result<()> {
     };
     let mut session = args.model.open_session()?;
     args.model.report(&session);
+    let trained = session.config().max_position_embeddings;
+    if opts.window > trained {
+        eprintln!(
+            "warning: a window of {} tokens is longer than the {trained} positions the model \
+             was made for",
+            opts.window
+        );
+    }
     let cancel = interrupt_flag()?;
     let bar = std::io::stderr().is_terminal().then(|| {
         let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr()).with_style(
