@@ -1,12 +1,10 @@
 //! `moeflux perplexity`: how well the model predicts a text file.
 
-use std::io::IsTerminal;
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use moeflux::perplexity::{perplexity, PerplexityOptions};
 use moeflux::text::tokenizer::Tokenizer;
 
@@ -72,27 +70,13 @@ pub fn run(mut args: PerplexityArgs) -> Result<()> {
         );
     }
     let cancel = interrupt_flag()?;
-    let bar = std::io::stderr().is_terminal().then(|| {
-        let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr()).with_style(
-            ProgressStyle::with_template(
-                "{spinner} [{elapsed_precise}] {wide_bar} {pos}/{len} tokens {per_sec} ETA {eta}",
-            )
-            .expect("valid template")
-            .progress_chars("=> "),
-        );
-        bar.enable_steady_tick(Duration::from_millis(200));
-        bar
-    });
+    let bar = crate::progress::token_bar("perplexity");
     let t0 = Instant::now();
     let result = perplexity(&mut session, &tokens, opts, Some(&cancel), |done, total| {
-        if let Some(bar) = &bar {
-            bar.set_length(total as u64);
-            bar.set_position(done as u64);
-        }
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
     });
-    if let Some(bar) = &bar {
-        bar.finish_and_clear();
-    }
+    bar.finish_and_clear();
     let p = match result {
         Err(moeflux::Error::Cancelled) => bail!("interrupted"),
         r => r?,

@@ -101,6 +101,24 @@ pub fn spinner(msg: &str) -> ProgressBar {
     bar
 }
 
+/// A bar counting tokens, `label` first, on stderr when it is a terminal,
+/// else hidden; its length is set by the caller.
+pub fn token_bar(label: &str) -> ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
+    bar.set_style(
+        ProgressStyle::with_template(&format!(
+            "{label} [{{elapsed_precise}}] {{wide_bar}} {{pos}}/{{len}} tokens {{per_sec}} ETA {{eta}}"
+        ))
+        .expect("valid template")
+        .progress_chars("=> "),
+    );
+    bar.enable_steady_tick(Duration::from_millis(200));
+    bar
+}
+
 /// Prompt-processing progress (tokens), shown only for long prompts on a terminal.
 pub struct PrefillBar {
     bar: Option<ProgressBar>,
