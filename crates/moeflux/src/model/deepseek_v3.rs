@@ -6,17 +6,17 @@
 
 use std::path::Path;
 
-use crate::backend::cpu::ops;
 use crate::config::{MlpKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::format::Manifest;
 use crate::model::experts::ExpertRun;
 use crate::model::mla::MlaAttention;
 use crate::model::moe::{DenseMlp, ExpertLayout, MoeBlock};
-use crate::model::qwen3_hybrid::{embed_tokens, final_logits, LogitsMode, Mlp, MlpHalf};
+use crate::model::qwen3_hybrid::{LogitsMode, Mlp};
 use crate::model::schema::layer_prefix;
+use crate::model::stack::{LayerMlp, Stack};
 use crate::model::state::{LayerState, MlaCache, ModelState};
-use crate::model::timing::{lap, PhaseTimes};
+use crate::model::timing::PhaseTimes;
 use crate::model::weights::{DenseStore, LinearRef};
 use crate::model::yarn::{self, MlaRope};
 
@@ -89,13 +89,6 @@ impl DeepseekV3 {
         })
     }
 
-    fn next_moe(&self, i: usize) -> Option<&MoeBlock> {
-        self.layers[i + 1..].iter().find_map(|l| match &l.mlp {
-            Mlp::Moe(m) => Some(m),
-            Mlp::Dense(_) => None,
-        })
-    }
-
     pub fn new_state(&self) -> ModelState {
         let m = self.config.mla.expect("checked at load");
         ModelState {
@@ -118,35 +111,32 @@ impl DeepseekV3 {
         mode: LogitsMode,
         times: &mut PhaseTimes,
     ) -> Result<Vec<f32>> {
-        let c = &self.config;
-        let mut clock = std::time::Instant::now();
-        let (n, h) = (tokens.len(), c.hidden_size);
-        let d = &self.dense;
-        let mut x = embed_tokens(d, &self.embed, tokens, h);
-        let mut xn = vec![0.0f32; n * h];
-        let mut r = vec![0.0f32; n * h];
-        for (i, (layer, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
-            ops::rms_norm_rows(&x, &layer.input_norm, c.rms_norm_eps, &mut xn);
-            lap(&mut clock, &mut times.embed_norm);
-            let LayerState::Mla(cache) = ls else {
+        let (d, c) = (&self.dense, &self.config);
+        let stack = Stack {
+            dense: d,
+            config: c,
+            embed: &self.embed,
+            final_norm: &self.final_norm,
+            lm_head: &self.lm_head,
+        };
+        let layers: Vec<LayerMlp> = self
+            .layers
+            .iter()
+            .map(|l| LayerMlp {
+                input_norm: &l.input_norm,
+                post_norm: &l.post_norm,
+                mlp: &l.mlp,
+            })
+            .collect();
+        stack.forward(&layers, tokens, mode, run, times, |i, xn, n, r| {
+            let LayerState::Mla(cache) = &mut state.layers[i] else {
                 return Err(Error::Invalid(format!(
                     "layer {i}: state is not an MLA cache"
                 )));
             };
-            layer
+            self.layers[i]
                 .attn
-                .forward(d, c, &self.rope, self.scale, &xn, n, start, cache, &mut r)?;
-            ops::add_inplace(&mut x, &r);
-            lap(&mut clock, &mut times.attention);
-            let half = MlpHalf {
-                mlp: &layer.mlp,
-                post_norm: &layer.post_norm,
-                next: self.next_moe(i),
-            };
-            half.forward(d, c, run, n, &mut x, &mut xn, &mut r, &mut clock, times)?;
-        }
-        let logits = final_logits(d, c, &self.final_norm, &self.lm_head, &x, n, mode);
-        lap(&mut clock, &mut times.lm_head);
-        Ok(logits)
+                .forward(d, c, &self.rope, self.scale, xn, n, start, cache, r)
+        })
     }
 }

@@ -9,6 +9,7 @@ pub mod moe;
 pub mod qwen3_hybrid;
 pub mod router;
 pub mod schema;
+pub(crate) mod stack;
 pub mod state;
 pub mod timing;
 pub mod weights;

@@ -3,8 +3,7 @@
 
 use std::path::Path;
 
-use crate::backend::cpu::ops::{self, RopeTable};
-use crate::backend::cpu::qmatmul::{dequantize_row, matmul};
+use crate::backend::cpu::ops::RopeTable;
 use crate::config::{LayerKind, MlpKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::format::Manifest;
@@ -13,8 +12,9 @@ use crate::model::deltanet::GatedDeltaNet;
 use crate::model::experts::ExpertRun;
 use crate::model::moe::{DenseMlp, ExpertLayout, MoeBlock};
 use crate::model::schema::layer_prefix;
+use crate::model::stack::{LayerMlp, Stack};
 use crate::model::state::{KvCache, LayerState, ModelState};
-use crate::model::timing::{lap, PhaseTimes};
+use crate::model::timing::PhaseTimes;
 use crate::model::weights::{DenseStore, LinearRef};
 
 pub enum Mixer {
@@ -111,14 +111,6 @@ impl QwenHybrid {
         })
     }
 
-    /// The first MoE block after layer `i`.
-    fn next_moe(&self, i: usize) -> Option<&MoeBlock> {
-        self.layers[i + 1..].iter().find_map(|l| match &l.mlp {
-            Mlp::Moe(m) => Some(m),
-            Mlp::Dense(_) => None,
-        })
-    }
-
     pub fn new_state(&self) -> ModelState {
         let kv_row = self.config.num_kv_heads * self.config.head_dim;
         ModelState {
@@ -145,123 +137,32 @@ impl QwenHybrid {
         mode: LogitsMode,
         times: &mut PhaseTimes,
     ) -> Result<Vec<f32>> {
-        let c = &self.config;
-        let mut clock = std::time::Instant::now();
-        let (n, h) = (tokens.len(), c.hidden_size);
-        let d = &self.dense;
-        let mut x = embed_tokens(d, &self.embed, tokens, h);
-        let mut xn = vec![0.0f32; n * h];
-        let mut r = vec![0.0f32; n * h];
-        for (i, (layer, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
-            ops::rms_norm_rows(&x, &layer.input_norm, c.rms_norm_eps, &mut xn);
-            lap(&mut clock, &mut times.embed_norm);
-            match (&layer.mixer, ls) {
+        let (d, c) = (&self.dense, &self.config);
+        let stack = Stack {
+            dense: d,
+            config: c,
+            embed: &self.embed,
+            final_norm: &self.final_norm,
+            lm_head: &self.lm_head,
+        };
+        let layers: Vec<LayerMlp> = self
+            .layers
+            .iter()
+            .map(|l| LayerMlp {
+                input_norm: &l.input_norm,
+                post_norm: &l.post_norm,
+                mlp: &l.mlp,
+            })
+            .collect();
+        stack.forward(&layers, tokens, mode, run, times, |i, xn, n, r| {
+            match (&self.layers[i].mixer, &mut state.layers[i]) {
                 (Mixer::Full(a), LayerState::Full(kv)) => {
-                    a.forward(d, c, &self.rope, &xn, n, start, kv, &mut r)
+                    a.forward(d, c, &self.rope, xn, n, start, kv, r)
                 }
-                (Mixer::Linear(g), LayerState::Linear(s)) => g.forward(d, c, &xn, n, s, &mut r),
+                (Mixer::Linear(g), LayerState::Linear(s)) => g.forward(d, c, xn, n, s, r),
                 _ => unreachable!("state built from the same layer list"),
             }
-            ops::add_inplace(&mut x, &r);
-            lap(&mut clock, &mut times.attention);
-            let half = MlpHalf {
-                mlp: &layer.mlp,
-                post_norm: &layer.post_norm,
-                next: self.next_moe(i),
-            };
-            half.forward(d, c, run, n, &mut x, &mut xn, &mut r, &mut clock, times)?;
-        }
-        let logits = final_logits(d, c, &self.final_norm, &self.lm_head, &x, n, mode);
-        lap(&mut clock, &mut times.lm_head);
-        Ok(logits)
+            Ok(())
+        })
     }
-}
-
-/// The MLP half of a layer, the same in every layer stack: post-attention
-/// RMSNorm, the MLP (dense or mixture of experts), its output added to `x`.
-pub(crate) struct MlpHalf<'a> {
-    pub mlp: &'a Mlp,
-    pub post_norm: &'a [f32],
-    /// The next MoE block (its router drives speculative prefetch).
-    pub next: Option<&'a MoeBlock>,
-}
-
-impl MlpHalf<'_> {
-    /// `xn` and `r` are scratch of `x`'s size; `clock` is the caller's
-    /// phase clock.
-    #[allow(clippy::too_many_arguments)]
-    pub fn forward(
-        &self,
-        d: &DenseStore,
-        c: &ModelConfig,
-        run: &mut ExpertRun<'_>,
-        n: usize,
-        x: &mut [f32],
-        xn: &mut [f32],
-        r: &mut [f32],
-        clock: &mut std::time::Instant,
-        times: &mut PhaseTimes,
-    ) -> Result<()> {
-        ops::rms_norm_rows(x, self.post_norm, c.rms_norm_eps, xn);
-        lap(clock, &mut times.embed_norm);
-        match self.mlp {
-            Mlp::Moe(m) => {
-                // Times its own phases.
-                m.forward(d, c, run, self.next, xn, n, r, times)?;
-                *clock = std::time::Instant::now();
-            }
-            Mlp::Dense(m) => {
-                m.forward(d, xn, n, r);
-                lap(clock, &mut times.shared_mlp);
-            }
-        }
-        ops::add_inplace(x, r);
-        lap(clock, &mut times.embed_norm);
-        Ok(())
-    }
-}
-
-/// The embedding rows of `tokens`, `[tokens, h]` (the head of every layer
-/// stack).
-pub(crate) fn embed_tokens(
-    d: &DenseStore,
-    embed: &LinearRef,
-    tokens: &[u32],
-    h: usize,
-) -> Vec<f32> {
-    let embed = d.view(embed);
-    let mut x = vec![0.0f32; tokens.len() * h];
-    for (row, &tok) in x.chunks_exact_mut(h).zip(tokens) {
-        dequantize_row(&embed, tok as usize, row);
-    }
-    x
-}
-
-/// Final RMSNorm and LM head over the rows of `x` (`[n, hidden]`) that
-/// `mode` asks for: logits `[rows, vocab]`.
-pub(crate) fn final_logits(
-    d: &DenseStore,
-    c: &ModelConfig,
-    final_norm: &[f32],
-    lm_head: &LinearRef,
-    x: &[f32],
-    n: usize,
-    mode: LogitsMode,
-) -> Vec<f32> {
-    let h = c.hidden_size;
-    let rows = match mode {
-        LogitsMode::All => 0..n,
-        LogitsMode::Last => n - 1..n,
-    };
-    let m = rows.len();
-    let mut normed = vec![0.0f32; m * h];
-    ops::rms_norm_rows(
-        &x[rows.start * h..rows.end * h],
-        final_norm,
-        c.rms_norm_eps,
-        &mut normed,
-    );
-    let mut logits = vec![0.0f32; m * c.vocab_size];
-    matmul(&d.view(lm_head), &normed, m, &mut logits);
-    logits
 }
