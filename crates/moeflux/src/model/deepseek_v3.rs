@@ -14,7 +14,7 @@ use crate::model::mla::MlaAttention;
 use crate::model::moe::{DenseMlp, ExpertLayout, MoeBlock};
 use crate::model::qwen3_hybrid::{LogitsMode, Mlp};
 use crate::model::schema::layer_prefix;
-use crate::model::stack::{LayerMlp, Stack};
+use crate::model::stack::{Stack, StackLayer};
 use crate::model::state::{LayerState, MlaCache, ModelState};
 use crate::model::timing::PhaseTimes;
 use crate::model::weights::{DenseStore, LinearRef};
@@ -25,6 +25,12 @@ pub struct DsLayer {
     pub post_norm: Vec<f32>,
     pub attn: MlaAttention,
     pub mlp: Mlp,
+}
+
+impl StackLayer for DsLayer {
+    fn frame(&self) -> (&[f32], &[f32], &Mlp) {
+        (&self.input_norm, &self.post_norm, &self.mlp)
+    }
 }
 
 pub struct DeepseekV3 {
@@ -119,16 +125,7 @@ impl DeepseekV3 {
             final_norm: &self.final_norm,
             lm_head: &self.lm_head,
         };
-        let layers: Vec<LayerMlp> = self
-            .layers
-            .iter()
-            .map(|l| LayerMlp {
-                input_norm: &l.input_norm,
-                post_norm: &l.post_norm,
-                mlp: &l.mlp,
-            })
-            .collect();
-        stack.forward(&layers, tokens, mode, run, times, |i, xn, n, r| {
+        stack.forward(&self.layers, tokens, mode, run, times, |i, xn, n, r| {
             let LayerState::Mla(cache) = &mut state.layers[i] else {
                 return Err(Error::Invalid(format!(
                     "layer {i}: state is not an MLA cache"

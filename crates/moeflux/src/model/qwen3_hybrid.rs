@@ -12,7 +12,7 @@ use crate::model::deltanet::GatedDeltaNet;
 use crate::model::experts::ExpertRun;
 use crate::model::moe::{DenseMlp, ExpertLayout, MoeBlock};
 use crate::model::schema::layer_prefix;
-use crate::model::stack::{LayerMlp, Stack};
+use crate::model::stack::{Stack, StackLayer};
 use crate::model::state::{KvCache, LayerState, ModelState};
 use crate::model::timing::PhaseTimes;
 use crate::model::weights::{DenseStore, LinearRef};
@@ -34,6 +34,12 @@ pub struct Layer {
     pub post_norm: Vec<f32>,
     pub mixer: Mixer,
     pub mlp: Mlp,
+}
+
+impl StackLayer for Layer {
+    fn frame(&self) -> (&[f32], &[f32], &Mlp) {
+        (&self.input_norm, &self.post_norm, &self.mlp)
+    }
 }
 
 pub struct QwenHybrid {
@@ -145,16 +151,7 @@ impl QwenHybrid {
             final_norm: &self.final_norm,
             lm_head: &self.lm_head,
         };
-        let layers: Vec<LayerMlp> = self
-            .layers
-            .iter()
-            .map(|l| LayerMlp {
-                input_norm: &l.input_norm,
-                post_norm: &l.post_norm,
-                mlp: &l.mlp,
-            })
-            .collect();
-        stack.forward(&layers, tokens, mode, run, times, |i, xn, n, r| {
+        stack.forward(&self.layers, tokens, mode, run, times, |i, xn, n, r| {
             match (&self.layers[i].mixer, &mut state.layers[i]) {
                 (Mixer::Full(a), LayerState::Full(kv)) => {
                     a.forward(d, c, &self.rope, xn, n, start, kv, r)

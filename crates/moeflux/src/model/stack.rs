@@ -23,10 +23,9 @@ pub(crate) struct Stack<'a> {
 }
 
 /// A layer's weights outside its mixer.
-pub(crate) struct LayerMlp<'a> {
-    pub input_norm: &'a [f32],
-    pub post_norm: &'a [f32],
-    pub mlp: &'a Mlp,
+pub(crate) trait StackLayer {
+    /// Input RMSNorm weight, post-attention RMSNorm weight, MLP.
+    fn frame(&self) -> (&[f32], &[f32], &Mlp);
 }
 
 impl Stack<'_> {
@@ -35,7 +34,7 @@ impl Stack<'_> {
     /// `i`'s token-mixer output for the normed input `xn` into `r`.
     pub fn forward(
         &self,
-        layers: &[LayerMlp],
+        layers: &[impl StackLayer],
         tokens: &[u32],
         mode: LogitsMode,
         run: &mut ExpertRun<'_>,
@@ -49,15 +48,16 @@ impl Stack<'_> {
         let mut xn = vec![0.0f32; n * h];
         let mut r = vec![0.0f32; n * h];
         for (i, layer) in layers.iter().enumerate() {
-            ops::rms_norm_rows(&x, layer.input_norm, c.rms_norm_eps, &mut xn);
+            let (input_norm, post_norm, mlp) = layer.frame();
+            ops::rms_norm_rows(&x, input_norm, c.rms_norm_eps, &mut xn);
             lap(&mut clock, &mut times.embed_norm);
             mixer(i, &xn, n, &mut r)?;
             ops::add_inplace(&mut x, &r);
             lap(&mut clock, &mut times.attention);
             let half = MlpHalf {
-                mlp: layer.mlp,
-                post_norm: layer.post_norm,
-                next: layers[i + 1..].iter().find_map(|l| match l.mlp {
+                mlp,
+                post_norm,
+                next: layers[i + 1..].iter().find_map(|l| match l.frame().2 {
                     Mlp::Moe(m) => Some(m),
                     Mlp::Dense(_) => None,
                 }),

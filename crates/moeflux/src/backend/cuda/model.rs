@@ -16,6 +16,7 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::io::ExpertStore;
 use crate::model::qwen3_hybrid::{LogitsMode, Mlp};
+use crate::model::stack::StackLayer;
 use crate::model::state::{LinearState, ModelState};
 use crate::model::timing::{lap, PhaseTimes};
 use crate::model::weights::LinearRef;
@@ -203,11 +204,7 @@ impl CudaModel {
         let (family, dense_file) = match model {
             Model::Qwen(m) => {
                 qwen::check_shape(&c)?;
-                let layers = m
-                    .layers
-                    .iter()
-                    .map(|l| (&l.input_norm[..], &l.post_norm[..], &l.mlp))
-                    .collect();
+                let layers = m.layers.iter().map(StackLayer::frame).collect();
                 let f = Family {
                     embed: &m.embed,
                     lm_head: &m.lm_head,
@@ -218,11 +215,7 @@ impl CudaModel {
                 (f, m.dense.file_bytes())
             }
             Model::DeepseekV3(m) => {
-                let layers = m
-                    .layers
-                    .iter()
-                    .map(|l| (&l.input_norm[..], &l.post_norm[..], &l.mlp))
-                    .collect();
+                let layers = m.layers.iter().map(StackLayer::frame).collect();
                 let f = Family {
                     embed: &m.embed,
                     lm_head: &m.lm_head,
