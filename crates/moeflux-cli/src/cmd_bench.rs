@@ -160,6 +160,8 @@ impl Report<'_> {
             "prefetch_precision": t.prefetch.precision(),
             "gpu_cache_hit_rate": t.gpu_cache.hit_rate(),
             "uploaded_bytes_per_token": t.uploaded_bytes_per_token(),
+            "gpu_prefetched": t.gpu_cache.prefetched,
+            "gpu_prefetch_used": t.gpu_cache.prefetch_hits,
         })
     }
 

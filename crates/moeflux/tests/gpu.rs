@@ -242,26 +242,38 @@ fn gpu_matches_cpu_through_small_caches(dir: &Path) {
         assert!(d <= GUARD, "{policy:?} incremental: max rel diff {d:e}");
         eprintln!("{policy:?}: {:?}", g.gpu_cache_stats());
     }
-    // Misses copied from the pinned host tier (the mapped expert files).
+    // Misses copied from the pinned host tier (the mapped expert files),
+    // without and with uploads of the next layer's predicted experts
+    // (which must not change a logit, only where experts come from).
     let budget = ((experts + 8) * extent) as u64;
-    let mut g = Session::open(
-        dir,
-        SessionOptions {
-            backend: Backend::Cuda,
-            gpu_memory: Some(budget),
-            host_cache: Some(1 << 40),
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    assert!(g.backend().contains("host tier"), "{}", g.backend());
-    let mut rows = Vec::new();
-    for &t in &toks {
-        rows.extend(g.eval(&[t], LogitsMode::Last).unwrap());
+    for prefetch in [false, true] {
+        let mut g = Session::open(
+            dir,
+            SessionOptions {
+                backend: Backend::Cuda,
+                gpu_memory: Some(budget),
+                host_cache: Some(1 << 40),
+                prefetch,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert!(g.backend().contains("host tier"), "{}", g.backend());
+        let mut rows = Vec::new();
+        for &t in &toks {
+            rows.extend(g.eval(&[t], LogitsMode::Last).unwrap());
+        }
+        let d = max_rel_diff(&rows, &want);
+        assert!(
+            d <= GUARD,
+            "host tier incremental (prefetch {prefetch}): max rel diff {d:e}"
+        );
+        let stats = g.gpu_cache_stats();
+        eprintln!("host tier, prefetch {prefetch}: {stats:?}");
+        assert!(stats.misses > 0);
+        assert_eq!(stats.prefetched > 0, prefetch);
+        assert!(stats.prefetch_hits <= stats.prefetched);
     }
-    let d = max_rel_diff(&rows, &want);
-    assert!(d <= GUARD, "host tier incremental: max rel diff {d:e}");
-    assert!(g.gpu_cache_stats().misses > 0);
 }
 
 #[test]

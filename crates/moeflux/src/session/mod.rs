@@ -180,6 +180,7 @@ impl Session {
                     cache_policy: opts.cache_policy,
                     graphs: opts.cuda_graphs,
                     host_cache: opts.host_cache,
+                    prefetch: opts.prefetch,
                 };
                 let m = CudaModel::new(gpu, &model, &store, &cuda)?;
                 let (layers, bytes) = m.host_tier();

@@ -43,6 +43,10 @@ pub struct CacheStats {
     /// Experts that had to be read and uploaded.
     pub misses: u64,
     pub uploaded_bytes: u64,
+    /// Experts uploaded ahead on a predicted choice (`--prefetch`).
+    pub prefetched: u64,
+    /// Of those, the ones a layer then used.
+    pub prefetch_hits: u64,
 }
 
 impl CacheStats {
@@ -52,6 +56,8 @@ impl CacheStats {
             hits: self.hits - earlier.hits,
             misses: self.misses - earlier.misses,
             uploaded_bytes: self.uploaded_bytes - earlier.uploaded_bytes,
+            prefetched: self.prefetched - earlier.prefetched,
+            prefetch_hits: self.prefetch_hits - earlier.prefetch_hits,
         }
     }
 
@@ -60,6 +66,8 @@ impl CacheStats {
             hits: self.hits + o.hits,
             misses: self.misses + o.misses,
             uploaded_bytes: self.uploaded_bytes + o.uploaded_bytes,
+            prefetched: self.prefetched + o.prefetched,
+            prefetch_hits: self.prefetch_hits + o.prefetch_hits,
         }
     }
 
@@ -109,6 +117,13 @@ pub struct ExpertCache {
     /// Once every expert is resident: per model layer, `num_experts` device
     /// addresses (the router kernel looks experts up here, no host trip).
     table: Option<(DevBuf, usize)>,
+    /// Slots the last `ensure` handed out: the compute stream may still be
+    /// reading them, so a prefetch must not overwrite them.
+    in_use: Vec<usize>,
+    /// Slots filled by a prefetch and not used since.
+    prefetched: Vec<bool>,
+    /// Prefetch copies the compute stream has not been ordered after yet.
+    copies_pending: bool,
     pub stats: CacheStats,
 }
 
@@ -152,6 +167,9 @@ impl ExpertCache {
             staging,
             host: Vec::new(),
             table: None,
+            in_use: Vec::new(),
+            prefetched: vec![false; n_slots],
+            copies_pending: false,
             stats: CacheStats::default(),
         })
     }
@@ -238,6 +256,7 @@ impl ExpertCache {
         if let Some(old) = self.owner[s].take() {
             self.index.remove(&old);
         }
+        self.prefetched[s] = false;
         if self.policy == CachePolicy::LfuDa {
             self.floor = p;
         }
@@ -246,6 +265,7 @@ impl ExpertCache {
 
     /// Forgets what slot `s` holds.
     fn invalidate(&mut self, s: usize) {
+        self.prefetched[s] = false;
         if let Some(k) = self.owner[s].take() {
             self.index.remove(&k);
             self.order.remove(&(self.prio[s], s));
@@ -314,6 +334,9 @@ impl ExpertCache {
                 Some(&s) => {
                     slot_of[i] = s;
                     self.stats.hits += 1;
+                    if std::mem::take(&mut self.prefetched[s]) {
+                        self.stats.prefetch_hits += 1;
+                    }
                 }
                 None => misses.push(i),
             }
@@ -334,8 +357,65 @@ impl ExpertCache {
             slot_of[i] = victim;
             self.stats.misses += 1;
         }
+        if misses.is_empty() && self.copies_pending {
+            // Hits may be prefetches still on their way.
+            stream_wait(&gpu.stream, &gpu.copy)?;
+        }
+        // Misses are ordered after every earlier copy, prefetches included.
         self.upload(gpu, store, layer, ids, &misses, &slot_of)?;
+        self.copies_pending = false;
+        self.in_use = slot_of.clone();
         Ok(slot_of.iter().map(|&s| self.slot_ptr(s)).collect())
+    }
+
+    /// Starts uploading experts `ids` of `layer` that are not resident, on
+    /// a predicted choice, without making the compute stream wait: the next
+    /// `ensure` orders it after them. Only for host-tier layers (a copy
+    /// straight from pinned memory; staging reads would block the host).
+    /// Never overwrites the slots the last `ensure` handed out. Returns how
+    /// many uploads it started.
+    pub fn prefetch(
+        &mut self,
+        gpu: &Gpu,
+        store: &ExpertStore,
+        layer: usize,
+        ids: &[usize],
+    ) -> Result<usize> {
+        if !self.host_pinned(layer) || self.table.is_some() {
+            return Ok(0);
+        }
+        let mut busy = vec![false; self.n_slots];
+        for &s in &self.in_use {
+            busy[s] = true;
+        }
+        let mut room = self.n_slots - self.in_use.len();
+        let mut started = 0;
+        for &e in ids {
+            if room == 0 {
+                break;
+            }
+            if self.index.contains_key(&(layer, e)) {
+                continue;
+            }
+            let s = self.take_victim(&busy);
+            busy[s] = true;
+            room -= 1;
+            self.uses[s] = 0;
+            self.owner[s] = Some((layer, e));
+            self.index.insert((layer, e), s);
+            self.touch(s);
+            self.prefetched[s] = true;
+            let src = store.mapped(layer, e).expect("host-tier layers are mapped");
+            // SAFETY: the mapping is pinned and read-only and outlives the
+            // copy; slot `s` is not in use by queued compute (`in_use`), and
+            // the next `ensure` orders the compute stream after this copy.
+            unsafe { copy_htod_async(&gpu.copy, self.slot_ptr(s), src)? };
+            self.stats.uploaded_bytes += self.extent as u64;
+            self.stats.prefetched += 1;
+            self.copies_pending = true;
+            started += 1;
+        }
+        Ok(started)
     }
 
     /// Copies the missing experts to their slots on the copy stream: from

@@ -83,6 +83,8 @@ pub(super) struct Ctx<'a> {
     pub store: &'a ExpertStore,
     /// Routed experts per token.
     pub k: usize,
+    /// `CudaOptions::prefetch`.
+    pub prefetch: bool,
 }
 
 /// Options of the GPU backend.
@@ -99,6 +101,9 @@ pub struct CudaOptions {
     /// the mapped expert files); only used when the VRAM cache cannot hold
     /// every expert.
     pub host_cache: Option<u64>,
+    /// Upload the next MoE layer's likely experts (its router on the
+    /// current layer's input) while a layer computes; host-tier layers only.
+    pub prefetch: bool,
 }
 
 impl Default for CudaOptions {
@@ -107,6 +112,7 @@ impl Default for CudaOptions {
             gpu_memory: None,
             cache_policy: CachePolicy::default(),
             graphs: true,
+            prefetch: false,
             host_cache: None,
         }
     }
@@ -492,6 +498,7 @@ impl CudaModel {
             arena: &mut self.arena,
             store,
             k,
+            prefetch: self.opts.prefetch,
         };
         let d_ids = cx.scratch.get(g, "ids", 4 * n)?;
         let x = cx.scratch.get(g, "x", 4 * n * h)?;
@@ -517,7 +524,14 @@ impl CudaModel {
             }
             rms_norm(g, x, layer.post_norm.ptr(), n, h, eps, xn)?;
             lap(&mut clock, &mut times.attention);
-            layer.mlp.forward(&mut cx, i, xn, n, x, times)?;
+            let next = self.layers[i + 1..]
+                .iter()
+                .enumerate()
+                .find_map(|(d, l)| match &l.mlp {
+                    GpuMlp::Moe(m) => Some((i + 1 + d, m)),
+                    GpuMlp::Dense(_) => None,
+                });
+            layer.mlp.forward(&mut cx, i, next, xn, n, x, times)?;
             clock = std::time::Instant::now();
         }
         let m = rows.len();

@@ -189,11 +189,14 @@ pub(super) fn upload_mlp(
 
 impl GpuMlp {
     /// The MLP of layer `i` on the normed `xn`, its output added to `x`.
+    /// `next`: the next MoE layer (index and block), whose experts a
+    /// `--prefetch` session starts uploading on a predicted choice.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         cx: &mut Ctx,
         i: usize,
+        next: Option<(usize, &GpuMoe)>,
         xn: u64,
         n: usize,
         x: u64,
@@ -210,16 +213,18 @@ impl GpuMlp {
                 swiglu(g, gb, ub, act, n * inter)?;
                 matmuls(g, &[mm_add(d.down, x)], act, n)
             }
-            GpuMlp::Moe(m) => m.forward(cx, i, xn, n, x, times),
+            GpuMlp::Moe(m) => m.forward(cx, i, next, xn, n, x, times),
         }
     }
 }
 
 impl GpuMoe {
+    #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         cx: &mut Ctx,
         i: usize,
+        next: Option<(usize, &GpuMoe)>,
         xn: u64,
         n: usize,
         x: u64,
@@ -278,6 +283,22 @@ impl GpuMoe {
             d_wts,
             d_bases,
         )?;
+        // The next MoE layer's router on this layer's input: a guess of its
+        // choice (the residual stream changes little in one layer), read
+        // with this layer's choice and uploaded while this layer computes.
+        let predicted = match next {
+            Some((j, nx)) if cx.prefetch && slot_path && table.is_none() => {
+                let s = &mut *cx.scratch;
+                let p_logits = s.get(g, "p_router", 4 * n * e)?;
+                let p_ids = s.get(g, "p_ids", 4 * n * k)?;
+                let p_wts = s.get(g, "p_wts", 4 * n * k)?;
+                let p_bases = s.get(g, "p_bases", 8 * n * k)?;
+                matmuls(g, &[mm(nx.router, p_logits)], xn, n)?;
+                nx.route(g, cx.config, p_logits, n, k, 0, p_ids, p_wts, p_bases)?;
+                Some((j, p_ids))
+            }
+            _ => None,
+        };
         let sfx = kernel_suffix(layout.bits);
         // Per-slot kernels take one token: rows split across warps, or the
         // activation-stationary kernels when the layout fits them.
@@ -290,6 +311,7 @@ impl GpuMoe {
             ),
         };
         let k_i = k as i32;
+        let mut guess: Vec<i32> = Vec::new();
         if slot_path && table.is_some() {
             // Every expert resident: the router's choice never leaves the GPU.
             cache.count_hits((n * k) as u64);
@@ -298,6 +320,10 @@ impl GpuMoe {
             let mut ids = vec![0i32; n * k];
             g.sync()?;
             download_from(d_ids, &mut ids)?;
+            if let Some((_, p_ids)) = predicted {
+                guess.resize(n * k, 0);
+                download_from(p_ids, &mut guess)?;
+            }
             cx.arena.reset();
             lap(&mut clock, &mut times.routing);
             let mut users: std::collections::BTreeMap<usize, Vec<i32>> = Default::default();
@@ -391,6 +417,18 @@ impl GpuMoe {
                 0,
                 &mut args!(slot_out, d_wts, k_i, h_i, sy, sg, x),
             )?;
+        }
+        if let Some((j, _)) = predicted {
+            // Queued after this layer's compute was launched, so its own
+            // uploads went first; the guess's most chosen experts first.
+            let mut count = std::collections::BTreeMap::<usize, usize>::new();
+            for &id in &guess {
+                *count.entry(id as usize).or_default() += 1;
+            }
+            let mut ids: Vec<(usize, usize)> = count.into_iter().collect();
+            ids.sort_by_key(|&(id, c)| (std::cmp::Reverse(c), id));
+            let ids: Vec<usize> = ids.into_iter().map(|(id, _)| id).collect();
+            cache.prefetch(g, cx.store, j, &ids)?;
         }
         lap(&mut clock, &mut times.expert_compute);
         Ok(())
