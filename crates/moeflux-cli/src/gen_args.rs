@@ -37,7 +37,8 @@ pub struct ModelArgs {
     #[arg(long, conflicts_with = "direct_io")]
     pub no_mmap: bool,
     /// Fetch the experts the next layer will likely use while the current
-    /// layer computes (helps when experts come from disk).
+    /// layer computes (helps when experts come from disk; on the GPU, upload
+    /// them from the `--host-cache` tier).
     #[arg(long)]
     pub prefetch: bool,
     /// Longest context in tokens (default: the model's maximum).
