@@ -7,11 +7,13 @@
 #   a  qwen3.6-35b-a3b widths, all 40 layers, every expert in VRAM: pp512, pp4096, tg128;
 #      decode against the roofline (weight bytes per token / measured device-memory bandwidth)
 #   b  the same model with --gpu-memory holding 25% of the expert bytes: tg128 with uniform
-#      routing and with --router-skew zipf:1, LFU-DA and LRU; decode against the PCIe ceiling
+#      routing and with --router-skew zipf:1, LFU-DA and LRU, staging reads or the pinned host
+#      tier (with and without prefetch); decode against the PCIe ceiling
 #      (resident time + missed expert bytes / measured pinned host-to-GPU bandwidth)
 #   c  qwen3.5-397b-a17b widths, the first 12 layers (what the disk holds), --gpu-memory set
 #      to hold 30% of the experts (an 80 GB card's share of the 60-layer model), experts from
-#      the page cache: ms per layer and tok/s extrapolated to 60 layers, at top-10 and K=4
+#      the pinned host tier: ms per layer and tok/s extrapolated to 60 layers, at top-10 and
+#      K=4, with and without prefetch
 #   d  cogito-v2-671b widths (DeepSeek-V3: MLA, 256 experts top-8), the first 4 and 8 layers
 #      (3 dense + 1 or 5 MoE): every expert in VRAM (pp and tg), then the 8 layers with one
 #      layer's worth of expert slots (20% of them; an 80 GB card holds ~18% of the 61-layer
@@ -120,14 +122,17 @@ if has b; then
   for policy in lfu lru; do
     bench b-25pct-uniform-$policy "$A3B" --prompt-len 0 --gen $TG --gpu-memory $budget --cache-policy $policy
   done
-  # Misses from the pinned host tier instead of staging reads.
+  # Misses from the pinned host tier instead of staging reads, with (the default for
+  # experts this large) and without uploads of the next layer's predicted experts.
   bench b-25pct-uniform-lfu-host "$A3B" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G
+  bench b-25pct-uniform-lfu-host-noprefetch "$A3B" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G --prefetch off
   synth "$A3B-zipf" --preset qwen3.6-35b-a3b --router-skew zipf:1
   rm -rf "$A3B"
   for policy in lfu lru; do
     bench b-25pct-zipf1-$policy "$A3B-zipf" --prompt-len 0 --gen $TG --gpu-memory $budget --cache-policy $policy
   done
   bench b-25pct-zipf1-lfu-host "$A3B-zipf" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G
+  bench b-25pct-zipf1-lfu-host-noprefetch "$A3B-zipf" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G --prefetch off
   rm -rf "$A3B-zipf"
 fi
 has a && rm -rf "$A3B"
@@ -141,6 +146,8 @@ if has c; then
   find "$BIG"/experts -type f -exec cat {} + >/dev/null
   bench c-397b-12l-top10 "$BIG" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G
   bench c-397b-12l-k4 "$BIG" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G --experts-per-token 4
+  bench c-397b-12l-top10-noprefetch "$BIG" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G --prefetch off
+  bench c-397b-12l-k4-noprefetch "$BIG" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G --experts-per-token 4 --prefetch off
   rm -rf "$BIG"
 fi
 

@@ -135,7 +135,7 @@ impl Report<'_> {
     fn pcie_ceiling_tok_s(&self, t: &TestResult) -> Option<f64> {
         let h2d = self.h2d_gb_s?;
         let dense = self.session.decode_bytes_per_token() as f64 / (self.mem_gb_s * 1e9);
-        Some(1.0 / (dense + t.uploaded_bytes_per_token() / (h2d * 1e9)))
+        Some(1.0 / (dense + t.needed_upload_bytes_per_token() / (h2d * 1e9)))
     }
 
     fn test_json(t: &TestResult) -> Value {
@@ -160,6 +160,7 @@ impl Report<'_> {
             "prefetch_precision": t.prefetch.precision(),
             "gpu_cache_hit_rate": t.gpu_cache.hit_rate(),
             "uploaded_bytes_per_token": t.uploaded_bytes_per_token(),
+            "needed_upload_bytes_per_token": t.needed_upload_bytes_per_token(),
             "gpu_prefetched": t.gpu_cache.prefetched,
             "gpu_prefetch_used": t.gpu_cache.prefetch_hits,
         })

@@ -10,7 +10,7 @@ use clap::Args;
 use moeflux::backend::cuda::CachePolicy;
 use moeflux::generate::GenerateOptions;
 use moeflux::sample::SamplerConfig;
-use moeflux::session::Backend;
+use moeflux::session::{Backend, Prefetch};
 use moeflux::text::chat::ChatTemplate;
 use moeflux::text::tokenizer::Tokenizer;
 use moeflux::{Session, SessionOptions};
@@ -37,10 +37,13 @@ pub struct ModelArgs {
     #[arg(long, conflicts_with = "direct_io")]
     pub no_mmap: bool,
     /// Fetch the experts the next layer will likely use while the current
-    /// layer computes (helps when experts come from disk; on the GPU, upload
-    /// them from the `--host-cache` tier).
-    #[arg(long)]
-    pub prefetch: bool,
+    /// layer computes: `on` (the same as a bare `--prefetch`), `off`, or
+    /// `auto`: on for GPU uploads from the `--host-cache` tier when experts
+    /// are 256 KiB or more, off on the CPU (where it helps experts read
+    /// from disk).
+    #[arg(long, default_value = "auto", num_args = 0..=1, default_missing_value = "on",
+          value_parser = parse_prefetch)]
+    pub prefetch: Prefetch,
     /// Longest context in tokens (default: the model's maximum).
     #[arg(long, visible_alias = "ctx-size")]
     pub ctx: Option<usize>,
@@ -71,6 +74,10 @@ pub struct ModelArgs {
 
 fn parse_backend(s: &str) -> std::result::Result<Backend, String> {
     Backend::parse(s).ok_or_else(|| format!("`{s}` is not one of auto, cpu, cuda"))
+}
+
+fn parse_prefetch(s: &str) -> std::result::Result<Prefetch, String> {
+    Prefetch::parse(s).ok_or_else(|| format!("`{s}` is not one of auto, on, off"))
 }
 
 fn parse_policy(s: &str) -> std::result::Result<CachePolicy, String> {

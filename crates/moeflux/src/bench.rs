@@ -91,9 +91,22 @@ impl TestResult {
         self.io.bytes as f64 / (self.tokens * self.tok_s.len()).max(1) as f64
     }
 
-    /// Expert bytes uploaded to the GPU per evaluated token (cache misses).
+    /// Expert bytes uploaded to the GPU per evaluated token (cache misses
+    /// and prefetches).
     pub fn uploaded_bytes_per_token(&self) -> f64 {
         self.gpu_cache.uploaded_bytes as f64 / (self.tokens * self.tok_s.len()).max(1) as f64
+    }
+
+    /// Of those, the bytes of experts a layer then used: uploads a perfect
+    /// predictor would also have made (the PCIe ceiling counts these; every
+    /// upload is one slot's extent).
+    pub fn needed_upload_bytes_per_token(&self) -> f64 {
+        let c = &self.gpu_cache;
+        let uploads = c.misses + c.prefetched;
+        if uploads == 0 {
+            return 0.0;
+        }
+        self.uploaded_bytes_per_token() * (c.misses + c.prefetch_hits) as f64 / uploads as f64
     }
 
     /// Expert bytes per second of wall time (the bandwidth the test
@@ -314,8 +327,11 @@ mod tests {
             mapped: false,
             prefetch: PrefetchStats::default(),
             gpu_cache: CacheStats {
+                hits: 30,
+                misses: 6,
                 uploaded_bytes: 4000,
-                ..Default::default()
+                prefetched: 4,
+                prefetch_hits: 3,
             },
         };
         assert_eq!(r.mean_tok_s(), 2.0);
@@ -323,6 +339,8 @@ mod tests {
         assert_eq!(r.ms_per_token(r.times.attention), 2.0);
         assert_eq!(r.expert_bytes_per_token(), 100.0);
         assert_eq!(r.uploaded_bytes_per_token(), 200.0);
+        // 10 uploads of 400 bytes, one of them a prefetch nobody used.
+        assert_eq!(r.needed_upload_bytes_per_token(), 180.0);
         assert_eq!(r.page_cache_hit_rate(), Some(0.75));
         assert!((r.expert_gb_s() - 1e-6).abs() < 1e-15);
         let mapped = TestResult {

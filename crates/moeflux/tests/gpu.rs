@@ -17,6 +17,7 @@ use common::{
     EVAL_MODES,
 };
 use moeflux::backend::cuda::CachePolicy;
+use moeflux::session::Prefetch;
 use moeflux::{Backend, LogitsMode, Session, SessionOptions};
 
 /// GPU acceptance bound (the issue's) and the regression guard: f32 on the
@@ -246,7 +247,7 @@ fn gpu_matches_cpu_through_small_caches(dir: &Path) {
     // without and with uploads of the next layer's predicted experts
     // (which must not change a logit, only where experts come from).
     let budget = ((experts + 8) * extent) as u64;
-    for prefetch in [false, true] {
+    for prefetch in [Prefetch::Off, Prefetch::On] {
         let mut g = Session::open(
             dir,
             SessionOptions {
@@ -266,12 +267,12 @@ fn gpu_matches_cpu_through_small_caches(dir: &Path) {
         let d = max_rel_diff(&rows, &want);
         assert!(
             d <= GUARD,
-            "host tier incremental (prefetch {prefetch}): max rel diff {d:e}"
+            "host tier incremental (prefetch {prefetch:?}): max rel diff {d:e}"
         );
         let stats = g.gpu_cache_stats();
-        eprintln!("host tier, prefetch {prefetch}: {stats:?}");
+        eprintln!("host tier, prefetch {prefetch:?}: {stats:?}");
         assert!(stats.misses > 0);
-        assert_eq!(stats.prefetched > 0, prefetch);
+        assert_eq!(stats.prefetched > 0, prefetch == Prefetch::On);
         assert!(stats.prefetch_hits <= stats.prefetched);
     }
 }

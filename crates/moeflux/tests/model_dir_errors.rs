@@ -7,6 +7,7 @@ use std::path::Path;
 
 use common::convert_fixture;
 use moeflux::format::{Manifest, MANIFEST_FILE};
+use moeflux::session::Prefetch;
 use moeflux::{Session, SessionOptions};
 
 fn open_err(dir: &Path) -> String {
@@ -230,7 +231,11 @@ fn every_expert_access_mode_gives_the_same_logits() {
             SessionOptions {
                 direct_io,
                 mmap,
-                prefetch,
+                prefetch: if prefetch {
+                    Prefetch::On
+                } else {
+                    Prefetch::Off
+                },
                 threads: Some(2),
                 ..Default::default()
             },

@@ -7,12 +7,37 @@
 //! from one layer to the next, so the guess is often right; a right guess
 //! turns that expert's read into time overlapped with this layer's compute,
 //! a wrong one costs a read nobody uses. It is measured ([`PrefetchStats`])
-//! and off by default.
+//! and, on the CPU, off unless asked for ([`Prefetch`]).
 
 use std::collections::BTreeMap;
 
 use crate::error::Result;
 use crate::io::{ExpertBuf, ExpertStore, Fetch};
+
+/// Speculative expert prefetch (the next MoE layer's router on the
+/// current layer's input).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Prefetch {
+    /// Where it was measured to pay: GPU uploads from the pinned host tier
+    /// when experts are large enough that copies, not launches, take the
+    /// time (`backend::cuda::model::PREFETCH_AUTO_MIN_EXTENT`); off on the
+    /// CPU.
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+impl Prefetch {
+    pub fn parse(s: &str) -> Option<Prefetch> {
+        match s {
+            "auto" => Some(Prefetch::Auto),
+            "on" => Some(Prefetch::On),
+            "off" => Some(Prefetch::Off),
+            _ => None,
+        }
+    }
+}
 
 /// Counters of speculative prefetch, cumulative.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

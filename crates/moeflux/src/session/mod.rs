@@ -12,6 +12,7 @@ use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::format::{Manifest, MANIFEST_FILE};
 use crate::io::{ExpertStore, ExpertStoreOptions, IoStats};
+pub use crate::model::experts::Prefetch;
 use crate::model::experts::PrefetchStats;
 pub use crate::model::qwen3_hybrid::LogitsMode;
 use crate::model::state::LinearState;
@@ -39,8 +40,8 @@ pub struct SessionOptions {
     pub max_context: Option<usize>,
     /// Fetch the experts the next MoE layer's router would pick for the
     /// current hidden state while the current layer computes (see
-    /// [`crate::model::experts`]).
-    pub prefetch: bool,
+    /// [`crate::model::experts`]; on the GPU, uploads from the host tier).
+    pub prefetch: Prefetch,
     /// Where the forward pass runs.
     pub backend: Backend,
     /// GPU backend: bytes of GPU memory for the routed-expert cache
@@ -89,7 +90,7 @@ impl Default for SessionOptions {
             io_threads: 8,
             max_checkpoints: 8,
             max_context: None,
-            prefetch: false,
+            prefetch: Prefetch::Auto,
             backend: Backend::Cpu,
             gpu_memory: None,
             cache_policy: CachePolicy::default(),
@@ -189,6 +190,9 @@ impl Session {
                         "; host tier: experts of {layers} layers ({:.1} GB) pinned",
                         bytes as f64 / 1e9
                     ));
+                    if m.prefetching() {
+                        note.push_str(", predicted experts uploaded ahead");
+                    }
                 }
                 (Engine::Cuda(Box::new(m)), note)
             }
@@ -235,7 +239,8 @@ impl Session {
             decode_bytes_per_token,
             poisoned: false,
             times: PhaseTimes::default(),
-            prefetch: opts.prefetch,
+            // The CPU path prefetches only when asked (see `Prefetch::Auto`).
+            prefetch: opts.prefetch == Prefetch::On,
             prefetch_stats: PrefetchStats::default(),
         })
     }
