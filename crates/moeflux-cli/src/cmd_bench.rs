@@ -163,6 +163,7 @@ impl Report<'_> {
             "needed_upload_bytes_per_token": t.needed_upload_bytes_per_token(),
             "gpu_prefetched": t.gpu_cache.prefetched,
             "gpu_prefetch_used": t.gpu_cache.prefetch_hits,
+            "gpu_cpu_computed": t.gpu_cache.cpu_computed,
         })
     }
 

@@ -66,6 +66,11 @@ pub struct ModelArgs {
     /// buffers first.
     #[arg(long, value_parser = parse_size)]
     pub host_cache: Option<u64>,
+    /// GPU with `--host-cache`: at most this many of a layer's experts
+    /// missing from VRAM (and not being prefetched) are computed by the CPU
+    /// from host RAM instead of being copied over PCIe.
+    #[arg(long, default_value_t = 0)]
+    pub cpu_experts: usize,
     /// GPU: launch every kernel of a decode step one by one instead of
     /// replaying the step as a CUDA graph (for comparison and debugging).
     #[arg(long)]
@@ -140,6 +145,7 @@ impl ModelArgs {
                 cache_policy: self.cache_policy,
                 cuda_graphs: !self.no_cuda_graphs,
                 host_cache: self.host_cache,
+                cpu_experts: self.cpu_experts,
                 ..Default::default()
             },
         )

@@ -332,6 +332,7 @@ mod tests {
                 uploaded_bytes: 4000,
                 prefetched: 4,
                 prefetch_hits: 3,
+                cpu_computed: 0,
             },
         };
         assert_eq!(r.mean_tok_s(), 2.0);

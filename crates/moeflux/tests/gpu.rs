@@ -247,7 +247,13 @@ fn gpu_matches_cpu_through_small_caches(dir: &Path) {
     // without and with uploads of the next layer's predicted experts
     // (which must not change a logit, only where experts come from).
     let budget = ((experts + 8) * extent) as u64;
-    for prefetch in [Prefetch::Off, Prefetch::On] {
+    // Also with some missing experts computed by the CPU instead.
+    for (prefetch, cpu_experts) in [
+        (Prefetch::Off, 0),
+        (Prefetch::On, 0),
+        (Prefetch::On, 1),
+        (Prefetch::Off, 64),
+    ] {
         let mut g = Session::open(
             dir,
             SessionOptions {
@@ -255,6 +261,7 @@ fn gpu_matches_cpu_through_small_caches(dir: &Path) {
                 gpu_memory: Some(budget),
                 host_cache: Some(1 << 40),
                 prefetch,
+                cpu_experts,
                 ..Default::default()
             },
         )
@@ -267,11 +274,12 @@ fn gpu_matches_cpu_through_small_caches(dir: &Path) {
         let d = max_rel_diff(&rows, &want);
         assert!(
             d <= GUARD,
-            "host tier incremental (prefetch {prefetch:?}): max rel diff {d:e}"
+            "host tier incremental (prefetch {prefetch:?}, cpu {cpu_experts}): max rel diff {d:e}"
         );
         let stats = g.gpu_cache_stats();
-        eprintln!("host tier, prefetch {prefetch:?}: {stats:?}");
-        assert!(stats.misses > 0);
+        eprintln!("host tier, prefetch {prefetch:?}, cpu {cpu_experts}: {stats:?}");
+        assert_eq!(stats.cpu_computed > 0, cpu_experts > 0);
+        assert!(stats.misses > 0 || cpu_experts == 64);
         assert_eq!(stats.prefetched > 0, prefetch == Prefetch::On);
         assert!(stats.prefetch_hits <= stats.prefetched);
     }

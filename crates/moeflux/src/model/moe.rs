@@ -68,6 +68,19 @@ pub struct ExpertLayout {
 }
 
 impl ExpertLayout {
+    /// One expert (its bytes: an extent of this layout) on `m` rows of `x`
+    /// (m x hidden): `y = down(silu(gate x) * up x)`.
+    pub fn forward(&self, bytes: &[u8], x: &[f32], m: usize, y: &mut [f32]) {
+        let inter = self.gate.rows;
+        let mut g = vec![0.0f32; m * inter];
+        let mut u = vec![0.0f32; m * inter];
+        let (gw, uw) = (self.gate.view(bytes), self.up.view(bytes));
+        matmul_group(&mut [(&gw, &mut g), (&uw, &mut u)], x, m);
+        let mut act = vec![0.0f32; m * inter];
+        ops::swiglu(&g, &u, &mut act);
+        matmul(&self.down.view(bytes), &act, m, y);
+    }
+
     /// Checks the manifest's description of a layer against the config.
     pub fn from_manifest(
         l: &ExpertLayer,
@@ -516,20 +529,14 @@ impl MoeBlock {
         h: usize,
         slot_out: &mut [f32],
     ) {
-        let (m, inter) = (slots.len(), self.experts.gate.rows);
+        let m = slots.len();
         let mut x = vec![0.0f32; m * h];
         for (r, &s) in slots.iter().enumerate() {
             let t = s / k;
             x[r * h..(r + 1) * h].copy_from_slice(&xn[t * h..(t + 1) * h]);
         }
-        let mut g = vec![0.0f32; m * inter];
-        let mut u = vec![0.0f32; m * inter];
-        let (gw, uw) = (self.experts.gate.view(bytes), self.experts.up.view(bytes));
-        matmul_group(&mut [(&gw, &mut g), (&uw, &mut u)], &x, m);
-        let mut act = vec![0.0f32; m * inter];
-        ops::swiglu(&g, &u, &mut act);
         let mut y = vec![0.0f32; m * h];
-        matmul(&self.experts.down.view(bytes), &act, m, &mut y);
+        self.experts.forward(bytes, &x, m, &mut y);
         for (r, &s) in slots.iter().enumerate() {
             slot_out[s * h..(s + 1) * h].copy_from_slice(&y[r * h..(r + 1) * h]);
         }

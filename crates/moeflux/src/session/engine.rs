@@ -55,7 +55,7 @@ impl Engine {
                 cx.pool
                     .install(|| model.forward(&mut run, state, tokens, start, mode, times))
             }
-            Engine::Cuda(m) => m.forward(cx.store, cx.k, tokens, start, mode, cx.times),
+            Engine::Cuda(m) => m.forward(cx.store, cx.pool, cx.k, tokens, start, mode, cx.times),
         }
     }
 

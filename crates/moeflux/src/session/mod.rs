@@ -56,6 +56,10 @@ pub struct SessionOptions {
     /// cache cannot hold (whole layers of the mapped expert files), so
     /// misses cross PCIe at full speed.
     pub host_cache: Option<u64>,
+    /// GPU backend with a host tier: at most this many of a layer's
+    /// experts that are neither in VRAM nor being uploaded are computed by
+    /// the CPU instead (see `CudaOptions::cpu_experts`).
+    pub cpu_experts: usize,
 }
 
 /// Where a session computes.
@@ -96,6 +100,7 @@ impl Default for SessionOptions {
             cache_policy: CachePolicy::default(),
             cuda_graphs: true,
             host_cache: None,
+            cpu_experts: 0,
         }
     }
 }
@@ -182,6 +187,7 @@ impl Session {
                     graphs: opts.cuda_graphs,
                     host_cache: opts.host_cache,
                     prefetch: opts.prefetch,
+                    cpu_experts: opts.cpu_experts,
                 };
                 let m = CudaModel::new(gpu, &model, &store, &cuda)?;
                 let (layers, bytes) = m.host_tier();
@@ -192,6 +198,12 @@ impl Session {
                     ));
                     if m.prefetching() {
                         note.push_str(", predicted experts uploaded ahead");
+                    }
+                    if opts.cpu_experts > 0 {
+                        note.push_str(&format!(
+                            ", up to {} missing experts per layer computed on the CPU",
+                            opts.cpu_experts
+                        ));
                     }
                 }
                 (Engine::Cuda(Box::new(m)), note)

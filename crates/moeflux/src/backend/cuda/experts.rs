@@ -47,6 +47,8 @@ pub struct CacheStats {
     pub prefetched: u64,
     /// Of those, the ones a layer then used.
     pub prefetch_hits: u64,
+    /// Missing experts the host computed instead of uploading them.
+    pub cpu_computed: u64,
 }
 
 impl CacheStats {
@@ -58,6 +60,7 @@ impl CacheStats {
             uploaded_bytes: self.uploaded_bytes - earlier.uploaded_bytes,
             prefetched: self.prefetched - earlier.prefetched,
             prefetch_hits: self.prefetch_hits - earlier.prefetch_hits,
+            cpu_computed: self.cpu_computed - earlier.cpu_computed,
         }
     }
 
@@ -68,6 +71,7 @@ impl CacheStats {
             uploaded_bytes: self.uploaded_bytes + o.uploaded_bytes,
             prefetched: self.prefetched + o.prefetched,
             prefetch_hits: self.prefetch_hits + o.prefetch_hits,
+            cpu_computed: self.cpu_computed + o.cpu_computed,
         }
     }
 
@@ -307,8 +311,15 @@ impl ExpertCache {
         Ok((layers, bytes))
     }
 
-    fn host_pinned(&self, layer: usize) -> bool {
+    /// Whether `layer`'s expert files are pinned in host RAM.
+    pub fn host_pinned(&self, layer: usize) -> bool {
         self.host.get(layer).is_some_and(|p| p.is_some())
+    }
+
+    /// Whether expert `e` of `layer` has a slot (resident, or a prefetch
+    /// on its way).
+    pub fn is_resident(&self, layer: usize, e: usize) -> bool {
+        self.index.contains_key(&(layer, e))
     }
 
     /// Makes experts `ids` of `layer` resident and returns their device

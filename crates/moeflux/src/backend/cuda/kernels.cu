@@ -1167,11 +1167,13 @@ __device__ void moe_down_qmv_body(const unsigned long long* bases, ExpertLayout 
     extern "C" __global__ void __launch_bounds__(256) moe_gate_up_qmv_b##B(                                \
         const unsigned long long* bs, ExpertLayout L, int k, const float* x, float* a) {                   \
         PDL_ENTER();                                                                                        \
+        if (bs[blockIdx.y] == 0) return; /* a slot the host computes */                                    \
         moe_gate_up_qmv_body<B>(bs, L, k, x, a);                                                            \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(256) moe_down_qmv_b##B(                                   \
         const unsigned long long* bs, ExpertLayout L, const float* a, float* y) {                          \
         PDL_ENTER();                                                                                        \
+        if (bs[blockIdx.y] == 0) return;                                                                    \
         moe_down_qmv_body<B>(bs, L, a, y);                                                                  \
     }
 QMV_SLOT_KERNELS(4)
@@ -1181,10 +1183,12 @@ QMV_SLOT_KERNELS(2)
 #define SLOT_KERNELS(B, SFX)                                                                          \
     extern "C" __global__ void moe_gate_up_slots_##SFX(const unsigned long long* bs, ExpertLayout L,  \
                                                        int k, const float* x, float* a) { PDL_ENTER();             \
+        if (bs[blockIdx.y] == 0) return; /* a slot the host computes */                               \
         moe_gate_up_slots_body<B>(bs, L, k, x, a);                                                    \
     }                                                                                                 \
     extern "C" __global__ void moe_down_slots_##SFX(const unsigned long long* bs, ExpertLayout L,     \
                                                     const float* a, float* y) { PDL_ENTER();                       \
+        if (bs[blockIdx.y] == 0) return;                                                              \
         moe_down_slots_body<B>(bs, L, a, y);                                                          \
     }
 SLOT_KERNELS(4, b4)

@@ -86,6 +86,9 @@ pub(super) struct Ctx<'a> {
     pub k: usize,
     /// `CudaOptions::prefetch`.
     pub prefetch: bool,
+    /// `CudaOptions::cpu_experts`, and the threads that compute them.
+    pub cpu_experts: usize,
+    pub pool: &'a rayon::ThreadPool,
 }
 
 /// Experts at least this large are prefetched by `Prefetch::Auto`. On the
@@ -111,6 +114,10 @@ pub struct CudaOptions {
     /// Upload the next MoE layer's likely experts (its router on the
     /// current layer's input) while a layer computes; host-tier layers only.
     pub prefetch: Prefetch,
+    /// At most this many of a layer's experts that are neither in VRAM
+    /// nor on their way are computed by the host from the pinned host tier
+    /// (one token at a time), beside the copies of the rest.
+    pub cpu_experts: usize,
 }
 
 impl Default for CudaOptions {
@@ -120,6 +127,7 @@ impl Default for CudaOptions {
             cache_policy: CachePolicy::default(),
             graphs: true,
             prefetch: Prefetch::Auto,
+            cpu_experts: 0,
             host_cache: None,
         }
     }
@@ -395,9 +403,13 @@ impl CudaModel {
 
     /// Evaluates `tokens` at positions `start..` and returns logits like the
     /// CPU model.
+    /// `pool`: the threads that compute the experts the host takes
+    /// (`cpu_experts`).
+    #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &mut self,
         store: &ExpertStore,
+        pool: &rayon::ThreadPool,
         k: usize,
         tokens: &[u32],
         start: usize,
@@ -426,7 +438,7 @@ impl CudaModel {
         if graphable && !self.graph_valid() && self.stable_epoch == Some(self.epoch) {
             begin_capture(&self.gpu)?;
             let recorded =
-                self.layers_forward(store, k, n, rows.clone(), &mut PhaseTimes::default());
+                self.layers_forward(store, pool, k, n, rows.clone(), &mut PhaseTimes::default());
             let graph = end_capture(&self.gpu, recorded)?;
             if self.scratch.grew {
                 // Allocated during capture: the layout moved, the graph is
@@ -454,7 +466,7 @@ impl CudaModel {
         } else {
             self.scratch.grew = false;
             let before = self.epoch;
-            self.layers_forward(store, k, n, rows, times)?;
+            self.layers_forward(store, pool, k, n, rows, times)?;
             if self.scratch.grew {
                 self.scratch.grew = false;
                 self.epoch += 1;
@@ -498,6 +510,7 @@ impl CudaModel {
     fn layers_forward(
         &mut self,
         store: &ExpertStore,
+        pool: &rayon::ThreadPool,
         k: usize,
         n: usize,
         rows: std::ops::Range<usize>,
@@ -519,6 +532,8 @@ impl CudaModel {
             store,
             k,
             prefetch: self.prefetch,
+            cpu_experts: self.opts.cpu_experts,
+            pool,
         };
         let d_ids = cx.scratch.get(g, "ids", 4 * n)?;
         let x = cx.scratch.get(g, "x", 4 * n * h)?;

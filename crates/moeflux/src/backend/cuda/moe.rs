@@ -7,7 +7,7 @@
 
 use crate::config::{ModelConfig, RouterKind};
 use crate::error::Result;
-use crate::model::moe::{ComponentLayout, MoeBlock};
+use crate::model::moe::{ComponentLayout, ExpertLayout, MoeBlock};
 use crate::model::qwen3_hybrid::Mlp;
 use crate::model::timing::{lap, PhaseTimes};
 
@@ -87,6 +87,8 @@ pub(super) struct GpuMoe {
     /// expert); DeepSeek's shared experts have none.
     shared_gate: Option<DevLinear>,
     layout: ExpertLayoutC,
+    /// The same layout for the host's own products (`cpu_experts`).
+    experts: ExpertLayout,
 }
 
 // One value per layer: the size difference between variants costs nothing.
@@ -182,6 +184,7 @@ pub(super) fn upload_mlp(
             shared,
             shared_gate,
             layout: expert_layout(m)?,
+            experts: m.experts.clone(),
         }),
         m.experts.extent,
     ))
@@ -312,6 +315,9 @@ impl GpuMoe {
         };
         let k_i = k as i32;
         let mut guess: Vec<i32> = Vec::new();
+        let mut on_cpu: Vec<usize> = Vec::new();
+        let mut cpu_users: Vec<(usize, Vec<i32>)> = Vec::new();
+        let mut host_xn: Vec<f32> = Vec::new();
         if slot_path && table.is_some() {
             // Every expert resident: the router's choice never leaves the GPU.
             cache.count_hits((n * k) as u64);
@@ -330,17 +336,34 @@ impl GpuMoe {
             for (j, &id) in ids.iter().enumerate() {
                 users.entry(id as usize).or_default().push(j as i32);
             }
-            let unique: Vec<usize> = users.keys().copied().collect();
+            // Up to `cpu_experts` of the experts neither resident nor on
+            // their way are computed by the host from the pinned host tier
+            // instead of joining the copy queue (their slots' base stays 0,
+            // which the slot kernels skip).
+            if slot_path && cx.cpu_experts > 0 && cache.host_pinned(i) {
+                let missing = users.keys().filter(|&&e| !cache.is_resident(i, e));
+                on_cpu.extend(missing.take(cx.cpu_experts).copied());
+            }
+            let unique: Vec<usize> = users
+                .keys()
+                .filter(|e| !on_cpu.contains(e))
+                .copied()
+                .collect();
             let ptrs = cache.ensure(g, cx.store, i, &unique)?;
             lap(&mut clock, &mut times.expert_io);
             if slot_path {
                 let mut bases = vec![0u64; n * k];
-                for (p, slots) in ptrs.iter().zip(users.values()) {
-                    for &j in slots {
+                for (p, e) in ptrs.iter().zip(&unique) {
+                    for &j in &users[e] {
                         bases[j as usize] = *p;
                     }
                 }
                 cx.arena.upload(g, d_bases, &bases)?;
+                if !on_cpu.is_empty() {
+                    host_xn.resize(n * h, 0.0);
+                    download_from(xn, &mut host_xn)?;
+                    cpu_users = on_cpu.iter().map(|e| (*e, users[e].clone())).collect();
+                }
             } else {
                 let mut slot_list: Vec<i32> = Vec::with_capacity(n * k);
                 let mut tasks = Vec::with_capacity(unique.len());
@@ -406,18 +429,6 @@ impl GpuMoe {
                 )?;
             }
         }
-        let h_i = h as i32;
-        // SAFETY: `moe_combine` in kernels.cu; sy and sg are null or hold n
-        // rows (shared output, gate logit).
-        unsafe {
-            g.launch(
-                "moe_combine",
-                (n as u32, h.div_ceil(256) as u32, 1),
-                256,
-                0,
-                &mut args!(slot_out, d_wts, k_i, h_i, sy, sg, x),
-            )?;
-        }
         if let Some((j, _)) = predicted {
             // Queued after this layer's compute was launched, so its own
             // uploads went first; the guess's most chosen experts first.
@@ -429,6 +440,34 @@ impl GpuMoe {
             ids.sort_by_key(|&(id, c)| (std::cmp::Reverse(c), id));
             let ids: Vec<usize> = ids.into_iter().map(|(id, _)| id).collect();
             cache.prefetch(g, cx.store, j, &ids)?;
+        }
+        // The host's share, while the GPU computes the rest and the copy
+        // stream carries the prefetch; each result lands in its slot's row
+        // of `slot_out` on the compute stream, before the combine.
+        let mut y = vec![0.0f32; h];
+        for (e, slots) in &cpu_users {
+            let bytes = cx.store.mapped(i, *e).expect("host-tier layers are mapped");
+            for &j in slots {
+                let t = j as usize / k;
+                let x = &host_xn[t * h..(t + 1) * h];
+                cx.pool
+                    .install(|| self.experts.forward(bytes, x, 1, &mut y));
+                cx.arena
+                    .upload(g, slot_out + 4 * (j as u64) * h as u64, &y)?;
+            }
+        }
+        cache.stats.cpu_computed += cpu_users.len() as u64;
+        let h_i = h as i32;
+        // SAFETY: `moe_combine` in kernels.cu; sy and sg are null or hold n
+        // rows (shared output, gate logit).
+        unsafe {
+            g.launch(
+                "moe_combine",
+                (n as u32, h.div_ceil(256) as u32, 1),
+                256,
+                0,
+                &mut args!(slot_out, d_wts, k_i, h_i, sy, sg, x),
+            )?;
         }
         lap(&mut clock, &mut times.expert_compute);
         Ok(())
