@@ -736,13 +736,42 @@ impl PinnedDownload {
     /// Copies `n` f32 from device address `src` once the compute stream has
     /// done everything before it.
     pub fn download_f32(&mut self, gpu: &Gpu, src: u64, n: usize) -> Result<Vec<f32>> {
-        self.buf.reserve(gpu, n)?;
-        // SAFETY: `mem` holds n f32 and is pinned; the stream is synchronised
-        // before it is read.
-        unsafe { result::memcpy_dtoh_async(&mut self.buf.mem[..n], src, gpu.stream.cu_stream()) }
+        Ok(self.download_runs(gpu, &[(src, n)])?.remove(0))
+    }
+
+    /// Copies each run `(src, n)` of `n` 4-byte values once the compute
+    /// stream has done everything before it: all in one wait (each
+    /// synchronous copy would cost a round trip of its own).
+    pub fn download_runs<T: bytemuck::Pod>(
+        &mut self,
+        gpu: &Gpu,
+        runs: &[(u64, usize)],
+    ) -> Result<Vec<Vec<T>>> {
+        const { assert!(std::mem::size_of::<T>() == 4) };
+        self.buf.reserve(gpu, runs.iter().map(|r| r.1).sum())?;
+        let mut at = 0;
+        for &(src, n) in runs {
+            // SAFETY: `mem` holds these n values and is pinned; the stream
+            // is synchronised before they are read.
+            unsafe {
+                result::memcpy_dtoh_async(
+                    &mut self.buf.mem[at..at + n],
+                    src,
+                    gpu.stream.cu_stream(),
+                )
+            }
             .map_err(|e| gpu_err("copy from GPU", e))?;
+            at += n;
+        }
         gpu.sync()?;
-        Ok(self.buf.mem[..n].to_vec())
+        let mut at = 0;
+        Ok(runs
+            .iter()
+            .map(|&(_, n)| {
+                at += n;
+                bytemuck::cast_slice(&self.buf.mem[at - n..at]).to_vec()
+            })
+            .collect())
     }
 }
 

@@ -89,6 +89,8 @@ pub(super) struct Ctx<'a> {
     /// `CudaOptions::cpu_experts`, and the threads that compute them.
     pub cpu_experts: usize,
     pub pool: &'a rayon::ThreadPool,
+    /// Pinned memory for what the host reads back mid-step.
+    pub downloads: &'a mut PinnedDownload,
 }
 
 /// Experts at least this large are prefetched by `Prefetch::Auto`. On the
@@ -162,6 +164,8 @@ pub struct CudaModel {
     scratch: Scratch,
     arena: PinnedArena,
     logits_host: PinnedDownload,
+    /// The MoE layers' router choices (and inputs) read by the host.
+    route_host: PinnedDownload,
     /// The position of the eval's first token, on the device.
     pos: DevBuf,
     /// Bumped whenever a buffer a graph may have captured moves.
@@ -307,6 +311,7 @@ impl CudaModel {
             scratch: Scratch::default(),
             arena: PinnedArena::new(),
             logits_host: PinnedDownload::default(),
+            route_host: PinnedDownload::default(),
             pos: DevBuf::zeros(&gpu, 8)?,
             epoch: 0,
             stable_epoch: None,
@@ -534,6 +539,7 @@ impl CudaModel {
             prefetch: self.prefetch,
             cpu_experts: self.opts.cpu_experts,
             pool,
+            downloads: &mut self.route_host,
         };
         let d_ids = cx.scratch.get(g, "ids", 4 * n)?;
         let x = cx.scratch.get(g, "x", 4 * n * h)?;

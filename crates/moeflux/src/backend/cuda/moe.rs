@@ -323,12 +323,20 @@ impl GpuMoe {
             cache.count_hits((n * k) as u64);
         } else {
             // The host needs the choice to bring missing experts in.
-            let mut ids = vec![0i32; n * k];
-            g.sync()?;
-            download_from(d_ids, &mut ids)?;
-            if let Some((_, p_ids)) = predicted {
-                guess.resize(n * k, 0);
-                download_from(p_ids, &mut guess)?;
+            let mut runs = vec![(d_ids, n * k)];
+            runs.extend(predicted.map(|(_, p_ids)| (p_ids, n * k)));
+            let want_xn = slot_path && cx.cpu_experts > 0 && cache.host_pinned(i);
+            if want_xn {
+                runs.push((xn, n * h));
+            }
+            let mut got = cx.downloads.download_runs::<i32>(g, &runs)?.into_iter();
+            let ids = got.next().expect("one run per buffer");
+            if predicted.is_some() {
+                guess = got.next().expect("one run per buffer");
+            }
+            if want_xn {
+                let bits = got.next().expect("one run per buffer");
+                host_xn = bytemuck::cast_slice(&bits).to_vec();
             }
             cx.arena.reset();
             lap(&mut clock, &mut times.routing);
@@ -340,7 +348,7 @@ impl GpuMoe {
             // their way are computed by the host from the pinned host tier
             // instead of joining the copy queue (their slots' base stays 0,
             // which the slot kernels skip).
-            if slot_path && cx.cpu_experts > 0 && cache.host_pinned(i) {
+            if want_xn {
                 let missing = users.keys().filter(|&&e| !cache.is_resident(i, e));
                 on_cpu.extend(missing.take(cx.cpu_experts).copied());
             }
@@ -359,11 +367,7 @@ impl GpuMoe {
                     }
                 }
                 cx.arena.upload(g, d_bases, &bases)?;
-                if !on_cpu.is_empty() {
-                    host_xn.resize(n * h, 0.0);
-                    download_from(xn, &mut host_xn)?;
-                    cpu_users = on_cpu.iter().map(|e| (*e, users[e].clone())).collect();
-                }
+                cpu_users = on_cpu.iter().map(|e| (*e, users[e].clone())).collect();
             } else {
                 let mut slot_list: Vec<i32> = Vec::with_capacity(n * k);
                 let mut tasks = Vec::with_capacity(unique.len());
@@ -532,12 +536,6 @@ impl GpuMoe {
             }
         }
     }
-}
-
-fn download_from<T: Copy>(src: u64, out: &mut [T]) -> Result<()> {
-    // SAFETY: `src` is a device buffer holding at least `out`'s bytes.
-    unsafe { cudarc::driver::result::memcpy_dtoh_sync(out, src) }
-        .map_err(|e| crate::error::Error::Gpu(format!("copy from GPU: {e}")))
 }
 
 /// Blocks of the activation-stationary per-slot kernels (gate/up, down)
