@@ -1,6 +1,7 @@
-// Checks of the MLA and noaux_tc kernels under cuda_emu.h (see run.sh): each kernel on
+// Checks of the MLA and router kernels under cuda_emu.h (see run.sh): each kernel on
 // random inputs against a naive double-precision reference of model/mla.rs, model/yarn.rs
-// and model/router.rs, at the fixtures' and DeepSeek-V3's widths.
+// and model/router.rs, at the fixtures' and DeepSeek-V3's widths; the softmax router
+// (moe_route_c*) against model/moe.rs Routing::from_logits at Qwen's widths.
 #include "cuda_emu.h"
 #include KERNELS_SOURCE  // kernels.cu + mla.cu, made by run.sh
 #include <cstdio>
@@ -288,6 +289,51 @@ static void test_route(int e, int k, int n_group, int topk_group, bool norm, int
            topk_group, (int)norm, (int)ties, bad, wdiff, ok ? "ok" : "FAIL");
 }
 
+// model/moe.rs Routing::from_logits: softmax, the k largest (stable), renormalised when `norm`.
+static void test_route_softmax(int e, int k, bool norm, int n, bool ties) {
+    std::vector<float> logits((size_t)n * e);
+    for (auto& v : logits) v = ties ? (float)(rng() % 5) - 2.0f : urand(-4, 4);
+    std::vector<unsigned long long> table(e);
+    for (int i = 0; i < e; i++) table[i] = 1000 + i;
+    std::vector<int> ids((size_t)n * k, -1);
+    std::vector<float> wts((size_t)n * k, NAN);
+    std::vector<unsigned long long> bases((size_t)n * k, 0);
+    int per = e <= 128 ? 4 : e <= 256 ? 8 : e <= 512 ? 16 : 32;  // as moe.rs picks the variant
+    {
+        const float* lp = logits.data(); const unsigned long long* tp = table.data();
+        int* ip = ids.data(); float* wp = wts.data(); unsigned long long* bsp = bases.data();
+        int nrm = norm;
+        emu_launch({(unsigned)((n + 3) / 4), 1, 1}, 128, [&] {
+            switch (per) {
+                case 4: moe_route_c4(lp, n, e, k, nrm, tp, ip, wp, bsp); break;
+                case 8: moe_route_c8(lp, n, e, k, nrm, tp, ip, wp, bsp); break;
+                case 16: moe_route_c16(lp, n, e, k, nrm, tp, ip, wp, bsp); break;
+                default: moe_route_c32(lp, n, e, k, nrm, tp, ip, wp, bsp);
+            }
+        });
+    }
+    int bad = 0;
+    double wdiff = 0;
+    for (int t = 0; t < n; t++) {
+        std::vector<float> p(logits.begin() + (size_t)t * e, logits.begin() + (size_t)(t + 1) * e);
+        double mx = *std::max_element(p.begin(), p.end()), sum = 0;
+        for (float v : p) sum += exp(v - mx);
+        for (float& v : p) v = (float)(exp(v - mx) / sum);
+        auto ex = top_k(p, k);
+        double chosen = 0;
+        for (int j = 0; j < k; j++) chosen += p[ex[j]];
+        for (int j = 0; j < k; j++) {
+            double w = norm ? p[ex[j]] / chosen : p[ex[j]];
+            if (ids[(size_t)t * k + j] != ex[j] || bases[(size_t)t * k + j] != 1000ull + ex[j]) bad++;
+            wdiff = std::max(wdiff, std::fabs(wts[(size_t)t * k + j] - w));
+        }
+    }
+    bool ok = bad == 0 && wdiff <= 1e-6;
+    if (!ok) fails++;
+    printf("moe_route_c%d e%d k%d norm%d ties%d: %d wrong ids, max|w diff| %.2e %s\n", per, e, k, (int)norm,
+           (int)ties, bad, wdiff, ok ? "ok" : "FAIL");
+}
+
 int main() {
     test_heads(4, 64, 64, 96, 1);     // fixture embed_q, one token
     test_heads(4, 64, 64, 96, 7);     // fixture embed_q, batch
@@ -314,6 +360,14 @@ int main() {
     test_route(384, 8, 1, 1, true, 5, false);  // Kimi-K2
     test_route(64, 6, 8, 3, true, 5, false);
     test_route(64, 1, 8, 3, true, 5, false);   // k = 1: no renormalisation
+    test_route_softmax(256, 8, true, 6, false);    // Qwen3.5/3.6 MoE
+    test_route_softmax(256, 8, true, 6, true);
+    test_route_softmax(512, 10, true, 5, false);   // Qwen3.5-397B
+    test_route_softmax(128, 8, false, 5, false);   // Qwen3-30B-A3B style, no renormalisation
+    test_route_softmax(32, 4, true, 9, true);      // the test fixtures
+    test_route_softmax(384, 8, true, 3, false);
+    test_route_softmax(1024, 8, true, 3, false);
+    test_route_softmax(200, 1, false, 3, false);
     printf(fails ? "%d FAILED\n" : "all ok\n", fails);
     return fails != 0;
 }

@@ -902,18 +902,21 @@ extern "C" __global__ void moe_combine(const float* slot_out, const float* wts, 
 // Router: per token, softmax over the e logits, the k largest (ties to the
 // lower index, like the CPU), their probabilities (renormalised to sum 1
 // when `norm`), and, when `table` is not null, each chosen expert's address
-// table[expert] into bases. A warp per token; e <= 1024.
-extern "C" __global__ void moe_route(const float* logits, int n, int e, int k, int norm,
-                                     const unsigned long long* table, int* ids, float* wts,
-                                     unsigned long long* bases) { PDL_ENTER();
+// table[expert] into bases. A warp per token; a lane holds C logits
+// (expert lane + 32c), so e <= 32 C: moe_route_c{4,8,16,32} for up to 128,
+// 256, 512 and 1024 experts (the loops are the whole cost of this kernel).
+template <int C>
+__device__ void moe_route_body(const float* logits, int n, int e, int k, int norm,
+                               const unsigned long long* table, int* ids, float* wts,
+                               unsigned long long* bases) {
     int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (t >= n) return;
     int lane = threadIdx.x & 31;
     const float* l = logits + (long)t * e;
-    float v[32];
+    float v[C];
     float m = NEG_INF;
 #pragma unroll
-    for (int c = 0; c < 32; c++) {
+    for (int c = 0; c < C; c++) {
         int i = lane + c * WARP;
         v[c] = i < e ? l[i] : NEG_INF;
         m = fmaxf(m, v[c]);
@@ -921,7 +924,7 @@ extern "C" __global__ void moe_route(const float* logits, int n, int e, int k, i
     m = warp_max(m);
     float sum = 0.0f;
 #pragma unroll
-    for (int c = 0; c < 32; c++) {
+    for (int c = 0; c < C; c++) {
         int i = lane + c * WARP;
         v[c] = i < e ? expf(v[c] - m) : -1.0f;
         sum += i < e ? v[c] : 0.0f;
@@ -935,7 +938,7 @@ extern "C" __global__ void moe_route(const float* logits, int n, int e, int k, i
         float bv = -2.0f;
         int bi = 0x7fffffff;
 #pragma unroll
-        for (int c = 0; c < 32; c++) {
+        for (int c = 0; c < C; c++) {
             int i = lane + c * WARP;
             if (v[c] > bv) { bv = v[c]; bi = i; }
         }
@@ -949,7 +952,7 @@ extern "C" __global__ void moe_route(const float* logits, int n, int e, int k, i
         if (lane == j) { myw = p; myid = bi; }
         chosen += p;
 #pragma unroll
-        for (int c = 0; c < 32; c++)
+        for (int c = 0; c < C; c++)
             if (lane + c * WARP == bi) v[c] = -2.0f;
     }
     if (lane < k) {
@@ -959,6 +962,18 @@ extern "C" __global__ void moe_route(const float* logits, int n, int e, int k, i
         if (table) bases[(long)t * k + lane] = table[myid];
     }
 }
+
+#define ROUTE_KERNEL(C)                                                                                      \
+    extern "C" __global__ void moe_route_c##C(const float* logits, int n, int e, int k, int norm,            \
+                                              const unsigned long long* table, int* ids, float* wts,         \
+                                              unsigned long long* bases) {                                   \
+        PDL_ENTER();                                                                                         \
+        moe_route_body<C>(logits, n, e, k, norm, table, ids, wts, bases);                                    \
+    }
+ROUTE_KERNEL(4)
+ROUTE_KERNEL(8)
+ROUTE_KERNEL(16)
+ROUTE_KERNEL(32)
 
 // Lane-local best of a warp's values v[c] (expert lane + 32c, c < 32) not
 // yet taken (NEG_INF), then across the warp: the largest value, ties to the

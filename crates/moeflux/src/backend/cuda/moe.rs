@@ -498,11 +498,17 @@ impl GpuMoe {
         match &self.route {
             GpuRoute::Softmax => {
                 let norm = c.moe.norm_topk_prob as i32;
-                // SAFETY: `moe_route` in kernels.cu (4 tokens per block of
-                // 128); logits hold n rows, outputs n * k slots.
+                // The variant whose lanes hold just enough logits.
+                let c_per_lane = [4, 8, 16, 32]
+                    .into_iter()
+                    .find(|&per| 32 * per >= c.moe.num_experts)
+                    .unwrap_or(32);
+                // SAFETY: `moe_route_c*` in kernels.cu (4 tokens per block
+                // of 128, e <= 32 C: MAX_EXPERTS is checked at load); logits
+                // hold n rows, outputs n * k slots.
                 unsafe {
                     g.launch(
-                        "moe_route",
+                        &format!("moe_route_c{c_per_lane}"),
                         grid,
                         128,
                         0,
