@@ -483,6 +483,12 @@ __device__ __forceinline__ void qmv_body(const MultiMatmul& mm, const float* x) 
 extern "C" __global__ void __launch_bounds__(256) qmv_b4(MultiMatmul mm, const float* x) { PDL_ENTER(); qmv_body<4, QMV_NC>(mm, x); }
 extern "C" __global__ void __launch_bounds__(256) qmv_b8(MultiMatmul mm, const float* x) { PDL_ENTER(); qmv_body<8, QMV_NC>(mm, x); }
 extern "C" __global__ void __launch_bounds__(256) qmv_b2(MultiMatmul mm, const float* x) { PDL_ENTER(); qmv_body<2, QMV_NC>(mm, x); }
+// Two chunks per warp: four times the warps for the same rows. Products of a
+// few hundred KB (routers, shared experts) then spread over every SM instead
+// of a few dozen, and each warp's chain of loads and FMAs is shorter.
+extern "C" __global__ void __launch_bounds__(256) qmv_b4_nc2(MultiMatmul mm, const float* x) { PDL_ENTER(); qmv_body<4, 2>(mm, x); }
+extern "C" __global__ void __launch_bounds__(256) qmv_b8_nc2(MultiMatmul mm, const float* x) { PDL_ENTER(); qmv_body<8, 2>(mm, x); }
+extern "C" __global__ void __launch_bounds__(256) qmv_b2_nc2(MultiMatmul mm, const float* x) { PDL_ENTER(); qmv_body<2, 2>(mm, x); }
 
 // Dense (bf16 or f32) weights: a warp per row, 8 rows per block.
 extern "C" __global__ void dmatmul(const void* w, int f32, int rows, int cols, const float* x, int n,

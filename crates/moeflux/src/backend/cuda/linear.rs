@@ -100,6 +100,13 @@ pub(super) const ROWS_PER_WARP: usize = 4;
 /// (`QMV_NC` in kernels.cu).
 pub(super) const QMV_CHUNKS: usize = 8;
 
+/// Launches of the one-token kernels whose matrices add up to at most this
+/// many bytes of codes use two chunks per warp (`qmv_b*_nc2`): on the H100
+/// a 0.3-0.6 MB product takes 3.7-3.9 µs that way against 5.8-6.6 µs with
+/// eight, while from 4.7 MB up eight chunks are faster (8.1 vs 11.0 µs;
+/// `scripts/gpu/kbench`).
+const QMV_SMALL_BYTES: usize = 2 << 20;
+
 /// Output rows per block of the activation-stationary one-token kernels
 /// (`qmv_geom` in kernels.cu) for rows of `cols` codes of `bits` bits and
 /// `chunks` chunks per warp, or `None` when the matrix does not fit their
@@ -132,11 +139,15 @@ pub(super) fn qmv_rows_per_block(
     }
 }
 
-/// The activation-stationary one-token product kernel for `bits`.
-fn qmv_kernel(bits: i32) -> &'static str {
-    match bits {
-        4 => "qmv_b4",
-        8 => "qmv_b8",
+/// The activation-stationary one-token product kernel for `bits` and
+/// `chunks` (8 or 2) per warp.
+fn qmv_kernel(bits: i32, chunks: usize) -> &'static str {
+    match (bits, chunks) {
+        (4, 2) => "qmv_b4_nc2",
+        (8, 2) => "qmv_b8_nc2",
+        (_, 2) => "qmv_b2_nc2",
+        (4, _) => "qmv_b4",
+        (8, _) => "qmv_b8",
         _ => "qmv_b2",
     }
 }
@@ -149,7 +160,8 @@ fn qmv_warp_rows(cols: usize, bits: usize) -> usize {
     QMV_CHUNKS * if rb >= 512 { 1 } else { 512 / rb }
 }
 
-/// Rows per block of [`qmv_kernel`] for `q`, when it fits (see
+/// Rows per block of the activation-stationary kernels with
+/// [`QMV_CHUNKS`] chunks for `q`, when it fits them (see
 /// [`qmv_rows_per_block`]; the codes must also be 16-byte aligned).
 fn qmv_fit(q: &Qw) -> Option<usize> {
     if !q.w.is_multiple_of(16) {
@@ -159,8 +171,8 @@ fn qmv_fit(q: &Qw) -> Option<usize> {
 }
 
 /// Products of one launch: the `qmv` code width (`None`: the general
-/// kernels) and each matrix with its rows per block.
-type LaunchGroup<'a> = (Option<i32>, Vec<(Qw, &'a Mm, usize)>);
+/// kernels) and each matrix.
+type LaunchGroup<'a> = (Option<i32>, Vec<(Qw, &'a Mm)>);
 
 /// A matrix product of a [`matmuls`] group: `out (+)= x W^T`.
 #[derive(Clone, Copy)]
@@ -209,20 +221,27 @@ pub(super) fn matmuls(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
     let mut groups: Vec<LaunchGroup> = Vec::new();
     for o in ops {
         let DevLinear::Quant(q) = o.w else { continue };
-        let fit = if n == 1 { qmv_fit(&q) } else { None };
-        let (key, rpb) = match fit {
-            Some(rpb) => (Some(q.bits), rpb),
-            None => (
-                None,
-                rows_per_block(q.cols as usize, q.bits as usize, n == 1),
-            ),
-        };
+        let key = (n == 1 && qmv_fit(&q).is_some()).then_some(q.bits);
         match groups.iter_mut().find(|g| g.0 == key && g.1.len() < 4) {
-            Some(g) => g.1.push((q, o, rpb)),
-            None => groups.push((key, vec![(q, o, rpb)])),
+            Some(g) => g.1.push((q, o)),
+            None => groups.push((key, vec![(q, o)])),
         }
     }
     for (key, group) in &groups {
+        let code_bytes: usize = group
+            .iter()
+            .map(|(q, _)| q.rows as usize * q.cols as usize * q.bits as usize / 8)
+            .sum();
+        let chunks = if code_bytes <= QMV_SMALL_BYTES {
+            2
+        } else {
+            QMV_CHUNKS
+        };
+        let rows_per_block = |q: &Qw| match key {
+            Some(_) => qmv_rows_per_block(q.cols as usize, q.bits as usize, q.gs as usize, chunks)
+                .expect("qmv_fit accepted the layout"),
+            None => rows_per_block(q.cols as usize, q.bits as usize, n == 1),
+        };
         let mut p = MultiMatmul {
             q: [group[0].0; 4],
             out: [0; 4],
@@ -231,12 +250,12 @@ pub(super) fn matmuls(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
             accumulate: 0,
         };
         let mut blocks = 0i32;
-        for (j, (q, o, rpb)) in group.iter().enumerate() {
+        for (j, (q, o)) in group.iter().enumerate() {
             p.q[j] = *q;
             p.out[j] = o.out;
             p.first_block[j] = blocks;
             p.accumulate |= (o.accumulate as i32) << j;
-            blocks += (q.rows as usize).div_ceil(*rpb) as i32;
+            blocks += (q.rows as usize).div_ceil(rows_per_block(q)) as i32;
         }
         for j in group.len()..5 {
             p.first_block[j] = blocks;
@@ -246,7 +265,7 @@ pub(super) fn matmuls(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
         unsafe {
             match key {
                 Some(bits) => gpu.launch(
-                    qmv_kernel(*bits),
+                    qmv_kernel(*bits, chunks),
                     (blocks as u32, 1, 1),
                     256,
                     0,
