@@ -15,17 +15,25 @@ typedef unsigned short u16;
 // the previous one finishes; it waits for it (and its writes) before doing
 // anything, and lets the next one launch at once. Without the launch
 // attribute (or before sm_90) both are no-ops.
+// The one-token dense products split the two: they load their weights
+// (never written once the model is loaded) before waiting, so the fetch
+// overlaps the previous kernel's tail.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define PDL_ENTER()                                            \
-    do {                                                       \
-        asm volatile("griddepcontrol.wait;" ::: "memory");     \
-        asm volatile("griddepcontrol.launch_dependents;" :::); \
-    } while (0)
+#define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" :::)
 #else
-#define PDL_ENTER() \
-    do {            \
+#define PDL_WAIT() \
+    do {           \
+    } while (0)
+#define PDL_TRIGGER() \
+    do {              \
     } while (0)
 #endif
+#define PDL_ENTER()     \
+    do {                \
+        PDL_WAIT();     \
+        PDL_TRIGGER();  \
+    } while (0)
 
 __device__ __forceinline__ float bf16f(u16 h) { return __uint_as_float(((u32)h) << 16); }
 
@@ -387,9 +395,12 @@ __device__ __forceinline__ QmvGeom qmv_geom(int cols, int bits) {
 // the same rows of matrix b (gate and up of an expert); acc[i] ends up
 // reduced over the lanes of its row (every lane of those lanes holds it)
 // and over the warps of the row group (warp `part` 0 of the group holds it).
-template <int BITS, int NC>
+// LATE_WAIT: the caller has not waited for the previous kernel yet (see
+// PDL_WAIT): wait once the first slice's weights are requested.
+template <int BITS, int NC, bool LATE_WAIT = false>
 __device__ __forceinline__ void qmv_chunks(const QW& a, const QW& b, int na, const QmvGeom& G, int rg, int part,
                                            const float* x, float (&acc)[NC]) {
+    bool waited = !LATE_WAIT;
     constexpr int EPL = 128 / BITS;  // elements per lane per chunk
     constexpr int EPW = 32 / BITS;
     int lane = threadIdx.x & 31;
@@ -418,6 +429,10 @@ __device__ __forceinline__ void qmv_chunks(const QW& a, const QW& b, int na, con
             sc[i] = qparam(q.s, pi, q.sf32);
             bi[i] = qparam(q.b, pi, q.sf32);
         }
+        if (!waited) {
+            PDL_WAIT();
+            waited = true;
+        }
         float xv[EPL];
         float xs = load_acts<EPL>(x + c0, xv);
 #pragma unroll
@@ -433,6 +448,7 @@ __device__ __forceinline__ void qmv_chunks(const QW& a, const QW& b, int na, con
             acc[i] = fmaf(sc[i], d, fmaf(bi[i], xs, acc[i]));
         }
     }
+    if (!waited) PDL_WAIT();
     // Over the lanes of a row: all 32 for long rows, lpr for short ones.
 #pragma unroll
     for (int i = 0; i < NC; i++)
@@ -464,7 +480,7 @@ __device__ __forceinline__ void qmv_body(const MultiMatmul& mm, const float* x) 
     int part = w % G.parts;
     int rg = (blockIdx.x - mm.first_block[m]) * (8 / G.parts) + w / G.parts;
     float acc[NC];
-    qmv_chunks<BITS, NC>(q, q, NC, G, rg, part, x, acc);
+    qmv_chunks<BITS, NC, true>(q, q, NC, G, rg, part, x, acc);
     if (part != 0 || lane % G.lpr != 0) return;
     bool add = (mm.accumulate >> m) & 1;
     float* out = mm.out[m];
@@ -480,15 +496,15 @@ __device__ __forceinline__ void qmv_body(const MultiMatmul& mm, const float* x) 
 #endif
 // One token, every matrix of the group quantized with the same width BITS
 // and fitting the chunk layout (the host checks; else qmatmul1).
-extern "C" __global__ void __launch_bounds__(256) qmv_b4(MultiMatmul mm, const float* x) { PDL_ENTER(); qmv_body<4, QMV_NC>(mm, x); }
-extern "C" __global__ void __launch_bounds__(256) qmv_b8(MultiMatmul mm, const float* x) { PDL_ENTER(); qmv_body<8, QMV_NC>(mm, x); }
-extern "C" __global__ void __launch_bounds__(256) qmv_b2(MultiMatmul mm, const float* x) { PDL_ENTER(); qmv_body<2, QMV_NC>(mm, x); }
+extern "C" __global__ void __launch_bounds__(256) qmv_b4(MultiMatmul mm, const float* x) { PDL_TRIGGER(); qmv_body<4, QMV_NC>(mm, x); }
+extern "C" __global__ void __launch_bounds__(256) qmv_b8(MultiMatmul mm, const float* x) { PDL_TRIGGER(); qmv_body<8, QMV_NC>(mm, x); }
+extern "C" __global__ void __launch_bounds__(256) qmv_b2(MultiMatmul mm, const float* x) { PDL_TRIGGER(); qmv_body<2, QMV_NC>(mm, x); }
 // Two chunks per warp: four times the warps for the same rows. Products of a
 // few hundred KB (routers, shared experts) then spread over every SM instead
 // of a few dozen, and each warp's chain of loads and FMAs is shorter.
-extern "C" __global__ void __launch_bounds__(256) qmv_b4_nc2(MultiMatmul mm, const float* x) { PDL_ENTER(); qmv_body<4, 2>(mm, x); }
-extern "C" __global__ void __launch_bounds__(256) qmv_b8_nc2(MultiMatmul mm, const float* x) { PDL_ENTER(); qmv_body<8, 2>(mm, x); }
-extern "C" __global__ void __launch_bounds__(256) qmv_b2_nc2(MultiMatmul mm, const float* x) { PDL_ENTER(); qmv_body<2, 2>(mm, x); }
+extern "C" __global__ void __launch_bounds__(256) qmv_b4_nc2(MultiMatmul mm, const float* x) { PDL_TRIGGER(); qmv_body<4, 2>(mm, x); }
+extern "C" __global__ void __launch_bounds__(256) qmv_b8_nc2(MultiMatmul mm, const float* x) { PDL_TRIGGER(); qmv_body<8, 2>(mm, x); }
+extern "C" __global__ void __launch_bounds__(256) qmv_b2_nc2(MultiMatmul mm, const float* x) { PDL_TRIGGER(); qmv_body<2, 2>(mm, x); }
 
 // Dense (bf16 or f32) weights: a warp per row, 8 rows per block.
 extern "C" __global__ void dmatmul(const void* w, int f32, int rows, int cols, const float* x, int n,
