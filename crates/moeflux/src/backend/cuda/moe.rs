@@ -436,31 +436,11 @@ impl GpuMoe {
         if let Some((j, _)) = predicted {
             // Queued after this layer's compute was launched, so its own
             // uploads went first; the guess's most chosen experts first.
-            let mut count = std::collections::BTreeMap::<usize, usize>::new();
-            for &id in &guess {
-                *count.entry(id as usize).or_default() += 1;
-            }
-            let mut ids: Vec<(usize, usize)> = count.into_iter().collect();
-            ids.sort_by_key(|&(id, c)| (std::cmp::Reverse(c), id));
-            let ids: Vec<usize> = ids.into_iter().map(|(id, _)| id).collect();
-            cache.prefetch(g, cx.store, j, &ids)?;
+            cache.prefetch(g, cx.store, j, &most_chosen_first(&guess))?;
         }
-        // The host's share, while the GPU computes the rest and the copy
-        // stream carries the prefetch; each result lands in its slot's row
-        // of `slot_out` on the compute stream, before the combine.
-        let mut y = vec![0.0f32; h];
-        for (e, slots) in &cpu_users {
-            let bytes = cx.store.mapped(i, *e).expect("host-tier layers are mapped");
-            for &j in slots {
-                let t = j as usize / k;
-                let x = &host_xn[t * h..(t + 1) * h];
-                cx.pool
-                    .install(|| self.experts.forward(bytes, x, 1, &mut y));
-                cx.arena
-                    .upload(g, slot_out + 4 * (j as u64) * h as u64, &y)?;
-            }
+        if !cpu_users.is_empty() {
+            self.compute_on_host(cx, i, &cpu_users, &host_xn, slot_out)?;
         }
-        cache.stats.cpu_computed += cpu_users.len() as u64;
         let h_i = h as i32;
         // SAFETY: `moe_combine` in kernels.cu; sy and sg are null or hold n
         // rows (shared output, gate logit).
@@ -474,6 +454,38 @@ impl GpuMoe {
             )?;
         }
         lap(&mut clock, &mut times.expert_compute);
+        Ok(())
+    }
+
+    /// The experts `users` (expert, its slots) of layer `i` computed by the
+    /// host on the layer's input `xn` (n x hidden, on the host) from the
+    /// pinned host tier, while the GPU computes the rest and the copy stream
+    /// carries the prefetch; each result lands in its slot's row of
+    /// `slot_out` on the compute stream, before the combine reads it.
+    fn compute_on_host(
+        &self,
+        cx: &mut Ctx,
+        i: usize,
+        users: &[(usize, Vec<i32>)],
+        xn: &[f32],
+        slot_out: u64,
+    ) -> Result<()> {
+        let (h, k) = (cx.config.hidden_size, cx.k);
+        let mut y = vec![0.0f32; h];
+        for (e, slots) in users {
+            let bytes = cx.store.mapped(i, *e).expect("host-tier layers are mapped");
+            for &j in slots {
+                let t = j as usize / k;
+                let x = &xn[t * h..(t + 1) * h];
+                cx.pool
+                    .install(|| self.experts.forward(bytes, x, 1, &mut y));
+                cx.arena
+                    .upload(cx.gpu, slot_out + 4 * (j as u64) * h as u64, &y)?;
+            }
+        }
+        if let Some(cache) = cx.cache.as_deref_mut() {
+            cache.stats.cpu_computed += users.len() as u64;
+        }
         Ok(())
     }
 
@@ -544,6 +556,18 @@ impl GpuMoe {
     }
 }
 
+/// The distinct experts of a predicted choice, those more tokens chose
+/// first (ties: lower id first).
+fn most_chosen_first(ids: &[i32]) -> Vec<usize> {
+    let mut count = std::collections::BTreeMap::<usize, usize>::new();
+    for &id in ids {
+        *count.entry(id as usize).or_default() += 1;
+    }
+    let mut by_count: Vec<(usize, usize)> = count.into_iter().collect();
+    by_count.sort_by_key(|&(id, c)| (std::cmp::Reverse(c), id));
+    by_count.into_iter().map(|(id, _)| id).collect()
+}
+
 /// Blocks of the activation-stationary per-slot kernels (gate/up, down)
 /// when the experts' layout fits them (every piece 16-byte aligned; the
 /// cache's slots are).
@@ -594,4 +618,17 @@ fn expert_layout(m: &MoeBlock) -> Result<ExpertLayoutC> {
         gs: x.gate.spec.group_size as i32,
         sf32: x.gate.scales_f32 as i32,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::most_chosen_first;
+
+    #[test]
+    fn predicted_experts_most_chosen_first() {
+        // Two tokens x top-3: experts 2 and 7 twice, 4 and 9 once.
+        assert_eq!(most_chosen_first(&[9, 7, 2, 7, 4, 2]), vec![2, 7, 4, 9]);
+        assert_eq!(most_chosen_first(&[5, 1, 3]), vec![1, 3, 5]);
+        assert!(most_chosen_first(&[]).is_empty());
+    }
 }
