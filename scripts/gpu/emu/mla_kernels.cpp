@@ -1,7 +1,8 @@
 // Checks of the MLA and router kernels under cuda_emu.h (see run.sh): each kernel on
 // random inputs against a naive double-precision reference of model/mla.rs, model/yarn.rs
 // and model/router.rs, at the fixtures' and DeepSeek-V3's widths; the softmax router
-// (moe_route_c*) against model/moe.rs Routing::from_logits at Qwen's widths.
+// (moe_route_c*) against model/moe.rs Routing::from_logits at Qwen's widths; the grouped
+// one-token products (qmv_b4, qmv_b4_nc2) against dequantized dot products.
 #include "cuda_emu.h"
 #include KERNELS_SOURCE  // kernels.cu + mla.cu, made by run.sh
 #include <cstdio>
@@ -124,6 +125,48 @@ static void test_qmv_heads(int nh, int rph, int cols, int x_head) {
     char name[128];
     snprintf(name, sizeof name, "qmv_heads_b4 nh%d rph%d cols%d", nh, rph, cols);
     check(name, out, want, 1e-5);
+}
+
+// The one-token grouped products (qmv_b4 with 8 chunks per warp, qmv_b4_nc2 with 2): two
+// matrices of one input in one launch, the second added to its output (a residual).
+static void test_qmv_group(int rows_a, int rows_b, int cols, bool nc2) {
+    HostQ A(rows_a, cols), B(rows_b, cols);
+    std::vector<float> x(cols);
+    for (auto& v : x) v = urand();
+    std::vector<float> oa(rows_a, NAN), ob(rows_b);
+    for (auto& v : ob) v = urand();
+    std::vector<float> ob0 = ob;
+    int nc = nc2 ? 2 : 8;
+    MultiMatmul mm;
+    memset(&mm, 0, sizeof mm);
+    mm.q[0] = A.qw(); mm.q[1] = B.qw();
+    mm.out[0] = oa.data(); mm.out[1] = ob.data();
+    mm.count = 2;
+    mm.accumulate = 2;
+    int ba = (rows_a + qmv_rpb(cols, nc) - 1) / qmv_rpb(cols, nc);
+    int bb = (rows_b + qmv_rpb(cols, nc) - 1) / qmv_rpb(cols, nc);
+    mm.first_block[0] = 0;
+    for (int j = 1; j < 5; j++) mm.first_block[j] = j == 1 ? ba : ba + bb;
+    const float* xp = x.data();
+    emu_launch({(unsigned)(ba + bb), 1, 1}, 256, [&] {
+        if (nc2) qmv_b4_nc2(mm, xp); else qmv_b4(mm, xp);
+    });
+    std::vector<float> got(oa);
+    got.insert(got.end(), ob.begin(), ob.end());
+    std::vector<double> want;
+    for (int r = 0; r < rows_a; r++) {
+        double acc = 0;
+        for (int j = 0; j < cols; j++) acc += (double)A.deq[(size_t)r * cols + j] * x[j];
+        want.push_back(acc);
+    }
+    for (int r = 0; r < rows_b; r++) {
+        double acc = ob0[r];
+        for (int j = 0; j < cols; j++) acc += (double)B.deq[(size_t)r * cols + j] * x[j];
+        want.push_back(acc);
+    }
+    char name[128];
+    snprintf(name, sizeof name, "%s %dx%d + %dx%d", nc2 ? "qmv_b4_nc2" : "qmv_b4", rows_a, cols, rows_b, cols);
+    check(name, got, want, 1e-5);
 }
 
 // model/yarn.rs MlaRope::apply
@@ -360,6 +403,11 @@ int main() {
     test_route(384, 8, 1, 1, true, 5, false);  // Kimi-K2
     test_route(64, 6, 8, 3, true, 5, false);
     test_route(64, 1, 8, 3, true, 5, false);   // k = 1: no renormalisation
+    for (bool nc2 : {false, true}) {
+        test_qmv_group(72, 40, 2048, nc2);  // rows of 1024 bytes: two warps per row
+        test_qmv_group(40, 24, 4096, nc2);  // 2048 bytes: four warps per row
+        test_qmv_group(96, 64, 512, nc2);   // 256 bytes: two rows per chunk
+    }
     test_route_softmax(256, 8, true, 6, false);    // Qwen3.5/3.6 MoE
     test_route_softmax(256, 8, true, 6, true);
     test_route_softmax(512, 10, true, 5, false);   // Qwen3.5-397B

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the MLA and router kernels (crates/moeflux/src/backend/cuda/{kernels,mla}.cu) on the
+# Runs the MLA, router and one-token product kernels (crates/moeflux/src/backend/cuda/{kernels,mla}.cu) on the
 # CPU under a small CUDA emulation (cuda_emu.h: a thread per CUDA thread, barriers for
 # __syncthreads, __syncwarp and warp shuffles) against naive references, so their indexing
 # and logic can be checked without a GPU. Needs g++ with C++20; takes ~1 minute.
