@@ -149,3 +149,38 @@ fn backend_choice_without_a_gpu() {
     assert!(!out.status.success());
     assert!(text(&out.stderr).contains("auto, cpu, cuda"));
 }
+
+/// `--prefetch` takes auto|on|off and, bare, means on: on the CPU `auto`
+/// leaves prefetch off (no prefetch counters), `on` counts its hits.
+#[test]
+fn prefetch_modes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = convert("qwen35moe-q4", tmp.path());
+    let m = s(&model);
+    let hit_rate = |mode: &[&str]| {
+        let mut args = vec![
+            "bench",
+            "--model",
+            m,
+            "--backend",
+            "cpu",
+            "--prompt-len",
+            "0",
+            "--gen",
+            "4",
+            "--reps",
+            "1",
+            "--json",
+        ];
+        args.extend(mode);
+        let v: serde_json::Value = serde_json::from_str(&ok(&moeflux(&args))).unwrap();
+        v["decode"]["prefetch_hit_rate"].clone()
+    };
+    assert!(hit_rate(&[]).is_null());
+    assert!(hit_rate(&["--prefetch", "off"]).is_null());
+    assert!(hit_rate(&["--prefetch"]).as_f64().is_some());
+    assert!(hit_rate(&["--prefetch", "on"]).as_f64().is_some());
+    let out = moeflux(&["bench", "--model", m, "--prefetch", "maybe"]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("not one of auto, on, off"));
+}
