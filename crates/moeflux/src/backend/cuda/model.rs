@@ -95,7 +95,7 @@ pub(super) struct Ctx<'a> {
 
 /// Experts at least this large are prefetched by `Prefetch::Auto`. On the
 /// H100, Qwen3.6-35B-A3B widths (1.77 MB experts) decode 35% faster with
-/// prefetch from the host tier, the demo model (28 KB) 13% slower: its
+/// prefetch from the host tier, the demo model (28 KB) ~15% slower: its
 /// copies take less time than the extra router launches (PERFORMANCE.md).
 pub const PREFETCH_AUTO_MIN_EXTENT: usize = 256 << 10;
 
