@@ -113,6 +113,24 @@ __device__ __forceinline__ float load_acts(const float* p, float* xv) {
     return xs;
 }
 
+// N gated activations silu(g) * u from g and u (16-byte aligned) into xv;
+// returns their sum (the SwiGLU of an MLP applied as its down product loads
+// its input).
+template <int N>
+__device__ __forceinline__ float load_glu(const float* g, const float* u, float* xv) {
+    float xs = 0.0f;
+#pragma unroll
+    for (int e4 = 0; e4 < N / 4; e4++) {
+        float4 a = __ldg((const float4*)g + e4), b = __ldg((const float4*)u + e4);
+        xv[4 * e4] = siluf_(a.x) * b.x;
+        xv[4 * e4 + 1] = siluf_(a.y) * b.y;
+        xv[4 * e4 + 2] = siluf_(a.z) * b.z;
+        xv[4 * e4 + 3] = siluf_(a.w) * b.w;
+        xs += (xv[4 * e4] + xv[4 * e4 + 1]) + (xv[4 * e4 + 2] + xv[4 * e4 + 3]);
+    }
+    return xs;
+}
+
 // A warp's share of a quantized product: acc[rr][t] = W[r0 + rr] . x_t for
 // the warp's RW rows and up to TT tokens (x_t = xp[t], t < nt), summed over
 // the warp (every lane holds the sums). Lane l takes words l, l+32, ... of
@@ -396,8 +414,9 @@ __device__ __forceinline__ QmvGeom qmv_geom(int cols, int bits) {
 // reduced over the lanes of its row (every lane of those lanes holds it)
 // and over the warps of the row group (warp `part` 0 of the group holds it).
 // LATE_WAIT: the caller has not waited for the previous kernel yet (see
-// PDL_WAIT): wait once the first slice's weights are requested.
-template <int BITS, int NC, bool LATE_WAIT = false>
+// PDL_WAIT): wait once the first slice's weights are requested. GLU: x
+// holds [g | u] (a.cols each) and the input is silu(g) * u.
+template <int BITS, int NC, bool LATE_WAIT = false, bool GLU = false>
 __device__ __forceinline__ void qmv_chunks(const QW& a, const QW& b, int na, const QmvGeom& G, int rg, int part,
                                            const float* x, float (&acc)[NC]) {
     bool waited = !LATE_WAIT;
@@ -434,7 +453,7 @@ __device__ __forceinline__ void qmv_chunks(const QW& a, const QW& b, int na, con
             waited = true;
         }
         float xv[EPL];
-        float xs = load_acts<EPL>(x + c0, xv);
+        float xs = GLU ? load_glu<EPL>(x + c0, x + a.cols + c0, xv) : load_acts<EPL>(x + c0, xv);
 #pragma unroll
         for (int i = 0; i < NC; i++) {
             float d = 0.0f;
@@ -470,7 +489,7 @@ __device__ __forceinline__ void qmv_chunks(const QW& a, const QW& b, int na, con
     }
 }
 
-template <int BITS, int NC>
+template <int BITS, int NC, bool GLU>
 __device__ __forceinline__ void qmv_body(const MultiMatmul& mm, const float* x) {
     int m = 0;
     while (m + 1 < mm.count && (int)blockIdx.x >= mm.first_block[m + 1]) m++;
@@ -480,7 +499,7 @@ __device__ __forceinline__ void qmv_body(const MultiMatmul& mm, const float* x) 
     int part = w % G.parts;
     int rg = (blockIdx.x - mm.first_block[m]) * (8 / G.parts) + w / G.parts;
     float acc[NC];
-    qmv_chunks<BITS, NC, true>(q, q, NC, G, rg, part, x, acc);
+    qmv_chunks<BITS, NC, true, GLU>(q, q, NC, G, rg, part, x, acc);
     if (part != 0 || lane % G.lpr != 0) return;
     bool add = (mm.accumulate >> m) & 1;
     float* out = mm.out[m];
@@ -492,19 +511,34 @@ __device__ __forceinline__ void qmv_body(const MultiMatmul& mm, const float* x) 
 }
 
 #ifndef QMV_NC
-#define QMV_NC 8  // chunks per warp: QMV_CHUNKS in model.rs
+#define QMV_NC 8  // chunks per warp: QMV_CHUNKS in linear.rs
 #endif
 // One token, every matrix of the group quantized with the same width BITS
-// and fitting the chunk layout (the host checks; else qmatmul1).
-extern "C" __global__ void __launch_bounds__(256) qmv_b4(MultiMatmul mm, const float* x) { PDL_TRIGGER(); qmv_body<4, QMV_NC>(mm, x); }
-extern "C" __global__ void __launch_bounds__(256) qmv_b8(MultiMatmul mm, const float* x) { PDL_TRIGGER(); qmv_body<8, QMV_NC>(mm, x); }
-extern "C" __global__ void __launch_bounds__(256) qmv_b2(MultiMatmul mm, const float* x) { PDL_TRIGGER(); qmv_body<2, QMV_NC>(mm, x); }
-// Two chunks per warp: four times the warps for the same rows. Products of a
-// few hundred KB (routers, shared experts) then spread over every SM instead
-// of a few dozen, and each warp's chain of loads and FMAs is shorter.
-extern "C" __global__ void __launch_bounds__(256) qmv_b4_nc2(MultiMatmul mm, const float* x) { PDL_TRIGGER(); qmv_body<4, 2>(mm, x); }
-extern "C" __global__ void __launch_bounds__(256) qmv_b8_nc2(MultiMatmul mm, const float* x) { PDL_TRIGGER(); qmv_body<8, 2>(mm, x); }
-extern "C" __global__ void __launch_bounds__(256) qmv_b2_nc2(MultiMatmul mm, const float* x) { PDL_TRIGGER(); qmv_body<2, 2>(mm, x); }
+// and fitting the chunk layout (the host checks; else qmatmul1). Per width:
+// QMV_NC chunks per warp, or two (`_nc2`: four times the warps for the same
+// rows, so products of a few hundred KB, routers and shared experts, spread
+// over every SM and each warp's chain of loads and FMAs is shorter); `_glu`:
+// the input is the SwiGLU of [gate | up] (an MLP's down product).
+#define QMV_KERNELS(B)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(256) qmv_b##B(MultiMatmul mm, const float* x) {            \
+        PDL_TRIGGER();                                                                                      \
+        qmv_body<B, QMV_NC, false>(mm, x);                                                                  \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256) qmv_b##B##_nc2(MultiMatmul mm, const float* x) {      \
+        PDL_TRIGGER();                                                                                      \
+        qmv_body<B, 2, false>(mm, x);                                                                       \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256) qmv_b##B##_glu(MultiMatmul mm, const float* x) {      \
+        PDL_TRIGGER();                                                                                      \
+        qmv_body<B, QMV_NC, true>(mm, x);                                                                   \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256) qmv_b##B##_nc2_glu(MultiMatmul mm, const float* x) {  \
+        PDL_TRIGGER();                                                                                      \
+        qmv_body<B, 2, true>(mm, x);                                                                        \
+    }
+QMV_KERNELS(4)
+QMV_KERNELS(8)
+QMV_KERNELS(2)
 
 // Dense (bf16 or f32) weights: a warp per row, 8 rows per block.
 extern "C" __global__ void dmatmul(const void* w, int f32, int rows, int cols, const float* x, int n,
@@ -563,13 +597,15 @@ extern "C" __global__ void swiglu(const float* g, const float* u, float* out, lo
 // Gated full attention
 
 // Per (token, head): q = rope(rms_norm(qg[.., q half], q_norm)), gate copied
-// out; per (token, kv head): k = rope(rms_norm(k, k_norm)) in place. A block
-// of `hd` threads (a power of two, <= 1024) per (token, head); blockIdx.y is
+// out; per (token, kv head): rope(rms_norm(k, k_norm)) and v appended to the
+// caches kc and vc at row *pos + token (a row: nkv * hd floats). A block of
+// `hd` threads (a power of two, <= 1024) per (token, head); blockIdx.y is
 // the token, heads nh then nkv along blockIdx.x.
-extern "C" __global__ void attn_prep(const float* qg, float* k, const float* q_norm,
+extern "C" __global__ void attn_prep(const float* qg, const float* k, const float* v, const float* q_norm,
                                      const float* k_norm, const double* inv_freq, int half_rot,
                                      int nh, int nkv, int hd, float eps, const long* pos,
-                                     double pos_scale, float* q_out, float* gate_out) { PDL_ENTER();
+                                     double pos_scale, float* q_out, float* gate_out, float* kc,
+                                     float* vc) { PDL_ENTER();
     long start = *pos;
     extern __shared__ float sh[];
     int t = blockIdx.y, h = blockIdx.x, i = threadIdx.x;
@@ -582,14 +618,17 @@ extern "C" __global__ void attn_prep(const float* qg, float* k, const float* q_n
         nw = q_norm;
         gate_out[((long)t * nh + h) * hd + i] = src[hd + i];
     } else {
-        src = k + ((long)t * nkv + (h - nh)) * hd;
-        dst = k + ((long)t * nkv + (h - nh)) * hd;
+        long in = ((long)t * nkv + (h - nh)) * hd;
+        long at = ((start + t) * nkv + (h - nh)) * hd;
+        src = k + in;
+        dst = kc + at;
         nw = k_norm;
+        vc[at + i] = v[in + i];
     }
-    float v = src[i];
-    float ss = block_sum(v * v);
+    float x = src[i];
+    float ss = block_sum(x * x);
     float inv = rsqrtf(ss / hd + eps);
-    sh[i] = v * inv * nw[i];
+    sh[i] = x * inv * nw[i];
     __syncthreads();
     float o = sh[i];
     if (i < 2 * half_rot) {
@@ -667,16 +706,6 @@ extern "C" __global__ void attention(const float* q, const float* kc, const floa
     }
 }
 
-// Appends n rows of k and v at row *pos of the caches (row = nkv * hd floats).
-extern "C" __global__ void kv_append(const float* k, const float* v, float* kc, float* vc, int row,
-                                     const long* pos, int n) { PDL_ENTER();
-    long base = *pos * (long)row;
-    long total = (long)n * row;
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < total; i += (long)gridDim.x * blockDim.x) {
-        kc[base + i] = k[i];
-        vc[base + i] = v[i];
-    }
-}
 
 // --------------------------------------------------------------------------
 // GatedDeltaNet
@@ -704,48 +733,56 @@ extern "C" __global__ void deltanet_split(const float* f, const float* gba, int 
     }
 }
 
-// Causal depthwise conv over [state; inputs] then SiLU, in place; the state
-// keeps the last kk-1 raw inputs. A thread per channel, tokens in order.
-extern "C" __global__ void conv_silu(float* mixed, const float* w, float* state, int cd, int kk, int n) { PDL_ENTER();
-    int ch = blockIdx.x * blockDim.x + threadIdx.x;
-    if (ch >= cd) return;
+// Causal depthwise conv over [state; inputs] then SiLU, in place, the
+// state keeping the last kk-1 raw inputs; then q and k of every key head
+// RMS-normalised (eps = 1e-6 / dk) and scaled by 1/dk (q) or 1/sqrt(dk) (k).
+// A block per head of `mixed` = [q (nk x dk) | k (nk x dk) | v (nv x dv)],
+// a thread per channel (blockDim = max(dk, dv)), tokens in order.
+extern "C" __global__ void conv_qk_norm(float* mixed, const float* w, float* state, int nk, int dk, int nv,
+                                        int dv, int kk, int n) { PDL_ENTER();
+    int b = blockIdx.x, i = threadIdx.x;
+    int kd = nk * dk, cd = 2 * kd + nv * dv;
+    bool qk = b < 2 * nk;
+    bool live = i < (qk ? dk : dv);
+    int ch = qk ? b * dk + i : 2 * kd + (b - 2 * nk) * dv + i;
     int hist = kk - 1;
     float st[8];
-    for (int j = 0; j < hist; j++) st[j] = state[(long)j * cd + ch];
-    for (int t = 0; t < n; t++) {
-        float x = mixed[(long)t * cd + ch];
-        float acc = 0.0f;
-        for (int j = 0; j < hist; j++) acc += w[ch * kk + j] * st[j];
-        acc += w[ch * kk + hist] * x;
-        for (int j = 0; j + 1 < hist; j++) st[j] = st[j + 1];
-        if (hist > 0) st[hist - 1] = x;
-        mixed[(long)t * cd + ch] = siluf_(acc);
-    }
-    for (int j = 0; j < hist; j++) state[(long)j * cd + ch] = st[j];
-}
-
-// q and k of every (token, key head): RMS-normalised (eps = 1e-6 / dk) and
-// scaled by 1/dk (q) or 1/sqrt(dk) (k). A block of dk threads per (head of
-// q or k, token): blockIdx.x < nk is q, else k.
-extern "C" __global__ void deltanet_qk_norm(float* mixed, int nk, int dk, int cd) { PDL_ENTER();
-    int t = blockIdx.y, h = blockIdx.x;
+    for (int j = 0; j < hist; j++) st[j] = live ? state[(long)j * cd + ch] : 0.0f;
     float inv = rsqrtf((float)dk);
     float eps = 1e-6f * inv * inv;
-    float scale = h < nk ? inv * inv : inv;
-    float* v = mixed + (long)t * cd + (long)h * dk;  // q heads then k heads, contiguous
-    float x = v[threadIdx.x];
-    float ss = block_sum(x * x);
-    v[threadIdx.x] = x * rsqrtf(ss / dk + eps) * scale;
+    float scale = b < nk ? inv * inv : inv;
+    for (int t = 0; t < n; t++) {
+        float x = live ? mixed[(long)t * cd + ch] : 0.0f;
+        float acc = 0.0f;
+        if (live) {
+            for (int j = 0; j < hist; j++) acc += w[ch * kk + j] * st[j];
+            acc += w[ch * kk + hist] * x;
+        }
+        for (int j = 0; j + 1 < hist; j++) st[j] = st[j + 1];
+        if (hist > 0) st[hist - 1] = x;
+        float o = siluf_(acc);
+        if (qk) {
+            float ss = block_sum(live ? o * o : 0.0f);
+            o = o * rsqrtf(ss / dk + eps) * scale;
+        }
+        if (live) mixed[(long)t * cd + ch] = o;
+    }
+    if (live)
+        for (int j = 0; j < hist; j++) state[(long)j * cd + ch] = st[j];
 }
 
-// The delta rule over n tokens. Grid (value head, row block); a block of 8
-// warps owns 32 rows of the head's state (dv x dk), 4 per warp; a lane
-// keeps dk/32 columns of each of its rows in registers (dk <= 256).
-// y layout: [t][nv][dv].
+// The delta rule over n tokens, then the gated RMSNorm of its output:
+// out = rms_norm(y, norm_w) * silu(z) per (token, value head). Grid (value
+// head, row block); a block of 8 warps owns 32 rows of the head's state
+// (dv x dk), 4 per warp; a lane keeps dk/32 columns of each of its rows in
+// registers (dk <= 256). The norm needs all of a head's rows: the last of
+// the head's blocks to finish (counted in done[head], which it resets to 0
+// for the next layer) computes it. y and out layout: [t][nv][dv].
 #define DR_ROWS_PER_WARP 4
 extern "C" __global__ void delta_rule(const float* mixed, const float* a, const float* b,
                                       const float* a_log, const float* dt_bias, float* state,
-                                      int n, int nk, int nv, int dk, int dv, float* y) { PDL_ENTER();
+                                      int n, int nk, int nv, int dk, int dv, float* y, const float* z,
+                                      const float* norm_w, float eps, int* done, float* out) { PDL_ENTER();
     int h = blockIdx.x;
     int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int kh = h / (nv / nk);
@@ -795,16 +832,32 @@ extern "C" __global__ void delta_rule(const float* mixed, const float* a, const 
 #pragma unroll
         for (int c = 0; c < 8; c++)
             if (c < per && row0 + r < dv) state[((long)h * dv + row0 + r) * dk + lane + c * WARP] = st[r][c];
-}
-
-// Gated RMSNorm per (token, value head): out = rms_norm(y, w) * silu(z); a
-// block of dv threads.
-extern "C" __global__ void gated_norm(const float* y, const float* z, const float* w, float eps,
-                                      int dv, float* out) { PDL_ENTER();
-    long base = ((long)blockIdx.y * gridDim.x + blockIdx.x) * dv;
-    float v = y[base + threadIdx.x];
-    float ss = block_sum(v * v);
-    out[base + threadIdx.x] = v * rsqrtf(ss / dv + eps) * w[threadIdx.x] * siluf_(z[base + threadIdx.x]);
+    // Publish this block's rows of y, then count it in.
+    __threadfence();
+    __syncthreads();
+    __shared__ bool last;
+    if (threadIdx.x == 0) last = atomicAdd(&done[h], 1) == (int)gridDim.y - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    // A warp per token; y is read through L2 (other blocks wrote it).
+    for (int t = w; t < n; t += blockDim.x >> 5) {
+        long base = ((long)t * nv + h) * dv;
+        float v[8];
+        float ss = 0.0f;
+#pragma unroll
+        for (int c = 0; c < 8; c++) {
+            v[c] = lane + c * WARP < dv ? __ldcg(y + base + lane + c * WARP) : 0.0f;
+            ss = fmaf(v[c], v[c], ss);
+        }
+        float inv = rsqrtf(warp_sum(ss) / dv + eps);
+#pragma unroll
+        for (int c = 0; c < 8; c++) {
+            int i = lane + c * WARP;
+            if (i < dv) out[base + i] = v[c] * inv * norm_w[i] * siluf_(z[base + i]);
+        }
+    }
+    if (threadIdx.x == 0) done[h] = 0;
 }
 
 // --------------------------------------------------------------------------
@@ -908,17 +961,28 @@ extern "C" __global__ void moe_down_bx(const ExpertTask* t, ExpertLayout L, cons
 // out[t] += sum_j w[t,j] * slot_out[t*k+j] (slot order) + g[t] * shared[t]
 // (when `shared` is not null), g = sigmoid(sg[t]) for Qwen's gated shared
 // expert, 1 for DeepSeek's ungated ones (`sg` null): the MoE block's output
-// added to the residual stream. Grid (token, column blocks).
+// added to the residual stream. Grid (token, column blocks). When `norm_w`
+// is not null (then one column block per token), also xn[t] =
+// rms_norm(out[t], norm_w): the next layer's input norm.
 extern "C" __global__ void moe_combine(const float* slot_out, const float* wts, int k, int h,
-                                       const float* shared, const float* sg, float* out) { PDL_ENTER();
+                                       const float* shared, const float* sg, float* out,
+                                       const float* norm_w, float eps, float* xn) { PDL_ENTER();
     int t = blockIdx.x;
     float s = shared ? (sg ? sigmoidf_(sg[t]) : 1.0f) : 0.0f;
+    float ss = 0.0f;
     for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < h; i += gridDim.y * blockDim.x) {
         float acc = 0.0f;
         for (int j = 0; j < k; j++) acc += wts[t * k + j] * slot_out[((long)t * k + j) * h + i];
         if (shared) acc += s * shared[(long)t * h + i];
-        out[(long)t * h + i] += acc;
+        float v = out[(long)t * h + i] + acc;
+        out[(long)t * h + i] = v;
+        ss = fmaf(v, v, ss);
     }
+    if (!norm_w) return;
+    // Each thread rereads only the values it wrote.
+    float inv = rsqrtf(block_sum(ss) / h + eps);
+    for (int i = threadIdx.x; i < h; i += blockDim.x)
+        xn[(long)t * h + i] = out[(long)t * h + i] * inv * norm_w[i];
 }
 
 // Router: per token, softmax over the e logits, the k largest (ties to the

@@ -139,17 +139,22 @@ pub(super) fn qmv_rows_per_block(
     }
 }
 
-/// The activation-stationary one-token product kernel for `bits` and
-/// `chunks` (8 or 2) per warp.
-fn qmv_kernel(bits: i32, chunks: usize) -> &'static str {
-    match (bits, chunks) {
-        (4, 2) => "qmv_b4_nc2",
-        (8, 2) => "qmv_b8_nc2",
-        (_, 2) => "qmv_b2_nc2",
-        (4, _) => "qmv_b4",
-        (8, _) => "qmv_b8",
-        _ => "qmv_b2",
-    }
+/// The activation-stationary one-token product kernel for `bits`,
+/// `chunks` (8 or 2) per warp and the input `act`.
+fn qmv_kernel(bits: i32, chunks: usize, act: Input) -> String {
+    let nc = if chunks == 2 { "_nc2" } else { "" };
+    let glu = if act == Input::Glu { "_glu" } else { "" };
+    format!("qmv_{}{nc}{glu}", kernel_suffix(bits))
+}
+
+/// What a product's input buffer holds.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Input {
+    /// The activations.
+    Plain,
+    /// One token's [gate | up] (each as wide as the matrix's rows are
+    /// long); the product's input is silu(gate) * up.
+    Glu,
 }
 
 /// Rows one warp of the activation-stationary kernels covers (its chunks
@@ -214,6 +219,30 @@ struct MultiMatmul {
 /// Several products of the same input `x[n, cols]`: quantized ones four
 /// to a launch, dense ones one each.
 pub(super) fn matmuls(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
+    launch_products(gpu, ops, x, n, Input::Plain)
+}
+
+/// An MLP's down product of `silu(gate) * up` for `n` tokens: `gu` holds
+/// gate (n x cols) then up. One token whose product fits the
+/// activation-stationary kernels applies the SwiGLU as it loads its input
+/// (one launch); otherwise it is computed into `act` (n x cols) first.
+pub(super) fn swiglu_matmul(gpu: &Gpu, down: Mm, gu: u64, act: u64, n: usize) -> Result<()> {
+    match down.w {
+        DevLinear::Quant(q) if n == 1 && qmv_fit(&q).is_some() => {
+            launch_products(gpu, &[down], gu, 1, Input::Glu)
+        }
+        w => {
+            let cols = match w {
+                DevLinear::Quant(q) => q.cols,
+                DevLinear::Dense { cols, .. } => cols,
+            } as usize;
+            swiglu(gpu, gu, gu + (4 * n * cols) as u64, act, n * cols)?;
+            matmuls(gpu, &[down], act, n)
+        }
+    }
+}
+
+fn launch_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize, input: Input) -> Result<()> {
     let nn = n as i32;
     let ty = n.div_ceil(4).min(64) as u32;
     // One token: matrices that fit the activation-stationary kernels go
@@ -222,6 +251,10 @@ pub(super) fn matmuls(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
     for o in ops {
         let DevLinear::Quant(q) = o.w else { continue };
         let key = (n == 1 && qmv_fit(&q).is_some()).then_some(q.bits);
+        debug_assert!(
+            input == Input::Plain || key.is_some(),
+            "only qmv applies a SwiGLU"
+        );
         match groups.iter_mut().find(|g| g.0 == key && g.1.len() < 4) {
             Some(g) => g.1.push((q, o)),
             None => groups.push((key, vec![(q, o)])),
@@ -265,7 +298,7 @@ pub(super) fn matmuls(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
         unsafe {
             match key {
                 Some(bits) => gpu.launch(
-                    qmv_kernel(*bits, chunks),
+                    &qmv_kernel(*bits, chunks, input),
                     (blocks as u32, 1, 1),
                     256,
                     0,

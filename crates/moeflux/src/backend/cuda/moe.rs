@@ -13,8 +13,8 @@ use crate::model::timing::{lap, PhaseTimes};
 
 use super::device::{args, DevBuf, Gpu};
 use super::linear::{
-    dev_linear, kernel_suffix, matmuls, mm, mm_add, qmv_rows_per_block, rows_per_block, swiglu,
-    DevLinear, QMV_CHUNKS,
+    dev_linear, kernel_suffix, matmuls, mm, mm_add, qmv_rows_per_block, rows_per_block,
+    swiglu_matmul, DevLinear, QMV_CHUNKS,
 };
 use super::model::{unsupported, Ctx};
 
@@ -194,29 +194,36 @@ impl GpuMlp {
     /// The MLP of layer `i` on the normed `xn`, its output added to `x`.
     /// `next`: the next MoE layer (index and block), whose experts a
     /// `--prefetch` session starts uploading on a predicted choice.
+    /// `next_norm`: the weights of the norm that follows (the next layer's
+    /// input norm or the final one); returns whether `xn` now holds `x`
+    /// normed with them.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         cx: &mut Ctx,
         i: usize,
         next: Option<(usize, &GpuMoe)>,
+        next_norm: u64,
         xn: u64,
         n: usize,
         x: u64,
         times: &mut PhaseTimes,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         match self {
             GpuMlp::Dense(d) => {
                 let inter = d.gate.rows();
                 let (g, s) = (cx.gpu, &mut *cx.scratch);
-                let gb = s.get(g, "g", 4 * n * inter)?;
-                let ub = s.get(g, "u", 4 * n * inter)?;
+                let gu = s.get(g, "gu", 8 * n * inter)?;
                 let act = s.get(g, "act", 4 * n * inter)?;
-                matmuls(g, &[mm(d.gate, gb), mm(d.up, ub)], xn, n)?;
-                swiglu(g, gb, ub, act, n * inter)?;
-                matmuls(g, &[mm_add(d.down, x)], act, n)
+                let ub = gu + (4 * n * inter) as u64;
+                matmuls(g, &[mm(d.gate, gu), mm(d.up, ub)], xn, n)?;
+                swiglu_matmul(g, mm_add(d.down, x), gu, act, n)?;
+                Ok(false)
             }
-            GpuMlp::Moe(m) => m.forward(cx, i, next, xn, n, x, times),
+            GpuMlp::Moe(m) => {
+                m.forward(cx, i, next, next_norm, xn, n, x, times)?;
+                Ok(true)
+            }
         }
     }
 }
@@ -228,6 +235,7 @@ impl GpuMoe {
         cx: &mut Ctx,
         i: usize,
         next: Option<(usize, &GpuMoe)>,
+        next_norm: u64,
         xn: u64,
         n: usize,
         x: u64,
@@ -251,18 +259,16 @@ impl GpuMoe {
         let (mut sy, mut sg) = (0u64, 0u64);
         if let Some(sh) = self.shared {
             let si = sh.gate.rows();
-            let gb = s.get(g, "sg_g", 4 * n * si)?;
-            let ub = s.get(g, "sg_u", 4 * n * si)?;
+            let gu = s.get(g, "sg_gu", 8 * n * si)?;
             let sact = s.get(g, "sg_act", 4 * n * si)?;
             sy = s.get(g, "sg_y", 4 * n * h)?;
-            ops.extend([mm(sh.gate, gb), mm(sh.up, ub)]);
+            ops.extend([mm(sh.gate, gu), mm(sh.up, gu + (4 * n * si) as u64)]);
             if let Some(gate) = self.shared_gate {
                 sg = s.get(g, "sg_s", 4 * n)?;
                 ops.push(mm(gate, sg));
             }
             matmuls(g, &ops, xn, n)?;
-            swiglu(g, gb, ub, sact, n * si)?;
-            matmuls(g, &[mm(sh.down, sy)], sact, n)?;
+            swiglu_matmul(g, mm(sh.down, sy), gu, sact, n)?;
         } else {
             matmuls(g, &ops, xn, n)?;
         }
@@ -442,15 +448,17 @@ impl GpuMoe {
             self.compute_on_host(cx, i, &cpu_users, &host_xn, slot_out)?;
         }
         let h_i = h as i32;
+        let eps = cx.config.rms_norm_eps;
         // SAFETY: `moe_combine` in kernels.cu; sy and sg are null or hold n
-        // rows (shared output, gate logit).
+        // rows (shared output, gate logit); next_norm holds h weights. A
+        // block per token, for the norm.
         unsafe {
             g.launch(
                 "moe_combine",
-                (n as u32, h.div_ceil(256) as u32, 1),
-                256,
+                (n as u32, 1, 1),
+                1024,
                 0,
-                &mut args!(slot_out, d_wts, k_i, h_i, sy, sg, x),
+                &mut args!(slot_out, d_wts, k_i, h_i, sy, sg, x, next_norm, eps, xn),
             )?;
         }
         lap(&mut clock, &mut times.expert_compute);

@@ -27,6 +27,8 @@ pub(super) struct GpuLinearAttn {
     dt_bias: DevBuf,
     norm: DevBuf,
     out: DevLinear,
+    /// Per value head, the delta-rule blocks done (zero between launches).
+    done: DevBuf,
 }
 
 enum GpuDeltaProj {
@@ -93,6 +95,7 @@ pub(super) fn upload_mixer(gpu: &Gpu, base: u64, m: &Mixer) -> Result<GpuMixer> 
             dt_bias: vec(&g.dt_bias)?,
             norm: vec(&g.norm)?,
             out: lin(&g.out_proj),
+            done: DevBuf::zeros(gpu, 4 * g.a_log.len())?,
         }),
     })
 }
@@ -139,10 +142,8 @@ impl GpuFullAttn {
         let Some(GpuLayerState::Full(kv)) = cx.state.layers.get(i) else {
             return Err(state_error(i));
         };
-        let (kc, vc, row) = (kv.a.ptr(), kv.b.ptr(), kv.row_a as i32);
+        let (kc, vc) = (kv.a.ptr(), kv.b.ptr());
         let scale = 1.0 / (hd as f32).sqrt();
-        let nn = n as i32;
-        let append_blocks = (n * kv.row_a).div_ceil(256).min(1024) as u32;
         // SAFETY (every launch below): arguments match the kernels in
         // kernels.cu; the scratch buffers are sized for n tokens and the
         // cache for its rows (grown before the eval).
@@ -152,14 +153,10 @@ impl GpuFullAttn {
                 ((nh + nkv) as u32, n as u32, 1),
                 hd as u32,
                 (4 * hd) as u32,
-                &mut args!(qg, k, qn, kn, inv_freq, half, nh_i, nkv_i, hd_i, eps, pos, ps, q, gate),
-            )?;
-            g.launch(
-                "kv_append",
-                (append_blocks, 1, 1),
-                256,
-                0,
-                &mut args!(k, v, kc, vc, row, pos, nn),
+                &mut args!(
+                    qg, k, v, qn, kn, inv_freq, half, nh_i, nkv_i, hd_i, eps, pos, ps, q, gate, kc,
+                    vc
+                ),
             )?;
             g.launch(
                 "attention",
@@ -194,6 +191,7 @@ impl GpuLinearAttn {
         let b = s.get(g, "b", 4 * n * nv)?;
         let a = s.get(g, "a", 4 * n * nv)?;
         let y = s.get(g, "y", 4 * n * vd)?;
+        let done = la.done.ptr();
         let o = s.get(g, "o", 4 * n * vd)?;
         match la.proj {
             GpuDeltaProj::Split {
@@ -232,38 +230,27 @@ impl GpuLinearAttn {
             la.dt_bias.ptr(),
             la.norm.ptr(),
         );
-        let (cd_i, kk, nn) = (cd as i32, conv_kernel as i32, n as i32);
+        let (kk, nn) = (conv_kernel as i32, n as i32);
         let (nk_i, nv_i, dk_i, dv_i) = (nk as i32, nv as i32, dk as i32, dv as i32);
         // SAFETY (every launch below): arguments match the kernels in
         // kernels.cu; buffers sized above, states at model load.
         unsafe {
             g.launch(
-                "conv_silu",
-                (cd.div_ceil(256) as u32, 1, 1),
-                256,
+                "conv_qk_norm",
+                ((2 * nk + nv) as u32, 1, 1),
+                dk.max(dv) as u32,
                 0,
-                &mut args!(mixed, conv_w, conv_state, cd_i, kk, nn),
-            )?;
-            g.launch(
-                "deltanet_qk_norm",
-                ((2 * nk) as u32, n as u32, 1),
-                dk as u32,
-                0,
-                &mut args!(mixed, nk_i, dk_i, cd_i),
+                &mut args!(mixed, conv_w, conv_state, nk_i, dk_i, nv_i, dv_i, kk, nn),
             )?;
             g.launch(
                 "delta_rule",
                 (nv as u32, dv.div_ceil(32) as u32, 1),
                 256,
                 0,
-                &mut args!(mixed, a, b, a_log, dt_bias, ssm, nn, nk_i, nv_i, dk_i, dv_i, y),
-            )?;
-            g.launch(
-                "gated_norm",
-                (nv as u32, n as u32, 1),
-                dv as u32,
-                0,
-                &mut args!(y, z, norm, eps, dv_i, o),
+                &mut args!(
+                    mixed, a, b, a_log, dt_bias, ssm, nn, nk_i, nv_i, dk_i, dv_i, y, z, norm, eps,
+                    done, o
+                ),
             )?;
         }
         matmuls(g, &[mm_add(la.out, x)], o, n)
