@@ -98,12 +98,15 @@ __device__ __forceinline__ float qcodef(u32 word, int e) {
 }
 
 // N activations from p (16-byte aligned) into xv; returns their sum.
+// Activations are plain loads, never __ldg: they come from the previous
+// kernel, and a non-coherent load counts as invariant, which lets the
+// compiler hoist it above the PDL wait (stale values).
 template <int N>
 __device__ __forceinline__ float load_acts(const float* p, float* xv) {
     float xs = 0.0f;
 #pragma unroll
     for (int e4 = 0; e4 < N / 4; e4++) {
-        float4 f = __ldg((const float4*)p + e4);
+        float4 f = ((const float4*)p)[e4];
         xv[4 * e4] = f.x;
         xv[4 * e4 + 1] = f.y;
         xv[4 * e4 + 2] = f.z;
@@ -121,7 +124,7 @@ __device__ __forceinline__ float load_glu(const float* g, const float* u, float*
     float xs = 0.0f;
 #pragma unroll
     for (int e4 = 0; e4 < N / 4; e4++) {
-        float4 a = __ldg((const float4*)g + e4), b = __ldg((const float4*)u + e4);
+        float4 a = ((const float4*)g)[e4], b = ((const float4*)u)[e4];
         xv[4 * e4] = siluf_(a.x) * b.x;
         xv[4 * e4 + 1] = siluf_(a.y) * b.y;
         xv[4 * e4 + 2] = siluf_(a.z) * b.z;
@@ -489,10 +492,15 @@ __device__ __forceinline__ void qmv_chunks(const QW& a, const QW& b, int na, con
     }
 }
 
-template <int BITS, int NC, bool GLU>
-__device__ __forceinline__ void qmv_body(const MultiMatmul& mm, const float* x) {
+// The matrix of a MultiMatmul this block works on.
+__device__ __forceinline__ int block_matrix(const MultiMatmul& mm) {
     int m = 0;
     while (m + 1 < mm.count && (int)blockIdx.x >= mm.first_block[m + 1]) m++;
+    return m;
+}
+
+template <int BITS, int NC, bool GLU>
+__device__ __forceinline__ void qmv_body(const MultiMatmul& mm, int m, const float* x) {
     const QW& q = mm.q[m];
     QmvGeom G = qmv_geom(q.cols, q.bits);
     int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -519,26 +527,46 @@ __device__ __forceinline__ void qmv_body(const MultiMatmul& mm, const float* x) 
 // rows, so products of a few hundred KB, routers and shared experts, spread
 // over every SM and each warp's chain of loads and FMAs is shorter); `_glu`:
 // the input is the SwiGLU of [gate | up] (an MLP's down product).
-#define QMV_KERNELS(B)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(256) qmv_b##B(MultiMatmul mm, const float* x) {            \
-        PDL_TRIGGER();                                                                                      \
-        qmv_body<B, QMV_NC, false>(mm, x);                                                                  \
-    }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(256) qmv_b##B##_nc2(MultiMatmul mm, const float* x) {      \
-        PDL_TRIGGER();                                                                                      \
-        qmv_body<B, 2, false>(mm, x);                                                                       \
-    }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(256) qmv_b##B##_glu(MultiMatmul mm, const float* x) {      \
-        PDL_TRIGGER();                                                                                      \
-        qmv_body<B, QMV_NC, true>(mm, x);                                                                   \
-    }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(256) qmv_b##B##_nc2_glu(MultiMatmul mm, const float* x) {  \
-        PDL_TRIGGER();                                                                                      \
-        qmv_body<B, 2, true>(mm, x);                                                                        \
+#define QMV_KERNELS(B)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) qmv_b##B(MultiMatmul mm, const float* x) {        \
+        PDL_TRIGGER();                                                                                  \
+        qmv_body<B, QMV_NC, false>(mm, block_matrix(mm), x);                                            \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(256) qmv_b##B##_nc2(MultiMatmul mm, const float* x) {  \
+        PDL_TRIGGER();                                                                                  \
+        qmv_body<B, 2, false>(mm, block_matrix(mm), x);                                                 \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(256) qmv_b##B##_glu(MultiMatmul mm, const float* x) {  \
+        PDL_TRIGGER();                                                                                  \
+        qmv_body<B, QMV_NC, true>(mm, block_matrix(mm), x);                                             \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(256) qmv_b##B##_nc2_glu(MultiMatmul mm, const float* x) {\
+        PDL_TRIGGER();                                                                                  \
+        qmv_body<B, 2, true>(mm, block_matrix(mm), x);                                                  \
     }
 QMV_KERNELS(4)
 QMV_KERNELS(8)
 QMV_KERNELS(2)
+
+// A group of 4- and 8-bit matrices in one launch (a MoE block's 8-bit
+// router and gate with its 4-bit shared expert): the width is chosen per
+// block.
+template <int NC>
+__device__ __forceinline__ void qmv_b48_body(const MultiMatmul& mm, const float* x) {
+    int m = block_matrix(mm);
+    if (mm.q[m].bits == 8)
+        qmv_body<8, NC, false>(mm, m, x);
+    else
+        qmv_body<4, NC, false>(mm, m, x);
+}
+extern "C" __global__ void __launch_bounds__(256) qmv_b48(MultiMatmul mm, const float* x) {
+    PDL_TRIGGER();
+    qmv_b48_body<QMV_NC>(mm, x);
+}
+extern "C" __global__ void __launch_bounds__(256) qmv_b48_nc2(MultiMatmul mm, const float* x) {
+    PDL_TRIGGER();
+    qmv_b48_body<2>(mm, x);
+}
 
 // Dense (bf16 or f32) weights: a warp per row, 8 rows per block.
 extern "C" __global__ void dmatmul(const void* w, int f32, int rows, int cols, const float* x, int n,
@@ -771,18 +799,14 @@ extern "C" __global__ void conv_qk_norm(float* mixed, const float* w, float* sta
         for (int j = 0; j < hist; j++) state[(long)j * cd + ch] = st[j];
 }
 
-// The delta rule over n tokens, then the gated RMSNorm of its output:
-// out = rms_norm(y, norm_w) * silu(z) per (token, value head). Grid (value
-// head, row block); a block of 8 warps owns 32 rows of the head's state
-// (dv x dk), 4 per warp; a lane keeps dk/32 columns of each of its rows in
-// registers (dk <= 256). The norm needs all of a head's rows: the last of
-// the head's blocks to finish (counted in done[head], which it resets to 0
-// for the next layer) computes it. y and out layout: [t][nv][dv].
+// The delta rule over n tokens. Grid (value head, row block); a block of 8
+// warps owns 32 rows of the head's state (dv x dk), 4 per warp; a lane
+// keeps dk/32 columns of each of its rows in registers (dk <= 256).
+// y layout: [t][nv][dv].
 #define DR_ROWS_PER_WARP 4
 extern "C" __global__ void delta_rule(const float* mixed, const float* a, const float* b,
                                       const float* a_log, const float* dt_bias, float* state,
-                                      int n, int nk, int nv, int dk, int dv, float* y, const float* z,
-                                      const float* norm_w, float eps, int* done, float* out) { PDL_ENTER();
+                                      int n, int nk, int nv, int dk, int dv, float* y) { PDL_ENTER();
     int h = blockIdx.x;
     int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int kh = h / (nv / nk);
@@ -832,32 +856,16 @@ extern "C" __global__ void delta_rule(const float* mixed, const float* a, const 
 #pragma unroll
         for (int c = 0; c < 8; c++)
             if (c < per && row0 + r < dv) state[((long)h * dv + row0 + r) * dk + lane + c * WARP] = st[r][c];
-    // Publish this block's rows of y, then count it in.
-    __threadfence();
-    __syncthreads();
-    __shared__ bool last;
-    if (threadIdx.x == 0) last = atomicAdd(&done[h], 1) == (int)gridDim.y - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    // A warp per token; y is read through L2 (other blocks wrote it).
-    for (int t = w; t < n; t += blockDim.x >> 5) {
-        long base = ((long)t * nv + h) * dv;
-        float v[8];
-        float ss = 0.0f;
-#pragma unroll
-        for (int c = 0; c < 8; c++) {
-            v[c] = lane + c * WARP < dv ? __ldcg(y + base + lane + c * WARP) : 0.0f;
-            ss = fmaf(v[c], v[c], ss);
-        }
-        float inv = rsqrtf(warp_sum(ss) / dv + eps);
-#pragma unroll
-        for (int c = 0; c < 8; c++) {
-            int i = lane + c * WARP;
-            if (i < dv) out[base + i] = v[c] * inv * norm_w[i] * siluf_(z[base + i]);
-        }
-    }
-    if (threadIdx.x == 0) done[h] = 0;
+}
+
+// Gated RMSNorm per (token, value head): out = rms_norm(y, w) * silu(z); a
+// block of dv threads.
+extern "C" __global__ void gated_norm(const float* y, const float* z, const float* w, float eps,
+                                      int dv, float* out) { PDL_ENTER();
+    long base = ((long)blockIdx.y * gridDim.x + blockIdx.x) * dv;
+    float v = y[base + threadIdx.x];
+    float ss = block_sum(v * v);
+    out[base + threadIdx.x] = v * rsqrtf(ss / dv + eps) * w[threadIdx.x] * siluf_(z[base + threadIdx.x]);
 }
 
 // --------------------------------------------------------------------------
@@ -961,28 +969,17 @@ extern "C" __global__ void moe_down_bx(const ExpertTask* t, ExpertLayout L, cons
 // out[t] += sum_j w[t,j] * slot_out[t*k+j] (slot order) + g[t] * shared[t]
 // (when `shared` is not null), g = sigmoid(sg[t]) for Qwen's gated shared
 // expert, 1 for DeepSeek's ungated ones (`sg` null): the MoE block's output
-// added to the residual stream. Grid (token, column blocks). When `norm_w`
-// is not null (then one column block per token), also xn[t] =
-// rms_norm(out[t], norm_w): the next layer's input norm.
+// added to the residual stream. Grid (token, column blocks).
 extern "C" __global__ void moe_combine(const float* slot_out, const float* wts, int k, int h,
-                                       const float* shared, const float* sg, float* out,
-                                       const float* norm_w, float eps, float* xn) { PDL_ENTER();
+                                       const float* shared, const float* sg, float* out) { PDL_ENTER();
     int t = blockIdx.x;
     float s = shared ? (sg ? sigmoidf_(sg[t]) : 1.0f) : 0.0f;
-    float ss = 0.0f;
     for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < h; i += gridDim.y * blockDim.x) {
         float acc = 0.0f;
         for (int j = 0; j < k; j++) acc += wts[t * k + j] * slot_out[((long)t * k + j) * h + i];
         if (shared) acc += s * shared[(long)t * h + i];
-        float v = out[(long)t * h + i] + acc;
-        out[(long)t * h + i] = v;
-        ss = fmaf(v, v, ss);
+        out[(long)t * h + i] += acc;
     }
-    if (!norm_w) return;
-    // Each thread rereads only the values it wrote.
-    float inv = rsqrtf(block_sum(ss) / h + eps);
-    for (int i = threadIdx.x; i < h; i += blockDim.x)
-        xn[(long)t * h + i] = out[(long)t * h + i] * inv * norm_w[i];
 }
 
 // Router: per token, softmax over the e logits, the k largest (ties to the

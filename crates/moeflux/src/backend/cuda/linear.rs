@@ -139,12 +139,25 @@ pub(super) fn qmv_rows_per_block(
     }
 }
 
-/// The activation-stationary one-token product kernel for `bits`,
-/// `chunks` (8 or 2) per warp and the input `act`.
-fn qmv_kernel(bits: i32, chunks: usize, act: Input) -> String {
+/// The activation-stationary one-token product kernel for matrices of
+/// `bits` bits (`None`: 4- and 8-bit ones together), `chunks` (8 or 2) per
+/// warp and the input `act`.
+fn qmv_kernel(bits: Option<i32>, chunks: usize, act: Input) -> String {
     let nc = if chunks == 2 { "_nc2" } else { "" };
     let glu = if act == Input::Glu { "_glu" } else { "" };
-    format!("qmv_{}{nc}{glu}", kernel_suffix(bits))
+    let width = bits.map_or("b48", kernel_suffix);
+    format!("qmv_{width}{nc}{glu}")
+}
+
+/// Which one-token products may share a launch: 4- and 8-bit matrices
+/// (`qmv_b48` picks the width per block), 2-bit ones apart (their longer
+/// runs of codes per lane need more registers).
+fn qmv_class(bits: i32) -> i32 {
+    if bits == 2 {
+        2
+    } else {
+        48
+    }
 }
 
 /// What a product's input buffer holds.
@@ -242,6 +255,12 @@ pub(super) fn swiglu_matmul(gpu: &Gpu, down: Mm, gu: u64, act: u64, n: usize) ->
     }
 }
 
+/// The code width of every matrix of `group`, if they share one.
+fn one_width(group: &[(Qw, &Mm)]) -> Option<i32> {
+    let bits = group[0].0.bits;
+    group.iter().all(|(q, _)| q.bits == bits).then_some(bits)
+}
+
 fn launch_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize, input: Input) -> Result<()> {
     let nn = n as i32;
     let ty = n.div_ceil(4).min(64) as u32;
@@ -250,7 +269,7 @@ fn launch_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize, input: Input) -> Res
     let mut groups: Vec<LaunchGroup> = Vec::new();
     for o in ops {
         let DevLinear::Quant(q) = o.w else { continue };
-        let key = (n == 1 && qmv_fit(&q).is_some()).then_some(q.bits);
+        let key = (n == 1 && qmv_fit(&q).is_some()).then_some(qmv_class(q.bits));
         debug_assert!(
             input == Input::Plain || key.is_some(),
             "only qmv applies a SwiGLU"
@@ -297,8 +316,8 @@ fn launch_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize, input: Input) -> Res
         // sized x and every output for n tokens.
         unsafe {
             match key {
-                Some(bits) => gpu.launch(
-                    &qmv_kernel(*bits, chunks, input),
+                Some(_) => gpu.launch(
+                    &qmv_kernel(one_width(group), chunks, input),
                     (blocks as u32, 1, 1),
                     256,
                     0,

@@ -556,13 +556,8 @@ impl CudaModel {
             )?
         };
         lap(&mut clock, &mut times.embed_norm);
-        // Whether xn holds x normed for the next layer (a MoE block's
-        // combine does it).
-        let mut normed = false;
         for (i, layer) in self.layers.iter().enumerate() {
-            if !normed {
-                rms_norm(g, x, layer.input_norm.ptr(), n, h, eps, xn)?;
-            }
+            rms_norm(g, x, layer.input_norm.ptr(), n, h, eps, xn)?;
             match &layer.mixer {
                 GpuMixer::Full(a) => a.forward(&mut cx, i, xn, n, x)?,
                 GpuMixer::Linear(a) => a.forward(&mut cx, i, xn, n, x)?,
@@ -577,27 +572,16 @@ impl CudaModel {
                     GpuMlp::Moe(m) => Some((i + 1 + d, m)),
                     GpuMlp::Dense(_) => None,
                 });
-            let next_norm = match self.layers.get(i + 1) {
-                Some(l) => l.input_norm.ptr(),
-                None => self.final_norm.ptr(),
-            };
-            normed = layer
-                .mlp
-                .forward(&mut cx, i, next, next_norm, xn, n, x, times)?;
+            layer.mlp.forward(&mut cx, i, next, xn, n, x, times)?;
             clock = std::time::Instant::now();
         }
         let m = rows.len();
-        let row0 = (4 * rows.start * h) as u64;
-        let final_xn = if normed {
-            xn + row0
-        } else {
-            let out = cx.scratch.get(g, "normed", 4 * m * h)?;
-            rms_norm(g, x + row0, self.final_norm.ptr(), m, h, eps, out)?;
-            out
-        };
+        let normed = cx.scratch.get(g, "normed", 4 * m * h)?;
+        let final_x = x + (4 * rows.start * h) as u64;
+        rms_norm(g, final_x, self.final_norm.ptr(), m, h, eps, normed)?;
         let v = self.config.vocab_size;
         let logits = cx.scratch.get(g, "logits", 4 * m * v)?;
-        matmuls(g, &[mm(self.lm_head, logits)], final_xn, m)?;
+        matmuls(g, &[mm(self.lm_head, logits)], normed, m)?;
         lap(&mut clock, &mut times.lm_head);
         Ok(())
     }

@@ -194,21 +194,17 @@ impl GpuMlp {
     /// The MLP of layer `i` on the normed `xn`, its output added to `x`.
     /// `next`: the next MoE layer (index and block), whose experts a
     /// `--prefetch` session starts uploading on a predicted choice.
-    /// `next_norm`: the weights of the norm that follows (the next layer's
-    /// input norm or the final one); returns whether `xn` now holds `x`
-    /// normed with them.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         cx: &mut Ctx,
         i: usize,
         next: Option<(usize, &GpuMoe)>,
-        next_norm: u64,
         xn: u64,
         n: usize,
         x: u64,
         times: &mut PhaseTimes,
-    ) -> Result<bool> {
+    ) -> Result<()> {
         match self {
             GpuMlp::Dense(d) => {
                 let inter = d.gate.rows();
@@ -217,13 +213,9 @@ impl GpuMlp {
                 let act = s.get(g, "act", 4 * n * inter)?;
                 let ub = gu + (4 * n * inter) as u64;
                 matmuls(g, &[mm(d.gate, gu), mm(d.up, ub)], xn, n)?;
-                swiglu_matmul(g, mm_add(d.down, x), gu, act, n)?;
-                Ok(false)
+                swiglu_matmul(g, mm_add(d.down, x), gu, act, n)
             }
-            GpuMlp::Moe(m) => {
-                m.forward(cx, i, next, next_norm, xn, n, x, times)?;
-                Ok(true)
-            }
+            GpuMlp::Moe(m) => m.forward(cx, i, next, xn, n, x, times),
         }
     }
 }
@@ -235,7 +227,6 @@ impl GpuMoe {
         cx: &mut Ctx,
         i: usize,
         next: Option<(usize, &GpuMoe)>,
-        next_norm: u64,
         xn: u64,
         n: usize,
         x: u64,
@@ -448,17 +439,15 @@ impl GpuMoe {
             self.compute_on_host(cx, i, &cpu_users, &host_xn, slot_out)?;
         }
         let h_i = h as i32;
-        let eps = cx.config.rms_norm_eps;
         // SAFETY: `moe_combine` in kernels.cu; sy and sg are null or hold n
-        // rows (shared output, gate logit); next_norm holds h weights. A
-        // block per token, for the norm.
+        // rows (shared output, gate logit).
         unsafe {
             g.launch(
                 "moe_combine",
-                (n as u32, 1, 1),
-                1024,
+                (n as u32, h.div_ceil(256) as u32, 1),
+                256,
                 0,
-                &mut args!(slot_out, d_wts, k_i, h_i, sy, sg, x, next_norm, eps, xn),
+                &mut args!(slot_out, d_wts, k_i, h_i, sy, sg, x),
             )?;
         }
         lap(&mut clock, &mut times.expert_compute);

@@ -27,8 +27,6 @@ pub(super) struct GpuLinearAttn {
     dt_bias: DevBuf,
     norm: DevBuf,
     out: DevLinear,
-    /// Per value head, the delta-rule blocks done (zero between launches).
-    done: DevBuf,
 }
 
 enum GpuDeltaProj {
@@ -95,7 +93,6 @@ pub(super) fn upload_mixer(gpu: &Gpu, base: u64, m: &Mixer) -> Result<GpuMixer> 
             dt_bias: vec(&g.dt_bias)?,
             norm: vec(&g.norm)?,
             out: lin(&g.out_proj),
-            done: DevBuf::zeros(gpu, 4 * g.a_log.len())?,
         }),
     })
 }
@@ -191,7 +188,6 @@ impl GpuLinearAttn {
         let b = s.get(g, "b", 4 * n * nv)?;
         let a = s.get(g, "a", 4 * n * nv)?;
         let y = s.get(g, "y", 4 * n * vd)?;
-        let done = la.done.ptr();
         let o = s.get(g, "o", 4 * n * vd)?;
         match la.proj {
             GpuDeltaProj::Split {
@@ -247,10 +243,14 @@ impl GpuLinearAttn {
                 (nv as u32, dv.div_ceil(32) as u32, 1),
                 256,
                 0,
-                &mut args!(
-                    mixed, a, b, a_log, dt_bias, ssm, nn, nk_i, nv_i, dk_i, dv_i, y, z, norm, eps,
-                    done, o
-                ),
+                &mut args!(mixed, a, b, a_log, dt_bias, ssm, nn, nk_i, nv_i, dk_i, dv_i, y),
+            )?;
+            g.launch(
+                "gated_norm",
+                (nv as u32, n as u32, 1),
+                dv as u32,
+                0,
+                &mut args!(y, z, norm, eps, dv_i, o),
             )?;
         }
         matmuls(g, &[mm_add(la.out, x)], o, n)
