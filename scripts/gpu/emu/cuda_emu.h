@@ -1,8 +1,10 @@
 // A tiny CPU emulation of the CUDA features moeflux's kernels use: one OS
 // thread per CUDA thread, blocks one after another, barriers for
-// __syncthreads / __syncwarp and warp shuffles. For logic checks only.
+// __syncthreads / __syncwarp and warp shuffles, atomics on std::atomic_ref.
+// For logic checks only.
 #pragma once
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -30,6 +32,13 @@ inline std::vector<float> g_dyn_smem(1 << 20);
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }
 template <class T> T __ldg(const T* p) { return *p; }
+template <class T> T __ldcg(const T* p) { return *p; }
+// Blocks run one after another, so a fence only has to order the threads of a
+// block (and the atomics below make their updates visible to each other).
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
+inline unsigned atomicAdd(unsigned* p, unsigned v) { return std::atomic_ref<unsigned>(*p).fetch_add(v); }
+inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
 inline int __ffs(int x) { return __builtin_ffs(x); }
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 inline float __fmul_rn(float a, float b) { return a * b; }

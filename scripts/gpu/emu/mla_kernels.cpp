@@ -2,60 +2,12 @@
 // random inputs against a naive double-precision reference of model/mla.rs, model/yarn.rs
 // and model/router.rs, at the fixtures' and DeepSeek-V3's widths; the softmax router
 // (moe_route_c*) against model/moe.rs Routing::from_logits at Qwen's widths; the grouped
-// one-token products (qmv_b4, qmv_b4_nc2) against dequantized dot products.
+// one-token products (qmv_b4, qmv_b4_nc2 and their _glu variants, which apply the SwiGLU of
+// [gate | up] to their input) against dequantized dot products. The Qwen (GatedDeltaNet,
+// attention, MoE combine) kernels are checked by qwen_kernels.cpp.
 #include "cuda_emu.h"
 #include KERNELS_SOURCE  // kernels.cu + mla.cu, made by run.sh
-#include <cstdio>
-#include <random>
-#include <numeric>
-
-static std::mt19937_64 rng(42);
-static float urand(float a = -1, float b = 1) { return std::uniform_real_distribution<float>(a, b)(rng); }
-static u16 to_bf16(float f) { unsigned u; memcpy(&u, &f, 4); return (u16)(u >> 16); }
-static float from_bf16(u16 h) { unsigned u = ((unsigned)h) << 16; float f; memcpy(&f, &u, 4); return f; }
-
-struct HostQ {
-    int rows, cols, bits = 4, gs = 64;
-    std::vector<u32> w;
-    std::vector<u16> s, b;
-    std::vector<float> deq;  // reference weights
-    HostQ(int r, int c) : rows(r), cols(c) {
-        int wpr = c * bits / 32, gpr = c / gs;
-        w.assign((size_t)r * wpr, 0);
-        s.resize((size_t)r * gpr);
-        b.resize((size_t)r * gpr);
-        deq.resize((size_t)r * c);
-        for (auto& x : s) x = to_bf16(urand(0.01f, 0.1f));
-        for (auto& x : b) x = to_bf16(urand(-0.3f, 0.3f));
-        for (int i = 0; i < r; i++)
-            for (int j = 0; j < c; j++) {
-                u32 code = rng() & 15;
-                w[(size_t)i * wpr + j * 4 / 32] |= code << ((j * 4) % 32);
-                float sc = from_bf16(s[(size_t)i * gpr + j / gs]), bi = from_bf16(b[(size_t)i * gpr + j / gs]);
-                deq[(size_t)i * c + j] = code * sc + bi;
-            }
-    }
-    QW qw() const {
-        QW q;
-        q.w = w.data(); q.s = s.data(); q.b = b.data();
-        q.rows = rows; q.cols = cols; q.bits = bits; q.gs = gs; q.sf32 = 0;
-        return q;
-    }
-};
-
-static int fails = 0;
-static void check(const char* what, const std::vector<float>& got, const std::vector<double>& want, double rel) {
-    double scale = 0, worst = 0;
-    for (double v : want) scale = std::max(scale, std::fabs(v));
-    for (size_t i = 0; i < want.size(); i++) {
-        double d = std::fabs(got[i] - want[i]);
-        if (!(d == d)) d = 1e30;
-        worst = std::max(worst, d);
-    }
-    bool ok = worst <= rel * scale;
-    if (!ok) fails++;
-    printf("%-40s max|diff| %.3e of %.3e %s\n", what, worst, scale, ok ? "ok" : "FAIL");
-}
+#include "emu_check.h"
 
 // rows per block as the host computes it (linear.rs rows_per_block)
 static int rpb(int cols, int bits, bool one) {
@@ -128,11 +80,15 @@ static void test_qmv_heads(int nh, int rph, int cols, int x_head) {
 }
 
 // The one-token grouped products (qmv_b4 with 8 chunks per warp, qmv_b4_nc2 with 2): two
-// matrices of one input in one launch, the second added to its output (a residual).
-static void test_qmv_group(int rows_a, int rows_b, int cols, bool nc2) {
+// matrices of one input in one launch, the second added to its output (a residual). `glu`:
+// the _glu variants, whose x holds [g | u] (cols each) and whose input is silu(g) * u.
+static void test_qmv_group(int rows_a, int rows_b, int cols, bool nc2, bool glu = false) {
     HostQ A(rows_a, cols), B(rows_b, cols);
-    std::vector<float> x(cols);
-    for (auto& v : x) v = urand();
+    std::vector<float> x(glu ? 2 * cols : cols);
+    for (auto& v : x) v = urand(glu ? -3 : -1, glu ? 3 : 1);
+    std::vector<double> in(cols);  // the product's input
+    for (int j = 0; j < cols; j++)
+        in[j] = glu ? (double)x[j] / (1.0 + exp(-(double)x[j])) * x[cols + j] : x[j];
     std::vector<float> oa(rows_a, NAN), ob(rows_b);
     for (auto& v : ob) v = urand();
     std::vector<float> ob0 = ob;
@@ -149,23 +105,28 @@ static void test_qmv_group(int rows_a, int rows_b, int cols, bool nc2) {
     for (int j = 1; j < 5; j++) mm.first_block[j] = j == 1 ? ba : ba + bb;
     const float* xp = x.data();
     emu_launch({(unsigned)(ba + bb), 1, 1}, 256, [&] {
-        if (nc2) qmv_b4_nc2(mm, xp); else qmv_b4(mm, xp);
+        if (glu) {
+            if (nc2) qmv_b4_nc2_glu(mm, xp); else qmv_b4_glu(mm, xp);
+        } else {
+            if (nc2) qmv_b4_nc2(mm, xp); else qmv_b4(mm, xp);
+        }
     });
     std::vector<float> got(oa);
     got.insert(got.end(), ob.begin(), ob.end());
     std::vector<double> want;
     for (int r = 0; r < rows_a; r++) {
         double acc = 0;
-        for (int j = 0; j < cols; j++) acc += (double)A.deq[(size_t)r * cols + j] * x[j];
+        for (int j = 0; j < cols; j++) acc += (double)A.deq[(size_t)r * cols + j] * in[j];
         want.push_back(acc);
     }
     for (int r = 0; r < rows_b; r++) {
         double acc = ob0[r];
-        for (int j = 0; j < cols; j++) acc += (double)B.deq[(size_t)r * cols + j] * x[j];
+        for (int j = 0; j < cols; j++) acc += (double)B.deq[(size_t)r * cols + j] * in[j];
         want.push_back(acc);
     }
     char name[128];
-    snprintf(name, sizeof name, "%s %dx%d + %dx%d", nc2 ? "qmv_b4_nc2" : "qmv_b4", rows_a, cols, rows_b, cols);
+    snprintf(name, sizeof name, "qmv_b4%s%s %dx%d + %dx%d", nc2 ? "_nc2" : "", glu ? "_glu" : "", rows_a, cols,
+             rows_b, cols);
     check(name, got, want, 1e-5);
 }
 
@@ -407,6 +368,10 @@ int main() {
         test_qmv_group(72, 40, 2048, nc2);  // rows of 1024 bytes: two warps per row
         test_qmv_group(40, 24, 4096, nc2);  // 2048 bytes: four warps per row
         test_qmv_group(96, 64, 512, nc2);   // 256 bytes: two rows per chunk
+        // SwiGLU applied while loading: the down products of Qwen's shared experts and dense MLPs
+        test_qmv_group(64, 32, 2048, nc2, true);  // rows of 1024 bytes
+        test_qmv_group(48, 40, 512, nc2, true);   // 256 bytes: two rows per chunk
+        test_qmv_group(40, 24, 4096, nc2, true);  // 2048 bytes
     }
     test_route_softmax(256, 8, true, 6, false);    // Qwen3.5/3.6 MoE
     test_route_softmax(256, 8, true, 6, true);

@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
-# Runs the MLA, router and one-token product kernels (crates/moeflux/src/backend/cuda/{kernels,mla}.cu) on the
-# CPU under a small CUDA emulation (cuda_emu.h: a thread per CUDA thread, barriers for
-# __syncthreads, __syncwarp and warp shuffles) against naive references, so their indexing
-# and logic can be checked without a GPU. Needs g++ with C++20; takes ~1 minute.
+# Runs moeflux's CUDA kernels (crates/moeflux/src/backend/cuda/{kernels,mla}.cu) on the CPU
+# under a small CUDA emulation (cuda_emu.h: a thread per CUDA thread, blocks one after
+# another, barriers for __syncthreads, __syncwarp and warp shuffles) against naive
+# double-precision references (emu_check.h), so their indexing and logic can be checked
+# without a GPU:
+#   mla_kernels.cpp   MLA (mla_prep, mla_attention, the per-head products), the routers
+#                     (moe_route_noaux, moe_route_c*), the one-token grouped products
+#                     (qmv_b4, qmv_b4_nc2 and their SwiGLU-input _glu variants)
+#   qwen_kernels.cpp  GatedDeltaNet (conv_qk_norm, delta_rule with its gated norm),
+#                     moe_combine (with and without the next norm), attn_prep
+# Each program ends with "all ok"; the script fails if either fails. Needs g++ with
+# C++20; takes about a minute or two.
 #   scripts/gpu/emu/run.sh
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -12,6 +20,13 @@ trap 'rm -rf "$tmp"' EXIT
 # Dynamic shared memory becomes one host buffer.
 cat "$src/kernels.cu" "$src/mla.cu" |
   sed -E 's/extern __shared__ float (\w+)\[\];/float* \1 = g_dyn_smem.data();/' >"$tmp/kernels.inc"
-g++ -std=c++20 -O1 -pthread -w -I"$here" -DKERNELS_SOURCE="\"$tmp/kernels.inc\"" \
-  "$here/mla_kernels.cpp" -o "$tmp/mla_kernels"
-"$tmp/mla_kernels"
+for t in mla_kernels qwen_kernels; do
+  g++ -std=c++20 -O1 -pthread -w -I"$here" -DKERNELS_SOURCE="\"$tmp/kernels.inc\"" \
+    "$here/$t.cpp" -o "$tmp/$t"
+done
+status=0
+for t in mla_kernels qwen_kernels; do
+  echo "== $t"
+  "$tmp/$t" || status=1
+done
+exit $status

@@ -1,0 +1,59 @@
+// Helpers shared by the kernel checks under cuda_emu.h (see run.sh): random
+// inputs, bf16 conversions, quantized test matrices and the comparison
+// against a double-precision reference. Include after KERNELS_SOURCE (it uses
+// the kernels' u16, u32 and QW).
+#pragma once
+#include <cstdio>
+#include <random>
+#include <numeric>
+
+static std::mt19937_64 rng(42);
+static float urand(float a = -1, float b = 1) { return std::uniform_real_distribution<float>(a, b)(rng); }
+static u16 to_bf16(float f) { unsigned u; memcpy(&u, &f, 4); return (u16)(u >> 16); }
+static float from_bf16(u16 h) { unsigned u = ((unsigned)h) << 16; float f; memcpy(&f, &u, 4); return f; }
+
+// A random 4-bit MLX-affine matrix (bf16 scales and biases, groups of 64) and
+// its dequantized weights for references.
+struct HostQ {
+    int rows, cols, bits = 4, gs = 64;
+    std::vector<u32> w;
+    std::vector<u16> s, b;
+    std::vector<float> deq;  // reference weights
+    HostQ(int r, int c) : rows(r), cols(c) {
+        int wpr = c * bits / 32, gpr = c / gs;
+        w.assign((size_t)r * wpr, 0);
+        s.resize((size_t)r * gpr);
+        b.resize((size_t)r * gpr);
+        deq.resize((size_t)r * c);
+        for (auto& x : s) x = to_bf16(urand(0.01f, 0.1f));
+        for (auto& x : b) x = to_bf16(urand(-0.3f, 0.3f));
+        for (int i = 0; i < r; i++)
+            for (int j = 0; j < c; j++) {
+                u32 code = rng() & 15;
+                w[(size_t)i * wpr + j * 4 / 32] |= code << ((j * 4) % 32);
+                float sc = from_bf16(s[(size_t)i * gpr + j / gs]), bi = from_bf16(b[(size_t)i * gpr + j / gs]);
+                deq[(size_t)i * c + j] = code * sc + bi;
+            }
+    }
+    QW qw() const {
+        QW q;
+        q.w = w.data(); q.s = s.data(); q.b = b.data();
+        q.rows = rows; q.cols = cols; q.bits = bits; q.gs = gs; q.sf32 = 0;
+        return q;
+    }
+};
+
+// Passes when max |got - want| <= rel * max |want| (a NaN in got fails).
+static int fails = 0;
+static void check(const char* what, const std::vector<float>& got, const std::vector<double>& want, double rel) {
+    double scale = 0, worst = 0;
+    for (double v : want) scale = std::max(scale, std::fabs(v));
+    for (size_t i = 0; i < want.size(); i++) {
+        double d = std::fabs(got[i] - want[i]);
+        if (!(d == d)) d = 1e30;
+        worst = std::max(worst, d);
+    }
+    bool ok = worst <= rel * scale;
+    if (!ok) fails++;
+    printf("%-48s max|diff| %.3e of %.3e %s\n", what, worst, scale, ok ? "ok" : "FAIL");
+}

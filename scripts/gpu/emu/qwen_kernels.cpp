@@ -1,0 +1,302 @@
+// Checks of the Qwen3.5 / Qwen3-Next decode kernels under cuda_emu.h (see run.sh), each on
+// random inputs against a naive double-precision reference of the CPU model:
+//   conv_qk_norm  model/deltanet.rs conv_silu, then the q/k RMS norms with their 1/dk and
+//                 1/sqrt(dk) scales; mixed and the updated conv state.
+//   delta_rule    model/deltanet.rs recurrence (backend/cpu/vec.rs delta_rule_step) and the
+//                 gated RMSNorm; y, out, the state, and the per-head block counter `done`
+//                 back at zero, over two launches in a row.
+//   moe_combine   the routed experts' weighted sum plus the (gated or plain) shared expert
+//                 added to the residual, with and without the next norm (xn).
+//   attn_prep     model/attention.rs: q/k RMS norms, half-split rope (partial or full),
+//                 the gate copied, k and v appended to the caches at rows pos..pos+n, the
+//                 other cache rows untouched.
+#include "cuda_emu.h"
+#include KERNELS_SOURCE  // kernels.cu + mla.cu, made by run.sh
+#include "emu_check.h"
+
+static double sigmoid_d(double x) { return 1.0 / (1.0 + exp(-x)); }
+static double silu_d(double x) { return x * sigmoid_d(x); }
+static double softplus_d(double x) { return std::max(x, 0.0) + log1p(exp(-std::fabs(x))); }
+
+// Channels [c0, c1) of every token of a [n, cd] buffer.
+template <class T> static std::vector<T> cols_of(const std::vector<T>& m, int n, int cd, int c0, int c1) {
+    std::vector<T> r;
+    for (int t = 0; t < n; t++) r.insert(r.end(), m.begin() + (size_t)t * cd + c0, m.begin() + (size_t)t * cd + c1);
+    return r;
+}
+
+// ---------------------------------------------------------------------------------------
+// conv_qk_norm
+
+static void test_conv_qk_norm(int nk, int nv, int dk, int dv, int kk, int n) {
+    int kd = nk * dk, cd = 2 * kd + nv * dv, hist = kk - 1;
+    std::vector<float> mixed((size_t)n * cd), w((size_t)cd * kk), state((size_t)hist * cd);
+    for (auto& v : mixed) v = urand(-2, 2);
+    for (auto& v : w) v = urand(-0.6f, 0.6f);
+    for (auto& v : state) v = urand(-2, 2);
+    std::vector<float> m0 = mixed, s0 = state;
+    {
+        float* mp = mixed.data(); const float* wp = w.data(); float* sp = state.data();
+        emu_launch({(unsigned)(2 * nk + nv), 1, 1}, (unsigned)std::max(dk, dv),
+                   [&] { conv_qk_norm(mp, wp, sp, nk, dk, nv, dv, kk, n); });
+    }
+    std::vector<double> rm((size_t)n * cd), rs(s0.begin(), s0.end());
+    for (int t = 0; t < n; t++)
+        for (int ch = 0; ch < cd; ch++) {
+            double x = m0[(size_t)t * cd + ch], acc = 0;
+            for (int j = 0; j < hist; j++) acc += (double)w[(size_t)ch * kk + j] * rs[(size_t)j * cd + ch];
+            acc += (double)w[(size_t)ch * kk + hist] * x;
+            for (int j = 0; j + 1 < hist; j++) rs[(size_t)j * cd + ch] = rs[(size_t)(j + 1) * cd + ch];
+            if (hist > 0) rs[(size_t)(hist - 1) * cd + ch] = x;
+            rm[(size_t)t * cd + ch] = silu_d(acc);
+        }
+    for (int t = 0; t < n; t++)
+        for (int h = 0; h < 2 * nk; h++) {
+            double* p = &rm[(size_t)t * cd + (size_t)h * dk];
+            double ss = 0;
+            for (int i = 0; i < dk; i++) ss += p[i] * p[i];
+            double f = 1.0 / sqrt(ss / dk + 1e-6 / dk) * (h < nk ? 1.0 / dk : 1.0 / sqrt((double)dk));
+            for (int i = 0; i < dk; i++) p[i] *= f;
+        }
+    char name[128];
+    const char* part[3] = {"q", "k", "v"};
+    int lim[4] = {0, kd, 2 * kd, cd};
+    for (int p = 0; p < 3; p++) {
+        snprintf(name, sizeof name, "conv_qk_norm nk%d nv%d dk%d dv%d k%d n%d %s", nk, nv, dk, dv, kk, n, part[p]);
+        check(name, cols_of(mixed, n, cd, lim[p], lim[p + 1]), cols_of(rm, n, cd, lim[p], lim[p + 1]), 1e-5);
+    }
+    snprintf(name, sizeof name, "conv_qk_norm nk%d nv%d dk%d dv%d k%d n%d state", nk, nv, dk, dv, kk, n);
+    check(name, state, rs, 0.0);  // raw inputs: exact
+}
+
+// ---------------------------------------------------------------------------------------
+// delta_rule (+ gated RMSNorm)
+// The emulator runs blocks one after another, so the block that finishes last is also the
+// last to run: this checks the counting (the norm is computed once every row block is in, and
+// done[] is reset), not the fences between blocks running at once.
+
+static void test_delta_rule(int nk, int nv, int dk, int dv, int n, int calls) {
+    int kd = nk * dk, cd = 2 * kd + nv * dv, vd = nv * dv, r = nv / nk;
+    float eps = 1e-6f;
+    std::vector<float> state((size_t)nv * dv * dk), a_log(nv), dt_bias(nv), norm_w(dv);
+    for (auto& v : state) v = urand(-0.5f, 0.5f);
+    for (auto& v : a_log) v = urand(-1, 1);
+    for (auto& v : dt_bias) v = urand(-1, 1);
+    for (auto& v : norm_w) v = urand(0.5f, 1.5f);
+    std::vector<double> rstate(state.begin(), state.end());
+    std::vector<int> done(nv, 0);
+    for (int call = 0; call < calls; call++) {
+        // Inputs as conv_qk_norm leaves them: |q| = 1/sqrt(dk), |k| = 1 per key head.
+        std::vector<float> mixed((size_t)n * cd), a((size_t)n * nv), b((size_t)n * nv), z((size_t)n * vd);
+        for (int t = 0; t < n; t++)
+            for (int h = 0; h < 2 * nk; h++) {
+                float* p = &mixed[(size_t)t * cd + (size_t)h * dk];
+                double ss = 0;
+                for (int i = 0; i < dk; i++) { p[i] = urand(); ss += (double)p[i] * p[i]; }
+                double f = (h < nk ? 1.0 / sqrt((double)dk) : 1.0) / sqrt(ss);
+                for (int i = 0; i < dk; i++) p[i] = (float)(p[i] * f);
+            }
+        for (int t = 0; t < n; t++)
+            for (int i = 2 * kd; i < cd; i++) mixed[(size_t)t * cd + i] = urand();
+        for (auto& v : a) v = urand(-3, 3);
+        for (auto& v : b) v = urand(-3, 3);
+        for (auto& v : z) v = urand(-3, 3);
+        std::vector<float> y((size_t)n * vd, NAN), out((size_t)n * vd, NAN);
+        {
+            const float *mp = mixed.data(), *ap = a.data(), *bp = b.data(), *alp = a_log.data(),
+                        *dtp = dt_bias.data(), *zp = z.data(), *nwp = norm_w.data();
+            float *sp = state.data(), *yp = y.data(), *op = out.data();
+            int* dp = done.data();
+            emu_launch({(unsigned)nv, (unsigned)((dv + 31) / 32), 1}, 256, [&] {
+                delta_rule(mp, ap, bp, alp, dtp, sp, n, nk, nv, dk, dv, yp, zp, nwp, eps, dp, op);
+            });
+        }
+        std::vector<double> ry((size_t)n * vd), rout((size_t)n * vd);
+        for (int h = 0; h < nv; h++) {
+            int kh = h / r;
+            double decay = exp((double)a_log[h]);
+            for (int t = 0; t < n; t++) {
+                const float* m = &mixed[(size_t)t * cd];
+                const float *q = m + (size_t)kh * dk, *k = m + kd + (size_t)kh * dk, *v = m + 2 * kd + (size_t)h * dv;
+                double g = exp(-decay * softplus_d((double)a[(size_t)t * nv + h] + dt_bias[h]));
+                double beta = sigmoid_d(b[(size_t)t * nv + h]);
+                for (int row = 0; row < dv; row++) {
+                    double* s = &rstate[((size_t)h * dv + row) * dk];
+                    double kdot = 0, o = 0;
+                    for (int c = 0; c < dk; c++) kdot += s[c] * k[c];
+                    double d = (v[row] - g * kdot) * beta;
+                    for (int c = 0; c < dk; c++) {
+                        s[c] = g * s[c] + d * k[c];
+                        o += s[c] * q[c];
+                    }
+                    ry[((size_t)t * nv + h) * dv + row] = o;
+                }
+            }
+        }
+        for (int t = 0; t < n; t++)
+            for (int h = 0; h < nv; h++) {
+                size_t base = ((size_t)t * nv + h) * dv;
+                double ss = 0;
+                for (int i = 0; i < dv; i++) ss += ry[base + i] * ry[base + i];
+                double inv = 1.0 / sqrt(ss / dv + eps);
+                for (int i = 0; i < dv; i++) rout[base + i] = ry[base + i] * inv * norm_w[i] * silu_d(z[base + i]);
+            }
+        char name[128];
+        snprintf(name, sizeof name, "delta_rule nk%d nv%d dk%d dv%d n%d call%d y", nk, nv, dk, dv, n, call + 1);
+        check(name, y, ry, 1e-5);
+        snprintf(name, sizeof name, "delta_rule nk%d nv%d dk%d dv%d n%d call%d out", nk, nv, dk, dv, n, call + 1);
+        check(name, out, rout, 1e-5);
+        snprintf(name, sizeof name, "delta_rule nk%d nv%d dk%d dv%d n%d call%d state", nk, nv, dk, dv, n, call + 1);
+        check(name, state, rstate, 1e-5);
+        int left = 0;
+        for (int v : done) left += v != 0;
+        if (left) fails++;
+        printf("%-48s %d of %d heads not reset %s\n", "  done counters", left, nv, left ? "FAIL" : "ok");
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// moe_combine
+
+enum Shared { NONE, GATED, PLAIN };
+
+static void test_moe_combine(int h, int k, int n, Shared sh, bool norm) {
+    std::vector<float> slot_out((size_t)n * k * h), wts((size_t)n * k), shared((size_t)n * h), sg(n), out((size_t)n * h),
+        norm_w(h), xn((size_t)n * h, NAN);
+    for (auto& v : slot_out) v = urand();
+    for (auto& v : wts) v = urand(0, 1);
+    for (auto& v : shared) v = urand();
+    for (auto& v : sg) v = urand(-3, 3);
+    for (auto& v : out) v = urand(-2, 2);
+    for (auto& v : norm_w) v = urand(0.5f, 1.5f);
+    float eps = 1e-6f;
+    std::vector<float> out0 = out;
+    {
+        const float *so = slot_out.data(), *wp = wts.data(), *shp = sh == NONE ? nullptr : shared.data(),
+                    *sgp = sh == GATED ? sg.data() : nullptr, *nwp = norm ? norm_w.data() : nullptr;
+        float *op = out.data(), *xp = xn.data();
+        if (norm)
+            emu_launch({(unsigned)n, 1, 1}, 1024, [&] { moe_combine(so, wp, k, h, shp, sgp, op, nwp, eps, xp); });
+        else
+            emu_launch({(unsigned)n, (unsigned)((h + 255) / 256), 1}, 256,
+                       [&] { moe_combine(so, wp, k, h, shp, sgp, op, nwp, eps, xp); });
+    }
+    std::vector<double> rout((size_t)n * h), rxn((size_t)n * h);
+    for (int t = 0; t < n; t++) {
+        double gate = sh == NONE ? 0.0 : sh == GATED ? sigmoid_d(sg[t]) : 1.0, ss = 0;
+        for (int i = 0; i < h; i++) {
+            double acc = out0[(size_t)t * h + i];
+            for (int j = 0; j < k; j++) acc += (double)wts[(size_t)t * k + j] * slot_out[((size_t)t * k + j) * h + i];
+            acc += gate * shared[(size_t)t * h + i];
+            rout[(size_t)t * h + i] = acc;
+            ss += acc * acc;
+        }
+        double inv = 1.0 / sqrt(ss / h + eps);
+        for (int i = 0; i < h; i++) rxn[(size_t)t * h + i] = rout[(size_t)t * h + i] * inv * norm_w[i];
+    }
+    const char* shn[3] = {"no shared", "gated shared", "plain shared"};
+    char name[128];
+    snprintf(name, sizeof name, "moe_combine h%d k%d n%d %s%s out", h, k, n, shn[sh], norm ? " +norm" : "");
+    check(name, out, rout, 1e-5);
+    if (norm) {
+        snprintf(name, sizeof name, "moe_combine h%d k%d n%d %s +norm xn", h, k, n, shn[sh]);
+        check(name, xn, rxn, 1e-5);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// attn_prep
+
+static void test_attn_prep(int nh, int nkv, int hd, int half_rot, int n, long start, double theta, double ps) {
+    float eps = 1e-6f;
+    std::vector<float> qg((size_t)n * nh * 2 * hd), k((size_t)n * nkv * hd), v((size_t)n * nkv * hd), q_norm(hd),
+        k_norm(hd);
+    for (auto& x : qg) x = urand(-2, 2);
+    for (auto& x : k) x = urand(-2, 2);
+    for (auto& x : v) x = urand(-2, 2);
+    for (auto& x : q_norm) x = urand(0.5f, 1.5f);
+    for (auto& x : k_norm) x = urand(0.5f, 1.5f);
+    std::vector<double> inv(half_rot);  // model RopeTable::new(2 * half_rot, theta)
+    for (int i = 0; i < half_rot; i++) inv[i] = pow(theta, -2.0 * i / (2.0 * half_rot));
+    long row = (long)nkv * hd, rows = start + n + 3;
+    std::vector<float> kc((size_t)(rows * row)), vc((size_t)(rows * row));
+    for (auto& x : kc) x = urand();
+    for (auto& x : vc) x = urand();
+    std::vector<float> kc0 = kc, vc0 = vc;
+    std::vector<float> q_out((size_t)n * nh * hd, NAN), gate_out((size_t)n * nh * hd, NAN);
+    long pos = start;
+    {
+        const float *qp = qg.data(), *kp = k.data(), *vp = v.data(), *qn = q_norm.data(), *kn = k_norm.data();
+        const double* ip = inv.data();
+        const long* pp = &pos;
+        float *qo = q_out.data(), *go = gate_out.data(), *kcp = kc.data(), *vcp = vc.data();
+        emu_launch({(unsigned)(nh + nkv), (unsigned)n, 1}, (unsigned)hd, [&] {
+            attn_prep(qp, kp, vp, qn, kn, ip, half_rot, nh, nkv, hd, eps, pp, ps, qo, go, kcp, vcp);
+        });
+    }
+    // rms_norm(src, w) then RopeTable::apply at position p * ps.
+    auto norm_rope = [&](const float* src, const std::vector<float>& w, long p, double* dst) {
+        double ss = 0;
+        for (int i = 0; i < hd; i++) ss += (double)src[i] * src[i];
+        double f = 1.0 / sqrt(ss / hd + eps);
+        for (int i = 0; i < hd; i++) dst[i] = src[i] * f * w[i];
+        for (int i = 0; i < half_rot; i++) {
+            double ang = p * ps * inv[i], c = cos(ang), s = sin(ang), a = dst[i], b = dst[i + half_rot];
+            dst[i] = a * c - b * s;
+            dst[i + half_rot] = a * s + b * c;
+        }
+    };
+    std::vector<double> rq((size_t)n * nh * hd), rgate((size_t)n * nh * hd), rk((size_t)n * row), rv((size_t)n * row);
+    for (int t = 0; t < n; t++) {
+        for (int h = 0; h < nh; h++) {
+            const float* src = &qg[((size_t)t * nh + h) * 2 * hd];
+            norm_rope(src, q_norm, start + t, &rq[((size_t)t * nh + h) * hd]);
+            for (int i = 0; i < hd; i++) rgate[((size_t)t * nh + h) * hd + i] = src[hd + i];
+        }
+        for (int g = 0; g < nkv; g++) {
+            norm_rope(&k[((size_t)t * nkv + g) * hd], k_norm, start + t, &rk[(size_t)t * row + (size_t)g * hd]);
+            for (int i = 0; i < hd; i++) rv[(size_t)t * row + (size_t)g * hd + i] = v[((size_t)t * nkv + g) * hd + i];
+        }
+    }
+    std::vector<float> gk(kc.begin() + start * row, kc.begin() + (start + n) * row),
+        gv(vc.begin() + start * row, vc.begin() + (start + n) * row);
+    char name[128], tag[64];
+    snprintf(tag, sizeof tag, "nh%d nkv%d hd%d rot%d n%d pos%ld", nh, nkv, hd, 2 * half_rot, n, start);
+    snprintf(name, sizeof name, "attn_prep %s q", tag);
+    check(name, q_out, rq, 1e-5);
+    snprintf(name, sizeof name, "attn_prep %s gate", tag);
+    check(name, gate_out, rgate, 0.0);
+    snprintf(name, sizeof name, "attn_prep %s kc rows", tag);
+    check(name, gk, rk, 1e-5);
+    snprintf(name, sizeof name, "attn_prep %s vc rows", tag);
+    check(name, gv, rv, 0.0);
+    long changed = 0;
+    for (long p = 0; p < rows; p++) {
+        if (p >= start && p < start + n) continue;
+        changed += memcmp(&kc[p * row], &kc0[p * row], 4 * row) != 0;
+        changed += memcmp(&vc[p * row], &vc0[p * row], 4 * row) != 0;
+    }
+    if (changed) fails++;
+    printf("%-48s %ld changed %s\n", "  other cache rows", changed, changed ? "FAIL" : "ok");
+}
+
+int main() {
+    // Qwen3.5-style: 16 key heads, 32 value heads of 128, kernel 4
+    test_conv_qk_norm(16, 32, 128, 128, 4, 1);
+    test_conv_qk_norm(16, 32, 128, 128, 4, 5);
+    test_conv_qk_norm(2, 4, 64, 128, 4, 3);   // dk < dv: q/k blocks with idle threads
+    test_conv_qk_norm(2, 4, 128, 64, 4, 2);   // dk > dv: v blocks with idle threads
+    test_delta_rule(16, 32, 128, 128, 1, 2);  // Qwen3.5 decode
+    test_delta_rule(2, 4, 128, 64, 4, 2);     // dv < dk: two row blocks per head
+    test_delta_rule(2, 4, 64, 128, 3, 2);     // dk < dv: two columns per lane, four row blocks
+    test_delta_rule(1, 3, 32, 48, 2, 2);      // a partial row block (dv not a multiple of 32)
+    for (auto [h, n] : {std::pair{2048, 1}, std::pair{7168, 3}})
+        for (Shared s : {NONE, GATED, PLAIN})
+            for (bool norm : {false, true}) test_moe_combine(h, 8, n, s, norm);
+    test_attn_prep(16, 2, 256, 32, 3, 5, 1e7, 1.0);    // Qwen3.5: partial rotary (64 of 256)
+    test_attn_prep(16, 2, 256, 32, 1, 40, 1e7, 1.0);
+    test_attn_prep(8, 4, 128, 64, 2, 0, 1e4, 1.0);     // full rotary, from position 0
+    test_attn_prep(8, 2, 128, 64, 3, 17, 1e6, 0.25);   // a position scale
+    printf(fails ? "%d FAILED\n" : "all ok\n", fails);
+    return fails != 0;
+}
