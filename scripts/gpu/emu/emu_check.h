@@ -19,7 +19,7 @@ struct HostQ {
     std::vector<u32> w;
     std::vector<u16> s, b;
     std::vector<float> deq;  // reference weights
-    HostQ(int r, int c) : rows(r), cols(c) {
+    HostQ(int r, int c, int code_bits = 4) : rows(r), cols(c), bits(code_bits) {
         int wpr = c * bits / 32, gpr = c / gs;
         w.assign((size_t)r * wpr, 0);
         s.resize((size_t)r * gpr);
@@ -29,8 +29,8 @@ struct HostQ {
         for (auto& x : b) x = to_bf16(urand(-0.3f, 0.3f));
         for (int i = 0; i < r; i++)
             for (int j = 0; j < c; j++) {
-                u32 code = rng() & 15;
-                w[(size_t)i * wpr + j * 4 / 32] |= code << ((j * 4) % 32);
+                u32 code = rng() & ((1u << bits) - 1);  // 2, 4 or 8 bits: never straddles a word
+                w[(size_t)i * wpr + j * bits / 32] |= code << ((j * bits) % 32);
                 float sc = from_bf16(s[(size_t)i * gpr + j / gs]), bi = from_bf16(b[(size_t)i * gpr + j / gs]);
                 deq[(size_t)i * c + j] = code * sc + bi;
             }

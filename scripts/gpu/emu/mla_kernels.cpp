@@ -46,8 +46,8 @@ static void test_heads(int nh, int rph, int cols, int x_head, int n) {
 }
 
 // linear.rs qmv_rows_per_block (4-bit, chunks per warp nc)
-static int qmv_rpb(int cols, int nc) {
-    int rb = cols * 4 / 8;
+static int qmv_rpb(int cols, int nc, int bits = 4) {
+    int rb = cols * bits / 8;
     if (rb >= 512) {
         int parts = std::min(rb / 512, 8);
         int p2 = 1;
@@ -82,8 +82,9 @@ static void test_qmv_heads(int nh, int rph, int cols, int x_head) {
 // The one-token grouped products (qmv_b4 with 8 chunks per warp, qmv_b4_nc2 with 2): two
 // matrices of one input in one launch, the second added to its output (a residual). `glu`:
 // the _glu variants, whose x holds [g | u] (cols each) and whose input is silu(g) * u.
-static void test_qmv_group(int rows_a, int rows_b, int cols, bool nc2, bool glu = false) {
-    HostQ A(rows_a, cols), B(rows_b, cols);
+// `b8`: the first matrix has 8-bit codes and both go through qmv_b48 (widths mixed).
+static void test_qmv_group(int rows_a, int rows_b, int cols, bool nc2, bool glu = false, bool b8 = false) {
+    HostQ A(rows_a, cols, b8 ? 8 : 4), B(rows_b, cols);
     std::vector<float> x(glu ? 2 * cols : cols);
     for (auto& v : x) v = urand(glu ? -3 : -1, glu ? 3 : 1);
     std::vector<double> in(cols);  // the product's input
@@ -99,13 +100,15 @@ static void test_qmv_group(int rows_a, int rows_b, int cols, bool nc2, bool glu 
     mm.out[0] = oa.data(); mm.out[1] = ob.data();
     mm.count = 2;
     mm.accumulate = 2;
-    int ba = (rows_a + qmv_rpb(cols, nc) - 1) / qmv_rpb(cols, nc);
+    int ba = (rows_a + qmv_rpb(cols, nc, A.bits) - 1) / qmv_rpb(cols, nc, A.bits);
     int bb = (rows_b + qmv_rpb(cols, nc) - 1) / qmv_rpb(cols, nc);
     mm.first_block[0] = 0;
     for (int j = 1; j < 5; j++) mm.first_block[j] = j == 1 ? ba : ba + bb;
     const float* xp = x.data();
     emu_launch({(unsigned)(ba + bb), 1, 1}, 256, [&] {
-        if (glu) {
+        if (b8) {
+            if (nc2) qmv_b48_nc2(mm, xp); else qmv_b48(mm, xp);
+        } else if (glu) {
             if (nc2) qmv_b4_nc2_glu(mm, xp); else qmv_b4_glu(mm, xp);
         } else {
             if (nc2) qmv_b4_nc2(mm, xp); else qmv_b4(mm, xp);
@@ -125,8 +128,8 @@ static void test_qmv_group(int rows_a, int rows_b, int cols, bool nc2, bool glu 
         want.push_back(acc);
     }
     char name[128];
-    snprintf(name, sizeof name, "qmv_b4%s%s %dx%d + %dx%d", nc2 ? "_nc2" : "", glu ? "_glu" : "", rows_a, cols,
-             rows_b, cols);
+    snprintf(name, sizeof name, "qmv_b%s%s%s %dx%d + %dx%d", b8 ? "48" : "4", nc2 ? "_nc2" : "", glu ? "_glu" : "",
+             rows_a, cols, rows_b, cols);
     check(name, got, want, 1e-5);
 }
 
@@ -372,6 +375,10 @@ int main() {
         test_qmv_group(64, 32, 2048, nc2, true);  // rows of 1024 bytes
         test_qmv_group(48, 40, 512, nc2, true);   // 256 bytes: two rows per chunk
         test_qmv_group(40, 24, 4096, nc2, true);  // 2048 bytes
+        // An 8-bit router with the 4-bit shared expert's gate (qmv_b48: the width per block)
+        test_qmv_group(256, 64, 2048, nc2, false, true);  // 8-bit rows of 2048 bytes, 4-bit of 1024
+        test_qmv_group(40, 48, 512, nc2, false, true);    // 512 and 256 bytes
+        test_qmv_group(24, 40, 256, nc2, false, true);    // 256 and 128 bytes: rows per chunk differ
     }
     test_route_softmax(256, 8, true, 6, false);    // Qwen3.5/3.6 MoE
     test_route_softmax(256, 8, true, 6, true);

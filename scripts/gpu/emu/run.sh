@@ -6,9 +6,10 @@
 # without a GPU:
 #   mla_kernels.cpp   MLA (mla_prep, mla_attention, the per-head products), the routers
 #                     (moe_route_noaux, moe_route_c*), the one-token grouped products
-#                     (qmv_b4, qmv_b4_nc2 and their SwiGLU-input _glu variants)
-#   qwen_kernels.cpp  GatedDeltaNet (conv_qk_norm, delta_rule with its gated norm),
-#                     moe_combine (with and without the next norm), attn_prep
+#                     (qmv_b4, qmv_b4_nc2, their SwiGLU-input _glu variants, and
+#                     qmv_b48/_nc2 over 4- and 8-bit matrices in one launch)
+#   qwen_kernels.cpp  GatedDeltaNet (conv_qk_norm, delta_rule, gated_norm), moe_combine,
+#                     attn_prep
 # Each program ends with "all ok"; the script fails if either fails. Needs g++ with
 # C++20; takes about a minute or two.
 #   scripts/gpu/emu/run.sh

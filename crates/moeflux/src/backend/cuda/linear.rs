@@ -188,7 +188,7 @@ fn qmv_fit(q: &Qw) -> Option<usize> {
     qmv_rows_per_block(q.cols as usize, q.bits as usize, q.gs as usize, QMV_CHUNKS)
 }
 
-/// Products of one launch: the `qmv` code width (`None`: the general
+/// Products of one launch: the `qmv` width class (`None`: the general
 /// kernels) and each matrix.
 type LaunchGroup<'a> = (Option<i32>, Vec<(Qw, &'a Mm)>);
 
