@@ -527,23 +527,16 @@ __device__ __forceinline__ void qmv_body(const MultiMatmul& mm, int m, const flo
 // rows, so products of a few hundred KB, routers and shared experts, spread
 // over every SM and each warp's chain of loads and FMAs is shorter); `_glu`:
 // the input is the SwiGLU of [gate | up] (an MLP's down product).
-#define QMV_KERNELS(B)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(256) qmv_b##B(MultiMatmul mm, const float* x) {        \
-        PDL_TRIGGER();                                                                                  \
-        qmv_body<B, QMV_NC, false>(mm, block_matrix(mm), x);                                            \
-    }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(256) qmv_b##B##_nc2(MultiMatmul mm, const float* x) {  \
-        PDL_TRIGGER();                                                                                  \
-        qmv_body<B, 2, false>(mm, block_matrix(mm), x);                                                 \
-    }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(256) qmv_b##B##_glu(MultiMatmul mm, const float* x) {  \
-        PDL_TRIGGER();                                                                                  \
-        qmv_body<B, QMV_NC, true>(mm, block_matrix(mm), x);                                             \
-    }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(256) qmv_b##B##_nc2_glu(MultiMatmul mm, const float* x) {\
-        PDL_TRIGGER();                                                                                  \
-        qmv_body<B, 2, true>(mm, block_matrix(mm), x);                                                  \
+#define QMV_KERNEL(NAME, B, NC, GLU)                                                              \
+    extern "C" __global__ void __launch_bounds__(256) NAME(MultiMatmul mm, const float* x) {      \
+        PDL_TRIGGER();                                                                            \
+        qmv_body<B, NC, GLU>(mm, block_matrix(mm), x);                                            \
     }
+#define QMV_KERNELS(B)                          \
+    QMV_KERNEL(qmv_b##B, B, QMV_NC, false)      \
+    QMV_KERNEL(qmv_b##B##_nc2, B, 2, false)     \
+    QMV_KERNEL(qmv_b##B##_glu, B, QMV_NC, true) \
+    QMV_KERNEL(qmv_b##B##_nc2_glu, B, 2, true)
 QMV_KERNELS(4)
 QMV_KERNELS(8)
 QMV_KERNELS(2)
