@@ -79,11 +79,14 @@ static void test_qmv_heads(int nh, int rph, int cols, int x_head) {
     check(name, out, want, 1e-5);
 }
 
-// The one-token grouped products (qmv_b4 with 8 chunks per warp, qmv_b4_nc2 with 2): two
-// matrices of one input in one launch, the second added to its output (a residual). `glu`:
-// the _glu variants, whose x holds [g | u] (cols each) and whose input is silu(g) * u.
-// `b8`: the first matrix has 8-bit codes and both go through qmv_b48 (widths mixed).
-static void test_qmv_group(int rows_a, int rows_b, int cols, bool nc2, bool glu = false, bool b8 = false) {
+// The one-token grouped products (qmv_b4 with 4 chunks per warp and set, qmv_b4_nc2 with 2):
+// two matrices of one input in one launch, the second added to its output (a residual).
+// `glu`: the _glu variants, whose x holds [g | u] (cols each) and whose input is silu(g) * u.
+// `b8`: the first matrix has 8-bit codes and both go through qmv_b48 (widths mixed, 8 chunks,
+// a block per set). `grid`: blocks of the streaming kernels (each loops over the sets), 0 for
+// one per set.
+static void test_qmv_group(int rows_a, int rows_b, int cols, bool nc2, bool glu = false, bool b8 = false,
+                           unsigned grid = 0) {
     HostQ A(rows_a, cols, b8 ? 8 : 4), B(rows_b, cols);
     std::vector<float> x(glu ? 2 * cols : cols);
     for (auto& v : x) v = urand(glu ? -3 : -1, glu ? 3 : 1);
@@ -93,7 +96,7 @@ static void test_qmv_group(int rows_a, int rows_b, int cols, bool nc2, bool glu 
     std::vector<float> oa(rows_a, NAN), ob(rows_b);
     for (auto& v : ob) v = urand();
     std::vector<float> ob0 = ob;
-    int nc = nc2 ? 2 : 8;
+    int nc = nc2 ? 2 : b8 ? 8 : 4;
     MultiMatmul mm;
     memset(&mm, 0, sizeof mm);
     mm.q[0] = A.qw(); mm.q[1] = B.qw();
@@ -105,7 +108,9 @@ static void test_qmv_group(int rows_a, int rows_b, int cols, bool nc2, bool glu 
     mm.first_block[0] = 0;
     for (int j = 1; j < 5; j++) mm.first_block[j] = j == 1 ? ba : ba + bb;
     const float* xp = x.data();
-    emu_launch({(unsigned)(ba + bb), 1, 1}, 256, [&] {
+    unsigned sets = ba + bb;
+    if (b8 || grid == 0 || grid > sets) grid = sets;
+    emu_launch({grid, 1, 1}, 256, [&] {
         if (b8) {
             if (nc2) qmv_b48_nc2(mm, xp); else qmv_b48(mm, xp);
         } else if (glu) {
@@ -128,8 +133,8 @@ static void test_qmv_group(int rows_a, int rows_b, int cols, bool nc2, bool glu 
         want.push_back(acc);
     }
     char name[128];
-    snprintf(name, sizeof name, "qmv_b%s%s%s %dx%d + %dx%d", b8 ? "48" : "4", nc2 ? "_nc2" : "", glu ? "_glu" : "",
-             rows_a, cols, rows_b, cols);
+    snprintf(name, sizeof name, "qmv_b%s%s%s %dx%d + %dx%d, %u of %u blocks", b8 ? "48" : "4", nc2 ? "_nc2" : "",
+             glu ? "_glu" : "", rows_a, cols, rows_b, cols, grid, sets);
     check(name, got, want, 1e-5);
 }
 
@@ -371,10 +376,16 @@ int main() {
         test_qmv_group(72, 40, 2048, nc2);  // rows of 1024 bytes: two warps per row
         test_qmv_group(40, 24, 4096, nc2);  // 2048 bytes: four warps per row
         test_qmv_group(96, 64, 512, nc2);   // 256 bytes: two rows per chunk
+        // Fewer blocks than sets: each block streams several, across the two matrices
+        test_qmv_group(72, 40, 2048, nc2, false, false, 3);
+        test_qmv_group(200, 64, 512, nc2, false, false, 1);
+        test_qmv_group(24, 16, 7168, nc2, false, false, 2);   // 7 slices: the set-by-set path
+        test_qmv_group(16, 8, 16384, nc2, false, false, 2);   // 16 slices: likewise
         // SwiGLU applied while loading: the down products of Qwen's shared experts and dense MLPs
         test_qmv_group(64, 32, 2048, nc2, true);  // rows of 1024 bytes
         test_qmv_group(48, 40, 512, nc2, true);   // 256 bytes: two rows per chunk
         test_qmv_group(40, 24, 4096, nc2, true);  // 2048 bytes
+        test_qmv_group(64, 32, 2048, nc2, true, false, 2);
         // An 8-bit router with the 4-bit shared expert's gate (qmv_b48: the width per block)
         test_qmv_group(256, 64, 2048, nc2, false, true);  // 8-bit rows of 2048 bytes, 4-bit of 1024
         test_qmv_group(40, 48, 512, nc2, false, true);    // 512 and 256 bytes

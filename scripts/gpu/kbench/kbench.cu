@@ -17,6 +17,7 @@
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); exit(1); } } while (0)
 
 static std::mt19937_64 rng(12345);
+static int g_sms = 132;
 
 static void* dev_random(size_t bytes) {
     std::vector<unsigned char> h(bytes);
@@ -91,14 +92,29 @@ static void bench_product(const char* name, int rows, int cols, int bits, int gs
     std::vector<QW> qs{probe}; for (int c = 1; c < copies; c++) qs.push_back(make_qw(rows, cols, bits, gs));
     float* x = dev_floats(cols, -1, 1); float *o1, *o2; CK(cudaMalloc(&o1, rows * 4)); CK(cudaMalloc(&o2, rows * 4));
     int b_old = (rows + old_rows_per_block(cols, bits) - 1) / old_rows_per_block(cols, bits);
-    int b_new = (rows + qmv_rows_per_block(cols, bits, QMV_NC) - 1) / qmv_rows_per_block(cols, bits, QMV_NC);
+    int b_set = (rows + qmv_rows_per_block(cols, bits, QMV_NC) - 1) / qmv_rows_per_block(cols, bits, QMV_NC);
     int n = rows > 100000 ? 20 : 200;
     double t_old = time_graph([&](cudaStream_t s, int i) { qmatmul1<<<dim3(b_old, 1), 256, 0, s>>>(one(qs[i % copies], o1, b_old), x, 1); }, n);
-    double t_new = time_graph([&](cudaStream_t s, int i) { qmv_b4<<<dim3(b_new), 256, 0, s>>>(one(qs[i % copies], o2, b_new), x); }, n);
-    qmatmul1<<<dim3(b_old, 1), 256>>>(one(qs[0], o1, b_old), x, 1); qmv_b4<<<b_new, 256>>>(one(qs[0], o2, b_new), x); CK(cudaDeviceSynchronize());
-    printf("%-28s %7.1f MB | qmatmul1 %8.2f us %6.0f GB/s (%d blocks) | qmv %8.2f us %6.0f GB/s (%d blocks)\n", name, bytes / 1e6,
-           t_old, bytes / t_old / 1e3, b_old, t_new, bytes / t_new / 1e3, b_new);
-    compare("qmv", o1, o2, rows);
+    double t_set = time_graph([&](cudaStream_t s, int i) { qmv_b48<<<dim3(b_set), 256, 0, s>>>(one(qs[i % copies], o2, b_set), x); }, n);
+    qmatmul1<<<dim3(b_old, 1), 256>>>(one(qs[0], o1, b_old), x, 1); qmv_b48<<<b_set, 256>>>(one(qs[0], o2, b_set), x); CK(cudaDeviceSynchronize());
+    printf("%-28s %7.1f MB | qmatmul1 %8.2f us %6.0f GB/s (%d blocks) | a block per set (qmv_b48, %d chunks) %8.2f us %6.0f GB/s (%d blocks)\n",
+           name, bytes / 1e6, t_old, bytes / t_old / 1e3, b_old, QMV_NC, t_set, bytes / t_set / 1e3, b_set);
+    compare("qmv_b48", o1, o2, rows);
+    // The streaming kernels (as moeflux launches them: QMV_STREAM_NC chunks, or 2 for small
+    // products) over grids of 1-8 blocks per SM.
+    for (int nc : {QMV_STREAM_NC, 2}) {
+        auto k = nc == 2 ? qmv_b4_nc2 : qmv_b4;
+        int sets = (rows + qmv_rows_per_block(cols, bits, nc) - 1) / qmv_rows_per_block(cols, bits, nc);
+        for (int bps : {1, 2, 3, 4, 8}) {
+            int blocks = std::min(sets, g_sms * bps);
+            MultiMatmul mm0 = one(qs[0], o2, sets);
+            double t = time_graph([&](cudaStream_t s, int i) { MultiMatmul mm = one(qs[i % copies], o2, sets); k<<<dim3(blocks), 256, 0, s>>>(mm, x); }, n);
+            CK(cudaMemset(o2, 0, rows * 4)); k<<<blocks, 256>>>(mm0, x); CK(cudaDeviceSynchronize());
+            printf("    qmv_b4%s %d/SM (%5d of %5d sets) %8.2f us %6.0f GB/s", nc == 2 ? "_nc2" : "    ", bps, blocks, sets, t, bytes / t / 1e3);
+            compare("", o1, o2, rows);
+            if (blocks == sets) break;
+        }
+    }
 }
 
 // Experts of one layer in one buffer (MLX layout per expert: gate, up, down;
@@ -175,25 +191,27 @@ static void bench_floor() {
     double wide = time_graph([&](cudaStream_t s, int) { launch_pdl(null_kernel, dim3(264), 256, s, (int*)nullptr); }, 500);
     printf("floor: empty kernel %.2f us plain, %.2f us PDL, %.2f us PDL 264x256\n", plain, pdl, wide);
     QW q = make_qw(1280, 2048, 4, 64); float* x = dev_floats(2048, -1, 1); float* o; CK(cudaMalloc(&o, 1280 * 4));
-    int b = (1280 + qmv_rows_per_block(2048, 4, QMV_NC) - 1) / qmv_rows_per_block(2048, 4, QMV_NC);
+    int b = (1280 + qmv_rows_per_block(2048, 4, QMV_STREAM_NC) - 1) / qmv_rows_per_block(2048, 4, QMV_STREAM_NC);
     MultiMatmul mm = one(q, o, b);
     double p1 = time_graph([&](cudaStream_t s, int) { qmv_b4<<<b, 256, 0, s>>>(mm, x); }, 500);
     double p2 = time_graph([&](cudaStream_t s, int) { launch_pdl(qmv_b4, dim3(b), 256, s, mm, (const float*)x); }, 500);
     printf("floor: qmv 1280x2048 (1.3 MB, L2-resident) %.2f us plain, %.2f us PDL\n", p1, p2);
 }
 
-int main() {
+int main(int argc, char** argv) {
+    const char* only = argc > 1 ? argv[1] : "";
     cudaDeviceProp p; CK(cudaGetDeviceProperties(&p, 0));
-    printf("%s, %d SMs, L2 %d MB, QMV_NC %d\n", p.name, p.multiProcessorCount, p.l2CacheSize >> 20, QMV_NC);
-    bench_floor();
-    bench_product("A3B deltanet in (12288x2048)", 12288, 2048, 4, 64);
-    bench_product("A3B out proj (2048x4096)", 2048, 4096, 4, 64);
-    bench_product("A3B shared gate (512x2048)", 512, 2048, 4, 64);
-    bench_product("A3B shared down (2048x512)", 2048, 512, 4, 64);
-    bench_product("A3B router (256x2048)", 256, 2048, 4, 64);
-    bench_product("397B deltanet in (16384x4096)", 16384, 4096, 4, 64);
-    bench_product("A3B LM head (248320x2048)", 248320, 2048, 4, 64);
-    bench_slots("A3B experts (256, top-8)", 256, 8, 2048, 512, 4, 64);
-    bench_slots("397B experts (512, top-10)", 256, 10, 4096, 1024, 4, 64);
+    g_sms = p.multiProcessorCount;
+    printf("%s, %d SMs, L2 %d MB, QMV_NC %d, QMV_STREAM_NC %d\n", p.name, p.multiProcessorCount, p.l2CacheSize >> 20, QMV_NC, QMV_STREAM_NC);
+    if (!*only) bench_floor();
+    if (strstr("A3B deltanet in (12288x2048)", only)) bench_product("A3B deltanet in (12288x2048)", 12288, 2048, 4, 64);
+    if (strstr("A3B out proj (2048x4096)", only)) bench_product("A3B out proj (2048x4096)", 2048, 4096, 4, 64);
+    if (strstr("A3B shared gate (512x2048)", only)) bench_product("A3B shared gate (512x2048)", 512, 2048, 4, 64);
+    if (strstr("A3B shared down (2048x512)", only)) bench_product("A3B shared down (2048x512)", 2048, 512, 4, 64);
+    if (strstr("A3B router (256x2048)", only)) bench_product("A3B router (256x2048)", 256, 2048, 4, 64);
+    if (strstr("397B deltanet in (16384x4096)", only)) bench_product("397B deltanet in (16384x4096)", 16384, 4096, 4, 64);
+    if (strstr("A3B LM head (248320x2048)", only)) bench_product("A3B LM head (248320x2048)", 248320, 2048, 4, 64);
+    if (strstr("A3B experts (256, top-8)", only)) bench_slots("A3B experts (256, top-8)", 256, 8, 2048, 512, 4, 64);
+    if (strstr("397B experts (512, top-10)", only)) bench_slots("397B experts (512, top-10)", 256, 10, 4096, 1024, 4, 64);
     return 0;
 }

@@ -160,6 +160,9 @@ pub struct Gpu {
     /// Programmatic dependent launches (sm_90+; `MOEFLUX_CUDA_PDL=0` turns
     /// them off).
     pdl: bool,
+    /// Streaming multiprocessors (grids of the kernels that loop over their
+    /// work are sized by it).
+    pub sms: u32,
 }
 
 impl Drop for Gpu {
@@ -208,7 +211,7 @@ impl Gpu {
             .is_some_and(|v| v != "0")
             .then(Default::default);
         let pdl = info.cc.0 >= 9 && std::env::var_os("MOEFLUX_CUDA_PDL").is_none_or(|v| v != "0");
-        Ok(Gpu {
+        let mut gpu = Gpu {
             info,
             ctx,
             stream,
@@ -216,7 +219,10 @@ impl Gpu {
             funcs,
             profile,
             pdl,
-        })
+            sms: 0,
+        };
+        gpu.sms = gpu.multiprocessors()?;
+        Ok(gpu)
     }
 
     /// Makes the context current on the calling thread (every entry point
@@ -331,7 +337,7 @@ impl Gpu {
         let buf = DevBuf::zeros(self, bytes)?;
         let sink = DevBuf::zeros(self, 4)?;
         let (p, n, s) = (buf.ptr(), (bytes / 16) as i64, sink.ptr());
-        let blocks = 4 * self.multiprocessors()?;
+        let blocks = 4 * self.sms;
         let mut best = f64::MAX;
         for _ in 0..5 {
             self.sync()?;

@@ -90,11 +90,37 @@ __device__ __forceinline__ u32 qcode(const u32* row, long j, int bits) {
     return (u32)(v >> sh) & ((1u << bits) - 1u);
 }
 
+// (a & mask) | 2^23 as one LOP3: left to itself the compiler folds both
+// constants into immediates, which takes two LOP3s (one immediate each).
+__device__ __forceinline__ float mask_into_2p23(u32 a, u32 mask) {
+#ifdef __CUDA_ARCH__
+    u32 d, magic = 0x4B000000u;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(mask), "r"(magic));
+    return __uint_as_float(d);
+#else
+    return __uint_as_float((a & mask) | 0x4B000000u);
+#endif
+}
+
 // Code e of a packed word as a float, without an int->float conversion:
 // 2^23 + code has the code in its mantissa.
 template <int BITS>
 __device__ __forceinline__ float qcodef(u32 word, int e) {
-    return __uint_as_float(0x4B000000u | ((word >> (e * BITS)) & ((1u << BITS) - 1u))) - 8388608.0f;
+    return mask_into_2p23(word >> (e * BITS), (1u << BITS) - 1u) - 8388608.0f;
+}
+
+// Code e of a packed word as an exact float times 2^(BITS*j), j = e % P,
+// in two instructions (no shift for most codes): the code is masked in
+// place into the mantissa of 2^23, which holds P codes below bit 23. The
+// activation it meets is pre-scaled by 2^-(BITS*j) (code_prescale), exact.
+template <int BITS>
+__device__ __forceinline__ float qcode_scaled(u32 word, int e) {
+    constexpr int P = 23 / BITS;
+    return mask_into_2p23(word >> ((e / P) * P * BITS), ((1u << BITS) - 1u) << ((e % P) * BITS)) - 8388608.0f;
+}
+template <int BITS>
+__device__ __forceinline__ float code_prescale(int e) {
+    return __uint_as_float((u32)(127 - (e % (23 / BITS)) * BITS) << 23);
 }
 
 // N activations from p (16-byte aligned) into xv; returns their sum.
@@ -458,6 +484,8 @@ __device__ __forceinline__ void qmv_chunks(const QW& a, const QW& b, int na, con
         float xv[EPL];
         float xs = GLU ? load_glu<EPL>(x + c0, x + a.cols + c0, xv) : load_acts<EPL>(x + c0, xv);
 #pragma unroll
+        for (int e = 0; e < EPL; e++) xv[e] *= code_prescale<BITS>(e % EPW);
+#pragma unroll
         for (int i = 0; i < NC; i++) {
             float d = 0.0f;
 #pragma unroll
@@ -465,7 +493,7 @@ __device__ __forceinline__ void qmv_chunks(const QW& a, const QW& b, int na, con
                 u32 word = kk == 0 ? wv[i].x : kk == 1 ? wv[i].y : kk == 2 ? wv[i].z : wv[i].w;
 #pragma unroll
                 for (int e = 0; e < EPW; e++)
-                    d = fmaf(qcodef<BITS>(word, e), xv[kk * EPW + e], d);
+                    d = fmaf(qcode_scaled<BITS>(word, e), xv[kk * EPW + e], d);
             }
             acc[i] = fmaf(sc[i], d, fmaf(bi[i], xs, acc[i]));
         }
@@ -492,20 +520,23 @@ __device__ __forceinline__ void qmv_chunks(const QW& a, const QW& b, int na, con
     }
 }
 
-// The matrix of a MultiMatmul this block works on.
-__device__ __forceinline__ int block_matrix(const MultiMatmul& mm) {
+// The matrix of a MultiMatmul that set `set` (a block's share of the rows:
+// `first_block` counts sets) belongs to.
+__device__ __forceinline__ int set_matrix(const MultiMatmul& mm, int set) {
     int m = 0;
-    while (m + 1 < mm.count && (int)blockIdx.x >= mm.first_block[m + 1]) m++;
+    while (m + 1 < mm.count && set >= mm.first_block[m + 1]) m++;
     return m;
 }
 
+// Set `set` of matrix m, by the block: each warp one row group (or one
+// slice of it) through qmv_chunks, the sums stored by the warps of slice 0.
 template <int BITS, int NC, bool GLU>
-__device__ __forceinline__ void qmv_body(const MultiMatmul& mm, int m, const float* x) {
+__device__ __forceinline__ void qmv_body(const MultiMatmul& mm, int m, int set, const float* x) {
     const QW& q = mm.q[m];
     QmvGeom G = qmv_geom(q.cols, q.bits);
     int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int part = w % G.parts;
-    int rg = (blockIdx.x - mm.first_block[m]) * (8 / G.parts) + w / G.parts;
+    int rg = (set - mm.first_block[m]) * (8 / G.parts) + w / G.parts;
     float acc[NC];
     qmv_chunks<BITS, NC, true, GLU>(q, q, NC, G, rg, part, x, acc);
     if (part != 0 || lane % G.lpr != 0) return;
@@ -518,24 +549,136 @@ __device__ __forceinline__ void qmv_body(const MultiMatmul& mm, int m, const flo
     }
 }
 
+// A set's weights, scales and biases as one warp's lanes hold them.
+template <int NC>
+struct QmvFetch {
+    uint4 w[NC];
+    float s[NC], b[NC];
+};
+
+// One token, every matrix of the group of width BITS (the host checks the
+// layout; else qmatmul1), streamed through a grid of a few blocks per SM:
+// block b computes sets b, b + gridDim.x, ... and requests the next set's
+// weights and parameters before it computes the current one, so the loads
+// of one set overlap the arithmetic of the other. The matrices of a group
+// share their input, so every set has the same geometry and a warp always
+// the same 512-byte slice of its rows: its activations are loaded once.
+// Rows of more than 8 slices take the sets one by one (qmv_body).
+template <int BITS, int NC, bool GLU>
+__device__ __forceinline__ void qmv_stream_body(const MultiMatmul& mm, const float* x) {
+    constexpr int EPL = 128 / BITS;
+    constexpr int EPW = 32 / BITS;
+    const int nsets = mm.first_block[mm.count];
+    QmvGeom G = qmv_geom(mm.q[0].cols, BITS);
+    if (G.slices > G.parts) {
+        for (int set = blockIdx.x; set < nsets; set += gridDim.x) {
+            qmv_body<BITS, NC, GLU>(mm, set_matrix(mm, set), set, x);
+            __syncthreads();  // qmv_chunks' shared sums are reused
+        }
+        return;
+    }
+    int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int part = w % G.parts;
+    int wpb = 8 / G.parts;
+    long wpr = G.rb >> 2;
+    int rsub = G.rb >= 512 ? 0 : (16 * lane) / G.rb;
+    int cb = G.rb >= 512 ? part * 512 + 16 * lane : (16 * lane) % G.rb;
+    int c0 = cb * 8 / BITS;
+    auto fetch = [&](int set, QmvFetch<NC>& f) {
+        int m = set_matrix(mm, set);
+        const QW& q = mm.q[m];
+        long rg = (long)(set - mm.first_block[m]) * wpb + w / G.parts;
+        int gpr = q.cols / q.gs, g = c0 / q.gs;
+#pragma unroll
+        for (int i = 0; i < NC; i++) {
+            long r = (rg * NC + i) * G.rpc + rsub;
+            f.w[i] = r < q.rows ? __ldg((const uint4*)(q.w + r * wpr) + (cb >> 4)) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int i = 0; i < NC; i++) {
+            long r = (rg * NC + i) * G.rpc + rsub;
+            long pi = (r < q.rows ? r : q.rows - 1) * gpr + g;
+            f.s[i] = qparam(q.s, pi, q.sf32);
+            f.b[i] = qparam(q.b, pi, q.sf32);
+        }
+    };
+    QmvFetch<NC> cur, next;
+    int set = blockIdx.x;
+    if (set < nsets) fetch(set, cur);
+    PDL_WAIT();
+    float xv[EPL];
+    float xs = GLU ? load_glu<EPL>(x + c0, x + mm.q[0].cols + c0, xv) : load_acts<EPL>(x + c0, xv);
+#pragma unroll
+    for (int e = 0; e < EPL; e++) xv[e] *= code_prescale<BITS>(e % EPW);
+    __shared__ float red[2][8][NC];  // two, so one barrier per set suffices
+    for (int it = 0; set < nsets; set += gridDim.x, it ^= 1) {
+        if (set + (int)gridDim.x < nsets) fetch(set + gridDim.x, next);
+        float acc[NC];
+#pragma unroll
+        for (int i = 0; i < NC; i++) {
+            float d = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+                u32 word = kk == 0 ? cur.w[i].x : kk == 1 ? cur.w[i].y : kk == 2 ? cur.w[i].z : cur.w[i].w;
+#pragma unroll
+                for (int e = 0; e < EPW; e++) d = fmaf(qcode_scaled<BITS>(word, e), xv[kk * EPW + e], d);
+            }
+            acc[i] = fmaf(cur.s[i], d, cur.b[i] * xs);
+        }
+#pragma unroll
+        for (int i = 0; i < NC; i++)
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1)
+                if (o < G.lpr) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], o);
+        if (G.parts > 1) {
+            if (lane == 0)
+#pragma unroll
+                for (int i = 0; i < NC; i++) red[it][w][i] = acc[i];
+            __syncthreads();
+            if (part == 0)
+#pragma unroll
+                for (int i = 0; i < NC; i++) {
+                    float v = 0.0f;
+                    for (int c = 0; c < G.parts; c++) v += red[it][w + c][i];
+                    acc[i] = v;
+                }
+        }
+        if (part == 0 && lane % G.lpr == 0) {
+            int m = set_matrix(mm, set);
+            int rows = mm.q[m].rows;
+            bool add = (mm.accumulate >> m) & 1;
+            float* out = mm.out[m];
+            long rg = (long)(set - mm.first_block[m]) * wpb + w / G.parts;
+#pragma unroll
+            for (int i = 0; i < NC; i++) {
+                long r = (rg * NC + i) * G.rpc + lane / G.lpr;
+                if (r < rows) out[r] = add ? out[r] + acc[i] : acc[i];
+            }
+        }
+        cur = next;
+    }
+}
+
 #ifndef QMV_NC
-#define QMV_NC 8  // chunks per warp: QMV_CHUNKS in linear.rs
+#define QMV_NC 8  // chunks per warp of qmv_b48: QMV_CHUNKS in linear.rs
 #endif
-// One token, every matrix of the group quantized with the same width BITS
-// and fitting the chunk layout (the host checks; else qmatmul1). Per width:
-// QMV_NC chunks per warp, or two (`_nc2`: four times the warps for the same
-// rows, so products of a few hundred KB, routers and shared experts, spread
-// over every SM and each warp's chain of loads and FMAs is shorter); `_glu`:
-// the input is the SwiGLU of [gate | up] (an MLP's down product).
+#ifndef QMV_STREAM_NC
+#define QMV_STREAM_NC 4  // chunks per warp and set of qmv_b*: QMV_STREAM_CHUNKS in linear.rs
+#endif
+// One token, one code width per launch: QMV_STREAM_NC chunks per warp and
+// set, or two (`_nc2`: four times the warps for the same rows, so products
+// of a few hundred KB, routers and shared experts, spread over every SM and
+// each warp's chain of loads and FMAs is shorter); `_glu`: the input is the
+// SwiGLU of [gate | up] (an MLP's down product).
 #define QMV_KERNEL(NAME, B, NC, GLU)                                                              \
     extern "C" __global__ void __launch_bounds__(256) NAME(MultiMatmul mm, const float* x) {      \
         PDL_TRIGGER();                                                                            \
-        qmv_body<B, NC, GLU>(mm, block_matrix(mm), x);                                            \
+        qmv_stream_body<B, NC, GLU>(mm, x);                                                       \
     }
-#define QMV_KERNELS(B)                          \
-    QMV_KERNEL(qmv_b##B, B, QMV_NC, false)      \
-    QMV_KERNEL(qmv_b##B##_nc2, B, 2, false)     \
-    QMV_KERNEL(qmv_b##B##_glu, B, QMV_NC, true) \
+#define QMV_KERNELS(B)                                 \
+    QMV_KERNEL(qmv_b##B, B, QMV_STREAM_NC, false)      \
+    QMV_KERNEL(qmv_b##B##_nc2, B, 2, false)            \
+    QMV_KERNEL(qmv_b##B##_glu, B, QMV_STREAM_NC, true) \
     QMV_KERNEL(qmv_b##B##_nc2_glu, B, 2, true)
 QMV_KERNELS(4)
 QMV_KERNELS(8)
@@ -546,11 +689,11 @@ QMV_KERNELS(2)
 // block.
 template <int NC>
 __device__ __forceinline__ void qmv_b48_body(const MultiMatmul& mm, const float* x) {
-    int m = block_matrix(mm);
+    int m = set_matrix(mm, blockIdx.x);
     if (mm.q[m].bits == 8)
-        qmv_body<8, NC, false>(mm, m, x);
+        qmv_body<8, NC, false>(mm, m, blockIdx.x, x);
     else
-        qmv_body<4, NC, false>(mm, m, x);
+        qmv_body<4, NC, false>(mm, m, blockIdx.x, x);
 }
 extern "C" __global__ void __launch_bounds__(256) qmv_b48(MultiMatmul mm, const float* x) {
     PDL_TRIGGER();

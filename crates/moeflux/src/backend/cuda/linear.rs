@@ -96,9 +96,20 @@ pub(super) fn rows_per_block(cols: usize, bits: usize, one_token: bool) -> usize
 /// Rows of one warp in the quantized product kernels (`RW` in kernels.cu).
 pub(super) const ROWS_PER_WARP: usize = 4;
 
-/// Chunks of a warp in the activation-stationary one-token kernels
-/// (`QMV_NC` in kernels.cu).
+/// Chunks of a warp in the activation-stationary one-token kernels that
+/// take one block's rows (`QMV_NC` in kernels.cu: `qmv_b48`, the MLA
+/// per-head products).
 pub(super) const QMV_CHUNKS: usize = 8;
+
+/// Chunks of a warp per set in the streaming one-token kernels of one code
+/// width (`QMV_STREAM_NC` in kernels.cu: `qmv_b2`/`b4`/`b8`), which hold
+/// the next set's chunks while they compute the current one's.
+const QMV_STREAM_CHUNKS: usize = 4;
+
+/// Blocks per SM of the streaming kernels with [`QMV_STREAM_CHUNKS`]
+/// chunks (two fit the registers), and with two chunks.
+const QMV_STREAM_BLOCKS_PER_SM: u32 = 2;
+const QMV_NC2_BLOCKS_PER_SM: u32 = 4;
 
 /// Launches of the one-token kernels whose matrices add up to at most this
 /// many bytes of codes use two chunks per warp (`qmv_b*_nc2`): on the H100
@@ -140,8 +151,8 @@ pub(super) fn qmv_rows_per_block(
 }
 
 /// The activation-stationary one-token product kernel for matrices of
-/// `bits` bits (`None`: 4- and 8-bit ones together), `chunks` (8 or 2) per
-/// warp and the input `act`.
+/// `bits` bits (`None`: 4- and 8-bit ones together), `chunks` per warp (2,
+/// else the kernel's own) and the input `act`.
 fn qmv_kernel(bits: Option<i32>, chunks: usize, act: Input) -> String {
     let nc = if chunks == 2 { "_nc2" } else { "" };
     let glu = if act == Input::Glu { "_glu" } else { "" };
@@ -284,10 +295,11 @@ fn launch_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize, input: Input) -> Res
             .iter()
             .map(|(q, _)| q.rows as usize * q.cols as usize * q.bits as usize / 8)
             .sum();
-        let chunks = if code_bytes <= QMV_SMALL_BYTES {
-            2
-        } else {
-            QMV_CHUNKS
+        let width = one_width(group);
+        let chunks = match width {
+            _ if code_bytes <= QMV_SMALL_BYTES => 2,
+            Some(_) => QMV_STREAM_CHUNKS,
+            None => QMV_CHUNKS,
         };
         let rows_per_block = |q: &Qw| match key {
             Some(_) => qmv_rows_per_block(q.cols as usize, q.bits as usize, q.gs as usize, chunks)
@@ -316,13 +328,25 @@ fn launch_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize, input: Input) -> Res
         // sized x and every output for n tokens.
         unsafe {
             match key {
-                Some(_) => gpu.launch(
-                    &qmv_kernel(one_width(group), chunks, input),
-                    (blocks as u32, 1, 1),
-                    256,
-                    0,
-                    &mut args!(p, x),
-                )?,
+                Some(_) => {
+                    // The streaming kernels loop over the sets (`blocks`
+                    // counts them) with a few blocks per SM.
+                    let per_sm = match chunks {
+                        2 => QMV_NC2_BLOCKS_PER_SM,
+                        _ => QMV_STREAM_BLOCKS_PER_SM,
+                    };
+                    let grid = match width {
+                        Some(_) => (blocks as u32).min(per_sm * gpu.sms),
+                        None => blocks as u32,
+                    };
+                    gpu.launch(
+                        &qmv_kernel(width, chunks, input),
+                        (grid, 1, 1),
+                        256,
+                        0,
+                        &mut args!(p, x),
+                    )?
+                }
                 None => {
                     let kernel = if n == 1 { "qmatmul1" } else { "qmatmul" };
                     gpu.launch(kernel, (blocks as u32, ty, 1), 256, 0, &mut args!(p, x, nn))?
