@@ -112,7 +112,8 @@ __device__ __forceinline__ float qcodef(u32 word, int e) {
 // Code e of a packed word as an exact float times 2^(BITS*j), j = e % P,
 // in two instructions (no shift for most codes): the code is masked in
 // place into the mantissa of 2^23, which holds P codes below bit 23. The
-// activation it meets is pre-scaled by 2^-(BITS*j) (code_prescale), exact.
+// activation it meets is pre-scaled by 2^-(BITS*j) (code_prescale): exact
+// unless it falls below the normal range (|x| < 2^-110 for 4-bit codes).
 template <int BITS>
 __device__ __forceinline__ float qcode_scaled(u32 word, int e) {
     constexpr int P = 23 / BITS;
@@ -563,7 +564,8 @@ struct QmvFetch {
 // of one set overlap the arithmetic of the other. The matrices of a group
 // share their input, so every set has the same geometry and a warp always
 // the same 512-byte slice of its rows: its activations are loaded once.
-// Rows of more than 8 slices take the sets one by one (qmv_body).
+// Rows with more slices than a row group has warps (over 8, or not a
+// power of two) take the sets one by one (qmv_body).
 template <int BITS, int NC, bool GLU>
 __device__ __forceinline__ void qmv_stream_body(const MultiMatmul& mm, const float* x) {
     constexpr int EPL = 128 / BITS;

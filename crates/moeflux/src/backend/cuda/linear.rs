@@ -107,14 +107,17 @@ pub(super) const QMV_CHUNKS: usize = 8;
 const QMV_STREAM_CHUNKS: usize = 4;
 
 /// Blocks per SM of the streaming kernels with [`QMV_STREAM_CHUNKS`]
-/// chunks (two fit the registers), and with two chunks.
+/// chunks: two fit the registers, and on the H100 two beat one, three,
+/// four and eight (LM head 181 µs against 184-264; `scripts/gpu/kbench`).
 const QMV_STREAM_BLOCKS_PER_SM: u32 = 2;
+/// The same with two chunks (half the registers). Launches that small
+/// rarely have more sets than this allows.
 const QMV_NC2_BLOCKS_PER_SM: u32 = 4;
 
 /// Launches of the one-token kernels whose matrices add up to at most this
 /// many bytes of codes use two chunks per warp (`qmv_b*_nc2`): on the H100
-/// a 0.3-0.6 MB product takes 3.7-3.9 µs that way against 5.8-6.6 µs with
-/// eight, while from 4.7 MB up eight chunks are faster (8.1 vs 11.0 µs;
+/// a 0.6 MB product takes 3.8-4.2 µs that way against 4.3-4.6 µs with
+/// four, while from 4.7 MB up four are faster (8.0 vs 8.6 µs;
 /// `scripts/gpu/kbench`).
 const QMV_SMALL_BYTES: usize = 2 << 20;
 
