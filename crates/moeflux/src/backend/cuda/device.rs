@@ -211,7 +211,11 @@ impl Gpu {
             .is_some_and(|v| v != "0")
             .then(Default::default);
         let pdl = info.cc.0 >= 9 && std::env::var_os("MOEFLUX_CUDA_PDL").is_none_or(|v| v != "0");
-        let mut gpu = Gpu {
+        use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT as SMS;
+        let sms = ctx
+            .attribute(SMS)
+            .map_err(|e| gpu_err("GPU attribute", e))? as u32;
+        Ok(Gpu {
             info,
             ctx,
             stream,
@@ -219,10 +223,8 @@ impl Gpu {
             funcs,
             profile,
             pdl,
-            sms: 0,
-        };
-        gpu.sms = gpu.multiprocessors()?;
-        Ok(gpu)
+            sms,
+        })
     }
 
     /// Makes the context current on the calling thread (every entry point
@@ -369,14 +371,6 @@ impl Gpu {
         }
         drop(pin);
         Ok(bytes as f64 / best / 1e9)
-    }
-
-    fn multiprocessors(&self) -> Result<u32> {
-        use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT as SMS;
-        Ok(self
-            .ctx
-            .attribute(SMS)
-            .map_err(|e| gpu_err("GPU attribute", e))? as u32)
     }
 
     /// Bytes of device memory free now.

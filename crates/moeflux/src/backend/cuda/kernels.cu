@@ -124,6 +124,21 @@ __device__ __forceinline__ float code_prescale(int e) {
     return __uint_as_float((u32)(127 - (e % (23 / BITS)) * BITS) << 23);
 }
 
+// A lane's 16-byte chunk of codes dotted with its activations, pre-scaled
+// by code_prescale (xv[k * 32 / BITS + e] meets code e of word k).
+template <int BITS>
+__device__ __forceinline__ float chunk_dot(const uint4& wv, const float* xv) {
+    constexpr int EPW = 32 / BITS;
+    float d = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        u32 word = kk == 0 ? wv.x : kk == 1 ? wv.y : kk == 2 ? wv.z : wv.w;
+#pragma unroll
+        for (int e = 0; e < EPW; e++) d = fmaf(qcode_scaled<BITS>(word, e), xv[kk * EPW + e], d);
+    }
+    return d;
+}
+
 // N activations from p (16-byte aligned) into xv; returns their sum.
 // Activations are plain loads, never __ldg: they come from the previous
 // kernel, and a non-coherent load counts as invariant, which lets the
@@ -487,17 +502,8 @@ __device__ __forceinline__ void qmv_chunks(const QW& a, const QW& b, int na, con
 #pragma unroll
         for (int e = 0; e < EPL; e++) xv[e] *= code_prescale<BITS>(e % EPW);
 #pragma unroll
-        for (int i = 0; i < NC; i++) {
-            float d = 0.0f;
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++) {
-                u32 word = kk == 0 ? wv[i].x : kk == 1 ? wv[i].y : kk == 2 ? wv[i].z : wv[i].w;
-#pragma unroll
-                for (int e = 0; e < EPW; e++)
-                    d = fmaf(qcode_scaled<BITS>(word, e), xv[kk * EPW + e], d);
-            }
-            acc[i] = fmaf(sc[i], d, fmaf(bi[i], xs, acc[i]));
-        }
+        for (int i = 0; i < NC; i++)
+            acc[i] = fmaf(sc[i], chunk_dot<BITS>(wv[i], xv), fmaf(bi[i], xs, acc[i]));
     }
     if (!waited) PDL_WAIT();
     // Over the lanes of a row: all 32 for long rows, lpr for short ones.
@@ -617,16 +623,7 @@ __device__ __forceinline__ void qmv_stream_body(const MultiMatmul& mm, const flo
         if (set + (int)gridDim.x < nsets) fetch(set + gridDim.x, next);
         float acc[NC];
 #pragma unroll
-        for (int i = 0; i < NC; i++) {
-            float d = 0.0f;
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++) {
-                u32 word = kk == 0 ? cur.w[i].x : kk == 1 ? cur.w[i].y : kk == 2 ? cur.w[i].z : cur.w[i].w;
-#pragma unroll
-                for (int e = 0; e < EPW; e++) d = fmaf(qcode_scaled<BITS>(word, e), xv[kk * EPW + e], d);
-            }
-            acc[i] = fmaf(cur.s[i], d, cur.b[i] * xs);
-        }
+        for (int i = 0; i < NC; i++) acc[i] = fmaf(cur.s[i], chunk_dot<BITS>(cur.w[i], xv), cur.b[i] * xs);
 #pragma unroll
         for (int i = 0; i < NC; i++)
 #pragma unroll
