@@ -16,6 +16,7 @@
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
 struct float4 { float x, y, z, w; };
 struct uint4 { unsigned x, y, z, w; };
+struct uint2 { unsigned x, y; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 
@@ -31,6 +32,7 @@ inline std::vector<float> g_dyn_smem(1 << 20);
 
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
 template <class T> T __ldg(const T* p) { return *p; }
 template <class T> T __ldcg(const T* p) { return *p; }
 // Blocks run one after another, so a fence only has to order the threads of a
@@ -51,6 +53,7 @@ inline long min(long a, int b) { return a < b ? a : b; }
 struct WarpSync {
     std::barrier<> bar{32};
     unsigned long long slot[32];
+    unsigned mma_a[32][4], mma_b[32][2];
 };
 inline std::vector<std::unique_ptr<WarpSync>> g_warps;
 inline std::barrier<>* g_block_bar = nullptr;
@@ -64,6 +67,38 @@ template <class T> T __shfl_xor_sync(unsigned, T v, int o) {
     memcpy(&r, &ws.slot[l ^ o], sizeof(T));
     ws.bar.arrive_and_wait();
     return r;
+}
+// mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32 (d += a b) over the warp's
+// fragments, as PTX lays them out: lane = 4 g + t holds A rows g and g + 8 at
+// k = 2t, 2t+1 (regs 0, 1) and 2t+8, 2t+9 (regs 2, 3), B column g at
+// k = 2t, 2t+1 (reg 0) and 2t+8, 2t+9 (reg 1), D rows g, g+8 at columns 2t,
+// 2t+1. Sums in double, so only the inputs' bf16 rounding shows.
+#define EMU_MMA 1
+inline float emu_bf16(unsigned h) { unsigned u = (h & 0xffffu) << 16; float f; memcpy(&f, &u, 4); return f; }
+inline void emu_mma_bf16(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                         unsigned b1) {
+    int w = threadIdx.x / 32, l = threadIdx.x % 32;
+    auto& ws = *g_warps[w];
+    unsigned a[4] = {a0, a1, a2, a3};
+    memcpy(ws.mma_a[l], a, sizeof a);
+    ws.mma_b[l][0] = b0, ws.mma_b[l][1] = b1;
+    ws.bar.arrive_and_wait();
+    auto A = [&](int row, int k) {
+        unsigned r = ws.mma_a[(row % 8) * 4 + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)];
+        return emu_bf16(k % 2 ? r >> 16 : r);
+    };
+    auto B = [&](int k, int col) {
+        unsigned r = ws.mma_b[col * 4 + (k % 8) / 2][k >= 8];
+        return emu_bf16(k % 2 ? r >> 16 : r);
+    };
+    int g = l / 4, t = l % 4;
+    for (int c = 0; c < 4; c++) {
+        int row = g + 8 * (c / 2), col = 2 * t + c % 2;
+        double s = 0;
+        for (int k = 0; k < 16; k++) s += (double)A(row, k) * B(k, col);
+        d[c] += (float)s;
+    }
+    ws.bar.arrive_and_wait();
 }
 inline void __syncwarp(unsigned = 0xffffffffu) { g_warps[threadIdx.x / 32]->bar.arrive_and_wait(); }
 inline void __syncthreads() { g_block_bar->arrive_and_wait(); }

@@ -19,7 +19,7 @@ struct HostQ {
     std::vector<u32> w;
     std::vector<u16> s, b;
     std::vector<float> deq;  // reference weights
-    HostQ(int r, int c, int code_bits = 4) : rows(r), cols(c), bits(code_bits) {
+    HostQ(int r, int c, int code_bits = 4, int group = 64) : rows(r), cols(c), bits(code_bits), gs(group) {
         int wpr = c * bits / 32, gpr = c / gs;
         w.assign((size_t)r * wpr, 0);
         s.resize((size_t)r * gpr);

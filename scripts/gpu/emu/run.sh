@@ -10,6 +10,9 @@
 #                     qmv_b48/_nc2 over 4- and 8-bit matrices in one launch)
 #   qwen_kernels.cpp  GatedDeltaNet (conv_qk_norm, delta_rule, gated_norm), moe_combine,
 #                     attn_prep
+#   mma_kernels.cpp   the tensor-core prefill kernels (mma_split, qmma, moe_gate_up_mma,
+#                     moe_down_mma, attn_kv_split, attention_mma) through an emulated
+#                     mma.sync
 # Each program ends with "all ok"; the script fails if either fails. Needs g++ with
 # C++20; takes about a minute or two.
 #   scripts/gpu/emu/run.sh
@@ -19,14 +22,14 @@ src=$here/../../../crates/moeflux/src/backend/cuda
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 # Dynamic shared memory becomes one host buffer.
-cat "$src/kernels.cu" "$src/mla.cu" |
+cat "$src/kernels.cu" "$src/mla.cu" "$src/mma.cu" "$src/attn_mma.cu" |
   sed -E 's/extern __shared__ float (\w+)\[\];/float* \1 = g_dyn_smem.data();/' >"$tmp/kernels.inc"
-for t in mla_kernels qwen_kernels; do
+for t in mla_kernels qwen_kernels mma_kernels; do
   g++ -std=c++20 -O1 -pthread -w -I"$here" -DKERNELS_SOURCE="\"$tmp/kernels.inc\"" \
     "$here/$t.cpp" -o "$tmp/$t"
 done
 status=0
-for t in mla_kernels qwen_kernels; do
+for t in mla_kernels qwen_kernels mma_kernels; do
   echo "== $t"
   "$tmp/$t" || status=1
 done

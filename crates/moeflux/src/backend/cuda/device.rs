@@ -16,8 +16,14 @@ use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaStream};
 use crate::error::{Error, Result};
 
 /// The kernels, compiled at run time as one source: the common ones, then
-/// multi-head latent attention's (which use the common helpers).
-const KERNELS: &str = concat!(include_str!("kernels.cu"), include_str!("mla.cu"));
+/// multi-head latent attention's, the tensor-core prefill products and the
+/// tensor-core prefill attention (each uses the helpers before it).
+const KERNELS: &str = concat!(
+    include_str!("kernels.cu"),
+    include_str!("mla.cu"),
+    include_str!("mma.cu"),
+    include_str!("attn_mma.cu")
+);
 
 /// Every kernel the backend launches (looked up once at start).
 const KERNEL_NAMES: &[&str] = &[
@@ -83,7 +89,17 @@ const KERNEL_NAMES: &[&str] = &[
     "qmv_heads_b2",
     "mla_prep",
     "mla_attention",
+    "mma_split",
+    "qmma",
+    "moe_gate_up_mma",
+    "moe_down_mma",
+    "attn_kv_split",
+    "attention_mma",
 ];
+
+/// Kernels that may take more than the default 48 KiB of dynamic shared
+/// memory (up to the device's opt-in maximum, [`Gpu::smem_optin`]).
+const LARGE_SMEM_KERNELS: &[&str] = &["attention_mma"];
 
 /// What [`probe`] found.
 #[derive(Debug, Clone)]
@@ -163,6 +179,15 @@ pub struct Gpu {
     /// Streaming multiprocessors (grids of the kernels that loop over their
     /// work are sized by it).
     pub sms: u32,
+    /// Products of many tokens on the tensor cores (sm_80+;
+    /// `MOEFLUX_CUDA_MMA=0` keeps them on the CUDA cores).
+    pub mma: bool,
+    /// Dynamic shared memory one block may take (the opt-in maximum, set on
+    /// the kernels of `LARGE_SMEM_KERNELS`).
+    pub smem_optin: usize,
+    /// Device memory the products use between two launches of one call
+    /// (the tensor-core kernels' split activations), grown on demand.
+    workspace: std::sync::Mutex<Option<DevBuf>>,
 }
 
 impl Drop for Gpu {
@@ -211,10 +236,21 @@ impl Gpu {
             .is_some_and(|v| v != "0")
             .then(Default::default);
         let pdl = info.cc.0 >= 9 && std::env::var_os("MOEFLUX_CUDA_PDL").is_none_or(|v| v != "0");
+        let mma = info.cc.0 >= 8 && std::env::var_os("MOEFLUX_CUDA_MMA").is_none_or(|v| v != "0");
         use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT as SMS;
         let sms = ctx
             .attribute(SMS)
             .map_err(|e| gpu_err("GPU attribute", e))? as u32;
+        use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN as SMEM;
+        use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as DYN_SMEM;
+        let smem_optin = ctx
+            .attribute(SMEM)
+            .map_err(|e| gpu_err("GPU attribute", e))?;
+        for name in LARGE_SMEM_KERNELS {
+            funcs[name]
+                .set_attribute(DYN_SMEM, smem_optin)
+                .map_err(|e| gpu_err(&format!("kernel {name}: shared memory"), e))?;
+        }
         Ok(Gpu {
             info,
             ctx,
@@ -224,7 +260,23 @@ impl Gpu {
             profile,
             pdl,
             sms,
+            mma,
+            smem_optin: smem_optin as usize,
+            workspace: Default::default(),
         })
+    }
+
+    /// Device address of the workspace, holding at least `bytes`. What an
+    /// earlier call wrote there may be overwritten: it serves the launches
+    /// of one call, in stream order. Growing it waits for the stream.
+    pub fn workspace(&self, bytes: usize) -> Result<u64> {
+        let mut ws = self.workspace.lock().unwrap_or_else(|e| e.into_inner());
+        if ws.as_ref().is_none_or(|b| b.bytes() < bytes) {
+            self.sync()?;
+            *ws = None;
+            *ws = Some(DevBuf::zeros(self, bytes.max(1 << 20).next_power_of_two())?);
+        }
+        Ok(ws.as_ref().expect("allocated above").ptr())
     }
 
     /// Makes the context current on the calling thread (every entry point

@@ -914,8 +914,12 @@ extern "C" __global__ void conv_qk_norm(float* mixed, const float* w, float* sta
     float inv = rsqrtf((float)dk);
     float eps = 1e-6f * inv * inv;
     float scale = b < nk ? inv * inv : inv;
+    // The next token's input is loaded before this one is computed (the
+    // loop is a chain over the tokens of a prefill).
+    float next = live && n > 0 ? mixed[ch] : 0.0f;
     for (int t = 0; t < n; t++) {
-        float x = live ? mixed[(long)t * cd + ch] : 0.0f;
+        float x = next;
+        if (live && t + 1 < n) next = mixed[(long)(t + 1) * cd + ch];
         float acc = 0.0f;
         if (live) {
             for (int j = 0; j < hist; j++) acc += w[ch * kk + j] * st[j];
@@ -955,32 +959,47 @@ extern "C" __global__ void delta_rule(const float* mixed, const float* a, const 
         for (int c = 0; c < 8; c++)
             st[r][c] = (c < per && row0 + r < dv) ? state[((long)h * dv + row0 + r) * dk + lane + c * WARP] : 0.0f;
     float decay_rate = expf(a_log[h]);
-    for (int t = 0; t < n; t++) {
+    // Token t + 1's inputs are loaded while token t is computed: over a
+    // prefill the loop is a chain of dependent steps, and an input load
+    // from L2 would otherwise start each one.
+    float qv[8], kv[8], vv[DR_ROWS_PER_WARP], av, bv;
+    auto load = [&](int t) {
         const float* m = mixed + (long)t * cd;
-        float qv[8], kv[8];
 #pragma unroll
         for (int c = 0; c < 8; c++) {
             qv[c] = c < per ? m[kh * dk + lane + c * WARP] : 0.0f;
             kv[c] = c < per ? m[kd + kh * dk + lane + c * WARP] : 0.0f;
         }
-        float av = a[(long)t * nv + h] + dt_bias[h];
-        float sp = fmaxf(av, 0.0f) + log1pf(expf(-fabsf(av)));
+#pragma unroll
+        for (int r = 0; r < DR_ROWS_PER_WARP; r++) vv[r] = row0 + r < dv ? m[2 * kd + h * dv + row0 + r] : 0.0f;
+        av = a[(long)t * nv + h];
+        bv = b[(long)t * nv + h];
+    };
+    if (n > 0) load(0);
+    for (int t = 0; t < n; t++) {
+        float q[8], k[8], v[DR_ROWS_PER_WARP];
+#pragma unroll
+        for (int c = 0; c < 8; c++) q[c] = qv[c], k[c] = kv[c];
+#pragma unroll
+        for (int r = 0; r < DR_ROWS_PER_WARP; r++) v[r] = vv[r];
+        float at = av + dt_bias[h], bt = bv;
+        if (t + 1 < n) load(t + 1);
+        float sp = fmaxf(at, 0.0f) + log1pf(expf(-fabsf(at)));
         float g = expf(-decay_rate * sp);
-        float beta = sigmoidf_(b[(long)t * nv + h]);
+        float beta = sigmoidf_(bt);
 #pragma unroll
         for (int r = 0; r < DR_ROWS_PER_WARP; r++) {
             int row = row0 + r;
             float kdot = 0.0f;
 #pragma unroll
-            for (int c = 0; c < 8; c++) kdot = fmaf(st[r][c], kv[c], kdot);
+            for (int c = 0; c < 8; c++) kdot = fmaf(st[r][c], k[c], kdot);
             kdot = warp_sum(kdot);
-            float vv = row < dv ? m[2 * kd + h * dv + row] : 0.0f;
-            float d = (vv - g * kdot) * beta;
+            float d = (v[r] - g * kdot) * beta;
             float o = 0.0f;
 #pragma unroll
             for (int c = 0; c < 8; c++) {
-                st[r][c] = fmaf(d, kv[c], g * st[r][c]);
-                o = fmaf(st[r][c], qv[c], o);
+                st[r][c] = fmaf(d, k[c], g * st[r][c]);
+                o = fmaf(st[r][c], q[c], o);
             }
             o = warp_sum(o);
             if (lane == 0 && row < dv) y[((long)t * nv + h) * dv + row] = o;

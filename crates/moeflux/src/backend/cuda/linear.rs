@@ -275,7 +275,118 @@ fn one_width(group: &[(Qw, &Mm)]) -> Option<i32> {
     group.iter().all(|(q, _)| q.bits == bits).then_some(bits)
 }
 
+/// The launch parameters of `group` (at most four matrices) and its blocks
+/// in all, `rows_per_block(q)` output rows per block of matrix `q`.
+fn multi_matmul(group: &[(Qw, &Mm)], rows_per_block: impl Fn(&Qw) -> usize) -> (MultiMatmul, i32) {
+    let mut p = MultiMatmul {
+        q: [group[0].0; 4],
+        out: [0; 4],
+        first_block: [0; 5],
+        count: group.len() as i32,
+        accumulate: 0,
+    };
+    let mut blocks = 0i32;
+    for (j, (q, o)) in group.iter().enumerate() {
+        p.q[j] = *q;
+        p.out[j] = o.out;
+        p.first_block[j] = blocks;
+        p.accumulate |= (o.accumulate as i32) << j;
+        blocks += (q.rows as usize).div_ceil(rows_per_block(q)) as i32;
+    }
+    for j in group.len()..5 {
+        p.first_block[j] = blocks;
+    }
+    (p, blocks)
+}
+
+/// Batches of at least this many tokens take the tensor-core products
+/// (`qmma`, `moe_*_mma` in mma.cu) where the matrices fit them.
+pub(super) const MMA_MIN_TOKENS: usize = 16;
+
+/// Output rows and tokens per block of `qmma`.
+const MMA_BLOCK_ROWS: usize = 64;
+const MMA_BLOCK_TOKENS: usize = 64;
+
+/// Whether the tensor-core kernels take a matrix of `bits`-bit codes in
+/// groups of `gs` with rows of `cols` codes starting at `w`: 4- or 8-bit
+/// codes, groups of 32, 64 or 128, whole groups, 16-byte aligned codes.
+pub(super) fn mma_layout_fits(bits: i32, gs: i32, cols: i32, w: u64) -> bool {
+    matches!(bits, 4 | 8) && matches!(gs, 32 | 64 | 128) && cols % gs == 0 && w.is_multiple_of(16)
+}
+
+fn mma_fits(q: &Qw) -> bool {
+    mma_layout_fits(q.bits, q.gs, q.cols, q.w)
+}
+
+/// `x[n, cols]` split for the tensor-core kernels (`mma_split`) into the
+/// GPU's workspace: the addresses of the bf16 hi/lo pairs and of the group
+/// sums. Valid until the next call that uses the workspace.
+pub(super) fn mma_split(gpu: &Gpu, x: u64, n: usize, cols: usize, gs: usize) -> Result<(u64, u64)> {
+    let pairs = 4 * n * cols;
+    let ws = gpu.workspace(pairs + 4 * n * (cols / gs))?;
+    let (xp, xs) = (ws, ws + pairs as u64);
+    let (nn, c, g) = (n as i64, cols as i32, gs as i32);
+    let blocks = (n * cols / 4).div_ceil(256) as u32;
+    // SAFETY: `mma_split` in mma.cu; x holds n x cols floats, the workspace
+    // the pairs (as many bytes as x) and n x cols / gs sums.
+    unsafe {
+        gpu.launch(
+            "mma_split",
+            (blocks, 1, 1),
+            256,
+            0,
+            &mut args!(x, nn, c, g, xp, xs),
+        )?
+    };
+    Ok((xp, xs))
+}
+
+/// Quantized products of many tokens on the tensor cores: `x` split once
+/// per group size, then up to four matrices per `qmma` launch.
+fn mma_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
+    let quant: Vec<(Qw, &Mm)> = ops
+        .iter()
+        .filter_map(|o| match o.w {
+            DevLinear::Quant(q) => Some((q, o)),
+            DevLinear::Dense { .. } => None,
+        })
+        .collect();
+    let mut sizes: Vec<i32> = quant.iter().map(|(q, _)| q.gs).collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    let nn = n as i32;
+    let ty = n.div_ceil(MMA_BLOCK_TOKENS) as u32;
+    for gs in sizes {
+        let same: Vec<(Qw, &Mm)> = quant.iter().filter(|(q, _)| q.gs == gs).copied().collect();
+        let (xp, xs) = mma_split(gpu, x, n, same[0].0.cols as usize, gs as usize)?;
+        for group in same.chunks(4) {
+            let (p, blocks) = multi_matmul(group, |_| MMA_BLOCK_ROWS);
+            // SAFETY: `qmma` in mma.cu; xp / xs were split from x (n tokens)
+            // with this group size, every output holds n rows.
+            unsafe {
+                gpu.launch(
+                    "qmma",
+                    (blocks as u32, ty, 1),
+                    128,
+                    0,
+                    &mut args!(p, xp, xs, nn),
+                )?
+            };
+        }
+    }
+    Ok(())
+}
+
 fn launch_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize, input: Input) -> Result<()> {
+    if n >= MMA_MIN_TOKENS && gpu.mma && input == Input::Plain {
+        let (tc, rest): (Vec<Mm>, Vec<Mm>) = ops
+            .iter()
+            .partition(|o| matches!(o.w, DevLinear::Quant(q) if mma_fits(&q)));
+        if !tc.is_empty() {
+            mma_products(gpu, &tc, x, n)?;
+            return launch_products(gpu, &rest, x, n, input);
+        }
+    }
     let nn = n as i32;
     let ty = n.div_ceil(4).min(64) as u32;
     // One token: matrices that fit the activation-stationary kernels go
@@ -309,24 +420,7 @@ fn launch_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize, input: Input) -> Res
                 .expect("qmv_fit accepted the layout"),
             None => rows_per_block(q.cols as usize, q.bits as usize, n == 1),
         };
-        let mut p = MultiMatmul {
-            q: [group[0].0; 4],
-            out: [0; 4],
-            first_block: [0; 5],
-            count: group.len() as i32,
-            accumulate: 0,
-        };
-        let mut blocks = 0i32;
-        for (j, (q, o)) in group.iter().enumerate() {
-            p.q[j] = *q;
-            p.out[j] = o.out;
-            p.first_block[j] = blocks;
-            p.accumulate |= (o.accumulate as i32) << j;
-            blocks += (q.rows as usize).div_ceil(rows_per_block(q)) as i32;
-        }
-        for j in group.len()..5 {
-            p.first_block[j] = blocks;
-        }
+        let (p, blocks) = multi_matmul(group, rows_per_block);
         // SAFETY: arguments match the kernels in kernels.cu; the caller
         // sized x and every output for n tokens.
         unsafe {

@@ -77,6 +77,9 @@ pub(super) struct Ctx<'a> {
     /// Device address of the eval's first position (kernels read it, so a
     /// captured graph serves every position).
     pub pos: u64,
+    /// The eval's first position on the host: only for sizing what batches
+    /// use (one-token steps are captured and replayed at other positions).
+    pub start: usize,
     /// Device address of the rotary inverse frequencies (f64).
     pub inv_freq: u64,
     pub cache: Option<&'a mut ExpertCache>,
@@ -442,8 +445,14 @@ impl CudaModel {
         let m = rows.len();
         if graphable && !self.graph_valid() && self.stable_epoch == Some(self.epoch) {
             begin_capture(&self.gpu)?;
-            let recorded =
-                self.layers_forward(store, pool, k, n, rows.clone(), &mut PhaseTimes::default());
+            let recorded = self.layers_forward(
+                store,
+                pool,
+                k,
+                start..start + n,
+                rows.clone(),
+                &mut PhaseTimes::default(),
+            );
             let graph = end_capture(&self.gpu, recorded)?;
             if self.scratch.grew {
                 // Allocated during capture: the layout moved, the graph is
@@ -471,7 +480,7 @@ impl CudaModel {
         } else {
             self.scratch.grew = false;
             let before = self.epoch;
-            self.layers_forward(store, pool, k, n, rows, times)?;
+            self.layers_forward(store, pool, k, start..start + n, rows, times)?;
             if self.scratch.grew {
                 self.scratch.grew = false;
                 self.epoch += 1;
@@ -509,18 +518,19 @@ impl CudaModel {
             .count()
     }
 
-    /// Every layer, the final norm and the LM head for `n` tokens whose ids
-    /// and first position are on the device; logits of `rows` land in the
-    /// "logits" scratch buffer.
+    /// Every layer, the final norm and the LM head for the tokens at
+    /// positions `span`, whose ids and first position are on the device;
+    /// logits of `rows` land in the "logits" scratch buffer.
     fn layers_forward(
         &mut self,
         store: &ExpertStore,
         pool: &rayon::ThreadPool,
         k: usize,
-        n: usize,
+        span: std::ops::Range<usize>,
         rows: std::ops::Range<usize>,
         times: &mut PhaseTimes,
     ) -> Result<()> {
+        let n = span.len();
         let mut clock = std::time::Instant::now();
         let h = self.config.hidden_size;
         let eps = self.config.rms_norm_eps;
@@ -531,6 +541,7 @@ impl CudaModel {
             scratch: &mut self.scratch,
             state: &mut self.state,
             pos: self.pos.ptr(),
+            start: span.start,
             inv_freq: self.inv_freq.ptr(),
             cache: self.cache.as_mut(),
             arena: &mut self.arena,

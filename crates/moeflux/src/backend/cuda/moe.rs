@@ -13,8 +13,8 @@ use crate::model::timing::{lap, PhaseTimes};
 
 use super::device::{args, DevBuf, Gpu};
 use super::linear::{
-    dev_linear, kernel_suffix, matmuls, mm, mm_add, qmv_rows_per_block, rows_per_block,
-    swiglu_matmul, DevLinear, QMV_CHUNKS,
+    dev_linear, kernel_suffix, matmuls, mm, mm_add, mma_layout_fits, mma_split, qmv_rows_per_block,
+    rows_per_block, swiglu_matmul, DevLinear, MMA_MIN_TOKENS, QMV_CHUNKS,
 };
 use super::model::{unsupported, Ctx};
 
@@ -382,24 +382,53 @@ impl GpuMoe {
                 cx.arena.upload(g, d_tasks, &tasks)?;
                 cx.arena.upload(g, d_slots, &slot_list)?;
                 let n_tasks = tasks.len() as u32;
-                // SAFETY (both launches): arguments match the kernels in
-                // kernels.cu; tasks point at resident experts, buffers are
-                // sized for n * k slots.
-                unsafe {
-                    g.launch(
-                        &format!("moe_gate_up_{sfx}"),
-                        (gate_up_blocks, n_tasks, 1),
-                        256,
-                        0,
-                        &mut args!(d_tasks, layout, d_slots, k_i, xn, act),
-                    )?;
-                    g.launch(
-                        &format!("moe_down_{sfx}"),
-                        (down_blocks, n_tasks, 1),
-                        256,
-                        0,
-                        &mut args!(d_tasks, layout, d_slots, act, slot_out),
-                    )?;
+                if n >= MMA_MIN_TOKENS && g.mma && mma_experts_fit(&layout) {
+                    let gs = layout.gs as usize;
+                    let (xp, xs) = mma_split(g, xn, n, h, gs)?;
+                    // SAFETY: `moe_gate_up_mma` in mma.cu; tasks point at
+                    // resident experts, xp / xs were split from xn (n
+                    // tokens), act holds a row per slot_list entry.
+                    unsafe {
+                        g.launch(
+                            "moe_gate_up_mma",
+                            (inter.div_ceil(MMA_GATE_UP_ROWS) as u32, n_tasks, 1),
+                            128,
+                            0,
+                            &mut args!(d_tasks, layout, d_slots, k_i, xp, xs, act),
+                        )?
+                    };
+                    let (ap, asum) = mma_split(g, act, slot_list.len(), inter, gs)?;
+                    // SAFETY: `moe_down_mma` in mma.cu; ap / asum were split
+                    // from act, slot_out holds n * k rows.
+                    unsafe {
+                        g.launch(
+                            "moe_down_mma",
+                            (h.div_ceil(MMA_DOWN_ROWS) as u32, n_tasks, 1),
+                            128,
+                            0,
+                            &mut args!(d_tasks, layout, d_slots, ap, asum, slot_out),
+                        )?
+                    };
+                } else {
+                    // SAFETY (both launches): arguments match the kernels in
+                    // kernels.cu; tasks point at resident experts, buffers are
+                    // sized for n * k slots.
+                    unsafe {
+                        g.launch(
+                            &format!("moe_gate_up_{sfx}"),
+                            (gate_up_blocks, n_tasks, 1),
+                            256,
+                            0,
+                            &mut args!(d_tasks, layout, d_slots, k_i, xn, act),
+                        )?;
+                        g.launch(
+                            &format!("moe_down_{sfx}"),
+                            (down_blocks, n_tasks, 1),
+                            256,
+                            0,
+                            &mut args!(d_tasks, layout, d_slots, act, slot_out),
+                        )?;
+                    }
                 }
             }
         }
@@ -578,6 +607,21 @@ fn qmv_slot_grids(l: &ExpertLayoutC) -> Option<(u32, u32)> {
     let gate_up = qmv_rows_per_block(h, bits, gs, QMV_CHUNKS / 2)?;
     let down = qmv_rows_per_block(inter, bits, gs, QMV_CHUNKS)?;
     Some((inter.div_ceil(gate_up) as u32, h.div_ceil(down) as u32))
+}
+
+/// Intermediate rows per block of `moe_gate_up_mma` and hidden rows per
+/// block of `moe_down_mma`.
+const MMA_GATE_UP_ROWS: usize = 64;
+const MMA_DOWN_ROWS: usize = 128;
+
+/// Whether the tensor-core expert kernels take the experts' layout (see
+/// [`mma_layout_fits`]; every projection's codes 16-byte aligned in the
+/// extent, whose cache slot is).
+fn mma_experts_fit(l: &ExpertLayoutC) -> bool {
+    let aligned = [l.gate_w, l.up_w, l.down_w].iter().all(|o| o % 16 == 0);
+    aligned
+        && mma_layout_fits(l.bits, l.gs, l.hidden, 0)
+        && mma_layout_fits(l.bits, l.gs, l.inter, 0)
 }
 
 fn qmv_slot_kernels(bits: i32) -> (String, String) {

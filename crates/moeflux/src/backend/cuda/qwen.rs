@@ -7,7 +7,7 @@ use crate::model::deltanet::DeltaProjections;
 use crate::model::qwen3_hybrid::Mixer;
 
 use super::device::{args, DevBuf, Gpu};
-use super::linear::{dev_linear, matmuls, mm, mm_add, DevLinear};
+use super::linear::{dev_linear, matmuls, mm, mm_add, DevLinear, MMA_MIN_TOKENS};
 use super::model::{unsupported, Ctx, GpuMixer};
 use super::state::{GpuLayerState, GpuLinearState, RowCache};
 
@@ -116,6 +116,26 @@ fn state_error(i: usize) -> Error {
     Error::Invalid(format!("layer {i}: GPU state does not match its mixer"))
 }
 
+/// Query rows per block and keys per step of `attention_mma` (attn_mma.cu's
+/// `ATT_ROWS`, `ATT_KT`).
+const ATT_ROWS: usize = 64;
+const ATT_KT: usize = 32;
+
+/// The dynamic shared memory of `attention_mma` for a batch of `n` tokens
+/// when the tensor-core attention serves it on this GPU: head dims of 32 to
+/// 256, query heads per KV group dividing its 64 rows (or a multiple of
+/// them), and the tiles within the device's shared memory (a 256-wide head
+/// takes 200 KiB: Hopper, not Ampere).
+fn attention_mma_smem(gpu: &Gpu, nh: usize, nkv: usize, hd: usize, n: usize) -> Option<usize> {
+    let group = nh / nkv;
+    let shape = matches!(hd, 32 | 64 | 128 | 256)
+        && (ATT_ROWS.is_multiple_of(group) || group.is_multiple_of(ATT_ROWS));
+    // q, two k buffers (rows of four quarters plus a padding uint4) and two
+    // v buffers, in uint4s (ATT_SMEM_UINT4).
+    let smem = 16 * ((ATT_ROWS + 2 * ATT_KT) * 4 * (hd / 16 + 1) + 2 * (ATT_KT / 16) * hd * 4);
+    (gpu.mma && n >= MMA_MIN_TOKENS && shape && smem <= gpu.smem_optin).then_some(smem)
+}
+
 impl GpuFullAttn {
     /// Gated full attention of layer `i`, its output added to `x`.
     pub fn forward(&self, cx: &mut Ctx, i: usize, xn: u64, n: usize, x: u64) -> Result<()> {
@@ -141,9 +161,8 @@ impl GpuFullAttn {
         };
         let (kc, vc) = (kv.a.ptr(), kv.b.ptr());
         let scale = 1.0 / (hd as f32).sqrt();
-        // SAFETY (every launch below): arguments match the kernels in
-        // kernels.cu; the scratch buffers are sized for n tokens and the
-        // cache for its rows (grown before the eval).
+        // SAFETY: `attn_prep` in kernels.cu; the scratch buffers are sized
+        // for n tokens and the cache for its rows (grown before the eval).
         unsafe {
             g.launch(
                 "attn_prep",
@@ -154,15 +173,54 @@ impl GpuFullAttn {
                     qg, k, v, qn, kn, inv_freq, half, nh_i, nkv_i, hd_i, eps, pos, ps, q, gate, kc,
                     vc
                 ),
-            )?;
-            g.launch(
-                "attention",
-                (nh as u32, n as u32, 1),
-                256,
-                0,
-                &mut args!(q, kc, vc, gate, nh_i, nkv_i, hd_i, pos, scale, attn),
             )?
         };
+        if let Some(smem) = attention_mma_smem(g, nh, nkv, hd, n) {
+            let ctx = cx.start + n;
+            let ctx_pad = ctx.next_multiple_of(ATT_KT);
+            let per = ctx_pad * hd / 4; // uint4s per KV group, of K and of V
+            let ws = g.workspace(2 * 16 * per * nkv)?;
+            let (kp, vp) = (ws, ws + (16 * per * nkv) as u64);
+            let (ctx_i, pad_i, nn) = (ctx as i64, ctx_pad as i64, n as i32);
+            let group = nh / nkv;
+            let heads = group.min(ATT_ROWS);
+            let grid = (
+                n.div_ceil(ATT_ROWS / heads) as u32,
+                (nkv * group / heads) as u32,
+                1,
+            );
+            // SAFETY: `attn_kv_split` and `attention_mma` in attn_mma.cu;
+            // the workspace holds both split caches of ctx_pad rows, the
+            // caches hold ctx rows, q / gate / attn n tokens, and
+            // attention_mma_smem checked the shape and the shared memory.
+            unsafe {
+                g.launch(
+                    "attn_kv_split",
+                    ((per * nkv).div_ceil(256) as u32, 2, 1),
+                    256,
+                    0,
+                    &mut args!(kc, vc, nkv_i, hd_i, ctx_i, pad_i, kp, vp),
+                )?;
+                g.launch(
+                    "attention_mma",
+                    grid,
+                    128,
+                    smem as u32,
+                    &mut args!(q, kp, vp, gate, nh_i, nkv_i, hd_i, pos, pad_i, nn, scale, attn),
+                )?;
+            }
+        } else {
+            // SAFETY: `attention` in kernels.cu; buffers as above.
+            unsafe {
+                g.launch(
+                    "attention",
+                    (nh as u32, n as u32, 1),
+                    256,
+                    0,
+                    &mut args!(q, kc, vc, gate, nh_i, nkv_i, hd_i, pos, scale, attn),
+                )?
+            };
+        }
         matmuls(g, &[mm_add(wo, x)], attn, n)
     }
 }

@@ -1,0 +1,254 @@
+// Checks of the tensor-core prefill products (mma.cu) under cuda_emu.h (see run.sh), on
+// random inputs against naive double-precision products of the dequantized weights
+// (emu_check.h), through the emulated mma.sync (cuda_emu.h: PTX's fragment layout):
+//   mma_split         x into the permuted bf16 hi/lo pairs and f32 group sums.
+//   qmma              grouped products of one input (two matrices, one with a residual
+//                     add), 4- and 8-bit codes, groups of 32, 64 and 128, token counts
+//                     and row counts that are not multiples of the tiles.
+//   moe_gate_up_mma   silu(gate x) * (up x) per expert task over its tokens (gathered
+//   moe_down_mma      through the slot list), then the down product scattered to the
+//                     slots; tasks of 1 to 70 tokens.
+//   attn_kv_split     causal attention of a batch over the cache (head dims 32 to 256,
+//   attention_mma     2 to 128 query heads per KV group, partial tiles, cache rows
+//                     past the context poisoned) against a double-precision softmax.
+#include "cuda_emu.h"
+#include KERNELS_SOURCE  // kernels.cu + mla.cu + mma.cu + attn_mma.cu, made by run.sh
+#include "emu_check.h"
+
+// mma_split of x[n][cols] into xp / xs (sized by the caller's vectors).
+static void split(const std::vector<float>& x, int n, int cols, int gs, std::vector<uint4>& xp,
+                  std::vector<float>& xs) {
+    xp.assign((size_t)n * cols / 4, uint4{});
+    xs.assign((size_t)n * cols / gs, NAN);
+    long total = (long)n * cols / 4;
+    unsigned blocks = (unsigned)((total + 255) / 256);
+    const float* px = x.data();
+    uint4* pp = xp.data();
+    float* ps = xs.data();
+    emu_launch({blocks, 1, 1}, 256, [&] { mma_split(px, n, cols, gs, pp, ps); });
+}
+
+// Two matrices of one input in one qmma launch; the second adds to its output.
+static void test_qmma(int rows_a, int rows_b, int cols, int n, int bits, int gs) {
+    HostQ A(rows_a, cols, bits, gs), B(rows_b, cols, 4, gs);
+    std::vector<float> x((size_t)n * cols);
+    for (auto& v : x) v = urand(-2, 2);
+    std::vector<uint4> xp;
+    std::vector<float> xs;
+    split(x, n, cols, gs, xp, xs);
+    std::vector<float> oa((size_t)n * rows_a, NAN), ob((size_t)n * rows_b);
+    for (auto& v : ob) v = urand();
+    std::vector<float> ob0 = ob;
+    MultiMatmul mm;
+    memset(&mm, 0, sizeof mm);
+    mm.q[0] = A.qw(); mm.q[1] = B.qw();
+    mm.out[0] = oa.data(); mm.out[1] = ob.data();
+    mm.count = 2;
+    mm.accumulate = 2;
+    int ba = (rows_a + 63) / 64, bb = (rows_b + 63) / 64;
+    for (int j = 0; j < 5; j++) mm.first_block[j] = j == 0 ? 0 : j == 1 ? ba : ba + bb;
+    const uint4* pp = xp.data();
+    const float* ps = xs.data();
+    emu_launch({(unsigned)(ba + bb), (unsigned)((n + 63) / 64), 1}, 128, [&] { qmma(mm, pp, ps, n); });
+    std::vector<float> got;
+    std::vector<double> want;
+    for (int t = 0; t < n; t++)
+        for (int r = 0; r < rows_a; r++) {
+            double acc = 0;
+            for (int j = 0; j < cols; j++) acc += (double)A.deq[(size_t)r * cols + j] * x[(size_t)t * cols + j];
+            want.push_back(acc);
+            got.push_back(oa[(size_t)t * rows_a + r]);
+        }
+    for (int t = 0; t < n; t++)
+        for (int r = 0; r < rows_b; r++) {
+            double acc = ob0[(size_t)t * rows_b + r];
+            for (int j = 0; j < cols; j++) acc += (double)B.deq[(size_t)r * cols + j] * x[(size_t)t * cols + j];
+            want.push_back(acc);
+            got.push_back(ob[(size_t)t * rows_b + r]);
+        }
+    char name[128];
+    snprintf(name, sizeof name, "qmma b%d+b4 g%d %dx%d + %dx%d, %d tokens", bits, gs, rows_a, cols, rows_b, cols, n);
+    check(name, got, want, 1e-5);
+}
+
+// The routed experts of a batch: task e serves tokens 0 .. counts[e] - 1, each as its
+// slot j = e (k = the number of tasks).
+static void test_moe_mma(int hidden, int inter, int bits, int gs, std::vector<int> counts) {
+    int ne = (int)counts.size(), k = ne;
+    int n = 0;
+    for (int c : counts) n = std::max(n, c);  // tokens; task e serves tokens 0..count-1
+    std::vector<HostQ> gate, up, down;
+    for (int e = 0; e < ne; e++) {
+        gate.emplace_back(inter, hidden, bits, gs);
+        up.emplace_back(inter, hidden, bits, gs);
+        down.emplace_back(hidden, inter, bits, gs);
+    }
+    // One extent per expert: gate | up | down, each codes | scales | biases.
+    auto bytes_of = [](const HostQ& q) {
+        return std::array<size_t, 3>{q.w.size() * 4, q.s.size() * 2, q.b.size() * 2};
+    };
+    ExpertLayout L;
+    long off = 0;
+    long* fields[3][3] = {{&L.gate_w, &L.gate_s, &L.gate_b}, {&L.up_w, &L.up_s, &L.up_b},
+                          {&L.down_w, &L.down_s, &L.down_b}};
+    const HostQ* parts0[3] = {&gate[0], &up[0], &down[0]};
+    for (int m = 0; m < 3; m++) {
+        auto b = bytes_of(*parts0[m]);
+        for (int f = 0; f < 3; f++) {
+            *fields[m][f] = off;
+            off += (long)((b[f] + 15) / 16 * 16);
+        }
+    }
+    L.inter = inter, L.hidden = hidden, L.bits = bits, L.gs = gs, L.sf32 = 0;
+    std::vector<std::vector<uint4>> extents(ne, std::vector<uint4>((size_t)(off / 16)));
+    for (int e = 0; e < ne; e++) {
+        char* base = (char*)extents[e].data();
+        const HostQ* parts[3] = {&gate[e], &up[e], &down[e]};
+        for (int m = 0; m < 3; m++) {
+            memcpy(base + *fields[m][0], parts[m]->w.data(), parts[m]->w.size() * 4);
+            memcpy(base + *fields[m][1], parts[m]->s.data(), parts[m]->s.size() * 2);
+            memcpy(base + *fields[m][2], parts[m]->b.data(), parts[m]->b.size() * 2);
+        }
+    }
+    std::vector<ExpertTask> tasks;
+    std::vector<int> slot_list;
+    for (int e = 0; e < ne; e++) {
+        tasks.push_back({(const char*)extents[e].data(), (int)slot_list.size(), counts[e]});
+        for (int t = 0; t < counts[e]; t++) slot_list.push_back(t * k + e);
+    }
+    int used = (int)slot_list.size();
+    std::vector<float> x((size_t)n * hidden);
+    for (auto& v : x) v = urand(-1, 1);
+    std::vector<uint4> xp;
+    std::vector<float> xs;
+    split(x, n, hidden, gs, xp, xs);
+    std::vector<float> act((size_t)used * inter, NAN), slot_out((size_t)n * k * hidden, NAN);
+    {
+        const ExpertTask* pt = tasks.data();
+        const int* ps = slot_list.data();
+        const uint4* pxp = xp.data();
+        const float* pxs = xs.data();
+        float* pa = act.data();
+        emu_launch({(unsigned)((inter + 63) / 64), (unsigned)ne, 1}, 128,
+                   [&] { moe_gate_up_mma(pt, L, ps, k, pxp, pxs, pa); });
+    }
+    std::vector<double> want_act;
+    for (int e = 0; e < ne; e++)
+        for (int i = 0; i < counts[e]; i++) {
+            int tok = slot_list[tasks[e].first + i] / k;
+            for (int r = 0; r < inter; r++) {
+                double g = 0, u = 0;
+                for (int j = 0; j < hidden; j++) {
+                    g += (double)gate[e].deq[(size_t)r * hidden + j] * x[(size_t)tok * hidden + j];
+                    u += (double)up[e].deq[(size_t)r * hidden + j] * x[(size_t)tok * hidden + j];
+                }
+                want_act.push_back(g / (1.0 + exp(-g)) * u);
+            }
+        }
+    char name[128];
+    snprintf(name, sizeof name, "moe_gate_up_mma b%d g%d %dx%d, %d tasks", bits, gs, inter, hidden, ne);
+    check(name, act, want_act, 1e-5);
+    std::vector<uint4> ap;
+    std::vector<float> as;
+    split(act, used, inter, gs, ap, as);
+    {
+        const ExpertTask* pt = tasks.data();
+        const int* ps = slot_list.data();
+        const uint4* pap = ap.data();
+        const float* pas = as.data();
+        float* po = slot_out.data();
+        emu_launch({(unsigned)((hidden + 127) / 128), (unsigned)ne, 1}, 128,
+                   [&] { moe_down_mma(pt, L, ps, pap, pas, po); });
+    }
+    std::vector<float> got;
+    std::vector<double> want;
+    for (int e = 0; e < ne; e++)
+        for (int i = 0; i < counts[e]; i++) {
+            int pos = tasks[e].first + i, slot = slot_list[pos];
+            for (int r = 0; r < hidden; r++) {
+                double acc = 0;
+                for (int j = 0; j < inter; j++) acc += (double)down[e].deq[(size_t)r * inter + j] * act[(size_t)pos * inter + j];
+                want.push_back(acc);
+                got.push_back(slot_out[(size_t)slot * hidden + r]);
+            }
+        }
+    snprintf(name, sizeof name, "moe_down_mma b%d g%d %dx%d, %d tasks", bits, gs, hidden, inter, ne);
+    check(name, got, want, 1e-5);
+}
+
+
+// attn_kv_split then attention_mma for n new tokens at positions start.. over
+// the cache (rows past start + n poisoned with NaN: never read), against a
+// double-precision softmax attention times sigmoid(gate).
+static void test_attention_mma(int nh, int nkv, int hd, int start, int n) {
+    int ctx = start + n, cap = ctx + 40, row = nkv * hd;
+    std::vector<float> q((size_t)n * nh * hd), gate(q.size()), kc((size_t)cap * row, NAN), vc(kc.size(), NAN);
+    for (auto& v : q) v = urand(-1.5f, 1.5f);
+    for (auto& v : gate) v = urand(-3, 3);
+    for (size_t i = 0; i < (size_t)ctx * row; i++) kc[i] = urand(-1.5f, 1.5f), vc[i] = urand(-2, 2);
+    long ctx_pad = (ctx + 31) / 32 * 32, per = ctx_pad * hd / 4;
+    std::vector<uint4> kp((size_t)per * nkv), vp(kp.size());
+    long start_l = start;
+    float scale = 1.0f / sqrtf((float)hd);
+    {
+        const float *pk = kc.data(), *pv = vc.data();
+        uint4 *pkp = kp.data(), *pvp = vp.data();
+        emu_launch({(unsigned)((per * nkv + 255) / 256), 2, 1}, 256,
+                   [&] { attn_kv_split(pk, pv, nkv, hd, ctx, ctx_pad, pkp, pvp); });
+    }
+    std::vector<float> out(q.size(), NAN);
+    int G = nh / nkv, hg = std::min(G, 64), qt = 64 / hg;
+    {
+        const float *pq = q.data(), *pg = gate.data();
+        const uint4 *pkp = kp.data(), *pvp = vp.data();
+        float* po = out.data();
+        const long* pp = &start_l;
+        emu_launch({(unsigned)((n + qt - 1) / qt), (unsigned)(nkv * (G / hg)), 1}, 128,
+                   [&] { attention_mma(pq, pkp, pvp, pg, nh, nkv, hd, pp, ctx_pad, n, scale, po); });
+    }
+    std::vector<double> want(q.size());
+    for (int t = 0; t < n; t++)
+        for (int h = 0; h < nh; h++) {
+            const float* qh = &q[((size_t)t * nh + h) * hd];
+            int g = h / G, keys = start + t + 1;
+            std::vector<double> sc(keys);
+            double mx = -1e300, sum = 0;
+            for (int p = 0; p < keys; p++) {
+                double d = 0;
+                for (int i = 0; i < hd; i++) d += (double)qh[i] * kc[(size_t)p * row + g * hd + i];
+                sc[p] = d * scale;
+                mx = std::max(mx, sc[p]);
+            }
+            for (auto& v : sc) sum += (v = exp(v - mx));
+            for (int i = 0; i < hd; i++) {
+                double o = 0;
+                for (int p = 0; p < keys; p++) o += sc[p] * vc[(size_t)p * row + g * hd + i];
+                size_t oi = ((size_t)t * nh + h) * hd + i;
+                want[oi] = o / sum / (1.0 + exp(-(double)gate[oi]));
+            }
+        }
+    char name[128];
+    snprintf(name, sizeof name, "attention_mma nh%d nkv%d hd%d start%d n%d", nh, nkv, hd, start, n);
+    check(name, out, want, 2e-5);
+}
+
+int main() {
+    test_qmma(80, 48, 256, 37, 4, 64);   // partial row and token tiles
+    test_qmma(64, 16, 128, 70, 8, 64);   // 8-bit codes, two token blocks
+    test_qmma(40, 24, 256, 9, 4, 32);    // groups of 32
+    test_qmma(16, 40, 256, 5, 8, 32);
+    test_qmma(72, 8, 512, 20, 4, 128);   // groups of 128
+    test_qmma(24, 16, 256, 33, 8, 128);
+    test_moe_mma(128, 64, 4, 64, {1, 9, 70, 3});
+    test_moe_mma(64, 96, 8, 32, {5, 33});
+    test_attention_mma(4, 2, 32, 5, 37);     // two heads per block row group, 2 token blocks
+    test_attention_mma(8, 1, 64, 40, 20);    // 8 heads per group, several key steps
+    test_attention_mma(128, 1, 128, 9, 2);   // 128 heads per group: two head blocks
+    test_attention_mma(16, 2, 256, 50, 17);  // Qwen3.6-35B-A3B's shape
+    if (fails) {
+        printf("%d FAILED\n", fails);
+        return 1;
+    }
+    printf("all ok\n");
+    return 0;
+}
