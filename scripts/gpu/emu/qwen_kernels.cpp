@@ -1,7 +1,8 @@
 // Checks of the Qwen3.5 / Qwen3-Next decode kernels under cuda_emu.h (see run.sh), each on
 // random inputs against a naive double-precision reference of the CPU model:
 //   conv_qk_norm  model/deltanet.rs conv_silu, then the q/k RMS norms with their 1/dk and
-//                 1/sqrt(dk) scales; mixed and the updated conv state.
+//                 1/sqrt(dk) scales; mixed and the updated conv state; the batch kernels
+//                 (conv_qk_norm_batch + conv_state_update) equal to it bit for bit.
 //   delta_rule    model/deltanet.rs recurrence (backend/cpu/vec.rs delta_rule_step), then
 //   gated_norm    the gated RMSNorm; y, out and the state over two launches in a row.
 //   moe_combine   the routed experts' weighted sum plus the (gated or plain) shared expert
@@ -34,10 +35,16 @@ static void test_conv_qk_norm(int nk, int nv, int dk, int dv, int kk, int n) {
     for (auto& v : w) v = urand(-0.6f, 0.6f);
     for (auto& v : state) v = urand(-2, 2);
     std::vector<float> m0 = mixed, s0 = state;
+    // The batch kernels (parallel over token tiles, not in place) on copies.
+    std::vector<float> bmixed(mixed.size(), NAN), bstate = state;
     {
         float* mp = mixed.data(); const float* wp = w.data(); float* sp = state.data();
         emu_launch({(unsigned)(2 * nk + nv), 1, 1}, (unsigned)std::max(dk, dv),
                    [&] { conv_qk_norm(mp, wp, sp, nk, dk, nv, dv, kk, n); });
+        const float* rp = m0.data(); float *bp = bmixed.data(), *bsp = bstate.data();
+        emu_launch({(unsigned)(2 * nk + nv), (unsigned)((n + CONV_TILE - 1) / CONV_TILE), 1},
+                   (unsigned)std::max(dk, dv), [&] { conv_qk_norm_batch(rp, bp, wp, bsp, nk, dk, nv, dv, kk, n); });
+        emu_launch({(unsigned)((cd + 255) / 256), 1, 1}, 256, [&] { conv_state_update(rp, bsp, cd, kk, n); });
     }
     std::vector<double> rm((size_t)n * cd), rs(s0.begin(), s0.end());
     for (int t = 0; t < n; t++)
@@ -66,6 +73,11 @@ static void test_conv_qk_norm(int nk, int nv, int dk, int dv, int kk, int n) {
     }
     snprintf(name, sizeof name, "conv_qk_norm nk%d nv%d dk%d dv%d k%d n%d state", nk, nv, dk, dv, kk, n);
     check(name, state, rs, 0.0);  // raw inputs: exact
+    // The batch kernels do the same sums in the same order: equal bit for bit.
+    snprintf(name, sizeof name, "conv_qk_norm_batch n%d = conv_qk_norm", n);
+    check(name, bmixed, std::vector<double>(mixed.begin(), mixed.end()), 0.0);
+    snprintf(name, sizeof name, "conv_state_update n%d state", n);
+    check(name, bstate, rs, 0.0);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -262,6 +274,8 @@ int main() {
     test_conv_qk_norm(16, 32, 128, 128, 4, 5);
     test_conv_qk_norm(2, 4, 64, 128, 4, 3);   // dk < dv: q/k blocks with idle threads
     test_conv_qk_norm(2, 4, 128, 64, 4, 2);   // dk > dv: v blocks with idle threads
+    test_conv_qk_norm(2, 2, 64, 64, 4, 37);   // several token tiles and a partial one
+    test_conv_qk_norm(2, 2, 64, 32, 3, 16);   // one whole tile, a shorter kernel
     test_delta_rule(16, 32, 128, 128, 1, 2);  // Qwen3.5 decode
     test_delta_rule(2, 4, 128, 64, 4, 2);     // dv < dk: two row blocks per head
     test_delta_rule(2, 4, 64, 128, 3, 2);     // dk < dv: two columns per lane, four row blocks

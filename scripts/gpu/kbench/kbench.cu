@@ -115,6 +115,13 @@ static void bench_product(const char* name, int rows, int cols, int bits, int gs
             if (blocks == sets) break;
         }
     }
+    // The same bytes (codes only) read by a plain grid-stride loop: what this size allows.
+    size_t wb = (size_t)rows * cols * bits / 8;
+    u32* sink; CK(cudaMalloc(&sink, 4));
+    for (int bps : {4, 8}) {
+        double t = time_graph([&](cudaStream_t s, int i) { read_probe<<<g_sms * bps, 256, 0, s>>>((const uint4*)qs[i % copies].w, (long)(wb / 16), sink); }, n);
+        printf("    read_probe %d/SM, codes only (%.1f MB)   %8.2f us %6.0f GB/s\n", bps, wb / 1e6, t, wb / t / 1e3);
+    }
 }
 
 // Experts of one layer in one buffer (MLX layout per expert: gate, up, down;

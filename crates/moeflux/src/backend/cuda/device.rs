@@ -89,6 +89,8 @@ const KERNEL_NAMES: &[&str] = &[
     "qmv_heads_b2",
     "mla_prep",
     "mla_attention",
+    "conv_qk_norm_batch",
+    "conv_state_update",
     "mma_split",
     "qmma",
     "moe_gate_up_mma",

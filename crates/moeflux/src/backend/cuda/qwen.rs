@@ -225,6 +225,9 @@ impl GpuFullAttn {
     }
 }
 
+/// Tokens per block of `conv_qk_norm_batch` (kernels.cu's `CONV_TILE`).
+const CONV_TILE: usize = 16;
+
 impl GpuLinearAttn {
     /// GatedDeltaNet of layer `i`, its output added to `x`.
     pub fn forward(&self, cx: &mut Ctx, i: usize, xn: u64, n: usize, x: u64) -> Result<()> {
@@ -242,6 +245,13 @@ impl GpuLinearAttn {
         let g = cx.gpu;
         let s = &mut *cx.scratch;
         let mixed = s.get(g, "mixed", 4 * n * cd)?;
+        // A batch's conv reads the projections' raw output from its own
+        // buffer (conv_qk_norm_batch is not in place); one token's is.
+        let raw = if n > 1 {
+            s.get(g, "mixed_raw", 4 * n * cd)?
+        } else {
+            mixed
+        };
         let z = s.get(g, "z", 4 * n * vd)?;
         let b = s.get(g, "b", 4 * n * nv)?;
         let a = s.get(g, "a", 4 * n * nv)?;
@@ -254,7 +264,7 @@ impl GpuLinearAttn {
                 b: bw,
                 a: aw,
             } => {
-                matmuls(g, &[mm(qkv, mixed), mm(zw, z), mm(bw, b), mm(aw, a)], xn, n)?;
+                matmuls(g, &[mm(qkv, raw), mm(zw, z), mm(bw, b), mm(aw, a)], xn, n)?;
             }
             GpuDeltaProj::Fused { qkvz, ba } => {
                 let fused = s.get(g, "fused", 4 * n * (2 * kd + 2 * vd))?;
@@ -269,7 +279,7 @@ impl GpuLinearAttn {
                         (nk as u32, n as u32, 1),
                         128,
                         0,
-                        &mut args!(fused, fba, nk_i, dk_i, dv_i, r, mixed, z, b, a),
+                        &mut args!(fused, fba, nk_i, dk_i, dv_i, r, raw, z, b, a),
                     )?
                 };
             }
@@ -289,13 +299,31 @@ impl GpuLinearAttn {
         // SAFETY (every launch below): arguments match the kernels in
         // kernels.cu; buffers sized above, states at model load.
         unsafe {
-            g.launch(
-                "conv_qk_norm",
-                ((2 * nk + nv) as u32, 1, 1),
-                dk.max(dv) as u32,
-                0,
-                &mut args!(mixed, conv_w, conv_state, nk_i, dk_i, nv_i, dv_i, kk, nn),
-            )?;
+            if n > 1 {
+                let cd_i = cd as i32;
+                g.launch(
+                    "conv_qk_norm_batch",
+                    ((2 * nk + nv) as u32, n.div_ceil(CONV_TILE) as u32, 1),
+                    dk.max(dv) as u32,
+                    0,
+                    &mut args!(raw, mixed, conv_w, conv_state, nk_i, dk_i, nv_i, dv_i, kk, nn),
+                )?;
+                g.launch(
+                    "conv_state_update",
+                    (cd.div_ceil(256) as u32, 1, 1),
+                    256,
+                    0,
+                    &mut args!(raw, conv_state, cd_i, kk, nn),
+                )?;
+            } else {
+                g.launch(
+                    "conv_qk_norm",
+                    ((2 * nk + nv) as u32, 1, 1),
+                    dk.max(dv) as u32,
+                    0,
+                    &mut args!(mixed, conv_w, conv_state, nk_i, dk_i, nv_i, dv_i, kk, nn),
+                )?;
+            }
             g.launch(
                 "delta_rule",
                 (nv as u32, dv.div_ceil(32) as u32, 1),
