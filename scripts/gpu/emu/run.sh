@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs moeflux's CUDA kernels (crates/moeflux/src/backend/cuda/{kernels,mla}.cu) on the CPU
+# Runs moeflux's CUDA kernels (crates/moeflux/src/backend/cuda/*.cu) on the CPU
 # under a small CUDA emulation (cuda_emu.h: a thread per CUDA thread, blocks one after
 # another, barriers for __syncthreads, __syncwarp and warp shuffles) against naive
 # double-precision references (emu_check.h), so their indexing and logic can be checked
@@ -13,8 +13,11 @@
 #   mma_kernels.cpp   the tensor-core prefill kernels (mma_split, qmma, moe_gate_up_mma,
 #                     moe_down_mma, attn_kv_split, attention_mma) through an emulated
 #                     mma.sync
-# Each program ends with "all ok"; the script fails if either fails. Needs g++ with
-# C++20; takes about a minute or two.
+#   deltanet_kernels.cpp  the chunked delta rule of a prefill (gdn_chunk_prep,
+#                     gdn_chunk_scan) against the recurrence and against delta_rule
+# Each program ends with "all ok"; the script fails if any fails. Needs g++ with
+# C++20; takes a few minutes (deltanet_kernels, where delta_rule's warp reductions are
+# slow to emulate, half of it).
 #   scripts/gpu/emu/run.sh
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -22,14 +25,14 @@ src=$here/../../../crates/moeflux/src/backend/cuda
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 # Dynamic shared memory becomes one host buffer.
-cat "$src/kernels.cu" "$src/mla.cu" "$src/mma.cu" "$src/attn_mma.cu" |
+cat "$src/kernels.cu" "$src/mla.cu" "$src/mma.cu" "$src/attn_mma.cu" "$src/deltanet_chunk.cu" |
   sed -E 's/extern __shared__ float (\w+)\[\];/float* \1 = g_dyn_smem.data();/' >"$tmp/kernels.inc"
-for t in mla_kernels qwen_kernels mma_kernels; do
+for t in mla_kernels qwen_kernels mma_kernels deltanet_kernels; do
   g++ -std=c++20 -O1 -pthread -w -I"$here" -DKERNELS_SOURCE="\"$tmp/kernels.inc\"" \
     "$here/$t.cpp" -o "$tmp/$t"
 done
 status=0
-for t in mla_kernels qwen_kernels mma_kernels; do
+for t in mla_kernels qwen_kernels mma_kernels deltanet_kernels; do
   echo "== $t"
   "$tmp/$t" || status=1
 done

@@ -324,13 +324,7 @@ impl GpuLinearAttn {
                     &mut args!(mixed, conv_w, conv_state, nk_i, dk_i, nv_i, dv_i, kk, nn),
                 )?;
             }
-            g.launch(
-                "delta_rule",
-                (nv as u32, dv.div_ceil(32) as u32, 1),
-                256,
-                0,
-                &mut args!(mixed, a, b, a_log, dt_bias, ssm, nn, nk_i, nv_i, dk_i, dv_i, y),
-            )?;
+            launch_delta_rule(g, l, n, [mixed, a, b, a_log, dt_bias, ssm, y])?;
             g.launch(
                 "gated_norm",
                 (nv as u32, n as u32, 1),
@@ -341,4 +335,78 @@ impl GpuLinearAttn {
         }
         matmuls(g, &[mm_add(la.out, x)], o, n)
     }
+}
+
+/// Batches of at least this many tokens (one chunk) run the delta rule in
+/// chunks (`gdn_chunk_prep`, `gdn_chunk_scan`: deltanet_chunk.cu) rather
+/// than token by token (`delta_rule`, ~0.7 us a token on the H100 at
+/// Qwen3-Next's shapes). Below a chunk the chunked form still pays for a
+/// whole one (the prep's 63-step solve, a scan step of 64 tokens: a few
+/// tens of us by estimate), about what the recurrence takes for that many
+/// tokens. An estimate, not a measurement.
+const GDN_CHUNK_MIN_TOKENS: usize = 64;
+/// deltanet_chunk.cu's `GDN_C` (tokens per chunk), `GDN_R` (state rows per
+/// scan block) and `GDN_REC` (floats of the prep's record per value head
+/// and chunk).
+const GDN_C: usize = 64;
+const GDN_R: usize = 32;
+const GDN_REC: usize = 2 * GDN_C * GDN_C + 3 * GDN_C;
+
+/// The dynamic shared memory of `gdn_chunk_scan` for key heads of `dk`:
+/// q^T and k^T (rows of `GDN_C + 4`), T^T and P^T, the rows' state, three
+/// `GDN_C x GDN_R` tiles and the decays.
+fn gdn_scan_smem(dk: usize) -> usize {
+    4 * (2 * dk * (GDN_C + 4) + 2 * GDN_C * GDN_C + dk * GDN_R + 3 * GDN_C * GDN_R + 3 * GDN_C)
+}
+
+/// The delta rule of `n` tokens: `bufs` are `mixed`, `a`, `b`, `a_log`,
+/// `dt_bias`, the state (updated) and `y`, as `delta_rule` takes them. In
+/// chunks for batches of [`GDN_CHUNK_MIN_TOKENS`] and more when the scan's
+/// shared memory fits the GPU (141 KB at dk = 128; 225 KB at 256: Hopper,
+/// not Ampere), with the prep's records in the workspace (33 KB per value
+/// head and chunk); else token by token.
+///
+/// # Safety
+/// The buffers must hold what `delta_rule` reads and writes for `n` tokens
+/// of `l`'s shapes.
+unsafe fn launch_delta_rule(
+    g: &Gpu,
+    l: &crate::config::LinearAttnConfig,
+    n: usize,
+    bufs: [u64; 7],
+) -> Result<()> {
+    let [mixed, a, b, a_log, dt_bias, ssm, y] = bufs;
+    let (nk, nv, dk, dv) = (
+        l.num_k_heads,
+        l.num_v_heads,
+        l.key_head_dim,
+        l.value_head_dim,
+    );
+    let (nn, nk_i, nv_i, dk_i, dv_i) = (n as i32, nk as i32, nv as i32, dk as i32, dv as i32);
+    let smem = gdn_scan_smem(dk);
+    if n < GDN_CHUNK_MIN_TOKENS || smem > g.smem_optin {
+        return g.launch(
+            "delta_rule",
+            (nv as u32, dv.div_ceil(32) as u32, 1),
+            256,
+            0,
+            &mut args!(mixed, a, b, a_log, dt_bias, ssm, nn, nk_i, nv_i, dk_i, dv_i, y),
+        );
+    }
+    let chunks = n.div_ceil(GDN_C);
+    let ws = g.workspace(4 * nv * chunks * GDN_REC)?;
+    g.launch(
+        "gdn_chunk_prep",
+        (nv as u32, chunks as u32, 1),
+        256,
+        0,
+        &mut args!(mixed, a, b, a_log, dt_bias, nn, nk_i, nv_i, dk_i, dv_i, ws),
+    )?;
+    g.launch(
+        "gdn_chunk_scan",
+        (nv as u32, (dv / GDN_R) as u32, 1),
+        256,
+        smem as u32,
+        &mut args!(mixed, ws, ssm, nn, nk_i, nv_i, dk_i, dv_i, y),
+    )
 }
