@@ -10,9 +10,9 @@
 #                     qmv_b48/_nc2 over 4- and 8-bit matrices in one launch)
 #   qwen_kernels.cpp  GatedDeltaNet (conv_qk_norm, delta_rule, gated_norm), moe_combine,
 #                     attn_prep
-#   mma_kernels.cpp   the tensor-core prefill kernels (mma_split, qmma, moe_gate_up_mma,
-#                     moe_down_mma, attn_kv_split, attention_mma) through an emulated
-#                     mma.sync
+#   mma_kernels.cpp   the tensor-core kernels (mma_split, qmma, moe_gate_up_mma,
+#                     moe_down_mma, attn_kv_split, attention_mma)
+#                     through an emulated mma.sync
 #   deltanet_kernels.cpp  the chunked delta rule of a prefill (gdn_chunk_prep,
 #                     gdn_chunk_scan) against the recurrence and against delta_rule
 # Each program ends with "all ok"; the script fails if any fails. Needs g++ with

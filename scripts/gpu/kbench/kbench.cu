@@ -80,6 +80,17 @@ static void compare(const char* what, const float* da, const float* db, size_t n
     printf("    check %-10s max|diff| %.3g  max|ref| %.3g  rel %.2e %s\n", what, md, mx, md / std::max(mx, 1e-30), md <= 1e-4 * mx ? "ok" : "MISMATCH");
 }
 
+// Launches with programmatic dependent launch (as moeflux does on sm_90).
+template <class... A>
+static void launch_pdl(void (*k)(A...), dim3 grid, int block, cudaStream_t s, A... args) {
+    cudaLaunchConfig_t c = {};
+    c.gridDim = grid; c.blockDim = dim3(block); c.stream = s;
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization; at[0].val.programmaticStreamSerializationAllowed = 1;
+    c.attrs = at; c.numAttrs = 1;
+    CK(cudaLaunchKernelEx(&c, k, args...));
+}
+
 static MultiMatmul one(const QW& q, float* out, int blocks) {
     MultiMatmul mm; memset(&mm, 0, sizeof mm); mm.q[0] = q; mm.out[0] = out; mm.count = 1; mm.accumulate = 0;
     mm.first_block[0] = 0; for (int j = 1; j < 5; j++) mm.first_block[j] = blocks; return mm;
@@ -114,6 +125,13 @@ static void bench_product(const char* name, int rows, int cols, int bits, int gs
             compare("", o1, o2, rows);
             if (blocks == sets) break;
         }
+    }
+    {
+        // The CUDA-core streaming kernel as moeflux launches it (PDL), for comparison.
+        int sets = (rows + qmv_rows_per_block(cols, bits, QMV_STREAM_NC) - 1) / qmv_rows_per_block(cols, bits, QMV_STREAM_NC);
+        int sg = std::min(sets, g_sms * 2);
+        double tb = time_graph([&](cudaStream_t s, int i) { launch_pdl(qmv_b4, dim3(sg), 256, s, one(qs[i % copies], o2, sets), (const float*)x); }, n);
+        printf("    qmv_b4 2/SM, PDL                         %8.2f us %6.0f GB/s\n", tb, bytes / tb / 1e3);
     }
     // The same bytes (codes only) read by a plain grid-stride loop: what this size allows.
     size_t wb = (size_t)rows * cols * bits / 8;
@@ -177,17 +195,6 @@ static void bench_slots(const char* name, int n_exp, int k, int hidden, int inte
 }
 
 extern "C" __global__ void null_kernel(int* p) { PDL_ENTER(); if (p) *p = 1; }
-
-// Launches with programmatic dependent launch (as moeflux does on sm_90).
-template <class... A>
-static void launch_pdl(void (*k)(A...), dim3 grid, int block, cudaStream_t s, A... args) {
-    cudaLaunchConfig_t c = {};
-    c.gridDim = grid; c.blockDim = dim3(block); c.stream = s;
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization; at[0].val.programmaticStreamSerializationAllowed = 1;
-    c.attrs = at; c.numAttrs = 1;
-    CK(cudaLaunchKernelEx(&c, k, args...));
-}
 
 // Per-launch floor of a graph of dependent launches, with and without PDL,
 // and a small product both ways.

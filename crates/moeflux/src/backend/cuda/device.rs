@@ -24,7 +24,6 @@ const KERNELS: &str = concat!(
     include_str!("mla.cu"),
     include_str!("mma.cu"),
     include_str!("attn_mma.cu"),
-    include_str!("mmv.cu"),
     include_str!("deltanet_chunk.cu")
 );
 
@@ -100,15 +99,13 @@ const KERNEL_NAMES: &[&str] = &[
     "moe_down_mma",
     "attn_kv_split",
     "attention_mma",
-    "qmv_mma",
-    "qmv_mma_glu",
     "gdn_chunk_prep",
     "gdn_chunk_scan",
 ];
 
 /// Kernels that may take more than the default 48 KiB of dynamic shared
 /// memory (up to the device's opt-in maximum, [`Gpu::smem_optin`]).
-const LARGE_SMEM_KERNELS: &[&str] = &["attention_mma", "qmv_mma", "qmv_mma_glu", "gdn_chunk_scan"];
+const LARGE_SMEM_KERNELS: &[&str] = &["attention_mma", "gdn_chunk_scan"];
 
 /// What [`probe`] found.
 #[derive(Debug, Clone)]
@@ -191,9 +188,6 @@ pub struct Gpu {
     /// Products of many tokens on the tensor cores (sm_80+;
     /// `MOEFLUX_CUDA_MMA=0` keeps them on the CUDA cores).
     pub mma: bool,
-    /// One-token products of a few MB on the tensor cores (`qmv_mma`;
-    /// sm_80+, `MOEFLUX_CUDA_MMV=0` keeps them on the CUDA cores).
-    pub mmv: bool,
     /// Dynamic shared memory one block may take (the opt-in maximum, set on
     /// the kernels of `LARGE_SMEM_KERNELS`).
     pub smem_optin: usize,
@@ -249,7 +243,6 @@ impl Gpu {
             .then(Default::default);
         let pdl = info.cc.0 >= 9 && std::env::var_os("MOEFLUX_CUDA_PDL").is_none_or(|v| v != "0");
         let mma = info.cc.0 >= 8 && std::env::var_os("MOEFLUX_CUDA_MMA").is_none_or(|v| v != "0");
-        let mmv = info.cc.0 >= 8 && std::env::var_os("MOEFLUX_CUDA_MMV").is_none_or(|v| v != "0");
         use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT as SMS;
         let sms = ctx
             .attribute(SMS)
@@ -274,7 +267,6 @@ impl Gpu {
             pdl,
             sms,
             mma,
-            mmv,
             smem_optin: smem_optin as usize,
             workspace: Default::default(),
         })
