@@ -25,13 +25,20 @@
 #define ATT_ROWS 64  // query rows per block
 #define ATT_KT 32    // keys per step
 
+// The shared-memory address of p, as cp.async takes it.
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned s = 0;
+#if defined(__CUDA_ARCH__)
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
+#endif
+    return s;
+}
+
 // 16 bytes global -> shared without holding them in registers (sm_80+;
 // the host never picks these kernels below).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    unsigned s;
-    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(smem)), "l"(gmem));
 #else
     *(uint4*)smem = *(const uint4*)gmem;
 #endif
@@ -41,10 +48,12 @@ __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;");
 #endif
 }
-// Waits until at most one group of this thread's copies is in flight.
-__device__ __forceinline__ void cp_async_wait1() {
+// Waits until at most N groups of this thread's copies are in flight (a
+// barrier then makes every thread's visible).
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_group 1;");
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 #endif
 }
 
@@ -159,7 +168,7 @@ __device__ __forceinline__ void attention_mma_body(const float* q, const uint4* 
         int buf = st & 1;
         if (st + 1 < steps) load_step(st + 1, buf ^ 1);
         cp_async_commit();  // possibly empty: the wait below counts groups
-        cp_async_wait1();
+        cp_async_wait<1>();
         __syncthreads();
         // Scores of the warp's 16 rows x 32 keys (tile j: keys 8j .. 8j+7).
         float sc[4][4];

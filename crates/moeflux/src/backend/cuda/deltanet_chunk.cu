@@ -57,21 +57,12 @@ inline float2 make_float2(float x, float y) { return {x, y}; }
 #define GDN_REC (2 * GDN_C * GDN_C + 3 * GDN_C)
 
 // 4 bytes global -> shared without holding them in registers (sm_80+; a
-// plain copy before). cp_async16 and cp_async_commit: attn_mma.cu.
+// plain copy before). smem_addr, cp_async_commit, cp_async_wait: attn_mma.cu.
 __device__ __forceinline__ void gdn_cp4(float* smem, const float* gmem) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    unsigned s;
-    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(smem));
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(s), "l"(gmem));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(smem)), "l"(gmem));
 #else
     *smem = *gmem;
-#endif
-}
-// Waits until at most N groups of this thread's copies are in flight (a
-// barrier then makes every thread's visible).
-template <int N> __device__ __forceinline__ void gdn_cp_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 #endif
 }
 
@@ -308,7 +299,7 @@ extern "C" __global__ void __launch_bounds__(256)
             if (i0 + u < L) x = *(const float2*)(vsrc + (long)(t0 + i0 + u) * cd + r0);
             v[u][0] = x.x, v[u][1] = x.y;
         }
-        gdn_cp_wait<2>();  // q^T
+        cp_async_wait<2>();  // q^T
         __syncthreads();
         // 1. (tiles of padding tokens only are left out: their beta is 0
         // and their outputs are not written)
@@ -324,7 +315,7 @@ extern "C" __global__ void __launch_bounds__(256)
                     xq[u][1] = fmaf(q4[u], s2.y, xq[u][1]);
                 }
             }
-        gdn_cp_wait<0>();  // T^T, k^T, P^T, the decays
+        cp_async_wait<0>();  // T^T, k^T, P^T, the decays
         __syncthreads();
         copy_q(c + 1);
         if (i0 < L)

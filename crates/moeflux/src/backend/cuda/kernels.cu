@@ -896,89 +896,93 @@ extern "C" __global__ void deltanet_split(const float* f, const float* gba, int 
     }
 }
 
-// Causal depthwise conv over [state; inputs] then SiLU, in place, the
-// state keeping the last kk-1 raw inputs; then q and k of every key head
-// RMS-normalised (eps = 1e-6 / dk) and scaled by 1/dk (q) or 1/sqrt(dk) (k).
-// A block per head of `mixed` = [q (nk x dk) | k (nk x dk) | v (nv x dv)],
-// a thread per channel (blockDim = max(dk, dv)), tokens in order.
+// A thread's channel of the GatedDeltaNet conv: a block per head of
+// `mixed` = [q (nk x dk) | k (nk x dk) | v (nv x dv)], a thread per channel
+// (blocks as wide as the widest head, so some threads are idle), and the
+// q/k norm's constants.
+struct ConvLane {
+    int cd, ch, hist, dk;
+    bool qk, live;
+    float eps, scale;
+};
+
+__device__ __forceinline__ ConvLane conv_lane(int nk, int dk, int nv, int dv, int kk) {
+    ConvLane c;
+    int b = blockIdx.x, i = threadIdx.x, kd = nk * dk;
+    c.cd = 2 * kd + nv * dv;
+    c.qk = b < 2 * nk;
+    c.live = i < (c.qk ? dk : dv);
+    c.ch = c.qk ? b * dk + i : 2 * kd + (b - 2 * nk) * dv + i;
+    c.hist = kk - 1;
+    c.dk = dk;
+    float inv = rsqrtf((float)dk);
+    c.eps = 1e-6f * inv * inv;
+    c.scale = b < nk ? inv * inv : inv;
+    return c;
+}
+
+// One token of the channel: causal depthwise conv over st (the hist raw
+// inputs before it, shifted in place to take x) and x, then SiLU; q and k
+// RMS-normalised over their head (eps = 1e-6 / dk) and scaled by 1/dk (q)
+// or 1/sqrt(dk) (k). Every thread of the block calls it (block_sum).
+__device__ __forceinline__ float conv_step(const ConvLane& c, const float* w, float (&st)[8], float x) {
+    int kk = c.hist + 1;
+    float acc = 0.0f;
+    if (c.live) {
+        for (int j = 0; j < c.hist; j++) acc += w[c.ch * kk + j] * st[j];
+        acc += w[c.ch * kk + c.hist] * x;
+    }
+    for (int j = 0; j + 1 < c.hist; j++) st[j] = st[j + 1];
+    if (c.hist > 0) st[c.hist - 1] = x;
+    float o = siluf_(acc);
+    if (c.qk) {
+        float ss = block_sum(c.live ? o * o : 0.0f);
+        o = o * rsqrtf(ss / c.dk + c.eps) * c.scale;
+    }
+    return o;
+}
+
+// The conv and the q/k norms in place over n tokens in order, the state
+// keeping the last kk-1 raw inputs (one-token decode: a chain over the
+// tokens otherwise).
 extern "C" __global__ void conv_qk_norm(float* mixed, const float* w, float* state, int nk, int dk, int nv,
                                         int dv, int kk, int n) { PDL_ENTER();
-    int b = blockIdx.x, i = threadIdx.x;
-    int kd = nk * dk, cd = 2 * kd + nv * dv;
-    bool qk = b < 2 * nk;
-    bool live = i < (qk ? dk : dv);
-    int ch = qk ? b * dk + i : 2 * kd + (b - 2 * nk) * dv + i;
-    int hist = kk - 1;
+    ConvLane c = conv_lane(nk, dk, nv, dv, kk);
     float st[8];
-    for (int j = 0; j < hist; j++) st[j] = live ? state[(long)j * cd + ch] : 0.0f;
-    float inv = rsqrtf((float)dk);
-    float eps = 1e-6f * inv * inv;
-    float scale = b < nk ? inv * inv : inv;
-    // The next token's input is loaded before this one is computed (the
-    // loop is a chain over the tokens of a prefill).
-    float next = live && n > 0 ? mixed[ch] : 0.0f;
+    for (int j = 0; j < c.hist; j++) st[j] = c.live ? state[(long)j * c.cd + c.ch] : 0.0f;
+    // The next token's input is loaded before this one is computed.
+    float next = c.live && n > 0 ? mixed[c.ch] : 0.0f;
     for (int t = 0; t < n; t++) {
         float x = next;
-        if (live && t + 1 < n) next = mixed[(long)(t + 1) * cd + ch];
-        float acc = 0.0f;
-        if (live) {
-            for (int j = 0; j < hist; j++) acc += w[ch * kk + j] * st[j];
-            acc += w[ch * kk + hist] * x;
-        }
-        for (int j = 0; j + 1 < hist; j++) st[j] = st[j + 1];
-        if (hist > 0) st[hist - 1] = x;
-        float o = siluf_(acc);
-        if (qk) {
-            float ss = block_sum(live ? o * o : 0.0f);
-            o = o * rsqrtf(ss / dk + eps) * scale;
-        }
-        if (live) mixed[(long)t * cd + ch] = o;
+        if (c.live && t + 1 < n) next = mixed[(long)(t + 1) * c.cd + c.ch];
+        float o = conv_step(c, w, st, x);
+        if (c.live) mixed[(long)t * c.cd + c.ch] = o;
     }
-    if (live)
-        for (int j = 0; j < hist; j++) state[(long)j * cd + ch] = st[j];
+    if (c.live)
+        for (int j = 0; j < c.hist; j++) state[(long)j * c.cd + c.ch] = st[j];
 }
 
 // conv_qk_norm for a batch, parallel over the tokens (the one-token kernel's
 // chain over a 4096-token prefill took 2.5 ms per layer): the raw inputs
 // `raw` and the conv state are only read, the result goes to `mixed`, and
 // conv_state_update moves the state afterwards (blocks of early tokens read
-// it here). Grid (2 nk + nv heads, tiles of CONV_TILE tokens), a thread per
-// channel; the same sums in the same order as conv_qk_norm.
+// it here). Grid (heads, tiles of CONV_TILE tokens); the same sums in the
+// same order as conv_qk_norm.
 #define CONV_TILE 16
 extern "C" __global__ void conv_qk_norm_batch(const float* raw, float* mixed, const float* w, const float* state,
                                               int nk, int dk, int nv, int dv, int kk, int n) { PDL_ENTER();
-    int b = blockIdx.x, i = threadIdx.x;
-    int kd = nk * dk, cd = 2 * kd + nv * dv;
-    bool qk = b < 2 * nk;
-    bool live = i < (qk ? dk : dv);
-    int ch = qk ? b * dk + i : 2 * kd + (b - 2 * nk) * dv + i;
-    int hist = kk - 1;
+    ConvLane c = conv_lane(nk, dk, nv, dv, kk);
     int t0 = blockIdx.y * CONV_TILE, t1 = min(n, t0 + CONV_TILE);
     // The hist raw inputs before token t0: the state's (its row hist - 1 is
     // the input just before this batch) or the batch's own.
     float st[8];
-    for (int j = 0; j < hist; j++) {
-        int tj = t0 - hist + j;
-        st[j] = !live ? 0.0f : tj >= 0 ? raw[(long)tj * cd + ch] : state[(long)(hist + tj) * cd + ch];
+    for (int j = 0; j < c.hist; j++) {
+        int tj = t0 - c.hist + j;
+        st[j] = !c.live ? 0.0f : tj >= 0 ? raw[(long)tj * c.cd + c.ch] : state[(long)(c.hist + tj) * c.cd + c.ch];
     }
-    float inv = rsqrtf((float)dk);
-    float eps = 1e-6f * inv * inv;
-    float scale = b < nk ? inv * inv : inv;
     for (int t = t0; t < t1; t++) {
-        float x = live ? raw[(long)t * cd + ch] : 0.0f;
-        float acc = 0.0f;
-        if (live) {
-            for (int j = 0; j < hist; j++) acc += w[ch * kk + j] * st[j];
-            acc += w[ch * kk + hist] * x;
-        }
-        for (int j = 0; j + 1 < hist; j++) st[j] = st[j + 1];
-        if (hist > 0) st[hist - 1] = x;
-        float o = siluf_(acc);
-        if (qk) {
-            float ss = block_sum(live ? o * o : 0.0f);
-            o = o * rsqrtf(ss / dk + eps) * scale;
-        }
-        if (live) mixed[(long)t * cd + ch] = o;
+        float o = conv_step(c, w, st, c.live ? raw[(long)t * c.cd + c.ch] : 0.0f);
+        if (c.live) mixed[(long)t * c.cd + c.ch] = o;
     }
 }
 
