@@ -43,6 +43,19 @@ struct HostQ {
     }
 };
 
+// The launch parameters of two matrices of one input: A into oa over its ba
+// blocks, then B added to ob over its bb blocks.
+static MultiMatmul two_products(const HostQ& A, const HostQ& B, float* oa, float* ob, int ba, int bb) {
+    MultiMatmul mm;
+    memset(&mm, 0, sizeof mm);
+    mm.q[0] = A.qw(); mm.q[1] = B.qw();
+    mm.out[0] = oa; mm.out[1] = ob;
+    mm.count = 2;
+    mm.accumulate = 2;
+    for (int j = 0; j < 5; j++) mm.first_block[j] = j == 0 ? 0 : j == 1 ? ba : ba + bb;
+    return mm;
+}
+
 // Passes when max |got - want| <= rel * max |want| (a NaN in got fails).
 static int fails = 0;
 static void check(const char* what, const std::vector<float>& got, const std::vector<double>& want, double rel) {

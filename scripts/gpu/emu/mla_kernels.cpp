@@ -97,16 +97,9 @@ static void test_qmv_group(int rows_a, int rows_b, int cols, bool nc2, bool glu 
     for (auto& v : ob) v = urand();
     std::vector<float> ob0 = ob;
     int nc = nc2 ? 2 : b8 ? 8 : 4;
-    MultiMatmul mm;
-    memset(&mm, 0, sizeof mm);
-    mm.q[0] = A.qw(); mm.q[1] = B.qw();
-    mm.out[0] = oa.data(); mm.out[1] = ob.data();
-    mm.count = 2;
-    mm.accumulate = 2;
     int ba = (rows_a + qmv_rpb(cols, nc, A.bits) - 1) / qmv_rpb(cols, nc, A.bits);
     int bb = (rows_b + qmv_rpb(cols, nc) - 1) / qmv_rpb(cols, nc);
-    mm.first_block[0] = 0;
-    for (int j = 1; j < 5; j++) mm.first_block[j] = j == 1 ? ba : ba + bb;
+    MultiMatmul mm = two_products(A, B, oa.data(), ob.data(), ba, bb);
     const float* xp = x.data();
     unsigned sets = ba + bb;
     if (b8 || grid == 0 || grid > sets) grid = sets;

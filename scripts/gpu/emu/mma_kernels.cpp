@@ -39,14 +39,8 @@ static void test_qmma(int rows_a, int rows_b, int cols, int n, int bits, int gs)
     std::vector<float> oa((size_t)n * rows_a, NAN), ob((size_t)n * rows_b);
     for (auto& v : ob) v = urand();
     std::vector<float> ob0 = ob;
-    MultiMatmul mm;
-    memset(&mm, 0, sizeof mm);
-    mm.q[0] = A.qw(); mm.q[1] = B.qw();
-    mm.out[0] = oa.data(); mm.out[1] = ob.data();
-    mm.count = 2;
-    mm.accumulate = 2;
     int ba = (rows_a + 63) / 64, bb = (rows_b + 63) / 64;
-    for (int j = 0; j < 5; j++) mm.first_block[j] = j == 0 ? 0 : j == 1 ? ba : ba + bb;
+    MultiMatmul mm = two_products(A, B, oa.data(), ob.data(), ba, bb);
     const uint4* pp = xp.data();
     const float* ps = xs.data();
     emu_launch({(unsigned)(ba + bb), (unsigned)((n + 63) / 64), 1}, 128, [&] { qmma(mm, pp, ps, n); });

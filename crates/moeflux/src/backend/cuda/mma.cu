@@ -254,6 +254,20 @@ __device__ __forceinline__ void mma_tile(const QW* const (&q)[MT], const int (&r
         xs_q[nn][1] = xs + (long)(tok(q1)) * (cols / gs);                      \
     }
 
+// Calls f(m, n, c, row, token) for every element acc[m][n][c] of a warp's
+// tile, with the row and token it holds (the mma C layout: c0, c1 are row
+// g, tokens 2t, 2t + 1; c2, c3 row g + 8).
+template <int MT, int NT, class F>
+__device__ __forceinline__ void mma_each(const int (&row0)[MT], int tok0, F f) {
+    int lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nn = 0; nn < NT; nn++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) f(mt, nn, c, row0[mt] + gq + 8 * (c >> 1), tok0 + 8 * nn + 2 * t + (c & 1));
+}
+
 #define MMA_MT 2
 #define MMA_NT 4
 
@@ -267,7 +281,7 @@ extern "C" __global__ void __launch_bounds__(128) qmma(MultiMatmul mm, const uin
     while (m + 1 < mm.count && (int)blockIdx.x >= mm.first_block[m + 1]) m++;
     const QW& q = mm.q[m];
     int cols = q.cols, gs = q.gs;
-    int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int w = threadIdx.x >> 5;
     int r0 = (blockIdx.x - mm.first_block[m]) * 64 + (w & 1) * 32;
     int tok0 = blockIdx.y * 64 + (w >> 1) * 32;
     if (r0 >= q.rows || tok0 >= n) return;
@@ -282,19 +296,12 @@ extern "C" __global__ void __launch_bounds__(128) qmma(MultiMatmul mm, const uin
 #undef MMA_CALL
     bool add = (mm.accumulate >> m) & 1;
     float* out = mm.out[m];
-    int gq = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int mt = 0; mt < MMA_MT; mt++)
-#pragma unroll
-        for (int nn = 0; nn < MMA_NT; nn++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                int r = row0[mt] + gq + 8 * (c >> 1), tk = tok0 + 8 * nn + 2 * t + (c & 1);
-                if (r < q.rows && tk < n) {
-                    long oi = (long)tk * q.rows + r;
-                    out[oi] = add ? out[oi] + acc[mt][nn][c] : acc[mt][nn][c];
-                }
-            }
+    mma_each<MMA_MT, MMA_NT>(row0, tok0, [&](int mt, int nn, int c, int r, int tk) {
+        if (r < q.rows && tk < n) {
+            long oi = (long)tk * q.rows + r;
+            out[oi] = add ? out[oi] + acc[mt][nn][c] : acc[mt][nn][c];
+        }
+    });
 }
 
 // act = silu(gate_e x) * (up_e x) for every expert task and its tokens (like
@@ -306,7 +313,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_mma(const ExpertTa
                                                                    const float* xs, float* act) {
     PDL_ENTER();
     ExpertTask T = tasks[blockIdx.y];
-    int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int w = threadIdx.x >> 5;
     QW gq = expert_qw(T.base, L.gate_w, L.gate_s, L.gate_b, L.inter, L.hidden, L);
     QW uq = expert_qw(T.base, L.up_w, L.up_s, L.up_b, L.inter, L.hidden, L);
     int cols = L.hidden, gs = L.gs;
@@ -323,15 +330,12 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_mma(const ExpertTa
 #define MMA_CALL(B, S) mma_tile<B, S, 2, MMA_NT>(qs, row0, xp_tok, xs_q, live, acc)
         MMA_DISPATCH(L.bits, gs, MMA_CALL);
 #undef MMA_CALL
-        int gr = lane >> 2, t = lane & 3;
-#pragma unroll
-        for (int nn = 0; nn < MMA_NT; nn++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                int r = r0 + gr + 8 * (c >> 1), i = tok0 + 8 * nn + 2 * t + (c & 1);
-                if (r < L.inter && i < T.count)
-                    act[(long)(T.first + i) * L.inter + r] = siluf_(acc[0][nn][c]) * acc[1][nn][c];
-            }
+        // Row tile 0 is gate, 1 is up (the same rows).
+        const int gate_rows[1] = {r0};
+        mma_each<1, MMA_NT>(gate_rows, tok0, [&](int, int nn, int c, int r, int i) {
+            if (r < L.inter && i < T.count)
+                act[(long)(T.first + i) * L.inter + r] = siluf_(acc[0][nn][c]) * acc[1][nn][c];
+        });
     }
 }
 
@@ -344,7 +348,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_mma(const ExpertTask*
                                                                 const float* xs, float* slot_out) {
     PDL_ENTER();
     ExpertTask T = tasks[blockIdx.y];
-    int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int w = threadIdx.x >> 5;
     QW dq = expert_qw(T.base, L.down_w, L.down_s, L.down_b, L.hidden, L.inter, L);
     int cols = L.inter, gs = L.gs;
     int r0 = blockIdx.x * 128 + w * 32;
@@ -359,16 +363,8 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_mma(const ExpertTask*
 #define MMA_CALL(B, S) mma_tile<B, S, MMA_MT, MMA_NT>(qs, row0, xp_tok, xs_q, live, acc)
         MMA_DISPATCH(L.bits, gs, MMA_CALL);
 #undef MMA_CALL
-        int gr = lane >> 2, t = lane & 3;
-#pragma unroll
-        for (int mt = 0; mt < MMA_MT; mt++)
-#pragma unroll
-            for (int nn = 0; nn < MMA_NT; nn++)
-#pragma unroll
-                for (int c = 0; c < 4; c++) {
-                    int r = row0[mt] + gr + 8 * (c >> 1), i = tok0 + 8 * nn + 2 * t + (c & 1);
-                    if (r < L.hidden && i < T.count)
-                        slot_out[(long)slot_list[T.first + i] * L.hidden + r] = acc[mt][nn][c];
-                }
+        mma_each<MMA_MT, MMA_NT>(row0, tok0, [&](int mt, int nn, int c, int r, int i) {
+            if (r < L.hidden && i < T.count) slot_out[(long)slot_list[T.first + i] * L.hidden + r] = acc[mt][nn][c];
+        });
     }
 }
