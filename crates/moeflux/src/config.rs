@@ -10,6 +10,8 @@ use serde_json::{Map, Value};
 use crate::error::{Error, Result};
 
 mod deepseek;
+mod glm;
+mod qwen;
 
 /// Model families this build can run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -18,23 +20,37 @@ pub enum Architecture {
     Qwen3_5Moe,
     /// `qwen3_next` (Qwen3-Next-80B): fused per-key-head GatedDeltaNet projections.
     Qwen3Next,
+    /// `qwen3_moe` (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder-30B/480B): GQA with
+    /// q/k RMSNorm and no output gate, softmax top-K router, no shared expert.
+    Qwen3Moe,
+    /// `glm4_moe` (GLM-4.5, GLM-4.5-Air, GLM-4.6/4.7): GQA with q/k/v biases, optional
+    /// q/k norm and partial rotary; DeepSeek's `noaux_tc` router and ungated shared
+    /// experts; the first `first_k_dense_replace` layers dense.
+    Glm4Moe,
     /// `deepseek_v3` (DeepSeek-V3/R1, Cogito-V2 671B): MLA in every layer, YaRN rotary,
     /// `noaux_tc` grouped sigmoid router, ungated shared experts, first layers dense.
     DeepseekV3,
     /// `kimi_k2`: the DeepSeek-V3 architecture under another name (mlx-lm maps it to
     /// `deepseek_v3`).
     KimiK2,
+    /// `kimi_k25` (Kimi-K2.5's text model): DeepSeek-V3 under a nested `text_config`,
+    /// its weights under `language_model.`.
+    KimiK25,
 }
 
 impl Architecture {
-    pub const SUPPORTED: &'static str = "qwen3_5_moe, qwen3_next, deepseek_v3, kimi_k2";
+    pub const SUPPORTED: &'static str =
+        "qwen3_5_moe, qwen3_next, qwen3_moe, glm4_moe, deepseek_v3, kimi_k2, kimi_k25";
 
     pub fn from_model_type(s: &str) -> Option<Self> {
         match s {
             "qwen3_5_moe" => Some(Self::Qwen3_5Moe),
             "qwen3_next" => Some(Self::Qwen3Next),
+            "qwen3_moe" => Some(Self::Qwen3Moe),
+            "glm4_moe" => Some(Self::Glm4Moe),
             "deepseek_v3" => Some(Self::DeepseekV3),
             "kimi_k2" => Some(Self::KimiK2),
+            "kimi_k25" => Some(Self::KimiK25),
             _ => None,
         }
     }
@@ -43,14 +59,23 @@ impl Architecture {
         match self {
             Self::Qwen3_5Moe => "qwen3_5_moe",
             Self::Qwen3Next => "qwen3_next",
+            Self::Qwen3Moe => "qwen3_moe",
+            Self::Glm4Moe => "glm4_moe",
             Self::DeepseekV3 => "deepseek_v3",
             Self::KimiK2 => "kimi_k2",
+            Self::KimiK25 => "kimi_k25",
         }
     }
 
     /// The DeepSeek-V3 family (MLA attention, `noaux_tc` router).
     pub fn is_deepseek(self) -> bool {
-        matches!(self, Self::DeepseekV3 | Self::KimiK2)
+        matches!(self, Self::DeepseekV3 | Self::KimiK2 | Self::KimiK25)
+    }
+
+    /// Checkpoints of this family keep the text model under `language_model.`
+    /// (mlx-lm names: `language_model.model.layers.0...`); canonical names drop it.
+    pub fn nests_language_model(self) -> bool {
+        matches!(self, Self::Qwen3_5Moe | Self::KimiK25)
     }
 }
 
@@ -113,8 +138,11 @@ impl QuantConfig {
     }
 }
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct LinearAttnConfig {
+    /// `in_proj_qkvz` + `in_proj_ba` ordered per key head (Qwen3-Next) rather
+    /// than `in_proj_qkv`, `_z`, `_b`, `_a` (Qwen3.5).
+    pub fused_projections: bool,
     pub num_v_heads: usize,
     pub num_k_heads: usize,
     pub key_head_dim: usize,
@@ -135,6 +163,18 @@ impl LinearAttnConfig {
     }
 }
 
+/// The flavour of a full-attention (GQA) layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct AttentionConfig {
+    /// `q_proj` rows are per head `[q | gate]` and the output is scaled by
+    /// `sigmoid(gate)` (Qwen3.5 / Qwen3-Next).
+    pub output_gate: bool,
+    /// Per-head RMSNorm of q and k before rotary (`q_norm`, `k_norm`).
+    pub qk_norm: bool,
+    /// `q_proj`, `k_proj` and `v_proj` add a bias (GLM's `attention_bias`).
+    pub qkv_bias: bool,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct MoeConfig {
     pub num_experts: usize,
@@ -143,6 +183,10 @@ pub struct MoeConfig {
     /// Width of the shared expert (DeepSeek: `moe_intermediate_size * n_shared_experts`);
     /// 0 for none.
     pub shared_intermediate: usize,
+    /// The shared expert is scaled by `sigmoid(shared_expert_gate x)` (Qwen3.5 /
+    /// Qwen3-Next: `mlp.shared_expert.*`); otherwise added as is (DeepSeek, GLM:
+    /// `mlp.shared_experts.*`).
+    pub shared_gate: bool,
     pub norm_topk_prob: bool,
     pub router: RouterKind,
 }
@@ -150,13 +194,12 @@ pub struct MoeConfig {
 /// How a MoE layer picks its experts.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum RouterKind {
-    /// Qwen: softmax over all experts, top-K; the shared expert is scaled by
-    /// `sigmoid(shared_expert_gate x)`.
+    /// Qwen: softmax over all experts, top-K, renormalised when `norm_topk_prob`.
     Softmax,
-    /// DeepSeek-V3 `noaux_tc`: sigmoid scores; the correction bias is added for the
-    /// choice only (top-2 sum per group, the best `topk_group` groups, top-K inside
-    /// them); weights are the unbiased scores, renormalised when `norm_topk_prob`,
-    /// times `routed_scaling_factor`. The shared experts are added ungated.
+    /// DeepSeek-V3 / GLM `noaux_tc`: sigmoid scores; the correction bias is added for
+    /// the choice only (top-2 sum per group, the best `topk_group` groups, top-K
+    /// inside them); weights are the unbiased scores, renormalised when
+    /// `norm_topk_prob`, times `routed_scaling_factor`.
     NoauxTc {
         n_group: usize,
         topk_group: usize,
@@ -228,6 +271,8 @@ pub struct ModelConfig {
     pub tie_word_embeddings: bool,
     pub layer_kinds: Vec<LayerKind>,
     pub mlp_kinds: Vec<MlpKind>,
+    /// Full-attention layers' flavour.
+    pub attention: AttentionConfig,
     pub linear: LinearAttnConfig,
     pub moe: MoeConfig,
     pub rope: RopeConfig,
@@ -302,6 +347,84 @@ fn positive(f: &Fields, field: &str, v: usize) -> Result<usize> {
     Ok(v)
 }
 
+/// What every grouped-query-attention family (Qwen, GLM) reads alike.
+struct GqaShape {
+    hidden_size: usize,
+    num_layers: usize,
+    num_attention_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    vocab_size: usize,
+    rms_norm_eps: f32,
+    intermediate_size: usize,
+    max_position_embeddings: usize,
+    tie_word_embeddings: bool,
+}
+
+impl GqaShape {
+    /// `max_position_default`: the family's default when the field is absent.
+    fn parse(f: &Fields, max_position_default: usize) -> Result<GqaShape> {
+        let hidden_size = positive(f, "hidden_size", f.usize("hidden_size")?)?;
+        let num_layers = positive(f, "num_hidden_layers", f.usize("num_hidden_layers")?)?;
+        let num_attention_heads =
+            positive(f, "num_attention_heads", f.usize("num_attention_heads")?)?;
+        let num_kv_heads = positive(f, "num_key_value_heads", f.usize("num_key_value_heads")?)?;
+        let head_dim = match f.usize_opt("head_dim")? {
+            Some(d) => positive(f, "head_dim", d)?,
+            None => hidden_size / num_attention_heads,
+        };
+        if num_attention_heads % num_kv_heads != 0 {
+            return Err(f.err(
+                "num_key_value_heads",
+                format!("{num_kv_heads} does not divide num_attention_heads {num_attention_heads}"),
+            ));
+        }
+        Ok(GqaShape {
+            hidden_size,
+            num_layers,
+            num_attention_heads,
+            num_kv_heads,
+            head_dim,
+            vocab_size: positive(f, "vocab_size", f.usize("vocab_size")?)?,
+            rms_norm_eps: f.f64_opt("rms_norm_eps")?.unwrap_or(1e-6) as f32,
+            intermediate_size: f.usize_opt("intermediate_size")?.unwrap_or(0),
+            max_position_embeddings: f
+                .usize_opt("max_position_embeddings")?
+                .unwrap_or(max_position_default),
+            tie_word_embeddings: f.bool_opt("tie_word_embeddings")?.unwrap_or(false),
+        })
+    }
+}
+
+/// The MoE widths must be set where a layer is MoE, and top-K within the
+/// experts; `intermediate_size` where a layer is dense.
+fn check_mlp_widths(
+    f: &Fields,
+    mlp_kinds: &[MlpKind],
+    moe: &MoeConfig,
+    intermediate_size: usize,
+    experts_field: &str,
+) -> Result<()> {
+    if mlp_kinds.contains(&MlpKind::Moe) {
+        positive(f, experts_field, moe.num_experts)?;
+        positive(f, "num_experts_per_tok", moe.num_experts_per_tok)?;
+        positive(f, "moe_intermediate_size", moe.moe_intermediate)?;
+        if moe.num_experts_per_tok > moe.num_experts {
+            return Err(f.err(
+                "num_experts_per_tok",
+                format!(
+                    "{} exceeds {experts_field} {}",
+                    moe.num_experts_per_tok, moe.num_experts
+                ),
+            ));
+        }
+    }
+    if mlp_kinds.contains(&MlpKind::Dense) {
+        positive(f, "intermediate_size", intermediate_size)?;
+    }
+    Ok(())
+}
+
 impl ModelConfig {
     /// Reads `dir/config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self> {
@@ -352,229 +475,20 @@ impl ModelConfig {
                 model_type: model_type.to_string(),
                 supported: Architecture::SUPPORTED.to_string(),
             })?;
-        if arch.is_deepseek() {
-            return deepseek::parse(&f, top, arch);
-        }
-
-        let hidden_size = positive(&f, "hidden_size", f.usize("hidden_size")?)?;
-        let num_layers = positive(&f, "num_hidden_layers", f.usize("num_hidden_layers")?)?;
-        let num_attention_heads =
-            positive(&f, "num_attention_heads", f.usize("num_attention_heads")?)?;
-        let num_kv_heads = positive(&f, "num_key_value_heads", f.usize("num_key_value_heads")?)?;
-        let head_dim = match f.usize_opt("head_dim")? {
-            Some(d) => positive(&f, "head_dim", d)?,
-            None => hidden_size / num_attention_heads,
-        };
-        if num_attention_heads % num_kv_heads != 0 {
-            return Err(f.err(
-                "num_key_value_heads",
-                format!("{num_kv_heads} does not divide num_attention_heads {num_attention_heads}"),
-            ));
-        }
-        let vocab_size = positive(&f, "vocab_size", f.usize("vocab_size")?)?;
-        let rms_norm_eps = f.f64_opt("rms_norm_eps")?.unwrap_or(1e-6) as f32;
-        let intermediate_size = f.usize_opt("intermediate_size")?.unwrap_or(0);
-        let max_position_embeddings = f.usize_opt("max_position_embeddings")?.unwrap_or(262_144);
-        let tie_word_embeddings = f.bool_opt("tie_word_embeddings")?.unwrap_or(false);
-        if f.bool_opt("attention_bias")?.unwrap_or(false) {
-            return Err(f.err("attention_bias", "attention biases are not supported"));
-        }
-
-        let layer_kinds = Self::parse_layer_kinds(&f, num_layers)?;
-
-        let linear = LinearAttnConfig {
-            num_v_heads: f.usize("linear_num_value_heads")?,
-            num_k_heads: f.usize("linear_num_key_heads")?,
-            key_head_dim: f.usize("linear_key_head_dim")?,
-            value_head_dim: f.usize("linear_value_head_dim")?,
-            conv_kernel: f.usize_opt("linear_conv_kernel_dim")?.unwrap_or(4),
-        };
-        if layer_kinds.contains(&LayerKind::LinearAttention) {
-            for (name, v) in [
-                ("linear_num_value_heads", linear.num_v_heads),
-                ("linear_num_key_heads", linear.num_k_heads),
-                ("linear_key_head_dim", linear.key_head_dim),
-                ("linear_value_head_dim", linear.value_head_dim),
-                ("linear_conv_kernel_dim", linear.conv_kernel),
-            ] {
-                positive(&f, name, v)?;
-            }
-            if !linear.num_v_heads.is_multiple_of(linear.num_k_heads) {
-                return Err(f.err(
-                    "linear_num_value_heads",
-                    format!(
-                        "{} is not a multiple of linear_num_key_heads {}",
-                        linear.num_v_heads, linear.num_k_heads
-                    ),
-                ));
-            }
-        }
-
-        let moe = MoeConfig {
-            num_experts: f.usize_opt("num_experts")?.unwrap_or(0),
-            num_experts_per_tok: f.usize_opt("num_experts_per_tok")?.unwrap_or(0),
-            moe_intermediate: f.usize_opt("moe_intermediate_size")?.unwrap_or(0),
-            shared_intermediate: f.usize_opt("shared_expert_intermediate_size")?.unwrap_or(0),
-            norm_topk_prob: f
-                .bool_opt("norm_topk_prob")?
-                .unwrap_or(arch == Architecture::Qwen3_5Moe),
-            router: RouterKind::Softmax,
-        };
-        let mlp_kinds = Self::parse_mlp_kinds(&f, arch, num_layers, &moe)?;
-        if mlp_kinds.contains(&MlpKind::Moe) {
-            positive(&f, "num_experts_per_tok", moe.num_experts_per_tok)?;
-            positive(&f, "moe_intermediate_size", moe.moe_intermediate)?;
-            if moe.num_experts_per_tok > moe.num_experts {
-                return Err(f.err(
-                    "num_experts_per_tok",
-                    format!(
-                        "{} exceeds num_experts {}",
-                        moe.num_experts_per_tok, moe.num_experts
-                    ),
-                ));
-            }
-        }
-        if mlp_kinds.contains(&MlpKind::Dense) {
-            positive(&f, "intermediate_size", intermediate_size)?;
-        }
-
-        let rope = Self::parse_rope(&f, head_dim)?;
-        let quantization = Self::parse_quantization(&f, top)?;
-        let eos_token_ids = eos_ids(&f);
-
-        Ok(ModelConfig {
-            arch,
-            hidden_size,
-            num_layers,
-            num_attention_heads,
-            num_kv_heads,
-            head_dim,
-            vocab_size,
-            rms_norm_eps,
-            intermediate_size,
-            max_position_embeddings,
-            tie_word_embeddings,
-            layer_kinds,
-            mlp_kinds,
-            linear,
-            moe,
-            rope,
-            mla: None,
-            quantization,
-            eos_token_ids,
-        })
-    }
-
-    /// mlx-lm derives the layer pattern from `full_attention_interval`; HF
-    /// configs also carry `layer_types`. Accept either, refuse a contradiction.
-    fn parse_layer_kinds(f: &Fields, num_layers: usize) -> Result<Vec<LayerKind>> {
-        let from_types = match f.get("layer_types") {
-            None => None,
-            Some(Value::Array(a)) => {
-                let mut kinds = Vec::with_capacity(a.len());
-                for (i, v) in a.iter().enumerate() {
-                    kinds.push(match v.as_str() {
-                        Some("linear_attention") => LayerKind::LinearAttention,
-                        Some("full_attention") => LayerKind::FullAttention,
-                        _ => {
-                            return Err(f.err(
-                                "layer_types",
-                                format!("entry {i} is {v}; expected \"linear_attention\" or \"full_attention\""),
-                            ))
-                        }
-                    });
-                }
-                if kinds.len() != num_layers {
-                    return Err(f.err(
-                        "layer_types",
-                        format!(
-                            "has {} entries but num_hidden_layers is {num_layers}",
-                            kinds.len()
-                        ),
-                    ));
-                }
-                Some(kinds)
-            }
-            Some(v) => return Err(f.err("layer_types", format!("expected a list, got {v}"))),
-        };
-        let from_interval = match f.usize_opt("full_attention_interval")? {
-            None => None,
-            Some(0) => return Err(f.err("full_attention_interval", "must be greater than zero")),
-            Some(n) => Some(
-                (0..num_layers)
-                    .map(|i| {
-                        if (i + 1) % n == 0 {
-                            LayerKind::FullAttention
-                        } else {
-                            LayerKind::LinearAttention
-                        }
-                    })
-                    .collect::<Vec<_>>(),
-            ),
-        };
-        match (from_types, from_interval) {
-            (Some(t), Some(i)) if t != i => Err(f.err(
-                "layer_types",
-                "contradicts full_attention_interval; fix one of them",
-            )),
-            (Some(t), _) => Ok(t),
-            (None, Some(i)) => Ok(i),
-            (None, None) => Ok((0..num_layers)
-                .map(|i| {
-                    if (i + 1) % 4 == 0 {
-                        LayerKind::FullAttention
-                    } else {
-                        LayerKind::LinearAttention
-                    }
-                })
-                .collect()),
-        }
-    }
-
-    fn parse_mlp_kinds(
-        f: &Fields,
-        arch: Architecture,
-        num_layers: usize,
-        moe: &MoeConfig,
-    ) -> Result<Vec<MlpKind>> {
-        if moe.num_experts == 0 {
-            return Ok(vec![MlpKind::Dense; num_layers]);
-        }
         match arch {
-            // mlx-lm's qwen3_5 makes every layer MoE when num_experts > 0.
-            Architecture::Qwen3_5Moe => Ok(vec![MlpKind::Moe; num_layers]),
-            Architecture::Qwen3Next | Architecture::DeepseekV3 | Architecture::KimiK2 => {
-                let step = f.usize_opt("decoder_sparse_step")?.unwrap_or(1);
-                if step == 0 {
-                    return Err(f.err("decoder_sparse_step", "must be greater than zero"));
-                }
-                let only: Vec<usize> = match f.get("mlp_only_layers") {
-                    None => Vec::new(),
-                    Some(Value::Array(a)) => a
-                        .iter()
-                        .map(|v| {
-                            v.as_u64().map(|x| x as usize).ok_or_else(|| {
-                                f.err("mlp_only_layers", format!("entry {v} is not an integer"))
-                            })
-                        })
-                        .collect::<Result<_>>()?,
-                    Some(v) => {
-                        return Err(f.err("mlp_only_layers", format!("expected a list, got {v}")))
-                    }
-                };
-                Ok((0..num_layers)
-                    .map(|i| {
-                        if !only.contains(&i) && (i + 1) % step == 0 {
-                            MlpKind::Moe
-                        } else {
-                            MlpKind::Dense
-                        }
-                    })
-                    .collect())
+            Architecture::Qwen3_5Moe | Architecture::Qwen3Next | Architecture::Qwen3Moe => {
+                qwen::parse(&f, top, arch)
+            }
+            Architecture::Glm4Moe => glm::parse(&f, top),
+            Architecture::DeepseekV3 | Architecture::KimiK2 | Architecture::KimiK25 => {
+                deepseek::parse(&f, top, arch)
             }
         }
     }
 
+    /// Half-split rotary over the first `head_dim * partial_rotary_factor`
+    /// channels (Qwen, GLM): `rope_parameters` (Qwen3.5) or flat
+    /// `rope_theta`/`partial_rotary_factor` with an optional `rope_scaling`.
     fn parse_rope(f: &Fields, head_dim: usize) -> Result<RopeConfig> {
         // Qwen3.5 nests rope settings in `rope_parameters`; Qwen3-Next keeps
         // `rope_theta`/`partial_rotary_factor` flat with optional `rope_scaling`.

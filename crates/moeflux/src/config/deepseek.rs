@@ -1,12 +1,13 @@
-//! `config.json` of the DeepSeek-V3 family (`deepseek_v3`, `kimi_k2`), read the
+//! `config.json` of the DeepSeek-V3 family (`deepseek_v3`, `kimi_k2`, and
+//! `kimi_k25` whose fields sit in a nested `text_config`), read the
 //! way mlx-lm's `deepseek_v3.ModelArgs` reads it (same defaults), with every
 //! value checked and errors naming the field.
 
 use serde_json::{Map, Value};
 
 use super::{
-    eos_ids, positive, Architecture, Fields, LayerKind, LinearAttnConfig, MlaConfig, MlpKind,
-    ModelConfig, MoeConfig, RopeConfig, RouterKind, YarnConfig,
+    eos_ids, positive, Architecture, AttentionConfig, Fields, LayerKind, LinearAttnConfig,
+    MlaConfig, MlpKind, ModelConfig, MoeConfig, RopeConfig, RouterKind, YarnConfig,
 };
 use crate::error::Result;
 
@@ -89,13 +90,9 @@ pub(super) fn parse(
         tie_word_embeddings,
         layer_kinds: vec![LayerKind::Mla; num_layers],
         mlp_kinds,
-        linear: LinearAttnConfig {
-            num_v_heads: 0,
-            num_k_heads: 0,
-            key_head_dim: 0,
-            value_head_dim: 0,
-            conv_kernel: 0,
-        },
+        // MLA layers only: no GQA attention, no GatedDeltaNet.
+        attention: AttentionConfig::default(),
+        linear: LinearAttnConfig::default(),
         moe,
         rope,
         mla: Some(mla),
@@ -104,7 +101,7 @@ pub(super) fn parse(
     })
 }
 
-fn parse_moe(f: &Fields) -> Result<MoeConfig> {
+pub(super) fn parse_moe(f: &Fields) -> Result<MoeConfig> {
     let num_experts = f.usize_opt("n_routed_experts")?.unwrap_or(0);
     let moe_intermediate = f.usize_opt("moe_intermediate_size")?.unwrap_or(0);
     let shared = f.usize_opt("n_shared_experts")?.unwrap_or(0);
@@ -138,6 +135,7 @@ fn parse_moe(f: &Fields) -> Result<MoeConfig> {
         num_experts_per_tok: f.usize_opt("num_experts_per_tok")?.unwrap_or(1),
         moe_intermediate,
         shared_intermediate: moe_intermediate * shared,
+        shared_gate: false,
         norm_topk_prob: f.bool_opt("norm_topk_prob")?.unwrap_or(true),
         router: RouterKind::NoauxTc {
             n_group: f.usize_opt("n_group")?.unwrap_or(1),
@@ -148,7 +146,7 @@ fn parse_moe(f: &Fields) -> Result<MoeConfig> {
 }
 
 /// The group-limited choice must be able to find `num_experts_per_tok` experts.
-fn check_moe(f: &Fields, m: &MoeConfig) -> Result<()> {
+pub(super) fn check_moe(f: &Fields, m: &MoeConfig) -> Result<()> {
     positive(f, "n_routed_experts", m.num_experts)?;
     positive(f, "num_experts_per_tok", m.num_experts_per_tok)?;
     positive(f, "moe_intermediate_size", m.moe_intermediate)?;
@@ -376,6 +374,22 @@ mod tests {
             ),
             (4096.0, 32.0, 1.0, 1.0, 0.0)
         );
+    }
+
+    #[test]
+    fn kimi_k25_nested_text_config() {
+        let text = v3();
+        let v = json!({
+            "architectures": ["KimiK25ForConditionalGeneration"],
+            "model_type": "kimi_k25",
+            "text_config": text,
+            "vision_config": {"hidden_size": 1152},
+        });
+        let c = parse(v).unwrap();
+        assert_eq!(c.arch, Architecture::KimiK25);
+        assert_eq!(c.hidden_size, 7168);
+        assert_eq!(c.mla.unwrap().kv_lora_rank, 512);
+        assert!(c.arch.is_deepseek() && c.arch.nests_language_model());
     }
 
     #[test]

@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 use safetensors::Dtype;
 use serde_json::{json, Map, Value};
 
-use crate::config::{Architecture, QuantSpec};
+use crate::config::{Architecture, QuantSpec, RouterKind};
 use crate::error::{Error, Result};
 use crate::format::{
     expert_file_name, ExpertComponent, ExpertLayer, ExpertTensorRef, COMPONENT_ALIGN, EXPERT_ALIGN,
@@ -225,8 +225,9 @@ impl<'a> Planner<'a> {
         if self.src.config.arch == Architecture::Qwen3_5Moe && canon.ends_with("A_log") {
             return None;
         }
-        // deepseek_v3's cast_predicate keeps the router's correction bias.
-        if self.src.config.arch.is_deepseek() && canon.ends_with("e_score_correction_bias") {
+        // deepseek_v3's and glm4_moe's cast_predicate keeps the router's
+        // correction bias.
+        if canon.ends_with("e_score_correction_bias") {
             return None;
         }
         self.cast
@@ -274,19 +275,25 @@ impl<'a> Planner<'a> {
         let ty = self.float_ty(&d.raw)?;
         self.check_shape(&d.raw, &d.shape, &[rows, cols], "[out, in]")?;
         let arch = self.src.config.arch;
-        // mlx-lm's MoEGate is a plain parameter, never quantized: the router
-        // stays in the checkpoint's float type (cast like every float).
-        let deepseek_router = arch.is_deepseek() && module.ends_with("mlp.gate");
+        // mlx-lm's MoEGate (the `noaux_tc` router of DeepSeek and GLM) is a
+        // plain parameter, never quantized: the router stays in the
+        // checkpoint's float type (cast like every float).
+        let noaux_router = matches!(self.src.config.moe.router, RouterKind::NoauxTc { .. })
+            && module.ends_with("mlp.gate");
         if self.kind == SourceKind::Unquantized
             && cols.is_multiple_of(DEFAULT_GROUP_SIZE)
-            && !deepseek_router
+            && !noaux_router
         {
             let gate = module.ends_with("mlp.gate") || module.ends_with("shared_expert_gate");
-            // qwen3_5's predicate is only active for MoE models; qwen3_next's always.
+            // The Qwen quant_predicates make routers 8-bit: qwen3_5's only
+            // for MoE models, qwen3_next's and qwen3_moe's always.
             let gate_active = match arch {
                 Architecture::Qwen3_5Moe => self.src.config.moe.num_experts > 0,
-                Architecture::Qwen3Next => true,
-                Architecture::DeepseekV3 | Architecture::KimiK2 => false,
+                Architecture::Qwen3Next | Architecture::Qwen3Moe => true,
+                Architecture::Glm4Moe
+                | Architecture::DeepseekV3
+                | Architecture::KimiK2
+                | Architecture::KimiK25 => false,
             };
             let bits = if gate && gate_active {
                 self.gate_overrides.insert(

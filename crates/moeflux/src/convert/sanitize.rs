@@ -12,6 +12,13 @@
 //! - qwen3_next: stack per-expert `mlp.experts.{e}.{proj}.weight`; drop `mtp.*`;
 //!   conv1d as above; add 1 to the norms only when per-expert tensors were present.
 //!
+//! - qwen3_moe (`models/qwen3_moe.py`): stack per-expert tensors; norms are
+//!   plain weights.
+//! - glm4_moe (`models/glm4_moe.py`): stack per-expert tensors; drop the
+//!   multi-token-prediction layers (index >= `num_hidden_layers`); norms are
+//!   plain weights.
+//! - kimi_k25 (`models/kimi_k25.py`): drop the vision tower and projector,
+//!   the text model under `language_model.` as deepseek_v3 below.
 //! - deepseek_v3 / kimi_k2 (`models/deepseek_v3.py`): stack per-expert
 //!   `mlp.experts.{e}.{proj}.weight`; split `self_attn.kv_b_proj` into
 //!   `embed_q` / `unembed_out` (see [`super::kvb`]; mlx-lm checkpoints already
@@ -112,45 +119,50 @@ pub struct Sanitized {
     pub shift_norms: bool,
 }
 
+/// Prefixes of a multimodal checkpoint's vision parts (Qwen3.5's
+/// `model.visual`, Kimi-K2.5's tower and projector), dropped like mlx-lm's
+/// sanitize drops them.
+const VISION_PREFIXES: [&str; 5] = [
+    "vision_tower",
+    "vision_model",
+    "model.visual",
+    "multi_modal_projector",
+    "mm_projector",
+];
+
 /// The mlx-lm name of a checkpoint tensor (`None`: dropped vision tensor).
 fn mlx_name(arch: Architecture, raw: &str) -> Option<String> {
-    if raw.starts_with("vision_tower") || raw.starts_with("model.visual") {
+    if VISION_PREFIXES.iter().any(|p| raw.starts_with(p)) {
         return None;
     }
-    Some(match arch {
-        Architecture::Qwen3_5Moe => {
-            if let Some(rest) = raw.strip_prefix("model.language_model") {
-                format!("language_model.model{rest}")
-            } else if raw.starts_with("language_model.") {
-                raw.to_string()
-            } else {
-                format!("language_model.{raw}")
-            }
-        }
-        Architecture::Qwen3Next | Architecture::DeepseekV3 | Architecture::KimiK2 => {
-            raw.to_string()
-        }
+    Some(if !arch.nests_language_model() {
+        raw.to_string()
+    } else if let Some(rest) = raw.strip_prefix("model.language_model") {
+        format!("language_model.model{rest}")
+    } else if raw.starts_with("language_model.") {
+        raw.to_string()
+    } else {
+        format!("language_model.{raw}")
     })
 }
 
-/// Canonical name: the mlx name without Qwen3.5's `language_model.` prefix.
+/// Canonical name: the mlx name without the `language_model.` prefix of
+/// the families that nest their text model.
 pub fn canonical_of_mlx(arch: Architecture, mlx: &str) -> String {
-    match arch {
-        Architecture::Qwen3_5Moe => mlx.strip_prefix("language_model.").unwrap_or(mlx).into(),
-        Architecture::Qwen3Next | Architecture::DeepseekV3 | Architecture::KimiK2 => {
-            mlx.to_string()
-        }
+    if arch.nests_language_model() {
+        mlx.strip_prefix("language_model.").unwrap_or(mlx).into()
+    } else {
+        mlx.to_string()
     }
 }
 
 /// The module path mlx-lm uses in `config.json` `quantization` for a
 /// canonical module name.
 pub fn mlx_module_path(arch: Architecture, canonical: &str) -> String {
-    match arch {
-        Architecture::Qwen3_5Moe => format!("language_model.{canonical}"),
-        Architecture::Qwen3Next | Architecture::DeepseekV3 | Architecture::KimiK2 => {
-            canonical.to_string()
-        }
+    if arch.nests_language_model() {
+        format!("language_model.{canonical}")
+    } else {
+        canonical.to_string()
     }
 }
 
@@ -201,17 +213,23 @@ pub fn sanitize(src: &Source) -> Result<Sanitized> {
         Architecture::Qwen3Next => names.keys().any(|k| {
             k.starts_with("model.layers.") && k.ends_with(".mlp.experts.0.up_proj.weight")
         }),
-        // DeepSeek norms are plain weights in both layouts.
-        Architecture::DeepseekV3 | Architecture::KimiK2 => false,
+        // Plain norm weights in both layouts.
+        Architecture::Qwen3Moe
+        | Architecture::Glm4Moe
+        | Architecture::DeepseekV3
+        | Architecture::KimiK2
+        | Architecture::KimiK25 => false,
     };
     if arch.is_deepseek() {
         // FP8 block scales are read with their weights, not copied.
         names.retain(|_, raw| !raw.ends_with("_scale_inv") || !is_fp8_scale(src, raw));
     }
 
-    // Known extras.
+    // Known extras: DeepSeek's and GLM's multi-token-prediction layers
+    // (indices from num_hidden_layers on), rotary tables, tied heads.
+    let numbered_mtp = arch.is_deepseek() || arch == Architecture::Glm4Moe;
     names.retain(|canon, raw| {
-        let mtp_layer = arch.is_deepseek()
+        let mtp_layer = numbered_mtp
             && (layer_and_rest(canon).is_some_and(|(l, _)| l >= cfg.num_layers)
                 || canon.contains("rotary_emb.inv_freq"));
         let drop = mtp_layer
@@ -284,7 +302,12 @@ pub fn sanitize(src: &Source) -> Result<Sanitized> {
                 }
             }
         }
-        Architecture::Qwen3Next | Architecture::DeepseekV3 | Architecture::KimiK2 => {
+        Architecture::Qwen3Next
+        | Architecture::Qwen3Moe
+        | Architecture::Glm4Moe
+        | Architecture::DeepseekV3
+        | Architecture::KimiK2
+        | Architecture::KimiK25 => {
             let moe_layers: Vec<usize> = names
                 .keys()
                 .filter(|k| k.ends_with(".mlp.experts.0.up_proj.weight"))

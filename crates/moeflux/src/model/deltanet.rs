@@ -6,7 +6,7 @@ use rayon::prelude::*;
 
 use crate::backend::cpu::qmatmul::{matmul, matmul_group};
 use crate::backend::cpu::{ops, vec};
-use crate::config::{Architecture, ModelConfig};
+use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::model::state::LinearState;
 use crate::model::weights::{DenseStore, LinearRef};
@@ -42,26 +42,21 @@ impl GatedDeltaNet {
         let l = &c.linear;
         let h = c.hidden_size;
         let p = format!("{prefix}linear_attn.");
-        let proj = match c.arch {
-            Architecture::Qwen3_5Moe => DeltaProjections::Split {
-                qkv: d.linear(&format!("{p}in_proj_qkv"), l.conv_dim(), h)?,
-                z: d.linear(&format!("{p}in_proj_z"), l.value_dim(), h)?,
-                b: d.linear(&format!("{p}in_proj_b"), l.num_v_heads, h)?,
-                a: d.linear(&format!("{p}in_proj_a"), l.num_v_heads, h)?,
-            },
-            Architecture::Qwen3Next => DeltaProjections::Fused {
+        let proj = if l.fused_projections {
+            DeltaProjections::Fused {
                 qkvz: d.linear(
                     &format!("{p}in_proj_qkvz"),
                     2 * l.key_dim() + 2 * l.value_dim(),
                     h,
                 )?,
                 ba: d.linear(&format!("{p}in_proj_ba"), 2 * l.num_v_heads, h)?,
-            },
-            Architecture::DeepseekV3 | Architecture::KimiK2 => {
-                return Err(crate::error::Error::Invalid(format!(
-                    "{}: the DeepSeek-V3 family has no GatedDeltaNet layers",
-                    c.arch.model_type()
-                )))
+            }
+        } else {
+            DeltaProjections::Split {
+                qkv: d.linear(&format!("{p}in_proj_qkv"), l.conv_dim(), h)?,
+                z: d.linear(&format!("{p}in_proj_z"), l.value_dim(), h)?,
+                b: d.linear(&format!("{p}in_proj_b"), l.num_v_heads, h)?,
+                a: d.linear(&format!("{p}in_proj_a"), l.num_v_heads, h)?,
             }
         };
         Ok(GatedDeltaNet {

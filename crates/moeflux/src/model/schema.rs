@@ -5,7 +5,7 @@
 //! Names are canonical: mlx-lm's names without the `language_model.` prefix
 //! Qwen3.5 adds (`model.layers.3.self_attn.q_proj`, `lm_head`).
 
-use crate::config::{Architecture, LayerKind, MlpKind, ModelConfig};
+use crate::config::{LayerKind, MlpKind, ModelConfig, RouterKind};
 
 /// What kind of tensor a schema entry is.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -75,77 +75,12 @@ pub fn dense_weights(c: &ModelConfig) -> Vec<WeightSpec> {
         w.push(vector(format!("{p}input_layernorm.weight"), h));
         w.push(vector(format!("{p}post_attention_layernorm.weight"), h));
         match c.layer_kinds[i] {
-            LayerKind::FullAttention => {
-                let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
-                w.push(linear(format!("{p}self_attn.q_proj"), 2 * nh * hd, h));
-                w.push(linear(format!("{p}self_attn.k_proj"), nkv * hd, h));
-                w.push(linear(format!("{p}self_attn.v_proj"), nkv * hd, h));
-                w.push(linear(format!("{p}self_attn.o_proj"), h, nh * hd));
-                w.push(vector(format!("{p}self_attn.q_norm.weight"), hd));
-                w.push(vector(format!("{p}self_attn.k_norm.weight"), hd));
-            }
+            LayerKind::FullAttention => attention_weights(c, &p, &mut w),
             LayerKind::Mla => mla_weights(c, &p, &mut w),
-            LayerKind::LinearAttention => {
-                let l = &c.linear;
-                let a = format!("{p}linear_attn.");
-                match c.arch {
-                    Architecture::Qwen3_5Moe => {
-                        w.push(linear(format!("{a}in_proj_qkv"), l.conv_dim(), h));
-                        w.push(linear(format!("{a}in_proj_z"), l.value_dim(), h));
-                        w.push(linear(format!("{a}in_proj_b"), l.num_v_heads, h));
-                        w.push(linear(format!("{a}in_proj_a"), l.num_v_heads, h));
-                    }
-                    // The config never gives the DeepSeek family linear layers.
-                    Architecture::Qwen3Next | Architecture::DeepseekV3 | Architecture::KimiK2 => {
-                        w.push(linear(
-                            format!("{a}in_proj_qkvz"),
-                            2 * l.key_dim() + 2 * l.value_dim(),
-                            h,
-                        ));
-                        w.push(linear(format!("{a}in_proj_ba"), 2 * l.num_v_heads, h));
-                    }
-                }
-                w.push(WeightSpec {
-                    name: format!("{a}conv1d.weight"),
-                    kind: WeightKind::Conv {
-                        channels: l.conv_dim(),
-                        kernel: l.conv_kernel,
-                    },
-                });
-                w.push(vector(format!("{a}A_log"), l.num_v_heads));
-                w.push(vector(format!("{a}dt_bias"), l.num_v_heads));
-                w.push(vector(format!("{a}norm.weight"), l.value_head_dim));
-                w.push(linear(format!("{a}out_proj"), h, l.value_dim()));
-            }
+            LayerKind::LinearAttention => deltanet_weights(c, &p, &mut w),
         }
         match c.mlp_kinds[i] {
-            MlpKind::Moe if c.arch.is_deepseek() => {
-                let m = &c.moe;
-                // The router stays in the checkpoint's float type (mlx-lm never
-                // quantizes MoEGate); its correction bias is F32.
-                w.push(linear(format!("{p}mlp.gate"), m.num_experts, h));
-                w.push(vector(
-                    format!("{p}mlp.gate.e_score_correction_bias"),
-                    m.num_experts,
-                ));
-                if m.shared_intermediate > 0 {
-                    let s = m.shared_intermediate;
-                    w.push(linear(format!("{p}mlp.shared_experts.gate_proj"), s, h));
-                    w.push(linear(format!("{p}mlp.shared_experts.up_proj"), s, h));
-                    w.push(linear(format!("{p}mlp.shared_experts.down_proj"), h, s));
-                }
-            }
-            MlpKind::Moe => {
-                let m = &c.moe;
-                w.push(linear(format!("{p}mlp.gate"), m.num_experts, h));
-                if m.shared_intermediate > 0 {
-                    let s = m.shared_intermediate;
-                    w.push(linear(format!("{p}mlp.shared_expert.gate_proj"), s, h));
-                    w.push(linear(format!("{p}mlp.shared_expert.up_proj"), s, h));
-                    w.push(linear(format!("{p}mlp.shared_expert.down_proj"), h, s));
-                    w.push(linear(format!("{p}mlp.shared_expert_gate"), 1, h));
-                }
-            }
+            MlpKind::Moe => moe_weights(c, &p, &mut w),
             MlpKind::Dense => {
                 let d = c.intermediate_size;
                 w.push(linear(format!("{p}mlp.gate_proj"), d, h));
@@ -159,6 +94,95 @@ pub fn dense_weights(c: &ModelConfig) -> Vec<WeightSpec> {
         w.push(linear("lm_head".into(), c.vocab_size, h));
     }
     w
+}
+
+/// Grouped-query attention of one layer: `q_proj` holds per head `[q |
+/// gate]` when the output is gated (Qwen3.5 / Qwen3-Next); q/k norms and
+/// q/k/v biases where the config has them.
+fn attention_weights(c: &ModelConfig, p: &str, w: &mut Vec<WeightSpec>) {
+    let (h, nh, nkv, hd) = (
+        c.hidden_size,
+        c.num_attention_heads,
+        c.num_kv_heads,
+        c.head_dim,
+    );
+    let a = &c.attention;
+    let q_rows = if a.output_gate { 2 * nh * hd } else { nh * hd };
+    for (name, rows) in [
+        ("q_proj", q_rows),
+        ("k_proj", nkv * hd),
+        ("v_proj", nkv * hd),
+    ] {
+        w.push(linear(format!("{p}self_attn.{name}"), rows, h));
+        if a.qkv_bias {
+            w.push(vector(format!("{p}self_attn.{name}.bias"), rows));
+        }
+    }
+    w.push(linear(format!("{p}self_attn.o_proj"), h, nh * hd));
+    if a.qk_norm {
+        w.push(vector(format!("{p}self_attn.q_norm.weight"), hd));
+        w.push(vector(format!("{p}self_attn.k_norm.weight"), hd));
+    }
+}
+
+/// GatedDeltaNet of one layer: split input projections (Qwen3.5) or fused
+/// per key head (Qwen3-Next).
+fn deltanet_weights(c: &ModelConfig, p: &str, w: &mut Vec<WeightSpec>) {
+    let (l, h) = (&c.linear, c.hidden_size);
+    let a = format!("{p}linear_attn.");
+    if l.fused_projections {
+        w.push(linear(
+            format!("{a}in_proj_qkvz"),
+            2 * l.key_dim() + 2 * l.value_dim(),
+            h,
+        ));
+        w.push(linear(format!("{a}in_proj_ba"), 2 * l.num_v_heads, h));
+    } else {
+        w.push(linear(format!("{a}in_proj_qkv"), l.conv_dim(), h));
+        w.push(linear(format!("{a}in_proj_z"), l.value_dim(), h));
+        w.push(linear(format!("{a}in_proj_b"), l.num_v_heads, h));
+        w.push(linear(format!("{a}in_proj_a"), l.num_v_heads, h));
+    }
+    w.push(WeightSpec {
+        name: format!("{a}conv1d.weight"),
+        kind: WeightKind::Conv {
+            channels: l.conv_dim(),
+            kernel: l.conv_kernel,
+        },
+    });
+    w.push(vector(format!("{a}A_log"), l.num_v_heads));
+    w.push(vector(format!("{a}dt_bias"), l.num_v_heads));
+    w.push(vector(format!("{a}norm.weight"), l.value_head_dim));
+    w.push(linear(format!("{a}out_proj"), h, l.value_dim()));
+}
+
+/// A MoE block's dense part: the router (with `noaux_tc`'s correction bias;
+/// mlx-lm never quantizes that router, it stays in the checkpoint's float
+/// type) and the shared expert (Qwen's sigmoid-gated `shared_expert`, or
+/// DeepSeek's and GLM's ungated `shared_experts`).
+fn moe_weights(c: &ModelConfig, p: &str, w: &mut Vec<WeightSpec>) {
+    let (m, h) = (&c.moe, c.hidden_size);
+    w.push(linear(format!("{p}mlp.gate"), m.num_experts, h));
+    if let RouterKind::NoauxTc { .. } = m.router {
+        w.push(vector(
+            format!("{p}mlp.gate.e_score_correction_bias"),
+            m.num_experts,
+        ));
+    }
+    if m.shared_intermediate > 0 {
+        let s = m.shared_intermediate;
+        let module = if m.shared_gate {
+            "shared_expert"
+        } else {
+            "shared_experts"
+        };
+        w.push(linear(format!("{p}mlp.{module}.gate_proj"), s, h));
+        w.push(linear(format!("{p}mlp.{module}.up_proj"), s, h));
+        w.push(linear(format!("{p}mlp.{module}.down_proj"), h, s));
+        if m.shared_gate {
+            w.push(linear(format!("{p}mlp.shared_expert_gate"), 1, h));
+        }
+    }
 }
 
 /// MLA projections of one layer (mlx-lm names: `kv_b_proj` is stored split
