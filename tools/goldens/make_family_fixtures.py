@@ -14,6 +14,8 @@ QuantizedMultiLinear, the noaux_tc router probe, MLA un-sanitize). What is new h
   glm4_moe's MoE (sigmoid noaux_tc with groups) instead of the classes they were written for;
 * glm4_moe attention biases (q/k/v) are drawn as N(0, 0.5) so that a dropped bias moves the
   logits (mlx's default Linear bias init is tiny);
+* in qwen3_moe and glm4_moe, `o_proj` keeps mlx's default init instead of x16 (see
+  O_PROJ_GAIN: x16 made every late position predict the same token);
 * un-sanitizers for the three Hugging Face layouts (per-expert tensors; GLM's MTP layer at
   model.layers.<num_hidden_layers>; Kimi-K2.5's `language_model.` prefix, unsplit kv_b_proj,
   vision_tower.* and mm_projector.*).
@@ -47,6 +49,15 @@ from make_fixtures import BF16, F32, GS, H, V, mx  # noqa: E402
 from mlx.utils import tree_flatten, tree_map_with_path  # noqa: E402
 
 ATTN_BIAS_STD = 0.5
+# o_proj gain of the GQA families (qwen3_moe, glm4_moe). make_fixtures multiplies every
+# residual writer by 16; for plain softmax attention over random q/k that makes the
+# attention output (a near-uniform running mean of the values, plus GLM's constant v bias)
+# dominate the residual stream, so late positions all predict the same token (measured:
+# qwen3moe-q4 continued with 8 identical tokens; glm4moe-hf's argmax took 4 distinct values
+# over 32 positions) and the q/k-norm ablation moved the logits by only ~2.5. With o_proj at
+# mlx's default init (gain 1) the continuations vary and that ablation moves them by ~10-18.
+# down_proj keeps x16 and lm_head x8. kimi_k25 (MLA) keeps make_fixtures' x16 everywhere.
+O_PROJ_GAIN = 1.0
 # The Hugging Face fixtures use a smaller hidden size so that src/ (bf16) + expected_mlx/ +
 # golden stay under ~1.5 MB per fixture (the embedding and lm_head alone are 256 KB each
 # in bf16 at hidden 128).
@@ -150,15 +161,18 @@ def build_random(config, seed):
     q/k/v biases ~ N(0, 0.5)."""
     mt = config["model_type"]
     if mt == "qwen3_moe":
-        return mf.build_random_model(config, seed)  # router is an nn.Linear: random already
-    model = ds.build_random_deepseek(config, seed)
-    if mt == "glm4_moe":
+        model = mf.build_random_model(config, seed)  # router is an nn.Linear: random already
+    else:
+        model = ds.build_random_deepseek(config, seed)
+    if mt in ("qwen3_moe", "glm4_moe"):
         rng = np.random.default_rng(seed + 29)
         repl = {}
         for k, v in sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0]):
             if k.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
                 repl[k] = mx.array((ATTN_BIAS_STD * rng.standard_normal(v.shape)).astype(np.float32))
-        assert repl or not config.get("attention_bias")
+            elif k.endswith("self_attn.o_proj.weight"):
+                repl[k] = v * (O_PROJ_GAIN / mf.RESIDUAL_GAIN)  # exact: powers of two
+        assert any(k.endswith("proj.bias") for k in repl) == bool(config.get("attention_bias"))
         model.update(tree_map_with_path(lambda p, v: repl.get(p, v), model.parameters()))
         mx.eval(model.parameters())
     return model
