@@ -7,9 +7,9 @@
 use std::time::{Duration, Instant};
 
 use crate::backend::cuda::CacheStats;
+use crate::backend::prefetch::PrefetchStats;
 use crate::error::{Error, Result};
 use crate::io::{procfs, IoStats};
-use crate::model::experts::PrefetchStats;
 use crate::model::timing::PhaseTimes;
 use crate::session::{LogitsMode, Session};
 

@@ -71,10 +71,13 @@ pub enum Error {
     DestinationExists { path: PathBuf },
     #[error("cancelled")]
     Cancelled,
-    /// The GPU backend: no GPU or driver, a failed CUDA call, or a model
-    /// this backend cannot run.
+    /// The GPU backend: no GPU or driver, or a failed CUDA call.
     #[error("{0}")]
     Gpu(String),
+    /// A model (a shape or a feature of it) a backend cannot run; another
+    /// backend may (`--backend auto` falls back to the CPU).
+    #[error("the {backend} backend cannot run this model: {what}")]
+    Unsupported { what: String, backend: &'static str },
     #[error("{0}")]
     Invalid(String),
 }

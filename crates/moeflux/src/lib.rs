@@ -9,6 +9,7 @@ pub mod error;
 pub mod format;
 pub mod fsutil;
 pub mod generate;
+pub mod hash;
 pub mod io;
 pub mod model;
 pub mod perplexity;

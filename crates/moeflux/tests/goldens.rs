@@ -1,4 +1,5 @@
-//! End-to-end agreement with mlx-lm: every fixture is converted, then
+//! End-to-end agreement with mlx-lm for the GQA families (Qwen3.5, Qwen3-Next,
+//! Qwen3-MoE, GLM-4.5/4.6): every fixture is converted, then
 //! evaluated as one batch and one token at a time, and every position's
 //! logits are compared with mlx-lm's float32 forward on the dequantized
 //! weights (see tools/goldens).
@@ -61,4 +62,24 @@ fn qwen35moe_from_hugging_face_bf16() {
 #[test]
 fn qwen3next_from_hugging_face_bf16() {
     run_fixture("qwen3next-hf", "qwen3next-hf/src", "qwen3next-hf", None);
+}
+
+#[test]
+fn qwen3_moe_q4_qk_norm_no_gate_dense_layer() {
+    run_fixture("qwen3moe-q4", "qwen3moe-q4/src", "qwen3moe-q4", None);
+}
+
+#[test]
+fn qwen3_moe_from_hugging_face_bf16_tied_sparse_step() {
+    run_fixture("qwen3moe-hf", "qwen3moe-hf/src", "qwen3moe-hf", None);
+}
+
+#[test]
+fn glm4_moe_q4_qkv_bias_qk_norm_partial_rope_noaux_tc() {
+    run_fixture("glm4moe-q4", "glm4moe-q4/src", "glm4moe-q4", None);
+}
+
+#[test]
+fn glm4_moe_from_hugging_face_bf16_without_qk_norm_mtp_dropped() {
+    run_fixture("glm4moe-hf", "glm4moe-hf/src", "glm4moe-hf", None);
 }

@@ -1,4 +1,5 @@
-//! End-to-end agreement with mlx-lm for the DeepSeek-V3 family (MLA,
+//! End-to-end agreement with mlx-lm for the DeepSeek-V3 family (DeepSeek-V3,
+//! Kimi-K2, Kimi-K2.5; MLA,
 //! `noaux_tc` routing, dense first layer, YaRN): each fixture is converted,
 //! then evaluated as one batch (decompressed MLA), one token at a time
 //! (absorbed MLA, the decode path) and as prefill + decode, and every
@@ -46,4 +47,14 @@ fn deepseek_v3_older_mlx_with_quantized_unsplit_kv_b_proj() {
         "deepseekv3-legacy-q4/src",
         "deepseekv3-legacy-q4",
     );
+}
+
+#[test]
+fn kimi_k25_q4_nested_text_config() {
+    run_fixture("kimik25-q4", "kimik25-q4/src", "kimik25-q4");
+}
+
+#[test]
+fn kimi_k25_from_hugging_face_bf16_vision_dropped() {
+    run_fixture("kimik25-hf", "kimik25-hf/src", "kimik25-hf");
 }

@@ -99,7 +99,7 @@ fn as_v1(v2: &[u8]) -> Vec<u8> {
     out.extend_from_slice(&15u32.to_le_bytes());
     out.extend_from_slice(&v2[16..16 + 15 * 8]);
     out.extend_from_slice(&v2[16 + 17 * 8..v2.len() - 8]);
-    let sum = moeflux::session::snapshot::fnv1a(&out);
+    let sum = moeflux::hash::fnv1a(&out);
     out.extend_from_slice(&sum.to_le_bytes());
     out
 }

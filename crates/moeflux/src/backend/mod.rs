@@ -1,4 +1,7 @@
-//! Compute backends. `cpu` runs everything on the host.
+//! Compute backends: each implements the blocks of the one layer stack
+//! (`model::forward::BlockExecutor`). `cpu` runs everything on the host,
+//! `cuda` on an NVIDIA GPU.
 
 pub mod cpu;
 pub mod cuda;
+pub mod prefetch;

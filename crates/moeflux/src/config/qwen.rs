@@ -125,12 +125,14 @@ fn parse_layer_kinds(f: &Fields, num_layers: usize) -> Result<Vec<LayerKind>> {
                 kinds.push(match v.as_str() {
                     Some("linear_attention") => LayerKind::LinearAttention,
                     Some("full_attention") => LayerKind::FullAttention,
-                    _ => return Err(f.err(
-                        "layer_types",
-                        format!(
+                    _ => {
+                        return Err(f.err(
+                            "layer_types",
+                            format!(
                             "entry {i} is {v}; expected \"linear_attention\" or \"full_attention\""
                         ),
-                    )),
+                        ))
+                    }
                 });
             }
             if kinds.len() != num_layers {

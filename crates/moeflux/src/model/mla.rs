@@ -21,34 +21,23 @@
 //!   computed once per call (`c E_h`, `U_h c`) and attention runs per head
 //!   in `nope + rope` / `v` dims — cheaper when many queries share the context.
 //!
-//! The path is chosen by multiply-add count ([`choose_path`]). Both match
-//! mlx's float32 forward; they differ from each other by summation order only.
+//! The CPU chooses the path by multiply-add count (`backend::cpu::mla`); the
+//! GPU always absorbs. Both match mlx's float32 forward; they differ from each
+//! other by summation order only.
 
-use rayon::prelude::*;
-
-use crate::backend::cpu::ops;
-use crate::backend::cpu::qmatmul::{dequantize_row, matmul, matmul_group};
-use crate::backend::cpu::vec;
 use crate::config::{MlaConfig, ModelConfig};
 use crate::error::{Error, Result};
-use crate::model::state::MlaCache;
-use crate::model::weights::{DenseStore, LinearRef};
-use crate::model::yarn::MlaRope;
-use crate::quant::{DenseData, DenseMatrix, Weight};
+use crate::model::weights::{LinearRef, VectorRef, WeightsLoader};
 
 /// mlx-lm builds `q_a_layernorm` and `kv_a_layernorm` with `eps=1e-6`,
 /// whatever `rms_norm_eps` says.
-const LORA_NORM_EPS: f32 = 1e-6;
-
-/// Largest decompressed `k_nope` + `v` buffer (bytes) the batch path may
-/// allocate; beyond it the absorbed path runs (it needs no per-token copies).
-const DECOMPRESS_MAX_BYTES: usize = 1 << 30;
+pub const LORA_NORM_EPS: f32 = 1e-6;
 
 pub enum QueryProj {
     /// `q_b_proj(RMSNorm(q_a_proj x))` (DeepSeek-V3: rank 1536).
     Lora {
         a: LinearRef,
-        norm: Vec<f32>,
+        norm: VectorRef,
         b: LinearRef,
     },
     /// `q_proj x` (`q_lora_rank: null`).
@@ -59,7 +48,7 @@ pub struct MlaAttention {
     pub q: QueryProj,
     /// `[kv_lora_rank + qk_rope_head_dim, hidden]`.
     pub kv_a: LinearRef,
-    pub kv_norm: Vec<f32>,
+    pub kv_norm: VectorRef,
     /// `[heads * kv_lora_rank, qk_nope_head_dim]`: per head `E_h`.
     pub embed_q: LinearRef,
     /// `[heads * v_head_dim, kv_lora_rank]`: per head `U_h`.
@@ -67,42 +56,8 @@ pub struct MlaAttention {
     pub o_proj: LinearRef,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MlaPath {
-    Absorbed,
-    Decompressed,
-}
-
-/// The cheaper path for `n` new tokens ending at context length `ctx`:
-/// one token always takes the absorbed path (as mlx-lm's `L == 1`); a batch
-/// compares multiply-adds (decompression costs `ctx * heads * kv_lora *
-/// (nope + v)` once, then `nope + rope + v` per (query, key) pair against
-/// `2 * kv_lora + rope` absorbed) and falls back to absorbed when the
-/// decompressed keys and values would exceed [`DECOMPRESS_MAX_BYTES`].
-pub fn choose_path(m: &MlaConfig, heads: usize, n: usize, ctx: usize) -> MlaPath {
-    if n <= 1 {
-        return MlaPath::Absorbed;
-    }
-    let (kvl, nope, r, v) = (
-        m.kv_lora_rank,
-        m.qk_nope_head_dim,
-        m.qk_rope_head_dim,
-        m.v_head_dim,
-    );
-    let start = ctx - n;
-    // Sum over the new tokens of the positions each attends to.
-    let pairs = n * start + n * (n + 1) / 2;
-    let decompressed = ctx * heads * kvl * (nope + v) + pairs * heads * (nope + r + v);
-    let absorbed = n * heads * kvl * (nope + v) + pairs * heads * (2 * kvl + r);
-    let bytes = ctx * heads * (nope + v) * 4;
-    if decompressed <= absorbed && bytes <= DECOMPRESS_MAX_BYTES {
-        MlaPath::Decompressed
-    } else {
-        MlaPath::Absorbed
-    }
-}
-
-fn mla_of(c: &ModelConfig) -> Result<MlaConfig> {
+/// The MLA shape of a config that must have one.
+pub fn mla_of(c: &ModelConfig) -> Result<MlaConfig> {
     c.mla.ok_or_else(|| {
         Error::Invalid(format!(
             "{} has no MLA shape in its config",
@@ -112,301 +67,34 @@ fn mla_of(c: &ModelConfig) -> Result<MlaConfig> {
 }
 
 impl MlaAttention {
-    pub fn load(d: &DenseStore, c: &ModelConfig, prefix: &str) -> Result<Self> {
+    pub fn load(w: &mut WeightsLoader, c: &ModelConfig, prefix: &str) -> Result<Self> {
         let m = mla_of(c)?;
         let (h, nh) = (c.hidden_size, c.num_attention_heads);
         let p = format!("{prefix}self_attn.");
         let q_rows = nh * m.q_head_dim();
         let q = match m.q_lora_rank {
             Some(r) => QueryProj::Lora {
-                a: d.linear(&format!("{p}q_a_proj"), r, h)?,
-                norm: d.floats(&format!("{p}q_a_layernorm.weight"), &[r])?,
-                b: d.linear(&format!("{p}q_b_proj"), q_rows, r)?,
+                a: w.linear(&format!("{p}q_a_proj"), r, h)?,
+                norm: w.vector(&format!("{p}q_a_layernorm.weight"), &[r])?,
+                b: w.linear(&format!("{p}q_b_proj"), q_rows, r)?,
             },
-            None => QueryProj::Plain(d.linear(&format!("{p}q_proj"), q_rows, h)?),
+            None => QueryProj::Plain(w.linear(&format!("{p}q_proj"), q_rows, h)?),
         };
         Ok(MlaAttention {
             q,
-            kv_a: d.linear(&format!("{p}kv_a_proj_with_mqa"), m.cache_row(), h)?,
-            kv_norm: d.floats(&format!("{p}kv_a_layernorm.weight"), &[m.kv_lora_rank])?,
-            embed_q: d.linear(
+            kv_a: w.linear(&format!("{p}kv_a_proj_with_mqa"), m.cache_row(), h)?,
+            kv_norm: w.vector(&format!("{p}kv_a_layernorm.weight"), &[m.kv_lora_rank])?,
+            embed_q: w.linear(
                 &format!("{p}embed_q"),
                 nh * m.kv_lora_rank,
                 m.qk_nope_head_dim,
             )?,
-            unembed_out: d.linear(
+            unembed_out: w.linear(
                 &format!("{p}unembed_out"),
                 nh * m.v_head_dim,
                 m.kv_lora_rank,
             )?,
-            o_proj: d.linear(&format!("{p}o_proj"), h, nh * m.v_head_dim)?,
+            o_proj: w.linear(&format!("{p}o_proj"), h, nh * m.v_head_dim)?,
         })
-    }
-
-    /// Attends `n` normed tokens at positions `start..start+n`, appending
-    /// their latents to `cache` (which must hold exactly `start` rows).
-    #[allow(clippy::too_many_arguments)]
-    pub fn forward(
-        &self,
-        d: &DenseStore,
-        c: &ModelConfig,
-        rope: &MlaRope,
-        scale: f32,
-        xn: &[f32],
-        n: usize,
-        start: usize,
-        cache: &mut MlaCache,
-        out: &mut [f32],
-    ) -> Result<()> {
-        let m = mla_of(c)?;
-        let path = choose_path(&m, c.num_attention_heads, n, start + n);
-        self.forward_with(d, c, rope, scale, xn, n, start, cache, out, path)
-    }
-
-    /// [`Self::forward`] on a given path.
-    #[allow(clippy::too_many_arguments)]
-    pub fn forward_with(
-        &self,
-        d: &DenseStore,
-        c: &ModelConfig,
-        rope: &MlaRope,
-        scale: f32,
-        xn: &[f32],
-        n: usize,
-        start: usize,
-        cache: &mut MlaCache,
-        out: &mut [f32],
-        path: MlaPath,
-    ) -> Result<()> {
-        let m = mla_of(c)?;
-        if cache.len() != start {
-            return Err(Error::Invalid(format!(
-                "MLA cache holds {} rows at position {start}",
-                cache.len()
-            )));
-        }
-        let q = self.project(d, c, &m, rope, xn, n, start, cache);
-        let attn = match path {
-            MlaPath::Absorbed => self.attend_absorbed(d, c, &m, scale, &q, n, start, cache),
-            MlaPath::Decompressed => self.attend_decompressed(d, c, &m, scale, &q, n, start, cache),
-        };
-        matmul(&d.view(&self.o_proj), &attn, n, out);
-        Ok(())
-    }
-
-    /// Queries `[n, heads, nope + rope]` with the rope part rotated; appends
-    /// the tokens' normed latents and rotated shared keys to `cache`.
-    #[allow(clippy::too_many_arguments)]
-    fn project(
-        &self,
-        d: &DenseStore,
-        c: &ModelConfig,
-        m: &MlaConfig,
-        rope: &MlaRope,
-        xn: &[f32],
-        n: usize,
-        start: usize,
-        cache: &mut MlaCache,
-    ) -> Vec<f32> {
-        let (nh, qhd, kvl, row) = (
-            c.num_attention_heads,
-            m.q_head_dim(),
-            m.kv_lora_rank,
-            m.cache_row(),
-        );
-        let mut q = vec![0.0f32; n * nh * qhd];
-        let mut kv = vec![0.0f32; n * row];
-        let wkv = d.view(&self.kv_a);
-        match &self.q {
-            QueryProj::Lora { a, norm, b } => {
-                let r = a.rows;
-                let mut qa = vec![0.0f32; n * r];
-                let wa = d.view(a);
-                matmul_group(&mut [(&wa, &mut qa), (&wkv, &mut kv)], xn, n);
-                let mut qn = vec![0.0f32; n * r];
-                ops::rms_norm_rows(&qa, norm, LORA_NORM_EPS, &mut qn);
-                matmul(&d.view(b), &qn, n, &mut q);
-            }
-            QueryProj::Plain(p) => {
-                let wq = d.view(p);
-                matmul_group(&mut [(&wq, &mut q), (&wkv, &mut kv)], xn, n);
-            }
-        }
-        let mut latent = vec![0.0f32; kvl];
-        for t in 0..n {
-            let pos = start + t;
-            let r = &mut kv[t * row..(t + 1) * row];
-            ops::rms_norm(&r[..kvl], &self.kv_norm, LORA_NORM_EPS, &mut latent);
-            cache.latent.extend_from_slice(&latent);
-            rope.apply(&mut r[kvl..], pos);
-            cache.rope.extend_from_slice(&r[kvl..]);
-            for h in 0..nh {
-                let qh = &mut q[(t * nh + h) * qhd..(t * nh + h + 1) * qhd];
-                rope.apply(&mut qh[m.qk_nope_head_dim..], pos);
-            }
-        }
-        q
-    }
-
-    /// Latent-space attention; returns `[n, heads * v]`.
-    #[allow(clippy::too_many_arguments)]
-    fn attend_absorbed(
-        &self,
-        d: &DenseStore,
-        c: &ModelConfig,
-        m: &MlaConfig,
-        scale: f32,
-        q: &[f32],
-        n: usize,
-        start: usize,
-        cache: &MlaCache,
-    ) -> Vec<f32> {
-        let nh = c.num_attention_heads;
-        let (nope, qhd, kvl, r, v) = (
-            m.qk_nope_head_dim,
-            m.q_head_dim(),
-            m.kv_lora_rank,
-            m.qk_rope_head_dim,
-            m.v_head_dim,
-        );
-        let (we, wu) = (d.view(&self.embed_q), d.view(&self.unembed_out));
-        let per_head: Vec<Vec<f32>> = (0..nh)
-            .into_par_iter()
-            .map(|h| {
-                let mut qn = vec![0.0f32; n * nope];
-                for t in 0..n {
-                    let src = &q[(t * nh + h) * qhd..(t * nh + h) * qhd + nope];
-                    qn[t * nope..(t + 1) * nope].copy_from_slice(src);
-                }
-                let mut qa = vec![0.0f32; n * kvl];
-                matmul(&we.row_block(h * kvl, (h + 1) * kvl), &qn, n, &mut qa);
-                let mut vc = vec![0.0f32; n * kvl];
-                for t in 0..n {
-                    let qa_t = &qa[t * kvl..(t + 1) * kvl];
-                    let qpe = &q[(t * nh + h) * qhd + nope..(t * nh + h + 1) * qhd];
-                    let ctx = start + t + 1;
-                    let mut scores: Vec<f32> = (0..ctx)
-                        .map(|p| {
-                            (vec::dot(qa_t, &cache.latent[p * kvl..(p + 1) * kvl])
-                                + vec::dot(qpe, &cache.rope[p * r..(p + 1) * r]))
-                                * scale
-                        })
-                        .collect();
-                    ops::softmax_inplace(&mut scores);
-                    let o = &mut vc[t * kvl..(t + 1) * kvl];
-                    for (p, &w) in scores.iter().enumerate() {
-                        vec::axpy(o, w, &cache.latent[p * kvl..(p + 1) * kvl]);
-                    }
-                }
-                let mut oh = vec![0.0f32; n * v];
-                matmul(&wu.row_block(h * v, (h + 1) * v), &vc, n, &mut oh);
-                oh
-            })
-            .collect();
-        let mut attn = vec![0.0f32; n * nh * v];
-        for (h, oh) in per_head.iter().enumerate() {
-            for t in 0..n {
-                attn[(t * nh + h) * v..(t * nh + h + 1) * v]
-                    .copy_from_slice(&oh[t * v..(t + 1) * v]);
-            }
-        }
-        attn
-    }
-
-    /// Attention over decompressed keys and values; returns `[n, heads * v]`.
-    #[allow(clippy::too_many_arguments)]
-    fn attend_decompressed(
-        &self,
-        d: &DenseStore,
-        c: &ModelConfig,
-        m: &MlaConfig,
-        scale: f32,
-        q: &[f32],
-        n: usize,
-        start: usize,
-        cache: &MlaCache,
-    ) -> Vec<f32> {
-        let nh = c.num_attention_heads;
-        let (nope, qhd, kvl, r, v) = (
-            m.qk_nope_head_dim,
-            m.q_head_dim(),
-            m.kv_lora_rank,
-            m.qk_rope_head_dim,
-            m.v_head_dim,
-        );
-        let ctx = start + n;
-        // E_h^T for every head as one f32 matrix [heads * nope, kv_lora], so
-        // k_nope of all cached tokens is one matmul.
-        let we = d.view(&self.embed_q);
-        let mut wt = vec![0.0f32; nh * nope * kvl];
-        wt.par_chunks_mut(nope * kvl)
-            .enumerate()
-            .for_each(|(h, blk)| {
-                let mut row = vec![0.0f32; nope];
-                for cc in 0..kvl {
-                    dequantize_row(&we, h * kvl + cc, &mut row);
-                    for (i, &x) in row.iter().enumerate() {
-                        blk[i * kvl + cc] = x;
-                    }
-                }
-            });
-        let wt = Weight::Dense(DenseMatrix {
-            rows: nh * nope,
-            cols: kvl,
-            data: DenseData::F32(&wt),
-        });
-        let latent = &cache.latent[..ctx * kvl];
-        let mut k_nope = vec![0.0f32; ctx * nh * nope];
-        let mut vals = vec![0.0f32; ctx * nh * v];
-        let wu = d.view(&self.unembed_out);
-        matmul_group(&mut [(&wt, &mut k_nope), (&wu, &mut vals)], latent, ctx);
-
-        let mut attn = vec![0.0f32; n * nh * v];
-        attn.par_chunks_mut(v).enumerate().for_each(|(i, o)| {
-            let (t, h) = (i / nh, i % nh);
-            let qh = &q[i * qhd..(i + 1) * qhd];
-            let (qn, qpe) = qh.split_at(nope);
-            let cx = start + t + 1;
-            let mut scores: Vec<f32> = (0..cx)
-                .map(|p| {
-                    let kn = &k_nope[(p * nh + h) * nope..(p * nh + h + 1) * nope];
-                    (vec::dot(qn, kn) + vec::dot(qpe, &cache.rope[p * r..(p + 1) * r])) * scale
-                })
-                .collect();
-            ops::softmax_inplace(&mut scores);
-            o.fill(0.0);
-            for (p, &w) in scores.iter().enumerate() {
-                vec::axpy(o, w, &vals[(p * nh + h) * v..(p * nh + h + 1) * v]);
-            }
-        });
-        attn
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn ds_v3() -> MlaConfig {
-        MlaConfig {
-            q_lora_rank: Some(1536),
-            kv_lora_rank: 512,
-            qk_nope_head_dim: 128,
-            qk_rope_head_dim: 64,
-            v_head_dim: 128,
-        }
-    }
-
-    #[test]
-    fn decode_is_absorbed_and_prefill_decompressed() {
-        let m = ds_v3();
-        for ctx in [1, 100, 100_000] {
-            assert_eq!(choose_path(&m, 128, 1, ctx), MlaPath::Absorbed);
-        }
-        assert_eq!(choose_path(&m, 128, 512, 512), MlaPath::Decompressed);
-        // A short chunk after a long context keeps the latent form.
-        assert_eq!(choose_path(&m, 128, 4, 8192), MlaPath::Absorbed);
-        // Too large to decompress: 1 GiB / (128 * 256 * 4) = 8192 tokens.
-        assert_eq!(choose_path(&m, 128, 9000, 9000), MlaPath::Absorbed);
     }
 }

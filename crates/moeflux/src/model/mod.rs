@@ -1,75 +1,164 @@
-//! Model families, written against the CPU backend ops.
+//! What a model is, independent of where it runs: the families' blocks as
+//! weight descriptors (`attention`, `deltanet`, `mla`, `moe`), one layer type
+//! (`layer`), one loader ([`Model::load`]), the rotary tables (`rope`), the
+//! sequence state's host layout (`state`), the tensors each architecture
+//! needs (`schema`), and the one layer stack every backend runs
+//! (`forward`: the [`forward::BlockExecutor`] trait and its driver).
 
 pub mod attention;
-pub mod deepseek_v3;
 pub mod deltanet;
-pub mod experts;
+pub mod forward;
+pub mod layer;
 pub mod mla;
 pub mod moe;
-pub mod qwen3_hybrid;
-pub mod router;
+pub mod rope;
 pub mod schema;
-pub(crate) mod stack;
 pub mod state;
 pub mod timing;
+pub mod trace;
 pub mod weights;
-pub mod yarn;
 
 use std::path::Path;
 
-use crate::config::ModelConfig;
-use crate::error::Result;
+use crate::config::{Architecture, LayerKind, MlpKind, ModelConfig};
+use crate::error::{Error, Result};
 use crate::format::Manifest;
-use deepseek_v3::DeepseekV3;
-use experts::ExpertRun;
-use qwen3_hybrid::{LogitsMode, QwenHybrid};
-use state::ModelState;
-use timing::PhaseTimes;
+use attention::FullAttention;
+use deltanet::GatedDeltaNet;
+use layer::{Layer, Mixer, Mlp};
+use mla::MlaAttention;
+use moe::{DenseMlp, ExpertLayout, MoeBlock};
+use rope::Rope;
+use schema::layer_prefix;
+use state::{KvCache, LayerState, MlaCache, ModelState};
+use weights::{DenseStore, LinearRef, VectorRef, Weights, WeightsLoader};
 
-/// A loaded model of any supported family (the CPU forward pass).
-pub enum Model {
-    /// Qwen3.5-MoE / Qwen3-Next (GatedDeltaNet + gated attention).
-    Qwen(QwenHybrid),
-    /// The DeepSeek-V3 family (MLA + `noaux_tc` MoE).
-    DeepseekV3(DeepseekV3),
+/// Which positions of an eval produce logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsMode {
+    Last,
+    All,
+}
+
+/// A loaded model of any supported family.
+pub struct Model {
+    pub config: ModelConfig,
+    pub weights: Weights,
+    pub embed: LinearRef,
+    pub lm_head: LinearRef,
+    pub final_norm: VectorRef,
+    pub layers: Vec<Layer>,
+    pub rope: Rope,
 }
 
 impl Model {
-    /// Loads the family `config.arch` names.
+    /// Loads the model in `dir` (its dense weights checked against the
+    /// schema, its expert layout against the manifest).
     pub fn load(dir: &Path, manifest: &Manifest, config: ModelConfig) -> Result<Self> {
-        if config.arch.is_deepseek() {
-            Ok(Model::DeepseekV3(DeepseekV3::load(dir, manifest, config)?))
-        } else {
-            Ok(Model::Qwen(QwenHybrid::load(dir, manifest, config)?))
+        let manifest_path = dir.join(crate::format::MANIFEST_FILE);
+        // Every family is a stack of the one layer type; what a family needs
+        // beyond its config's layer and MLP kinds is said here.
+        match config.arch {
+            Architecture::Qwen3_5Moe
+            | Architecture::Qwen3Next
+            | Architecture::Qwen3Moe
+            | Architecture::Glm4Moe => {
+                if config.layer_kinds.contains(&LayerKind::Mla) {
+                    return Err(Error::format(
+                        &manifest_path,
+                        format!("{} has no MLA layers", config.arch.model_type()),
+                    ));
+                }
+            }
+            Architecture::DeepseekV3 | Architecture::KimiK2 | Architecture::KimiK25 => {
+                mla::mla_of(&config)?;
+            }
         }
+        let dense = DenseStore::open(dir, manifest)?;
+        dense.validate_schema(&config)?;
+        let mut w = WeightsLoader::new(dense);
+        let (h, v) = (config.hidden_size, config.vocab_size);
+        let embed = w.linear("model.embed_tokens", v, h)?;
+        let lm_head = if config.tie_word_embeddings {
+            embed
+        } else {
+            w.linear("lm_head", v, h)?
+        };
+        let mut layers = Vec::with_capacity(config.num_layers);
+        for i in 0..config.num_layers {
+            let p = layer_prefix(i);
+            let input_norm = w.vector(&format!("{p}input_layernorm.weight"), &[h])?;
+            let mixer = match config.layer_kinds[i] {
+                LayerKind::FullAttention => Mixer::Full(FullAttention::load(&mut w, &config, &p)?),
+                LayerKind::LinearAttention => {
+                    Mixer::Linear(GatedDeltaNet::load(&mut w, &config, &p)?)
+                }
+                LayerKind::Mla => Mixer::Mla(MlaAttention::load(&mut w, &config, &p)?),
+            };
+            let post_norm = w.vector(&format!("{p}post_attention_layernorm.weight"), &[h])?;
+            let mlp = match config.mlp_kinds[i] {
+                MlpKind::Moe => {
+                    let el = manifest.expert_layer(i).ok_or_else(|| {
+                        Error::format(
+                            &manifest_path,
+                            format!("no routed experts listed for MoE layer {i}"),
+                        )
+                    })?;
+                    let layout = ExpertLayout::from_manifest(el, &config, &manifest_path)?;
+                    Mlp::Moe(MoeBlock::load(&mut w, &config, &p, i, layout)?)
+                }
+                MlpKind::Dense => Mlp::Dense(DenseMlp::load(&mut w, &config, &p)?),
+            };
+            layers.push(Layer {
+                input_norm,
+                mixer,
+                post_norm,
+                mlp,
+            });
+        }
+        let final_norm = w.vector("model.norm.weight", &[h])?;
+        Ok(Model {
+            rope: Rope::new(&config.rope),
+            config,
+            weights: w.finish(),
+            embed,
+            lm_head,
+            final_norm,
+            layers,
+        })
     }
 
     pub fn config(&self) -> &ModelConfig {
-        match self {
-            Model::Qwen(m) => &m.config,
-            Model::DeepseekV3(m) => &m.config,
-        }
+        &self.config
     }
 
+    /// An empty sequence state: a KV cache per full-attention layer, a
+    /// latent cache per MLA layer, zero GatedDeltaNet states.
     pub fn new_state(&self) -> ModelState {
-        match self {
-            Model::Qwen(m) => m.new_state(),
-            Model::DeepseekV3(m) => m.new_state(),
+        let c = &self.config;
+        ModelState {
+            layers: self
+                .layers
+                .iter()
+                .map(|l| match &l.mixer {
+                    Mixer::Full(_) => LayerState::Full(KvCache::new(c.num_kv_heads * c.head_dim)),
+                    Mixer::Linear(_) => LayerState::Linear(GatedDeltaNet::new_state(c)),
+                    Mixer::Mla(_) => {
+                        let m = c.mla.expect("checked at load");
+                        LayerState::Mla(MlaCache::new(m.kv_lora_rank, m.qk_rope_head_dim))
+                    }
+                })
+                .collect(),
         }
     }
 
-    pub fn forward(
-        &self,
-        run: &mut ExpertRun<'_>,
-        state: &mut ModelState,
-        tokens: &[u32],
-        start: usize,
-        mode: LogitsMode,
-        times: &mut PhaseTimes,
-    ) -> Result<Vec<f32>> {
-        match self {
-            Model::Qwen(m) => m.forward(run, state, tokens, start, mode, times),
-            Model::DeepseekV3(m) => m.forward(run, state, tokens, start, mode, times),
-        }
+    /// The first MoE layer after layer `i` (its router drives prefetch).
+    pub fn next_moe(&self, i: usize) -> Option<&MoeBlock> {
+        self.layers[i + 1..].iter().find_map(|l| l.mlp.moe())
+    }
+
+    /// Number of MoE layers.
+    pub fn moe_layers(&self) -> usize {
+        self.layers.iter().filter(|l| l.mlp.moe().is_some()).count()
     }
 }

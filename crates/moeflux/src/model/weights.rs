@@ -1,5 +1,7 @@
 //! Resident dense weights: `dense.safetensors` memory-mapped, every tensor
-//! checked against the manifest and the architecture's schema at open.
+//! checked against the manifest and the architecture's schema at open; the
+//! descriptors blocks hold ([`LinearRef`] into the mapped file, [`VectorRef`]
+//! into the f32 vectors decoded at load), which every backend resolves.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -53,6 +55,83 @@ pub struct LinearRef {
     pub weight: TensorLoc,
     /// `(spec, scales, biases)` when quantized.
     pub quant: Option<(QuantSpec, TensorLoc, TensorLoc)>,
+}
+
+/// A float vector of the model (norm weights, biases, conv taps, router
+/// correction bias, ...), decoded to f32 once at load into [`Weights`]'
+/// vector arena (the GPU uploads the arena as one buffer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VectorRef {
+    /// First float in the arena (a multiple of [`VECTOR_ALIGN`]).
+    pub offset: usize,
+    pub len: usize,
+}
+
+/// Floats each vector's start is aligned to in the arena (256 bytes, so a
+/// kernel may read any vector with wide loads).
+pub const VECTOR_ALIGN: usize = 64;
+
+/// What a model's block descriptors point into: the mapped dense file
+/// (matrices, by [`LinearRef`]) and the f32 vector arena (by [`VectorRef`]).
+pub struct Weights {
+    pub dense: DenseStore,
+    floats: Vec<f32>,
+}
+
+impl Weights {
+    /// A borrowed view of a linear layer for the CPU kernels.
+    pub fn view(&self, l: &LinearRef) -> Weight<'_> {
+        self.dense.view(l)
+    }
+
+    pub fn vector(&self, v: VectorRef) -> &[f32] {
+        &self.floats[v.offset..v.offset + v.len]
+    }
+
+    /// The whole vector arena (offsets of [`VectorRef`]s index it).
+    pub fn arena(&self) -> &[f32] {
+        &self.floats
+    }
+}
+
+/// Builds [`Weights`] while a model's blocks are loaded: matrices are
+/// checked and referenced in place, vectors decoded into the arena.
+pub struct WeightsLoader {
+    dense: DenseStore,
+    floats: Vec<f32>,
+}
+
+impl WeightsLoader {
+    pub fn new(dense: DenseStore) -> Self {
+        WeightsLoader {
+            dense,
+            floats: Vec::new(),
+        }
+    }
+
+    /// The linear layer `module` with the expected `[rows, cols]`.
+    pub fn linear(&self, module: &str, rows: usize, cols: usize) -> Result<LinearRef> {
+        self.dense.linear(module, rows, cols)
+    }
+
+    /// The float tensor `name` of exactly `shape`, decoded into the arena.
+    pub fn vector(&mut self, name: &str, shape: &[usize]) -> Result<VectorRef> {
+        let v = self.dense.floats(name, shape)?;
+        let offset = self.floats.len().next_multiple_of(VECTOR_ALIGN);
+        self.floats.resize(offset, 0.0);
+        self.floats.extend_from_slice(&v);
+        Ok(VectorRef {
+            offset,
+            len: v.len(),
+        })
+    }
+
+    pub fn finish(self) -> Weights {
+        Weights {
+            dense: self.dense,
+            floats: self.floats,
+        }
+    }
 }
 
 pub struct DenseStore {

@@ -4,14 +4,17 @@
 
 use std::borrow::Cow;
 
+use crate::backend::cpu::exec::CpuExecutor;
+use crate::backend::cpu::experts::ExpertRun;
 use crate::backend::cuda::model::CudaModel;
+use crate::backend::prefetch::PrefetchStats;
 use crate::error::Result;
 use crate::io::{ExpertBuf, ExpertStore};
-use crate::model::experts::{ExpertRun, PrefetchStats};
-use crate::model::qwen3_hybrid::LogitsMode;
+use crate::model::forward;
 use crate::model::state::{LinearState, ModelState};
 use crate::model::timing::PhaseTimes;
-use crate::model::Model;
+use crate::model::trace::Trace;
+use crate::model::{LogitsMode, Model};
 
 pub(crate) enum Engine {
     Cpu {
@@ -34,16 +37,19 @@ pub(crate) struct ForwardCtx<'a> {
 }
 
 impl Engine {
+    /// Evaluates `tokens` at positions `start..`; with `trace`, records
+    /// every block's output.
     pub fn forward(
         &mut self,
         cx: ForwardCtx<'_>,
         tokens: &[u32],
         start: usize,
         mode: LogitsMode,
+        trace: Option<&mut Trace>,
     ) -> Result<Vec<f32>> {
         match self {
             Engine::Cpu { state, bufs } => {
-                let mut run = ExpertRun {
+                let run = ExpertRun {
                     store: cx.store,
                     bufs,
                     k: cx.k,
@@ -51,11 +57,16 @@ impl Engine {
                     pending: None,
                     stats: cx.prefetch_stats,
                 };
-                let (model, times) = (cx.model, cx.times);
-                cx.pool
-                    .install(|| model.forward(&mut run, state, tokens, start, mode, times))
+                let (model, n) = (cx.model, tokens.len());
+                cx.pool.install(|| {
+                    let mut ex = CpuExecutor::new(model, state, run, cx.times, start, n, mode);
+                    forward::forward(model, &mut ex, tokens, trace)?;
+                    Ok(ex.into_logits())
+                })
             }
-            Engine::Cuda(m) => m.forward(cx.store, cx.pool, cx.k, tokens, start, mode, cx.times),
+            Engine::Cuda(m) => m.forward(
+                cx.model, cx.store, cx.pool, cx.k, tokens, start, mode, cx.times, trace,
+            ),
         }
     }
 

@@ -7,16 +7,17 @@ pub mod snapshot;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use crate::backend::cuda::{CachePolicy, CacheStats, CudaModel, CudaOptions, Gpu};
+use crate::backend::cuda::{support, CachePolicy, CacheStats, CudaModel, CudaOptions, Gpu};
+pub use crate::backend::prefetch::Prefetch;
+use crate::backend::prefetch::PrefetchStats;
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::format::{Manifest, MANIFEST_FILE};
 use crate::io::{ExpertStore, ExpertStoreOptions, IoStats};
-pub use crate::model::experts::Prefetch;
-use crate::model::experts::PrefetchStats;
-pub use crate::model::qwen3_hybrid::LogitsMode;
 use crate::model::state::LinearState;
 pub use crate::model::timing::PhaseTimes;
+pub use crate::model::trace::{Trace, TraceEntry};
+pub use crate::model::LogitsMode;
 use crate::model::Model;
 use engine::{Engine, ForwardCtx};
 
@@ -40,7 +41,7 @@ pub struct SessionOptions {
     pub max_context: Option<usize>,
     /// Fetch the experts the next MoE layer's router would pick for the
     /// current hidden state while the current layer computes (see
-    /// [`crate::model::experts`]; on the GPU, uploads from the host tier).
+    /// [`crate::backend::prefetch`]; on the GPU, uploads from the host tier).
     pub prefetch: Prefetch,
     /// Where the forward pass runs.
     pub backend: Backend,
@@ -113,6 +114,9 @@ pub struct Session {
     engine: Engine,
     /// What `Backend::Auto` chose, or why it fell back to the CPU.
     backend_note: String,
+    /// Why `Backend::Auto` runs on the CPU although a GPU backend exists:
+    /// the GPU backend cannot run this model.
+    unsupported_on_gpu: Option<String>,
     tokens: Vec<u32>,
     k_active: usize,
     max_context: usize,
@@ -159,10 +163,24 @@ impl Session {
             }
         };
         let max_context = opts.max_context.unwrap_or(config.max_position_embeddings);
+        let model = Model::load(dir, &manifest, config)?;
+        // Whether the GPU backend takes this model is known without a GPU:
+        // `cuda` fails with the reason, `auto` runs on the CPU and says why.
+        let mut unsupported_on_gpu = None;
         let gpu = match opts.backend {
             Backend::Cpu => Err("CPU backend requested".to_string()),
-            Backend::Cuda => Ok(Gpu::open()?),
-            Backend::Auto => Gpu::open().map_err(|e| e.to_string()),
+            Backend::Cuda => {
+                support::check(&model)?;
+                Ok(Gpu::open()?)
+            }
+            Backend::Auto => match support::check(&model) {
+                Ok(()) => Gpu::open().map_err(|e| e.to_string()),
+                Err(e @ Error::Unsupported { .. }) => {
+                    unsupported_on_gpu = Some(e.to_string());
+                    Err(e.to_string())
+                }
+                Err(e) => return Err(e),
+            },
         };
         let store = ExpertStore::open(
             dir,
@@ -176,7 +194,6 @@ impl Session {
                 ..Default::default()
             },
         )?;
-        let model = Model::load(dir, &manifest, config)?;
         let (engine, backend_note) = match gpu {
             // Every family runs on the GPU (the CUDA model takes either).
             Ok(gpu) => {
@@ -213,8 +230,9 @@ impl Session {
                     state: model.new_state(),
                     bufs: Vec::new(),
                 },
-                match opts.backend {
-                    Backend::Auto => format!("cpu (no GPU: {why})"),
+                match (opts.backend, &unsupported_on_gpu) {
+                    (Backend::Auto, Some(_)) => format!("cpu ({why})"),
+                    (Backend::Auto, None) => format!("cpu (no GPU: {why})"),
                     _ => "cpu".to_string(),
                 },
             ),
@@ -241,13 +259,14 @@ impl Session {
             pool,
             engine,
             backend_note,
+            unsupported_on_gpu,
             tokens: Vec::new(),
             k_active,
             max_context,
             max_checkpoints: opts.max_checkpoints,
             checkpoints: BTreeMap::new(),
             checkpoint_order: Vec::new(),
-            fingerprint: snapshot::fnv1a(&manifest_bytes),
+            fingerprint: crate::hash::fnv1a(&manifest_bytes),
             decode_bytes_per_token,
             poisoned: false,
             times: PhaseTimes::default(),
@@ -307,6 +326,13 @@ impl Session {
     /// `Backend::Auto` on the CPU, also why no GPU was used.
     pub fn backend(&self) -> &str {
         &self.backend_note
+    }
+
+    /// With `Backend::Auto`: why the session runs on the CPU although this
+    /// build has a GPU backend — it cannot run this model (the
+    /// `Error::Unsupported` message). `None` otherwise.
+    pub fn gpu_unsupported(&self) -> Option<&str> {
+        self.unsupported_on_gpu.as_deref()
     }
 
     /// Whether the forward pass runs on a GPU.
@@ -383,6 +409,31 @@ impl Session {
     /// Evaluates `tokens` after the current position as one batch and returns
     /// logits: `[vocab]` for `LogitsMode::Last`, `[tokens.len(), vocab]` for `All`.
     pub fn eval(&mut self, tokens: &[u32], mode: LogitsMode) -> Result<Vec<f32>> {
+        self.eval_inner(tokens, mode, None)
+    }
+
+    /// [`Session::eval`] that also records every block's output (the
+    /// embedding, per layer the norms and what the mixer and the MLP added
+    /// to the residual stream, the logits) — to find the block where two
+    /// backends, or the engine and an oracle, diverge. On the GPU a traced
+    /// eval runs eagerly (no CUDA graph). [`Trace::write_dir`] saves it as
+    /// `.npy` files.
+    pub fn eval_traced(&mut self, tokens: &[u32], mode: LogitsMode) -> Result<(Vec<f32>, Trace)> {
+        let rows = match mode {
+            LogitsMode::All => tokens.len(),
+            LogitsMode::Last => 1,
+        };
+        let mut trace = Trace::new(tokens.len(), rows);
+        let logits = self.eval_inner(tokens, mode, Some(&mut trace))?;
+        Ok((logits, trace))
+    }
+
+    fn eval_inner(
+        &mut self,
+        tokens: &[u32],
+        mode: LogitsMode,
+        trace: Option<&mut Trace>,
+    ) -> Result<Vec<f32>> {
         if self.poisoned {
             return Err(Error::Invalid(
                 "session state is invalid after a failed eval; call clear(), truncate() or restore_to()".into(),
@@ -420,7 +471,7 @@ impl Session {
             prefetch_stats: &mut self.prefetch_stats,
             times: &mut self.times,
         };
-        let result = self.engine.forward(cx, tokens, start, mode);
+        let result = self.engine.forward(cx, tokens, start, mode, trace);
         match result {
             Ok(logits) => {
                 self.tokens.extend_from_slice(tokens);

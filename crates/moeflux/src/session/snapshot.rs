@@ -17,6 +17,7 @@
 //! words, Qwen models) still load, the two words read as 0.
 
 use crate::config::{Architecture, ModelConfig};
+use crate::hash::fnv1a;
 use crate::model::state::{KvCache, LayerState, LinearState, MlaCache, ModelState};
 
 pub const MAGIC: &[u8; 8] = b"MFLXSNAP";
@@ -43,16 +44,6 @@ const WORD_NAMES: [&str; 17] = [
     "kv_lora_rank",
     "qk_rope_head_dim",
 ];
-
-/// FNV-1a, 64-bit: cheap integrity and identity hashing.
-pub fn fnv1a(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in bytes {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
-}
 
 fn shape_words(c: &ModelConfig, fingerprint: u64, position: usize) -> [u64; 17] {
     let l = &c.linear;

@@ -1,7 +1,16 @@
-//! CPU kernels: quantized matmul with runtime-detected SIMD, and the f32
-//! elementwise ops of the forward pass.
+//! The CPU backend: the block executor (`exec`) and the blocks' forward
+//! bodies (`attention`, `deltanet`, `mla`, `moe` with `router` and the
+//! expert streaming of `experts`), over quantized matmul with runtime-detected
+//! SIMD and the f32 elementwise ops.
 
+pub mod attention;
+pub mod deltanet;
+pub mod exec;
+pub mod experts;
+pub mod mla;
+pub mod moe;
 pub mod ops;
 pub mod qmatmul;
+pub mod router;
 pub mod simd;
 pub mod vec;

@@ -256,8 +256,10 @@ __device__ __forceinline__ void attention_mma_body(const float* q, const uint4* 
 #pragma unroll
         for (int j = 0; j < NT; j++) {
             long oi = base + 8 * j + 2 * t;
-            out[oi] = o[j][2 * r] * inv * sigmoidf_(gate[oi]);
-            out[oi + 1] = o[j][2 * r + 1] * inv * sigmoidf_(gate[oi + 1]);
+            float g0 = gate ? sigmoidf_(gate[oi]) : 1.0f;
+            float g1 = gate ? sigmoidf_(gate[oi + 1]) : 1.0f;
+            out[oi] = o[j][2 * r] * inv * g0;
+            out[oi + 1] = o[j][2 * r + 1] * inv * g1;
         }
     }
 }

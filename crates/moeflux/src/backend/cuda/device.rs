@@ -479,9 +479,7 @@ fn load_or_compile(cc: (i32, i32)) -> Result<String> {
     let arch = arch_name(cc);
     let key = format!(
         "{:016x}-{arch}.ptx",
-        crate::session::snapshot::fnv1a(
-            format!("{KERNELS}\0{arch}\0{:?}", nvrtc_version()).as_bytes()
-        )
+        crate::hash::fnv1a(format!("{KERNELS}\0{arch}\0{:?}", nvrtc_version()).as_bytes())
     );
     let cached = ptx_cache_dir().map(|d| d.join(&key));
     if let Some(text) = cached

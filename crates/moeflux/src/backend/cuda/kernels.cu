@@ -759,39 +759,68 @@ extern "C" __global__ void swiglu(const float* g, const float* u, float* out, lo
 // --------------------------------------------------------------------------
 // Gated full attention
 
-// Per (token, head): q = rope(rms_norm(qg[.., q half], q_norm)), gate copied
-// out; per (token, kv head): rope(rms_norm(k, k_norm)) and v appended to the
-// caches kc and vc at row *pos + token (a row: nkv * hd floats). A block of
+// The biases, norms and output gate of a grouped-query attention layer
+// (each pointer null where the family has none): q/k/v biases (rows of the
+// projections), the per-head q/k RMSNorm weights, and whether q_proj's rows
+// are per head [q | gate] (Qwen3.5 / Qwen3-Next) rather than q alone.
+struct AttnParts {
+    const float* q_bias;
+    const float* k_bias;
+    const float* v_bias;
+    const float* q_norm;
+    const float* k_norm;
+    int gated;
+};
+
+// Per (token, head): q = rope(rms_norm(qg[.., q] + bias, q_norm)), the gate
+// half (when gated) copied out; per (token, kv head): rope(rms_norm(k + bias,
+// k_norm)) and v + bias appended to the caches kc and vc at row *pos + token
+// (a row: nkv * hd floats); no norm where its weight is null. A block of
 // `hd` threads (a power of two, <= 1024) per (token, head); blockIdx.y is
 // the token, heads nh then nkv along blockIdx.x.
-extern "C" __global__ void attn_prep(const float* qg, const float* k, const float* v, const float* q_norm,
-                                     const float* k_norm, const double* inv_freq, int half_rot,
-                                     int nh, int nkv, int hd, float eps, const long* pos,
-                                     double pos_scale, float* q_out, float* gate_out, float* kc,
-                                     float* vc) { PDL_ENTER();
+extern "C" __global__ void attn_prep(const float* qg, const float* k, const float* v, AttnParts P,
+                                     const double* inv_freq, int half_rot, int nh, int nkv, int hd,
+                                     float eps, const long* pos, double pos_scale, float* q_out,
+                                     float* gate_out, float* kc, float* vc) { PDL_ENTER();
     long start = *pos;
     extern __shared__ float sh[];
     int t = blockIdx.y, h = blockIdx.x, i = threadIdx.x;
+    int q_stride = P.gated ? 2 * hd : hd;
     const float* src;
+    const float* bias;
     float* dst;
     const float* nw;
     if (h < nh) {
-        src = qg + ((long)t * nh + h) * 2 * hd;
+        long row = (long)h * q_stride;
+        src = qg + (long)t * nh * q_stride + row;
+        bias = P.q_bias ? P.q_bias + row : nullptr;
         dst = q_out + ((long)t * nh + h) * hd;
-        nw = q_norm;
-        gate_out[((long)t * nh + h) * hd + i] = src[hd + i];
+        nw = P.q_norm;
+        if (P.gated) {
+            float gv = src[hd + i];
+            if (bias) gv += bias[hd + i];
+            gate_out[((long)t * nh + h) * hd + i] = gv;
+        }
     } else {
-        long in = ((long)t * nkv + (h - nh)) * hd;
-        long at = ((start + t) * nkv + (h - nh)) * hd;
+        long kv_row = (long)(h - nh) * hd;
+        long in = (long)t * nkv * hd + kv_row;
+        long at = (start + t) * nkv * hd + kv_row;
         src = k + in;
+        bias = P.k_bias ? P.k_bias + kv_row : nullptr;
         dst = kc + at;
-        nw = k_norm;
-        vc[at + i] = v[in + i];
+        nw = P.k_norm;
+        float vv = v[in + i];
+        if (P.v_bias) vv += P.v_bias[kv_row + i];
+        vc[at + i] = vv;
     }
     float x = src[i];
-    float ss = block_sum(x * x);
-    float inv = rsqrtf(ss / hd + eps);
-    sh[i] = x * inv * nw[i];
+    if (bias) x += bias[i];
+    if (nw) {  // the same for the whole block
+        float ss = block_sum(x * x);
+        float inv = rsqrtf(ss / hd + eps);
+        x = x * inv * nw[i];
+    }
+    sh[i] = x;
     __syncthreads();
     float o = sh[i];
     if (i < 2 * half_rot) {
@@ -806,7 +835,7 @@ extern "C" __global__ void attn_prep(const float* qg, const float* k, const floa
 }
 
 // Causal attention of n new tokens (positions start..start+n) over the KV
-// cache rows 0..start+t, output times sigmoid(gate). A block of 8 warps per
+// cache rows 0..start+t, output times sigmoid(gate) (when gate is not null). A block of 8 warps per
 // (head, token) with an online softmax per warp over positions p = warp,
 // warp+8, ...; each lane holds hd/32 output channels (hd <= 256).
 extern "C" __global__ void attention(const float* q, const float* kc, const float* vc,
@@ -864,7 +893,7 @@ extern "C" __global__ void attention(const float* q, const float* kc, const floa
             for (int i = 0; i < NW; i++)
                 if (sm[i] != NEG_INF) o += sacc[i][ch] * expf(sm[i] - M);
             long oi = ((long)t * nh + h) * hd + ch;
-            out[oi] = o / L * sigmoidf_(gate[oi]);
+            out[oi] = gate ? o / L * sigmoidf_(gate[oi]) : o / L;
         }
     }
 }

@@ -12,19 +12,16 @@
 
 use crate::config::{MlaConfig, ModelConfig};
 use crate::error::{Error, Result};
-use crate::model::mla::{MlaAttention, QueryProj};
-use crate::model::yarn::MlaRope;
+use crate::model::mla::{mla_of, MlaAttention, QueryProj, LORA_NORM_EPS};
+use crate::model::rope::{softmax_scale, Rope};
 
-use super::device::{args, DevBuf, Gpu};
+use super::device::{args, Gpu};
 use super::linear::{
-    dev_linear, head_matmul, matmuls, mm, mm_add, rms_norm, DevLinear, PerHead, Qw, ROWS_PER_WARP,
+    head_matmul, matmuls, mm, mm_add, rms_norm, DevLinear, PerHead, Qw, ROWS_PER_WARP,
 };
-use super::model::{unsupported, Ctx};
+use super::model::Ctx;
 use super::state::{GpuLayerState, RowCache};
-
-/// mlx-lm builds `q_a_layernorm` and `kv_a_layernorm` with `eps=1e-6`,
-/// whatever `rms_norm_eps` says (as `model/mla.rs`).
-const LORA_NORM_EPS: f32 = 1e-6;
+use super::support::unsupported;
 
 /// Bytes of the per-head latent buffers (absorbed queries, attended
 /// latents) one chunk of a batch may take.
@@ -48,10 +45,8 @@ pub(super) struct MlaParams {
 
 impl MlaParams {
     /// The shape the kernels take, or why not.
-    pub fn new(c: &ModelConfig, rope: &MlaRope, scale: f32) -> Result<MlaParams> {
-        let dims = c
-            .mla
-            .ok_or_else(|| Error::Invalid(format!("{} has no MLA shape", c.arch.model_type())))?;
+    pub fn new(c: &ModelConfig, rope: &Rope) -> Result<MlaParams> {
+        let dims = mla_of(c)?;
         let (kvl, r) = (dims.kv_lora_rank, dims.qk_rope_head_dim);
         if kvl > MAX_KV_LORA || r > MAX_ROPE || r % 2 != 0 || 2 * rope.inv_freq.len() != r {
             return Err(unsupported(format!(
@@ -71,30 +66,9 @@ impl MlaParams {
             heads: c.num_attention_heads,
             mscale: rope.mscale,
             position_scale: rope.position_scale,
-            scale,
+            scale: softmax_scale(&dims, &c.rope),
         })
     }
-}
-
-enum GpuQuery {
-    /// `q_b(RMSNorm(q_a x))`.
-    Lora {
-        a: DevLinear,
-        norm: DevBuf,
-        b: DevLinear,
-    },
-    /// `q_proj x`.
-    Plain(DevLinear),
-}
-
-pub(super) struct GpuMla {
-    p: MlaParams,
-    q: GpuQuery,
-    kv_a: DevLinear,
-    kv_norm: DevBuf,
-    embed_q: Qw,
-    unembed_out: Qw,
-    o_proj: DevLinear,
 }
 
 /// The per-head absorptions must be quantized (the per-head product kernel
@@ -106,25 +80,15 @@ fn quantized(l: DevLinear, what: &str) -> Result<Qw> {
     }
 }
 
-/// Layer `a`'s weights on the device (`base`: the uploaded dense file).
-pub(super) fn upload_mla(gpu: &Gpu, base: u64, p: MlaParams, a: &MlaAttention) -> Result<GpuMla> {
-    let lin = |l| dev_linear(base, l);
-    Ok(GpuMla {
-        p,
-        q: match &a.q {
-            QueryProj::Lora { a, norm, b } => GpuQuery::Lora {
-                a: lin(a),
-                norm: DevBuf::from_slice(gpu, norm)?,
-                b: lin(b),
-            },
-            QueryProj::Plain(q) => GpuQuery::Plain(lin(q)),
-        },
-        kv_a: lin(&a.kv_a),
-        kv_norm: DevBuf::from_slice(gpu, &a.kv_norm)?,
-        embed_q: quantized(lin(&a.embed_q), "embed_q")?,
-        unembed_out: quantized(lin(&a.unembed_out), "unembed_out")?,
-        o_proj: lin(&a.o_proj),
-    })
+/// What the GPU needs of an MLA layer that the kernels cannot take
+/// otherwise (checked before anything is uploaded).
+pub(super) fn check_layer(a: &MlaAttention) -> Result<()> {
+    for (what, l) in [("embed_q", &a.embed_q), ("unembed_out", &a.unembed_out)] {
+        if l.quant.is_none() {
+            return Err(unsupported(format!("an unquantized MLA {what}")));
+        }
+    }
+    Ok(())
 }
 
 /// An empty latent cache.
@@ -144,104 +108,115 @@ fn chunk_tokens(p: &MlaParams) -> usize {
     (CHUNK_BYTES / (4 * p.heads * p.dims.kv_lora_rank)).max(1)
 }
 
-impl GpuMla {
-    pub fn params(&self) -> &MlaParams {
-        &self.p
-    }
-
-    /// Attention of layer `i` for `n` normed tokens at the eval's positions,
-    /// their latents appended to the layer's cache (already grown to take
-    /// them); the output projection is added to `x`.
-    pub fn forward(&self, cx: &mut Ctx, i: usize, xn: u64, n: usize, x: u64) -> Result<()> {
-        let p = &self.p;
-        let d = &p.dims;
-        let (nh, qhd, kvl, r, nope, v) = (
-            p.heads,
-            d.q_head_dim(),
-            d.kv_lora_rank,
-            d.qk_rope_head_dim,
-            d.qk_nope_head_dim,
-            d.v_head_dim,
-        );
-        let g = cx.gpu;
-        let s = &mut *cx.scratch;
-        let q = s.get(g, "mla_q", 4 * n * nh * qhd)?;
-        let kv = s.get(g, "mla_kv", 4 * n * (kvl + r))?;
-        match &self.q {
-            GpuQuery::Lora { a, norm, b } => {
-                let rank = a.rows();
-                let qa = s.get(g, "mla_qa", 4 * n * rank)?;
-                let qn = s.get(g, "mla_qn", 4 * n * rank)?;
-                matmuls(g, &[mm(*a, qa), mm(self.kv_a, kv)], xn, n)?;
-                rms_norm(g, qa, norm.ptr(), n, rank, LORA_NORM_EPS, qn)?;
-                matmuls(g, &[mm(*b, q)], qn, n)?;
-            }
-            GpuQuery::Plain(wq) => matmuls(g, &[mm(*wq, q), mm(self.kv_a, kv)], xn, n)?,
+/// Attention of layer `i` for `n` normed tokens at the eval's positions,
+/// their latents appended to the layer's cache (already grown to take
+/// them); the output projection is added to `x`.
+pub(super) fn forward(
+    cx: &mut Ctx,
+    i: usize,
+    a: &MlaAttention,
+    xn: u64,
+    n: usize,
+    x: u64,
+) -> Result<()> {
+    let w = cx.weights;
+    let p = &cx
+        .mla
+        .ok_or_else(|| Error::Invalid("MLA layer without MLA parameters".into()))?;
+    let d = &p.dims;
+    let (nh, qhd, kvl, r, nope, v) = (
+        p.heads,
+        d.q_head_dim(),
+        d.kv_lora_rank,
+        d.qk_rope_head_dim,
+        d.qk_nope_head_dim,
+        d.v_head_dim,
+    );
+    let g = cx.gpu;
+    let s = &mut *cx.scratch;
+    let q = s.get(g, "mla_q", 4 * n * nh * qhd)?;
+    let kv = s.get(g, "mla_kv", 4 * n * (kvl + r))?;
+    let kv_a = w.lin(&a.kv_a);
+    match &a.q {
+        QueryProj::Lora {
+            a: qa_proj,
+            norm,
+            b,
+        } => {
+            let (wa, wb, norm) = (w.lin(qa_proj), w.lin(b), w.vec(*norm));
+            let rank = wa.rows();
+            let qa = s.get(g, "mla_qa", 4 * n * rank)?;
+            let qn = s.get(g, "mla_qn", 4 * n * rank)?;
+            matmuls(g, &[mm(wa, qa), mm(kv_a, kv)], xn, n)?;
+            rms_norm(g, qa, norm, n, rank, LORA_NORM_EPS, qn)?;
+            matmuls(g, &[mm(wb, q)], qn, n)?;
         }
-        let Some(GpuLayerState::Mla(cache)) = cx.state.layers.get(i) else {
-            return Err(Error::Invalid(format!(
-                "layer {i}: GPU state is not an MLA cache"
-            )));
-        };
-        let (lat, rope) = (cache.a.ptr(), cache.b.ptr());
-        let (nh_i, kvl_i, r_i, qhd_i, nope_i) =
-            (nh as i32, kvl as i32, r as i32, qhd as i32, nope as i32);
-        let (kv_norm, inv_freq, pos) = (self.kv_norm.ptr(), cx.inv_freq, cx.pos);
-        let (eps, mscale, ps, scale) = (LORA_NORM_EPS, p.mscale, p.position_scale, p.scale);
-        // SAFETY: `mla_prep` in mla.cu; q and kv hold n tokens, the cache
-        // rows *pos .. *pos + n exist.
+        QueryProj::Plain(wq) => matmuls(g, &[mm(w.lin(wq), q), mm(kv_a, kv)], xn, n)?,
+    }
+    let Some(GpuLayerState::Mla(cache)) = cx.state.layers.get(i) else {
+        return Err(Error::Invalid(format!(
+            "layer {i}: GPU state is not an MLA cache"
+        )));
+    };
+    let (lat, rope) = (cache.a.ptr(), cache.b.ptr());
+    let (nh_i, kvl_i, r_i, qhd_i, nope_i) =
+        (nh as i32, kvl as i32, r as i32, qhd as i32, nope as i32);
+    let (kv_norm, inv_freq, pos) = (w.vec(a.kv_norm), cx.inv_freq, cx.pos);
+    let (eps, mscale, ps, scale) = (LORA_NORM_EPS, p.mscale, p.position_scale, p.scale);
+    // SAFETY: `mla_prep` in mla.cu; q and kv hold n tokens, the cache
+    // rows *pos .. *pos + n exist.
+    unsafe {
+        g.launch(
+            "mla_prep",
+            (1 + nh as u32, n as u32, 1),
+            256,
+            0,
+            &mut args!(
+                kv, q, kv_norm, inv_freq, nh_i, kvl_i, r_i, qhd_i, nope_i, eps, mscale, pos, ps,
+                lat, rope
+            ),
+        )?
+    };
+    let embed_q = quantized(w.lin(&a.embed_q), "embed_q")?;
+    let unembed_out = quantized(w.lin(&a.unembed_out), "unembed_out")?;
+    let chunk = chunk_tokens(p).min(n);
+    let qa = s.get(g, "mla_qlat", 4 * chunk * nh * kvl)?;
+    let ctx_lat = s.get(g, "mla_ctx", 4 * chunk * nh * kvl)?;
+    let attn = s.get(g, "mla_attn", 4 * n * nh * v)?;
+    let into_latent = PerHead {
+        rows_per_head: kvl,
+        x_token: nh * qhd,
+        x_head: qhd,
+    };
+    let out_of_latent = PerHead {
+        rows_per_head: v,
+        x_token: nh * kvl,
+        x_head: kvl,
+    };
+    for t0 in (0..n).step_by(chunk) {
+        let m = chunk.min(n - t0);
+        let q_t0 = q + (4 * t0 * nh * qhd) as u64;
+        head_matmul(g, embed_q, into_latent, q_t0, m, qa)?;
+        let t0_i = t0 as i32;
+        // SAFETY: `mla_attention` in mla.cu: qa and ctx_lat hold m tokens
+        // of every head, q the chunk's rotated queries, the cache every
+        // row up to the chunk's last position; shared memory holds the
+        // 8 warps' partial latents.
         unsafe {
             g.launch(
-                "mla_prep",
-                (1 + nh as u32, n as u32, 1),
+                "mla_attention",
+                (nh as u32, m as u32, 1),
                 256,
-                0,
+                (4 * 8 * kvl) as u32,
                 &mut args!(
-                    kv, q, kv_norm, inv_freq, nh_i, kvl_i, r_i, qhd_i, nope_i, eps, mscale, pos,
-                    ps, lat, rope
+                    qa, q_t0, lat, rope, nh_i, kvl_i, r_i, qhd_i, nope_i, pos, t0_i, scale, ctx_lat
                 ),
             )?
         };
-        let chunk = chunk_tokens(p).min(n);
-        let qa = s.get(g, "mla_qlat", 4 * chunk * nh * kvl)?;
-        let ctx_lat = s.get(g, "mla_ctx", 4 * chunk * nh * kvl)?;
-        let attn = s.get(g, "mla_attn", 4 * n * nh * v)?;
-        let into_latent = PerHead {
-            rows_per_head: kvl,
-            x_token: nh * qhd,
-            x_head: qhd,
-        };
-        let out_of_latent = PerHead {
-            rows_per_head: v,
-            x_token: nh * kvl,
-            x_head: kvl,
-        };
-        for t0 in (0..n).step_by(chunk) {
-            let m = chunk.min(n - t0);
-            let q_t0 = q + (4 * t0 * nh * qhd) as u64;
-            head_matmul(g, self.embed_q, into_latent, q_t0, m, qa)?;
-            let t0_i = t0 as i32;
-            // SAFETY: `mla_attention` in mla.cu: qa and ctx_lat hold m tokens
-            // of every head, q the chunk's rotated queries, the cache every
-            // row up to the chunk's last position; shared memory holds the
-            // 8 warps' partial latents.
-            unsafe {
-                g.launch(
-                    "mla_attention",
-                    (nh as u32, m as u32, 1),
-                    256,
-                    (4 * 8 * kvl) as u32,
-                    &mut args!(
-                        qa, q_t0, lat, rope, nh_i, kvl_i, r_i, qhd_i, nope_i, pos, t0_i, scale,
-                        ctx_lat
-                    ),
-                )?
-            };
-            let attn_t0 = attn + (4 * t0 * nh * v) as u64;
-            head_matmul(g, self.unembed_out, out_of_latent, ctx_lat, m, attn_t0)?;
-        }
-        matmuls(g, &[mm_add(self.o_proj, x)], attn, n)
+        let attn_t0 = attn + (4 * t0 * nh * v) as u64;
+        head_matmul(g, unembed_out, out_of_latent, ctx_lat, m, attn_t0)?;
     }
+    matmuls(g, &[mm_add(w.lin(&a.o_proj), x)], attn, n)
 }
 
 #[cfg(test)]

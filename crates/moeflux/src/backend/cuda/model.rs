@@ -1,48 +1,56 @@
 //! A model on the GPU: the whole dense part and the sequence state in VRAM,
-//! routed experts in the VRAM expert cache. One layer stack serves every
-//! family — embedding, per layer RMSNorm, the family's token mixer (gated
-//! full attention or GatedDeltaNet for the Qwen hybrid, `qwen.rs`; MLA for
-//! the DeepSeek-V3 family, `mla.rs`), RMSNorm and the MLP half (`moe.rs`),
-//! then the final norm and the LM head — with CUDA-graph replay of decode
-//! steps when every expert is resident.
+//! routed experts in the VRAM expert cache. [`CudaModel`] holds what the
+//! device keeps — the dense file uploaded once as one buffer (every matrix
+//! an offset into it), the model's vector arena as another, the rotary
+//! table, the state, the expert cache, scratch — and runs the one layer
+//! stack (`model::forward`) through its [`BlockExecutor`], with CUDA-graph
+//! replay of decode steps when every expert is resident. The blocks' kernels
+//! are in `attention.rs`, `deltanet.rs`, `mla.rs` and `moe.rs`.
 //!
-//! The layer structure and the weights' locations come from the CPU model
-//! ([`Model`], loaded from the same directory); the dense file is uploaded
-//! once as one buffer and every tensor is an offset into it. Routers run on
-//! the device with the CPU's rules (ties to the lower index), so both
-//! backends pick the same experts.
+//! Routers run on the device with the CPU's rules (ties to the lower index),
+//! so both backends pick the same experts.
 
+use crate::backend::prefetch::Prefetch;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::io::ExpertStore;
-use crate::model::experts::Prefetch;
-use crate::model::qwen3_hybrid::{LogitsMode, Mlp};
-use crate::model::stack::StackLayer;
+use crate::model::attention::FullAttention;
+use crate::model::deltanet::GatedDeltaNet;
+use crate::model::forward::{self, Activation, BlockExecutor};
+use crate::model::layer::Mixer;
+use crate::model::mla::MlaAttention;
+use crate::model::moe::{DenseMlp, MoeBlock};
 use crate::model::state::{LinearState, ModelState};
 use crate::model::timing::{lap, PhaseTimes};
-use crate::model::weights::LinearRef;
-use crate::model::Model;
+use crate::model::trace::Trace;
+use crate::model::weights::{LinearRef, VectorRef};
+use crate::model::{LogitsMode, Model};
 
 use super::device::{args, begin_capture, end_capture, DevBuf, Gpu, PinnedArena, PinnedDownload};
 use super::experts::{CachePolicy, CacheStats, ExpertCache};
 use super::linear::{dev_linear, matmuls, mm, rms_norm, DevLinear, Qw};
-use super::mla::{self, GpuMla, MlaParams};
-use super::moe::{upload_mlp, GpuMlp};
-use super::qwen::{self, GpuFullAttn, GpuLinearAttn};
+use super::mla::MlaParams;
 use super::state::GpuState;
+use super::{attention, deltanet, mla, moe, support};
 
-/// A layer's token mixer.
-pub(super) enum GpuMixer {
-    Full(GpuFullAttn),
-    Linear(GpuLinearAttn),
-    Mla(GpuMla),
+/// Where a model's weights are on the device: the dense file (matrices by
+/// [`LinearRef`]) and the vector arena (by [`VectorRef`]).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct DevWeights {
+    /// The device address file offset 0 maps to.
+    base: u64,
+    /// The arena's first float.
+    floats: u64,
 }
 
-struct GpuLayer {
-    input_norm: DevBuf,
-    post_norm: DevBuf,
-    mixer: GpuMixer,
-    mlp: GpuMlp,
+impl DevWeights {
+    pub fn lin(&self, l: &LinearRef) -> DevLinear {
+        dev_linear(self.base, l)
+    }
+
+    pub fn vec(&self, v: VectorRef) -> u64 {
+        self.floats + 4 * v.offset as u64
+    }
 }
 
 /// Scratch buffers, grown on demand and reused across evals. Growth moves a
@@ -68,10 +76,13 @@ impl Scratch {
     }
 }
 
-/// What a layer's kernels use besides its own weights.
+/// What a block's kernels use besides its own weights.
 pub(super) struct Ctx<'a> {
     pub gpu: &'a Gpu,
     pub config: &'a ModelConfig,
+    pub weights: DevWeights,
+    /// The shape and scales of the MLA layers (the DeepSeek-V3 family).
+    pub mla: Option<MlaParams>,
     pub scratch: &'a mut Scratch,
     pub state: &'a mut GpuState,
     /// Device address of the eval's first position (kernels read it, so a
@@ -155,13 +166,13 @@ pub struct CudaModel {
     /// `opts.prefetch` resolved for this model and cache.
     prefetch: bool,
     _dense: DevBuf,
-    layers: Vec<GpuLayer>,
-    embed: Qw,
-    lm_head: DevLinear,
-    final_norm: DevBuf,
-    /// The rotary inverse frequencies (f64): Qwen's table, or the YaRN
-    /// table of the DeepSeek family.
+    _floats: DevBuf,
+    weights: DevWeights,
+    mla: Option<MlaParams>,
+    /// The rotary inverse frequencies (f64): the model's table (YaRN for
+    /// the DeepSeek family).
     inv_freq: DevBuf,
+    moe_layers: usize,
     state: GpuState,
     cache: Option<ExpertCache>,
     scratch: Scratch,
@@ -205,110 +216,61 @@ fn upload_dense(gpu: &Gpu, file: &[u8]) -> Result<(DevBuf, u64)> {
     Ok((buf, base))
 }
 
-pub(super) fn unsupported(what: String) -> Error {
-    Error::Gpu(format!("the GPU backend cannot run this model: {what}"))
-}
-
-/// What one family's layers look like, before the generic upload.
-struct Family<'a> {
-    embed: &'a LinearRef,
-    lm_head: &'a LinearRef,
-    final_norm: &'a [f32],
-    inv_freq: &'a [f64],
-    /// Per layer: input norm, post-attention norm, MLP.
-    layers: Vec<(&'a [f32], &'a [f32], &'a Mlp)>,
-}
-
 impl CudaModel {
     /// Uploads `model`'s dense weights and sets up state and the expert
     /// cache; when every expert fits in the cache's budget, uploads them all
-    /// now.
+    /// now. A model the kernels cannot take is `Error::Unsupported` before
+    /// anything is uploaded.
     pub fn new(
         gpu: Gpu,
         model: &Model,
         store: &ExpertStore,
         opts: &CudaOptions,
     ) -> Result<CudaModel> {
+        support::check(model)?;
         gpu.bind()?;
-        let c = model.config().clone();
-        let (family, dense_file) = match model {
-            Model::Qwen(m) => {
-                qwen::check_shape(&c)?;
-                let layers = m.layers.iter().map(StackLayer::frame).collect();
-                let f = Family {
-                    embed: &m.embed,
-                    lm_head: &m.lm_head,
-                    final_norm: &m.final_norm,
-                    inv_freq: &m.rope.inv_freq,
-                    layers,
-                };
-                (f, m.dense.file_bytes())
-            }
-            Model::DeepseekV3(m) => {
-                let layers = m.layers.iter().map(StackLayer::frame).collect();
-                let f = Family {
-                    embed: &m.embed,
-                    lm_head: &m.lm_head,
-                    final_norm: &m.final_norm,
-                    inv_freq: &m.rope.inv_freq,
-                    layers,
-                };
-                (f, m.dense.file_bytes())
-            }
+        let c = model.config.clone();
+        let (dense, base) = upload_dense(&gpu, model.weights.dense.file_bytes())?;
+        let floats = DevBuf::from_slice(&gpu, model.weights.arena())?;
+        let weights = DevWeights {
+            base,
+            floats: floats.ptr(),
         };
-        let (dense, base) = upload_dense(&gpu, dense_file)?;
-        let mixers: Vec<GpuMixer> = match model {
-            Model::Qwen(m) => m
+        let has_mla = model
+            .layers
+            .iter()
+            .any(|l| matches!(l.mixer, Mixer::Mla(_)));
+        let mla = has_mla
+            .then(|| MlaParams::new(&c, &model.rope))
+            .transpose()?;
+        let state = GpuState {
+            layers: model
                 .layers
                 .iter()
-                .map(|l| qwen::upload_mixer(&gpu, base, &l.mixer))
-                .collect::<Result<_>>()?,
-            Model::DeepseekV3(m) => {
-                let p = MlaParams::new(&c, &m.rope, m.scale)?;
-                m.layers
-                    .iter()
-                    .map(|l| mla::upload_mla(&gpu, base, p, &l.attn).map(GpuMixer::Mla))
-                    .collect::<Result<_>>()?
-            }
-        };
-        let mut layers = Vec::with_capacity(mixers.len());
-        let mut max_extent = 0usize;
-        for (mixer, (input_norm, post_norm, mlp)) in mixers.into_iter().zip(&family.layers) {
-            let (mlp, extent) = upload_mlp(&gpu, base, &c, mlp)?;
-            max_extent = max_extent.max(extent);
-            layers.push(GpuLayer {
-                input_norm: DevBuf::from_slice(&gpu, input_norm)?,
-                post_norm: DevBuf::from_slice(&gpu, post_norm)?,
-                mixer,
-                mlp,
-            });
-        }
-        let embed = match dev_linear(base, family.embed) {
-            DevLinear::Quant(q) => q,
-            DevLinear::Dense { .. } => {
-                return Err(unsupported("an unquantized embedding".into()));
-            }
-        };
-        let state = GpuState {
-            layers: layers
-                .iter()
                 .map(|l| match &l.mixer {
-                    GpuMixer::Full(_) => qwen::new_kv(&gpu, &c),
-                    GpuMixer::Linear(_) => qwen::new_linear_state(&gpu, &c),
-                    GpuMixer::Mla(m) => mla::new_cache(&gpu, m.params()),
+                    Mixer::Full(_) => attention::new_kv(&gpu, &c),
+                    Mixer::Linear(_) => deltanet::new_state(&gpu, &c),
+                    Mixer::Mla(_) => mla::new_cache(&gpu, mla.as_ref().expect("MLA layers")),
                 })
                 .collect::<Result<_>>()?,
         };
+        let max_extent = model
+            .layers
+            .iter()
+            .filter_map(|l| l.mlp.moe())
+            .map(|b| b.experts.extent)
+            .max()
+            .unwrap_or(0);
         let mut m = CudaModel {
             config: c,
             opts: opts.clone(),
             prefetch: false,
             _dense: dense,
-            layers,
-            embed,
-            lm_head: dev_linear(base, family.lm_head),
-            final_norm: DevBuf::from_slice(&gpu, family.final_norm)?,
-            inv_freq: DevBuf::from_slice(&gpu, family.inv_freq)?,
+            _floats: floats,
+            weights,
+            mla,
+            inv_freq: DevBuf::from_slice(&gpu, &model.rope.inv_freq)?,
+            moe_layers: model.moe_layers(),
             state,
             cache: None,
             scratch: Scratch::default(),
@@ -331,7 +293,7 @@ impl CudaModel {
             }
             .min(all);
             let mut cache = ExpertCache::new(&m.gpu, budget, max_extent, e, opts.cache_policy)?;
-            if !cache.preload_all(&m.gpu, store, m.layers.len(), e)? {
+            if !cache.preload_all(&m.gpu, store, model.layers.len(), e)? {
                 if let Some(host) = opts.host_cache {
                     m.host_tier = cache.pin_host_tier(&m.gpu, store, host)?;
                 }
@@ -409,13 +371,14 @@ impl CudaModel {
         self.state.rewind(pos, linear)
     }
 
-    /// Evaluates `tokens` at positions `start..` and returns logits like the
-    /// CPU model.
-    /// `pool`: the threads that compute the experts the host takes
-    /// (`cpu_experts`).
+    /// Evaluates `tokens` of `model` (the one this was built from) at
+    /// positions `start..` and returns logits like the CPU backend. `pool`:
+    /// the threads that compute the experts the host takes (`cpu_experts`).
+    /// With `trace`, every block's output is read back (eagerly, no graph).
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &mut self,
+        model: &Model,
         store: &ExpertStore,
         pool: &rayon::ThreadPool,
         k: usize,
@@ -423,6 +386,7 @@ impl CudaModel {
         start: usize,
         mode: LogitsMode,
         times: &mut PhaseTimes,
+        trace: Option<&mut Trace>,
     ) -> Result<Vec<f32>> {
         self.gpu.bind()?;
         let mut clock = std::time::Instant::now();
@@ -437,7 +401,7 @@ impl CudaModel {
         self.arena
             .upload(&self.gpu, self.pos.ptr(), &[start as i64])?;
         let resident = self.cache.as_ref().is_none_or(|c| c.all_resident());
-        let graphable = self.opts.graphs && n == 1 && resident;
+        let graphable = self.opts.graphs && n == 1 && resident && trace.is_none();
         let rows = match mode {
             LogitsMode::All => 0..n,
             LogitsMode::Last => n - 1..n,
@@ -446,12 +410,15 @@ impl CudaModel {
         if graphable && !self.graph_valid() && self.stable_epoch == Some(self.epoch) {
             begin_capture(&self.gpu)?;
             let recorded = self.layers_forward(
+                model,
                 store,
                 pool,
                 k,
-                start..start + n,
+                tokens,
+                start,
                 rows.clone(),
                 &mut PhaseTimes::default(),
+                None,
             );
             let graph = end_capture(&self.gpu, recorded)?;
             if self.scratch.grew {
@@ -471,7 +438,7 @@ impl CudaModel {
             g.graph
                 .launch()
                 .map_err(|e| Error::Gpu(format!("CUDA graph launch: {e}")))?;
-            let uses = (k * self.moe_layers()) as u64;
+            let uses = (k * self.moe_layers) as u64;
             if let Some(c) = self.cache.as_mut() {
                 c.count_hits(uses);
             }
@@ -480,7 +447,7 @@ impl CudaModel {
         } else {
             self.scratch.grew = false;
             let before = self.epoch;
-            self.layers_forward(store, pool, k, start..start + n, rows, times)?;
+            self.layers_forward(model, store, pool, k, tokens, start, rows, times, trace)?;
             if self.scratch.grew {
                 self.scratch.grew = false;
                 self.epoch += 1;
@@ -511,37 +478,34 @@ impl CudaModel {
         Ok(out)
     }
 
-    fn moe_layers(&self) -> usize {
-        self.layers
-            .iter()
-            .filter(|l| matches!(l.mlp, GpuMlp::Moe(_)))
-            .count()
-    }
-
-    /// Every layer, the final norm and the LM head for the tokens at
-    /// positions `span`, whose ids and first position are on the device;
-    /// logits of `rows` land in the "logits" scratch buffer.
+    /// The layer stack over `tokens` at positions `start..`, whose ids and
+    /// first position are on the device; logits of `rows` land in the
+    /// "logits" scratch buffer.
+    #[allow(clippy::too_many_arguments)]
     fn layers_forward(
         &mut self,
+        model: &Model,
         store: &ExpertStore,
         pool: &rayon::ThreadPool,
         k: usize,
-        span: std::ops::Range<usize>,
+        tokens: &[u32],
+        start: usize,
         rows: std::ops::Range<usize>,
         times: &mut PhaseTimes,
+        trace: Option<&mut Trace>,
     ) -> Result<()> {
-        let n = span.len();
-        let mut clock = std::time::Instant::now();
+        let n = tokens.len();
         let h = self.config.hidden_size;
-        let eps = self.config.rms_norm_eps;
         let g = &self.gpu;
-        let mut cx = Ctx {
+        let cx = Ctx {
             gpu: g,
             config: &self.config,
+            weights: self.weights,
+            mla: self.mla,
             scratch: &mut self.scratch,
             state: &mut self.state,
             pos: self.pos.ptr(),
-            start: span.start,
+            start,
             inv_freq: self.inv_freq.ptr(),
             cache: self.cache.as_mut(),
             arena: &mut self.arena,
@@ -552,49 +516,121 @@ impl CudaModel {
             pool,
             downloads: &mut self.route_host,
         };
-        let d_ids = cx.scratch.get(g, "ids", 4 * n)?;
+        let ids = cx.scratch.get(g, "ids", 4 * n)?;
         let x = cx.scratch.get(g, "x", 4 * n * h)?;
         let xn = cx.scratch.get(g, "xn", 4 * n * h)?;
-        let embed = self.embed;
+        let mut step = GpuStep {
+            cx,
+            n,
+            rows,
+            ids,
+            x,
+            xn,
+            times,
+        };
+        forward::forward(model, &mut step, tokens, trace)
+    }
+}
+
+/// One eval's batch on the GPU: the [`BlockExecutor`] the layer stack
+/// drives, its `x` and `xn` device buffers of `n` rows.
+struct GpuStep<'a, 'b> {
+    cx: Ctx<'a>,
+    n: usize,
+    /// The rows whose logits are computed.
+    rows: std::ops::Range<usize>,
+    /// Device addresses of the token ids and the two activations.
+    ids: u64,
+    x: u64,
+    xn: u64,
+    times: &'b mut PhaseTimes,
+}
+
+impl BlockExecutor for GpuStep<'_, '_> {
+    fn embed(&mut self, table: &LinearRef, _tokens: &[u32]) -> Result<()> {
+        // The ids are on the device already (a captured graph reads them).
+        let embed: Qw = match self.cx.weights.lin(table) {
+            DevLinear::Quant(q) => q,
+            DevLinear::Dense { .. } => {
+                return Err(Error::Invalid("unquantized embedding on the GPU".into()))
+            }
+        };
+        let (ids, x) = (self.ids, self.x);
         // SAFETY: `qgather_rows` in kernels.cu; ids and x hold n tokens.
         unsafe {
-            g.launch(
+            self.cx.gpu.launch(
                 "qgather_rows",
-                (n as u32, 1, 1),
+                (self.n as u32, 1, 1),
                 256,
                 0,
-                &mut args!(embed, d_ids, x),
-            )?
-        };
-        lap(&mut clock, &mut times.embed_norm);
-        for (i, layer) in self.layers.iter().enumerate() {
-            rms_norm(g, x, layer.input_norm.ptr(), n, h, eps, xn)?;
-            match &layer.mixer {
-                GpuMixer::Full(a) => a.forward(&mut cx, i, xn, n, x)?,
-                GpuMixer::Linear(a) => a.forward(&mut cx, i, xn, n, x)?,
-                GpuMixer::Mla(a) => a.forward(&mut cx, i, xn, n, x)?,
-            }
-            rms_norm(g, x, layer.post_norm.ptr(), n, h, eps, xn)?;
-            lap(&mut clock, &mut times.attention);
-            let next = self.layers[i + 1..]
-                .iter()
-                .enumerate()
-                .find_map(|(d, l)| match &l.mlp {
-                    GpuMlp::Moe(m) => Some((i + 1 + d, m)),
-                    GpuMlp::Dense(_) => None,
-                });
-            layer.mlp.forward(&mut cx, i, next, xn, n, x, times)?;
-            clock = std::time::Instant::now();
+                &mut args!(embed, ids, x),
+            )
         }
-        let m = rows.len();
+    }
+
+    fn norm(&mut self, weight: VectorRef) -> Result<()> {
+        let c = self.cx.config;
+        let w = self.cx.weights.vec(weight);
+        rms_norm(
+            self.cx.gpu,
+            self.x,
+            w,
+            self.n,
+            c.hidden_size,
+            c.rms_norm_eps,
+            self.xn,
+        )
+    }
+
+    fn full_attention(&mut self, layer: usize, a: &FullAttention) -> Result<()> {
+        attention::forward(&mut self.cx, layer, a, self.xn, self.n, self.x)
+    }
+
+    fn gated_deltanet(&mut self, layer: usize, g: &GatedDeltaNet) -> Result<()> {
+        deltanet::forward(&mut self.cx, layer, g, self.xn, self.n, self.x)
+    }
+
+    fn mla(&mut self, layer: usize, a: &MlaAttention) -> Result<()> {
+        mla::forward(&mut self.cx, layer, a, self.xn, self.n, self.x)
+    }
+
+    fn dense_mlp(&mut self, _layer: usize, d: &DenseMlp) -> Result<()> {
+        moe::dense_mlp(&mut self.cx, d, self.xn, self.n, self.x)
+    }
+
+    fn moe(&mut self, b: &MoeBlock, next: Option<&MoeBlock>) -> Result<()> {
+        moe::moe(&mut self.cx, b, next, self.xn, self.n, self.x, self.times)
+    }
+
+    fn logits(&mut self, final_norm: VectorRef, lm_head: &LinearRef) -> Result<()> {
+        let cx = &mut self.cx;
+        let (g, c) = (cx.gpu, cx.config);
+        let (h, v) = (c.hidden_size, c.vocab_size);
+        let m = self.rows.len();
         let normed = cx.scratch.get(g, "normed", 4 * m * h)?;
-        let final_x = x + (4 * rows.start * h) as u64;
-        rms_norm(g, final_x, self.final_norm.ptr(), m, h, eps, normed)?;
-        let v = self.config.vocab_size;
+        let final_x = self.x + (4 * self.rows.start * h) as u64;
+        let w = cx.weights;
+        rms_norm(g, final_x, w.vec(final_norm), m, h, c.rms_norm_eps, normed)?;
         let logits = cx.scratch.get(g, "logits", 4 * m * v)?;
-        matmuls(g, &[mm(self.lm_head, logits)], normed, m)?;
-        lap(&mut clock, &mut times.lm_head);
-        Ok(())
+        matmuls(g, &[mm(w.lin(lm_head), logits)], normed, m)
+    }
+
+    fn read(&mut self, what: Activation) -> Result<Vec<f32>> {
+        let c = self.cx.config;
+        let (src, count) = match what {
+            Activation::Hidden => (self.x, self.n * c.hidden_size),
+            Activation::Normed => (self.xn, self.n * c.hidden_size),
+            Activation::Logits => {
+                let count = self.rows.len() * c.vocab_size;
+                let logits = self.cx.scratch.get(self.cx.gpu, "logits", 4 * count)?;
+                (logits, count)
+            }
+        };
+        self.cx.downloads.download_f32(self.cx.gpu, src, count)
+    }
+
+    fn times(&mut self) -> &mut PhaseTimes {
+        self.times
     }
 }
 

@@ -5,18 +5,19 @@
 //! the shared experts (Qwen's scaled by a sigmoid gate, DeepSeek's added as
 //! they are); the expert machinery is the same.
 
+use crate::backend::cpu::moe::expert_forward;
 use crate::config::{ModelConfig, RouterKind};
 use crate::error::Result;
-use crate::model::moe::{ComponentLayout, ExpertLayout, MoeBlock};
-use crate::model::qwen3_hybrid::Mlp;
+use crate::model::moe::{ComponentLayout, DenseMlp, ExpertLayout, MoeBlock};
 use crate::model::timing::{lap, PhaseTimes};
 
-use super::device::{args, DevBuf, Gpu};
+use super::device::{args, Gpu};
 use super::linear::{
-    dev_linear, kernel_suffix, matmuls, mm, mm_add, mma_layout_fits, mma_split, qmv_rows_per_block,
-    rows_per_block, swiglu_matmul, DevLinear, MMA_MIN_TOKENS, QMV_CHUNKS,
+    kernel_suffix, matmuls, mm, mm_add, mma_layout_fits, mma_split, qmv_rows_per_block,
+    rows_per_block, swiglu_matmul, MMA_MIN_TOKENS, QMV_CHUNKS,
 };
-use super::model::{unsupported, Ctx};
+use super::model::{Ctx, DevWeights};
+use super::support::unsupported;
 
 /// Where an expert's projections are inside its extent (`struct ExpertLayout`).
 #[repr(C)]
@@ -57,76 +58,396 @@ const SLOT_PATH_MAX_TOKENS: usize = 2;
 const MAX_EXPERTS: usize = 1024;
 const MAX_K: usize = 32;
 
-/// A SwiGLU MLP: `down(silu(gate x) * up x)`.
-#[derive(Clone, Copy)]
-pub(super) struct GpuSwiglu {
-    gate: DevLinear,
-    up: DevLinear,
-    down: DevLinear,
-}
-
-/// How a MoE layer picks its experts (kernels `moe_route` and
-/// `moe_route_noaux`).
-enum GpuRoute {
-    /// Softmax top-K, renormalised when `norm_topk_prob` (Qwen).
-    Softmax,
-    /// DeepSeek-V3 `noaux_tc` (see `model/router.rs`).
-    NoauxTc {
-        bias: DevBuf,
-        n_group: usize,
-        topk_group: usize,
-        scaling: f32,
-    },
-}
-
-pub(super) struct GpuMoe {
-    router: DevLinear,
-    route: GpuRoute,
-    shared: Option<GpuSwiglu>,
-    /// Qwen's shared-expert gate (`sigmoid(gate x)` scales the shared
-    /// expert); DeepSeek's shared experts have none.
-    shared_gate: Option<DevLinear>,
-    layout: ExpertLayoutC,
-    /// The same layout for the host's own products (`cpu_experts`).
-    experts: ExpertLayout,
-}
-
-// One value per layer: the size difference between variants costs nothing.
-#[allow(clippy::large_enum_variant)]
-pub(super) enum GpuMlp {
-    Moe(GpuMoe),
-    Dense(GpuSwiglu),
-}
-
-/// `m` on the device (`base`: the uploaded dense file); also the bytes of
-/// one routed expert's extent (0 for a dense MLP).
-pub(super) fn upload_mlp(
-    gpu: &Gpu,
-    base: u64,
-    c: &ModelConfig,
-    m: &Mlp,
-) -> Result<(GpuMlp, usize)> {
-    let lin = |l| dev_linear(base, l);
-    let m = match m {
-        Mlp::Dense(d) => {
-            return Ok((
-                GpuMlp::Dense(GpuSwiglu {
-                    gate: lin(&d.gate),
-                    up: lin(&d.up),
-                    down: lin(&d.down),
-                }),
-                0,
-            ))
-        }
-        Mlp::Moe(m) => m,
-    };
+/// Whether the kernels take MoE block `b`: the router kernels' expert and
+/// top-K limits, `noaux_tc` groups a lane each, the routed experts'
+/// projections quantized alike.
+pub(super) fn check(c: &ModelConfig, b: &MoeBlock) -> Result<()> {
     let (e, k) = (c.moe.num_experts, c.moe.num_experts_per_tok);
     if e > MAX_EXPERTS || k > MAX_K {
         return Err(unsupported(format!(
             "{e} experts, {k} per token (at most {MAX_EXPERTS} and {MAX_K})"
         )));
     }
-    let route = match (c.moe.router, &m.score_bias) {
+    if let RouterKind::NoauxTc {
+        n_group,
+        topk_group,
+        ..
+    } = c.moe.router
+    {
+        // The kernel gives each group a lane and sums a group's top two.
+        if n_group > 1
+            && (n_group > 32
+                || !e.is_multiple_of(n_group)
+                || e / n_group < 2
+                || topk_group == 0
+                || topk_group > n_group)
+        {
+            return Err(unsupported(format!(
+                "noaux_tc routing of {e} experts in {n_group} groups keeping {topk_group} \
+                 (at most 32 groups of at least 2 experts)"
+            )));
+        }
+    }
+    expert_layout(b).map(|_| ())
+}
+
+/// A dense SwiGLU MLP on the normed `xn`, its output added to `x`.
+pub(super) fn dense_mlp(cx: &mut Ctx, d: &DenseMlp, xn: u64, n: usize, x: u64) -> Result<()> {
+    let w = cx.weights;
+    let (gate, up, down) = (w.lin(&d.gate), w.lin(&d.up), w.lin(&d.down));
+    let inter = gate.rows();
+    let (g, s) = (cx.gpu, &mut *cx.scratch);
+    let gu = s.get(g, "gu", 8 * n * inter)?;
+    let act = s.get(g, "act", 4 * n * inter)?;
+    let ub = gu + (4 * n * inter) as u64;
+    matmuls(g, &[mm(gate, gu), mm(up, ub)], xn, n)?;
+    swiglu_matmul(g, mm_add(down, x), gu, act, n)
+}
+
+/// MoE block `b` on the normed `xn`, its output added to `x`: router and
+/// shared expert in one launch, top-K on the device, the routed experts from
+/// the VRAM cache (brought in first when missing), the combine. `next`: the
+/// next MoE layer, whose experts a prefetching session starts uploading on
+/// a predicted choice.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn moe(
+    cx: &mut Ctx,
+    b: &MoeBlock,
+    next: Option<&MoeBlock>,
+    xn: u64,
+    n: usize,
+    x: u64,
+    times: &mut PhaseTimes,
+) -> Result<()> {
+    let mut clock = std::time::Instant::now();
+    let w = cx.weights;
+    let i = b.layer;
+    let layout = expert_layout(b)?;
+    let (e, h, k) = (cx.config.moe.num_experts, cx.config.hidden_size, cx.k);
+    let (inter, bits) = (layout.inter as usize, layout.bits as usize);
+    let g = cx.gpu;
+    let s = &mut *cx.scratch;
+    let logits_d = s.get(g, "router", 4 * n * e)?;
+    let d_ids = s.get(g, "route_ids", 4 * n * k)?;
+    let d_wts = s.get(g, "wts", 4 * n * k)?;
+    let d_bases = s.get(g, "bases", 8 * n * k)?;
+    let act = s.get(g, "eact", 4 * n * k * inter)?;
+    let slot_out = s.get(g, "slot_out", 4 * n * k * h)?;
+
+    // Router and shared expert: one launch for the products of xn.
+    let mut ops = vec![mm(w.lin(&b.router), logits_d)];
+    let (mut sy, mut sg) = (0u64, 0u64);
+    if let Some(sh) = &b.shared {
+        let (sgate, sup, sdown) = (w.lin(&sh.mlp.gate), w.lin(&sh.mlp.up), w.lin(&sh.mlp.down));
+        let si = sgate.rows();
+        let gu = s.get(g, "sg_gu", 8 * n * si)?;
+        let sact = s.get(g, "sg_act", 4 * n * si)?;
+        sy = s.get(g, "sg_y", 4 * n * h)?;
+        ops.extend([mm(sgate, gu), mm(sup, gu + (4 * n * si) as u64)]);
+        if let Some(gate) = &sh.gate {
+            sg = s.get(g, "sg_s", 4 * n)?;
+            ops.push(mm(w.lin(gate), sg));
+        }
+        matmuls(g, &ops, xn, n)?;
+        swiglu_matmul(g, mm(sdown, sy), gu, sact, n)?;
+    } else {
+        matmuls(g, &ops, xn, n)?;
+    }
+    lap(&mut clock, &mut times.shared_mlp);
+
+    let cache = cx
+        .cache
+        .as_deref_mut()
+        .expect("MoE layers have an expert cache");
+    let table = cache.table_row(i);
+    let slot_path = n <= SLOT_PATH_MAX_TOKENS;
+    let route_table = if slot_path { table.unwrap_or(0) } else { 0 };
+    route(
+        g,
+        w,
+        cx.config,
+        b,
+        logits_d,
+        n,
+        k,
+        route_table,
+        [d_ids, d_wts, d_bases],
+    )?;
+    // The next MoE layer's router on this layer's input: a guess of its
+    // choice (the residual stream changes little in one layer), read
+    // with this layer's choice and uploaded while this layer computes.
+    let predicted = match next {
+        Some(nx) if cx.prefetch && slot_path && table.is_none() => {
+            let s = &mut *cx.scratch;
+            let p_logits = s.get(g, "p_router", 4 * n * e)?;
+            let p_ids = s.get(g, "p_ids", 4 * n * k)?;
+            let p_wts = s.get(g, "p_wts", 4 * n * k)?;
+            let p_bases = s.get(g, "p_bases", 8 * n * k)?;
+            matmuls(g, &[mm(w.lin(&nx.router), p_logits)], xn, n)?;
+            let bufs = [p_ids, p_wts, p_bases];
+            route(g, w, cx.config, nx, p_logits, n, k, 0, bufs)?;
+            Some((nx.layer, p_ids))
+        }
+        _ => None,
+    };
+    let sfx = kernel_suffix(layout.bits);
+    // Per-slot kernels take one token: rows split across warps, or the
+    // activation-stationary kernels when the layout fits them.
+    let qmv = slot_path.then(|| qmv_slot_grids(&layout)).flatten();
+    let (gate_up_blocks, down_blocks) = match qmv {
+        Some(grids) => grids,
+        None => (
+            inter.div_ceil(rows_per_block(h, bits, slot_path)) as u32,
+            h.div_ceil(rows_per_block(inter, bits, slot_path)) as u32,
+        ),
+    };
+    let k_i = k as i32;
+    let mut guess: Vec<i32> = Vec::new();
+    let mut on_cpu: Vec<usize> = Vec::new();
+    let mut cpu_users: Vec<(usize, Vec<i32>)> = Vec::new();
+    let mut host_xn: Vec<f32> = Vec::new();
+    if slot_path && table.is_some() {
+        // Every expert resident: the router's choice never leaves the GPU.
+        cache.count_hits((n * k) as u64);
+    } else {
+        // The host needs the choice to bring missing experts in.
+        let mut runs = vec![(d_ids, n * k)];
+        runs.extend(predicted.map(|(_, p_ids)| (p_ids, n * k)));
+        let want_xn = slot_path && cx.cpu_experts > 0 && cache.host_pinned(i);
+        if want_xn {
+            runs.push((xn, n * h));
+        }
+        let mut got = cx.downloads.download_runs::<i32>(g, &runs)?.into_iter();
+        let ids = got.next().expect("one run per buffer");
+        if predicted.is_some() {
+            guess = got.next().expect("one run per buffer");
+        }
+        if want_xn {
+            let bits = got.next().expect("one run per buffer");
+            host_xn = bytemuck::cast_slice(&bits).to_vec();
+        }
+        cx.arena.reset();
+        lap(&mut clock, &mut times.routing);
+        let mut users: std::collections::BTreeMap<usize, Vec<i32>> = Default::default();
+        for (j, &id) in ids.iter().enumerate() {
+            users.entry(id as usize).or_default().push(j as i32);
+        }
+        // Up to `cpu_experts` of the experts neither resident nor on
+        // their way are computed by the host from the pinned host tier
+        // instead of joining the copy queue (their slots' base stays 0,
+        // which the slot kernels skip).
+        if want_xn {
+            let missing = users.keys().filter(|&&e| !cache.is_resident(i, e));
+            on_cpu.extend(missing.take(cx.cpu_experts).copied());
+        }
+        let unique: Vec<usize> = users
+            .keys()
+            .filter(|e| !on_cpu.contains(e))
+            .copied()
+            .collect();
+        let ptrs = cache.ensure(g, cx.store, i, &unique)?;
+        lap(&mut clock, &mut times.expert_io);
+        if slot_path {
+            let mut bases = vec![0u64; n * k];
+            for (p, e) in ptrs.iter().zip(&unique) {
+                for &j in &users[e] {
+                    bases[j as usize] = *p;
+                }
+            }
+            cx.arena.upload(g, d_bases, &bases)?;
+            cpu_users = on_cpu.iter().map(|e| (*e, users[e].clone())).collect();
+        } else {
+            let mut slot_list: Vec<i32> = Vec::with_capacity(n * k);
+            let mut tasks = Vec::with_capacity(unique.len());
+            for (p, slots) in ptrs.iter().zip(users.values()) {
+                tasks.push(ExpertTask {
+                    base: *p,
+                    first: slot_list.len() as i32,
+                    count: slots.len() as i32,
+                });
+                slot_list.extend(slots);
+            }
+            let s = &mut *cx.scratch;
+            let d_tasks = s.get(g, "tasks", std::mem::size_of_val(tasks.as_slice()))?;
+            let d_slots = s.get(g, "slots", 4 * slot_list.len())?;
+            cx.arena.upload(g, d_tasks, &tasks)?;
+            cx.arena.upload(g, d_slots, &slot_list)?;
+            let n_tasks = tasks.len() as u32;
+            if n >= MMA_MIN_TOKENS && g.mma && mma_experts_fit(&layout) {
+                let gs = layout.gs as usize;
+                let (xp, xs) = mma_split(g, xn, n, h, gs)?;
+                // SAFETY: `moe_gate_up_mma` in mma.cu; tasks point at
+                // resident experts, xp / xs were split from xn (n
+                // tokens), act holds a row per slot_list entry.
+                unsafe {
+                    g.launch(
+                        "moe_gate_up_mma",
+                        (inter.div_ceil(MMA_GATE_UP_ROWS) as u32, n_tasks, 1),
+                        128,
+                        0,
+                        &mut args!(d_tasks, layout, d_slots, k_i, xp, xs, act),
+                    )?
+                };
+                let (ap, asum) = mma_split(g, act, slot_list.len(), inter, gs)?;
+                // SAFETY: `moe_down_mma` in mma.cu; ap / asum were split
+                // from act, slot_out holds n * k rows.
+                unsafe {
+                    g.launch(
+                        "moe_down_mma",
+                        (h.div_ceil(MMA_DOWN_ROWS) as u32, n_tasks, 1),
+                        128,
+                        0,
+                        &mut args!(d_tasks, layout, d_slots, ap, asum, slot_out),
+                    )?
+                };
+            } else {
+                // SAFETY (both launches): arguments match the kernels in
+                // kernels.cu; tasks point at resident experts, buffers are
+                // sized for n * k slots.
+                unsafe {
+                    g.launch(
+                        &format!("moe_gate_up_{sfx}"),
+                        (gate_up_blocks, n_tasks, 1),
+                        256,
+                        0,
+                        &mut args!(d_tasks, layout, d_slots, k_i, xn, act),
+                    )?;
+                    g.launch(
+                        &format!("moe_down_{sfx}"),
+                        (down_blocks, n_tasks, 1),
+                        256,
+                        0,
+                        &mut args!(d_tasks, layout, d_slots, act, slot_out),
+                    )?;
+                }
+            }
+        }
+    }
+    if slot_path {
+        let slots = (n * k) as u32;
+        let (gate_up, down) = match qmv {
+            Some(_) => qmv_slot_kernels(layout.bits),
+            None => (
+                format!("moe_gate_up_slots_{sfx}"),
+                format!("moe_down_slots_{sfx}"),
+            ),
+        };
+        // SAFETY (both launches): as above; bases hold resident experts.
+        unsafe {
+            g.launch(
+                &gate_up,
+                (gate_up_blocks, slots, 1),
+                256,
+                0,
+                &mut args!(d_bases, layout, k_i, xn, act),
+            )?;
+            g.launch(
+                &down,
+                (down_blocks, slots, 1),
+                256,
+                0,
+                &mut args!(d_bases, layout, act, slot_out),
+            )?;
+        }
+    }
+    if let Some((j, _)) = predicted {
+        // Queued after this layer's compute was launched, so its own
+        // uploads went first; the guess's most chosen experts first.
+        cache.prefetch(g, cx.store, j, &most_chosen_first(&guess))?;
+    }
+    if !cpu_users.is_empty() {
+        compute_on_host(cx, b, &cpu_users, &host_xn, slot_out)?;
+    }
+    let h_i = h as i32;
+    // SAFETY: `moe_combine` in kernels.cu; sy and sg are null or hold n
+    // rows (shared output, gate logit).
+    unsafe {
+        g.launch(
+            "moe_combine",
+            (n as u32, h.div_ceil(256) as u32, 1),
+            256,
+            0,
+            &mut args!(slot_out, d_wts, k_i, h_i, sy, sg, x),
+        )?;
+    }
+    lap(&mut clock, &mut times.expert_compute);
+    Ok(())
+}
+
+/// The experts `users` (expert, its slots) of layer `i` computed by the
+/// host on the layer's input `xn` (n x hidden, on the host) from the
+/// pinned host tier, while the GPU computes the rest and the copy stream
+/// carries the prefetch; each result lands in its slot's row of
+/// `slot_out` on the compute stream, before the combine reads it.
+fn compute_on_host(
+    cx: &mut Ctx,
+    b: &MoeBlock,
+    users: &[(usize, Vec<i32>)],
+    xn: &[f32],
+    slot_out: u64,
+) -> Result<()> {
+    let (h, k) = (cx.config.hidden_size, cx.k);
+    let mut y = vec![0.0f32; h];
+    for (e, slots) in users {
+        let bytes = cx
+            .store
+            .mapped(b.layer, *e)
+            .expect("host-tier layers are mapped");
+        for &j in slots {
+            let t = j as usize / k;
+            let x = &xn[t * h..(t + 1) * h];
+            cx.pool
+                .install(|| expert_forward(&b.experts, bytes, x, 1, &mut y));
+            cx.arena
+                .upload(cx.gpu, slot_out + 4 * (j as u64) * h as u64, &y)?;
+        }
+    }
+    if let Some(cache) = cx.cache.as_deref_mut() {
+        cache.stats.cpu_computed += users.len() as u64;
+    }
+    Ok(())
+}
+
+/// Block `b`'s router choice for `n` tokens from their logits: expert ids
+/// and weights per (token, slot) into `out` = [ids, weights, bases], and,
+/// with `table` (the layer's row of the resident experts' addresses), each
+/// slot's expert address.
+#[allow(clippy::too_many_arguments)]
+fn route(
+    g: &Gpu,
+    w: DevWeights,
+    c: &ModelConfig,
+    b: &MoeBlock,
+    logits: u64,
+    n: usize,
+    k: usize,
+    table: u64,
+    out: [u64; 3],
+) -> Result<()> {
+    let [ids, wts, bases] = out;
+    let (nn, e_i, k_i) = (n as i32, c.moe.num_experts as i32, k as i32);
+    let grid = (n.div_ceil(4) as u32, 1, 1);
+    match (c.moe.router, b.score_bias) {
+        (RouterKind::Softmax, _) | (RouterKind::NoauxTc { .. }, None) => {
+            let norm = c.moe.norm_topk_prob as i32;
+            // The variant whose lanes hold just enough logits.
+            let c_per_lane = [4, 8, 16, 32]
+                .into_iter()
+                .find(|&per| 32 * per >= c.moe.num_experts)
+                .unwrap_or(32);
+            // SAFETY: `moe_route_c*` in kernels.cu (4 tokens per block
+            // of 128, e <= 32 C: MAX_EXPERTS is checked at load); logits
+            // hold n rows, outputs n * k slots.
+            unsafe {
+                g.launch(
+                    &format!("moe_route_c{c_per_lane}"),
+                    grid,
+                    128,
+                    0,
+                    &mut args!(logits, nn, e_i, k_i, norm, table, ids, wts, bases),
+                )
+            }
+        }
         (
             RouterKind::NoauxTc {
                 n_group,
@@ -135,448 +456,26 @@ pub(super) fn upload_mlp(
             },
             Some(bias),
         ) => {
-            // The kernel gives each group a lane and sums a group's top two.
-            let grouped = n_group > 1;
-            if grouped
-                && (n_group > 32
-                    || !e.is_multiple_of(n_group)
-                    || e / n_group < 2
-                    || topk_group == 0
-                    || topk_group > n_group)
-            {
-                return Err(unsupported(format!(
-                    "noaux_tc routing of {e} experts in {n_group} groups keeping {topk_group} \
-                     (at most 32 groups of at least 2 experts)"
-                )));
-            }
-            GpuRoute::NoauxTc {
-                bias: DevBuf::from_slice(gpu, bias)?,
-                n_group,
-                topk_group,
-                scaling: routed_scaling_factor,
-            }
-        }
-        _ => GpuRoute::Softmax,
-    };
-    let (shared, shared_gate) = match (&m.shared, &m.ungated_shared) {
-        (Some(s), _) => (
-            Some(GpuSwiglu {
-                gate: lin(&s.gate),
-                up: lin(&s.up),
-                down: lin(&s.down),
-            }),
-            Some(lin(&s.gate_scalar)),
-        ),
-        (None, Some(d)) => (
-            Some(GpuSwiglu {
-                gate: lin(&d.gate),
-                up: lin(&d.up),
-                down: lin(&d.down),
-            }),
-            None,
-        ),
-        (None, None) => (None, None),
-    };
-    Ok((
-        GpuMlp::Moe(GpuMoe {
-            router: lin(&m.router),
-            route,
-            shared,
-            shared_gate,
-            layout: expert_layout(m)?,
-            experts: m.experts.clone(),
-        }),
-        m.experts.extent,
-    ))
-}
-
-impl GpuMlp {
-    /// The MLP of layer `i` on the normed `xn`, its output added to `x`.
-    /// `next`: the next MoE layer (index and block), whose experts a
-    /// `--prefetch` session starts uploading on a predicted choice.
-    #[allow(clippy::too_many_arguments)]
-    pub fn forward(
-        &self,
-        cx: &mut Ctx,
-        i: usize,
-        next: Option<(usize, &GpuMoe)>,
-        xn: u64,
-        n: usize,
-        x: u64,
-        times: &mut PhaseTimes,
-    ) -> Result<()> {
-        match self {
-            GpuMlp::Dense(d) => {
-                let inter = d.gate.rows();
-                let (g, s) = (cx.gpu, &mut *cx.scratch);
-                let gu = s.get(g, "gu", 8 * n * inter)?;
-                let act = s.get(g, "act", 4 * n * inter)?;
-                let ub = gu + (4 * n * inter) as u64;
-                matmuls(g, &[mm(d.gate, gu), mm(d.up, ub)], xn, n)?;
-                swiglu_matmul(g, mm_add(d.down, x), gu, act, n)
-            }
-            GpuMlp::Moe(m) => m.forward(cx, i, next, xn, n, x, times),
-        }
-    }
-}
-
-impl GpuMoe {
-    #[allow(clippy::too_many_arguments)]
-    fn forward(
-        &self,
-        cx: &mut Ctx,
-        i: usize,
-        next: Option<(usize, &GpuMoe)>,
-        xn: u64,
-        n: usize,
-        x: u64,
-        times: &mut PhaseTimes,
-    ) -> Result<()> {
-        let mut clock = std::time::Instant::now();
-        let layout = self.layout;
-        let (e, h, k) = (cx.config.moe.num_experts, cx.config.hidden_size, cx.k);
-        let (inter, bits) = (layout.inter as usize, layout.bits as usize);
-        let g = cx.gpu;
-        let s = &mut *cx.scratch;
-        let logits_d = s.get(g, "router", 4 * n * e)?;
-        let d_ids = s.get(g, "route_ids", 4 * n * k)?;
-        let d_wts = s.get(g, "wts", 4 * n * k)?;
-        let d_bases = s.get(g, "bases", 8 * n * k)?;
-        let act = s.get(g, "eact", 4 * n * k * inter)?;
-        let slot_out = s.get(g, "slot_out", 4 * n * k * h)?;
-
-        // Router and shared expert: one launch for the products of xn.
-        let mut ops = vec![mm(self.router, logits_d)];
-        let (mut sy, mut sg) = (0u64, 0u64);
-        if let Some(sh) = self.shared {
-            let si = sh.gate.rows();
-            let gu = s.get(g, "sg_gu", 8 * n * si)?;
-            let sact = s.get(g, "sg_act", 4 * n * si)?;
-            sy = s.get(g, "sg_y", 4 * n * h)?;
-            ops.extend([mm(sh.gate, gu), mm(sh.up, gu + (4 * n * si) as u64)]);
-            if let Some(gate) = self.shared_gate {
-                sg = s.get(g, "sg_s", 4 * n)?;
-                ops.push(mm(gate, sg));
-            }
-            matmuls(g, &ops, xn, n)?;
-            swiglu_matmul(g, mm(sh.down, sy), gu, sact, n)?;
-        } else {
-            matmuls(g, &ops, xn, n)?;
-        }
-        lap(&mut clock, &mut times.shared_mlp);
-
-        let cache = cx
-            .cache
-            .as_deref_mut()
-            .expect("MoE layers have an expert cache");
-        let table = cache.table_row(i);
-        let slot_path = n <= SLOT_PATH_MAX_TOKENS;
-        let route_table = if slot_path { table.unwrap_or(0) } else { 0 };
-        self.route(
-            g,
-            cx.config,
-            logits_d,
-            n,
-            k,
-            route_table,
-            d_ids,
-            d_wts,
-            d_bases,
-        )?;
-        // The next MoE layer's router on this layer's input: a guess of its
-        // choice (the residual stream changes little in one layer), read
-        // with this layer's choice and uploaded while this layer computes.
-        let predicted = match next {
-            Some((j, nx)) if cx.prefetch && slot_path && table.is_none() => {
-                let s = &mut *cx.scratch;
-                let p_logits = s.get(g, "p_router", 4 * n * e)?;
-                let p_ids = s.get(g, "p_ids", 4 * n * k)?;
-                let p_wts = s.get(g, "p_wts", 4 * n * k)?;
-                let p_bases = s.get(g, "p_bases", 8 * n * k)?;
-                matmuls(g, &[mm(nx.router, p_logits)], xn, n)?;
-                nx.route(g, cx.config, p_logits, n, k, 0, p_ids, p_wts, p_bases)?;
-                Some((j, p_ids))
-            }
-            _ => None,
-        };
-        let sfx = kernel_suffix(layout.bits);
-        // Per-slot kernels take one token: rows split across warps, or the
-        // activation-stationary kernels when the layout fits them.
-        let qmv = slot_path.then(|| qmv_slot_grids(&layout)).flatten();
-        let (gate_up_blocks, down_blocks) = match qmv {
-            Some(grids) => grids,
-            None => (
-                inter.div_ceil(rows_per_block(h, bits, slot_path)) as u32,
-                h.div_ceil(rows_per_block(inter, bits, slot_path)) as u32,
-            ),
-        };
-        let k_i = k as i32;
-        let mut guess: Vec<i32> = Vec::new();
-        let mut on_cpu: Vec<usize> = Vec::new();
-        let mut cpu_users: Vec<(usize, Vec<i32>)> = Vec::new();
-        let mut host_xn: Vec<f32> = Vec::new();
-        if slot_path && table.is_some() {
-            // Every expert resident: the router's choice never leaves the GPU.
-            cache.count_hits((n * k) as u64);
-        } else {
-            // The host needs the choice to bring missing experts in.
-            let mut runs = vec![(d_ids, n * k)];
-            runs.extend(predicted.map(|(_, p_ids)| (p_ids, n * k)));
-            let want_xn = slot_path && cx.cpu_experts > 0 && cache.host_pinned(i);
-            if want_xn {
-                runs.push((xn, n * h));
-            }
-            let mut got = cx.downloads.download_runs::<i32>(g, &runs)?.into_iter();
-            let ids = got.next().expect("one run per buffer");
-            if predicted.is_some() {
-                guess = got.next().expect("one run per buffer");
-            }
-            if want_xn {
-                let bits = got.next().expect("one run per buffer");
-                host_xn = bytemuck::cast_slice(&bits).to_vec();
-            }
-            cx.arena.reset();
-            lap(&mut clock, &mut times.routing);
-            let mut users: std::collections::BTreeMap<usize, Vec<i32>> = Default::default();
-            for (j, &id) in ids.iter().enumerate() {
-                users.entry(id as usize).or_default().push(j as i32);
-            }
-            // Up to `cpu_experts` of the experts neither resident nor on
-            // their way are computed by the host from the pinned host tier
-            // instead of joining the copy queue (their slots' base stays 0,
-            // which the slot kernels skip).
-            if want_xn {
-                let missing = users.keys().filter(|&&e| !cache.is_resident(i, e));
-                on_cpu.extend(missing.take(cx.cpu_experts).copied());
-            }
-            let unique: Vec<usize> = users
-                .keys()
-                .filter(|e| !on_cpu.contains(e))
-                .copied()
-                .collect();
-            let ptrs = cache.ensure(g, cx.store, i, &unique)?;
-            lap(&mut clock, &mut times.expert_io);
-            if slot_path {
-                let mut bases = vec![0u64; n * k];
-                for (p, e) in ptrs.iter().zip(&unique) {
-                    for &j in &users[e] {
-                        bases[j as usize] = *p;
-                    }
-                }
-                cx.arena.upload(g, d_bases, &bases)?;
-                cpu_users = on_cpu.iter().map(|e| (*e, users[e].clone())).collect();
-            } else {
-                let mut slot_list: Vec<i32> = Vec::with_capacity(n * k);
-                let mut tasks = Vec::with_capacity(unique.len());
-                for (p, slots) in ptrs.iter().zip(users.values()) {
-                    tasks.push(ExpertTask {
-                        base: *p,
-                        first: slot_list.len() as i32,
-                        count: slots.len() as i32,
-                    });
-                    slot_list.extend(slots);
-                }
-                let s = &mut *cx.scratch;
-                let d_tasks = s.get(g, "tasks", std::mem::size_of_val(tasks.as_slice()))?;
-                let d_slots = s.get(g, "slots", 4 * slot_list.len())?;
-                cx.arena.upload(g, d_tasks, &tasks)?;
-                cx.arena.upload(g, d_slots, &slot_list)?;
-                let n_tasks = tasks.len() as u32;
-                if n >= MMA_MIN_TOKENS && g.mma && mma_experts_fit(&layout) {
-                    let gs = layout.gs as usize;
-                    let (xp, xs) = mma_split(g, xn, n, h, gs)?;
-                    // SAFETY: `moe_gate_up_mma` in mma.cu; tasks point at
-                    // resident experts, xp / xs were split from xn (n
-                    // tokens), act holds a row per slot_list entry.
-                    unsafe {
-                        g.launch(
-                            "moe_gate_up_mma",
-                            (inter.div_ceil(MMA_GATE_UP_ROWS) as u32, n_tasks, 1),
-                            128,
-                            0,
-                            &mut args!(d_tasks, layout, d_slots, k_i, xp, xs, act),
-                        )?
-                    };
-                    let (ap, asum) = mma_split(g, act, slot_list.len(), inter, gs)?;
-                    // SAFETY: `moe_down_mma` in mma.cu; ap / asum were split
-                    // from act, slot_out holds n * k rows.
-                    unsafe {
-                        g.launch(
-                            "moe_down_mma",
-                            (h.div_ceil(MMA_DOWN_ROWS) as u32, n_tasks, 1),
-                            128,
-                            0,
-                            &mut args!(d_tasks, layout, d_slots, ap, asum, slot_out),
-                        )?
-                    };
-                } else {
-                    // SAFETY (both launches): arguments match the kernels in
-                    // kernels.cu; tasks point at resident experts, buffers are
-                    // sized for n * k slots.
-                    unsafe {
-                        g.launch(
-                            &format!("moe_gate_up_{sfx}"),
-                            (gate_up_blocks, n_tasks, 1),
-                            256,
-                            0,
-                            &mut args!(d_tasks, layout, d_slots, k_i, xn, act),
-                        )?;
-                        g.launch(
-                            &format!("moe_down_{sfx}"),
-                            (down_blocks, n_tasks, 1),
-                            256,
-                            0,
-                            &mut args!(d_tasks, layout, d_slots, act, slot_out),
-                        )?;
-                    }
-                }
-            }
-        }
-        if slot_path {
-            let slots = (n * k) as u32;
-            let (gate_up, down) = match qmv {
-                Some(_) => qmv_slot_kernels(layout.bits),
-                None => (
-                    format!("moe_gate_up_slots_{sfx}"),
-                    format!("moe_down_slots_{sfx}"),
-                ),
-            };
-            // SAFETY (both launches): as above; bases hold resident experts.
+            // As the CPU: renormalised only when more than one is chosen.
+            let norm = (c.moe.norm_topk_prob && k > 1) as i32;
+            let (bias, ng, tg, rsf) = (
+                w.vec(bias),
+                n_group as i32,
+                topk_group as i32,
+                routed_scaling_factor,
+            );
+            // SAFETY: `moe_route_noaux` in kernels.cu, as above; bias
+            // holds one float per expert.
             unsafe {
                 g.launch(
-                    &gate_up,
-                    (gate_up_blocks, slots, 1),
-                    256,
+                    "moe_route_noaux",
+                    grid,
+                    128,
                     0,
-                    &mut args!(d_bases, layout, k_i, xn, act),
-                )?;
-                g.launch(
-                    &down,
-                    (down_blocks, slots, 1),
-                    256,
-                    0,
-                    &mut args!(d_bases, layout, act, slot_out),
-                )?;
-            }
-        }
-        if let Some((j, _)) = predicted {
-            // Queued after this layer's compute was launched, so its own
-            // uploads went first; the guess's most chosen experts first.
-            cache.prefetch(g, cx.store, j, &most_chosen_first(&guess))?;
-        }
-        if !cpu_users.is_empty() {
-            self.compute_on_host(cx, i, &cpu_users, &host_xn, slot_out)?;
-        }
-        let h_i = h as i32;
-        // SAFETY: `moe_combine` in kernels.cu; sy and sg are null or hold n
-        // rows (shared output, gate logit).
-        unsafe {
-            g.launch(
-                "moe_combine",
-                (n as u32, h.div_ceil(256) as u32, 1),
-                256,
-                0,
-                &mut args!(slot_out, d_wts, k_i, h_i, sy, sg, x),
-            )?;
-        }
-        lap(&mut clock, &mut times.expert_compute);
-        Ok(())
-    }
-
-    /// The experts `users` (expert, its slots) of layer `i` computed by the
-    /// host on the layer's input `xn` (n x hidden, on the host) from the
-    /// pinned host tier, while the GPU computes the rest and the copy stream
-    /// carries the prefetch; each result lands in its slot's row of
-    /// `slot_out` on the compute stream, before the combine reads it.
-    fn compute_on_host(
-        &self,
-        cx: &mut Ctx,
-        i: usize,
-        users: &[(usize, Vec<i32>)],
-        xn: &[f32],
-        slot_out: u64,
-    ) -> Result<()> {
-        let (h, k) = (cx.config.hidden_size, cx.k);
-        let mut y = vec![0.0f32; h];
-        for (e, slots) in users {
-            let bytes = cx.store.mapped(i, *e).expect("host-tier layers are mapped");
-            for &j in slots {
-                let t = j as usize / k;
-                let x = &xn[t * h..(t + 1) * h];
-                cx.pool
-                    .install(|| self.experts.forward(bytes, x, 1, &mut y));
-                cx.arena
-                    .upload(cx.gpu, slot_out + 4 * (j as u64) * h as u64, &y)?;
-            }
-        }
-        if let Some(cache) = cx.cache.as_deref_mut() {
-            cache.stats.cpu_computed += users.len() as u64;
-        }
-        Ok(())
-    }
-
-    /// The router's choice for `n` tokens from their logits: expert ids and
-    /// weights per (token, slot), and, with `table` (the layer's row of the
-    /// resident experts' addresses), each slot's expert address.
-    #[allow(clippy::too_many_arguments)]
-    fn route(
-        &self,
-        g: &Gpu,
-        c: &ModelConfig,
-        logits: u64,
-        n: usize,
-        k: usize,
-        table: u64,
-        ids: u64,
-        wts: u64,
-        bases: u64,
-    ) -> Result<()> {
-        let (nn, e_i, k_i) = (n as i32, c.moe.num_experts as i32, k as i32);
-        let grid = (n.div_ceil(4) as u32, 1, 1);
-        match &self.route {
-            GpuRoute::Softmax => {
-                let norm = c.moe.norm_topk_prob as i32;
-                // The variant whose lanes hold just enough logits.
-                let c_per_lane = [4, 8, 16, 32]
-                    .into_iter()
-                    .find(|&per| 32 * per >= c.moe.num_experts)
-                    .unwrap_or(32);
-                // SAFETY: `moe_route_c*` in kernels.cu (4 tokens per block
-                // of 128, e <= 32 C: MAX_EXPERTS is checked at load); logits
-                // hold n rows, outputs n * k slots.
-                unsafe {
-                    g.launch(
-                        &format!("moe_route_c{c_per_lane}"),
-                        grid,
-                        128,
-                        0,
-                        &mut args!(logits, nn, e_i, k_i, norm, table, ids, wts, bases),
-                    )
-                }
-            }
-            GpuRoute::NoauxTc {
-                bias,
-                n_group,
-                topk_group,
-                scaling,
-            } => {
-                // As the CPU: renormalised only when more than one is chosen.
-                let norm = (c.moe.norm_topk_prob && k > 1) as i32;
-                let (bias, ng, tg, rsf) =
-                    (bias.ptr(), *n_group as i32, *topk_group as i32, *scaling);
-                // SAFETY: `moe_route_noaux` in kernels.cu, as above; bias
-                // holds one float per expert.
-                unsafe {
-                    g.launch(
-                        "moe_route_noaux",
-                        grid,
-                        128,
-                        0,
-                        &mut args!(
-                            logits, bias, nn, e_i, k_i, ng, tg, norm, rsf, table, ids, wts, bases
-                        ),
-                    )
-                }
+                    &mut args!(
+                        logits, bias, nn, e_i, k_i, ng, tg, norm, rsf, table, ids, wts, bases
+                    ),
+                )
             }
         }
     }
@@ -634,7 +533,7 @@ fn qmv_slot_kernels(bits: i32) -> (String, String) {
 }
 
 fn expert_layout(m: &MoeBlock) -> Result<ExpertLayoutC> {
-    let x = &m.experts;
+    let x: &ExpertLayout = &m.experts;
     let same =
         |a: &ComponentLayout, b: &ComponentLayout| a.spec == b.spec && a.scales_f32 == b.scales_f32;
     if !same(&x.gate, &x.up) || !same(&x.gate, &x.down) {

@@ -1,4 +1,6 @@
-//! Rotary embedding of the DeepSeek-V3 family: interleaved pairs, optionally
+//! Rotary embedding tables. Qwen and GLM rotate half-split pairs `(i, i +
+//! rotary_dim/2)` of the first `rotary_dim` channels of each head; the
+//! DeepSeek-V3 family rotates interleaved pairs `(2i, 2i+1)`, optionally
 //! YaRN-scaled, exactly as mlx-lm's `YarnRoPE` (`rope_utils.py`) and
 //! `DeepseekV3Attention` compute it. Two factors come out of YaRN:
 //!
@@ -23,19 +25,22 @@ fn get_mscale(scale: f64, mscale: f64) -> f64 {
     }
 }
 
-/// Rotary tables for the `qk_rope_head_dim` channels of MLA.
+/// A model's rotary table.
 #[derive(Debug, Clone)]
-pub struct MlaRope {
-    /// Angle per position of pair `i` (channels `2i`, `2i+1`).
+pub struct Rope {
+    /// Angle per position of pair `i`.
     pub inv_freq: Vec<f64>,
-    /// Magnitude multiplier of the rotated channels.
+    /// Magnitude multiplier of the rotated channels (YaRN; 1 otherwise).
     pub mscale: f32,
     /// Position multiplier (`linear` scaling).
     pub position_scale: f64,
+    /// Pairs `(2i, 2i+1)` rather than `(i, i + rotary_dim/2)`.
+    pub interleaved: bool,
 }
 
-impl MlaRope {
+impl Rope {
     pub fn new(rope: &RopeConfig) -> Self {
+        let interleaved = rope.interleaved;
         let dims = rope.rotary_dim;
         let half = dims / 2;
         let base = rope.theta;
@@ -43,10 +48,11 @@ impl MlaRope {
             .map(|i| base.powf(-(2.0 * i as f64) / dims as f64))
             .collect();
         let Some(y) = rope.yarn else {
-            return MlaRope {
+            return Rope {
                 inv_freq: plain,
                 mscale: 1.0,
                 position_scale: rope.position_scale,
+                interleaved,
             };
         };
         let (low, high) = correction_range(&y, dims, base);
@@ -60,24 +66,31 @@ impl MlaRope {
                 (1.0 - ramp) * extra + ramp * extra / y.factor
             })
             .collect();
-        MlaRope {
+        Rope {
             inv_freq,
             mscale: (get_mscale(y.factor, y.mscale) / get_mscale(y.factor, y.mscale_all_dim))
                 as f32,
             position_scale: rope.position_scale,
+            interleaved,
         }
     }
 
-    /// Rotates `x` (`2 * inv_freq.len()` channels) in place for position
-    /// `pos`: pairs `(x[2i], x[2i+1])`, both scaled by `mscale`.
+    /// Rotates the first `2 * inv_freq.len()` channels of `x` in place for
+    /// position `pos`, both channels of a pair scaled by `mscale`.
     pub fn apply(&self, x: &mut [f32], pos: usize) {
         let p = pos as f64 * self.position_scale;
+        let half = self.inv_freq.len();
         for (i, &f) in self.inv_freq.iter().enumerate() {
             let (s, c) = (p * f).sin_cos();
             let (s, c) = (s as f32, c as f32);
-            let (a, b) = (x[2 * i] * self.mscale, x[2 * i + 1] * self.mscale);
-            x[2 * i] = a * c - b * s;
-            x[2 * i + 1] = a * s + b * c;
+            let (ia, ib) = if self.interleaved {
+                (2 * i, 2 * i + 1)
+            } else {
+                (i, i + half)
+            };
+            let (a, b) = (x[ia] * self.mscale, x[ib] * self.mscale);
+            x[ia] = a * c - b * s;
+            x[ib] = a * s + b * c;
         }
     }
 }
@@ -143,10 +156,10 @@ mod tests {
         // scale 192^-0.5 * (0.1 ln 40 + 1)^2.
         let y = deepseek_yarn();
         assert_eq!(correction_range(&y, 64, 1e4), (10.0, 23.0));
-        let r = MlaRope::new(&rope(Some(y)));
+        let r = Rope::new(&rope(Some(y)));
         assert_eq!(r.mscale, 1.0);
         assert_eq!(r.inv_freq[0], 1.0);
-        let plain = MlaRope::new(&rope(None));
+        let plain = Rope::new(&rope(None));
         for i in 0..=10 {
             assert_eq!(r.inv_freq[i], plain.inv_freq[i], "pair {i} is extrapolated");
         }
@@ -178,7 +191,7 @@ mod tests {
     fn interleaved_pairs_and_mscale() {
         let mut y = deepseek_yarn();
         y.mscale_all_dim = 0.5;
-        let r = MlaRope::new(&rope(Some(y)));
+        let r = Rope::new(&rope(Some(y)));
         let ms = ((0.1 * 40f64.ln() + 1.0) / (0.05 * 40f64.ln() + 1.0)) as f32;
         assert_eq!(r.mscale, ms);
         let mut x = vec![0.0f32; 64];

@@ -1,18 +1,14 @@
-//! What the MoE blocks of one forward pass share: the expert store, the
-//! pool of read buffers, the experts per token, and speculative prefetch.
+//! Speculative expert prefetch, as an option and its counters (the CPU's
+//! runs in `cpu::experts`, the GPU's host-tier uploads in `cuda::moe`).
 //!
-//! Prefetch: while a MoE layer computes, the *next* MoE layer's router is
-//! applied to this layer's (post-attention, normed) hidden state, and the
-//! experts it picks are fetched ahead. The residual stream changes little
-//! from one layer to the next, so the guess is often right; a right guess
-//! turns that expert's read into time overlapped with this layer's compute,
-//! a wrong one costs a read nobody uses. It is measured ([`PrefetchStats`])
-//! and, on the CPU, off unless asked for ([`Prefetch`]).
+//! While a MoE layer computes, the *next* MoE layer's router is applied to
+//! this layer's (post-attention, normed) hidden state, and the experts it
+//! picks are fetched ahead. The residual stream changes little from one
+//! layer to the next, so the guess is often right; a right guess turns that
+//! expert's read into time overlapped with this layer's compute, a wrong one
+//! costs a read nobody uses.
 
 use std::collections::BTreeMap;
-
-use crate::error::Result;
-use crate::io::{ExpertBuf, ExpertStore, Fetch};
 
 /// Speculative expert prefetch (the next MoE layer's router on the
 /// current layer's input).
@@ -20,7 +16,7 @@ use crate::io::{ExpertBuf, ExpertStore, Fetch};
 pub enum Prefetch {
     /// Where it was measured to pay: GPU uploads from the pinned host tier
     /// when experts are large enough that copies, not launches, take the
-    /// time (`backend::cuda::model::PREFETCH_AUTO_MIN_EXTENT`); off on the
+    /// time (`backend::cuda::PREFETCH_AUTO_MIN_EXTENT`); off on the
     /// CPU.
     #[default]
     Auto,
@@ -76,55 +72,6 @@ impl PrefetchStats {
             used: self.used.saturating_sub(earlier.used),
             hits: self.hits.saturating_sub(earlier.hits),
         }
-    }
-}
-
-/// Experts of one layer fetched ahead, still in flight or landed.
-pub struct Prefetched {
-    pub layer: usize,
-    pub ids: Vec<usize>,
-    pub fetch: Fetch,
-}
-
-/// The expert-side state of one forward pass.
-pub struct ExpertRun<'a> {
-    pub store: &'a ExpertStore,
-    /// Reusable read buffers (unused for mapped layers).
-    pub bufs: &'a mut Vec<ExpertBuf>,
-    /// Routed experts per token.
-    pub k: usize,
-    /// Fetch the next MoE layer's experts ahead.
-    pub prefetch: bool,
-    pub pending: Option<Prefetched>,
-    pub stats: &'a mut PrefetchStats,
-}
-
-impl ExpertRun<'_> {
-    /// Starts fetching `ids` of `layer`, with `extent`-byte buffers from the
-    /// pool unless the layer is mapped.
-    pub fn start_fetch(&mut self, layer: usize, ids: &[usize], extent: usize) -> Result<Fetch> {
-        let mut mine = Vec::new();
-        if self.store.is_mapped(layer) != Some(true) {
-            self.bufs.retain(|b| b.len() >= extent);
-            while self.bufs.len() < ids.len() {
-                self.bufs.push(ExpertBuf::new(extent));
-            }
-            mine = self.bufs.split_off(self.bufs.len() - ids.len());
-        }
-        self.store.fetch(layer, ids, mine)
-    }
-
-    /// Takes the prefetch made for `layer`, if any; an older one (for a
-    /// layer that never came) is dropped.
-    pub fn take_prefetch(&mut self, layer: usize) -> Option<Prefetched> {
-        self.pending.take().filter(|p| p.layer == layer)
-    }
-
-    /// Counts a layer's use of its prefetch: `used` experts, of which those
-    /// in `prefetched` were hits.
-    pub fn count(&mut self, used: &[usize], prefetched: &[usize]) {
-        self.stats.used += used.len() as u64;
-        self.stats.hits += used.iter().filter(|e| prefetched.contains(e)).count() as u64;
     }
 }
 

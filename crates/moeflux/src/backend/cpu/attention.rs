@@ -1,0 +1,111 @@
+//! Grouped-query attention on the CPU (`model::attention::FullAttention`):
+//! q/k/v projections in one grouped matmul, biases, per-head q/k RMSNorm,
+//! rotary, the KV append, causal softmax attention per (token, head), the
+//! optional `sigmoid(gate)` output gate, and the output projection.
+
+use rayon::prelude::*;
+
+use crate::backend::cpu::ops;
+use crate::backend::cpu::qmatmul::{matmul, matmul_group};
+use crate::backend::cpu::vec;
+use crate::config::ModelConfig;
+use crate::model::attention::FullAttention;
+use crate::model::rope::Rope;
+use crate::model::state::KvCache;
+use crate::model::weights::Weights;
+
+/// Attends `n` normed tokens at positions `start..start+n`, appending
+/// their keys and values to `kv` (which must hold exactly `start` rows);
+/// the output projection goes to `out`.
+#[allow(clippy::too_many_arguments)]
+pub fn forward(
+    a: &FullAttention,
+    w: &Weights,
+    c: &ModelConfig,
+    rope: &Rope,
+    xn: &[f32],
+    n: usize,
+    start: usize,
+    kv: &mut KvCache,
+    out: &mut [f32],
+) {
+    let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
+    assert_eq!(
+        kv.len(),
+        start,
+        "KV cache rows must equal the start position"
+    );
+    // q_proj rows are per head `[q | gate]` when the output is gated.
+    let q_stride = if a.output_gate { 2 * hd } else { hd };
+    let mut qg = vec![0.0f32; n * nh * q_stride];
+    let mut k = vec![0.0f32; n * nkv * hd];
+    let mut v = vec![0.0f32; n * nkv * hd];
+    let (wq, wk, wv) = (w.view(&a.q_proj), w.view(&a.k_proj), w.view(&a.v_proj));
+    matmul_group(&mut [(&wq, &mut qg), (&wk, &mut k), (&wv, &mut v)], xn, n);
+    if let Some([bq, bk, bv]) = a.qkv_bias {
+        for (y, b) in [(&mut qg, bq), (&mut k, bk), (&mut v, bv)] {
+            let b = w.vector(b);
+            for row in y.chunks_exact_mut(b.len()) {
+                ops::add_inplace(row, b);
+            }
+        }
+    }
+    let norms = a.qk_norm.map(|(q, k)| (w.vector(q), w.vector(k)));
+
+    let mut q = vec![0.0f32; n * nh * hd];
+    let mut gate = vec![0.0f32; if a.output_gate { n * nh * hd } else { 0 }];
+    let eps = c.rms_norm_eps;
+    let mut normed = vec![0.0f32; hd];
+    for t in 0..n {
+        let pos = start + t;
+        for h in 0..nh {
+            let src = &qg[(t * nh + h) * q_stride..(t * nh + h + 1) * q_stride];
+            let dst = &mut q[(t * nh + h) * hd..(t * nh + h + 1) * hd];
+            match norms {
+                Some((qn, _)) => ops::rms_norm(&src[..hd], qn, eps, dst),
+                None => dst.copy_from_slice(&src[..hd]),
+            }
+            rope.apply(dst, pos);
+            if a.output_gate {
+                gate[(t * nh + h) * hd..(t * nh + h + 1) * hd].copy_from_slice(&src[hd..]);
+            }
+        }
+        for g in 0..nkv {
+            let row = &mut k[(t * nkv + g) * hd..(t * nkv + g + 1) * hd];
+            if let Some((_, kn)) = norms {
+                ops::rms_norm(row, kn, eps, &mut normed);
+                row.copy_from_slice(&normed);
+            }
+            rope.apply(row, pos);
+        }
+    }
+    kv.k.extend_from_slice(&k);
+    kv.v.extend_from_slice(&v);
+
+    let scale = 1.0 / (hd as f32).sqrt();
+    let group = nh / nkv;
+    let row = nkv * hd;
+    let (keys, values) = (&kv.k, &kv.v);
+    let mut attn = vec![0.0f32; n * nh * hd];
+    attn.par_chunks_mut(hd).enumerate().for_each(|(i, o)| {
+        let (t, h) = (i / nh, i % nh);
+        let g = h / group;
+        let qh = &q[i * hd..(i + 1) * hd];
+        let ctx = start + t + 1;
+        let mut scores: Vec<f32> = (0..ctx)
+            .map(|p| vec::dot(qh, &keys[p * row + g * hd..p * row + (g + 1) * hd]) * scale)
+            .collect();
+        ops::softmax_inplace(&mut scores);
+        o.fill(0.0);
+        for (p, &wt) in scores.iter().enumerate() {
+            vec::axpy(o, wt, &values[p * row + g * hd..p * row + (g + 1) * hd]);
+        }
+        if !gate.is_empty() {
+            let gr = &gate[i * hd..(i + 1) * hd];
+            for (x, &gv) in o.iter_mut().zip(gr) {
+                *x *= ops::sigmoid(gv);
+            }
+        }
+    });
+    matmul(&w.view(&a.o_proj), &attn, n, out);
+}

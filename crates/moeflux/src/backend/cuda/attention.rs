@@ -1,0 +1,184 @@
+//! Grouped-query full attention on the GPU (`model::attention`): the q/k/v
+//! projections in one launch; biases, q/k norms, rotary, the output gate's
+//! copy and the K/V append in one kernel (`attn_prep`); attention over the
+//! KV cache (`attention`, or on the tensor cores for batches of 16+ tokens:
+//! `attn_kv_split` + `attention_mma`); the output projection added to `x`.
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::model::attention::FullAttention;
+
+use super::device::{args, Gpu};
+use super::linear::{matmuls, mm, mm_add, MMA_MIN_TOKENS};
+use super::model::Ctx;
+use super::state::{GpuLayerState, RowCache};
+use super::support::unsupported;
+
+/// `struct AttnParts` of kernels.cu: device addresses, 0 for none.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct AttnParts {
+    q_bias: u64,
+    k_bias: u64,
+    v_bias: u64,
+    q_norm: u64,
+    k_norm: u64,
+    gated: i32,
+}
+
+/// The head widths the kernels take (a warp's lanes over a head's channels).
+pub(super) fn check_shape(c: &ModelConfig) -> Result<()> {
+    let hd = c.head_dim;
+    if !hd.is_multiple_of(32) || hd > 256 {
+        return Err(unsupported(format!(
+            "head_dim {hd} (multiples of 32 up to 256)"
+        )));
+    }
+    Ok(())
+}
+
+/// An empty KV cache for a full-attention layer.
+pub(super) fn new_kv(gpu: &Gpu, c: &ModelConfig) -> Result<GpuLayerState> {
+    let row = c.num_kv_heads * c.head_dim;
+    Ok(GpuLayerState::Full(RowCache::new(gpu, row, row)?))
+}
+
+fn state_error(i: usize) -> Error {
+    Error::Invalid(format!("layer {i}: GPU state is not a KV cache"))
+}
+
+/// Query rows per block and keys per step of `attention_mma` (attn_mma.cu's
+/// `ATT_ROWS`, `ATT_KT`).
+const ATT_ROWS: usize = 64;
+const ATT_KT: usize = 32;
+
+/// The dynamic shared memory of `attention_mma` for a batch of `n` tokens
+/// when the tensor-core attention serves it on this GPU: head dims of 32 to
+/// 256, query heads per KV group dividing its 64 rows (or a multiple of
+/// them), and the tiles within the device's shared memory (a 256-wide head
+/// takes 200 KiB: Hopper, not Ampere).
+fn attention_mma_smem(gpu: &Gpu, nh: usize, nkv: usize, hd: usize, n: usize) -> Option<usize> {
+    let group = nh / nkv;
+    let shape = matches!(hd, 32 | 64 | 128 | 256)
+        && (ATT_ROWS.is_multiple_of(group) || group.is_multiple_of(ATT_ROWS));
+    // q, two k buffers (rows of four quarters plus a padding uint4) and two
+    // v buffers, in uint4s (ATT_SMEM_UINT4).
+    let smem = 16 * ((ATT_ROWS + 2 * ATT_KT) * 4 * (hd / 16 + 1) + 2 * (ATT_KT / 16) * hd * 4);
+    (gpu.mma && n >= MMA_MIN_TOKENS && shape && smem <= gpu.smem_optin).then_some(smem)
+}
+
+/// Grouped-query attention of layer `i` for the `n` normed tokens `xn`,
+/// its output projection added to `x`.
+pub(super) fn forward(
+    cx: &mut Ctx,
+    i: usize,
+    a: &FullAttention,
+    xn: u64,
+    n: usize,
+    x: u64,
+) -> Result<()> {
+    let w = cx.weights;
+    let c = cx.config;
+    let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
+    let (wq, wk, wv, wo) = (
+        w.lin(&a.q_proj),
+        w.lin(&a.k_proj),
+        w.lin(&a.v_proj),
+        w.lin(&a.o_proj),
+    );
+    let bias = a.qkv_bias.map(|b| b.map(|v| w.vec(v)));
+    let norm = a.qk_norm.map(|(q, k)| (w.vec(q), w.vec(k)));
+    let parts = AttnParts {
+        q_bias: bias.map_or(0, |b| b[0]),
+        k_bias: bias.map_or(0, |b| b[1]),
+        v_bias: bias.map_or(0, |b| b[2]),
+        q_norm: norm.map_or(0, |n| n.0),
+        k_norm: norm.map_or(0, |n| n.1),
+        gated: a.output_gate as i32,
+    };
+    let q_rows = wq.rows();
+    let g = cx.gpu;
+    let s = &mut *cx.scratch;
+    let qg = s.get(g, "qg", 4 * n * q_rows)?;
+    let k = s.get(g, "k", 4 * n * nkv * hd)?;
+    let v = s.get(g, "v", 4 * n * nkv * hd)?;
+    let q = s.get(g, "q", 4 * n * nh * hd)?;
+    let gate = if a.output_gate {
+        s.get(g, "gate", 4 * n * nh * hd)?
+    } else {
+        0
+    };
+    let attn = s.get(g, "attn", 4 * n * nh * hd)?;
+    matmuls(g, &[mm(wq, qg), mm(wk, k), mm(wv, v)], xn, n)?;
+    let half = (c.rope.rotary_dim / 2) as i32;
+    let (nh_i, nkv_i, hd_i) = (nh as i32, nkv as i32, hd as i32);
+    let (eps, ps) = (c.rms_norm_eps, c.rope.position_scale);
+    let (inv_freq, pos) = (cx.inv_freq, cx.pos);
+    let Some(GpuLayerState::Full(kv)) = cx.state.layers.get(i) else {
+        return Err(state_error(i));
+    };
+    let (kc, vc) = (kv.a.ptr(), kv.b.ptr());
+    let scale = 1.0 / (hd as f32).sqrt();
+    // SAFETY: `attn_prep` in kernels.cu; the scratch buffers are sized
+    // for n tokens and the cache for its rows (grown before the eval); the
+    // parts' vectors hold a projection row's floats, gate is allocated
+    // exactly when gated.
+    unsafe {
+        g.launch(
+            "attn_prep",
+            ((nh + nkv) as u32, n as u32, 1),
+            hd as u32,
+            (4 * hd) as u32,
+            &mut args!(
+                qg, k, v, parts, inv_freq, half, nh_i, nkv_i, hd_i, eps, pos, ps, q, gate, kc, vc
+            ),
+        )?
+    };
+    if let Some(smem) = attention_mma_smem(g, nh, nkv, hd, n) {
+        let ctx = cx.start + n;
+        let ctx_pad = ctx.next_multiple_of(ATT_KT);
+        let per = ctx_pad * hd / 4; // uint4s per KV group, of K and of V
+        let ws = g.workspace(2 * 16 * per * nkv)?;
+        let (kp, vp) = (ws, ws + (16 * per * nkv) as u64);
+        let (ctx_i, pad_i, nn) = (ctx as i64, ctx_pad as i64, n as i32);
+        let group = nh / nkv;
+        let heads = group.min(ATT_ROWS);
+        let grid = (
+            n.div_ceil(ATT_ROWS / heads) as u32,
+            (nkv * group / heads) as u32,
+            1,
+        );
+        // SAFETY: `attn_kv_split` and `attention_mma` in attn_mma.cu;
+        // the workspace holds both split caches of ctx_pad rows, the
+        // caches hold ctx rows, q / gate / attn n tokens, and
+        // attention_mma_smem checked the shape and the shared memory.
+        unsafe {
+            g.launch(
+                "attn_kv_split",
+                ((per * nkv).div_ceil(256) as u32, 2, 1),
+                256,
+                0,
+                &mut args!(kc, vc, nkv_i, hd_i, ctx_i, pad_i, kp, vp),
+            )?;
+            g.launch(
+                "attention_mma",
+                grid,
+                128,
+                smem as u32,
+                &mut args!(q, kp, vp, gate, nh_i, nkv_i, hd_i, pos, pad_i, nn, scale, attn),
+            )?;
+        }
+    } else {
+        // SAFETY: `attention` in kernels.cu; buffers as above.
+        unsafe {
+            g.launch(
+                "attention",
+                (nh as u32, n as u32, 1),
+                256,
+                0,
+                &mut args!(q, kc, vc, gate, nh_i, nkv_i, hd_i, pos, scale, attn),
+            )?
+        };
+    }
+    matmuls(g, &[mm_add(wo, x)], attn, n)
+}
