@@ -173,8 +173,8 @@ static void test_moe_mma(int hidden, int inter, int bits, int gs, std::vector<in
 
 // attn_kv_split then attention_mma for n new tokens at positions start.. over
 // the cache (rows past start + n poisoned with NaN: never read), against a
-// double-precision softmax attention times sigmoid(gate).
-static void test_attention_mma(int nh, int nkv, int hd, int start, int n) {
+// double-precision softmax attention times sigmoid(gate) (or ungated).
+static void test_attention_mma(int nh, int nkv, int hd, int start, int n, bool gated = true) {
     int ctx = start + n, cap = ctx + 40, row = nkv * hd;
     std::vector<float> q((size_t)n * nh * hd), gate(q.size()), kc((size_t)cap * row, NAN), vc(kc.size(), NAN);
     for (auto& v : q) v = urand(-1.5f, 1.5f);
@@ -193,7 +193,7 @@ static void test_attention_mma(int nh, int nkv, int hd, int start, int n) {
     std::vector<float> out(q.size(), NAN);
     int G = nh / nkv, hg = std::min(G, 64), qt = 64 / hg;
     {
-        const float *pq = q.data(), *pg = gate.data();
+        const float *pq = q.data(), *pg = gated ? gate.data() : nullptr;
         const uint4 *pkp = kp.data(), *pvp = vp.data();
         float* po = out.data();
         const long* pp = &start_l;
@@ -218,11 +218,12 @@ static void test_attention_mma(int nh, int nkv, int hd, int start, int n) {
                 double o = 0;
                 for (int p = 0; p < keys; p++) o += sc[p] * vc[(size_t)p * row + g * hd + i];
                 size_t oi = ((size_t)t * nh + h) * hd + i;
-                want[oi] = o / sum / (1.0 + exp(-(double)gate[oi]));
+                want[oi] = o / sum / (gated ? 1.0 + exp(-(double)gate[oi]) : 1.0);
             }
         }
     char name[128];
-    snprintf(name, sizeof name, "attention_mma nh%d nkv%d hd%d start%d n%d", nh, nkv, hd, start, n);
+    snprintf(name, sizeof name, "attention_mma nh%d nkv%d hd%d start%d n%d%s", nh, nkv, hd, start, n,
+             gated ? "" : " no gate");
     check(name, out, want, 2e-5);
 }
 
@@ -239,6 +240,7 @@ int main() {
     test_attention_mma(8, 1, 64, 40, 20);    // 8 heads per group, several key steps
     test_attention_mma(128, 1, 128, 9, 2);   // 128 heads per group: two head blocks
     test_attention_mma(16, 2, 256, 50, 17);  // Qwen3.6-35B-A3B's shape
+    test_attention_mma(12, 2, 128, 20, 21, false);  // GLM / Qwen3-MoE: no output gate
     if (fails) {
         printf("%d FAILED\n", fails);
         return 1;

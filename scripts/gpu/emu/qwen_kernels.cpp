@@ -7,9 +7,9 @@
 //   gated_norm    the gated RMSNorm; y, out and the state over two launches in a row.
 //   moe_combine   the routed experts' weighted sum plus the (gated or plain) shared expert
 //                 added to the residual.
-//   attn_prep     model/attention.rs: q/k RMS norms, half-split rope (partial or full),
-//                 the gate copied, k and v appended to the caches at rows pos..pos+n, the
-//                 other cache rows untouched.
+//   attn_prep     backend/cpu/attention.rs: q/k/v biases, q/k RMS norms (each optional),
+//                 half-split rope (partial or full), the gate copied when gated, k and v
+//                 appended to the caches at rows pos..pos+n, the other cache rows untouched.
 #include "cuda_emu.h"
 #include KERNELS_SOURCE  // kernels.cu + mla.cu, made by run.sh
 #include "emu_check.h"
@@ -195,69 +195,94 @@ static void test_moe_combine(int h, int k, int n, Shared sh) {
 // ---------------------------------------------------------------------------------------
 // attn_prep
 
-static void test_attn_prep(int nh, int nkv, int hd, int half_rot, int n, long start, double theta, double ps) {
+// The flavour of a grouped-query attention layer: Qwen3.5's gated q_proj
+// with q/k norms, Qwen3-MoE's plain one with norms, GLM's with q/k/v biases
+// with or without norms.
+struct AttnFlavour {
+    bool gated, norms, bias;
+};
+
+static void test_attn_prep(int nh, int nkv, int hd, int half_rot, int n, long start, double theta, double ps,
+                           AttnFlavour f) {
     float eps = 1e-6f;
-    std::vector<float> qg((size_t)n * nh * 2 * hd), k((size_t)n * nkv * hd), v((size_t)n * nkv * hd), q_norm(hd),
-        k_norm(hd);
+    int qs = f.gated ? 2 * hd : hd;  // q_proj floats per head
+    std::vector<float> qg((size_t)n * nh * qs), k((size_t)n * nkv * hd), v((size_t)n * nkv * hd), q_norm(hd),
+        k_norm(hd), qb((size_t)nh * qs), kb((size_t)nkv * hd), vb((size_t)nkv * hd);
     for (auto& x : qg) x = urand(-2, 2);
     for (auto& x : k) x = urand(-2, 2);
     for (auto& x : v) x = urand(-2, 2);
     for (auto& x : q_norm) x = urand(0.5f, 1.5f);
     for (auto& x : k_norm) x = urand(0.5f, 1.5f);
-    std::vector<double> inv(half_rot);  // model RopeTable::new(2 * half_rot, theta)
+    for (auto* b : {&qb, &kb, &vb})
+        for (auto& x : *b) x = urand(-1, 1);
+    std::vector<double> inv(half_rot);  // model Rope::new over 2 * half_rot channels
     for (int i = 0; i < half_rot; i++) inv[i] = pow(theta, -2.0 * i / (2.0 * half_rot));
     long row = (long)nkv * hd, rows = start + n + 3;
     std::vector<float> kc((size_t)(rows * row)), vc((size_t)(rows * row));
     for (auto& x : kc) x = urand();
     for (auto& x : vc) x = urand();
     std::vector<float> kc0 = kc, vc0 = vc;
-    std::vector<float> q_out((size_t)n * nh * hd, NAN), gate_out((size_t)n * nh * hd, NAN);
+    std::vector<float> q_out((size_t)n * nh * hd, NAN), gate_out(f.gated ? (size_t)n * nh * hd : 0, NAN);
     long pos = start;
     {
-        const float *qp = qg.data(), *kp = k.data(), *vp = v.data(), *qn = q_norm.data(), *kn = k_norm.data();
+        const float *qp = qg.data(), *kp = k.data(), *vp = v.data();
+        AttnParts P{f.bias ? qb.data() : nullptr, f.bias ? kb.data() : nullptr, f.bias ? vb.data() : nullptr,
+                    f.norms ? q_norm.data() : nullptr, f.norms ? k_norm.data() : nullptr, f.gated};
         const double* ip = inv.data();
         const long* pp = &pos;
-        float *qo = q_out.data(), *go = gate_out.data(), *kcp = kc.data(), *vcp = vc.data();
+        float *qo = q_out.data(), *go = f.gated ? gate_out.data() : nullptr, *kcp = kc.data(), *vcp = vc.data();
         emu_launch({(unsigned)(nh + nkv), (unsigned)n, 1}, (unsigned)hd, [&] {
-            attn_prep(qp, kp, vp, qn, kn, ip, half_rot, nh, nkv, hd, eps, pp, ps, qo, go, kcp, vcp);
+            attn_prep(qp, kp, vp, P, ip, half_rot, nh, nkv, hd, eps, pp, ps, qo, go, kcp, vcp);
         });
     }
-    // rms_norm(src, w) then RopeTable::apply at position p * ps.
-    auto norm_rope = [&](const float* src, const std::vector<float>& w, long p, double* dst) {
-        double ss = 0;
-        for (int i = 0; i < hd; i++) ss += (double)src[i] * src[i];
-        double f = 1.0 / sqrt(ss / hd + eps);
-        for (int i = 0; i < hd; i++) dst[i] = src[i] * f * w[i];
+    // (src + bias), rms_norm with w (when norms), then Rope::apply at position p * ps.
+    auto norm_rope = [&](const float* src, const float* bias, const std::vector<float>& w, long p, double* dst) {
+        for (int i = 0; i < hd; i++) dst[i] = (double)src[i] + (f.bias ? bias[i] : 0.0);
+        if (f.norms) {
+            double ss = 0;
+            for (int i = 0; i < hd; i++) ss += dst[i] * dst[i];
+            double r = 1.0 / sqrt(ss / hd + eps);
+            for (int i = 0; i < hd; i++) dst[i] *= r * w[i];
+        }
         for (int i = 0; i < half_rot; i++) {
             double ang = p * ps * inv[i], c = cos(ang), s = sin(ang), a = dst[i], b = dst[i + half_rot];
             dst[i] = a * c - b * s;
             dst[i + half_rot] = a * s + b * c;
         }
     };
-    std::vector<double> rq((size_t)n * nh * hd), rgate((size_t)n * nh * hd), rk((size_t)n * row), rv((size_t)n * row);
+    std::vector<double> rq((size_t)n * nh * hd), rgate(gate_out.size()), rk((size_t)n * row), rv((size_t)n * row);
     for (int t = 0; t < n; t++) {
         for (int h = 0; h < nh; h++) {
-            const float* src = &qg[((size_t)t * nh + h) * 2 * hd];
-            norm_rope(src, q_norm, start + t, &rq[((size_t)t * nh + h) * hd]);
-            for (int i = 0; i < hd; i++) rgate[((size_t)t * nh + h) * hd + i] = src[hd + i];
+            const float* src = &qg[((size_t)t * nh + h) * qs];
+            const float* bias = &qb[(size_t)h * qs];
+            norm_rope(src, bias, q_norm, start + t, &rq[((size_t)t * nh + h) * hd]);
+            if (f.gated)
+                for (int i = 0; i < hd; i++)
+                    rgate[((size_t)t * nh + h) * hd + i] = (double)src[hd + i] + (f.bias ? bias[hd + i] : 0.0);
         }
         for (int g = 0; g < nkv; g++) {
-            norm_rope(&k[((size_t)t * nkv + g) * hd], k_norm, start + t, &rk[(size_t)t * row + (size_t)g * hd]);
-            for (int i = 0; i < hd; i++) rv[(size_t)t * row + (size_t)g * hd + i] = v[((size_t)t * nkv + g) * hd + i];
+            norm_rope(&k[((size_t)t * nkv + g) * hd], &kb[(size_t)g * hd], k_norm, start + t,
+                      &rk[(size_t)t * row + (size_t)g * hd]);
+            for (int i = 0; i < hd; i++)
+                rv[(size_t)t * row + (size_t)g * hd + i] =
+                    (double)v[((size_t)t * nkv + g) * hd + i] + (f.bias ? vb[(size_t)g * hd + i] : 0.0);
         }
     }
     std::vector<float> gk(kc.begin() + start * row, kc.begin() + (start + n) * row),
         gv(vc.begin() + start * row, vc.begin() + (start + n) * row);
-    char name[128], tag[64];
-    snprintf(tag, sizeof tag, "nh%d nkv%d hd%d rot%d n%d pos%ld", nh, nkv, hd, 2 * half_rot, n, start);
+    char name[160], tag[96];
+    snprintf(tag, sizeof tag, "nh%d nkv%d hd%d rot%d n%d pos%ld%s%s%s", nh, nkv, hd, 2 * half_rot, n, start,
+             f.gated ? " gated" : "", f.norms ? " norms" : "", f.bias ? " bias" : "");
     snprintf(name, sizeof name, "attn_prep %s q", tag);
     check(name, q_out, rq, 1e-5);
-    snprintf(name, sizeof name, "attn_prep %s gate", tag);
-    check(name, gate_out, rgate, 0.0);
+    if (f.gated) {
+        snprintf(name, sizeof name, "attn_prep %s gate", tag);
+        check(name, gate_out, rgate, f.bias ? 1e-6 : 0.0);
+    }
     snprintf(name, sizeof name, "attn_prep %s kc rows", tag);
     check(name, gk, rk, 1e-5);
     snprintf(name, sizeof name, "attn_prep %s vc rows", tag);
-    check(name, gv, rv, 0.0);
+    check(name, gv, rv, f.bias ? 1e-6 : 0.0);
     long changed = 0;
     for (long p = 0; p < rows; p++) {
         if (p >= start && p < start + n) continue;
@@ -281,10 +306,16 @@ int main() {
     test_delta_rule(2, 4, 64, 128, 3, 2);     // dk < dv: two columns per lane, four row blocks
     for (auto [h, n] : {std::pair{2048, 1}, std::pair{7168, 3}})
         for (Shared s : {NONE, GATED, PLAIN}) test_moe_combine(h, 8, n, s);
-    test_attn_prep(16, 2, 256, 32, 3, 5, 1e7, 1.0);    // Qwen3.5: partial rotary (64 of 256)
-    test_attn_prep(16, 2, 256, 32, 1, 40, 1e7, 1.0);
-    test_attn_prep(8, 4, 128, 64, 2, 0, 1e4, 1.0);     // full rotary, from position 0
-    test_attn_prep(8, 2, 128, 64, 3, 17, 1e6, 0.25);   // a position scale
+    AttnFlavour qwen35{true, true, false}, qwen3{false, true, false}, glm{false, true, true},
+        glm_air{false, false, true};
+    test_attn_prep(16, 2, 256, 32, 3, 5, 1e7, 1.0, qwen35);    // Qwen3.5: partial rotary (64 of 256)
+    test_attn_prep(16, 2, 256, 32, 1, 40, 1e7, 1.0, qwen35);
+    test_attn_prep(8, 4, 128, 64, 2, 0, 1e4, 1.0, qwen35);     // full rotary, from position 0
+    test_attn_prep(8, 2, 128, 64, 3, 17, 1e6, 0.25, qwen35);   // a position scale
+    test_attn_prep(8, 2, 128, 64, 3, 9, 1e6, 1.0, qwen3);      // Qwen3-MoE: no gate, full rotary
+    test_attn_prep(12, 2, 128, 32, 2, 6, 1e6, 1.0, glm);       // GLM-4.6: biases, norms, half rotary
+    test_attn_prep(12, 4, 128, 32, 3, 0, 1e6, 1.0, glm_air);   // GLM-4.5-Air: biases, no norms
+    test_attn_prep(4, 2, 64, 16, 2, 3, 1e4, 1.0, {true, false, true});  // every part independent
     printf(fails ? "%d FAILED\n" : "all ok\n", fails);
     return fails != 0;
 }
