@@ -29,6 +29,12 @@ pub struct LogitsArgs {
     pub output: PathBuf,
     #[arg(long, value_enum, default_value_t = EvalMode::Batch)]
     pub mode: EvalMode,
+    /// Also write every block's output (embedding, per layer the norms and
+    /// what the mixer and the MLP added to the residual stream, the logits)
+    /// as .npy files with an index trace.json into DIR; with --mode
+    /// incremental, one subdirectory per token (t0000, t0001, ...).
+    #[arg(long, value_name = "DIR")]
+    pub trace: Option<PathBuf>,
 }
 
 pub fn parse_tokens(s: &str) -> Result<Vec<u32>> {
@@ -65,12 +71,26 @@ pub fn run(args: LogitsArgs) -> Result<()> {
             i + 1
         );
     }
+    let mut eval = |tokens: &[u32], mode, step: Option<usize>| -> Result<Vec<f32>> {
+        let Some(dir) = &args.trace else {
+            return Ok(session.eval(tokens, mode)?);
+        };
+        let (logits, trace) = session.eval_traced(tokens, mode)?;
+        let dir = match step {
+            Some(i) => dir.join(format!("t{i:04}")),
+            None => dir.clone(),
+        };
+        trace
+            .write_dir(&dir)
+            .with_context(|| format!("writing the trace to {}", dir.display()))?;
+        Ok(logits)
+    };
     let logits = match args.mode {
-        EvalMode::Batch => session.eval(&tokens, LogitsMode::All)?,
+        EvalMode::Batch => eval(&tokens, LogitsMode::All, None)?,
         EvalMode::Incremental => {
             let mut all = Vec::with_capacity(tokens.len() * vocab);
-            for &t in &tokens {
-                all.extend(session.eval(&[t], LogitsMode::Last)?);
+            for (i, &t) in tokens.iter().enumerate() {
+                all.extend(eval(&[t], LogitsMode::Last, Some(i))?);
             }
             all
         }
@@ -91,5 +111,8 @@ pub fn run(args: LogitsArgs) -> Result<()> {
         vocab,
         args.output.display()
     );
+    if let Some(dir) = &args.trace {
+        eprintln!("wrote every block's output to {}", dir.display());
+    }
     Ok(())
 }

@@ -153,12 +153,15 @@ impl ModelArgs {
     }
 
     /// On stderr: which GPU the session uses (or why `auto` could not use
-    /// one that seems to be there; a machine without a CUDA driver is the
-    /// normal CPU case and says nothing), and a warning when fewer experts
-    /// than the model's default are used.
+    /// one: the GPU backend cannot run the model, or a GPU seems to be there
+    /// but failed; a machine without a CUDA driver is the normal CPU case and
+    /// says nothing), and a warning when fewer experts than the model's
+    /// default are used.
     pub fn report(&self, session: &Session) {
         if session.on_gpu() {
             eprintln!("using {}", session.backend());
+        } else if let Some(why) = session.gpu_unsupported() {
+            eprintln!("warning: running on the CPU: {why}");
         } else if self.backend == Backend::Auto && moeflux::backend::cuda::device::driver_present()
         {
             eprintln!("warning: {}", session.backend());

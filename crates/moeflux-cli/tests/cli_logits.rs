@@ -117,3 +117,110 @@ fn bad_logits_input_fails_cleanly_and_writes_nothing() {
         "only the model directory should exist"
     );
 }
+
+#[test]
+fn trace_writes_every_block_as_npy() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = convert("qwen3moe-q4", tmp.path());
+    let tokens = id_list(&ids(&golden("qwen3moe-q4")["prompt"])[..5]);
+    let out_path = tmp.path().join("logits.npy");
+    for mode in ["batch", "incremental"] {
+        let trace = tmp.path().join(format!("trace-{mode}"));
+        let out = moeflux(&[
+            "logits",
+            "--model",
+            s(&model),
+            "--tokens",
+            &tokens,
+            "--output",
+            s(&out_path),
+            "--mode",
+            mode,
+            "--trace",
+            s(&trace),
+        ]);
+        let err = text(&out.stderr);
+        assert!(out.status.success(), "{mode}: {err}");
+        assert!(err.contains("every block's output"), "{err}");
+        // Batch: one trace of 5 tokens; incremental: one per token.
+        let (dir, rows) = match mode {
+            "batch" => (trace.clone(), 5),
+            _ => (trace.join("t0004"), 1),
+        };
+        let index: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("trace.json")).unwrap())
+                .unwrap();
+        let blocks = index["blocks"].as_array().unwrap();
+        // qwen3moe-q4: 4 layers, layer 1 dense.
+        assert_eq!(blocks.len(), 2 + 4 * 4, "{mode}");
+        assert_eq!(blocks[6]["file"], "006-L001.full_attention.npy");
+        assert_eq!(blocks[8]["file"], "008-L001.dense_mlp.npy");
+        let last = blocks.last().unwrap()["file"].as_str().unwrap();
+        let (shape, traced) = read_npy(&dir.join(last));
+        assert_eq!(shape, [rows, 1024]);
+        // The traced logits are the ones written to --output.
+        let (_, logits) = read_npy(&out_path);
+        assert_eq!(traced[..], logits[logits.len() - traced.len()..]);
+    }
+}
+
+/// A model the GPU kernels cannot take (GatedDeltaNet heads of 48): `--backend
+/// cuda` fails with the reason, `--backend auto` runs on the CPU and says why.
+#[test]
+fn unsupported_on_the_gpu_fails_with_cuda_and_falls_back_with_auto() {
+    use moeflux::synth::{synth, QwenShape, SynthOptions, SynthSpec};
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("narrow");
+    let shape = QwenShape {
+        hidden_size: 256,
+        num_layers: 2,
+        num_attention_heads: 2,
+        num_kv_heads: 1,
+        head_dim: 64,
+        vocab_size: 512,
+        num_experts: 8,
+        experts_per_token: 2,
+        moe_intermediate: 64,
+        shared_intermediate: 64,
+        linear_v_heads: 4,
+        linear_k_heads: 1,
+        linear_head_dim: 48,
+        full_attention_interval: 2,
+        eos_token_ids: &[2],
+    };
+    synth(
+        &model,
+        &SynthOptions::new("narrow", SynthSpec::Qwen3_5Moe(shape)),
+    )
+    .unwrap();
+    let out_path = tmp.path().join("l.npy");
+    let run = |backend: &str| {
+        moeflux(&[
+            "logits",
+            "--model",
+            s(&model),
+            "--tokens",
+            "1,2,3",
+            "--output",
+            s(&out_path),
+            "--backend",
+            backend,
+        ])
+    };
+    let line = one_line_error(&run("cuda"));
+    assert!(
+        line.contains("cuda backend cannot run this model")
+            && line.contains("GatedDeltaNet value head dim 48"),
+        "{line}"
+    );
+    assert!(!out_path.exists(), "nothing written on failure");
+    let out = run("auto");
+    let err = text(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("warning: running on the CPU: the cuda backend cannot run this model")
+            && err.contains("48"),
+        "{err}"
+    );
+    assert!(out_path.exists());
+}

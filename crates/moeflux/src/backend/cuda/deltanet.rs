@@ -19,8 +19,8 @@ use super::support::unsupported;
 pub(super) fn check_shape(c: &ModelConfig) -> Result<()> {
     let l = &c.linear;
     for (what, v) in [
-        ("linear key head dim", l.key_head_dim),
-        ("linear value head dim", l.value_head_dim),
+        ("GatedDeltaNet value head dim", l.value_head_dim),
+        ("GatedDeltaNet key head dim", l.key_head_dim),
     ] {
         if v % 32 != 0 || v > 256 {
             return Err(unsupported(format!(
