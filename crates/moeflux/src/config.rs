@@ -67,6 +67,19 @@ impl Architecture {
         }
     }
 
+    /// A number per family, stable across versions (snapshots record it).
+    pub fn code(self) -> u64 {
+        match self {
+            Self::Qwen3_5Moe => 1,
+            Self::Qwen3Next => 2,
+            Self::DeepseekV3 => 3,
+            Self::KimiK2 => 4,
+            Self::Qwen3Moe => 5,
+            Self::Glm4Moe => 6,
+            Self::KimiK25 => 7,
+        }
+    }
+
     /// The DeepSeek-V3 family (MLA attention, `noaux_tc` router).
     pub fn is_deepseek(self) -> bool {
         matches!(self, Self::DeepseekV3 | Self::KimiK2 | Self::KimiK25)

@@ -1,6 +1,7 @@
 //! The CUDA backend against the same oracles as the CPU: mlx-lm's goldens
 //! for every fixture (batch, incremental, mixed) — the DeepSeek-V3 family's
-//! within the CPU's own bounds —, the CPU backend on random inputs,
+//! within the CPU's own bounds —, every block of every family against the
+//! CPU's (per-block traces), the CPU backend on random inputs,
 //! snapshots across backends, truncation, and a tiny expert cache that must
 //! evict, for both families; and the demo model against transformers. These
 //! need an NVIDIA GPU and are ignored by default; on the GPU machine:
@@ -159,6 +160,86 @@ fn gpu_goldens_from_hugging_face() {
     run_fixture("qwen35moe-hf", "qwen35moe-hf/src", "qwen35moe-hf", None);
     run_fixture("qwen3next-hf", "qwen3next-hf/src", "qwen3next-hf", None);
 }
+
+#[test]
+#[ignore]
+fn gpu_goldens_qwen3_moe() {
+    run_fixture("qwen3moe-q4", "qwen3moe-q4/src", "qwen3moe-q4", None);
+    run_fixture("qwen3moe-hf", "qwen3moe-hf/src", "qwen3moe-hf", None);
+}
+
+#[test]
+#[ignore]
+fn gpu_goldens_glm4_moe() {
+    run_fixture("glm4moe-q4", "glm4moe-q4/src", "glm4moe-q4", None);
+    run_fixture("glm4moe-hf", "glm4moe-hf/src", "glm4moe-hf", None);
+}
+
+#[test]
+#[ignore]
+fn gpu_goldens_kimi_k25() {
+    run_deepseek_fixture("kimik25-q4");
+    run_deepseek_fixture("kimik25-hf");
+}
+
+/// One fixture per family and flavour (Qwen3.5, Qwen3-Next, Qwen3-MoE, GLM
+/// with and without q/k norms, DeepSeek-V3, Kimi-K2, Kimi-K2.5).
+const EVERY_FAMILY: [&str; 8] = [
+    "qwen35moe-q4",
+    "qwen3next-q4",
+    "qwen3moe-q4",
+    "glm4moe-q4",
+    "glm4moe-hf",
+    "deepseekv3-q4",
+    "kimik2-q4",
+    "kimik25-q4",
+];
+
+/// Block by block, GPU against CPU (llama.cpp's test-backend-ops, over a
+/// whole forward): fresh random tokens through every family, as a batch of
+/// 20 (the tensor-core kernels) and then one token (the decode kernels),
+/// each block's output (`Session::eval_traced`) within [`BLOCK_GUARD`] of
+/// the CPU's relative to the block's largest value; a kernel bug fails
+/// naming its family, layer and block.
+#[test]
+#[ignore]
+fn every_block_of_every_family_matches_the_cpu() {
+    for name in EVERY_FAMILY {
+        let (_tmp, dir) = convert_fixture(&format!("{name}/src"), None);
+        let (mut c, mut g) = (cpu(&dir), gpu(&dir));
+        let toks = random_tokens(21, c.vocab_size());
+        for (step, part) in [("batch of 20", &toks[..20]), ("one token", &toks[20..])] {
+            let (_, want) = c.eval_traced(part, LogitsMode::All).unwrap();
+            let (_, got) = g.eval_traced(part, LogitsMode::All).unwrap();
+            assert_eq!(got.entries.len(), want.entries.len(), "{name}");
+            let mut worst = (0.0f32, String::new());
+            for (a, b) in got.entries.iter().zip(&want.entries) {
+                assert_eq!(a.name(), b.name(), "{name}: block order");
+                assert_eq!((a.rows, a.cols), (b.rows, b.cols), "{name} {}", a.name());
+                let d = max_rel_diff(&a.data, &b.data);
+                assert!(
+                    d <= BLOCK_GUARD,
+                    "{name}, {step}: block {} differs from the CPU by {d:e} (relative)",
+                    a.name()
+                );
+                if d >= worst.0 {
+                    worst = (d, a.name());
+                }
+            }
+            eprintln!(
+                "{name}, {step}: {} blocks, worst {:.2e} at {}",
+                got.entries.len(),
+                worst.0,
+                worst.1
+            );
+        }
+    }
+}
+
+/// Per block, GPU against CPU: f32 on both, the GPU's batch products on
+/// the tensor cores with x split into bf16 hi/lo pairs (~16 bits), MLA
+/// absorbed on the GPU and decompressed on the CPU.
+const BLOCK_GUARD: f32 = 1e-3;
 
 /// Fresh random tokens each run (from the clock), evaluated on both backends.
 fn random_tokens(n: usize, vocab: usize) -> Vec<u32> {

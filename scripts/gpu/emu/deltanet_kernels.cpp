@@ -1,7 +1,7 @@
 // Checks of the chunked GatedDeltaNet delta rule (deltanet_chunk.cu: gdn_chunk_prep, then
 // gdn_chunk_scan) under cuda_emu.h (see run.sh): y and the state after each of two calls in
 // a row (the state carried from the first to the second), against a double-precision
-// reference of the recurrence (model/deltanet.rs, as qwen_kernels.cpp's delta_rule check)
+// reference of the recurrence (backend/cpu/deltanet.rs, as qwen_kernels.cpp's delta_rule check)
 // and against the token-by-token delta_rule kernel run on the same inputs. Token counts
 // from one to several chunks plus a partial one, dk != dv, one and two value heads per key
 // head, random initial states, decays from weak to strong.

@@ -1,7 +1,7 @@
 // Checks of the MLA and router kernels under cuda_emu.h (see run.sh): each kernel on
-// random inputs against a naive double-precision reference of model/mla.rs, model/yarn.rs
-// and model/router.rs, at the fixtures' and DeepSeek-V3's widths; the softmax router
-// (moe_route_c*) against model/moe.rs Routing::from_logits at Qwen's widths; the grouped
+// random inputs against a naive double-precision reference of backend/cpu/mla.rs, model/rope.rs
+// and backend/cpu/router.rs, at the fixtures' and DeepSeek-V3's widths; the softmax router
+// (moe_route_c*) against backend/cpu/moe.rs Routing::from_logits at Qwen's widths; the grouped
 // one-token products (qmv_b4, qmv_b4_nc2 and their _glu variants, which apply the SwiGLU of
 // [gate | up] to their input) against dequantized dot products. The Qwen (GatedDeltaNet,
 // attention, MoE combine) kernels are checked by qwen_kernels.cpp.
@@ -131,7 +131,7 @@ static void test_qmv_group(int rows_a, int rows_b, int cols, bool nc2, bool glu 
     check(name, got, want, 1e-5);
 }
 
-// model/yarn.rs MlaRope::apply
+// model/rope.rs Rope::apply
 static void rope_ref(double* x, int r, long pos, double ps, const std::vector<double>& inv, float ms) {
     double p = pos * ps;
     for (int i = 0; i < r / 2; i++) {
@@ -226,7 +226,7 @@ static void test_mla(int nh, int kvl, int r, int nope, int n, long start, int t0
     check(name, out, want, 1e-5);
 }
 
-// model/router.rs NoauxTc::route, with ops::top_k (stable, ties to the lower index)
+// backend/cpu/router.rs NoauxTc::route, with ops::top_k (stable, ties to the lower index)
 static std::vector<int> top_k(const std::vector<float>& x, int k) {
     std::vector<int> idx(x.size());
     std::iota(idx.begin(), idx.end(), 0);
@@ -294,7 +294,7 @@ static void test_route(int e, int k, int n_group, int topk_group, bool norm, int
            topk_group, (int)norm, (int)ties, bad, wdiff, ok ? "ok" : "FAIL");
 }
 
-// model/moe.rs Routing::from_logits: softmax, the k largest (stable), renormalised when `norm`.
+// backend/cpu/moe.rs Routing::from_logits: softmax, the k largest (stable), renormalised when `norm`.
 static void test_route_softmax(int e, int k, bool norm, int n, bool ties) {
     std::vector<float> logits((size_t)n * e);
     for (auto& v : logits) v = ties ? (float)(rng() % 5) - 2.0f : urand(-4, 4);

@@ -1,9 +1,9 @@
 // Checks of the Qwen3.5 / Qwen3-Next decode kernels under cuda_emu.h (see run.sh), each on
 // random inputs against a naive double-precision reference of the CPU model:
-//   conv_qk_norm  model/deltanet.rs conv_silu, then the q/k RMS norms with their 1/dk and
+//   conv_qk_norm  backend/cpu/deltanet.rs conv_silu, then the q/k RMS norms with their 1/dk and
 //                 1/sqrt(dk) scales; mixed and the updated conv state; the batch kernels
 //                 (conv_qk_norm_batch + conv_state_update) equal to it bit for bit.
-//   delta_rule    model/deltanet.rs recurrence (backend/cpu/vec.rs delta_rule_step), then
+//   delta_rule    backend/cpu/deltanet.rs recurrence (backend/cpu/vec.rs delta_rule_step), then
 //   gated_norm    the gated RMSNorm; y, out and the state over two launches in a row.
 //   moe_combine   the routed experts' weighted sum plus the (gated or plain) shared expert
 //                 added to the residual.

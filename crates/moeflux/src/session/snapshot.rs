@@ -16,7 +16,7 @@
 //! `qk_rope_head_dim`, 0 for models without MLA); version 1 snapshots (15
 //! words, Qwen models) still load, the two words read as 0.
 
-use crate::config::{Architecture, ModelConfig};
+use crate::config::ModelConfig;
 use crate::hash::fnv1a;
 use crate::model::state::{KvCache, LayerState, LinearState, MlaCache, ModelState};
 
@@ -49,15 +49,7 @@ fn shape_words(c: &ModelConfig, fingerprint: u64, position: usize) -> [u64; 17] 
     let l = &c.linear;
     let full = c.num_full_attention_layers();
     [
-        match c.arch {
-            Architecture::Qwen3_5Moe => 1,
-            Architecture::Qwen3Next => 2,
-            Architecture::DeepseekV3 => 3,
-            Architecture::KimiK2 => 4,
-            Architecture::Qwen3Moe => 5,
-            Architecture::Glm4Moe => 6,
-            Architecture::KimiK25 => 7,
-        },
+        c.arch.code(),
         c.num_layers as u64,
         c.hidden_size as u64,
         c.vocab_size as u64,

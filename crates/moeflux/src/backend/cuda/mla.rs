@@ -7,8 +7,8 @@
 //! `unembed_out` — for one token (as on the CPU) and for batches (the CPU
 //! decompresses there; both forms match mlx-lm's float32 forward). Batches
 //! are attended in chunks of tokens so the per-head latent buffers stay
-//! bounded. The YaRN tables come from the CPU code (`model/yarn.rs`),
-//! computed on the host and uploaded.
+//! bounded. The YaRN tables are the model's (`model/rope.rs`), computed on
+//! the host and uploaded.
 
 use crate::config::{MlaConfig, ModelConfig};
 use crate::error::{Error, Result};
