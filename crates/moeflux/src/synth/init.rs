@@ -6,14 +6,15 @@
 //! `s = gain / sqrt(cols * (4^bits - 1) / 12)`, and the centring bias
 //! `-(2^bits - 1)/2 * s`: a matmul then maps unit-variance inputs to
 //! outputs of variance `gain^2`. Norm weights are 1 (q/k norms included),
-//! so every layer's inputs are unit-RMS; attention biases (GLM's q/k/v
+//! so every layer's inputs are unit-RMS. Attention biases (GLM's q/k/v
 //! `.bias`) are small, U(-1/4, 1/4) (standard deviation 0.14 against the
-//! projections' unit one); the `noaux_tc` router's correction bias is 0,
+//! projections' unit one). The `noaux_tc` router's correction bias is 0,
 //! so its choice is the router logits' (where the skew below lives; any
-//! constant would choose the same). The projections that write into the residual
-//! stream have a gain of `sqrt(RESIDUAL_GAIN2 / depth)` so that the stream
-//! grows from the embedding's unit variance to about `1 + RESIDUAL_GROWTH`
-//! over the full depth: no layer explodes or vanishes, logits are O(1).
+//! constant would choose the same). The projections that write into the
+//! residual stream have a gain of `sqrt(RESIDUAL_GAIN2 / depth)` so that
+//! the stream grows from the embedding's unit variance to about
+//! `1 + RESIDUAL_GROWTH` over the full depth: no layer explodes or
+//! vanishes, logits are O(1).
 //!
 //! Hidden dimension 0 is reserved for the router skew: every embedding row
 //! holds the same value `c0` there, and the residual writers' row 0 is
