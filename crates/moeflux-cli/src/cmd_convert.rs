@@ -72,6 +72,11 @@ pub fn run(args: ConvertArgs) -> Result<()> {
         r.elapsed.as_secs_f64(),
         r.dst.display()
     );
+    // What the checkpoint had that the model does not use (MTP layers,
+    // vision parts, a tied lm_head), so nothing disappears silently.
+    if let Some(line) = r.dropped_summary() {
+        eprintln!("{line}");
+    }
     Ok(())
 }
 

@@ -12,8 +12,10 @@ use crate::progress::{human_bytes, ConvertBar};
 
 #[derive(Debug, Args)]
 pub struct SynthArgs {
-    /// Model shape: qwen3.6-35b-a3b, qwen3.5-397b-a17b, cogito-v2-671b
-    /// (DeepSeek-V3 architecture), or qwen3.5-tiny (the test fixtures' size).
+    /// Model shape: qwen3.6-35b-a3b, qwen3.5-397b-a17b, qwen3-235b-a22b,
+    /// qwen3-30b-a3b, glm-4.6, glm-4.5-air, cogito-v2-671b (DeepSeek-V3
+    /// architecture), or the test fixtures' sizes qwen3.5-tiny,
+    /// qwen3-moe-tiny, glm-4.5-tiny.
     #[arg(long, value_name = "NAME")]
     pub preset: String,
     /// Write only the first N layers (identical to the full model's).

@@ -120,3 +120,44 @@ fn bad_input_is_one_error_line() {
     assert_eq!(out.status.code(), Some(2));
     assert!(!text(&out.stderr).contains("panicked"));
 }
+
+/// What convert left out of the checkpoint is said on stderr, grouped: the
+/// GLM multi-token-prediction layer (its 11 tensors at layer 3), the
+/// Kimi-K2.5 vision tower and projector; nothing for a checkpoint without
+/// extras.
+#[test]
+fn convert_reports_skipped_tensors() {
+    let t = tempfile::tempdir().unwrap();
+    let out = moeflux(&[
+        "convert",
+        s(&fixture("glm4moe-hf/src")),
+        s(&t.path().join("glm")),
+    ]);
+    assert!(text(&out.stdout).contains("converted glm4_moe"));
+    let err = text(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert_eq!(
+        err.trim_end(),
+        "skipped 11 tensors: multi-token-prediction layer 3 (11)"
+    );
+
+    let out = moeflux(&[
+        "convert",
+        s(&fixture("kimik25-hf/src")),
+        s(&t.path().join("kimi")),
+    ]);
+    let err = text(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert_eq!(
+        err.trim_end(),
+        "skipped 23 tensors: vision tower (17), vision projector (6)"
+    );
+
+    let out = moeflux(&[
+        "convert",
+        s(&fixture("qwen3moe-hf/src")),
+        s(&t.path().join("qwen")),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stderr), "");
+}

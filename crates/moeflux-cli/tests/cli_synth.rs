@@ -94,3 +94,53 @@ fn bad_options_are_one_error_line() {
     let line = one_line_error(&synth(&[]));
     assert!(line.contains("--force"), "{line}");
 }
+
+/// The qwen3_moe and glm4_moe presets at the fixtures' sizes, truncated:
+/// directories `inspect` reads with the family's shape (their forward pass
+/// is not in this build, so nothing runs them). The real presets are listed
+/// in the unknown-preset error.
+#[test]
+fn synth_new_families_then_inspect() {
+    let t = tempfile::tempdir().unwrap();
+    for (preset, arch, router, moe_layers) in [
+        ("qwen3-moe-tiny", "qwen3_moe", "softmax", 3),
+        ("glm-4.5-tiny", "glm4_moe", "noaux_tc", 2),
+    ] {
+        let dst = t.path().join(preset);
+        let out = ok(&moeflux(&[
+            "synth",
+            "--preset",
+            preset,
+            "--layers",
+            "3",
+            "--seed",
+            "7",
+            s(&dst),
+        ]));
+        assert!(
+            out.contains(&format!("synthesized {preset} ({arch}, 3 of 4 layers")),
+            "{out}"
+        );
+        let v: serde_json::Value =
+            serde_json::from_str(&ok(&moeflux(&["inspect", "--json", s(&dst)]))).unwrap();
+        assert_eq!(v["architecture"], arch, "{v}");
+        assert_eq!(v["layers"], 3);
+        assert_eq!(v["hidden_size"], 128);
+        assert_eq!(v["moe"]["experts"], 16);
+        assert_eq!(v["router"]["kind"], router);
+        assert_eq!(v["moe"]["moe_layers"], moe_layers);
+        assert_eq!(v["quantization"]["router"]["8-bit g64"], moe_layers, "{v}");
+        assert_eq!(v["source"]["kind"], "synthetic");
+        let experts = std::fs::read_dir(dst.join("experts")).unwrap().count();
+        assert_eq!(experts, moe_layers);
+    }
+    let line = one_line_error(&moeflux(&[
+        "synth",
+        "--preset",
+        "glm-5",
+        s(&t.path().join("x")),
+    ]));
+    for p in ["qwen3-235b-a22b", "qwen3-30b-a3b", "glm-4.6", "glm-4.5-air"] {
+        assert!(line.contains(p), "{line}");
+    }
+}

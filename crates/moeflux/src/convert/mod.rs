@@ -10,6 +10,7 @@
 //! atomically.
 
 pub mod dense;
+pub mod dropped;
 pub mod dtype;
 pub mod experts;
 pub mod fp8;
@@ -98,9 +99,24 @@ pub struct ConvertReport {
     pub source_expert_bits: Option<u32>,
     pub expert_bits: Option<u32>,
     pub expert_requantization: Option<String>,
-    /// Checkpoint tensors intentionally left out (vision tower, MTP head, tied lm_head).
+    /// Checkpoint tensors intentionally left out (vision tower, MTP head, tied lm_head),
+    /// sorted; [`ConvertReport::dropped_groups`] says what they are.
     pub dropped: Vec<String>,
     pub elapsed: Duration,
+}
+
+impl ConvertReport {
+    /// The left-out tensors grouped by what they are (MTP layer N, vision
+    /// tower, ...).
+    pub fn dropped_groups(&self) -> Vec<dropped::DroppedGroup> {
+        dropped::group(&self.dropped)
+    }
+
+    /// `skipped N tensors: multi-token-prediction layer 3 (11), ...`, or
+    /// `None` when nothing was left out.
+    pub fn dropped_summary(&self) -> Option<String> {
+        dropped::summary(&self.dropped)
+    }
 }
 
 /// Progress accounting and cancellation shared by the writers.

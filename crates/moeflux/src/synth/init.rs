@@ -5,11 +5,16 @@
 //! codes at any width) with one scale per tensor,
 //! `s = gain / sqrt(cols * (4^bits - 1) / 12)`, and the centring bias
 //! `-(2^bits - 1)/2 * s`: a matmul then maps unit-variance inputs to
-//! outputs of variance `gain^2`. Norm weights are 1, so every layer's
-//! inputs are unit-RMS; the projections that write into the residual
-//! stream have a gain of `sqrt(RESIDUAL_GAIN2 / depth)` so that the stream
-//! grows from the embedding's unit variance to about `1 + RESIDUAL_GROWTH`
-//! over the full depth: no layer explodes or vanishes, logits are O(1).
+//! outputs of variance `gain^2`. Norm weights are 1 (q/k norms included),
+//! so every layer's inputs are unit-RMS. Attention biases (GLM's q/k/v
+//! `.bias`) are small, U(-1/4, 1/4) (standard deviation 0.14 against the
+//! projections' unit one). The `noaux_tc` router's correction bias is 0,
+//! so its choice is the router logits' (where the skew below lives; any
+//! constant would choose the same). The projections that write into the
+//! residual stream have a gain of `sqrt(RESIDUAL_GAIN2 / depth)` so that
+//! the stream grows from the embedding's unit variance to about
+//! `1 + RESIDUAL_GROWTH` over the full depth: no layer explodes or
+//! vanishes, logits are O(1).
 //!
 //! Hidden dimension 0 is reserved for the router skew: every embedding row
 //! holds the same value `c0` there, and the residual writers' row 0 is
@@ -44,6 +49,9 @@ const RESIDUAL_GAIN2: f32 = 2.0;
 /// to the embedding's 1), assumed linear in the layer index: measured 0.8
 /// on the qwen3.6-35b-a3b shapes (0.02 per layer).
 const RESIDUAL_GROWTH: f32 = 0.8;
+
+/// Half-width of the uniform attention biases (q/k/v `.bias`).
+const ATTENTION_BIAS: f32 = 0.25;
 
 /// splitmix64's finalizer: a bijective 64-bit mix.
 fn mix(mut z: u64) -> u64 {
@@ -273,7 +281,8 @@ impl Init {
         skew::router_offsets(&rank, self.experts_per_token, alpha, sigma)
     }
 
-    /// A float vector: `A_log` (stored F32), `dt_bias`, norm weights.
+    /// A float vector: `A_log` (stored F32), `dt_bias`, attention biases,
+    /// the router's correction bias (stored F32), norm weights.
     pub fn vector(&self, name: &str, len: usize) -> Vec<f32> {
         let key = stream_key(self.seed, name);
         if name.ends_with("A_log") {
@@ -282,6 +291,14 @@ impl Init {
         }
         if name.ends_with("dt_bias") {
             return uniforms(key, len).map(|u| 2.0 * u - 1.0).collect();
+        }
+        if name.ends_with("_proj.bias") {
+            return uniforms(key, len)
+                .map(|u| ATTENTION_BIAS * (2.0 * u - 1.0))
+                .collect();
+        }
+        if name.ends_with("e_score_correction_bias") {
+            return vec![0.0; len];
         }
         let mut v = vec![1.0; len];
         if let (true, Some(layer)) = (

@@ -42,7 +42,9 @@ use crate::format::manifest::{SourceInfo, FORMAT_NAME, FORMAT_VERSION};
 use crate::format::{ExpertLayer, Manifest, TensorEntry, DENSE_FILE, EXPERTS_DIR, MANIFEST_FILE};
 use crate::model::schema::{self, WeightKind, EXPERT_COMPONENTS};
 
-pub use presets::{find_preset, presets, DeepseekShape, Preset, QwenShape, SynthSpec};
+pub use presets::{
+    find_preset, presets, DeepseekShape, GlmShape, Preset, Qwen3MoeShape, QwenShape, SynthSpec,
+};
 
 use init::{Init, LinearInit};
 
@@ -187,7 +189,7 @@ pub fn synth(dst: &Path, opts: &SynthOptions) -> Result<SynthReport> {
         }
     }
 
-    let config_json = config_json(opts, layers);
+    let config_json = config_json(opts, layers)?;
     let config = ModelConfig::from_json(&config_json, Path::new("config.json"))?;
     let init = Init {
         seed: opts.seed,
@@ -330,14 +332,6 @@ pub fn synth(dst: &Path, opts: &SynthOptions) -> Result<SynthReport> {
     })
 }
 
-/// The first MoE layer of a spec (DeepSeek's first layers are dense).
-fn config_first_moe(spec: &SynthSpec) -> usize {
-    match spec {
-        SynthSpec::Qwen3_5Moe(_) => 0,
-        SynthSpec::DeepseekV3(s) => s.first_k_dense,
-    }
-}
-
 /// The expert files' layouts, as `convert` lays them out (BF16 scales).
 fn expert_layouts(config: &ModelConfig, bits: u32) -> Vec<ExpertLayer> {
     let spec = QuantSpec {
@@ -358,31 +352,29 @@ fn expert_layouts(config: &ModelConfig, bits: u32) -> Vec<ExpertLayer> {
 }
 
 /// config.json: the spec's, with mlx-lm's `quantization` block (4-bit g64,
-/// router and shared-expert gate at 8 bits, experts at `expert_bits`) and a
-/// `moeflux_synth` record of how it was made.
-fn config_json(opts: &SynthOptions, layers: usize) -> serde_json::Value {
-    let arch = match opts.spec {
-        SynthSpec::Qwen3_5Moe(_) => crate::config::Architecture::Qwen3_5Moe,
-        SynthSpec::DeepseekV3(_) => crate::config::Architecture::DeepseekV3,
-    };
+/// every MoE layer's router and Qwen3.5's shared-expert gate at 8 bits,
+/// experts at `expert_bits`) and a `moeflux_synth` record of how it was made.
+fn config_json(opts: &SynthOptions, layers: usize) -> Result<serde_json::Value> {
+    let base = opts.spec.config_json(layers);
+    // The layer pattern as the loader will read it (dense layers have no
+    // router and no experts to declare).
+    let shape = ModelConfig::from_json(&base, Path::new("config.json"))?;
+    let arch = shape.arch;
     let spec = |bits| QuantSpec {
         bits,
         group_size: DEFAULT_GROUP_SIZE,
     };
     let mut overrides = std::collections::BTreeMap::new();
-    for l in 0..layers {
+    for l in (0..layers).filter(|&l| shape.is_moe_layer(l)) {
         let p = format!("model.layers.{l}.mlp.");
-        // The router at 8 bits (Qwen also its shared-expert gate; DeepSeek
-        // checkpoints keep the router in bf16, a synthetic model quantizes it).
-        let gates: &[&str] = if arch.is_deepseek() {
-            &["gate"]
-        } else {
-            &["gate", "shared_expert_gate"]
-        };
+        // The router at 8 bits (mlx-lm's Qwen quant_predicates; DeepSeek and
+        // GLM checkpoints keep their `noaux_tc` router in bf16, a synthetic
+        // model quantizes it too), and Qwen3.5's shared-expert gate.
+        let mut gates = vec!["gate"];
+        if shape.moe.shared_gate && shape.moe.shared_intermediate > 0 {
+            gates.push("shared_expert_gate");
+        }
         for m in gates {
-            if arch.is_deepseek() && l < config_first_moe(&opts.spec) {
-                continue;
-            }
             overrides.insert(mlx_module_path(arch, &format!("{p}{m}")), spec(8));
         }
         if opts.expert_bits != DEFAULT_BITS {
@@ -396,7 +388,7 @@ fn config_json(opts: &SynthOptions, layers: usize) -> serde_json::Value {
         default: Some(spec(DEFAULT_BITS)),
         overrides,
     };
-    let mut v = output_config(&opts.spec.config_json(layers), None, &cq);
+    let mut v = output_config(&base, None, &cq);
     v["moeflux_synth"] = json!({
         "preset": opts.name,
         "seed": opts.seed,
@@ -405,7 +397,7 @@ fn config_json(opts: &SynthOptions, layers: usize) -> serde_json::Value {
         "expert_bits": opts.expert_bits,
         "router_skew": opts.router_skew.map(|s| s.to_string()),
     });
-    v
+    Ok(v)
 }
 
 fn write_dense(
@@ -556,7 +548,8 @@ mod tests {
             let depth = p.spec.num_layers();
             let mut o = SynthOptions::new(name, p.spec);
             o.expert_bits = bits;
-            let c = ModelConfig::from_json(&config_json(&o, depth), Path::new("c")).unwrap();
+            let c =
+                ModelConfig::from_json(&config_json(&o, depth).unwrap(), Path::new("c")).unwrap();
             let full: Vec<usize> = (0..depth)
                 .filter(|&i| c.layer_kinds[i] == LayerKind::FullAttention)
                 .collect();
@@ -574,6 +567,196 @@ mod tests {
             assert_eq!(layers.len(), depth);
             assert_eq!(layers[0].expert_bytes, expert_bytes, "{name} {bits}-bit");
             assert_eq!(layers[0].stride, expert_bytes, "already 4096-aligned");
+        }
+    }
+
+    /// Expert bytes at 4-bit g64 with bf16 scales: 3 projections of
+    /// `moe x hidden` codes (half a byte each) plus 2 bytes of scale and of
+    /// bias per 64: `3 * moe * hidden * 9 / 16`.
+    fn expert_bytes_4bit(moe: usize, hidden: usize) -> u64 {
+        (3 * moe * hidden * 9 / 16) as u64
+    }
+
+    fn preset_config(name: &str, layers: Option<usize>) -> ModelConfig {
+        let p = find_preset(name).unwrap();
+        let depth = layers.unwrap_or(p.spec.num_layers());
+        let o = SynthOptions::new(name, p.spec);
+        ModelConfig::from_json(&config_json(&o, depth).unwrap(), Path::new("c")).unwrap()
+    }
+
+    #[test]
+    fn qwen3_moe_presets_have_the_real_shapes() {
+        for (name, layers, hidden, heads, experts_moe, ffn) in [
+            ("qwen3-235b-a22b", 94, 4096, 64, 1536, 12_288),
+            ("qwen3-30b-a3b", 48, 2048, 32, 768, 6144),
+        ] {
+            let c = preset_config(name, None);
+            assert_eq!(c.arch, crate::Architecture::Qwen3Moe);
+            assert_eq!(
+                (c.num_layers, c.hidden_size, c.vocab_size),
+                (layers, hidden, 151_936),
+                "{name}"
+            );
+            assert_eq!(
+                (c.num_attention_heads, c.num_kv_heads, c.head_dim),
+                (heads, 4, 128)
+            );
+            assert_eq!(
+                c.attention,
+                crate::config::AttentionConfig {
+                    output_gate: false,
+                    qk_norm: true,
+                    qkv_bias: false
+                }
+            );
+            assert!(c.layer_kinds.iter().all(|k| *k == LayerKind::FullAttention));
+            assert!(c
+                .mlp_kinds
+                .iter()
+                .all(|k| *k == crate::config::MlpKind::Moe));
+            assert_eq!(
+                (
+                    c.moe.num_experts,
+                    c.moe.num_experts_per_tok,
+                    c.moe.moe_intermediate,
+                    c.moe.shared_intermediate
+                ),
+                (128, 8, experts_moe, 0)
+            );
+            assert_eq!(c.moe.router, crate::config::RouterKind::Softmax);
+            assert!(c.moe.norm_topk_prob);
+            assert_eq!(c.intermediate_size, ffn);
+            assert_eq!((c.rope.rotary_dim, c.rope.theta), (128, 1e6));
+            assert!(!c.rope.interleaved && !c.tie_word_embeddings);
+            assert_eq!(c.max_position_embeddings, 40_960);
+            assert_eq!(c.eos_token_ids, [151_645, 151_643]);
+            let q = c.quantization.as_ref().unwrap();
+            assert_eq!(q.for_module("model.layers.7.mlp.gate").unwrap().bits, 8);
+            assert_eq!(
+                q.for_module("model.layers.7.self_attn.q_proj")
+                    .unwrap()
+                    .bits,
+                4
+            );
+            assert!(!q.overrides.keys().any(|k| k.contains("shared_expert")));
+            let e = expert_layouts(&c, 4);
+            assert_eq!(e.len(), layers);
+            assert_eq!(e[0].num_experts, 128);
+            assert_eq!(e[0].expert_bytes, expert_bytes_4bit(experts_moe, hidden));
+            assert_eq!(e[0].stride, e[0].expert_bytes, "already 4096-aligned");
+            // No biases in Qwen3's attention; q/k norms of head_dim.
+            let w = schema::dense_weights(&c);
+            assert!(!w.iter().any(|w| w.name.ends_with(".bias")));
+            assert!(w
+                .iter()
+                .any(|w| w.name == "model.layers.3.self_attn.k_norm.weight"));
+        }
+    }
+
+    #[test]
+    fn glm_presets_have_the_real_shapes() {
+        // (name, layers, hidden, first dense, dense ffn, experts, moe, scaling, qk norm, positions)
+        for (name, layers, hidden, dense, ffn, experts, moe, scaling, qk_norm, positions) in [
+            (
+                "glm-4.6", 92, 5120, 3, 12_288, 160, 1536, 2.5, true, 202_752,
+            ),
+            (
+                "glm-4.5-air",
+                46,
+                4096,
+                1,
+                10_944,
+                128,
+                1408,
+                1.0,
+                false,
+                131_072,
+            ),
+        ] {
+            let c = preset_config(name, None);
+            assert_eq!(c.arch, crate::Architecture::Glm4Moe);
+            assert_eq!(
+                (c.num_layers, c.hidden_size, c.vocab_size),
+                (layers, hidden, 151_552),
+                "{name}"
+            );
+            assert_eq!(
+                (c.num_attention_heads, c.num_kv_heads, c.head_dim),
+                (96, 8, 128)
+            );
+            assert_eq!(
+                c.attention,
+                crate::config::AttentionConfig {
+                    output_gate: false,
+                    qk_norm,
+                    qkv_bias: true
+                }
+            );
+            let moe_layers: Vec<usize> = (0..layers).filter(|&l| c.is_moe_layer(l)).collect();
+            assert_eq!(moe_layers, (dense..layers).collect::<Vec<_>>());
+            assert_eq!(c.intermediate_size, ffn);
+            assert_eq!(
+                (
+                    c.moe.num_experts,
+                    c.moe.num_experts_per_tok,
+                    c.moe.moe_intermediate,
+                    c.moe.shared_intermediate,
+                    c.moe.shared_gate,
+                    c.moe.norm_topk_prob
+                ),
+                (experts, 8, moe, moe, false, true)
+            );
+            assert_eq!(
+                c.moe.router,
+                crate::config::RouterKind::NoauxTc {
+                    n_group: 1,
+                    topk_group: 1,
+                    routed_scaling_factor: scaling
+                }
+            );
+            // Half of each head rotates, half-split pairs.
+            assert_eq!((c.rope.rotary_dim, c.rope.theta), (64, 1e6));
+            assert!(!c.rope.interleaved && !c.tie_word_embeddings);
+            assert_eq!(c.rms_norm_eps, 1e-5);
+            assert_eq!(c.max_position_embeddings, positions);
+            assert_eq!(c.eos_token_ids, [151_329, 151_336, 151_338]);
+            let q = c.quantization.as_ref().unwrap();
+            let router = |l: usize| mlx_module_path(c.arch, &format!("model.layers.{l}.mlp.gate"));
+            assert_eq!(q.overrides[&router(dense)], Some(spec8()));
+            assert!(!q.overrides.contains_key(&router(dense - 1)), "dense layer");
+            let e = expert_layouts(&c, 4);
+            assert_eq!(e.len(), layers - dense);
+            assert_eq!(e[0].layer, dense);
+            assert_eq!(e[0].num_experts, experts);
+            assert_eq!(e[0].expert_bytes, expert_bytes_4bit(moe, hidden));
+            assert_eq!(e[0].stride, e[0].expert_bytes, "already 4096-aligned");
+            let w = schema::dense_weights(&c);
+            let has = |n: &str| w.iter().any(|w| w.name == n);
+            let a = format!("model.layers.{dense}.");
+            assert!(has(&format!("{a}self_attn.q_proj.bias")));
+            assert!(has(&format!("{a}self_attn.v_proj.bias")));
+            assert_eq!(has(&format!("{a}self_attn.q_norm.weight")), qk_norm);
+            assert!(has(&format!("{a}mlp.gate.e_score_correction_bias")));
+            assert!(has(&format!("{a}mlp.shared_experts.down_proj")));
+            assert!(has("model.layers.0.mlp.gate_proj"));
+
+            // Truncated to the dense layers: no router, no experts.
+            let t = preset_config(name, Some(dense));
+            assert_eq!(t.num_layers, dense);
+            assert!(expert_layouts(&t, 4).is_empty());
+            assert!(t
+                .quantization
+                .unwrap()
+                .overrides
+                .keys()
+                .all(|k| !k.contains("mlp.gate")));
+        }
+    }
+
+    fn spec8() -> QuantSpec {
+        QuantSpec {
+            bits: 8,
+            group_size: DEFAULT_GROUP_SIZE,
         }
     }
 }

@@ -1,10 +1,27 @@
 //! The shapes `moeflux synth` can build: a [`SynthSpec`] per architecture
-//! family and the named presets. Adding a model is a row in [`PRESETS`];
+//! family and the named presets. Adding a model is an entry in [`presets`];
 //! adding a family (DeepSeek-V3 for Cogito-V2) is a variant of `SynthSpec`
 //! with its `config.json`, plus init rules for its new tensors in `init.rs`.
+//!
+//! Where the numbers come from: Qwen3.5/3.6 and Cogito-V2 from their
+//! `config.json`; Qwen3-235B-A22B and Qwen3-30B-A3B from their model cards
+//! (94/48 layers, 64/32 query and 4 KV heads, 128 experts top-8) and the
+//! Megatron arguments of THUDM's slime (`scripts/models/qwen3-235B-A22B.sh`,
+//! `qwen3-30B-A3B.sh`: hidden 4096/2048, head dim 128, FFN 12288/6144, MoE
+//! FFN 1536/768, vocab 151936, rotary base 1e6, q/k norm, untied); GLM-4.6
+//! and GLM-4.5-Air from slime's `glm4.5-355B-A32B.sh` (GLM-4.6 has GLM-4.5's
+//! shape) and `glm4.5-106B-A12B.sh` (hidden 5120/4096, 92/46 layers = 3/1
+//! dense + 89/45 MoE, 96 heads, 8 KV groups, head dim 128, q/k/v bias, q/k
+//! norm for the 355B only, half rotary, FFN 12288/10944, 160/128 experts
+//! top-8 of 1536/1408 with one shared expert of that width, sigmoid router
+//! with expert bias, top-K scaling 2.5 (Air: 1.0), vocab 151552, rotary
+//! base 1e6), GLM-4.5-Air's `config.json` (also in `config/glm.rs`'s tests:
+//! eos ids, rms_norm_eps 1e-5, 131072 positions, one group) and GLM-4.6's
+//! 202752-token context (its model card).
 
 use serde_json::{json, Value};
 
+use crate::config::Architecture;
 use crate::error::{Error, Result};
 
 /// The shape of a synthetic model. The CLI takes it from a preset; tests
@@ -12,7 +29,63 @@ use crate::error::{Error, Result};
 #[derive(Debug, Clone, PartialEq)]
 pub enum SynthSpec {
     Qwen3_5Moe(QwenShape),
+    Qwen3Moe(Qwen3MoeShape),
+    Glm4Moe(GlmShape),
     DeepseekV3(DeepseekShape),
+}
+
+/// A `qwen3_moe` model (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder): GQA
+/// with per-head q/k RMSNorm and full rotary in every layer, every layer MoE
+/// (`decoder_sparse_step` 1, no `mlp_only_layers`) with a softmax top-K
+/// router and no shared expert, untied embeddings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Qwen3MoeShape {
+    pub hidden_size: usize,
+    pub num_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub num_experts: usize,
+    pub experts_per_token: usize,
+    pub moe_intermediate: usize,
+    /// `intermediate_size`: the dense MLP width of the config (used by no
+    /// layer when every layer is MoE, as in the released models).
+    pub intermediate_size: usize,
+    pub rope_theta: f64,
+    pub max_position_embeddings: usize,
+    pub eos_token_ids: &'static [u32],
+}
+
+/// A `glm4_moe` model (GLM-4.5, GLM-4.5-Air, GLM-4.6): GQA with q/k/v
+/// biases, q/k RMSNorm when `use_qk_norm`, half-split rotary over
+/// `head_dim * partial_rotary_factor` channels; the first `first_k_dense`
+/// layers with a dense SwiGLU MLP, then MoE layers with DeepSeek's
+/// `noaux_tc` router (sigmoid, correction bias, groups) and ungated shared
+/// experts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GlmShape {
+    pub hidden_size: usize,
+    pub num_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub num_experts: usize,
+    pub experts_per_token: usize,
+    pub moe_intermediate: usize,
+    pub n_shared_experts: usize,
+    /// Width of the dense MLP of the first layers.
+    pub intermediate_size: usize,
+    pub first_k_dense: usize,
+    pub n_group: usize,
+    pub topk_group: usize,
+    pub routed_scaling_factor: f64,
+    pub use_qk_norm: bool,
+    pub partial_rotary_factor: f64,
+    pub rope_theta: f64,
+    pub max_position_embeddings: usize,
+    pub eos_token_ids: &'static [u32],
 }
 
 /// A `deepseek_v3` model (Cogito-V2 671B, DeepSeek-V3/R1): MLA in every layer,
@@ -76,6 +149,10 @@ pub struct Preset {
 }
 
 const QWEN_EOS: &[u32] = &[248046, 248044];
+/// Qwen3's `<|im_end|>` and `<|endoftext|>` (its generation_config.json).
+const QWEN3_EOS: &[u32] = &[151645, 151643];
+/// GLM-4.5/4.6's `<|endoftext|>`, `<|user|>`, `<|observation|>`.
+const GLM_EOS: &[u32] = &[151329, 151336, 151338];
 
 /// Every preset, as listed by `moeflux synth --help`.
 pub fn presets() -> Vec<Preset> {
@@ -149,6 +226,101 @@ pub fn presets() -> Vec<Preset> {
             }),
         },
         Preset {
+            name: "qwen3-235b-a22b",
+            description: "Qwen3-235B-A22B: hidden 4096, 94 layers, GQA 64/4 heads, \
+                          128 experts top-8 of 1536",
+            spec: SynthSpec::Qwen3Moe(Qwen3MoeShape {
+                hidden_size: 4096,
+                num_layers: 94,
+                num_attention_heads: 64,
+                num_kv_heads: 4,
+                head_dim: 128,
+                vocab_size: 151_936,
+                num_experts: 128,
+                experts_per_token: 8,
+                moe_intermediate: 1536,
+                intermediate_size: 12_288,
+                // The first release; the 2507 updates have 5e6 and 262144.
+                rope_theta: 1_000_000.0,
+                max_position_embeddings: 40_960,
+                eos_token_ids: QWEN3_EOS,
+            }),
+        },
+        Preset {
+            name: "qwen3-30b-a3b",
+            description: "Qwen3-30B-A3B: hidden 2048, 48 layers, GQA 32/4 heads, \
+                          128 experts top-8 of 768",
+            spec: SynthSpec::Qwen3Moe(Qwen3MoeShape {
+                hidden_size: 2048,
+                num_layers: 48,
+                num_attention_heads: 32,
+                num_kv_heads: 4,
+                head_dim: 128,
+                vocab_size: 151_936,
+                num_experts: 128,
+                experts_per_token: 8,
+                moe_intermediate: 768,
+                intermediate_size: 6144,
+                rope_theta: 1_000_000.0,
+                max_position_embeddings: 40_960,
+                eos_token_ids: QWEN3_EOS,
+            }),
+        },
+        Preset {
+            name: "glm-4.6",
+            description: "GLM-4.6 (355B-A32B): hidden 5120, 92 layers (first 3 dense, 12288), \
+                          GQA 96/8 heads with q/k norm, 160 experts top-8 of 1536 + 1 shared",
+            spec: SynthSpec::Glm4Moe(GlmShape {
+                hidden_size: 5120,
+                num_layers: 92,
+                num_attention_heads: 96,
+                num_kv_heads: 8,
+                head_dim: 128,
+                vocab_size: 151_552,
+                num_experts: 160,
+                experts_per_token: 8,
+                moe_intermediate: 1536,
+                n_shared_experts: 1,
+                intermediate_size: 12_288,
+                first_k_dense: 3,
+                n_group: 1,
+                topk_group: 1,
+                routed_scaling_factor: 2.5,
+                use_qk_norm: true,
+                partial_rotary_factor: 0.5,
+                rope_theta: 1_000_000.0,
+                max_position_embeddings: 202_752,
+                eos_token_ids: GLM_EOS,
+            }),
+        },
+        Preset {
+            name: "glm-4.5-air",
+            description: "GLM-4.5-Air (106B-A12B): hidden 4096, 46 layers (first dense, 10944), \
+                          GQA 96/8 heads, 128 experts top-8 of 1408 + 1 shared",
+            spec: SynthSpec::Glm4Moe(GlmShape {
+                hidden_size: 4096,
+                num_layers: 46,
+                num_attention_heads: 96,
+                num_kv_heads: 8,
+                head_dim: 128,
+                vocab_size: 151_552,
+                num_experts: 128,
+                experts_per_token: 8,
+                moe_intermediate: 1408,
+                n_shared_experts: 1,
+                intermediate_size: 10_944,
+                first_k_dense: 1,
+                n_group: 1,
+                topk_group: 1,
+                routed_scaling_factor: 1.0,
+                use_qk_norm: false,
+                partial_rotary_factor: 0.5,
+                rope_theta: 1_000_000.0,
+                max_position_embeddings: 131_072,
+                eos_token_ids: GLM_EOS,
+            }),
+        },
+        Preset {
             name: "qwen3.5-tiny",
             description: "the test fixtures' qwen3_5_moe shape (hidden 128, 4 layers, \
                           16 experts top-4, vocab 1024): a model in milliseconds",
@@ -170,6 +342,53 @@ pub fn presets() -> Vec<Preset> {
                 eos_token_ids: &[2],
             }),
         },
+        Preset {
+            name: "qwen3-moe-tiny",
+            description: "the qwen3moe-q4 fixture's shape (hidden 128, 4 layers, \
+                          16 experts top-4, vocab 1024)",
+            spec: SynthSpec::Qwen3Moe(Qwen3MoeShape {
+                hidden_size: 128,
+                num_layers: 4,
+                num_attention_heads: 4,
+                num_kv_heads: 2,
+                head_dim: 32,
+                vocab_size: 1024,
+                num_experts: 16,
+                experts_per_token: 4,
+                moe_intermediate: 64,
+                intermediate_size: 192,
+                rope_theta: 1_000_000.0,
+                max_position_embeddings: 4096,
+                eos_token_ids: &[2],
+            }),
+        },
+        Preset {
+            name: "glm-4.5-tiny",
+            description: "the glm4moe-q4 fixture's shape (hidden 128, 4 layers, first dense, \
+                          16 experts top-4 in 4 groups, q/k norm, vocab 1024)",
+            spec: SynthSpec::Glm4Moe(GlmShape {
+                hidden_size: 128,
+                num_layers: 4,
+                num_attention_heads: 4,
+                num_kv_heads: 2,
+                head_dim: 32,
+                vocab_size: 1024,
+                num_experts: 16,
+                experts_per_token: 4,
+                moe_intermediate: 64,
+                n_shared_experts: 1,
+                intermediate_size: 192,
+                first_k_dense: 1,
+                n_group: 4,
+                topk_group: 2,
+                routed_scaling_factor: 2.5,
+                use_qk_norm: true,
+                partial_rotary_factor: 0.5,
+                rope_theta: 1_000_000.0,
+                max_position_embeddings: 4096,
+                eos_token_ids: &[2],
+            }),
+        },
     ]
 }
 
@@ -187,7 +406,19 @@ impl SynthSpec {
     pub fn num_layers(&self) -> usize {
         match self {
             SynthSpec::Qwen3_5Moe(s) => s.num_layers,
+            SynthSpec::Qwen3Moe(s) => s.num_layers,
+            SynthSpec::Glm4Moe(s) => s.num_layers,
             SynthSpec::DeepseekV3(s) => s.num_layers,
+        }
+    }
+
+    /// The architecture the spec's `config.json` declares.
+    pub fn arch(&self) -> Architecture {
+        match self {
+            SynthSpec::Qwen3_5Moe(_) => Architecture::Qwen3_5Moe,
+            SynthSpec::Qwen3Moe(_) => Architecture::Qwen3Moe,
+            SynthSpec::Glm4Moe(_) => Architecture::Glm4Moe,
+            SynthSpec::DeepseekV3(_) => Architecture::DeepseekV3,
         }
     }
 
@@ -233,6 +464,79 @@ impl SynthSpec {
                 },
                 "tie_word_embeddings": false,
                 "eos_token_id": s.eos_token_ids,
+            }),
+            SynthSpec::Qwen3Moe(s) => json!({
+                "architectures": ["Qwen3MoeForCausalLM"],
+                "model_type": "qwen3_moe",
+                "attention_bias": false,
+                "attention_dropout": 0.0,
+                "bos_token_id": s.eos_token_ids.last(),
+                "decoder_sparse_step": 1,
+                "eos_token_id": s.eos_token_ids,
+                "head_dim": s.head_dim,
+                "hidden_act": "silu",
+                "hidden_size": s.hidden_size,
+                "initializer_range": 0.02,
+                "intermediate_size": s.intermediate_size,
+                "max_position_embeddings": s.max_position_embeddings,
+                "max_window_layers": layers,
+                "mlp_only_layers": [],
+                "moe_intermediate_size": s.moe_intermediate,
+                "norm_topk_prob": true,
+                "num_attention_heads": s.num_attention_heads,
+                "num_experts": s.num_experts,
+                "num_experts_per_tok": s.experts_per_token,
+                "num_hidden_layers": layers,
+                "num_key_value_heads": s.num_kv_heads,
+                "output_router_logits": false,
+                "rms_norm_eps": 1e-6,
+                "rope_scaling": null,
+                "rope_theta": s.rope_theta,
+                "router_aux_loss_coef": 0.001,
+                "sliding_window": null,
+                "tie_word_embeddings": false,
+                "torch_dtype": "bfloat16",
+                "use_cache": true,
+                "use_sliding_window": false,
+                "vocab_size": s.vocab_size,
+            }),
+            SynthSpec::Glm4Moe(s) => json!({
+                "architectures": ["Glm4MoeForCausalLM"],
+                "model_type": "glm4_moe",
+                "attention_bias": true,
+                "attention_dropout": 0.0,
+                "pad_token_id": s.eos_token_ids.first(),
+                "eos_token_id": s.eos_token_ids,
+                "head_dim": s.head_dim,
+                "hidden_act": "silu",
+                "hidden_size": s.hidden_size,
+                "partial_rotary_factor": s.partial_rotary_factor,
+                "initializer_range": 0.02,
+                "intermediate_size": s.intermediate_size,
+                "max_position_embeddings": s.max_position_embeddings,
+                "moe_intermediate_size": s.moe_intermediate,
+                "norm_topk_prob": true,
+                "num_attention_heads": s.num_attention_heads,
+                "n_group": s.n_group,
+                "topk_group": s.topk_group,
+                "n_routed_experts": s.num_experts,
+                "n_shared_experts": s.n_shared_experts,
+                "routed_scaling_factor": s.routed_scaling_factor,
+                "num_experts_per_tok": s.experts_per_token,
+                "first_k_dense_replace": s.first_k_dense,
+                "num_hidden_layers": layers,
+                "num_key_value_heads": s.num_kv_heads,
+                "rms_norm_eps": 1e-5,
+                // mlx-lm requires the key (unused).
+                "rope_scaling": null,
+                "rope_theta": s.rope_theta,
+                // The MTP layer is not written (as mlx_lm.convert drops it).
+                "num_nextn_predict_layers": 1,
+                "tie_word_embeddings": false,
+                "torch_dtype": "bfloat16",
+                "use_cache": true,
+                "use_qk_norm": s.use_qk_norm,
+                "vocab_size": s.vocab_size,
             }),
             SynthSpec::DeepseekV3(s) => json!({
                 "architectures": ["DeepseekV3ForCausalLM"],
