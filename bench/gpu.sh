@@ -2,7 +2,7 @@
 # moeflux on one NVIDIA GPU: the benchmarks of docs/PERFORMANCE.md's GPU section.
 # Runs on the GPU machine (scripts/gpu/run.sh bench), with synth models made there.
 #
-#   bench/gpu.sh [--parts a,b,c] [--reps R] [--dir DIR] [--out DIR] [--quick]
+#   bench/gpu.sh [--parts a,b,c,d,e] [--reps R] [--dir DIR] [--out DIR] [--quick]
 #
 #   a  qwen3.6-35b-a3b widths, all 40 layers, every expert in VRAM: pp512, pp4096, tg128;
 #      decode against the roofline (weight bytes per token / measured device-memory bandwidth)
@@ -20,6 +20,13 @@
 #      model's) and misses from the pinned host tier or from staging reads; ms per MoE layer
 #      (the difference of the two depths) and s/token extrapolated to 61 layers; then the
 #      GPU time per kernel of 8 resident layers (MOEFLUX_CUDA_PROFILE, no graphs)
+#   e  the Qwen3-MoE and GLM-4.5/4.6 families at real widths: qwen3-30b-a3b whole (48 layers,
+#      17 GB: every expert in VRAM, pp and tg); glm-4.5-air (fits an 80 GB card: resident),
+#      qwen3-235b-a22b and glm-4.6 (do not: 128 and 188 GB of experts) at two depths,
+#      resident, then the deeper one with --gpu-memory holding the share of the experts an
+#      80 GB card has for the full model (54% and 34%: 77 GB less the dense part and a 3 GB
+#      reserve), misses from the pinned host tier; ms per MoE layer (the difference of the
+#      two depths) extrapolated to the full depth
 #
 # $MOEFLUX names the binary (default: target/release/moeflux). Models go to --dir (default
 # /tmp/moeflux-bench) and are deleted when their part ends (the disk holds one at a time).
@@ -45,7 +52,7 @@ while [[ $# -gt 0 ]]; do
     --dir) DIR=${2:?}; shift 2 ;;
     --out) OUTDIR=${2:?}; shift 2 ;;
     --quick) QUICK=1; REPS=1; shift ;;
-    -h|--help) sed -n '2,25p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,34p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac
 done
@@ -170,6 +177,30 @@ if has d; then
   done
 fi
 
+if has e; then
+  Q30=$DIR/qwen3-30b
+  synth "$Q30" --preset qwen3-30b-a3b
+  bench e-qwen3-30b-resident "$Q30" --prompt-len $PP --gen $TG
+  rm -rf "$Q30"
+  # preset, two depths, its dense first layers, the full model's MoE layers, and the share
+  # of the experts an 80 GB card holds (percent; 100: all of them, resident).
+  for spec in "glm-4.5-air 4 8 1 45 100" "qwen3-235b-a22b 4 8 0 94 54" "glm-4.6 6 10 3 89 34"; do
+    read -r preset l1 l2 dense moe share <<<"$spec"
+    for L in $l1 $l2; do
+      M=$DIR/$preset-$L
+      synth "$M" --preset "$preset" --layers "$L"
+      bench "e-$preset-${L}l-resident" "$M" --prompt-len $PPD --gen $TG
+      if [[ $L == "$l2" && $share != 100 ]]; then
+        budget=$(( $(expert_bytes "$M") * share / 100 ))
+        find "$M"/experts -type f -exec cat {} + >/dev/null
+        bench "e-$preset-${L}l-host" "$M" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G
+      fi
+      rm -rf "$M"
+    done
+    echo "$preset $l1 $l2 $dense $moe" >>"$OUTDIR/e-depths.txt"
+  done
+fi
+
 echo
 echo "| run | prefill tok/s | decode tok/s | expert I/O ms/tok | of roofline | cache hits | MB uploaded/tok | PCIe ceiling tok/s | H2D GB/s | HBM GB/s |"
 echo "|---|---|---|---|---|---|---|---|---|---|"
@@ -217,4 +248,39 @@ if r4 and r8:
               f"rate -> {t / 1e3:.2f} s/token ({1e3 / t:.1f} tok/s) extrapolated to 61 layers")
 EOF
   grep -A 30 "GPU time per kernel" "$OUTDIR/d-cogito-8l-profile.log" || true
+fi
+if has e; then
+  python3 - "$OUTDIR" <<'EOF'
+import json, sys, os
+out = sys.argv[1]
+def load(name):
+    p = os.path.join(out, name + ".json")
+    return json.load(open(p)) if os.path.exists(p) else None
+for line in open(os.path.join(out, "e-depths.txt")):
+    preset, l1, l2, dense, moe = line.split()
+    l1, l2, dense, moe = int(l1), int(l2), int(dense), int(moe)
+    a, b = load(f"e-{preset}-{l1}l-resident"), load(f"e-{preset}-{l2}l-resident")
+    if not (a and b):
+        continue
+    # Both depths hold the dense layers; every further layer is MoE.
+    ms1, ms2 = 1e3 / a["decode_tok_s"], 1e3 / b["decode_tok_s"]
+    slope = (ms2 - ms1) / (l2 - l1)
+    full = ms1 + (moe - (l1 - dense)) * slope
+    msg = (f"{preset} resident: {ms1:.2f} ms/token at {l1} layers, {ms2:.2f} at {l2}: "
+           f"{slope:.3f} ms per MoE layer -> {full:.1f} ms/token ({1e3 / full:.1f} tok/s) "
+           f"at {moe} MoE layers")
+    if a.get("prefill_tok_s") and b.get("prefill_tok_s"):
+        p1, p2 = 1e3 / a["prefill_tok_s"], 1e3 / b["prefill_tok_s"]
+        pf = p1 + (moe - (l1 - dense)) * (p2 - p1) / (l2 - l1)
+        msg += f"; prefill {1e3 / pf:.0f} tok/s"
+    print(msg)
+    h = load(f"e-{preset}-{l2}l-host")
+    if h:
+        extra = (1e3 / h["decode_tok_s"] - ms2) / (l2 - dense)
+        t = full + moe * extra
+        hit = h["decode"]["gpu_cache_hit_rate"] or 0
+        print(f"{preset} host tier: +{extra:.2f} ms per MoE layer over resident at a "
+              f"{hit * 100:.1f}% VRAM hit rate -> {t:.1f} ms/token ({1e3 / t:.1f} tok/s) "
+              f"at {moe} MoE layers")
+EOF
 fi
