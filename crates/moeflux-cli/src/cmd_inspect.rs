@@ -151,14 +151,17 @@ pub fn summary(m: &Manifest, c: &ModelConfig) -> Value {
             "head_dim": c.head_dim,
             "rotary_dim": c.rope.rotary_dim,
             "rope_theta": c.rope.theta,
+            "output_gate": c.attention.output_gate,
+            "qk_norm": c.attention.qk_norm,
+            "qkv_bias": c.attention.qkv_bias,
         },
-        "linear_attention": {
+        "linear_attention": c.layer_kinds.contains(&LayerKind::LinearAttention).then(|| json!({
             "k_heads": c.linear.num_k_heads,
             "v_heads": c.linear.num_v_heads,
             "k_head_dim": c.linear.key_head_dim,
             "v_head_dim": c.linear.value_head_dim,
             "conv_kernel": c.linear.conv_kernel,
-        },
+        })),
         "moe": {
             "experts": c.moe.num_experts,
             "experts_per_token": c.moe.num_experts_per_tok,
@@ -239,20 +242,30 @@ fn print_text(s: &Value) {
                 None => String::new(),
             }
         );
-        println!(
-            "router         noaux_tc, {} groups keep {}, scaling {}",
-            n("/router/n_group"),
-            n("/router/topk_group"),
-            g("/router/routed_scaling_factor").as_f64().unwrap_or(1.0)
-        );
     } else {
+        let flavour: Vec<&str> = [
+            ("/full_attention/output_gate", "output gate"),
+            ("/full_attention/qk_norm", "q/k norm"),
+            ("/full_attention/qkv_bias", "q/k/v bias"),
+        ]
+        .iter()
+        .filter(|(p, _)| g(p).as_bool() == Some(true))
+        .map(|(_, name)| *name)
+        .collect();
         println!(
-            "full attention {} heads, {} kv heads, head dim {}, rotary dim {}",
+            "full attention {} heads, {} kv heads, head dim {}, rotary dim {}{}",
             n("/full_attention/heads"),
             n("/full_attention/kv_heads"),
             n("/full_attention/head_dim"),
-            n("/full_attention/rotary_dim")
+            n("/full_attention/rotary_dim"),
+            if flavour.is_empty() {
+                String::new()
+            } else {
+                format!("; {}", flavour.join(", "))
+            }
         );
+    }
+    if g("/linear_attention").is_object() {
         println!(
             "linear attn    {} k heads x {}, {} v heads x {}, conv kernel {}",
             n("/linear_attention/k_heads"),
@@ -260,6 +273,14 @@ fn print_text(s: &Value) {
             n("/linear_attention/v_heads"),
             n("/linear_attention/v_head_dim"),
             n("/linear_attention/conv_kernel")
+        );
+    }
+    if g("/router/kind").as_str() == Some("noaux_tc") {
+        println!(
+            "router         noaux_tc, {} groups keep {}, scaling {}",
+            n("/router/n_group"),
+            n("/router/topk_group"),
+            g("/router/routed_scaling_factor").as_f64().unwrap_or(1.0)
         );
     }
     println!(
