@@ -610,6 +610,7 @@ impl ToolCallParser {
         match j.args {
             ArgsScan::Done => {}
             ArgsScan::Seeking | ArgsScan::Other => self.args(j.index, "{}", out),
+            ArgsScan::Object { depth: 0, .. } => self.args(j.index, "{}", out),
             ArgsScan::Object {
                 depth,
                 arrays,
@@ -624,9 +625,7 @@ impl ToolCallParser {
                     let array = level < 64 && arrays & (1 << level) != 0;
                     tail.push(if array { ']' } else { '}' });
                 }
-                if !tail.is_empty() {
-                    self.args(j.index, &tail, out);
-                }
+                self.args(j.index, &tail, out);
             }
         }
     }
