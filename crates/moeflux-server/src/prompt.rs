@@ -1,6 +1,7 @@
 //! From a validated request to prompt tokens: the chat template (with
 //! `tools`), a forced tool-call opening for `tool_choice` `required` or a
-//! named function, and the message boundaries worth a prefix snapshot.
+//! named function (in the template's spelling, after its reasoning block),
+//! and the message boundaries worth a prefix snapshot.
 //! CPU work (template, tokenizer): run off the async threads.
 
 use moeflux::text::chat::{ChatMessage, ChatTemplate, RenderOptions};
@@ -76,21 +77,26 @@ pub fn chat_prompt(
     };
     let mut text = render(input.messages, &opts)?;
     let mut starts_in_reasoning = text.trim_end().ends_with("<think>");
+    let calls_before = input
+        .messages
+        .iter()
+        .filter(|m| m.role == "assistant")
+        .filter_map(|m| m.tool_calls.as_ref()?.as_array().map(Vec::len))
+        .sum();
     let forced = match (format, input.choice) {
         // With one tool, "required" can only mean that one: force its name.
         (Some(f), ToolChoice::Required) => match input.tools.unwrap_or_default() {
-            [only] => Some(f.forced_prefix(only["function"]["name"].as_str())),
-            _ => Some(f.forced_prefix(None)),
+            [only] => Some(f.forced_prefix(only["function"]["name"].as_str(), calls_before)),
+            _ => Some(f.forced_prefix(None, calls_before)),
         },
-        (Some(f), ToolChoice::Named(n)) => Some(f.forced_prefix(Some(n))),
+        (Some(f), ToolChoice::Named(n)) => Some(f.forced_prefix(Some(n), calls_before)),
         _ => None,
     };
-    if let Some(f) = &forced {
-        if starts_in_reasoning {
-            // Close the (empty) reasoning block before the forced call.
-            text.push_str("\n</think>\n\n");
-            starts_in_reasoning = false;
-        }
+    if let (Some(fmt), Some(f)) = (format, &forced) {
+        // The call goes where the model writes one: after the reasoning
+        // block, closed (and empty) if the prompt left it open.
+        text.push_str(fmt.before_forced_call(&text, template.source()));
+        starts_in_reasoning = false;
         text.push_str(f);
     }
     let tokens = encode(tokenizer, &text)?;

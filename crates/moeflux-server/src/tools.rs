@@ -1,23 +1,32 @@
-//! Tool calls: parsing the model's `<tool_call>` output back into OpenAI
+//! Tool calls: parsing the model's tool-call output back into OpenAI
 //! `tool_calls`, incrementally, and forcing a call for `tool_choice`.
 //!
-//! Two spellings are in use inside `<tool_call>...</tool_call>`:
+//! Four spellings are understood, whatever the template is:
 //!
-//! - **XML** (Qwen3.5 / Qwen3-Coder templates):
+//! - **XML** (Qwen3.5 / Qwen3-Coder templates), inside
+//!   `<tool_call>...</tool_call>`:
 //!   `<function=NAME>\n<parameter=ARG>\nVALUE\n</parameter>\n</function>`;
 //!   values are raw text, typed through the tool's JSON schema.
-//! - **JSON** (Qwen3 / Hermes templates): `{"name": .., "arguments": {..}}`.
+//! - **JSON** (Qwen3 / Hermes templates): `<tool_call>{"name": ..,
+//!   "arguments": {..}}</tool_call>`.
+//! - **GLM** (GLM-4.5 / 4.6 templates): `<tool_call>NAME\n<arg_key>ARG</arg_key>\n
+//!   <arg_value>VALUE</arg_value>\n...</tool_call>`; values are raw text (JSON
+//!   for non-strings), typed through the schema like the XML ones.
+//! - **Kimi** (Kimi K2 templates): `<|tool_calls_section_begin|>` then, per
+//!   call, `<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>
+//!   {JSON}<|tool_call_end|>`, then `<|tool_calls_section_end|>`; the call's
+//!   id is the model's `functions.NAME:IDX`.
 //!
-//! The parser decides per call from the first character after the opening
-//! tag, so either spelling is understood whatever the template is. Text
-//! before a call streams as content; a tail that may still grow into
-//! `<tool_call>` is held back so partial tags never leak; whitespace
-//! between content and a call is dropped. Calls stream as OpenAI deltas:
-//! the name as soon as it is complete, then the arguments — XML one
-//! fragment per finished parameter, JSON as the argument object's text
-//! arrives (a JSON call whose name comes after its arguments, or whose
-//! arguments are a string, is sent whole at the end). A JSON call that
-//! cannot be parsed is returned as content, so no text is lost.
+//! Inside `<tool_call>` the parser decides per call from what follows the
+//! tag: `{` is JSON, `<function=` XML, a function name GLM. Text before a
+//! call streams as content; a tail that may still grow into an opening tag
+//! is held back so partial tags never leak; whitespace between content and
+//! a call is dropped. Calls stream as OpenAI deltas: the name as soon as it
+//! is complete, then the arguments — XML and GLM one fragment per finished
+//! parameter, JSON and Kimi as the argument object's text arrives (a JSON
+//! call whose name comes after its arguments, or whose arguments are a
+//! string, is sent whole at the end). A JSON or Kimi call that cannot be
+//! parsed is returned as content, so no text is lost.
 
 use std::collections::HashMap;
 
@@ -29,23 +38,49 @@ const FUNCTION: &str = "<function=";
 const END_FUNCTION: &str = "</function>";
 const PARAMETER: &str = "<parameter=";
 const END_PARAMETER: &str = "</parameter>";
+const ARG_KEY: &str = "<arg_key>";
+const END_ARG_KEY: &str = "</arg_key>";
+const ARG_VALUE: &str = "<arg_value>";
+const END_ARG_VALUE: &str = "</arg_value>";
+const KIMI_SECTION: &str = "<|tool_calls_section_begin|>";
+const KIMI_SECTION_END: &str = "<|tool_calls_section_end|>";
+const KIMI_CALL: &str = "<|tool_call_begin|>";
+const KIMI_ARGS: &str = "<|tool_call_argument_begin|>";
+const KIMI_CALL_END: &str = "<|tool_call_end|>";
+/// What opens tool calls in text.
+const OPENERS: [&str; 2] = [OPEN, KIMI_SECTION];
 
 /// How a chat template asks the model to write tool calls (decides what a
-/// forced call starts with; parsing accepts both).
+/// forced call starts with; parsing accepts every spelling).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ToolFormat {
+    /// `<tool_call>\n<function=NAME>\n<parameter=..>` (Qwen3.5, Qwen3-Coder).
     Xml,
+    /// `<tool_call>\n{"name": .., "arguments": ..}` (Qwen3, Hermes).
     Json,
+    /// `<tool_call>NAME\n<arg_key>..</arg_key>\n<arg_value>..` (GLM-4.5/4.6).
+    Glm,
+    /// `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX
+    /// <|tool_call_argument_begin|>{..}` (Kimi K2).
+    Kimi,
 }
 
 impl ToolFormat {
     /// The format a template's source teaches, or `None` when the template
     /// does not render tools at all.
     pub fn detect(template_source: &str) -> Option<ToolFormat> {
-        if !template_source.contains("tools") || !template_source.contains(OPEN) {
+        if !template_source.contains("tools") {
             return None;
         }
-        if template_source.contains(FUNCTION) {
+        if template_source.contains(KIMI_SECTION) {
+            return Some(ToolFormat::Kimi);
+        }
+        if !template_source.contains(OPEN) {
+            return None;
+        }
+        if template_source.contains(ARG_KEY) {
+            Some(ToolFormat::Glm)
+        } else if template_source.contains(FUNCTION) {
             Some(ToolFormat::Xml)
         } else {
             Some(ToolFormat::Json)
@@ -54,14 +89,45 @@ impl ToolFormat {
 
     /// Text appended to the prompt so that the model's next tokens are the
     /// inside of a tool call (`tool_choice: "required"`), of a call to
-    /// `name` when given.
-    pub fn forced_prefix(self, name: Option<&str>) -> String {
+    /// `name` when given. The parser is fed it as the start of the answer.
+    /// `calls_before`: the tool calls of the conversation so far (Kimi
+    /// numbers calls across the conversation: `functions.NAME:IDX`).
+    pub fn forced_prefix(self, name: Option<&str>, calls_before: usize) -> String {
         match (self, name) {
+            (ToolFormat::Kimi, None) => format!("{KIMI_SECTION}{KIMI_CALL}"),
+            (ToolFormat::Kimi, Some(n)) => {
+                format!("{KIMI_SECTION}{KIMI_CALL}functions.{n}:{calls_before}{KIMI_ARGS}")
+            }
+            (ToolFormat::Glm, None) => OPEN.to_string(),
+            (ToolFormat::Glm, Some(n)) => format!("{OPEN}{n}\n"),
             (_, None) => format!("{OPEN}\n"),
             (ToolFormat::Xml, Some(n)) => format!("{OPEN}\n{FUNCTION}{n}>\n"),
             (ToolFormat::Json, Some(n)) => {
                 format!("{OPEN}\n{{\"name\": {}, \"arguments\": ", Json::from(n))
             }
+        }
+    }
+
+    /// What a prompt (rendered by `template_source`) needs before a forced
+    /// call so that the call stands where the model writes one: an open
+    /// reasoning block closed, or the empty one these templates write
+    /// before an answer that does not think.
+    pub fn before_forced_call(self, prompt: &str, template_source: &str) -> &'static str {
+        let p = prompt.trim_end();
+        let open_think = p.ends_with("<think>");
+        match self {
+            ToolFormat::Xml | ToolFormat::Json if open_think => "\n</think>\n\n",
+            ToolFormat::Xml | ToolFormat::Json => "",
+            // GLM-4.5/4.6 answers start `\n<think>...</think>\n`; a prompt
+            // with thinking off ends in the empty block already.
+            ToolFormat::Glm if open_think => "</think>\n",
+            ToolFormat::Glm if p.ends_with("</think>") => "\n",
+            ToolFormat::Glm => "\n<think></think>\n",
+            // Kimi K2.5 opens `<think>` in the prompt; K2-Thinking writes
+            // `<think></think>` before an answer without reasoning.
+            ToolFormat::Kimi if open_think => "</think>",
+            ToolFormat::Kimi if template_source.contains("<think></think>") => "<think></think>",
+            ToolFormat::Kimi => "",
         }
     }
 }
@@ -136,6 +202,17 @@ enum State {
     },
     /// XML spelling after `</function>`: wait for the closing tag.
     XmlEnd,
+    /// GLM spelling after the name: `<arg_key>`/`<arg_value>` pairs.
+    GlmArgs {
+        index: usize,
+        any: bool,
+    },
+    /// Kimi spelling: inside the tool-calls section, between calls.
+    KimiSection,
+    /// Kimi spelling: after `<|tool_call_begin|>`, before the arguments.
+    KimiCall,
+    /// Kimi spelling: a call's JSON arguments streaming.
+    KimiArgs(JsonStream),
 }
 
 pub struct ToolCallParser {
@@ -177,8 +254,10 @@ impl ToolCallParser {
         out
     }
 
-    /// The generation ended: flush what is held back. An unfinished XML
-    /// call is closed with what it has; an unfinished JSON call is content.
+    /// The generation ended: flush what is held back. An unfinished XML or
+    /// GLM call is closed with the parameters it has, a JSON or Kimi call
+    /// whose name was out with the arguments it has (open strings, arrays
+    /// and objects closed); anything less is content.
     pub fn finish(&mut self) -> Vec<Delta> {
         let mut out = Vec::new();
         while self.step(&mut out) {}
@@ -194,11 +273,17 @@ impl ToolCallParser {
             }
             State::CallStart => self.end_json_call(None, &rest, false, &mut out),
             State::Json(js) => self.end_json_call(js, &rest, false, &mut out),
-            State::XmlParams { index, any } => {
+            State::XmlParams { index, any } | State::GlmArgs { index, any } => {
                 // Parameters finished so far are in; close the object.
                 self.args(index, if any { "}" } else { "{}" }, &mut out);
             }
-            State::XmlEnd => {}
+            State::XmlEnd | State::KimiSection => {}
+            State::KimiCall => push_content(&mut out, format!("{KIMI_CALL}{rest}")),
+            State::KimiArgs(JsonStream {
+                index,
+                args: ArgsScan::Seeking | ArgsScan::Other,
+            }) => self.args(index, &kimi_args(&rest), &mut out),
+            State::KimiArgs(js) => self.close_args(js, &mut out),
         }
         out
     }
@@ -223,9 +308,24 @@ impl ToolCallParser {
                     true
                 } else if t.is_empty() || FUNCTION.starts_with(t) {
                     false
+                } else if let Some(end) = t.find(['\n', '<']) {
+                    let name = t[..end].trim_end();
+                    if !is_name(name) {
+                        // No spelling: treat as JSON (parsed, or returned
+                        // as text at the closing tag).
+                        self.state = State::Json(None);
+                        return true;
+                    }
+                    // GLM: the name, then its arguments.
+                    let name = name.to_string();
+                    self.buf = t[end..].to_string();
+                    let index = self.start_call(name, out);
+                    self.state = State::GlmArgs { index, any: false };
+                    true
+                } else if is_name(t.trim_end()) {
+                    // A GLM name may be on its way.
+                    false
                 } else {
-                    // Neither spelling: treat as JSON (parsed or returned
-                    // as text at the closing tag).
                     self.state = State::Json(None);
                     true
                 }
@@ -244,6 +344,10 @@ impl ToolCallParser {
                 true
             }
             State::XmlParams { index, any } => self.step_xml_params(index, any, out),
+            State::GlmArgs { index, any } => self.step_glm_args(index, any, out),
+            State::KimiSection => self.step_kimi_section(),
+            State::KimiCall => self.step_kimi_call(out),
+            State::KimiArgs(js) => self.step_kimi_args(js, out),
             State::XmlEnd => {
                 let Some(end) = self.buf.find(CLOSE) else {
                     // Anything else before the closing tag is ignored.
@@ -259,17 +363,29 @@ impl ToolCallParser {
     }
 
     fn step_text(&mut self, out: &mut Vec<Delta>) -> bool {
-        if let Some(i) = self.buf.find(OPEN) {
+        let opener = OPENERS
+            .iter()
+            .filter_map(|tag| self.buf.find(tag).map(|i| (i, *tag)))
+            .min();
+        if let Some((i, tag)) = opener {
             let before = self.buf[..i].to_string();
-            self.buf.drain(..i + OPEN.len());
+            self.buf.drain(..i + tag.len());
             // Content directly before a call loses its trailing whitespace.
             let mut s = std::mem::take(&mut self.pending_ws);
             s.push_str(&before);
             push_content(out, s.trim_end().to_string());
-            self.state = State::CallStart;
+            self.state = if tag == OPEN {
+                State::CallStart
+            } else {
+                State::KimiSection
+            };
             return true;
         }
-        let keep = held_prefix(&self.buf, OPEN);
+        let keep = OPENERS
+            .iter()
+            .map(|tag| held_prefix(&self.buf, tag))
+            .max()
+            .unwrap_or(0);
         let ready: String = self.buf.drain(..self.buf.len() - keep).collect();
         let mut s = std::mem::take(&mut self.pending_ws);
         s.push_str(&ready);
@@ -291,7 +407,7 @@ impl ToolCallParser {
             };
             let pname = after[..gt].trim().to_string();
             let raw = &after[gt + 1..gt + 1 + end];
-            let value = self.typed_value(index, &pname, raw);
+            let value = self.typed_value(index, &pname, raw, true);
             let frag = format!(
                 "{}{}:{}",
                 if any { "," } else { "{" },
@@ -332,8 +448,12 @@ impl ToolCallParser {
     }
 
     fn start_call(&mut self, name: String, out: &mut Vec<Delta>) -> usize {
-        let index = self.calls.len();
         let id = (self.next_id)();
+        self.start_call_with_id(id, name, out)
+    }
+
+    fn start_call_with_id(&mut self, id: String, name: String, out: &mut Vec<Delta>) -> usize {
+        let index = self.calls.len();
         out.push(Delta::CallStart {
             index,
             id: id.clone(),
@@ -475,18 +595,28 @@ impl ToolCallParser {
             return;
         };
         match j.args {
-            ArgsScan::Done => {}
             ArgsScan::Seeking | ArgsScan::Other => {
                 let args = json_call(body).map_or_else(|| "{}".to_string(), |(_, a)| a);
                 self.args(j.index, &args, out);
             }
+            _ => self.close_args(j, out),
+        }
+    }
+
+    /// A streamed arguments object is over: complete it if it was cut
+    /// short (the open string, arrays and objects closed); `{}` if it never
+    /// started.
+    fn close_args(&mut self, j: JsonStream, out: &mut Vec<Delta>) {
+        match j.args {
+            ArgsScan::Done => {}
+            ArgsScan::Seeking | ArgsScan::Other => self.args(j.index, "{}", out),
+            ArgsScan::Object { depth: 0, .. } => self.args(j.index, "{}", out),
             ArgsScan::Object {
                 depth,
                 arrays,
                 in_str,
                 ..
             } => {
-                // Cut short: close the open string, arrays and objects.
                 let mut tail = String::new();
                 if in_str {
                     tail.push('"');
@@ -500,11 +630,170 @@ impl ToolCallParser {
         }
     }
 
-    /// An XML parameter value as JSON: a string where the schema says so,
-    /// else the value parsed as JSON when it is valid JSON, else a string.
-    fn typed_value(&self, index: usize, param: &str, raw: &str) -> String {
-        let raw = raw.strip_prefix('\n').unwrap_or(raw);
-        let raw = raw.strip_suffix('\n').unwrap_or(raw);
+    /// GLM spelling after the name: the next `<arg_key>K</arg_key>
+    /// <arg_value>V</arg_value>` pair, or the closing tag.
+    fn step_glm_args(&mut self, index: usize, any: bool, out: &mut Vec<Delta>) -> bool {
+        let t = self.buf.trim_start();
+        if let Some(after) = t.strip_prefix(ARG_KEY) {
+            let Some(kend) = after.find(END_ARG_KEY) else {
+                return false;
+            };
+            let key = after[..kend].trim().to_string();
+            let rest = &after[kend + END_ARG_KEY.len()..];
+            let r = rest.trim_start();
+            let Some(vstart) = r.strip_prefix(ARG_VALUE) else {
+                if r.is_empty() || ARG_VALUE.starts_with(r) {
+                    return false;
+                }
+                // A key without a value: skip it.
+                self.buf = rest.to_string();
+                return true;
+            };
+            let Some(vend) = vstart.find(END_ARG_VALUE) else {
+                return false;
+            };
+            let value = self.typed_value(index, &key, &vstart[..vend], false);
+            let frag = format!(
+                "{}{}:{}",
+                if any { "," } else { "{" },
+                Json::from(key),
+                value
+            );
+            self.buf = vstart[vend + END_ARG_VALUE.len()..].to_string();
+            self.args(index, &frag, out);
+            self.state = State::GlmArgs { index, any: true };
+            return true;
+        }
+        if let Some(rest) = t.strip_prefix(CLOSE) {
+            self.buf = rest.to_string();
+            self.args(index, if any { "}" } else { "{}" }, out);
+            self.state = State::Text;
+            return true;
+        }
+        if t.is_empty() || [ARG_KEY, CLOSE].iter().any(|tag| tag.starts_with(t)) {
+            return false;
+        }
+        // Stray text between parameters: skip to the next tag.
+        let first = t.chars().next().map_or(1, char::len_utf8);
+        let skip = self.buf.len() - t.len() + t[first..].find('<').map_or(t.len(), |i| i + first);
+        self.buf.drain(..skip);
+        true
+    }
+
+    /// Kimi spelling between calls: the next call, or the section's end.
+    fn step_kimi_section(&mut self) -> bool {
+        let t = self.buf.trim_start();
+        for (tag, next) in [
+            (KIMI_CALL, State::KimiCall),
+            (KIMI_SECTION_END, State::Text),
+        ] {
+            if let Some(rest) = t.strip_prefix(tag) {
+                self.buf = rest.to_string();
+                self.state = next;
+                return true;
+            }
+        }
+        if t.is_empty()
+            || [KIMI_CALL, KIMI_SECTION_END]
+                .iter()
+                .any(|tag| tag.starts_with(t))
+        {
+            return false;
+        }
+        // Stray text inside the section: skip to the next tag.
+        let first = t.chars().next().map_or(1, char::len_utf8);
+        let skip = self.buf.len() - t.len() + t[first..].find('<').map_or(t.len(), |i| i + first);
+        self.buf.drain(..skip);
+        true
+    }
+
+    /// Kimi spelling after `<|tool_call_begin|>`: the call's id up to
+    /// `<|tool_call_argument_begin|>`. A call whose id names no function,
+    /// or that has no arguments tag, is content.
+    fn step_kimi_call(&mut self, out: &mut Vec<Delta>) -> bool {
+        let end = self.buf.find(KIMI_CALL_END);
+        let a = self
+            .buf
+            .find(KIMI_ARGS)
+            .filter(|&a| end.is_none_or(|e| a < e));
+        let name = a.and_then(|a| kimi_name(self.buf[..a].trim()).map(str::to_string));
+        let (Some(a), Some(name)) = (a, name) else {
+            // Not a call: content once it is over.
+            let Some(end) = end else {
+                return false;
+            };
+            let raw: String = self.buf.drain(..end + KIMI_CALL_END.len()).collect();
+            push_content(out, format!("{KIMI_CALL}{raw}"));
+            self.state = State::KimiSection;
+            return true;
+        };
+        let id = self.buf[..a].trim().to_string();
+        self.buf.drain(..a + KIMI_ARGS.len());
+        let index = self.start_call_with_id(id, name, out);
+        self.state = State::KimiArgs(JsonStream {
+            index,
+            args: ArgsScan::Seeking,
+        });
+        true
+    }
+
+    /// Kimi spelling: a call's arguments up to `<|tool_call_end|>`, streamed
+    /// as the object's text arrives. Arguments that are not an object are
+    /// parsed whole at the end (a JSON string holding an object is
+    /// accepted), else `{}`.
+    fn step_kimi_args(&mut self, mut js: JsonStream, out: &mut Vec<Delta>) -> bool {
+        let close = self.buf.find(KIMI_CALL_END);
+        if let ArgsScan::Seeking = js.args {
+            let t = self.buf.trim_start();
+            match t.chars().next() {
+                None if close.is_none() => return false,
+                Some('{') => {
+                    js.args = ArgsScan::Object {
+                        scanned: self.buf.len() - t.len(),
+                        depth: 0,
+                        arrays: 0,
+                        in_str: false,
+                        esc: false,
+                    }
+                }
+                _ => js.args = ArgsScan::Other,
+            }
+        }
+        if let ArgsScan::Other = js.args {
+            let Some(end) = close else {
+                self.state = State::KimiArgs(js);
+                return false;
+            };
+            let args = kimi_args(&self.buf[..end]);
+            self.args(js.index, &args, out);
+            self.buf.drain(..end + KIMI_CALL_END.len());
+            self.state = State::KimiSection;
+            return true;
+        }
+        let limit = close.unwrap_or_else(|| self.buf.len() - held_prefix(&self.buf, KIMI_CALL_END));
+        let js = self
+            .json_progress(Some(js), limit, out)
+            .expect("a started call");
+        let Some(end) = close else {
+            self.state = State::KimiArgs(js);
+            return false;
+        };
+        self.close_args(js, out);
+        self.buf.drain(..end + KIMI_CALL_END.len());
+        self.state = State::KimiSection;
+        true
+    }
+
+    /// An XML or GLM parameter value as JSON: a string where the schema
+    /// says so, else the value parsed as JSON when it is valid JSON, else a
+    /// string. `strip`: the XML spelling's newline after the opening tag and
+    /// before the closing one are not part of the value.
+    fn typed_value(&self, index: usize, param: &str, raw: &str, strip: bool) -> String {
+        let mut raw = raw;
+        if strip {
+            raw = raw.strip_prefix('\n').unwrap_or(raw);
+            raw = raw.strip_suffix('\n').unwrap_or(raw);
+        }
         let ty = self
             .schemas
             .get(&self.calls[index].name)
@@ -590,6 +879,38 @@ fn json_args_start(body: &str) -> Option<Option<usize>> {
         None => None,
         Some('{') => Some(Some(body.len() - t.len())),
         Some(_) => Some(None),
+    }
+}
+
+/// A function name as the GLM spelling writes it after `<tool_call>`: no
+/// spaces or markup (letters, digits, `_`, `-`, `.`, `:`, `/`).
+fn is_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_alphanumeric() || matches!(c, '_' | '-' | '.' | ':' | '/'))
+}
+
+/// The function name in a Kimi call id, `functions.NAME:IDX` (or `NAME:IDX`,
+/// or `NAME`).
+fn kimi_name(id: &str) -> Option<&str> {
+    let name = id.strip_prefix("functions.").unwrap_or(id);
+    let name = match name.rsplit_once(':') {
+        Some((n, idx)) if !idx.is_empty() && idx.bytes().all(|b| b.is_ascii_digit()) => n,
+        _ => name,
+    };
+    is_name(name).then_some(name)
+}
+
+/// Kimi arguments that did not stream as an object: a JSON object, or a
+/// JSON string holding one, compact; else `{}`.
+fn kimi_args(body: &str) -> String {
+    let v = match serde_json::from_str::<Json>(body.trim()) {
+        Ok(Json::String(s)) => serde_json::from_str::<Json>(&s).ok(),
+        other => other.ok(),
+    };
+    match v {
+        Some(v @ Json::Object(_)) => v.to_string(),
+        _ => "{}".to_string(),
     }
 }
 
@@ -830,12 +1151,19 @@ mod tests {
 
     #[test]
     fn forced_prefixes_parse_as_calls() {
-        for format in [ToolFormat::Xml, ToolFormat::Json] {
+        for format in [
+            ToolFormat::Xml,
+            ToolFormat::Json,
+            ToolFormat::Glm,
+            ToolFormat::Kimi,
+        ] {
             let mut p = parser(None);
-            let mut d = p.push(&format.forced_prefix(Some("f")));
+            let mut d = p.push(&format.forced_prefix(Some("f"), 3));
             let rest = match format {
                 ToolFormat::Xml => "<parameter=q>\nhi\n</parameter>\n</function>\n</tool_call>",
                 ToolFormat::Json => "{\"q\": \"hi\"}}\n</tool_call>",
+                ToolFormat::Glm => "<arg_key>q</arg_key>\n<arg_value>hi</arg_value>\n</tool_call>",
+                ToolFormat::Kimi => "{\"q\": \"hi\"}<|tool_call_end|><|tool_calls_section_end|>",
             };
             d.extend(p.push(rest));
             d.extend(p.finish());
@@ -845,7 +1173,314 @@ mod tests {
             assert_eq!(calls[0].1, "f");
             let args: Json = serde_json::from_str(&calls[0].2).unwrap();
             assert_eq!(args, serde_json::json!({"q": "hi"}));
+            if format == ToolFormat::Kimi {
+                assert_eq!(calls[0].0, "functions.f:3");
+            }
+            // The call is out before the model writes anything (XML, GLM,
+            // Kimi: arguments `{}` if it writes nothing useful).
+            if format != ToolFormat::Json {
+                let mut p = parser(None);
+                let mut d = p.push(&format.forced_prefix(Some("f"), 0));
+                d.extend(p.push("ünparseable"));
+                d.extend(p.finish());
+                let (content, calls) = assemble(&d);
+                assert_eq!(content, "", "{format:?}");
+                assert_eq!((calls[0].1.as_str(), calls[0].2.as_str()), ("f", "{}"));
+            }
+            // Without a name: the model writes it.
+            let mut p = parser(None);
+            let mut d = p.push(&format.forced_prefix(None, 0));
+            let rest = match format {
+                ToolFormat::Xml => "<function=g>\n</function>\n</tool_call>",
+                ToolFormat::Json => "{\"name\": \"g\"}\n</tool_call>",
+                ToolFormat::Glm => "g\n</tool_call>",
+                ToolFormat::Kimi => "functions.g:0<|tool_call_argument_begin|>{}<|tool_call_end|>",
+            };
+            d.extend(p.push(rest));
+            d.extend(p.finish());
+            let (content, calls) = assemble(&d);
+            assert_eq!(content, "", "{format:?}");
+            assert_eq!(calls.len(), 1, "{format:?}");
+            assert_eq!((calls[0].1.as_str(), calls[0].2.as_str()), ("g", "{}"));
         }
+    }
+
+    #[test]
+    fn glm_calls_with_typed_arguments() {
+        let tools = weather_tools();
+        // As the GLM-4.5 template writes calls (tests/fixtures/templates).
+        let text = "Let me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Zürich</arg_value>\n<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n<arg_key>zip</arg_key>\n<arg_value>75001</arg_value>\n<arg_key>opts</arg_key>\n<arg_value>{\"langs\": [\"de\", \"fr\"], \"metric\": true}</arg_value>\n</tool_call>\n<tool_call>now\n</tool_call>";
+        let (content, calls) = check_all_splits(Some(&tools), text);
+        assert_eq!(content, "Let me check.");
+        assert_eq!(calls.len(), 2);
+        assert_eq!(calls[0].0, "get_weather");
+        let args: Json = serde_json::from_str(&calls[0].1).unwrap();
+        assert_eq!(
+            args,
+            json!({"city": "Zürich", "days": 2, "zip": "75001",
+                   "opts": {"langs": ["de", "fr"], "metric": true}})
+        );
+        assert_eq!(calls[1], ("now".to_string(), "{}".to_string()));
+        // String values are raw text: newlines and markup-free `<` kept.
+        let (_, calls) = check_all_splits(
+            Some(&tools),
+            "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>\nNew\nYork < 3 \n</arg_value>\n</tool_call>",
+        );
+        assert_eq!(calls[0].1, "{\"city\":\"\\nNew\\nYork < 3 \\n\"}");
+        // The compact spelling (GLM-4.7), text after the calls.
+        let (content, calls) = check_all_splits(
+            None,
+            "<tool_call>f<arg_key>a</arg_key><arg_value>[1, 2]</arg_value><arg_key>b</arg_key><arg_value>x y</arg_value></tool_call> done",
+        );
+        assert_eq!(content, " done");
+        assert_eq!(
+            calls,
+            vec![("f".to_string(), "{\"a\":[1,2],\"b\":\"x y\"}".to_string())]
+        );
+    }
+
+    #[test]
+    fn glm_streams_name_then_each_argument() {
+        let mut p = parser(None);
+        assert!(p.push("<tool_call>get_wea").is_empty());
+        let d = p.push("ther\n<arg_key>city</arg_key>\n<arg_value>Pa");
+        assert_eq!(
+            d,
+            vec![Delta::CallStart {
+                index: 0,
+                id: "call_1".into(),
+                name: "get_weather".into()
+            }]
+        );
+        let d = p.push("ris</arg_value>\n");
+        assert_eq!(
+            d,
+            vec![Delta::CallArgs {
+                index: 0,
+                fragment: "{\"city\":\"Paris\"".into()
+            }]
+        );
+        let d = p.push("</tool_call>");
+        assert_eq!(
+            d,
+            vec![Delta::CallArgs {
+                index: 0,
+                fragment: "}".into()
+            }]
+        );
+        assert!(p.finish().is_empty());
+    }
+
+    #[test]
+    fn glm_malformed_and_unfinished_calls() {
+        // Not a function name: the text is content.
+        let (content, calls) = check_all_splits(None, "a <tool_call>not a name</tool_call> b");
+        assert!(calls.is_empty());
+        assert_eq!(content, "a<tool_call>not a name</tool_call> b");
+        // Cut off inside the name: content.
+        let (content, calls) = check_all_splits(None, "<tool_call>get_wea");
+        assert!(calls.is_empty());
+        assert_eq!(content, "<tool_call>get_wea");
+        // Cut off inside an argument: the finished ones.
+        let (_, calls) = check_all_splits(
+            None,
+            "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n<arg_key>b</arg_key>\n<arg_value>unfin",
+        );
+        assert_eq!(calls, vec![("f".to_string(), "{\"a\":1}".to_string())]);
+        // Stray text and a key without a value are skipped.
+        let (_, calls) = check_all_splits(
+            None,
+            "<tool_call>f\njunk ☃ <arg_key>k</arg_key> oops <arg_key>a</arg_key><arg_value>1</arg_value>☃</tool_call>",
+        );
+        assert_eq!(calls, vec![("f".to_string(), "{\"a\":1}".to_string())]);
+    }
+
+    const KIMI: &str = "I'll check. <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{\"city\": \"Zürich\", \"opts\": {\"t\": \"}<|\"}}<|tool_call_end|><|tool_call_begin|>functions.now:1<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>";
+
+    #[test]
+    fn kimi_calls() {
+        let (content, calls) = check_all_splits(None, KIMI);
+        assert_eq!(content, "I'll check.");
+        assert_eq!(
+            calls,
+            vec![
+                (
+                    "get_weather".to_string(),
+                    "{\"city\": \"Zürich\", \"opts\": {\"t\": \"}<|\"}}".to_string()
+                ),
+                ("now".to_string(), "{}".to_string())
+            ]
+        );
+        // The model's ids are the calls' ids.
+        let d = run_split(None, KIMI, usize::MAX);
+        let ids: Vec<_> = d
+            .iter()
+            .filter_map(|d| match d {
+                Delta::CallStart { id, .. } => Some(id.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(ids, ["functions.get_weather:0", "functions.now:1"]);
+        // Text after the section is content; arguments given as a JSON
+        // string holding an object are accepted.
+        let (content, calls) = check_all_splits(
+            None,
+            "<|tool_calls_section_begin|>\n<|tool_call_begin|> f:2 <|tool_call_argument_begin|> \"{\\\"a\\\": 1}\" <|tool_call_end|>\n<|tool_calls_section_end|> ok",
+        );
+        assert_eq!(content, " ok");
+        assert_eq!(calls, vec![("f".to_string(), "{\"a\":1}".to_string())]);
+    }
+
+    #[test]
+    fn kimi_streams_name_then_arguments() {
+        let mut p = parser(None);
+        assert!(p
+            .push("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_arg")
+            .is_empty());
+        let d = p.push("ument_begin|>{\"city\": \"Pa");
+        assert_eq!(
+            d,
+            vec![
+                Delta::CallStart {
+                    index: 0,
+                    id: "functions.get_weather:0".into(),
+                    name: "get_weather".into()
+                },
+                Delta::CallArgs {
+                    index: 0,
+                    fragment: "{\"city\": \"Pa".into()
+                }
+            ]
+        );
+        // A partial closing tag is held back.
+        let d = p.push("ris\"}<|tool_ca");
+        assert_eq!(
+            d,
+            vec![Delta::CallArgs {
+                index: 0,
+                fragment: "ris\"}".into()
+            }]
+        );
+        assert!(p.push("ll_end|><|tool_calls_section_end|>").is_empty());
+        assert!(p.finish().is_empty());
+        assert_eq!(p.calls()[0].arguments, "{\"city\": \"Paris\"}");
+    }
+
+    #[test]
+    fn kimi_malformed_and_unfinished_calls() {
+        // No arguments tag: content. Arguments that are not a JSON object
+        // after a function's name (as with the JSON spelling): `{}`.
+        let bad = "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>oops<|tool_call_end|><|tool_call_begin|>functions.g:1<|tool_call_end|><|tool_calls_section_end|>";
+        let (content, calls) = check_all_splits(None, bad);
+        assert_eq!(calls, vec![("f".to_string(), "{}".to_string())]);
+        assert_eq!(content, "<|tool_call_begin|>functions.g:1<|tool_call_end|>");
+        // An id that names no function: content.
+        let (content, calls) = check_all_splits(
+            None,
+            "<|tool_calls_section_begin|><|tool_call_begin|>not a name<|tool_call_argument_begin|>{}<|tool_call_end|>",
+        );
+        assert!(calls.is_empty());
+        assert_eq!(
+            content,
+            "<|tool_call_begin|>not a name<|tool_call_argument_begin|>{}<|tool_call_end|>"
+        );
+        // Cut off in the arguments: a call, closed.
+        let (_, calls) = check_all_splits(
+            None,
+            "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{\"a\": [1, \"x",
+        );
+        assert_eq!(
+            calls,
+            vec![("f".to_string(), "{\"a\": [1, \"x\"]}".to_string())]
+        );
+        serde_json::from_str::<Json>(&calls[0].1).unwrap();
+        // Cut off before the arguments' first character: a call; before
+        // the arguments tag: content.
+        let (_, calls) = check_all_splits(
+            None,
+            "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>",
+        );
+        assert_eq!(calls, vec![("f".to_string(), "{}".to_string())]);
+        let (content, calls) = check_all_splits(
+            None,
+            "<|tool_calls_section_begin|><|tool_call_begin|>functions.f",
+        );
+        assert!(calls.is_empty());
+        assert_eq!(content, "<|tool_call_begin|>functions.f");
+        // A held partial section tag at the end is content after all.
+        let (content, _) = check_all_splits(None, "see <|tool_calls_sec");
+        assert_eq!(content, "see <|tool_calls_sec");
+    }
+
+    /// The templates of tests/fixtures/templates.
+    fn fixture_template(dir: &str) -> String {
+        let d = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/templates")
+            .join(dir);
+        match std::fs::read_to_string(d.join("chat_template.jinja")) {
+            Ok(s) => s,
+            Err(_) => {
+                let cfg: Json = serde_json::from_str(
+                    &std::fs::read_to_string(d.join("tokenizer_config.json")).unwrap(),
+                )
+                .unwrap();
+                cfg["chat_template"].as_str().unwrap().to_string()
+            }
+        }
+    }
+
+    #[test]
+    fn detects_the_real_templates() {
+        let cases = [
+            ("qwen3", Some(ToolFormat::Json)),
+            ("qwen3-2507-instruct", Some(ToolFormat::Json)),
+            ("qwen3-2507-thinking", Some(ToolFormat::Json)),
+            ("qwen3.5", Some(ToolFormat::Xml)),
+            ("qwen3-coder", Some(ToolFormat::Xml)),
+            ("glm4.5", Some(ToolFormat::Glm)),
+            ("kimi-k2", Some(ToolFormat::Kimi)),
+            ("kimi-k2-thinking", Some(ToolFormat::Kimi)),
+            // Llama 3.1 renders tools, but with its own JSON convention.
+            ("llama3.1", None),
+        ];
+        for (dir, want) in cases {
+            assert_eq!(ToolFormat::detect(&fixture_template(dir)), want, "{dir}");
+        }
+    }
+
+    #[test]
+    fn what_goes_before_a_forced_call() {
+        let glm = fixture_template("glm4.5");
+        let kimi = fixture_template("kimi-k2");
+        let kimi_thinking = fixture_template("kimi-k2-thinking");
+        let f =
+            |format: ToolFormat, prompt: &str, src: &str| format.before_forced_call(prompt, src);
+        assert_eq!(
+            f(ToolFormat::Xml, "<|im_start|>assistant\n<think>\n", ""),
+            "\n</think>\n\n"
+        );
+        assert_eq!(f(ToolFormat::Json, "<|im_start|>assistant\n", ""), "");
+        // GLM-4.5: thinking on by default (bare `<|assistant|>`), or off.
+        assert_eq!(
+            f(ToolFormat::Glm, "<|user|>\nhi<|assistant|>", &glm),
+            "\n<think></think>\n"
+        );
+        assert_eq!(
+            f(ToolFormat::Glm, "<|assistant|>\n<think></think>", &glm),
+            "\n"
+        );
+        assert_eq!(
+            f(ToolFormat::Glm, "<|assistant|><think>", &glm),
+            "</think>\n"
+        );
+        // Kimi: K2 answers at once, K2-Thinking after an empty block.
+        let p = "<|im_assistant|>assistant<|im_middle|>";
+        assert_eq!(f(ToolFormat::Kimi, p, &kimi), "");
+        assert_eq!(f(ToolFormat::Kimi, p, &kimi_thinking), "<think></think>");
+        assert_eq!(
+            f(ToolFormat::Kimi, &format!("{p}<think>"), &kimi),
+            "</think>"
+        );
     }
 
     #[test]

@@ -762,3 +762,191 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
     }
     out
 }
+
+/// A private copy of the model with the template of
+/// `tests/fixtures/templates/<name>`, and a server on it.
+fn server_with_template(name: &str) -> (tempfile::TempDir, PathBuf, Server) {
+    let (tmp, dir) = private_copy();
+    std::fs::copy(
+        fixtures()
+            .join("templates")
+            .join(name)
+            .join("chat_template.jinja"),
+        dir.join("chat_template.jinja"),
+    )
+    .unwrap();
+    let d = dir.clone();
+    let s = Server::start(
+        &dir,
+        ServerOptions::default(),
+        Box::new(move || {
+            Session::open(
+                &d,
+                SessionOptions {
+                    threads: Some(2),
+                    ..Default::default()
+                },
+            )
+            .map_err(|e| e.to_string())
+        }),
+    )
+    .unwrap();
+    (tmp, dir, s)
+}
+
+/// The prompt of a conversation as the server renders it.
+fn render_prompt(
+    dir: &Path,
+    messages: Value,
+    choice: moeflux_server::api::ToolChoice,
+    kwargs: Option<Value>,
+) -> (String, moeflux_server::prompt::ChatPrompt) {
+    use moeflux::text::chat::{ChatMessage, ChatTemplate};
+    use moeflux::text::tokenizer::Tokenizer;
+    use moeflux_server::prompt::{chat_prompt, ChatInput};
+    let tok = Tokenizer::from_model_dir(dir).unwrap();
+    let tpl = ChatTemplate::from_model_dir(dir).unwrap();
+    let messages: Vec<ChatMessage> = serde_json::from_value(messages).unwrap();
+    let tools: Vec<Value> = serde_json::from_value(weather_tools()).unwrap();
+    let kwargs = kwargs.map(|k| k.as_object().unwrap().clone());
+    let p = chat_prompt(
+        &tpl,
+        &tok,
+        moeflux_server::tools::ToolFormat::detect(tpl.source()),
+        &ChatInput {
+            messages: &messages,
+            tools: Some(&tools),
+            choice: &choice,
+            template_kwargs: kwargs.as_ref(),
+        },
+    )
+    .unwrap();
+    (tok.decode(&p.tokens, false).unwrap(), p)
+}
+
+/// A conversation with one call of `get_weather` and its result.
+fn weather_history() -> Value {
+    json!([
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ])
+}
+
+/// A forced call of `get_weather`, whole and streamed: the same call.
+async fn forced_weather_call(s: &Server) -> Value {
+    let mut body = greedy(json!([{"role": "user", "content": "Weather in Rome?"}]), 16);
+    body["tools"] = weather_tools();
+    body["tool_choice"] = json!({"type": "function", "function": {"name": "get_weather"}});
+    let v = chat(s, body.clone()).await;
+    let mut call = v["choices"][0]["message"]["tool_calls"][0].clone();
+    assert_eq!(call["function"]["name"], "get_weather", "{v}");
+    let args: Value =
+        serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert!(args.is_object());
+    body["stream"] = json!(true);
+    let data = sse(s, &body).await;
+    let (mut id, mut name, mut arguments) = (String::new(), String::new(), String::new());
+    for d in &data[..data.len() - 1] {
+        let c: Value = serde_json::from_str(d).unwrap();
+        if let Some(tc) = c["choices"][0]["delta"]["tool_calls"].as_array() {
+            id.push_str(tc[0]["id"].as_str().unwrap_or(""));
+            name.push_str(tc[0]["function"]["name"].as_str().unwrap_or(""));
+            arguments.push_str(tc[0]["function"]["arguments"].as_str().unwrap_or(""));
+        }
+    }
+    assert_eq!(name, "get_weather");
+    assert_eq!(arguments, call["function"]["arguments"].as_str().unwrap());
+    call["streamed_id"] = id.into();
+    call
+}
+
+/// The GLM-4.5 template: tool history in its `<arg_key>` spelling, thinking
+/// switches, and a forced call opening after the empty reasoning block.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn glm_template_tools_and_forced_calls() {
+    use moeflux_server::api::ToolChoice;
+    let (_tmp, dir, s) = server_with_template("glm4.5");
+    assert_eq!(
+        s.state().tool_format,
+        Some(moeflux_server::tools::ToolFormat::Glm)
+    );
+    let (text, p) = render_prompt(&dir, weather_history(), ToolChoice::Auto, None);
+    assert!(
+        text.starts_with("[gMASK]<sop><|system|>\n# Tools"),
+        "{text}"
+    );
+    assert!(
+        text.contains("<|assistant|>\n<think></think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call><|observation|>\n<tool_response>\nsunny\n</tool_response><|assistant|>"),
+        "{text}"
+    );
+    assert!(text.ends_with("<|assistant|>"), "{text}");
+    assert!(p.parse_tools && p.forced.is_none() && !p.boundaries.is_empty());
+
+    // A forced call: the call's opening after the empty reasoning block,
+    // with thinking left on (the template's default) or off.
+    let named = || ToolChoice::Named("get_weather".into());
+    let user = json!([{"role": "user", "content": "Weather in Rome?"}]);
+    let (text, p) = render_prompt(&dir, user.clone(), named(), None);
+    assert!(
+        text.ends_with("Weather in Rome?<|assistant|>\n<think></think>\n<tool_call>get_weather\n"),
+        "{text}"
+    );
+    assert_eq!(p.forced.as_deref(), Some("<tool_call>get_weather\n"));
+    assert!(!p.starts_in_reasoning);
+    let (text, _) = render_prompt(
+        &dir,
+        user,
+        ToolChoice::Required,
+        Some(json!({"enable_thinking": false})),
+    );
+    assert!(
+        text.ends_with(
+            "Weather in Rome?/nothink<|assistant|>\n<think></think>\n<tool_call>get_weather\n"
+        ),
+        "{text}"
+    );
+
+    // Through the HTTP API: an OpenAI tool call, whole and streamed.
+    let call = forced_weather_call(&s).await;
+    assert!(call["id"].as_str().unwrap().starts_with("call_"));
+}
+
+/// The Kimi K2-Thinking template: tool history with the model's call ids,
+/// the forced call numbered after the conversation's calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kimi_template_tools_and_forced_calls() {
+    use moeflux_server::api::ToolChoice;
+    let (_tmp, dir, s) = server_with_template("kimi-k2-thinking");
+    assert_eq!(
+        s.state().tool_format,
+        Some(moeflux_server::tools::ToolFormat::Kimi)
+    );
+    let (text, p) = render_prompt(
+        &dir,
+        weather_history(),
+        ToolChoice::Named("get_weather".into()),
+        None,
+    );
+    assert!(
+        text.starts_with("<|im_system|>tool_declare<|im_middle|>[{"),
+        "{text}"
+    );
+    assert!(
+        text.contains("<|im_assistant|>assistant<|im_middle|><think></think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{\"city\": \"Paris\"}<|tool_call_end|><|tool_calls_section_end|><|im_end|><|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\nsunny<|im_end|>"),
+        "{text}"
+    );
+    let opening = "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>";
+    assert!(
+        text.ends_with(&format!(
+            "<|im_assistant|>assistant<|im_middle|><think></think>{opening}"
+        )),
+        "{text}"
+    );
+    assert_eq!(p.forced.as_deref(), Some(opening));
+
+    let call = forced_weather_call(&s).await;
+    assert_eq!(call["id"], "functions.get_weather:0");
+    assert_eq!(call["streamed_id"], "functions.get_weather:0");
+}

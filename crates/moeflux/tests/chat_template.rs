@@ -1,8 +1,9 @@
 //! Chat templates rendered byte-for-byte like transformers'
 //! `apply_chat_template(..., tokenize=False)`: the expected strings in
 //! tests/fixtures/templates/expected were produced by render_expected.py
-//! from the same cases.json, with the real Qwen3.5, Qwen3 and Llama 3.1
-//! templates (provenance in tests/fixtures/templates/README.md).
+//! from the same cases.json, with the real Qwen3, Qwen3-2507, Qwen3-Coder,
+//! Qwen3.5, GLM-4.5, Kimi K2 and Llama 3.1 templates (provenance in
+//! tests/fixtures/templates/README.md).
 
 use std::path::{Path, PathBuf};
 
@@ -323,6 +324,24 @@ fn jinja2_behaviour() {
         render_source("{{ tools is defined }}{{ tools is none }}{{ documents is none }}{{ enable_thinking is defined }}"),
         "TrueTrueTrueFalse"
     );
+}
+
+#[test]
+fn namespace_lists_change_in_place() {
+    // As Jinja2 renders it when its sandbox allows list mutation (the Kimi
+    // K2 templates keep tool-call ids this way).
+    assert_eq!(
+        render_source(
+            "{% set ns = namespace(a=[1], n=0) %}{% set _ = ns.a.append(2) %}{% set _ = ns.a.extend([3, 4]) %}{% set _ = ns.a.insert(0, 0) %}{{ ns.a }}|{{ ns.a.pop(0) }}|{{ ns.a.pop() }}|{{ ns.a[-1] }}|{{ ns.a|length }}|{% set _ = ns.a.remove(2) %}{{ ns.a }}|{% for x in ns.a %}{{ x }};{% endfor %}|{% set _ = ns.a.clear() %}{{ ns.a is sequence }}{{ 'y' if ns.a else 'n' }}|{{ ns.n }}|{% set q = namespace({'ids': ['x']}) %}{{ q.ids.pop(0) }}{{ q.ids|length }}"
+        ),
+        "[0, 1, 2, 3, 4]|0|4|3|3|[1, 3]|1;3;|Truen|0|x0"
+    );
+    let t = ChatTemplate::from_source("{% set ns = namespace(a=[]) %}{{ ns.a.pop() }}", "t.jinja")
+        .unwrap();
+    let e = t
+        .render(&[ChatMessage::user("u")], &RenderOptions::default())
+        .unwrap_err();
+    assert!(e.to_string().contains("pop from empty list"), "{e}");
 }
 
 #[test]

@@ -7,7 +7,10 @@
 //! transformers' sandbox: `trim_blocks` and `lstrip_blocks` on, a single
 //! trailing newline of the template dropped (Jinja2's
 //! `keep_trailing_newline=False`), loop controls (`break`/`continue`),
-//! `namespace()`, Python string/dict methods (`.startswith`, `.split`,
+//! `namespace()` (whose list attributes can be changed in place with
+//! `append`, `pop`, `extend`, `insert`, `remove` and `clear`, as the Kimi K2
+//! templates do; transformers' immutable sandbox refuses those calls),
+//! Python string/dict methods (`.startswith`, `.split`,
 //! `.items()`, ...), `raise_exception(msg)`, `strftime_now(fmt)` (local time)
 //! and transformers' `tojson` (Python's `json.dumps`: `", "`/`": "`
 //! separators, no HTML escaping, non-ASCII kept, `indent`, `ensure_ascii`,
@@ -29,9 +32,10 @@
 
 use std::cell::RefCell;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
-use minijinja::value::Kwargs;
-use minijinja::{Environment, ErrorKind, Value};
+use minijinja::value::{Enumerator, Kwargs, Object, ObjectRepr, ValueOrKwargs};
+use minijinja::{Environment, ErrorKind, State, Value};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value as Json};
 
@@ -414,6 +418,7 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_filter("tojson", tojson);
         env.add_function("raise_exception", raise_exception);
+        env.add_function("namespace", namespace);
         env.add_function("strftime_now", strftime_now);
         env.add_test("sequence", is_sequence);
         env.add_test("iterable", is_iterable);
@@ -586,6 +591,116 @@ fn describe(e: &minijinja::Error) -> String {
 fn raise_exception(msg: String) -> std::result::Result<Value, minijinja::Error> {
     RAISED.with(|r| *r.borrow_mut() = Some(msg.clone()));
     Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+}
+
+/// Jinja2's `namespace(dict?, **kwargs)`, except that list attributes are
+/// given as [`NsList`]s, which the template may change in place.
+fn namespace(defaults: Option<ValueOrKwargs>) -> std::result::Result<Value, minijinja::Error> {
+    let Some(defaults) = defaults else {
+        return minijinja::functions::namespace(None);
+    };
+    let defaults = defaults.into_value();
+    let mut pairs = Vec::new();
+    if let Ok(keys) = defaults.try_iter() {
+        for key in keys {
+            let v = defaults.get_item(&key)?;
+            let v = match v.kind() {
+                minijinja::value::ValueKind::Seq => {
+                    Value::from_object(NsList(Mutex::new(v.try_iter()?.collect())))
+                }
+                _ => v,
+            };
+            pairs.push((key, v));
+        }
+    }
+    if defaults.kind() != minijinja::value::ValueKind::Map {
+        // Let the builtin explain what it accepts.
+        return minijinja::functions::namespace(Some(defaults.into()));
+    }
+    minijinja::functions::namespace(Some(Value::from_pairs(pairs).into()))
+}
+
+/// A list held by a `namespace()`: a sequence with Python's list methods
+/// that modify it (`append`, `pop`, `extend`, `insert`, `remove`, `clear`).
+#[derive(Debug)]
+struct NsList(Mutex<Vec<Value>>);
+
+impl NsList {
+    fn items(&self) -> std::sync::MutexGuard<'_, Vec<Value>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+fn list_error(msg: impl Into<String>) -> minijinja::Error {
+    minijinja::Error::new(ErrorKind::InvalidOperation, msg.into())
+}
+
+impl Object for NsList {
+    fn repr(self: &Arc<Self>) -> ObjectRepr {
+        ObjectRepr::Seq
+    }
+
+    fn get_value(self: &Arc<Self>, key: &Value) -> Option<Value> {
+        let items = self.items();
+        let i = key.as_i64()?;
+        let i = if i < 0 { i + items.len() as i64 } else { i };
+        items.get(usize::try_from(i).ok()?).cloned()
+    }
+
+    fn enumerate(self: &Arc<Self>) -> Enumerator {
+        Enumerator::Values(self.items().clone())
+    }
+
+    fn call_method(
+        self: &Arc<Self>,
+        _state: &mut State<'_, '_>,
+        method: &str,
+        args: &[Value],
+    ) -> std::result::Result<Value, minijinja::Error> {
+        let mut items = self.items();
+        let index = |v: &Value, len: usize| -> std::result::Result<i64, minijinja::Error> {
+            let i = v
+                .as_i64()
+                .ok_or_else(|| list_error(format!("{method}: the index must be an integer")))?;
+            Ok(if i < 0 { i + len as i64 } else { i })
+        };
+        match (method, args) {
+            ("append", [x]) => items.push(x.clone()),
+            ("extend", [xs]) => items.extend(xs.try_iter()?),
+            ("insert", [i, x]) => {
+                let at = index(i, items.len())?.clamp(0, items.len() as i64) as usize;
+                items.insert(at, x.clone());
+            }
+            ("pop", [] | [_]) => {
+                if items.is_empty() {
+                    return Err(list_error("pop from empty list"));
+                }
+                let i = match args.first() {
+                    Some(i) => index(i, items.len())?,
+                    None => items.len() as i64 - 1,
+                };
+                if i < 0 || i >= items.len() as i64 {
+                    return Err(list_error("pop index out of range"));
+                }
+                return Ok(items.remove(i as usize));
+            }
+            ("remove", [x]) => match items.iter().position(|v| v == x) {
+                Some(i) => {
+                    items.remove(i);
+                }
+                None => return Err(list_error("list.remove(x): x not in list")),
+            },
+            ("clear", []) => items.clear(),
+            ("append" | "extend" | "insert" | "pop" | "remove" | "clear", _) => {
+                return Err(list_error(format!(
+                    "list.{method}: wrong number of arguments ({})",
+                    args.len()
+                )))
+            }
+            _ => return Err(minijinja::Error::from(ErrorKind::UnknownMethod)),
+        }
+        Ok(Value::from(()))
+    }
 }
 
 /// Python's `datetime.now().strftime(fmt)` in local time.

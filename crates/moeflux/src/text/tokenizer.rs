@@ -3,6 +3,11 @@
 //! end-of-sequence, beginning-of-sequence, the special tokens and the
 //! `<think>`/`</think>` pair.
 //!
+//! Tool-call markup stays text when special tokens are skipped, even where
+//! a vocabulary marks it special (Kimi's `<|tool_call_begin|>` and kin,
+//! GLM's `<arg_key>`): the server's tool-call parser reads it from the
+//! decoded text.
+//!
 //! Only the small JSON files of a model directory are read, never the
 //! weights, so a directory holding just `tokenizer.json` is enough.
 
@@ -24,6 +29,22 @@ pub const CONFIG_FILE: &str = "config.json";
 /// transformers' tokenizer settings (`eos_token`, `bos_token`).
 pub const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
 
+/// Tokens that spell tool calls: decoded as text even when special tokens
+/// are skipped (see the module docs).
+pub const TOOL_CALL_MARKUP: [&str; 11] = [
+    "<tool_call>",
+    "</tool_call>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+];
+
 /// A loaded tokenizer. Cheap to share by reference; `Send + Sync`.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
@@ -32,6 +53,8 @@ pub struct Tokenizer {
     eos: Vec<u32>,
     bos: Option<u32>,
     special: Vec<u32>,
+    /// Special ids of [`TOOL_CALL_MARKUP`] tokens, ascending.
+    markup: Vec<u32>,
     think: Option<(u32, u32)>,
 }
 
@@ -128,6 +151,11 @@ impl Tokenizer {
         let think = inner
             .token_to_id("<think>")
             .zip(inner.token_to_id("</think>"));
+        let markup: BTreeSet<u32> = TOOL_CALL_MARKUP
+            .iter()
+            .filter_map(|t| inner.token_to_id(t))
+            .filter(|id| special.contains(id))
+            .collect();
         Ok(Tokenizer {
             inner,
             source: source.to_path_buf(),
@@ -135,6 +163,7 @@ impl Tokenizer {
             eos: Vec::new(),
             bos: None,
             special: special.into_iter().collect(),
+            markup: markup.into_iter().collect(),
             think,
         })
     }
@@ -156,7 +185,8 @@ impl Tokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
-    /// The text of `ids`. With `skip_special`, special tokens are left out.
+    /// The text of `ids`. With `skip_special`, special tokens are left out,
+    /// but for tool-call markup ([`TOOL_CALL_MARKUP`]).
     /// An id the vocabulary does not have is an error. Bytes that are not
     /// valid UTF-8 (a multi-byte character cut off, say) decode as U+FFFD:
     /// use [`StreamDecoder`] to decode a growing sequence.
@@ -164,9 +194,17 @@ impl Tokenizer {
         for (index, &id) in ids.iter().enumerate() {
             self.check_id(id, index)?;
         }
-        self.inner
-            .decode(ids, skip_special)
-            .map_err(|e| Error::Tokenize(format!("decoding failed: {e}")))
+        let decoded = if skip_special && !self.markup.is_empty() {
+            let kept: Vec<u32> = ids
+                .iter()
+                .copied()
+                .filter(|&id| !self.is_special(id) || self.markup.binary_search(&id).is_ok())
+                .collect();
+            self.inner.decode(&kept, false)
+        } else {
+            self.inner.decode(ids, skip_special)
+        };
+        decoded.map_err(|e| Error::Tokenize(format!("decoding failed: {e}")))
     }
 
     /// Errors unless `id` is a token of the vocabulary (`index` is its
@@ -273,4 +311,57 @@ fn read_json_opt(path: &Path) -> Result<Option<Value>> {
             path: path.to_path_buf(),
             source,
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The test fixture's tokenizer with tool-call markup added as special
+    /// tokens (as Kimi's vocabulary has them).
+    fn with_special_markup() -> Tokenizer {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/qwen35moe-q4/src/tokenizer.json");
+        let mut json: Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+        let first = Tokenizer::from_bytes(&serde_json::to_vec(&json).unwrap())
+            .unwrap()
+            .vocab_size();
+        let added = json["added_tokens"].as_array_mut().unwrap();
+        for (i, t) in [
+            "<|tool_calls_section_begin|>",
+            "<|tool_call_begin|>",
+            "<arg_key>",
+        ]
+        .iter()
+        .enumerate()
+        {
+            added.push(
+                serde_json::json!({"id": first + i, "content": t, "single_word": false,
+                "lstrip": false, "rstrip": false, "normalized": false, "special": true}),
+            );
+        }
+        Tokenizer::from_bytes(&serde_json::to_vec(&json).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn tool_call_markup_stays_text_when_specials_are_skipped() {
+        let t = with_special_markup();
+        let text =
+            "<|im_start|>a<|tool_calls_section_begin|><|tool_call_begin|>f<arg_key>k<|im_end|>";
+        let ids = t.encode(text, false).unwrap();
+        assert_eq!(t.markup.len(), 3);
+        assert_eq!(t.decode(&ids, false).unwrap(), text);
+        assert_eq!(
+            t.decode(&ids, true).unwrap(),
+            "a<|tool_calls_section_begin|><|tool_call_begin|>f<arg_key>k"
+        );
+        // Streamed the same.
+        let mut d = t.stream_decoder(true);
+        let mut out = String::new();
+        for &id in &ids {
+            out.push_str(&d.push(id).unwrap());
+        }
+        out.push_str(&d.finish().unwrap());
+        assert_eq!(out, t.decode(&ids, true).unwrap());
+    }
 }
