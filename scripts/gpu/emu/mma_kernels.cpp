@@ -174,7 +174,9 @@ static void test_moe_mma(int hidden, int inter, int bits, int gs, std::vector<in
 // attn_kv_split then attention_mma for n new tokens at positions start.. over
 // the cache (rows past start + n poisoned with NaN: never read), against a
 // double-precision softmax attention times sigmoid(gate) (or ungated).
-static void test_attention_mma(int nh, int nkv, int hd, int start, int n, bool gated = true) {
+// With `mma` false, the one-token kernel (`attention`, `attention_plain`) on
+// the cache itself instead, against the same reference.
+static void test_attention_mma(int nh, int nkv, int hd, int start, int n, bool gated = true, bool mma = true) {
     int ctx = start + n, cap = ctx + 40, row = nkv * hd;
     std::vector<float> q((size_t)n * nh * hd), gate(q.size()), kc((size_t)cap * row, NAN), vc(kc.size(), NAN);
     for (auto& v : q) v = urand(-1.5f, 1.5f);
@@ -192,13 +194,28 @@ static void test_attention_mma(int nh, int nkv, int hd, int start, int n, bool g
     }
     std::vector<float> out(q.size(), NAN);
     int G = nh / nkv, hg = std::min(G, 64), qt = 64 / hg;
-    {
+    if (!mma) {
+        const float *pq = q.data(), *pk = kc.data(), *pv = vc.data(), *pg = gated ? gate.data() : nullptr;
+        float* po = out.data();
+        const long* pp = &start_l;
+        emu_launch({(unsigned)nh, (unsigned)n, 1}, 256, [&] {
+            if (gated)
+                attention(pq, pk, pv, pg, nh, nkv, hd, pp, scale, po);
+            else
+                attention_plain(pq, pk, pv, pg, nh, nkv, hd, pp, scale, po);
+        });
+    } else {
         const float *pq = q.data(), *pg = gated ? gate.data() : nullptr;
         const uint4 *pkp = kp.data(), *pvp = vp.data();
         float* po = out.data();
         const long* pp = &start_l;
         emu_launch({(unsigned)((n + qt - 1) / qt), (unsigned)(nkv * (G / hg)), 1}, 128,
-                   [&] { attention_mma(pq, pkp, pvp, pg, nh, nkv, hd, pp, ctx_pad, n, scale, po); });
+                   [&] {
+                       if (gated)
+                           attention_mma(pq, pkp, pvp, pg, nh, nkv, hd, pp, ctx_pad, n, scale, po);
+                       else
+                           attention_mma_plain(pq, pkp, pvp, pg, nh, nkv, hd, pp, ctx_pad, n, scale, po);
+                   });
     }
     std::vector<double> want(q.size());
     for (int t = 0; t < n; t++)
@@ -222,8 +239,8 @@ static void test_attention_mma(int nh, int nkv, int hd, int start, int n, bool g
             }
         }
     char name[128];
-    snprintf(name, sizeof name, "attention_mma nh%d nkv%d hd%d start%d n%d%s", nh, nkv, hd, start, n,
-             gated ? "" : " no gate");
+    snprintf(name, sizeof name, "%s nh%d nkv%d hd%d start%d n%d%s", mma ? "attention_mma" : "attention", nh,
+             nkv, hd, start, n, gated ? "" : " no gate");
     check(name, out, want, 2e-5);
 }
 
@@ -241,6 +258,9 @@ int main() {
     test_attention_mma(128, 1, 128, 9, 2);   // 128 heads per group: two head blocks
     test_attention_mma(16, 2, 256, 50, 17);  // Qwen3.6-35B-A3B's shape
     test_attention_mma(12, 2, 128, 20, 21, false);  // GLM / Qwen3-MoE: no output gate
+    test_attention_mma(4, 2, 32, 0, 20, false);            // qwen3moe-q4's shape
+    test_attention_mma(16, 2, 256, 40, 2, true, false);   // the one-token kernel, gated
+    test_attention_mma(12, 2, 128, 33, 1, false, false);  // and plain
     if (fails) {
         printf("%d FAILED\n", fails);
         return 1;

@@ -161,7 +161,11 @@ pub(super) fn forward(
                 &mut args!(kc, vc, nkv_i, hd_i, ctx_i, pad_i, kp, vp),
             )?;
             g.launch(
-                "attention_mma",
+                if a.output_gate {
+                    "attention_mma"
+                } else {
+                    "attention_mma_plain"
+                },
                 grid,
                 128,
                 smem as u32,
@@ -172,7 +176,11 @@ pub(super) fn forward(
         // SAFETY: `attention` in kernels.cu; buffers as above.
         unsafe {
             g.launch(
-                "attention",
+                if a.output_gate {
+                    "attention"
+                } else {
+                    "attention_plain"
+                },
                 (nh as u32, n as u32, 1),
                 256,
                 0,

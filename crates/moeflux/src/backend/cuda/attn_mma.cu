@@ -4,8 +4,9 @@
 //
 // The function of `attention` (kernels.cu) for n new tokens: per query head,
 // softmax(q k^T * scale) v over the cache rows 0..pos+t, times
-// sigmoid(gate). Both products are bf16 mma.sync with every f32 operand as a
-// hi + lo pair of bf16 (as mma.cu's activations), summing hi*hi + hi*lo +
+// sigmoid(gate) (not in attention_mma_plain). Both products are bf16
+// mma.sync with every f32 operand as a hi + lo pair of bf16 (as mma.cu's
+// activations), summing hi*hi + hi*lo +
 // lo*hi: about 16 bits per operand (the lo*lo term is 2^-18 of a product),
 // f32 accumulation, and an online softmax in f32 (FlashAttention-2).
 //
@@ -102,7 +103,7 @@ extern "C" __global__ void attn_kv_split(const float* kc, const float* vc, int n
 #define ATT_QSTR(hd) ((hd) / 16 + 1)
 #define ATT_SMEM_UINT4(hd) ((ATT_ROWS + 2 * ATT_KT) * 4 * ATT_QSTR(hd) + 2 * (ATT_KT / 16) * (hd) * 4)
 
-template <int HD>
+template <int HD, bool GATED>
 __device__ __forceinline__ void attention_mma_body(const float* q, const uint4* kp, const uint4* vp,
                                                    const float* gate, int nh, int nkv, long start, long ctx_pad,
                                                    int n, float scale, float* out) {
@@ -256,11 +257,28 @@ __device__ __forceinline__ void attention_mma_body(const float* q, const uint4* 
 #pragma unroll
         for (int j = 0; j < NT; j++) {
             long oi = base + 8 * j + 2 * t;
-            float g0 = gate ? sigmoidf_(gate[oi]) : 1.0f;
-            float g1 = gate ? sigmoidf_(gate[oi + 1]) : 1.0f;
-            out[oi] = o[j][2 * r] * inv * g0;
-            out[oi + 1] = o[j][2 * r + 1] * inv * g1;
+            if constexpr (GATED) {
+                out[oi] = o[j][2 * r] * inv * sigmoidf_(gate[oi]);
+                out[oi + 1] = o[j][2 * r + 1] * inv * sigmoidf_(gate[oi + 1]);
+            } else {
+                out[oi] = o[j][2 * r] * inv;
+                out[oi + 1] = o[j][2 * r + 1] * inv;
+            }
         }
+    }
+}
+
+template <bool GATED>
+__device__ __forceinline__ void attention_mma_dispatch(const float* q, const uint4* kp, const uint4* vp,
+                                                       const float* gate, int nh, int nkv, int hd,
+                                                       const long* pos, long ctx_pad, int n, float scale,
+                                                       float* out) {
+    long start = *pos;
+    switch (hd) {
+        case 32: attention_mma_body<32, GATED>(q, kp, vp, gate, nh, nkv, start, ctx_pad, n, scale, out); break;
+        case 64: attention_mma_body<64, GATED>(q, kp, vp, gate, nh, nkv, start, ctx_pad, n, scale, out); break;
+        case 128: attention_mma_body<128, GATED>(q, kp, vp, gate, nh, nkv, start, ctx_pad, n, scale, out); break;
+        default: attention_mma_body<256, GATED>(q, kp, vp, gate, nh, nkv, start, ctx_pad, n, scale, out); break;
     }
 }
 
@@ -268,16 +286,21 @@ __device__ __forceinline__ void attention_mma_body(const float* q, const uint4* 
 // ATT_SMEM_UINT4(hd) * 16 bytes of dynamic shared memory. kp / vp: from
 // attn_kv_split with the same ctx_pad (>= pos + n). hd is 32, 64, 128 or
 // 256; the query heads per KV group divide 64 or are a multiple of it.
+// `attention_mma` scales the output by sigmoid(gate), `attention_mma_plain`
+// (gate unused) does not.
 extern "C" __global__ void __launch_bounds__(128) attention_mma(const float* q, const uint4* kp, const uint4* vp,
                                                                  const float* gate, int nh, int nkv, int hd,
                                                                  const long* pos, long ctx_pad, int n, float scale,
                                                                  float* out) {
     PDL_ENTER();
-    long start = *pos;
-    switch (hd) {
-        case 32: attention_mma_body<32>(q, kp, vp, gate, nh, nkv, start, ctx_pad, n, scale, out); break;
-        case 64: attention_mma_body<64>(q, kp, vp, gate, nh, nkv, start, ctx_pad, n, scale, out); break;
-        case 128: attention_mma_body<128>(q, kp, vp, gate, nh, nkv, start, ctx_pad, n, scale, out); break;
-        default: attention_mma_body<256>(q, kp, vp, gate, nh, nkv, start, ctx_pad, n, scale, out); break;
-    }
+    attention_mma_dispatch<true>(q, kp, vp, gate, nh, nkv, hd, pos, ctx_pad, n, scale, out);
+}
+
+extern "C" __global__ void __launch_bounds__(128) attention_mma_plain(const float* q, const uint4* kp,
+                                                                       const uint4* vp, const float* gate,
+                                                                       int nh, int nkv, int hd, const long* pos,
+                                                                       long ctx_pad, int n, float scale,
+                                                                       float* out) {
+    PDL_ENTER();
+    attention_mma_dispatch<false>(q, kp, vp, gate, nh, nkv, hd, pos, ctx_pad, n, scale, out);
 }

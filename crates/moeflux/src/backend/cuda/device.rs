@@ -37,6 +37,7 @@ const KERNEL_NAMES: &[&str] = &[
     "swiglu",
     "attn_prep",
     "attention",
+    "attention_plain",
     "deltanet_split",
     "conv_qk_norm",
     "delta_rule",
@@ -99,13 +100,14 @@ const KERNEL_NAMES: &[&str] = &[
     "moe_down_mma",
     "attn_kv_split",
     "attention_mma",
+    "attention_mma_plain",
     "gdn_chunk_prep",
     "gdn_chunk_scan",
 ];
 
 /// Kernels that may take more than the default 48 KiB of dynamic shared
 /// memory (up to the device's opt-in maximum, [`Gpu::smem_optin`]).
-const LARGE_SMEM_KERNELS: &[&str] = &["attention_mma", "gdn_chunk_scan"];
+const LARGE_SMEM_KERNELS: &[&str] = &["attention_mma", "attention_mma_plain", "gdn_chunk_scan"];
 
 /// What [`probe`] found.
 #[derive(Debug, Clone)]

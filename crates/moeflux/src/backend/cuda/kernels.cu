@@ -835,12 +835,15 @@ extern "C" __global__ void attn_prep(const float* qg, const float* k, const floa
 }
 
 // Causal attention of n new tokens (positions start..start+n) over the KV
-// cache rows 0..start+t, output times sigmoid(gate) (when gate is not null). A block of 8 warps per
+// cache rows 0..start+t, output times sigmoid(gate) when GATED. A block of 8 warps per
 // (head, token) with an online softmax per warp over positions p = warp,
-// warp+8, ...; each lane holds hd/32 output channels (hd <= 256).
-extern "C" __global__ void attention(const float* q, const float* kc, const float* vc,
-                                     const float* gate, int nh, int nkv, int hd, const long* pos,
-                                     float scale, float* out) { PDL_ENTER();
+// warp+8, ...; each lane holds hd/32 output channels (hd <= 256). Two
+// kernels rather than a test of gate at run time, which made the gated one
+// 8% slower on the H200.
+template <bool GATED>
+__device__ __forceinline__ void attention_body(const float* q, const float* kc, const float* vc,
+                                               const float* gate, int nh, int nkv, int hd,
+                                               const long* pos, float scale, float* out) {
     long start = *pos;
     const int NW = 8;
     int h = blockIdx.x, t = blockIdx.y;
@@ -893,9 +896,26 @@ extern "C" __global__ void attention(const float* q, const float* kc, const floa
             for (int i = 0; i < NW; i++)
                 if (sm[i] != NEG_INF) o += sacc[i][ch] * expf(sm[i] - M);
             long oi = ((long)t * nh + h) * hd + ch;
-            out[oi] = gate ? o / L * sigmoidf_(gate[oi]) : o / L;
+            if constexpr (GATED)
+                out[oi] = o / L * sigmoidf_(gate[oi]);
+            else
+                out[oi] = o / L;
         }
     }
+}
+
+extern "C" __global__ void attention(const float* q, const float* kc, const float* vc,
+                                     const float* gate, int nh, int nkv, int hd, const long* pos,
+                                     float scale, float* out) {
+    PDL_ENTER();
+    attention_body<true>(q, kc, vc, gate, nh, nkv, hd, pos, scale, out);
+}
+
+extern "C" __global__ void attention_plain(const float* q, const float* kc, const float* vc,
+                                           const float* gate, int nh, int nkv, int hd,
+                                           const long* pos, float scale, float* out) {
+    PDL_ENTER();
+    attention_body<false>(q, kc, vc, gate, nh, nkv, hd, pos, scale, out);
 }
 
 
