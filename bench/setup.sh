@@ -31,12 +31,17 @@ LLAMA_SRC=$SRC/vendor/llama.cpp
 VENV=$CACHE/venv
 BUILD=$CACHE/llama.cpp-build
 
-# Exactly oracle.md section 4's no-AMX configuration.
+# oracle.md section 4's no-AMX configuration, with each AVX-512 / VNNI extension on only
+# where this CPU has it (an AVX2-only machine, e.g. an AMD EPYC without AVX-512, would
+# otherwise get illegal instructions).
+cpu_has() { grep -qw "$1" /proc/cpuinfo 2>/dev/null; }
+onoff() { if cpu_has "$1"; then echo ON; else echo OFF; fi; }
 CMAKE_FLAGS=(
   -G Ninja -DCMAKE_BUILD_TYPE=Release
   -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
-  -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
-  -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+  -DGGML_AVX512="$(onoff avx512f)" -DGGML_AVX512_VBMI="$(onoff avx512vbmi)"
+  -DGGML_AVX512_VNNI="$(onoff avx512_vnni)" -DGGML_AVX512_BF16="$(onoff avx512_bf16)"
+  -DGGML_AVX_VNNI="$(onoff avx_vnni)" -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
 )
