@@ -1,9 +1,9 @@
-//! The MLP half of a layer on the GPU, shared by every family: a dense
-//! SwiGLU MLP, or a mixture of experts (router, shared expert, routed
-//! experts through the VRAM expert cache, combine). The routers differ by
-//! family — softmax top-K (Qwen) or `noaux_tc` (DeepSeek-V3) — and so do
-//! the shared experts (Qwen's scaled by a sigmoid gate, DeepSeek's added as
-//! they are); the expert machinery is the same.
+//! The MLP half of a layer on the GPU (`model::moe`), shared by every
+//! family: a dense SwiGLU MLP, or a mixture of experts (router, shared
+//! expert, routed experts through the VRAM expert cache, combine). The
+//! routers differ — softmax top-K (Qwen) or `noaux_tc` (DeepSeek-V3, GLM) —
+//! and so do the shared experts (Qwen3.5's scaled by a sigmoid gate,
+//! DeepSeek's and GLM's added as they are); the expert machinery is the same.
 
 use crate::backend::cpu::moe::expert_forward;
 use crate::config::{ModelConfig, RouterKind};
