@@ -78,10 +78,12 @@ fuzz_target!(|input: Input| {
     let tools = input.tools.map(|t| {
         json!(t
             .into_iter()
-            .map(|(name, description)| json!({"type": "function", "function": {
-                "name": name, "description": description,
-                "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}
-            }}))
+            .map(
+                |(name, description)| json!({"type": "function", "function": {
+                    "name": name, "description": description,
+                    "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}
+                }})
+            )
             .collect::<Vec<_>>())
     });
     let opts = RenderOptions {

@@ -34,6 +34,10 @@ fuzz_target!(|input: Input| {
     for call in p.calls() {
         let args: serde_json::Value = serde_json::from_str(&call.arguments)
             .unwrap_or_else(|e| panic!("arguments {:?} are not JSON: {e}", call.arguments));
-        assert!(args.is_object(), "arguments {:?} are not an object", call.arguments);
+        assert!(
+            args.is_object(),
+            "arguments {:?} are not an object",
+            call.arguments
+        );
     }
 });
