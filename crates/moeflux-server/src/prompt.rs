@@ -31,9 +31,19 @@ pub struct ChatInput<'a> {
     pub template_kwargs: Option<&'a Map<String, Json>>,
 }
 
-/// `before_encode` sees the rendered text before the tokenizer does (the
-/// cheap length bound: a prompt refused there is never tokenized).
 pub fn chat_prompt(
+    template: &ChatTemplate,
+    tokenizer: &Tokenizer,
+    tool_format: Option<ToolFormat>,
+    input: &ChatInput<'_>,
+) -> Result<ChatPrompt, ApiError> {
+    chat_prompt_checked(template, tokenizer, tool_format, input, &|_| Ok(()))
+}
+
+/// [`chat_prompt`], where `before_encode` sees the rendered text before
+/// the tokenizer does (the cheap length bound: a prompt refused there is
+/// never tokenized).
+pub fn chat_prompt_checked(
     template: &ChatTemplate,
     tokenizer: &Tokenizer,
     tool_format: Option<ToolFormat>,

@@ -159,7 +159,7 @@ async fn chat_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiErr
     );
     let max_tokens = params.max_tokens;
     let prepared = prepare(st, move || {
-        prompt::chat_prompt(
+        prompt::chat_prompt_checked(
             &st2.template,
             &st2.tokenizer,
             st2.tool_format,
