@@ -283,14 +283,20 @@ async fn prepare<T: Send + 'static>(
     st: &AppState,
     work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
 ) -> Result<T, ApiError> {
-    let _place = st
+    let place = st
         .prepare
-        .acquire()
+        .clone()
+        .acquire_owned()
         .await
         .map_err(|_| ApiError::unavailable("the server is stopping"))?;
-    tokio::task::spawn_blocking(work)
-        .await
-        .map_err(|e| ApiError::internal(format!("prompt task failed: {e}")))?
+    // The place goes with the work: a client that leaves does not free it
+    // while its prompt is still being tokenized.
+    tokio::task::spawn_blocking(move || {
+        let _place = place;
+        work()
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("prompt task failed: {e}")))?
 }
 
 /// Refuses, from its length in bytes alone, a text that cannot fit the
