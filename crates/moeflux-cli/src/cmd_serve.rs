@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use moeflux_server::{EngineOptions, PrefixCacheOptions, Server, ServerOptions};
 
@@ -21,8 +21,25 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
     /// Require `Authorization: Bearer KEY` (every endpoint but /health).
-    #[arg(long)]
+    /// Visible to other users in `ps`: prefer --api-key-file or the
+    /// MOEFLUX_API_KEY environment variable.
+    #[arg(long, conflicts_with = "api_key_file")]
     pub api_key: Option<String>,
+    /// Read the API key from this file (surrounding whitespace removed).
+    #[arg(long, value_name = "PATH")]
+    pub api_key_file: Option<PathBuf>,
+    /// Connections served at once; a few more answer /health only.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_connections: u64,
+    /// Seconds a client has to send a request's headers.
+    #[arg(long, default_value_t = 10, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub header_timeout: u64,
+    /// Seconds a client has to send a request's body (408 after).
+    #[arg(long, default_value_t = 30, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub body_timeout: u64,
+    /// Seconds an idle keep-alive connection stays open.
+    #[arg(long, default_value_t = 60, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub idle_timeout: u64,
     /// Requests that may wait for the model; more get 429 with Retry-After.
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
@@ -48,11 +65,57 @@ pub struct ServeArgs {
     pub no_prefix_reuse: bool,
 }
 
+/// The environment variable read for the API key when no flag gives one.
+const API_KEY_ENV: &str = "MOEFLUX_API_KEY";
+
+/// The API key from `--api-key`, else `--api-key-file`, else
+/// `MOEFLUX_API_KEY`. An empty one is an error (an unset shell variable
+/// must not turn authentication off), naming where it came from.
+fn api_key(
+    flag: Option<&str>,
+    file: Option<&std::path::Path>,
+    env: Option<String>,
+) -> Result<Option<String>> {
+    let (key, from) = match (flag, file, env) {
+        (Some(k), _, _) => (k.to_string(), "--api-key".to_string()),
+        (None, Some(path), _) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("--api-key-file: reading {}", path.display()))?;
+            (
+                text.trim().to_string(),
+                format!("--api-key-file {}", path.display()),
+            )
+        }
+        (None, None, Some(k)) => (k, API_KEY_ENV.to_string()),
+        (None, None, None) => return Ok(None),
+    };
+    if let Err(e) = moeflux_server::check_api_key(&key) {
+        bail!("{from}: {e}");
+    }
+    Ok(Some(key))
+}
+
 pub fn run(args: ServeArgs) -> Result<()> {
+    let env_key = std::env::var_os(API_KEY_ENV)
+        .map(|v| {
+            v.into_string()
+                .map_err(|_| anyhow::anyhow!("{API_KEY_ENV} is not valid UTF-8"))
+        })
+        .transpose()?;
+    let key = api_key(
+        args.api_key.as_deref(),
+        args.api_key_file.as_deref(),
+        env_key,
+    )?;
     let opts = ServerOptions {
-        api_key: args.api_key.clone(),
+        api_key: key,
         model_name: args.model_name.clone(),
         max_body_bytes: usize::try_from(args.max_body).unwrap_or(usize::MAX),
+        header_timeout: Duration::from_secs(args.header_timeout),
+        body_timeout: Duration::from_secs(args.body_timeout),
+        idle_timeout: Duration::from_secs(args.idle_timeout),
+        max_connections: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
+        prepare_threads: 0,
         engine: EngineOptions {
             max_queue: args.max_queue,
             prefix_cache: PrefixCacheOptions {
@@ -89,6 +152,12 @@ pub fn run(args: ServeArgs) -> Result<()> {
             .with_context(|| format!("listening on {addr}"))?;
         let local = listener.local_addr()?;
         let st = server.state();
+        if st.api_key.is_none() && !local.ip().is_loopback() {
+            eprintln!(
+                "warning: listening on {} without an API key: anyone who can reach it may use the model (set --api-key-file or {API_KEY_ENV})",
+                local.ip()
+            );
+        }
         eprintln!(
             "moeflux serve: model `{}` ({}, context {} tokens) listening on http://{local}{}",
             st.model_name,
@@ -128,4 +197,44 @@ pub fn run(args: ServeArgs) -> Result<()> {
     // Open streams are not waited on for long.
     rt.shutdown_timeout(Duration::from_secs(5));
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn api_key_sources_and_empty_keys() {
+        assert_eq!(api_key(None, None, None).unwrap(), None);
+        assert_eq!(
+            api_key(Some("k"), None, Some("e".into()))
+                .unwrap()
+                .as_deref(),
+            Some("k")
+        );
+        assert_eq!(
+            api_key(None, None, Some("e".into())).unwrap().as_deref(),
+            Some("e")
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("key");
+        std::fs::write(&f, "sk-file\n").unwrap();
+        assert_eq!(
+            api_key(None, Some(&f), Some("e".into()))
+                .unwrap()
+                .as_deref(),
+            Some("sk-file")
+        );
+        for (flag, file, env, named) in [
+            (Some(""), None, None, "--api-key"),
+            (Some("  "), None, None, "--api-key"),
+            (None, None, Some(String::new()), API_KEY_ENV),
+        ] {
+            let e = api_key(flag, file, env).unwrap_err().to_string();
+            assert!(e.starts_with(named) && e.contains("empty"), "{e}");
+        }
+        std::fs::write(&f, " \n").unwrap();
+        let e = api_key(None, Some(&f), None).unwrap_err().to_string();
+        assert!(e.contains("--api-key-file") && e.contains("empty"), "{e}");
+    }
 }

@@ -19,6 +19,8 @@ fn http(port: u16, request: &str) -> String {
     out
 }
 
+/// The key comes from MOEFLUX_API_KEY (not in `ps`), and `bearer` in any
+/// case is accepted.
 #[test]
 fn serves_chat_and_stops_on_sigterm() {
     let tmp = tempfile::tempdir().unwrap();
@@ -35,9 +37,8 @@ fn serves_chat_and_stops_on_sigterm() {
         "2",
         "--ctx-size",
         "512",
-        "--api-key",
-        "k",
     ])
+    .env("MOEFLUX_API_KEY", "k")
     .stderr(Stdio::piped())
     .stdout(Stdio::null())
     .spawn()
@@ -62,7 +63,7 @@ fn serves_chat_and_stops_on_sigterm() {
     };
     let denied = http(port, &req(""));
     assert!(denied.starts_with("HTTP/1.1 401"), "{denied}");
-    let ok = http(port, &req("Authorization: Bearer k\r\n"));
+    let ok = http(port, &req("Authorization: bearer k\r\n"));
     assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
     let json = &ok[ok.find("\r\n\r\n").unwrap() + 4..];
     let v: serde_json::Value = serde_json::from_str(json).unwrap();
@@ -83,4 +84,90 @@ fn bad_model_dir_is_one_error_line() {
     let out = moeflux(&["serve", "--model", "/nonexistent/model", "--port", "0"]);
     let line = one_line_error(&out);
     assert!(line.contains("/nonexistent/model"), "{line}");
+}
+
+/// An empty key (an unset variable) is refused before the model loads,
+/// naming where it came from, and so is one in an empty key file.
+#[test]
+fn empty_api_key_is_refused() {
+    let out = moeflux(&["serve", "--model", "/nonexistent/model", "--api-key", ""]);
+    let line = one_line_error(&out);
+    assert!(
+        line.contains("--api-key") && line.contains("empty"),
+        "{line}"
+    );
+    let out = command(&["serve", "--model", "/nonexistent/model"])
+        .env("MOEFLUX_API_KEY", " ")
+        .output()
+        .unwrap();
+    let line = one_line_error(&out);
+    assert!(
+        line.contains("MOEFLUX_API_KEY") && line.contains("empty"),
+        "{line}"
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("key");
+    std::fs::write(&file, "\n").unwrap();
+    let out = moeflux(&[
+        "serve",
+        "--model",
+        "/nonexistent/model",
+        "--api-key-file",
+        s(&file),
+    ]);
+    let line = one_line_error(&out);
+    assert!(
+        line.contains("--api-key-file") && line.contains("empty"),
+        "{line}"
+    );
+}
+
+/// `--api-key-file`: the key is read from the file (newline trimmed).
+#[test]
+fn api_key_from_a_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = convert("qwen35moe-q4", tmp.path());
+    let file = tmp.path().join("key");
+    std::fs::write(&file, "sk-from-file\n").unwrap();
+    let mut child = command(&[
+        "serve",
+        "--model",
+        s(&model),
+        "--port",
+        "0",
+        "--backend",
+        "cpu",
+        "--threads",
+        "1",
+        "--ctx-size",
+        "256",
+        "--api-key-file",
+        s(&file),
+    ])
+    .env_remove("MOEFLUX_API_KEY")
+    .stderr(Stdio::piped())
+    .stdout(Stdio::null())
+    .spawn()
+    .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    err.read_line(&mut line).unwrap();
+    assert!(line.contains("(API key required)"), "{line}");
+    let port: u16 = line
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.split_whitespace().next())
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no port in {line:?}"));
+    let get = |auth: &str| {
+        http(
+            port,
+            &format!("GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{auth}\r\n"),
+        )
+    };
+    assert!(get("").starts_with("HTTP/1.1 401"));
+    let ok = get("Authorization: Bearer sk-from-file\r\n");
+    assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
+    let _ = child.kill();
+    let _ = child.wait();
 }

@@ -1,8 +1,11 @@
 //! The engine: one thread owns the model's `Session` (it need not be `Send`:
 //! it is opened on that thread) and runs requests one at a time, in arrival
-//! order, from a bounded queue. HTTP handlers submit a [`Job`] and read its
-//! [`EngineEvent`]s from a channel; a full queue is refused at once (429),
-//! never waited on.
+//! order, from a bounded queue. An HTTP handler first takes an
+//! [`Admission`] (a place among the `max_queue + 1` requests the engine
+//! holds: preparing, waiting or running), refused at once (429) when there
+//! is none, and only then renders and tokenizes its prompt, so a flood of
+//! requests costs no tokenizer work; it then submits its [`Job`] and reads
+//! the [`EngineEvent`]s from a channel.
 //!
 //! Per job: bring the session to the longest prefix of the prompt it can
 //! get cheaply — what the live session holds (returning to a checkpoint,
@@ -21,6 +24,7 @@ use moeflux::generate::{generate, Event, FinishReason, GenerateOptions};
 use moeflux::text::tokenizer::Tokenizer;
 use moeflux::{LogitsMode, Session};
 use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::api::GenParams;
 use crate::error::ApiError;
@@ -37,6 +41,12 @@ pub struct Job {
     pub starts_in_reasoning: bool,
     pub cancel: Arc<AtomicBool>,
     pub events: UnboundedSender<EngineEvent>,
+}
+
+/// A place in the engine's queue, held from before the prompt is
+/// tokenized until the job has run (or is dropped).
+pub struct Admission {
+    _permit: OwnedSemaphorePermit,
 }
 
 #[derive(Debug)]
@@ -100,7 +110,9 @@ pub struct ModelInfo {
 
 /// The handlers' side of the engine (cheap to share).
 pub struct EngineHandle {
-    tx: SyncSender<(Job, Instant)>,
+    tx: SyncSender<(Job, Admission, Instant)>,
+    /// `max_queue + 1` places: the running job and the waiting ones.
+    places: Arc<Semaphore>,
     metrics: Arc<Metrics>,
     alive: Arc<AtomicBool>,
     /// Moving average of a job's run time, for `Retry-After`.
@@ -118,7 +130,9 @@ impl EngineHandle {
     ) -> Result<(EngineHandle, ModelInfo), String> {
         let cache = PrefixCache::new(opts.prefix_cache.clone())
             .map_err(|e| format!("prefix cache directory: {e}"))?;
-        let (tx, rx) = sync_channel(opts.max_queue);
+        // Admissions bound what is in the channel, so a send never blocks.
+        let places = opts.max_queue.saturating_add(1).min(Semaphore::MAX_PERMITS);
+        let (tx, rx) = sync_channel(places);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let alive = Arc::new(AtomicBool::new(true));
         let avg_job_ms = Arc::new(AtomicU64::new(1000));
@@ -141,6 +155,7 @@ impl EngineHandle {
                             session,
                             tokenizer,
                             cache,
+                            restored: None,
                             metrics: metrics2,
                             opts,
                             avg_job_ms: avg2,
@@ -160,6 +175,7 @@ impl EngineHandle {
         Ok((
             EngineHandle {
                 tx,
+                places: Arc::new(Semaphore::new(places)),
                 metrics,
                 alive,
                 avg_job_ms,
@@ -172,24 +188,37 @@ impl EngineHandle {
         self.alive.load(Ordering::SeqCst)
     }
 
-    /// Queues a job, or refuses it at once: 429 (with a Retry-After
-    /// estimate) when the queue is full, 503 when the engine is gone.
-    pub fn submit(&self, job: Job) -> Result<(), ApiError> {
+    /// A place in the queue, or a refusal at once: 429 (with a
+    /// Retry-After estimate) when the queue is full, 503 when the engine
+    /// is gone. Cheap: taken before any work on the prompt.
+    pub fn admit(&self) -> Result<Admission, ApiError> {
+        if !self.alive() {
+            return Err(ApiError::unavailable("the engine has stopped"));
+        }
+        match self.places.clone().try_acquire_owned() {
+            Ok(permit) => Ok(Admission { _permit: permit }),
+            Err(_) => {
+                let waiting = self.metrics.queue_depth.load(Ordering::SeqCst).max(0) as u64;
+                let ms = self.avg_job_ms.load(Ordering::Relaxed) * (waiting + 1);
+                Err(ApiError::queue_full(ms.div_ceil(1000)))
+            }
+        }
+    }
+
+    /// Queues an admitted job (503 when the engine is gone).
+    pub fn submit(&self, admission: Admission, job: Job) -> Result<(), ApiError> {
         self.metrics.queue_depth.fetch_add(1, Ordering::SeqCst);
-        match self.tx.try_send((job, Instant::now())) {
+        match self.tx.try_send((job, admission, Instant::now())) {
             Ok(()) => Ok(()),
             Err(e) => {
                 self.metrics.queue_depth.fetch_sub(1, Ordering::SeqCst);
-                match e {
-                    TrySendError::Full(_) => {
-                        let waiting = self.metrics.queue_depth.load(Ordering::SeqCst).max(0) as u64;
-                        let ms = self.avg_job_ms.load(Ordering::Relaxed) * (waiting + 1);
-                        Err(ApiError::queue_full(ms.div_ceil(1000)))
-                    }
+                Err(match e {
+                    // Cannot happen while admissions bound the channel.
+                    TrySendError::Full(_) => ApiError::queue_full(1),
                     TrySendError::Disconnected(_) => {
-                        Err(ApiError::unavailable("the engine has stopped"))
+                        ApiError::unavailable("the engine has stopped")
                     }
-                }
+                })
             }
         }
     }
@@ -199,17 +228,20 @@ struct Worker {
     session: Session,
     tokenizer: Arc<Tokenizer>,
     cache: PrefixCache,
+    /// The length of the cached prefix the current job started from.
+    restored: Option<usize>,
     metrics: Arc<Metrics>,
     opts: EngineOptions,
     avg_job_ms: Arc<AtomicU64>,
 }
 
 impl Worker {
-    fn run(&mut self, rx: Receiver<(Job, Instant)>) {
-        while let Ok((job, enqueued)) = rx.recv() {
+    fn run(&mut self, rx: Receiver<(Job, Admission, Instant)>) {
+        while let Ok((job, admission, enqueued)) = rx.recv() {
             self.metrics.queue_depth.fetch_sub(1, Ordering::SeqCst);
             if job.cancel.load(Ordering::SeqCst) || job.events.is_closed() {
                 // The client left while the job waited.
+                drop(admission);
                 self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
@@ -228,9 +260,14 @@ impl Worker {
                     Err(ApiError::internal(format!("engine panicked: {what}")))
                 }
             };
-            if result.is_err() {
-                // Whatever state the failure left, the next job starts clean.
+            if let Err(e) = &result {
+                // Whatever state the failure left, the next job starts
+                // clean, and not from the snapshot it started from: a bad
+                // entry must not fail its conversation again and again.
                 self.session.clear();
+                if let (Some(len), false) = (self.restored, e.message == CANCELLED) {
+                    self.cache.discard(&job.prompt[..len]);
+                }
             }
             match &result {
                 Ok(o) if o.finish == FinishReason::Cancelled => {
@@ -248,6 +285,9 @@ impl Worker {
             let avg = self.avg_job_ms.load(Ordering::Relaxed);
             self.avg_job_ms.store((avg * 7 + ms) / 8, Ordering::Relaxed);
             self.metrics.set_prefix_cache(self.cache.stats());
+            // The place frees before the job is seen to end, so a client
+            // that saw it end finds room.
+            drop(admission);
             self.metrics.running.store(0, Ordering::SeqCst);
             let _ = job.events.send(EngineEvent::Done(result));
         }
@@ -276,7 +316,7 @@ impl Worker {
             .take_while(|(a, b)| a == b)
             .count()
             .min(n - 1);
-        let live = if common == session.position() {
+        let mut live = if common == session.position() {
             common
         } else {
             // Recurrent state only goes back to a checkpoint.
@@ -294,13 +334,22 @@ impl Worker {
             self.cache.longest(prompt, n - 1)
         };
         let mut restored = false;
+        self.restored = None;
         if cached > live {
             if let Some((len, snap)) = self.cache.get(prompt, n - 1) {
-                // A snapshot that fails to load (should not happen) only
-                // costs the reuse.
-                if session.state_load(&snap).is_ok() {
+                // A snapshot that fails to load, or holds other tokens than
+                // its key, is dropped and costs only the reuse.
+                let loaded = session.state_load(&snap).is_ok()
+                    && session.position() == len
+                    && session.tokens() == &prompt[..len];
+                if loaded {
                     start = len;
                     restored = true;
+                    self.restored = Some(len);
+                } else {
+                    self.cache.discard(&prompt[..len]);
+                    session.clear();
+                    live = 0;
                 }
             }
         } else if self.cache.enabled() && !self.opts.no_prefix_reuse {

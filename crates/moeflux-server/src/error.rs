@@ -98,6 +98,20 @@ impl ApiError {
         .with_code("request_too_large")
     }
 
+    /// 408: the body did not arrive in time. The connection is closed
+    /// after it (the rest of the body is never read).
+    pub fn body_timeout(after: std::time::Duration) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            format!(
+                "the request body did not arrive within {} s",
+                after.as_secs_f64()
+            ),
+        )
+        .with_code("request_timeout")
+    }
+
     /// The JSON body (also sent as an SSE `error` event mid-stream).
     pub fn body(&self) -> serde_json::Value {
         json!({"error": {
@@ -121,6 +135,10 @@ impl IntoResponse for ApiError {
         if let Some(s) = self.retry_after {
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        if self.status == StatusCode::REQUEST_TIMEOUT {
+            resp.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
         if self.status == StatusCode::UNAUTHORIZED {
             resp.headers_mut()

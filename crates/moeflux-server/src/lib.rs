@@ -20,9 +20,11 @@
 //! parsing), [`prompt`] (template, forced calls, message boundaries),
 //! [`engine`] (the session's thread and its bounded FIFO queue),
 //! [`prefix_cache`] (snapshots at message boundaries), [`metrics`],
-//! [`error`] (OpenAI error objects).
+//! [`error`] (OpenAI error objects), [`conn`] (the accept loop: connection
+//! cap and timeouts).
 
 pub mod api;
+pub mod conn;
 pub mod engine;
 pub mod error;
 pub mod metrics;
@@ -37,6 +39,7 @@ use std::hash::{BuildHasher, Hasher};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use moeflux::text::chat::ChatTemplate;
 use moeflux::text::tokenizer::Tokenizer;
@@ -49,18 +52,31 @@ pub use prefix_cache::PrefixCacheOptions;
 use api::Defaults;
 use engine::{EngineHandle, ModelInfo};
 use metrics::Metrics;
+use prompt::LengthBound;
 use tools::ToolFormat;
 
 #[derive(Debug, Clone)]
 pub struct ServerOptions {
     /// Required as `Authorization: Bearer KEY` on every endpoint but
-    /// `/health`.
+    /// `/health`. An empty (or whitespace) key is refused by
+    /// [`Server::start`], never read as "no key".
     pub api_key: Option<String>,
     /// The model id in responses and `/v1/models` (default: the model
     /// directory's name).
     pub model_name: Option<String>,
     /// Largest request body accepted, in bytes.
     pub max_body_bytes: usize,
+    /// Time a client has to send a request's headers, from its first byte.
+    pub header_timeout: Duration,
+    /// Time a client has to send a request's body, once its headers came.
+    pub body_timeout: Duration,
+    /// An idle keep-alive connection is closed after this.
+    pub idle_timeout: Duration,
+    /// Connections served at once; beyond them a few more are accepted
+    /// that answer `/health` only (see [`conn`]).
+    pub max_connections: usize,
+    /// Prompts rendered and tokenized at once (0: one per CPU core).
+    pub prepare_threads: usize,
     pub engine: EngineOptions,
 }
 
@@ -70,6 +86,11 @@ impl Default for ServerOptions {
             api_key: None,
             model_name: None,
             max_body_bytes: 4 << 20,
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(60),
+            max_connections: 256,
+            prepare_threads: 0,
             engine: EngineOptions::default(),
         }
     }
@@ -87,6 +108,11 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     pub api_key: Option<String>,
     pub max_body_bytes: usize,
+    pub body_timeout: Duration,
+    /// Bounds the prompts rendered and tokenized at once (CPU and memory
+    /// under a flood do not grow with the number of clients).
+    pub prepare: Arc<tokio::sync::Semaphore>,
+    pub length_bound: LengthBound,
     /// Unix time the server started (`created` of the model).
     pub started: u64,
 }
@@ -94,6 +120,22 @@ pub struct AppState {
 /// A loaded model behind the HTTP API.
 pub struct Server {
     state: Arc<AppState>,
+    conn: conn::ConnOptions,
+}
+
+/// Refuses an API key that would not protect anything: empty or only
+/// whitespace (an unset shell variable), or with whitespace around it
+/// (which no `Authorization` header can carry).
+pub fn check_api_key(key: &str) -> Result<(), String> {
+    if key.trim().is_empty() {
+        return Err(
+            "the API key is empty; give a non-empty key, or none to serve without one".into(),
+        );
+    }
+    if key.trim() != key || key.chars().any(char::is_control) {
+        return Err("the API key has whitespace or control characters around or in it".into());
+    }
+    Ok(())
 }
 
 impl Server {
@@ -105,9 +147,20 @@ impl Server {
         opts: ServerOptions,
         open: Box<dyn FnOnce() -> Result<Session, String> + Send>,
     ) -> Result<Server, String> {
+        if let Some(k) = &opts.api_key {
+            check_api_key(k)?;
+        }
+        if opts.max_connections == 0 {
+            return Err("max_connections must be at least 1".into());
+        }
         let tokenizer = Arc::new(Tokenizer::from_model_dir(model_dir).map_err(|e| e.to_string())?);
         let template = ChatTemplate::from_model_dir(model_dir).map_err(|e| e.to_string())?;
         let tool_format = ToolFormat::detect(template.source());
+        let length_bound = LengthBound::from_tokenizer(&tokenizer);
+        let prepare_threads = match opts.prepare_threads {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        };
         let metrics = Arc::new(Metrics::default());
         let (engine, info) = EngineHandle::start(
             open,
@@ -132,10 +185,18 @@ impl Server {
                 model_name,
                 info,
                 metrics,
-                api_key: opts.api_key.filter(|k| !k.is_empty()),
+                api_key: opts.api_key,
                 max_body_bytes: opts.max_body_bytes,
+                body_timeout: opts.body_timeout,
+                prepare: Arc::new(tokio::sync::Semaphore::new(prepare_threads)),
+                length_bound,
                 started: unix_now(),
             }),
+            conn: conn::ConnOptions {
+                max_connections: opts.max_connections,
+                header_timeout: opts.header_timeout,
+                idle_timeout: opts.idle_timeout,
+            },
         })
     }
 
@@ -148,15 +209,22 @@ impl Server {
         routes::router(self.state.clone())
     }
 
-    /// Serves on `listener` until `shutdown` resolves.
+    /// Serves on `listener` until `shutdown` resolves, then waits for the
+    /// open connections to finish their requests.
     pub async fn serve(
         self,
         listener: tokio::net::TcpListener,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
-        axum::serve(listener, self.router())
-            .with_graceful_shutdown(shutdown)
-            .await
+        conn::serve(
+            listener,
+            self.router(),
+            routes::over_limit_router(self.state.clone()),
+            self.conn,
+            self.state.metrics.clone(),
+            shutdown,
+        )
+        .await
     }
 }
 

@@ -16,6 +16,12 @@ pub struct Metrics {
     requests: Mutex<BTreeMap<(&'static str, u16), u64>>,
     pub cancelled: AtomicU64,
     pub engine_errors: AtomicU64,
+    /// Prompts that reached the tokenizer (a refused request never does).
+    pub prompts_tokenized: AtomicU64,
+    /// Open connections, and those accepted beyond `--max-connections`
+    /// (served `/health` only).
+    pub connections_open: AtomicI64,
+    pub connections_over_limit: AtomicU64,
     pub prompt_tokens: AtomicU64,
     pub cached_tokens: AtomicU64,
     pub generated_tokens: AtomicU64,
@@ -138,6 +144,24 @@ impl Metrics {
             "counter",
             "Requests failed by an engine error.",
             &one(n(&self.engine_errors)),
+        );
+        metric(
+            "moeflux_prompts_tokenized_total",
+            "counter",
+            "Prompts rendered and tokenized (requests refused before that are not).",
+            &one(n(&self.prompts_tokenized)),
+        );
+        metric(
+            "moeflux_connections_open",
+            "gauge",
+            "Open HTTP connections within --max-connections.",
+            &one(self.connections_open.load(Ordering::Relaxed) as f64),
+        );
+        metric(
+            "moeflux_connections_over_limit_total",
+            "counter",
+            "Connections beyond --max-connections: /health answered, other endpoints 503.",
+            &one(n(&self.connections_over_limit)),
         );
         metric(
             "moeflux_prompt_tokens_total",

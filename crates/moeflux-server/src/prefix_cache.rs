@@ -9,7 +9,17 @@
 //! starts from a state saved exactly at that position. Entries live in RAM
 //! within a byte budget; the least recently used ones spill to an optional
 //! directory (with its own budget), and beyond that are dropped.
+//!
+//! Several servers may share the spill directory: each writes into its own
+//! `moeflux-prefix-<pid>-<random>/` inside it, locked (`flock`) while the
+//! server lives; at start a server removes only the subdirectories whose
+//! lock nobody holds (left by a server that died). A spill file starts
+//! with the tokens it was saved after, checked when it is read back: a
+//! file that is missing, short, or of another prefix is dropped (a miss),
+//! never loaded.
 
+use std::fs::File;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -48,6 +58,9 @@ struct Entry {
 
 pub struct PrefixCache {
     opts: PrefixCacheOptions,
+    /// This server's own subdirectory of `disk_dir`, and its lock (held
+    /// while the file is open).
+    spill_dir: Option<(PathBuf, File)>,
     entries: Vec<Entry>,
     clock: u64,
     files: u64,
@@ -57,21 +70,46 @@ pub struct PrefixCache {
 /// Entries are matched by a linear scan; more than this are not worth it.
 const MAX_ENTRIES: usize = 256;
 const FILE_PREFIX: &str = "moeflux-prefix-";
+const LOCK_FILE: &str = "lock";
+/// The start of a spill file, then the token count (u64), the tokens (u32
+/// each) and the snapshot's length (u64), little-endian, then the snapshot.
+const MAGIC: &[u8; 8] = b"MFXPFX1\n";
 
 impl PrefixCache {
-    /// Creates the spill directory if one is set and removes snapshots a
-    /// previous server left there.
+    /// Creates the spill directory if one is set, removes what servers no
+    /// longer running left there, and makes this server's own
+    /// subdirectory.
     pub fn new(opts: PrefixCacheOptions) -> std::io::Result<PrefixCache> {
+        let mut spill_dir = None;
         if let Some(dir) = &opts.disk_dir {
             std::fs::create_dir_all(dir)?;
             for e in std::fs::read_dir(dir)?.flatten() {
-                if e.file_name().to_string_lossy().starts_with(FILE_PREFIX) {
-                    let _ = std::fs::remove_file(e.path());
+                let path = e.path();
+                if e.file_name().to_string_lossy().starts_with(FILE_PREFIX)
+                    && path.is_dir()
+                    && is_abandoned(&path)
+                {
+                    let _ = std::fs::remove_dir_all(&path);
                 }
             }
+            let own = dir.join(format!(
+                "{FILE_PREFIX}{}-{:016x}",
+                std::process::id(),
+                crate::random_u64()
+            ));
+            std::fs::create_dir(&own)?;
+            let lock = File::create(own.join(LOCK_FILE))?;
+            lock.try_lock().map_err(|e| match e {
+                std::fs::TryLockError::Error(e) => e,
+                std::fs::TryLockError::WouldBlock => {
+                    std::io::Error::other("a fresh spill directory is locked by another process")
+                }
+            })?;
+            spill_dir = Some((own, lock));
         }
         Ok(PrefixCache {
             opts,
+            spill_dir,
             entries: Vec::new(),
             clock: 0,
             files: 0,
@@ -117,7 +155,7 @@ impl PrefixCache {
         self.entries[i].last_used = self.clock;
         let bytes = match &self.entries[i].data {
             Stored::Ram(b) => b.clone(),
-            Stored::Disk(path) => match std::fs::read(path) {
+            Stored::Disk(path) => match read(path, &self.entries[i].tokens) {
                 Ok(b) => b.into(),
                 Err(_) => {
                     self.remove(i);
@@ -133,6 +171,14 @@ impl PrefixCache {
     /// Counts a lookup the cache could not improve on.
     pub fn note_miss(&mut self) {
         self.stats.misses += 1;
+    }
+
+    /// Drops the entry of exactly these tokens (its snapshot did not load,
+    /// or a job that started from it failed).
+    pub fn discard(&mut self, tokens: &[u32]) {
+        if let Some(i) = self.entries.iter().position(|e| e.tokens == tokens) {
+            self.remove(i);
+        }
     }
 
     /// Whether exactly these tokens are cached.
@@ -198,11 +244,13 @@ impl PrefixCache {
             return;
         };
         let size = self.entries[i].size;
-        let written = match &self.opts.disk_dir {
-            Some(dir) if size <= self.opts.disk_bytes => {
+        let written = match &self.spill_dir {
+            Some((dir, _)) if size <= self.opts.disk_bytes => {
                 self.files += 1;
-                let path = dir.join(format!("{FILE_PREFIX}{}.snap", self.files));
-                write(&path, bytes).ok().map(|()| path)
+                let path = dir.join(format!("{}.snap", self.files));
+                write(&path, &self.entries[i].tokens, bytes)
+                    .ok()
+                    .map(|()| path)
             }
             _ => None,
         };
@@ -230,16 +278,67 @@ impl PrefixCache {
     }
 }
 
-fn write(path: &Path, bytes: &[u8]) -> moeflux::Result<()> {
-    moeflux::fsutil::write_file_atomic(path, |w| std::io::Write::write_all(w, bytes))
+/// Whether nobody holds the lock of a server's spill subdirectory.
+fn is_abandoned(dir: &Path) -> bool {
+    match File::open(dir.join(LOCK_FILE)) {
+        Ok(f) => f.try_lock().is_ok(),
+        // No lock file: a server that died while making the directory.
+        Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+    }
+}
+
+fn write(path: &Path, tokens: &[u32], bytes: &[u8]) -> moeflux::Result<()> {
+    moeflux::fsutil::write_file_atomic(path, |w| {
+        w.write_all(MAGIC)?;
+        w.write_all(&(tokens.len() as u64).to_le_bytes())?;
+        for t in tokens {
+            w.write_all(&t.to_le_bytes())?;
+        }
+        w.write_all(&(bytes.len() as u64).to_le_bytes())?;
+        w.write_all(bytes)
+    })
+}
+
+/// The snapshot of a spill file, if the file is whole and was saved after
+/// exactly `tokens`.
+fn read(path: &Path, tokens: &[u32]) -> std::io::Result<Vec<u8>> {
+    let bad = |what: &str| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("{}: {what}", path.display()),
+        )
+    };
+    let mut f = std::io::BufReader::new(File::open(path)?);
+    let mut word = [0u8; 8];
+    f.read_exact(&mut word)?;
+    if &word != MAGIC {
+        return Err(bad("not a moeflux prefix snapshot"));
+    }
+    f.read_exact(&mut word)?;
+    if u64::from_le_bytes(word) != tokens.len() as u64 {
+        return Err(bad("saved after another prefix"));
+    }
+    let mut t = [0u8; 4];
+    for &want in tokens {
+        f.read_exact(&mut t)?;
+        if u32::from_le_bytes(t) != want {
+            return Err(bad("saved after another prefix"));
+        }
+    }
+    f.read_exact(&mut word)?;
+    let len = u64::from_le_bytes(word);
+    let mut data = Vec::new();
+    f.take(len.saturating_add(1)).read_to_end(&mut data)?;
+    if data.len() as u64 != len {
+        return Err(bad("the snapshot is cut short or too long"));
+    }
+    Ok(data)
 }
 
 impl Drop for PrefixCache {
     fn drop(&mut self) {
-        for e in &self.entries {
-            if let Stored::Disk(path) = &e.data {
-                let _ = std::fs::remove_file(path);
-            }
+        if let Some((dir, _lock)) = &self.spill_dir {
+            let _ = std::fs::remove_dir_all(dir);
         }
     }
 }
@@ -304,10 +403,69 @@ mod tests {
         assert!(!c.contains(&[1]));
         assert_eq!(c.get(&[2, 0], 5), Some((1, vec![2u8; 10].into())));
         assert_eq!(c.get(&[4], 5), Some((1, vec![4u8; 10].into())));
-        let files = std::fs::read_dir(dir.path()).unwrap().count();
-        assert_eq!(files, 2);
+        let own = std::fs::read_dir(dir.path())
+            .unwrap()
+            .next()
+            .unwrap()
+            .unwrap()
+            .path();
+        let files = std::fs::read_dir(&own).unwrap().count();
+        assert_eq!(files, 3); // two snapshots and the lock
         drop(c);
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
+
+    fn spill_files(dir: &Path) -> Vec<PathBuf> {
+        let mut out = Vec::new();
+        for sub in std::fs::read_dir(dir).unwrap().flatten() {
+            for f in std::fs::read_dir(sub.path()).unwrap().flatten() {
+                if f.path().extension().is_some_and(|e| e == "snap") {
+                    out.push(f.path());
+                }
+            }
+        }
+        out.sort();
+        out
+    }
+
+    /// Two caches on one directory keep apart; one starting does not
+    /// remove the other's files, but does remove a dead server's.
+    #[test]
+    fn shared_directory_is_not_clobbered() {
+        let dir = tempfile::tempdir().unwrap();
+        let stale = dir.path().join(format!("{FILE_PREFIX}1-dead"));
+        std::fs::create_dir(&stale).unwrap();
+        std::fs::write(stale.join(LOCK_FILE), b"").unwrap();
+        std::fs::write(stale.join("1.snap"), b"old").unwrap();
+        let mut a = cache(0, Some(dir.path()), 100);
+        assert!(!stale.exists());
+        a.insert(vec![1], vec![1; 10]);
+        let mut b = cache(0, Some(dir.path()), 100);
+        b.insert(vec![2], vec![2; 10]);
+        assert_eq!(spill_files(dir.path()).len(), 2);
+        assert_eq!(a.get(&[1, 0], 5), Some((1, vec![1u8; 10].into())));
+        assert_eq!(b.get(&[2, 0], 5), Some((1, vec![2u8; 10].into())));
+        drop(a);
+        assert_eq!(b.get(&[2, 0], 5), Some((1, vec![2u8; 10].into())));
+    }
+
+    /// A spill file of another prefix, or cut short, is dropped, not
+    /// returned.
+    #[test]
+    fn mismatched_or_short_spill_is_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = cache(0, Some(dir.path()), 100);
+        c.insert(vec![1, 2], vec![1; 10]);
+        c.insert(vec![3, 4], vec![2; 10]);
+        let files = spill_files(dir.path());
+        // The first now holds the second's prefix; the second is cut short.
+        let y = std::fs::read(&files[1]).unwrap();
+        std::fs::write(&files[0], &y).unwrap();
+        std::fs::write(&files[1], &y[..y.len() - 1]).unwrap();
+        assert_eq!(c.get(&[1, 2, 9], 5), None);
+        assert_eq!(c.get(&[3, 4, 9], 5), None);
+        assert_eq!(c.stats().entries, 0);
+        assert!(spill_files(dir.path()).is_empty());
     }
 
     #[test]

@@ -37,6 +37,19 @@ pub fn chat_prompt(
     tool_format: Option<ToolFormat>,
     input: &ChatInput<'_>,
 ) -> Result<ChatPrompt, ApiError> {
+    chat_prompt_checked(template, tokenizer, tool_format, input, &|_| Ok(()))
+}
+
+/// [`chat_prompt`], where `before_encode` sees the rendered text before
+/// the tokenizer does (the cheap length bound: a prompt refused there is
+/// never tokenized).
+pub fn chat_prompt_checked(
+    template: &ChatTemplate,
+    tokenizer: &Tokenizer,
+    tool_format: Option<ToolFormat>,
+    input: &ChatInput<'_>,
+    before_encode: &dyn Fn(&str) -> Result<(), ApiError>,
+) -> Result<ChatPrompt, ApiError> {
     let use_tools = *input.choice != ToolChoice::None && input.tools.is_some_and(|t| !t.is_empty());
     let format = match (use_tools, tool_format) {
         (false, _) => None,
@@ -99,6 +112,7 @@ pub fn chat_prompt(
         starts_in_reasoning = false;
         text.push_str(f);
     }
+    before_encode(&text)?;
     let tokens = encode(tokenizer, &text)?;
 
     // Message boundaries: the conversation without its last one or two
@@ -136,4 +150,35 @@ pub fn encode(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>, ApiError> {
     tokenizer
         .encode(text, false)
         .map_err(|e| ApiError::internal(format!("tokenizer: {e}")))
+}
+
+/// A lower bound on a text's token count from its length in bytes, so that
+/// a prompt far beyond the context is refused without tokenizing it.
+#[derive(Debug, Clone, Copy)]
+pub struct LengthBound {
+    /// The longest vocabulary entry, in bytes of its vocabulary form (for
+    /// byte-level BPE at least the bytes it stands for).
+    max_token_bytes: usize,
+}
+
+/// Normalizers may lengthen text before it is split (NFC up to 3 times in
+/// UTF-8 bytes); the bound allows for that.
+const NORMALIZER_SLACK: usize = 4;
+
+impl LengthBound {
+    pub fn from_tokenizer(t: &Tokenizer) -> LengthBound {
+        let max = (0..t.vocab_size() as u32)
+            .filter_map(|id| t.id_to_token(id))
+            .map(|s| s.len())
+            .max()
+            .unwrap_or(1);
+        LengthBound {
+            max_token_bytes: max.max(1),
+        }
+    }
+
+    /// Fewer tokens than this cannot spell `bytes` bytes of text.
+    pub fn min_tokens(&self, bytes: usize) -> usize {
+        bytes / (self.max_token_bytes * NORMALIZER_SLACK)
+    }
 }

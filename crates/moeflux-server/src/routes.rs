@@ -1,13 +1,16 @@
-//! The HTTP routes, the API-key check and request intake: parse and
-//! validate, build the prompt off the async threads, queue the job, answer
-//! (see [`crate::respond`]).
+//! The HTTP routes, the API-key check and request intake: read the body
+//! (within `body_timeout`), parse and validate, take a place in the queue
+//! (429 at once when there is none), bound the prompt's length from its
+//! bytes, then render and tokenize it off the async threads, at most
+//! `prepare_threads` at once, queue the job and answer (see
+//! [`crate::respond`]). A refused request is never tokenized.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::extract::{DefaultBodyLimit, FromRequest, Path, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -18,7 +21,7 @@ use tokio::sync::mpsc::unbounded_channel;
 use tower_http::catch_panic::CatchPanicLayer;
 
 use crate::api::{self, ChatRequest, CompletionRequest, Prompt};
-use crate::engine::Job;
+use crate::engine::{Admission, Job};
 use crate::error::ApiError;
 use crate::prompt::{self, ChatInput};
 use crate::respond::{self, Answer, CancelOnDrop};
@@ -46,8 +49,20 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
+/// What a connection beyond `max_connections` is served: `/health`, and
+/// 503 for everything else (see [`crate::conn`]).
+pub fn over_limit_router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .fallback(|| async {
+            ApiError::unavailable("the server has too many open connections; retry later")
+        })
+        .with_state(state)
+}
+
 /// `Authorization: Bearer KEY` on everything but `/health`, when a key is
-/// set. Compared in constant time.
+/// set. The scheme is case-insensitive (RFC 9110); the key is compared in
+/// constant time.
 async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     if let Some(key) = &st.api_key {
         if req.uri().path() != "/health" {
@@ -55,9 +70,10 @@ async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Resp
                 .headers()
                 .get(header::AUTHORIZATION)
                 .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.strip_prefix("Bearer "))
+                .and_then(bearer_token)
                 .unwrap_or("");
-            if !constant_time_eq(given.trim().as_bytes(), key.as_bytes()) {
+            let ok: bool = subtle::ConstantTimeEq::ct_eq(given.as_bytes(), key.as_bytes()).into();
+            if !ok {
                 st.metrics.request("auth", 401);
                 return ApiError::unauthorized().into_response();
             }
@@ -66,12 +82,25 @@ async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Resp
     next.run(req).await
 }
 
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+/// The credentials of a `Bearer` authorization value, any case of the
+/// scheme.
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.trim().split_once([' ', '\t'])?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
 }
 
 async fn not_found() -> ApiError {
     ApiError::not_found("no such endpoint; see /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics")
+}
+
+/// The request body, read within `body_timeout` (a client trickling it
+/// gets 408 and the connection closes).
+async fn read_body(st: &AppState, req: Request) -> Result<Bytes, ApiError> {
+    let read = tokio::time::timeout(st.body_timeout, Bytes::from_request(req, &()));
+    match read.await {
+        Ok(body) => body_bytes(st, body),
+        Err(_) => Err(ApiError::body_timeout(st.body_timeout)),
+    }
 }
 
 fn body_bytes(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
@@ -91,20 +120,15 @@ fn counted(st: &AppState, endpoint: &'static str, r: Result<Response, ApiError>)
     resp
 }
 
-async fn chat_completions(
-    State(st): State<Arc<AppState>>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    let r = chat_inner(&st, body).await;
+async fn chat_completions(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    let r = chat_inner(&st, req).await;
     counted(&st, "chat", r)
 }
 
-async fn chat_inner(
-    st: &Arc<AppState>,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
-    let body = body_bytes(st, body)?;
+async fn chat_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiError> {
+    let body = read_body(st, req).await?;
     let req: ChatRequest = api::parse_body(&body)?;
+    drop(body);
     req.check_unsupported()?;
     let messages = req.checked_messages()?;
     let choice = api::tool_choice(req.tools.as_deref(), req.tool_choice.as_ref())?;
@@ -114,14 +138,28 @@ async fn chat_inner(
         st.info.max_context,
         random_u64(),
     )?;
+    // Every message renders to at least one token.
+    if messages.len() > st.info.max_context {
+        return Err(ApiError::invalid(
+            "messages",
+            format!(
+                "{} messages cannot fit in the context of {} tokens",
+                messages.len(),
+                st.info.max_context
+            ),
+        )
+        .with_code("context_length_exceeded"));
+    }
+    let admission = st.engine.admit()?;
     let (st2, tools, kwargs, choice2) = (
         st.clone(),
         req.tools.clone(),
         req.chat_template_kwargs.clone(),
         choice.clone(),
     );
-    let prepared = tokio::task::spawn_blocking(move || {
-        prompt::chat_prompt(
+    let max_tokens = params.max_tokens;
+    let prepared = prepare(st, move || {
+        prompt::chat_prompt_checked(
             &st2.template,
             &st2.tokenizer,
             st2.tool_format,
@@ -131,10 +169,10 @@ async fn chat_inner(
                 choice: &choice2,
                 template_kwargs: kwargs.as_ref(),
             },
+            &|text| before_tokenizing(&st2, text, max_tokens, "messages"),
         )
     })
-    .await
-    .map_err(|e| ApiError::internal(format!("prompt task failed: {e}")))??;
+    .await?;
     check_length(st, prepared.tokens.len(), params.max_tokens, "messages")?;
     let answer = Answer {
         chat: true,
@@ -151,6 +189,7 @@ async fn chat_inner(
     };
     let (cancel, rx) = submit(
         st,
+        admission,
         Job {
             prompt: prepared.tokens,
             boundaries: prepared.boundaries,
@@ -163,20 +202,15 @@ async fn chat_inner(
     Ok(respond::answer(st.clone(), answer, rx, cancel).await)
 }
 
-async fn completions(
-    State(st): State<Arc<AppState>>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    let r = completions_inner(&st, body).await;
+async fn completions(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    let r = completions_inner(&st, req).await;
     counted(&st, "completions", r)
 }
 
-async fn completions_inner(
-    st: &Arc<AppState>,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
-    let body = body_bytes(st, body)?;
+async fn completions_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiError> {
+    let body = read_body(st, req).await?;
     let req: CompletionRequest = api::parse_body(&body)?;
+    drop(body);
     req.check_unsupported()?;
     let prompt = api::completion_prompt(req.prompt.as_ref())?;
     let params = api::gen_params(
@@ -185,6 +219,7 @@ async fn completions_inner(
         st.info.max_context,
         random_u64(),
     )?;
+    let admission = st.engine.admit()?;
     let tokens = match prompt {
         Prompt::Tokens(ids) => {
             if let Some((i, t)) = ids
@@ -204,9 +239,12 @@ async fn completions_inner(
         }
         Prompt::Text(text) => {
             let st2 = st.clone();
-            tokio::task::spawn_blocking(move || prompt::encode(&st2.tokenizer, &text))
-                .await
-                .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))??
+            let max_tokens = params.max_tokens;
+            prepare(st, move || {
+                before_tokenizing(&st2, &text, max_tokens, "prompt")?;
+                prompt::encode(&st2.tokenizer, &text)
+            })
+            .await?
         }
     };
     if tokens.is_empty() {
@@ -226,6 +264,7 @@ async fn completions_inner(
     };
     let (cancel, rx) = submit(
         st,
+        admission,
         Job {
             prompt: tokens,
             boundaries: Vec::new(),
@@ -236,6 +275,52 @@ async fn completions_inner(
         },
     )?;
     Ok(respond::answer(st.clone(), answer, rx, cancel).await)
+}
+
+/// Runs `work` (template, tokenizer) on the blocking pool once one of the
+/// `prepare_threads` places is free.
+async fn prepare<T: Send + 'static>(
+    st: &AppState,
+    work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let place = st
+        .prepare
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(|_| ApiError::unavailable("the server is stopping"))?;
+    // The place goes with the work: a client that leaves does not free it
+    // while its prompt is still being tokenized.
+    tokio::task::spawn_blocking(move || {
+        let _place = place;
+        work()
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("prompt task failed: {e}")))?
+}
+
+/// Refuses, from its length in bytes alone, a text that cannot fit the
+/// context; counts the prompts that go on to the tokenizer.
+fn before_tokenizing(
+    st: &AppState,
+    text: &str,
+    max_tokens: Option<usize>,
+    param: &str,
+) -> Result<(), ApiError> {
+    let at_least = st.length_bound.min_tokens(text.len());
+    if at_least + max_tokens.unwrap_or(1) > st.info.max_context {
+        return Err(ApiError::invalid(
+            param,
+            format!(
+                "the prompt is {} bytes, at least {at_least} tokens; the context size is {}",
+                text.len(),
+                st.info.max_context
+            ),
+        )
+        .with_code("context_length_exceeded"));
+    }
+    st.metrics.prompts_tokenized.fetch_add(1, Ordering::Relaxed);
+    Ok(())
 }
 
 /// The prompt must leave room for at least one token, and for
@@ -264,6 +349,7 @@ fn check_length(
 /// the answer is dropped (the client went away).
 fn submit(
     st: &AppState,
+    admission: Admission,
     mut job: Job,
 ) -> Result<
     (
@@ -275,7 +361,7 @@ fn submit(
     let (tx, rx) = unbounded_channel();
     job.events = tx;
     let cancel = CancelOnDrop(job.cancel.clone());
-    st.engine.submit(job)?;
+    st.engine.submit(admission, job)?;
     Ok((cancel, rx))
 }
 
