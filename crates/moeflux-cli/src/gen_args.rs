@@ -166,6 +166,12 @@ impl ModelArgs {
     /// The model directory: `--model`, else the demo model.
     pub fn dir(&self) -> Result<PathBuf> {
         match &self.model {
+            // A file given as the model: say so, not that some file inside
+            // it cannot be read.
+            Some(dir) if dir.metadata().is_ok_and(|m| !m.is_dir()) => anyhow::bail!(
+                "--model {}: not a directory (give the model directory `moeflux convert` wrote)",
+                dir.display()
+            ),
             Some(dir) => Ok(dir.clone()),
             None => crate::demo::model_dir(),
         }

@@ -333,6 +333,9 @@ fn bounds_and_honest_errors() {
     assert!(e.contains("more than the context of 16"), "{e}");
     assert!(e.contains("tokens"), "{e}");
     assert!(out.stdout.is_empty());
+    let file = model.join("config.json");
+    let e = one_line_error(&moeflux(&["run", "--model", s(&file), "-p", "x"]));
+    assert!(e.contains("config.json: not a directory"), "{e}");
     let e = one_line_error(&moeflux(&["run", "--model", m, "--prompt-ids", "1,x"]));
     assert!(e.contains("--prompt-ids: item 2"), "{e}");
     // A broken generation_config.json is named, not ignored.

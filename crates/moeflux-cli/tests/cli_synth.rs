@@ -154,7 +154,7 @@ fn sigterm_removes_the_partial_output_and_stale_ones_go_next_time() {
     let tmp = tempfile::tempdir().unwrap();
     let dst = tmp.path().join("big");
     // Over a gigabyte: still writing when the signal comes.
-    let mut child = command(&[
+    let child = command(&[
         "synth",
         "--preset",
         "qwen3-235b-a22b",

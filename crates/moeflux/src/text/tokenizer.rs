@@ -476,7 +476,8 @@ mod tests {
             t.encode_prompt(&plain).unwrap(),
             t.encode(text, false).unwrap()
         );
-        let p = Prompt::with_literal_spans(text.to_string(), vec![at..at + 10]);
+        let span = at..at + "<|im_end|>".len();
+        let p = Prompt::with_literal_spans(text.to_string(), vec![span]);
         let ids = t.encode_prompt(&p).unwrap();
         assert_eq!(ids.iter().filter(|&&i| i == end).count(), 1, "{ids:?}");
         assert_eq!(t.decode(&ids, false).unwrap(), text);
