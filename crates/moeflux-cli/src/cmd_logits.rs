@@ -24,7 +24,8 @@ pub struct LogitsArgs {
     /// Comma-separated token ids, e.g. 5,17,42.
     #[arg(long)]
     pub tokens: String,
-    /// Output file: float32 array [n_tokens, vocab].
+    /// Output file: float32 array [n_tokens, vocab]; `-` writes it to
+    /// standard output.
     #[arg(long)]
     pub output: PathBuf,
     #[arg(long, value_enum, default_value_t = EvalMode::Batch)]
@@ -37,7 +38,8 @@ pub struct LogitsArgs {
     pub trace: Option<PathBuf>,
 }
 
-pub fn parse_tokens(s: &str) -> Result<Vec<u32>> {
+/// Comma-separated token ids; errors name `flag` (`--tokens`, `--prompt-ids`).
+pub fn parse_tokens(flag: &str, s: &str) -> Result<Vec<u32>> {
     let mut out = Vec::new();
     for (i, part) in s.split(',').enumerate() {
         let p = part.trim();
@@ -46,17 +48,22 @@ pub fn parse_tokens(s: &str) -> Result<Vec<u32>> {
         }
         out.push(
             p.parse::<u32>()
-                .with_context(|| format!("--tokens: item {} (`{p}`) is not a token id", i + 1))?,
+                .with_context(|| format!("{flag}: item {} (`{p}`) is not a token id", i + 1))?,
         );
     }
     if out.is_empty() {
-        bail!("--tokens: no token ids given");
+        bail!("{flag}: no token ids given");
     }
     Ok(out)
 }
 
 pub fn run(args: LogitsArgs) -> Result<()> {
-    let tokens = parse_tokens(&args.tokens)?;
+    let tokens = parse_tokens("--tokens", &args.tokens)?;
+    let to_stdout = args.output.as_os_str() == "-";
+    if !to_stdout {
+        // Before the evaluation, not after it: a directory or device here.
+        moeflux::fsutil::check_target(&args.output)?;
+    }
     let mut session = args.model.open_session()?;
     args.model.report(&session);
     let vocab = session.vocab_size();
@@ -96,7 +103,7 @@ pub fn run(args: LogitsArgs) -> Result<()> {
         }
     };
     let shape = [tokens.len() as u64, vocab as u64];
-    moeflux::fsutil::write_file_atomic(&args.output, |w| {
+    let write_npy = |w: &mut dyn std::io::Write| {
         let mut npy = npyz::WriteOptions::new()
             .default_dtype()
             .shape(&shape)
@@ -104,12 +111,24 @@ pub fn run(args: LogitsArgs) -> Result<()> {
             .begin_nd()?;
         npy.extend(logits.iter().copied())?;
         npy.finish()
-    })?;
+    };
+    if to_stdout {
+        let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+        write_npy(&mut out)
+            .and_then(|()| std::io::Write::flush(&mut out))
+            .context("writing the logits to standard output")?;
+    } else {
+        moeflux::fsutil::write_file_atomic(&args.output, |w| write_npy(w))?;
+    }
     eprintln!(
         "wrote {} x {} logits to {}",
         tokens.len(),
         vocab,
-        args.output.display()
+        if to_stdout {
+            "standard output".into()
+        } else {
+            args.output.display().to_string()
+        }
     );
     if let Some(dir) = &args.trace {
         eprintln!("wrote every block's output to {}", dir.display());

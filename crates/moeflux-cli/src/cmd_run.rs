@@ -6,7 +6,7 @@ use moeflux::generate::{generate, Event, FinishReason, GenerateOptions};
 use moeflux::text::chat::{ChatMessage, RenderOptions};
 
 use crate::cmd_logits::parse_tokens;
-use crate::gen_args::{interrupt_flag, load, DisplayArgs, ModelArgs, SamplingArgs};
+use crate::gen_args::{check_fits, interrupt_flag, load, DisplayArgs, ModelArgs, SamplingArgs};
 use crate::output::{stats_line, timing_report, TextPrinter};
 use crate::progress::PrefillBar;
 
@@ -36,7 +36,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     let sampler = args.sampling.sampler(&args.model.dir()?)?;
     let mut loaded = load(&args.model)?;
     let (prompt_ids, starts_in_reasoning) = match (&args.prompt_ids, &args.prompt) {
-        (Some(ids), _) => (parse_tokens(ids)?, false),
+        (Some(ids), _) => (parse_tokens("--prompt-ids", ids)?, false),
         (None, Some(text)) if args.raw => (loaded.tokenizer.encode(text, true)?, false),
         (None, Some(text)) => {
             let mut messages = Vec::new();
@@ -44,19 +44,21 @@ pub fn run(args: RunArgs) -> Result<()> {
                 messages.push(ChatMessage::new("system", s));
             }
             messages.push(ChatMessage::new("user", text));
-            let rendered = loaded.template.render(
+            let rendered = loaded.template.render_prompt(
                 &messages,
                 &RenderOptions {
                     add_generation_prompt: true,
                     enable_thinking: args.display.enable_thinking(),
                     ..Default::default()
                 },
+                &loaded.tokenizer,
             )?;
-            let open = rendered.trim_end().ends_with("<think>");
-            (loaded.tokenizer.encode(&rendered, false)?, open)
+            let open = rendered.text().trim_end().ends_with("<think>");
+            (loaded.tokenizer.encode_prompt(&rendered)?, open)
         }
         (None, None) => bail!("give --prompt or --prompt-ids"),
     };
+    check_fits(&loaded.session, prompt_ids.len(), "the prompt")?;
     let opts = GenerateOptions {
         starts_in_reasoning,
         ..args.sampling.generate_options(sampler.clone())

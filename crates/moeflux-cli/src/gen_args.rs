@@ -21,8 +21,8 @@ pub struct ModelArgs {
     /// in the source tree's `models/demo`).
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// Compute threads (default: all cores).
-    #[arg(long)]
+    /// Compute threads, 1 to 4 times the cores (default: all cores).
+    #[arg(long, value_parser = parse_threads)]
     pub threads: Option<usize>,
     /// Routed experts per token, fewer than the model's default: faster,
     /// but quality drops (flash-moe's speed knob).
@@ -44,8 +44,9 @@ pub struct ModelArgs {
     #[arg(long, default_value = "auto", num_args = 0..=1, default_missing_value = "on",
           value_parser = parse_prefetch)]
     pub prefetch: Prefetch,
-    /// Longest context in tokens (default: the model's maximum).
-    #[arg(long, visible_alias = "ctx-size")]
+    /// Longest context in tokens, at most the model's maximum
+    /// (`max_position_embeddings`; the default).
+    #[arg(long, visible_alias = "ctx-size", value_parser = parse_ctx)]
     pub ctx: Option<usize>,
     /// Where to compute: `auto` uses an NVIDIA GPU when the CUDA driver and
     /// a device are present, else the CPU.
@@ -75,6 +76,55 @@ pub struct ModelArgs {
     /// replaying the step as a CUDA graph (for comparison and debugging).
     #[arg(long)]
     pub no_cuda_graphs: bool,
+}
+
+/// The most `--threads` accepted, per core: more only adds contention.
+const THREADS_PER_CORE: usize = 4;
+
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+fn parse_threads(s: &str) -> std::result::Result<usize, String> {
+    let n: usize = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number of threads"))?;
+    let cores = cores();
+    let max = THREADS_PER_CORE * cores;
+    match n {
+        0 => Err(format!(
+            "at least 1 (leave --threads out to use all {cores} cores)"
+        )),
+        n if n > max => Err(format!(
+            "{n} is more than {THREADS_PER_CORE} per core of this machine's {cores} (at most {max})"
+        )),
+        n => Ok(n),
+    }
+}
+
+fn parse_ctx(s: &str) -> std::result::Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(0) => Err("the context must hold at least 1 token".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("`{s}` is not a number of tokens")),
+    }
+}
+
+/// Errors unless `tokens` (what `what` holds) fit the session's context;
+/// the message says by how much and what to change.
+pub fn check_fits(session: &Session, tokens: usize, what: &str) -> Result<()> {
+    let limit = session.max_context();
+    if tokens <= limit {
+        return Ok(());
+    }
+    let model_max = session.config().max_position_embeddings;
+    let hint = if limit < model_max {
+        format!("shorten it or raise --ctx (the model's maximum is {model_max})")
+    } else {
+        "shorten it (this is the model's maximum)".to_string()
+    };
+    anyhow::bail!("{what} is {tokens} tokens, more than the context of {limit}: {hint}")
 }
 
 fn parse_backend(s: &str) -> std::result::Result<Backend, String> {
@@ -116,6 +166,12 @@ impl ModelArgs {
     /// The model directory: `--model`, else the demo model.
     pub fn dir(&self) -> Result<PathBuf> {
         match &self.model {
+            // A file given as the model: say so, not that some file inside
+            // it cannot be read.
+            Some(dir) if dir.metadata().is_ok_and(|m| !m.is_dir()) => anyhow::bail!(
+                "--model {}: not a directory (give the model directory `moeflux convert` wrote)",
+                dir.display()
+            ),
             Some(dir) => Ok(dir.clone()),
             None => crate::demo::model_dir(),
         }
@@ -130,6 +186,20 @@ impl ModelArgs {
                 "no --model given: using the demo model {} (docs/DEMO.md)",
                 dir.display()
             );
+        }
+        if let Some(ctx) = self.ctx {
+            // Before loading any weights; a config.json that cannot be
+            // read is reported by Session::open below.
+            if let Ok(c) = moeflux::config::ModelConfig::from_dir(&dir) {
+                if ctx > c.max_position_embeddings {
+                    anyhow::bail!(
+                        "--ctx {ctx} is more than the model's maximum context of {} tokens \
+                         (max_position_embeddings in {})",
+                        c.max_position_embeddings,
+                        dir.join("config.json").display()
+                    );
+                }
+            }
         }
         Session::open(
             &dir,
@@ -248,11 +318,15 @@ impl DisplayArgs {
 impl SamplingArgs {
     /// Flags first, then the model's generation_config.json, then defaults.
     pub fn sampler(&self, model_dir: &Path) -> Result<SamplerConfig> {
-        let gc: serde_json::Value =
-            std::fs::read_to_string(model_dir.join("generation_config.json"))
-                .ok()
-                .and_then(|t| serde_json::from_str(&t).ok())
-                .unwrap_or(serde_json::Value::Null);
+        let gc_path = model_dir.join("generation_config.json");
+        let gc: serde_json::Value = match std::fs::read_to_string(&gc_path) {
+            Ok(t) => serde_json::from_str(&t)
+                .with_context(|| format!("{}: invalid JSON", gc_path.display()))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => serde_json::Value::Null,
+            Err(e) => {
+                return Err(e).with_context(|| format!("reading {}", gc_path.display()));
+            }
+        };
         let num = |k: &str| gc.get(k).and_then(|v| v.as_f64());
         let sample = gc.get("do_sample").and_then(|v| v.as_bool()) != Some(false);
         let default_temp = if sample {

@@ -17,7 +17,7 @@ mod output;
 mod progress;
 
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use anyhow::Context;
@@ -87,10 +87,29 @@ fn cancelled(e: &anyhow::Error) -> bool {
     })
 }
 
-/// For long writers (convert, synth): the first Ctrl-C sets the returned
-/// flag (the writer stops and removes its partial output), a second exits.
+/// The SIGTERM or SIGHUP that cancelled a writer (0: none): the exit status
+/// is then 128 + it, as if the signal had killed the process.
+static TERMINATED_BY: AtomicI32 = AtomicI32::new(0);
+
+/// For long writers (convert, synth): the first Ctrl-C, SIGTERM or SIGHUP
+/// sets the returned flag (the writer stops and removes its partial
+/// output), a second exits at once (the next run removes what is left).
 fn cancel_on_ctrl_c() -> anyhow::Result<Arc<AtomicBool>> {
     let cancel = Arc::new(AtomicBool::new(false));
+    for sig in [libc::SIGTERM, libc::SIGHUP] {
+        let flag = cancel.clone();
+        // SAFETY: the action only touches atomics and calls `_exit`, all
+        // async-signal-safe.
+        unsafe {
+            signal_hook_registry::register(sig, move || {
+                if flag.swap(true, Ordering::SeqCst) {
+                    libc::_exit(128 + sig);
+                }
+                TERMINATED_BY.store(sig, Ordering::SeqCst);
+            })
+        }
+        .with_context(|| format!("installing the handler of signal {sig}"))?;
+    }
     let presses = AtomicUsize::new(0);
     let flag = cancel.clone();
     ctrlc::set_handler(move || {
@@ -107,6 +126,16 @@ fn cancel_on_ctrl_c() -> anyhow::Result<Arc<AtomicBool>> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if !matches!(cli.command, Command::Serve(_)) {
+        // `moeflux inspect | head`: end quietly when the reader goes away,
+        // like other Unix tools, instead of failing (or panicking in
+        // `println!`) on EPIPE. Not for `serve`, whose sockets must report
+        // a gone client as an error.
+        // SAFETY: setting a signal disposition before any thread starts.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     let result = match cli.command {
         Command::Run(a) => cmd_run::run(a),
         Command::Chat(a) => cmd_chat::run(a),
@@ -121,10 +150,16 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) if cancelled(&e) => {
-            eprintln!("interrupted");
-            ExitCode::from(EXIT_INTERRUPTED)
-        }
+        Err(e) if cancelled(&e) => match TERMINATED_BY.load(Ordering::SeqCst) {
+            0 => {
+                eprintln!("interrupted");
+                ExitCode::from(EXIT_INTERRUPTED)
+            }
+            sig => {
+                eprintln!("terminated by signal {sig}; the partial output was removed");
+                ExitCode::from(128 + sig as u8)
+            }
+        },
         Err(e) => {
             eprintln!("error: {}", one_line(&e));
             ExitCode::FAILURE

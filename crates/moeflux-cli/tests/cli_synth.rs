@@ -144,3 +144,62 @@ fn synth_new_families_then_inspect() {
         assert!(line.contains(p), "{line}");
     }
 }
+
+/// SIGTERM during a long write stops it, removes the temporary directory
+/// and exits 128 + 15; a temporary directory left by a dead process is
+/// removed by the next run for the same destination.
+#[test]
+fn sigterm_removes_the_partial_output_and_stale_ones_go_next_time() {
+    use std::time::{Duration, Instant};
+    let tmp = tempfile::tempdir().unwrap();
+    let dst = tmp.path().join("big");
+    // Over a gigabyte: still writing when the signal comes.
+    let child = command(&[
+        "synth",
+        "--preset",
+        "qwen3-235b-a22b",
+        "--layers",
+        "1",
+        s(&dst),
+    ])
+    .stdout(std::process::Stdio::null())
+    .stderr(std::process::Stdio::piped())
+    .spawn()
+    .unwrap();
+    let tmp_dir = format!(".big.tmp-{}", child.id());
+    let t0 = Instant::now();
+    while !tmp.path().join(&tmp_dir).exists() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "no temporary directory"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let kill = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let out = child.wait_with_output().unwrap();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(143), "{err}");
+    assert!(err.contains("terminated by signal 15"), "{err}");
+    let left: Vec<_> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+
+    // A dead process's leftovers.
+    let mut dead = std::process::Command::new("true").spawn().unwrap();
+    let pid = dead.id();
+    dead.wait().unwrap();
+    let stale = tmp.path().join(format!(".small.tmp-{pid}"));
+    std::fs::create_dir(&stale).unwrap();
+    std::fs::write(stale.join("experts.bin"), b"partial").unwrap();
+    let small = tmp.path().join("small");
+    ok(&moeflux(&["synth", "--preset", "qwen3.5-tiny", s(&small)]));
+    assert!(!stale.exists());
+    assert!(small.is_dir());
+}

@@ -137,6 +137,14 @@ pub fn prefill(
     if prompt.is_empty() {
         return Err(Error::EmptyTokens);
     }
+    // Refused before any work: a prompt that cannot fit would otherwise be
+    // evaluated chunk by chunk up to the limit, and the session changed.
+    if prompt.len() > session.max_context() {
+        return Err(Error::ContextFull {
+            requested: prompt.len(),
+            limit: session.max_context(),
+        });
+    }
     let have = session.tokens();
     let mut keep = have.iter().zip(prompt).take_while(|(a, b)| a == b).count();
     // The last prompt token must be evaluated now to get its logits.

@@ -158,6 +158,33 @@ fn full_context_ends_generation_without_error() {
 }
 
 #[test]
+fn a_prompt_longer_than_the_context_is_refused_before_any_prefill() {
+    let (prompt, _) = golden_ids();
+    let (_tmp, model) = convert_fixture(&format!("{FIXTURE}/src"), None);
+    let tok = Tokenizer::from_model_dir(&model).unwrap();
+    let limit = prompt.len() - 1;
+    let mut s = open_session(&model, Some(limit));
+    s.eval(&prompt[..3], moeflux::LogitsMode::Last).unwrap();
+    let mut events = 0;
+    let opts = GenerateOptions {
+        prefill_chunk: 2,
+        ..greedy(4)
+    };
+    let r = generate(&mut s, &tok, &prompt, &opts, None, &mut |_| events += 1);
+    match r {
+        Err(moeflux::Error::ContextFull {
+            requested,
+            limit: l,
+        }) => {
+            assert_eq!((requested, l), (prompt.len(), limit));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(events, 0, "prefill started");
+    assert_eq!(s.tokens(), &prompt[..3], "the session changed");
+}
+
+#[test]
 fn a_raised_cancel_flag_stops_before_any_work() {
     let (prompt, _) = golden_ids();
     let (_tmp, model) = convert_fixture(&format!("{FIXTURE}/src"), None);

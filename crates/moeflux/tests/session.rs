@@ -200,3 +200,21 @@ fn fewer_experts_per_token_runs_and_differs() {
     .unwrap();
     assert!(err.to_string().contains("99"), "{err}");
 }
+
+#[test]
+fn max_snapshot_len_is_the_snapshot_at_the_context_limit() {
+    let (_t, dir, g) = setup();
+    let mut s = moeflux::Session::open(
+        &dir,
+        moeflux::SessionOptions {
+            threads: Some(2),
+            max_context: Some(20),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let bound = s.max_snapshot_len();
+    assert!(bound > s.state_save().unwrap().len() as u64);
+    s.eval(&g.tokens[..20], LogitsMode::Last).unwrap();
+    assert_eq!(s.state_save().unwrap().len() as u64, bound);
+}

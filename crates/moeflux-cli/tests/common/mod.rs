@@ -34,18 +34,18 @@ pub fn moeflux(args: &[&str]) -> Output {
 
 /// Runs the binary with `input` on standard input.
 pub fn moeflux_stdin(args: &[&str], input: &str) -> Output {
+    moeflux_stdin_bytes(args, input.as_bytes())
+}
+
+/// Runs the binary with `input` (any bytes) on standard input.
+pub fn moeflux_stdin_bytes(args: &[&str], input: &[u8]) -> Output {
     let mut child = command(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("run moeflux");
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(input.as_bytes())
-        .unwrap();
+    child.stdin.take().unwrap().write_all(input).unwrap();
     child.wait_with_output().unwrap()
 }
 
@@ -102,4 +102,16 @@ pub fn id_list(ids: &[u32]) -> String {
         .map(|i| i.to_string())
         .collect::<Vec<_>>()
         .join(",")
+}
+
+/// Runs the binary with its standard output a pipe whose reader is already
+/// closed (`moeflux ... | head` once head has exited).
+pub fn moeflux_closed_stdout(args: &[&str]) -> Output {
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    command(args)
+        .stdout(writer)
+        .stderr(Stdio::piped())
+        .output()
+        .expect("run moeflux")
 }

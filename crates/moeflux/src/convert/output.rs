@@ -2,7 +2,9 @@
 //! sibling temporary directory `.<name>.tmp-<pid>` on the same file system,
 //! files and directories are fsynced, and the directory is renamed into
 //! place. On error or cancellation the temporary directory is removed and
-//! the destination is untouched.
+//! the destination is untouched. A temporary directory left by a process
+//! that died (killed, power loss) is removed by the next run for the same
+//! destination, once its pid is no longer alive.
 
 use std::fs::File;
 use std::io::Write;
@@ -121,6 +123,7 @@ impl TempDir {
             0 => format!("{}", std::process::id()),
             _ => format!("{}-{n}", std::process::id()),
         };
+        remove_stale(&parent, &name);
         let path = parent.join(format!(".{name}.tmp-{suffix}"));
         if path.symlink_metadata().is_ok() {
             // Left by an earlier run of a process that had our pid.
@@ -173,6 +176,40 @@ impl Drop for TempDir {
             let _ = std::fs::remove_dir_all(&self.path);
         }
     }
+}
+
+/// Removes `.{name}.tmp-PID[-N]` directories in `parent` whose process is
+/// gone. Best effort: what cannot be read or removed is left; a pid that is
+/// alive (ours, or another user's: `EPERM`) is never touched.
+fn remove_stale(parent: &Path, name: &str) {
+    let prefix = format!(".{name}.tmp-");
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let file_name = entry.file_name();
+        let Some(rest) = file_name.to_str().and_then(|f| f.strip_prefix(&prefix)) else {
+            continue;
+        };
+        let pid = rest.split_once('-').map_or(rest, |(p, _)| p);
+        let Ok(pid) = pid.parse::<libc::pid_t>() else {
+            continue;
+        };
+        let is_dir = entry.file_type().map(|t| t.is_dir()).unwrap_or(false);
+        if is_dir && pid > 0 && !process_alive(pid) {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
+/// Whether a process `pid` exists (`kill(pid, 0)`: only `ESRCH` means no).
+fn process_alive(pid: libc::pid_t) -> bool {
+    if pid == std::process::id() as libc::pid_t {
+        return true;
+    }
+    // SAFETY: signal 0 sends nothing; it only checks the pid.
+    let r = unsafe { libc::kill(pid, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
 }
 
 fn remove_any(p: &Path) -> Result<()> {
@@ -240,5 +277,29 @@ mod tests {
         assert!(dst.join("y").exists() && !dst.join("x").exists());
         let names: Vec<_> = std::fs::read_dir(t.path()).unwrap().collect();
         assert_eq!(names.len(), 1, "leftovers beside the destination");
+    }
+
+    #[test]
+    fn stale_temp_dirs_of_dead_processes_are_removed() {
+        let t = tempfile::tempdir().unwrap();
+        let dst = t.path().join("m");
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let stale = [format!(".m.tmp-{dead}"), format!(".m.tmp-{dead}-3")];
+        // pid 1 is alive; another destination's and a plain file are not ours.
+        let kept = [".m.tmp-1", ".other.tmp-999999999", ".m.tmp-notapid"];
+        for n in stale.iter().map(String::as_str).chain(kept) {
+            std::fs::create_dir(t.path().join(n)).unwrap();
+            std::fs::write(t.path().join(n).join("part"), b"x").unwrap();
+        }
+        let tmp = TempDir::create(&dst).unwrap();
+        for n in &stale {
+            assert!(!t.path().join(n).exists(), "{n} left");
+        }
+        for n in kept {
+            assert!(t.path().join(n).exists(), "{n} removed");
+        }
+        drop(tmp);
     }
 }

@@ -613,6 +613,13 @@ impl Session {
         ))
     }
 
+    /// The largest snapshot [`state_save`](Self::state_save) can write for
+    /// this session: one at the context limit. A file longer than this is
+    /// no snapshot of this session, whatever it holds.
+    pub fn max_snapshot_len(&self) -> u64 {
+        snapshot::len_at(&self.model.new_state(), self.max_context)
+    }
+
     /// Replaces the session state with a snapshot from `state_save`. The
     /// snapshot is validated completely first; on error nothing changes.
     /// Checkpoints are dropped (they belonged to the previous sequence).

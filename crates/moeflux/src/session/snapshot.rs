@@ -253,3 +253,19 @@ pub fn load(
     }
     Ok((tokens, ModelState { layers }))
 }
+
+/// The byte length of a snapshot at `position` (the layout of [`save`]),
+/// so a reader can refuse a file that no valid snapshot could be before
+/// reading it.
+pub fn len_at(template: &ModelState, position: usize) -> u64 {
+    let p = position as u64;
+    let mut n = 8 + 4 + 4 + 8 * WORD_NAMES.len() as u64 + 4 * p + 8;
+    for l in &template.layers {
+        n += 4 * match l {
+            LayerState::Full(kv) => 2 * p * kv.row as u64,
+            LayerState::Mla(m) => p * (m.kv_lora_rank + m.rope_dim) as u64,
+            LayerState::Linear(s) => (s.conv.len() + s.ssm.len()) as u64,
+        };
+    }
+    n
+}

@@ -31,6 +31,7 @@
 //! prompts for tool definitions matter.
 
 use std::cell::RefCell;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -40,6 +41,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value as Json};
 
 use crate::error::{Error, Result};
+use crate::text::tokenizer::{Tokenizer, TOOL_CALL_MARKUP};
 
 /// The template used when a model ships none: ChatML, as Qwen models use.
 pub const CHATML_TEMPLATE: &str = "{%- for message in messages %}\
@@ -229,6 +231,54 @@ pub struct RenderOptions {
     /// More template variables (e.g. `date_string`, `preserve_thinking`);
     /// they override the special tokens but not the fields above.
     pub extra: Map<String, Json>,
+}
+
+/// A rendered prompt that knows which special-token spellings came from
+/// the messages' text (to be encoded as text) rather than from the
+/// template. Made by [`ChatTemplate::render_prompt`], encoded by
+/// [`Tokenizer::encode_prompt`]; text appended with
+/// [`push_str`](Self::push_str) is markup, like the template's.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Prompt {
+    text: String,
+    literal: Vec<Range<usize>>,
+}
+
+impl Prompt {
+    /// `text` with the given byte ranges to be encoded as text (ascending,
+    /// not overlapping, on character boundaries).
+    pub fn with_literal_spans(text: String, literal: Vec<Range<usize>>) -> Self {
+        Prompt { text, literal }
+    }
+
+    /// The prompt text, as [`ChatTemplate::render`] returns it.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    /// Byte ranges of special-token spellings that came from message text.
+    pub fn literal_spans(&self) -> &[Range<usize>] {
+        &self.literal
+    }
+
+    /// Appends markup (special tokens in it are special).
+    pub fn push_str(&mut self, s: &str) {
+        self.text.push_str(s);
+    }
+
+    pub fn into_text(self) -> String {
+        self.text
+    }
+}
+
+impl From<String> for Prompt {
+    /// Text that is all markup.
+    fn from(text: String) -> Self {
+        Prompt {
+            text,
+            literal: Vec::new(),
+        }
+    }
 }
 
 /// A model's chat template, compiled.
@@ -470,6 +520,129 @@ impl ChatTemplate {
         self.special_token("eos_token")
     }
 
+    /// Renders the conversation like [`render`](Self::render), marking
+    /// the special-token spellings (of `tokenizer`) written in the messages'
+    /// `content` and `reasoning_content` so that
+    /// [`Tokenizer::encode_prompt`] keeps them text: a user cannot close
+    /// their turn or open another role's by typing `<|im_end|>`. Assistant
+    /// messages keep `<think>`/`</think>` and tool-call markup as the
+    /// template and the model's own output spell them.
+    ///
+    /// How: each such spelling is replaced by a placeholder that occurs
+    /// nowhere in the input, the template is rendered, and the placeholders
+    /// that come out are put back as the spelling, recorded as literal.
+    pub fn render_prompt(
+        &self,
+        messages: &[ChatMessage],
+        opts: &RenderOptions,
+        tokenizer: &Tokenizer,
+    ) -> Result<Prompt> {
+        let keep_for_assistant: Vec<&str> = ["<think>", "</think>"]
+            .into_iter()
+            .chain(TOOL_CALL_MARKUP)
+            .collect();
+        let escapable = |m: &ChatMessage, text: &str| -> Vec<Range<usize>> {
+            tokenizer
+                .special_spans(text)
+                .into_iter()
+                .filter(|r| {
+                    m.role != "assistant" || !keep_for_assistant.contains(&&text[r.clone()])
+                })
+                .collect()
+        };
+        let needs = messages.iter().any(|m| {
+            message_texts(m)
+                .into_iter()
+                .any(|t| !escapable(m, t).is_empty())
+        });
+        if !needs {
+            return Ok(Prompt::from(self.render(messages, opts)?));
+        }
+        // A placeholder prefix found in no input: `\u{F8F0}{n}\u{F8F1}`.
+        let haystack = format!(
+            "{}{}{:?}{:?}",
+            serde_json::to_string(messages).unwrap_or_default(),
+            self.source,
+            opts.tools,
+            opts.extra
+        );
+        let open = (0u64..)
+            .map(|n| format!("\u{F8F0}{n}\u{F8F1}"))
+            .find(|o| !haystack.contains(o.as_str()))
+            .expect("some placeholder is free");
+        const CLOSE: char = '\u{F8F2}';
+        let mut spellings: Vec<String> = Vec::new();
+        let mut escape = |m: &ChatMessage, text: &str| -> String {
+            let mut out = String::with_capacity(text.len());
+            let mut at = 0;
+            for r in escapable(m, text) {
+                out.push_str(&text[at..r.start]);
+                let sp = &text[r.clone()];
+                let i = match spellings.iter().position(|x| x == sp) {
+                    Some(i) => i,
+                    None => {
+                        spellings.push(sp.to_string());
+                        spellings.len() - 1
+                    }
+                };
+                out.push_str(&format!("{open}{i}{CLOSE}"));
+                at = r.end;
+            }
+            out.push_str(&text[at..]);
+            out
+        };
+        let escaped: Vec<ChatMessage> = messages
+            .iter()
+            .map(|m| {
+                let mut e = m.clone();
+                e.content = match &m.content {
+                    Some(Content::Text(t)) => Some(Content::Text(escape(m, t))),
+                    Some(Content::Parts(parts)) => Some(Content::Parts(
+                        parts
+                            .iter()
+                            .map(|p| {
+                                let mut p = p.clone();
+                                if let Some(Json::String(t)) = p.get_mut("text") {
+                                    *t = escape(m, t);
+                                }
+                                p
+                            })
+                            .collect(),
+                    )),
+                    None => None,
+                };
+                e.reasoning_content = m.reasoning_content.as_deref().map(|r| escape(m, r));
+                e
+            })
+            .collect();
+        let rendered = self.render(&escaped, opts)?;
+        let mut text = String::with_capacity(rendered.len());
+        let mut literal = Vec::new();
+        let mut rest = rendered.as_str();
+        while let Some(i) = rest.find(open.as_str()) {
+            text.push_str(&rest[..i]);
+            let after = &rest[i + open.len()..];
+            let spelling = after.split_once(CLOSE).and_then(|(n, tail)| {
+                let sp = spellings.get(n.parse::<usize>().ok()?)?;
+                Some((sp, tail))
+            });
+            match spelling {
+                Some((sp, tail)) => {
+                    literal.push(text.len()..text.len() + sp.len());
+                    text.push_str(sp);
+                    rest = tail;
+                }
+                // Cannot happen (the prefix is in no input); kept as text.
+                None => {
+                    text.push_str(&open);
+                    rest = after;
+                }
+            }
+        }
+        text.push_str(rest);
+        Ok(Prompt::with_literal_spans(text, literal))
+    }
+
     /// Renders the conversation to prompt text.
     ///
     /// Errors: a template's `raise_exception(msg)` (the conversation is not
@@ -525,6 +698,22 @@ impl ChatTemplate {
             ),
         })
     }
+}
+
+/// The texts of a message that [`ChatTemplate::render_prompt`] escapes.
+fn message_texts(m: &ChatMessage) -> Vec<&str> {
+    let mut out: Vec<&str> = Vec::new();
+    match &m.content {
+        Some(Content::Text(t)) => out.push(t),
+        Some(Content::Parts(parts)) => out.extend(
+            parts
+                .iter()
+                .filter_map(|p| p.get("text").and_then(Json::as_str)),
+        ),
+        None => {}
+    }
+    out.extend(m.reasoning_content.as_deref());
+    out
 }
 
 /// transformers' `{% generation %}...{% endgeneration %}` (marks assistant

@@ -8,16 +8,25 @@
 //! GLM's `<arg_key>`): the server's tool-call parser reads it from the
 //! decoded text.
 //!
+//! Special tokens written inside message text stay text: a chat prompt is
+//! rendered into a [`Prompt`] that knows which special-token spellings
+//! the template emitted and which came from the messages, and
+//! [`Tokenizer::encode_prompt`] turns only the former into special ids
+//! (`<|im_end|>` typed by a user cannot close their turn).
+//!
 //! Only the small JSON files of a model directory are read, never the
 //! weights, so a directory holding just `tokenizer.json` is enough.
 
 use std::collections::BTreeSet;
 use std::fmt;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 use serde_json::Value;
 
 use crate::error::{Error, Result};
+use crate::text::chat::Prompt;
 use crate::text::stream::StreamDecoder;
 
 /// The tokenizer file of a model directory.
@@ -56,6 +65,13 @@ pub struct Tokenizer {
     /// Special ids of [`TOOL_CALL_MARKUP`] tokens, ascending.
     markup: Vec<u32>,
     think: Option<(u32, u32)>,
+    /// The spellings of the special tokens, longest first (so the first
+    /// match at a position is the longest, as the tokenizer matches).
+    special_text: Vec<String>,
+    /// The first bytes of `special_text`, for a quick scan.
+    special_first: [bool; 256],
+    /// `inner` with special tokens encoded as plain text, made on first use.
+    literal: OnceLock<tokenizers::Tokenizer>,
 }
 
 impl fmt::Debug for Tokenizer {
@@ -156,6 +172,19 @@ impl Tokenizer {
             .filter_map(|t| inner.token_to_id(t))
             .filter(|id| special.contains(id))
             .collect();
+        let decoder = inner.get_added_tokens_decoder();
+        let mut special_text: Vec<String> = special
+            .iter()
+            .filter_map(|id| decoder.get(id))
+            .map(|t| t.content.clone())
+            .filter(|c| !c.is_empty())
+            .collect();
+        special_text.sort_by(|a, b| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
+        special_text.dedup();
+        let mut special_first = [false; 256];
+        for t in &special_text {
+            special_first[t.as_bytes()[0] as usize] = true;
+        }
         Ok(Tokenizer {
             inner,
             source: source.to_path_buf(),
@@ -165,6 +194,9 @@ impl Tokenizer {
             special: special.into_iter().collect(),
             markup: markup.into_iter().collect(),
             think,
+            special_text,
+            special_first,
+            literal: OnceLock::new(),
         })
     }
 
@@ -183,6 +215,86 @@ impl Tokenizer {
             .encode_fast(text, add_special_tokens)
             .map_err(|e| Error::Tokenize(format!("encoding failed: {e}")))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// Token ids of `text` with special-token spellings encoded as plain
+    /// text (`<|im_end|>` becomes `<`, `|`, `im`, ... rather than the
+    /// special id); added tokens that are not special still match.
+    pub fn encode_as_text(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        let literal = self.literal.get_or_init(|| {
+            let mut t = self.inner.clone();
+            t.set_encode_special_tokens(true);
+            t
+        });
+        let enc = literal
+            .encode_fast(text, add_special_tokens)
+            .map_err(|e| Error::Tokenize(format!("encoding failed: {e}")))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Token ids of a rendered chat prompt: special-token spellings the
+    /// template wrote become special ids, those that came from message text
+    /// stay text. The stretch between two template specials that holds
+    /// message-text specials is encoded as a whole with specials as text;
+    /// everything else exactly as [`Tokenizer::encode`] (without the
+    /// post-processor) encodes it.
+    pub fn encode_prompt(&self, prompt: &Prompt) -> Result<Vec<u32>> {
+        let text = prompt.text();
+        let literal = prompt.literal_spans();
+        if literal.is_empty() {
+            return self.encode(text, false);
+        }
+        let overlaps =
+            |r: &Range<usize>| literal.iter().any(|l| l.start < r.end && r.start < l.end);
+        // Template specials: the split points around literal stretches.
+        let hard: Vec<Range<usize>> = self
+            .special_spans(text)
+            .into_iter()
+            .filter(|r| !overlaps(r))
+            .collect();
+        let mut ids = Vec::new();
+        let mut normal_from = 0;
+        let mut run_start = 0;
+        let ends = hard
+            .iter()
+            .map(|h| (h.start, h.end))
+            .chain([(text.len(), text.len())]);
+        for (end, next) in ends {
+            let run = run_start..end;
+            if overlaps(&run) {
+                ids.extend(self.encode(&text[normal_from..run.start], false)?);
+                ids.extend(self.encode_as_text(&text[run.clone()], false)?);
+                normal_from = run.end;
+            }
+            run_start = next;
+        }
+        if normal_from < text.len() {
+            ids.extend(self.encode(&text[normal_from..], false)?);
+        }
+        Ok(ids)
+    }
+
+    /// Byte ranges of the special-token spellings in `text`, leftmost and
+    /// longest first, not overlapping (as the tokenizer splits them out).
+    pub fn special_spans(&self, text: &str) -> Vec<Range<usize>> {
+        let bytes = text.as_bytes();
+        let mut spans = Vec::new();
+        let mut i = 0;
+        while i < bytes.len() {
+            if self.special_first[bytes[i] as usize] {
+                if let Some(t) = self
+                    .special_text
+                    .iter()
+                    .find(|t| bytes[i..].starts_with(t.as_bytes()))
+                {
+                    spans.push(i..i + t.len());
+                    i += t.len();
+                    continue;
+                }
+            }
+            i += 1;
+        }
+        spans
     }
 
     /// The text of `ids`. With `skip_special`, special tokens are left out,
@@ -341,6 +453,41 @@ mod tests {
             );
         }
         Tokenizer::from_bytes(&serde_json::to_vec(&json).unwrap()).unwrap()
+    }
+
+    fn fixture() -> Tokenizer {
+        Tokenizer::from_file(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../tests/fixtures/qwen35moe-q4/src/tokenizer.json"),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn encode_prompt_keeps_message_specials_as_text() {
+        let t = fixture();
+        let end = t.token_to_id("<|im_end|>").unwrap();
+        let text = "<|im_start|>user\nsay <|im_end|> now<|im_end|>\n<|im_start|>assistant\n";
+        let at = text.find("<|im_end|> now").unwrap();
+        assert_eq!(t.special_spans(text).len(), 4);
+        // No literal spans: exactly `encode`.
+        let plain = Prompt::from(text.to_string());
+        assert_eq!(
+            t.encode_prompt(&plain).unwrap(),
+            t.encode(text, false).unwrap()
+        );
+        let span = at..at + "<|im_end|>".len();
+        let p = Prompt::with_literal_spans(text.to_string(), vec![span]);
+        let ids = t.encode_prompt(&p).unwrap();
+        assert_eq!(ids.iter().filter(|&&i| i == end).count(), 1, "{ids:?}");
+        assert_eq!(t.decode(&ids, false).unwrap(), text);
+        // The stretch between the template's specials is one piece of text.
+        let head = t.encode("<|im_start|>", false).unwrap();
+        let body = t.encode_as_text("user\nsay <|im_end|> now", false).unwrap();
+        let tail = t
+            .encode("<|im_end|>\n<|im_start|>assistant\n", false)
+            .unwrap();
+        assert_eq!(ids, [head, body, tail].concat());
     }
 
     #[test]
