@@ -82,14 +82,18 @@ pub fn chat_prompt_checked(
             }
         }
     }
+    // Special-token spellings typed in messages stay text: only the
+    // template's own markup becomes control tokens.
     let render = |messages: &[ChatMessage], opts: &RenderOptions| {
-        template.render(messages, opts).map_err(|e| match e {
-            moeflux::Error::Invalid(m) => ApiError::invalid("messages", m),
-            other => ApiError::internal(other.to_string()),
-        })
+        template
+            .render_prompt(messages, opts, tokenizer)
+            .map_err(|e| match e {
+                moeflux::Error::Invalid(m) => ApiError::invalid("messages", m),
+                other => ApiError::internal(other.to_string()),
+            })
     };
-    let mut text = render(input.messages, &opts)?;
-    let mut starts_in_reasoning = text.trim_end().ends_with("<think>");
+    let mut prompt = render(input.messages, &opts)?;
+    let mut starts_in_reasoning = prompt.text().trim_end().ends_with("<think>");
     let calls_before = input
         .messages
         .iter()
@@ -108,12 +112,15 @@ pub fn chat_prompt_checked(
     if let (Some(fmt), Some(f)) = (format, &forced) {
         // The call goes where the model writes one: after the reasoning
         // block, closed (and empty) if the prompt left it open.
-        text.push_str(fmt.before_forced_call(&text, template.source()));
+        let close = fmt.before_forced_call(prompt.text(), template.source());
+        prompt.push_str(close);
         starts_in_reasoning = false;
-        text.push_str(f);
+        prompt.push_str(f);
     }
-    before_encode(&text)?;
-    let tokens = encode(tokenizer, &text)?;
+    before_encode(prompt.text())?;
+    let tokens = tokenizer
+        .encode_prompt(&prompt)
+        .map_err(|e| ApiError::internal(format!("tokenizer: {e}")))?;
 
     // Message boundaries: the conversation without its last one or two
     // messages, rendered alone, where its tokens are a prefix of the
@@ -125,10 +132,10 @@ pub fn chat_prompt_checked(
     };
     let n = input.messages.len();
     for k in [n.saturating_sub(1), n].into_iter().filter(|&k| k >= 1) {
-        let Ok(part) = template.render(&input.messages[..k], &closed) else {
+        let Ok(part) = template.render_prompt(&input.messages[..k], &closed, tokenizer) else {
             continue;
         };
-        let Ok(ids) = tokenizer.encode(&part, false) else {
+        let Ok(ids) = tokenizer.encode_prompt(&part) else {
             continue;
         };
         if !ids.is_empty() && ids.len() < tokens.len() && tokens.starts_with(&ids) {
