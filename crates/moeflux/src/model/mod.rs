@@ -56,6 +56,7 @@ impl Model {
     /// schema, its expert layout against the manifest).
     pub fn load(dir: &Path, manifest: &Manifest, config: ModelConfig) -> Result<Self> {
         let manifest_path = dir.join(crate::format::MANIFEST_FILE);
+        manifest.check(&manifest_path, &config)?;
         // Every family is a stack of the one layer type; what a family needs
         // beyond its config's layer and MLP kinds is said here.
         match config.arch {

@@ -145,10 +145,14 @@ impl DenseStore {
     /// Maps the dense file and validates the manifest's table against the
     /// safetensors header.
     pub fn open(dir: &Path, manifest: &Manifest) -> Result<Self> {
-        let path = dir.join(&manifest.dense_file);
+        let path = crate::format::resolve_in_dir(dir, &manifest.dense_file, "dense_file")?;
         let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
         // SAFETY: the file is opened read-only; moeflux never writes a model
         // directory in place (convert renames a complete one into place).
+        // The dense file must not be truncated or rewritten while a model
+        // is loaded: unlike the expert files (see `crate::io`), its mapping
+        // is read on every token without a size check, and a page past a
+        // shrunk end faults (SIGBUS).
         let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
         let st = safetensors::SafeTensors::deserialize(&map)
             .map_err(|e| Error::format(&path, format!("not a valid safetensors file: {e}")))?;
