@@ -718,11 +718,14 @@ fn populate(lf: &LayerFile, id: usize) -> Result<()> {
         )
     };
     sys::will_need(&lf.file, off as u64, lf.extent as u64).map_err(err)?;
+    // Pages past a shrunk end of file fail with EFAULT here, not SIGBUS.
     #[cfg(target_os = "linux")]
-    match map.advise_range(Advice::PopulateRead, off, lf.extent) {
-        Ok(()) => return Ok(()),
-        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
-        Err(e) => return Err(err(e)),
+    if !sys::populate_refused() {
+        match map.advise_range(Advice::PopulateRead, off, lf.extent) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
+            Err(e) => return Err(err(e)),
+        }
     }
     let page = &map[off..off + lf.extent];
     let mut sum = 0u8;
