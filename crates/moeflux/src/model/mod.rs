@@ -133,6 +133,39 @@ impl Model {
         &self.config
     }
 
+    /// Checks that the model in `dir` can load, without loading it for use:
+    /// the manifest and config.json agree, every dense tensor matches the
+    /// manifest, the file and the architecture's schema (dtype, shape, byte
+    /// range), every expert layout fits its extent, and every expert file
+    /// lies inside `dir` with exactly the size the manifest implies.
+    /// Returns what it read (for `inspect`).
+    pub fn check_dir(dir: &Path) -> Result<(Manifest, ModelConfig)> {
+        let manifest_path = dir.join(crate::format::MANIFEST_FILE);
+        let manifest = Manifest::read(&manifest_path)?;
+        let config = ModelConfig::from_dir(dir)?;
+        if manifest.architecture != config.arch.model_type() {
+            return Err(Error::format(
+                &manifest_path,
+                format!(
+                    "architecture `{}` disagrees with config.json model_type `{}`",
+                    manifest.architecture,
+                    config.arch.model_type()
+                ),
+            ));
+        }
+        Model::load(dir, &manifest, config.clone())?;
+        crate::io::ExpertStore::open(
+            dir,
+            &manifest,
+            &crate::io::ExpertStoreOptions {
+                mmap: false,
+                io_threads: 1,
+                ..Default::default()
+            },
+        )?;
+        Ok((manifest, config))
+    }
+
     /// An empty sequence state: a KV cache per full-attention layer, a
     /// latent cache per MLA layer, zero GatedDeltaNet states.
     pub fn new_state(&self) -> ModelState {
