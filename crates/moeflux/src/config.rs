@@ -19,6 +19,9 @@ pub const MAX_LAYERS: usize = 4096;
 /// and its byte size then stays far from overflowing.
 pub const MAX_DIM: usize = 1 << 24;
 
+/// Largest `config.json` read (real ones are a few KB).
+pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
+
 mod deepseek;
 mod glm;
 mod qwen;
@@ -468,7 +471,7 @@ impl ModelConfig {
     }
 
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = crate::format::read_small_text(path, MAX_CONFIG_BYTES)?;
         let value: Value = serde_json::from_str(&text).map_err(|source| Error::Json {
             path: path.to_path_buf(),
             source,

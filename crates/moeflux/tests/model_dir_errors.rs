@@ -493,6 +493,47 @@ fn expert_file_truncated_after_open_fails_the_eval() {
     }
 }
 
+#[test]
+fn dense_file_truncated_after_open_fails_the_eval() {
+    let (_t, dir) = model();
+    let mut s = common::open(&dir);
+    s.eval(&[1, 2], moeflux::LogitsMode::Last).unwrap();
+    let p = dir.join("dense.safetensors");
+    let len = std::fs::metadata(&p).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&p)
+        .unwrap()
+        .set_len(len / 8)
+        .unwrap();
+    let e = s
+        .eval(&[3], moeflux::LogitsMode::Last)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("dense.safetensors") && e.contains("modified while loaded"),
+        "{e}"
+    );
+}
+
+#[test]
+fn oversized_manifest_and_config_are_refused_unread() {
+    for (file, limit) in [
+        (MANIFEST_FILE, moeflux::format::manifest::MAX_MANIFEST_BYTES),
+        ("config.json", moeflux::config::MAX_CONFIG_BYTES),
+    ] {
+        let (_t, dir) = model();
+        // Sparse: nothing is written, and nothing may be read.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(dir.join(file))
+            .unwrap()
+            .set_len(limit + 1)
+            .unwrap();
+        assert_open_err(&dir, &[file, "larger than"]);
+    }
+}
+
 // ---- Weights that compute NaN (issue 19, item 7) ----
 
 /// The fixture with every float of `tensor` replaced by NaN.

@@ -10,6 +10,9 @@ use crate::error::{Error, Result};
 
 pub const FORMAT_NAME: &str = "moeflux-model";
 pub const FORMAT_VERSION: u32 = 1;
+/// Largest `moeflux.json` read (the largest real ones are a few MB): an
+/// untrusted file must not exhaust memory before it is parsed.
+pub const MAX_MANIFEST_BYTES: u64 = 256 << 20;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
@@ -96,7 +99,7 @@ pub struct ExpertTensorRef {
 
 impl Manifest {
     pub fn read(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = crate::format::read_small_text(path, MAX_MANIFEST_BYTES)?;
         let m: Manifest = serde_json::from_str(&text).map_err(|source| Error::Json {
             path: path.to_path_buf(),
             source,

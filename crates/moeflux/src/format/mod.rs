@@ -76,3 +76,24 @@ pub fn resolve_in_dir(dir: &Path, rel: &str, field: &str) -> Result<PathBuf> {
     }
     Ok(path)
 }
+
+/// The text of `path`, refused with an error naming it when longer than
+/// `max` bytes (manifests and configs are untrusted input; a huge one must
+/// not be read into memory whole).
+pub fn read_small_text(path: &Path, max: u64) -> Result<String> {
+    use std::io::Read;
+    let f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let too_big = || Error::format(path, format!("larger than the {max} bytes accepted"));
+    if f.metadata().map_err(|e| Error::io(path, e))?.len() > max {
+        return Err(too_big());
+    }
+    let mut text = String::new();
+    f.take(max + 1)
+        .read_to_string(&mut text)
+        .map_err(|e| Error::io(path, e))?;
+    // Not a regular file (a pipe): its length shows only once read.
+    if text.len() as u64 > max {
+        return Err(too_big());
+    }
+    Ok(text)
+}

@@ -138,9 +138,10 @@ impl Session {
     /// Opens a model directory written by `moeflux convert`.
     pub fn open(dir: &Path, opts: SessionOptions) -> Result<Self> {
         let manifest_path = dir.join(MANIFEST_FILE);
+        // Read (size-checked) and parsed before its bytes are hashed.
+        let manifest = Manifest::read(&manifest_path)?;
         let manifest_bytes =
             std::fs::read(&manifest_path).map_err(|e| Error::io(&manifest_path, e))?;
-        let manifest = Manifest::read(&manifest_path)?;
         let config = ModelConfig::from_dir(dir)?;
         if manifest.architecture != config.arch.model_type() {
             return Err(Error::format(
@@ -461,6 +462,8 @@ impl Session {
                 limit: self.max_context,
             });
         }
+        // A dense file truncated since open: an error, not a SIGBUS.
+        self.model.weights.dense.check_unchanged()?;
         let start = self.position();
         let cx = ForwardCtx {
             model: &self.model,
@@ -475,7 +478,7 @@ impl Session {
         match result {
             // One pass over the logits: weights that compute a NaN must stop
             // generation with an error, not sample garbage (or "eos").
-            Ok(logits) if logits.iter().any(|v| !v.is_finite()) => {
+            Ok(logits) if !all_finite(&logits) => {
                 self.poisoned = true;
                 let history: Vec<u32> = self.tokens.iter().chain(tokens).copied().collect();
                 Err(self.non_finite_error(&history))
@@ -706,4 +709,11 @@ impl Session {
         self.poisoned = false;
         Ok(())
     }
+}
+
+/// Whether every value is finite: one pass, in blocks whose inner loop has
+/// no early exit so that it vectorizes (checked on every eval's logits).
+fn all_finite(v: &[f32]) -> bool {
+    v.chunks(256)
+        .all(|c| c.iter().fold(true, |ok, x| ok & x.is_finite()))
 }
