@@ -577,7 +577,8 @@ impl ModelConfig {
             let nh = self.num_attention_heads;
             let q_head = m.qk_nope_head_dim.checked_add(m.qk_rope_head_dim);
             dims.extend([
-                ("q_lora_rank", m.q_lora_rank),
+                // Absent (a plain q_proj): nothing to bound.
+                ("q_lora_rank", Some(m.q_lora_rank.unwrap_or(0))),
                 ("kv_lora_rank", Some(m.kv_lora_rank)),
                 ("qk_nope_head_dim", Some(m.qk_nope_head_dim)),
                 ("qk_rope_head_dim", Some(m.qk_rope_head_dim)),

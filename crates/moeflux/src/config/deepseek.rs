@@ -426,6 +426,15 @@ mod tests {
                 "rope_scaling.type",
             ),
             ("v_head_dim", json!("128"), "v_head_dim"),
+            // Sizes a hostile config could make overflow the shape arithmetic.
+            ("num_hidden_layers", json!(1u64 << 62), "num_hidden_layers"),
+            (
+                "kv_lora_rank",
+                json!(1u64 << 20),
+                "num_attention_heads * kv_lora_rank",
+            ),
+            ("n_shared_experts", json!(1u64 << 62), "n_shared_experts"),
+            ("vocab_size", json!(1u64 << 40), "vocab_size"),
         ];
         for (field, value, named) in cases {
             let mut v = v3();
