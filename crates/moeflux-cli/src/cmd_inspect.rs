@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::Args;
 use moeflux::config::{LayerKind, MlpKind, ModelConfig, RouterKind};
-use moeflux::format::{Manifest, MANIFEST_FILE};
+use moeflux::format::Manifest;
 use serde_json::{json, Value};
 
 #[derive(Debug, Args)]
@@ -332,9 +332,11 @@ fn print_text(s: &Value) {
 }
 
 pub fn run(args: InspectArgs) -> Result<()> {
-    let ctx = || format!("inspecting {}", args.dir.display());
-    let m = Manifest::read(&args.dir.join(MANIFEST_FILE)).with_context(ctx)?;
-    let c = ModelConfig::from_dir(&args.dir).with_context(ctx)?;
+    // Describes only a directory that loads: every file, size, extent and
+    // dtype it would describe is checked first, and a model that cannot
+    // load is an error (non-zero exit) naming the file and field at fault.
+    let (m, c) = moeflux::model::Model::check_dir(&args.dir)
+        .with_context(|| format!("{} cannot be loaded", args.dir.display()))?;
     let s = summary(&m, &c);
     if args.json {
         println!(

@@ -9,6 +9,19 @@ use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
 
+/// Most layers a config may declare (the largest supported checkpoints have
+/// about 100): tables indexed by layer are sized before anything else of a
+/// model is known, so an untrusted count must not size them unchecked.
+pub const MAX_LAYERS: usize = 4096;
+
+/// Widest any dimension of a model may be, alone or as one side of a weight
+/// matrix (`num_attention_heads * head_dim`, ...): 2^24. Every `rows * cols`
+/// and its byte size then stays far from overflowing.
+pub const MAX_DIM: usize = 1 << 24;
+
+/// Largest `config.json` read (real ones are a few KB).
+pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
+
 mod deepseek;
 mod glm;
 mod qwen;
@@ -353,6 +366,19 @@ impl<'a> Fields<'a> {
     }
 }
 
+/// `num_hidden_layers`: in 1..=[`MAX_LAYERS`], checked before per-layer
+/// tables are built from it.
+fn layer_count(f: &Fields) -> Result<usize> {
+    let n = positive(f, "num_hidden_layers", f.usize("num_hidden_layers")?)?;
+    if n > MAX_LAYERS {
+        return Err(f.err(
+            "num_hidden_layers",
+            format!("{n} is more than the {MAX_LAYERS} layers supported"),
+        ));
+    }
+    Ok(n)
+}
+
 fn positive(f: &Fields, field: &str, v: usize) -> Result<usize> {
     if v == 0 {
         return Err(f.err(field, "must be greater than zero"));
@@ -378,7 +404,7 @@ impl GqaShape {
     /// `max_position_default`: the family's default when the field is absent.
     fn parse(f: &Fields, max_position_default: usize) -> Result<GqaShape> {
         let hidden_size = positive(f, "hidden_size", f.usize("hidden_size")?)?;
-        let num_layers = positive(f, "num_hidden_layers", f.usize("num_hidden_layers")?)?;
+        let num_layers = layer_count(f)?;
         let num_attention_heads =
             positive(f, "num_attention_heads", f.usize("num_attention_heads")?)?;
         let num_kv_heads = positive(f, "num_key_value_heads", f.usize("num_key_value_heads")?)?;
@@ -445,7 +471,7 @@ impl ModelConfig {
     }
 
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = crate::format::read_small_text(path, MAX_CONFIG_BYTES)?;
         let value: Value = serde_json::from_str(&text).map_err(|source| Error::Json {
             path: path.to_path_buf(),
             source,
@@ -488,7 +514,7 @@ impl ModelConfig {
                 model_type: model_type.to_string(),
                 supported: Architecture::SUPPORTED.to_string(),
             })?;
-        match arch {
+        let c = match arch {
             Architecture::Qwen3_5Moe | Architecture::Qwen3Next | Architecture::Qwen3Moe => {
                 qwen::parse(&f, top, arch)
             }
@@ -496,7 +522,95 @@ impl ModelConfig {
             Architecture::DeepseekV3 | Architecture::KimiK2 | Architecture::KimiK25 => {
                 deepseek::parse(&f, top, arch)
             }
+        }?;
+        c.check_sizes(&f)?;
+        Ok(c)
+    }
+
+    /// Every width, and every product of widths that is one side of a
+    /// weight matrix, within [`MAX_DIM`] (checked multiplication: a hostile
+    /// config must not overflow the shape arithmetic of the loader).
+    fn check_sizes(&self, f: &Fields) -> Result<()> {
+        let l = &self.linear;
+        let mut dims: Vec<(&str, Option<usize>)> = vec![
+            ("hidden_size", Some(self.hidden_size)),
+            ("num_attention_heads", Some(self.num_attention_heads)),
+            ("num_key_value_heads", Some(self.num_kv_heads)),
+            ("head_dim", Some(self.head_dim)),
+            ("vocab_size", Some(self.vocab_size)),
+            ("intermediate_size", Some(self.intermediate_size)),
+            ("num_experts", Some(self.moe.num_experts)),
+            ("moe_intermediate_size", Some(self.moe.moe_intermediate)),
+            (
+                "shared_expert_intermediate_size",
+                Some(self.moe.shared_intermediate),
+            ),
+            (
+                "num_attention_heads * head_dim * 2",
+                self.num_attention_heads
+                    .checked_mul(self.head_dim)
+                    .and_then(|x| x.checked_mul(2)),
+            ),
+            (
+                "num_key_value_heads * head_dim",
+                self.num_kv_heads.checked_mul(self.head_dim),
+            ),
+            ("linear_num_value_heads", Some(l.num_v_heads)),
+            ("linear_num_key_heads", Some(l.num_k_heads)),
+            ("linear_key_head_dim", Some(l.key_head_dim)),
+            ("linear_value_head_dim", Some(l.value_head_dim)),
+            ("linear_conv_kernel_dim", Some(l.conv_kernel)),
+            (
+                "2 * linear_num_key_heads * linear_key_head_dim + 2 * linear_num_value_heads * linear_value_head_dim",
+                l.num_k_heads
+                    .checked_mul(l.key_head_dim)
+                    .and_then(|k| k.checked_mul(2))
+                    .zip(
+                        l.num_v_heads
+                            .checked_mul(l.value_head_dim)
+                            .and_then(|v| v.checked_mul(2)),
+                    )
+                    .and_then(|(k, v)| k.checked_add(v)),
+            ),
+        ];
+        if let Some(m) = &self.mla {
+            let nh = self.num_attention_heads;
+            let q_head = m.qk_nope_head_dim.checked_add(m.qk_rope_head_dim);
+            dims.extend([
+                // Absent (a plain q_proj): nothing to bound.
+                ("q_lora_rank", Some(m.q_lora_rank.unwrap_or(0))),
+                ("kv_lora_rank", Some(m.kv_lora_rank)),
+                ("qk_nope_head_dim", Some(m.qk_nope_head_dim)),
+                ("qk_rope_head_dim", Some(m.qk_rope_head_dim)),
+                ("v_head_dim", Some(m.v_head_dim)),
+                (
+                    "num_attention_heads * (qk_nope_head_dim + qk_rope_head_dim)",
+                    q_head.and_then(|q| q.checked_mul(nh)),
+                ),
+                (
+                    "num_attention_heads * kv_lora_rank",
+                    nh.checked_mul(m.kv_lora_rank),
+                ),
+                (
+                    "kv_lora_rank + qk_rope_head_dim",
+                    m.kv_lora_rank.checked_add(m.qk_rope_head_dim),
+                ),
+                (
+                    "num_attention_heads * v_head_dim",
+                    nh.checked_mul(m.v_head_dim),
+                ),
+            ]);
         }
+        for (field, v) in dims {
+            if v.is_none_or(|v| v > MAX_DIM) {
+                let what = v.map_or("overflows".to_string(), |v| v.to_string());
+                return Err(f.err(
+                    field,
+                    format!("{what} is larger than the {MAX_DIM} supported"),
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// Half-split rotary over the first `head_dim * partial_rotary_factor`

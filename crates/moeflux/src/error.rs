@@ -80,6 +80,10 @@ pub enum Error {
     Unsupported { what: String, backend: &'static str },
     #[error("{0}")]
     Invalid(String),
+    /// A forward pass produced a NaN or an infinity (damaged or hostile
+    /// weights); names the first block whose output is not finite.
+    #[error("the model computed non-finite values: {0}")]
+    NonFinite(String),
 }
 
 impl Error {

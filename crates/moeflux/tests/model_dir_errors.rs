@@ -267,3 +267,343 @@ fn every_expert_access_mode_gives_the_same_logits() {
         }
     }
 }
+
+// ---- Untrusted moeflux.json and config.json (issue 19, item 7) ----
+
+/// Rewrites moeflux.json through `edit` on its JSON.
+fn edit_manifest(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let p = dir.join(MANIFEST_FILE);
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    edit(&mut v);
+    std::fs::write(&p, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+}
+
+/// Rewrites config.json (its `text_config` where it has one) through `edit`.
+fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) {
+    let p = dir.join("config.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    let m = if v.get("text_config").is_some() {
+        v["text_config"].as_object_mut().unwrap()
+    } else {
+        v.as_object_mut().unwrap()
+    };
+    edit(m);
+    std::fs::write(&p, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+}
+
+/// Opening fails with a message holding every one of `want`.
+fn assert_open_err(dir: &Path, want: &[&str]) {
+    let e = open_err(dir);
+    for w in want {
+        assert!(e.contains(w), "`{w}` not in: {e}");
+    }
+}
+
+#[test]
+fn manifest_expert_layer_beyond_any_allocation() {
+    // 10^15 used to abort on an 8 PB allocation, 2^62 to panic (capacity overflow).
+    for layer in [1_000_000_000_000_000u64, 1 << 62, 4] {
+        let (_t, dir) = model();
+        edit_manifest(&dir, |m| m["experts"][0]["layer"] = layer.into());
+        assert_open_err(
+            &dir,
+            &["moeflux.json", "experts[0].layer", "num_hidden_layers 4"],
+        );
+    }
+}
+
+#[test]
+fn expert_store_bounds_the_layer_index_without_a_config() {
+    let (_t, dir) = model();
+    edit_manifest(&dir, |m| m["experts"][0]["layer"] = (1u64 << 62).into());
+    let m = Manifest::read(&dir.join(MANIFEST_FILE)).unwrap();
+    let e = moeflux::io::ExpertStore::open(&dir, &m, &Default::default()).unwrap_err();
+    assert!(e.to_string().contains("out of range"), "{e}");
+}
+
+#[test]
+fn manifest_expert_layer_listed_twice() {
+    let (_t, dir) = model();
+    edit_manifest(&dir, |m| {
+        m["experts"][1]["layer"] = m["experts"][0]["layer"].clone()
+    });
+    assert_open_err(&dir, &["experts[1].layer", "listed twice"]);
+}
+
+#[test]
+fn manifest_expert_counts_and_strides() {
+    let cases: [(&str, serde_json::Value, &str); 5] = [
+        ("num_experts", (1u64 << 40).into(), "experts[2].num_experts"),
+        ("num_experts", 0.into(), "experts[2].num_experts"),
+        ("stride", (1u64 << 62).into(), "experts[2].stride"),
+        ("stride", 4095.into(), "experts[2].stride"),
+        ("expert_bytes", u64::MAX.into(), "experts[2].expert_bytes"),
+    ];
+    for (field, value, want) in cases {
+        let (_t, dir) = model();
+        edit_manifest(&dir, |m| m["experts"][2][field] = value.clone());
+        assert_open_err(&dir, &[want]);
+    }
+}
+
+#[test]
+fn manifest_expert_component_extents() {
+    // Overlapping parts, a part past expert_bytes, an offset that overflows.
+    let (_t, dir) = model();
+    edit_manifest(&dir, |m| {
+        let c = &mut m["experts"][1]["components"];
+        c[1]["weight"]["offset"] = c[0]["weight"]["offset"].clone();
+    });
+    assert_open_err(&dir, &["experts of layer 1", "overlaps"]);
+
+    let (_t, dir) = model();
+    edit_manifest(&dir, |m| {
+        let end = m["experts"][1]["expert_bytes"].clone();
+        m["experts"][1]["components"][2]["biases"]["offset"] = end;
+    });
+    assert_open_err(
+        &dir,
+        &["experts of layer 1", "down_proj.biases", "bad byte range"],
+    );
+
+    let (_t, dir) = model();
+    edit_manifest(&dir, |m| {
+        m["experts"][1]["components"][0]["scales"]["offset"] = (u64::MAX - 63).into();
+    });
+    assert_open_err(
+        &dir,
+        &["experts of layer 1", "gate_proj.scales", "bad byte range"],
+    );
+}
+
+#[test]
+fn manifest_paths_stay_inside_the_model_directory() {
+    for (field, value, want) in [
+        ("file", "../x.bin", "leaves the model directory"),
+        ("file", "/etc/passwd", "absolute"),
+        ("file", "experts/../../x.bin", "leaves the model directory"),
+        ("file", "", "empty"),
+    ] {
+        let (_t, dir) = model();
+        edit_manifest(&dir, |m| m["experts"][0][field] = value.into());
+        assert_open_err(&dir, &["moeflux.json", "experts[0].file", want]);
+    }
+    for value in ["/etc/passwd", "../dense.safetensors"] {
+        let (_t, dir) = model();
+        edit_manifest(&dir, |m| m["dense_file"] = value.into());
+        assert_open_err(&dir, &["moeflux.json", "dense_file"]);
+    }
+    // Two layers may not share (overlap in) one file.
+    let (_t, dir) = model();
+    edit_manifest(&dir, |m| {
+        m["experts"][1]["file"] = m["experts"][0]["file"].clone()
+    });
+    assert_open_err(&dir, &["experts[1].file", "another layer"]);
+}
+
+#[test]
+fn manifest_file_symlinked_outside_the_model_directory() {
+    let (t, dir) = model();
+    let inside = dir.join("experts/layer_001.bin");
+    let outside = t.path().join("elsewhere.bin");
+    std::fs::rename(&inside, &outside).unwrap();
+    std::os::unix::fs::symlink(&outside, &inside).unwrap();
+    assert_open_err(&dir, &["experts of layer 1", "outside the model directory"]);
+
+    // A symlink that stays inside is fine.
+    let (_t, dir) = model();
+    let inside = dir.join("experts/layer_001.bin");
+    std::fs::rename(&inside, dir.join("experts/real.bin")).unwrap();
+    std::os::unix::fs::symlink("real.bin", &inside).unwrap();
+    Session::open(&dir, SessionOptions::default()).unwrap();
+}
+
+#[test]
+fn config_counts_are_validated() {
+    let cases: [(&str, serde_json::Value, &str); 7] = [
+        // mlx-lm reads 0 experts as a model of dense MLPs only; this
+        // directory's experts then have no layer to go to.
+        ("num_experts", 0.into(), "config.json: num_experts is 0"),
+        (
+            "num_experts_per_tok",
+            17.into(),
+            "`num_experts_per_tok`: 17 exceeds",
+        ),
+        ("num_hidden_layers", 0.into(), "`num_hidden_layers`"),
+        // Used to size per-layer tables at parse: an abort.
+        (
+            "num_hidden_layers",
+            1_000_000_000_000_000u64.into(),
+            "`num_hidden_layers`: 1000000000000000 is more than",
+        ),
+        ("hidden_size", (1u64 << 40).into(), "`hidden_size`"),
+        // Each fits, their product overflows the shape arithmetic.
+        (
+            "head_dim",
+            (1u64 << 23).into(),
+            "`num_attention_heads * head_dim * 2`",
+        ),
+        ("vocab_size", (1u64 << 62).into(), "`vocab_size`"),
+    ];
+    for (field, value, want) in cases {
+        let (_t, dir) = model();
+        edit_config(&dir, |c| {
+            c.insert(field.into(), value.clone());
+        });
+        assert_open_err(&dir, &["config.json", want]);
+    }
+}
+
+// ---- Files changed under a running process (issue 19, item 8) ----
+
+#[test]
+fn expert_file_truncated_after_open_fails_the_eval() {
+    // Mapped (default; used to die of SIGBUS), pread, and O_DIRECT reads.
+    for (mmap, direct_io) in [(true, false), (false, false), (false, true)] {
+        let (_t, dir) = model();
+        let mut s = Session::open(
+            &dir,
+            SessionOptions {
+                mmap,
+                direct_io,
+                threads: Some(2),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        s.eval(&[1, 2, 3], moeflux::LogitsMode::Last).unwrap();
+        let p = dir.join("experts/layer_001.bin");
+        let len = std::fs::metadata(&p).unwrap().len();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&p)
+            .unwrap()
+            .set_len(len / 4)
+            .unwrap();
+        let e = s
+            .eval(&[4, 5, 6, 7], moeflux::LogitsMode::Last)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("layer_001.bin") && e.contains("layer 1"),
+            "mmap {mmap}, direct {direct_io}: {e}"
+        );
+    }
+}
+
+#[test]
+fn dense_file_truncated_after_open_fails_the_eval() {
+    let (_t, dir) = model();
+    let mut s = common::open(&dir);
+    s.eval(&[1, 2], moeflux::LogitsMode::Last).unwrap();
+    let p = dir.join("dense.safetensors");
+    let len = std::fs::metadata(&p).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&p)
+        .unwrap()
+        .set_len(len / 8)
+        .unwrap();
+    let e = s
+        .eval(&[3], moeflux::LogitsMode::Last)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("dense.safetensors") && e.contains("modified while loaded"),
+        "{e}"
+    );
+}
+
+#[test]
+fn oversized_manifest_and_config_are_refused_unread() {
+    for (file, limit) in [
+        (MANIFEST_FILE, moeflux::format::manifest::MAX_MANIFEST_BYTES),
+        ("config.json", moeflux::config::MAX_CONFIG_BYTES),
+    ] {
+        let (_t, dir) = model();
+        // Sparse: nothing is written, and nothing may be read.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(dir.join(file))
+            .unwrap()
+            .set_len(limit + 1)
+            .unwrap();
+        assert_open_err(&dir, &[file, "larger than"]);
+    }
+}
+
+// ---- Weights that compute NaN (issue 19, item 7) ----
+
+/// The fixture with every float of `tensor` replaced by NaN.
+fn nan_model(tensor: &'static str) -> (tempfile::TempDir, std::path::PathBuf) {
+    let (t, dir) = model();
+    rewrite_dense(&dir, move |n, d, s, b| {
+        Some(if n == tensor {
+            let nan: Vec<u8> = match d {
+                safetensors::Dtype::BF16 => [0xc0u8, 0x7f].repeat(b.len() / 2),
+                safetensors::Dtype::F32 => f32::NAN.to_le_bytes().repeat(b.len() / 4),
+                other => panic!("{tensor} is {other:?}"),
+            };
+            (d, s, nan)
+        } else {
+            (d, s, b)
+        })
+    });
+    (t, dir)
+}
+
+#[test]
+fn nan_weights_name_the_first_bad_layer() {
+    let (_t, dir) = nan_model("model.layers.2.post_attention_layernorm.weight");
+    let mut s = common::open(&dir);
+    let e = s.eval(&[1, 2, 3], moeflux::LogitsMode::Last).unwrap_err();
+    assert!(matches!(e, moeflux::Error::NonFinite(_)), "{e:?}");
+    let e = e.to_string();
+    assert!(e.contains("layer 2 (mlp_norm)"), "{e}");
+    // The session says it must be reset rather than computing on.
+    assert!(s.eval(&[4], moeflux::LogitsMode::Last).is_err());
+    s.clear();
+    assert!(s.eval(&[4], moeflux::LogitsMode::Last).is_err());
+}
+
+#[test]
+fn nan_weights_stop_generation() {
+    use moeflux::generate::{generate, GenerateOptions};
+    let (_t, dir) = nan_model("model.layers.1.input_layernorm.weight");
+    let mut s = common::open(&dir);
+    let tok = moeflux::text::tokenizer::Tokenizer::from_model_dir(&dir).unwrap();
+    let mut text = String::new();
+    let r = generate(
+        &mut s,
+        &tok,
+        &[1, 2, 3],
+        &GenerateOptions {
+            max_tokens: 4,
+            ..Default::default()
+        },
+        None,
+        &mut |e| {
+            if let moeflux::generate::Event::Text { text: t, .. } = e {
+                text.push_str(t);
+            }
+        },
+    );
+    let e = r.map(|st| format!("{st:?}")).unwrap_err().to_string();
+    assert!(e.contains("layer 1 (attn_norm)"), "{e}");
+    assert!(text.is_empty());
+}
+
+#[test]
+fn nan_lm_head_names_the_logits() {
+    let (_t, dir) = nan_model("model.norm.weight");
+    let e = common::open(&dir)
+        .eval(&[1, 2], moeflux::LogitsMode::All)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("logits") && e.contains("every layer's output was finite"),
+        "{e}"
+    );
+}

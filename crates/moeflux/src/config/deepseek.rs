@@ -6,8 +6,9 @@
 use serde_json::{Map, Value};
 
 use super::{
-    eos_ids, positive, Architecture, AttentionConfig, Fields, LayerKind, LinearAttnConfig,
-    MlaConfig, MlpKind, ModelConfig, MoeConfig, RopeConfig, RouterKind, YarnConfig,
+    eos_ids, layer_count, positive, Architecture, AttentionConfig, Fields, LayerKind,
+    LinearAttnConfig, MlaConfig, MlpKind, ModelConfig, MoeConfig, RopeConfig, RouterKind,
+    YarnConfig,
 };
 use crate::error::Result;
 
@@ -17,7 +18,7 @@ pub(super) fn parse(
     arch: Architecture,
 ) -> Result<ModelConfig> {
     let hidden_size = positive(f, "hidden_size", f.usize("hidden_size")?)?;
-    let num_layers = positive(f, "num_hidden_layers", f.usize("num_hidden_layers")?)?;
+    let num_layers = layer_count(f)?;
     let num_attention_heads = positive(f, "num_attention_heads", f.usize("num_attention_heads")?)?;
     let vocab_size = positive(f, "vocab_size", f.usize("vocab_size")?)?;
     let rms_norm_eps = f.f64_opt("rms_norm_eps")?.unwrap_or(1e-6) as f32;
@@ -134,7 +135,12 @@ pub(super) fn parse_moe(f: &Fields) -> Result<MoeConfig> {
         num_experts,
         num_experts_per_tok: f.usize_opt("num_experts_per_tok")?.unwrap_or(1),
         moe_intermediate,
-        shared_intermediate: moe_intermediate * shared,
+        shared_intermediate: moe_intermediate.checked_mul(shared).ok_or_else(|| {
+            f.err(
+                "n_shared_experts",
+                format!("{shared} times moe_intermediate_size {moe_intermediate} overflows"),
+            )
+        })?,
         shared_gate: false,
         norm_topk_prob: f.bool_opt("norm_topk_prob")?.unwrap_or(true),
         router: RouterKind::NoauxTc {
@@ -420,6 +426,15 @@ mod tests {
                 "rope_scaling.type",
             ),
             ("v_head_dim", json!("128"), "v_head_dim"),
+            // Sizes a hostile config could make overflow the shape arithmetic.
+            ("num_hidden_layers", json!(1u64 << 62), "num_hidden_layers"),
+            (
+                "kv_lora_rank",
+                json!(1u64 << 20),
+                "num_attention_heads * kv_lora_rank",
+            ),
+            ("n_shared_experts", json!(1u64 << 62), "n_shared_experts"),
+            ("vocab_size", json!(1u64 << 40), "vocab_size"),
         ];
         for (field, value, named) in cases {
             let mut v = v3();

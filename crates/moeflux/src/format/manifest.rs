@@ -5,11 +5,14 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::QuantSpec;
+use crate::config::{ModelConfig, QuantSpec};
 use crate::error::{Error, Result};
 
 pub const FORMAT_NAME: &str = "moeflux-model";
 pub const FORMAT_VERSION: u32 = 1;
+/// Largest `moeflux.json` read (the largest real ones are a few MB): an
+/// untrusted file must not exhaust memory before it is parsed.
+pub const MAX_MANIFEST_BYTES: u64 = 256 << 20;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
@@ -96,7 +99,7 @@ pub struct ExpertTensorRef {
 
 impl Manifest {
     pub fn read(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = crate::format::read_small_text(path, MAX_MANIFEST_BYTES)?;
         let m: Manifest = serde_json::from_str(&text).map_err(|source| Error::Json {
             path: path.to_path_buf(),
             source,
@@ -119,6 +122,107 @@ impl Manifest {
         Ok(m)
     }
 
+    /// Checks every count, index and extent of the manifest against `config`
+    /// before anything is allocated or opened by them (the manifest is
+    /// untrusted input): paths stay inside the model directory, every expert
+    /// layer is a MoE layer of the config listed once with its own file, the
+    /// config's number of experts, and a stride that is a positive multiple
+    /// of 4096 holding `expert_bytes` with no overflow. Errors name the field
+    /// (`experts[3].layer`). Component extents inside an expert are checked
+    /// by [`crate::model::moe::ExpertLayout::from_manifest`]; file sizes
+    /// where the files are opened.
+    pub fn check(&self, path: &Path, config: &ModelConfig) -> Result<()> {
+        let bad = |field: String, reason: String| Error::format(path, format!("{field}: {reason}"));
+        super::check_relative(&self.dense_file).map_err(|r| bad("dense_file".into(), r))?;
+        for (name, t) in &self.tensors {
+            if t.offset.checked_add(t.bytes).is_none() {
+                return Err(bad(
+                    format!("tensors.{name}"),
+                    format!("offset {} + bytes {} overflows", t.offset, t.bytes),
+                ));
+            }
+        }
+        let mut seen = vec![false; config.num_layers];
+        let mut files = std::collections::BTreeSet::new();
+        for (i, el) in self.experts.iter().enumerate() {
+            let f = |name: &str| format!("experts[{i}].{name}");
+            if el.layer >= config.num_layers {
+                return Err(bad(
+                    f("layer"),
+                    format!(
+                        "{} is not a layer of this model (config.json: num_hidden_layers {})",
+                        el.layer, config.num_layers
+                    ),
+                ));
+            }
+            if !config.is_moe_layer(el.layer) {
+                return Err(bad(
+                    f("layer"),
+                    if config.moe.num_experts == 0 {
+                        format!(
+                            "layer {} is not a MoE layer: config.json: num_experts is 0 \
+                             (a model without routed experts)",
+                            el.layer
+                        )
+                    } else {
+                        format!("layer {} is not a MoE layer in config.json", el.layer)
+                    },
+                ));
+            }
+            if std::mem::replace(&mut seen[el.layer], true) {
+                return Err(bad(f("layer"), format!("layer {} listed twice", el.layer)));
+            }
+            super::check_relative(&el.file).map_err(|r| bad(f("file"), r))?;
+            // Lexically normalised, so `experts/./a.bin` and `experts/a.bin` match.
+            let norm: std::path::PathBuf = Path::new(&el.file).components().collect();
+            if !files.insert(norm) {
+                return Err(bad(
+                    f("file"),
+                    format!("`{}` is also the file of another layer", el.file),
+                ));
+            }
+            if el.num_experts != config.moe.num_experts {
+                return Err(bad(
+                    f("num_experts"),
+                    format!(
+                        "{}, but config.json says {}",
+                        el.num_experts, config.moe.num_experts
+                    ),
+                ));
+            }
+            if el.stride == 0 || !el.stride.is_multiple_of(super::EXPERT_ALIGN as u64) {
+                return Err(bad(
+                    f("stride"),
+                    format!(
+                        "{} is not a positive multiple of {}",
+                        el.stride,
+                        super::EXPERT_ALIGN
+                    ),
+                ));
+            }
+            if el.expert_bytes == 0 || el.expert_bytes > el.stride {
+                return Err(bad(
+                    f("expert_bytes"),
+                    format!(
+                        "{} is not in 1..={} (the stride)",
+                        el.expert_bytes, el.stride
+                    ),
+                ));
+            }
+            let total = (el.num_experts as u64).checked_mul(el.stride);
+            if total.is_none_or(|t| usize::try_from(t).is_err()) {
+                return Err(bad(
+                    f("stride"),
+                    format!(
+                        "{} experts x stride {} does not fit in memory",
+                        el.num_experts, el.stride
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).expect("manifest serializes")
     }
@@ -129,7 +233,10 @@ impl Manifest {
 
     /// Total bytes of the dense tensors.
     pub fn dense_bytes(&self) -> u64 {
-        self.tensors.values().map(|t| t.bytes).sum()
+        // Saturating: `inspect` may describe a manifest that fails its checks.
+        self.tensors
+            .values()
+            .fold(0u64, |a, t| a.saturating_add(t.bytes))
     }
 
     /// Weight bytes one decoded token reads: the dense tensors, of which the
@@ -154,10 +261,9 @@ impl Manifest {
 
     /// Total bytes of all expert files.
     pub fn expert_bytes(&self) -> u64 {
-        self.experts
-            .iter()
-            .map(|l| l.stride * l.num_experts as u64)
-            .sum()
+        self.experts.iter().fold(0u64, |a, l| {
+            a.saturating_add(l.stride.saturating_mul(l.num_experts as u64))
+        })
     }
 }
 

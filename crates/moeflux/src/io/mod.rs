@@ -61,7 +61,10 @@ pub struct ExpertStoreOptions {
     pub fadvise_random: bool,
     /// Serve buffered (not direct) files from a read-only mapping instead of
     /// copying them into buffers. Default on. The files must not change
-    /// while the store is open.
+    /// while the store is open: a file found shrunk when experts are fetched
+    /// fails that request with an error, but one truncated in the moment
+    /// compute reads its experts still faults (SIGBUS). Off, every read is a
+    /// `pread` and a truncated file is always an error.
     pub mmap: bool,
 }
 
@@ -157,6 +160,8 @@ struct LayerFile {
     direct: bool,
     /// The whole file, mapped read-only (mapped mode).
     map: Option<Mmap>,
+    /// Bytes of the file when it was opened (`num_experts * stride`).
+    size: u64,
     /// Completed reads per expert: how popular each expert is (routing
     /// locality), for cache studies and the synthetic-model tests.
     expert_reads: Vec<AtomicU64>,
@@ -222,16 +227,30 @@ impl ExpertStore {
             if el.num_experts == 0 {
                 return Err(bad("num_experts is 0".into()));
             }
+            // Bounded before it sizes the layer table (an untrusted manifest
+            // could otherwise ask for petabytes).
+            if el.layer >= crate::config::MAX_LAYERS {
+                return Err(bad(format!(
+                    "layer index {} is out of range (at most {} layers)",
+                    el.layer,
+                    crate::config::MAX_LAYERS
+                )));
+            }
             if layers.get(el.layer).is_some_and(Option::is_some) {
                 return Err(bad("layer listed twice".into()));
             }
             let expected = (el.num_experts as u64)
                 .checked_mul(el.stride)
+                .filter(|&b| usize::try_from(b).is_ok())
                 .ok_or_else(|| bad("num_experts * stride overflows".into()))?;
             let extent = usize::try_from(el.expert_bytes.next_multiple_of(EXPERT_ALIGN as u64))
                 .map_err(|_| bad("expert_bytes does not fit in memory".into()))?;
 
-            let path = model_dir.join(&el.file);
+            let path = crate::format::resolve_in_dir(
+                model_dir,
+                &el.file,
+                &format!("experts of layer {}: file", el.layer),
+            )?;
             let (mut file, mut direct) = open_file(&path, opts)?;
             let actual = file.metadata().map_err(|e| Error::io(&path, e))?.len();
             if actual != expected {
@@ -282,6 +301,7 @@ impl ExpertStore {
                 extent,
                 direct,
                 map,
+                size: expected,
                 expert_reads: (0..el.num_experts).map(|_| AtomicU64::new(0)).collect(),
             }));
         }
@@ -332,6 +352,7 @@ impl ExpertStore {
                 )));
             }
             self.check_ids(lf, ids)?;
+            check_not_shrunk(lf, ids)?;
         } else {
             self.check_request(layer, ids, &bufs)?;
         }
@@ -655,6 +676,32 @@ fn no_layer(layer: usize) -> Error {
     ))
 }
 
+/// Fails when the mapped file of `lf` has shrunk since it was opened
+/// (truncated under a running process): touching a mapped page past the new
+/// end of file would kill the process with SIGBUS, so the request fails
+/// instead. One `fstat` per fetch. What remains is the window between this
+/// check (and `MADV_POPULATE_READ`, which reports such pages as EFAULT) and
+/// the compute that reads the experts; with `mmap` off, reads are `pread`s
+/// and a truncated file is always an error, never a signal.
+fn check_not_shrunk(lf: &LayerFile, ids: &[usize]) -> Result<()> {
+    let now = lf
+        .file
+        .metadata()
+        .map_err(|e| Error::io(&lf.path, e))?
+        .len();
+    if now < lf.size {
+        return Err(Error::format(
+            &lf.path,
+            format!(
+                "expert file is now {now} bytes, {} when opened: cannot read experts {ids:?} \
+                 of layer {} (the model directory was modified while loaded)",
+                lf.size, lf.layer
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Brings expert `id` of a mapped layer into memory: one readahead request
 /// for the whole extent, then its page-table entries (`MADV_POPULATE_READ`,
 /// Linux 5.14+; elsewhere, or where refused, one read per page).
@@ -671,11 +718,14 @@ fn populate(lf: &LayerFile, id: usize) -> Result<()> {
         )
     };
     sys::will_need(&lf.file, off as u64, lf.extent as u64).map_err(err)?;
+    // Pages past a shrunk end of file fail with EFAULT here, not SIGBUS.
     #[cfg(target_os = "linux")]
-    match map.advise_range(Advice::PopulateRead, off, lf.extent) {
-        Ok(()) => return Ok(()),
-        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
-        Err(e) => return Err(err(e)),
+    if !sys::populate_refused() {
+        match map.advise_range(Advice::PopulateRead, off, lf.extent) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
+            Err(e) => return Err(err(e)),
+        }
     }
     let page = &map[off..off + lf.extent];
     let mut sum = 0u8;

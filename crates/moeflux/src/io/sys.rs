@@ -173,9 +173,35 @@ fn fadvise_range(file: &File, offset: u64, len: u64, advice: libc::c_int) -> io:
     }
 }
 
+/// Whether `MADV_POPULATE_READ` must not be used: only where tests make it
+/// look unsupported, to exercise the page-by-page path older kernels take.
+pub(super) fn populate_refused() -> bool {
+    #[cfg(test)]
+    {
+        tests_hook::refuse_populate()
+    }
+    #[cfg(not(test))]
+    {
+        false
+    }
+}
+
 #[cfg(test)]
 pub(super) mod tests_hook {
     use std::cell::Cell;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    /// Process-wide: populate runs on the I/O threads. Harmless to other
+    /// tests, whose files are intact (the fallback reads the same bytes).
+    static REFUSE_POPULATE: AtomicBool = AtomicBool::new(false);
+
+    pub(in crate::io) fn set_refuse_populate(on: bool) {
+        REFUSE_POPULATE.store(on, Ordering::Relaxed);
+    }
+
+    pub(super) fn refuse_populate() -> bool {
+        REFUSE_POPULATE.load(Ordering::Relaxed)
+    }
 
     thread_local! {
         static REFUSE_DIRECT: Cell<bool> = const { Cell::new(false) };

@@ -396,6 +396,61 @@ fn bad_fetches_are_errors() {
     assert!(read.fetch(1, &[0], Vec::new()).is_err());
 }
 
+/// A file truncated under an open store: the next fetch fails naming the
+/// file, layer and experts, in every mode; mapped, even where the kernel
+/// has no `MADV_POPULATE_READ` (whose page-by-page touch would otherwise
+/// die of SIGBUS past the new end of file).
+#[test]
+fn expert_file_truncated_after_open_fails_the_fetch() {
+    for (mmap, direct_io, no_populate) in [
+        (true, false, false),
+        (true, false, true),
+        (false, false, false),
+        (false, true, false),
+    ] {
+        let (dir, m) = fixture();
+        let opts = ExpertStoreOptions {
+            mmap,
+            direct_io,
+            ..Default::default()
+        };
+        let store = ExpertStore::open(dir.path(), &m, &opts).unwrap();
+        fetch_and_check(&store, &m, 1, &[5, 0]);
+        let path = dir.path().join(expert_file_name(1));
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(12_288)
+            .unwrap();
+        let what = format!("mmap {mmap}, direct {direct_io}, no populate {no_populate}");
+        sys::tests_hook::set_refuse_populate(no_populate);
+        let bufs = if store.is_mapped(1).unwrap() {
+            Vec::new()
+        } else {
+            bufs_for(&store, 1, 2)
+        };
+        let e = match store.fetch(1, &[5, 0], bufs) {
+            Err(e) => e,
+            Ok(mut f) => {
+                let mut first = None;
+                while let Some(l) = f.next_landed() {
+                    if let Err(e) = l.result {
+                        first.get_or_insert(e);
+                    }
+                }
+                first.unwrap_or_else(|| panic!("{what}: expert 5 read past the end"))
+            }
+        };
+        sys::tests_hook::set_refuse_populate(false);
+        let e = e.to_string();
+        assert!(
+            e.contains("layer_001.bin") && e.contains("layer 1") && e.contains('5'),
+            "{what}: {e}"
+        );
+    }
+}
+
 #[test]
 fn io_pool_threads_are_named() {
     let (dir, m) = fixture();

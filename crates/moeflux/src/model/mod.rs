@@ -56,6 +56,7 @@ impl Model {
     /// schema, its expert layout against the manifest).
     pub fn load(dir: &Path, manifest: &Manifest, config: ModelConfig) -> Result<Self> {
         let manifest_path = dir.join(crate::format::MANIFEST_FILE);
+        manifest.check(&manifest_path, &config)?;
         // Every family is a stack of the one layer type; what a family needs
         // beyond its config's layer and MLP kinds is said here.
         match config.arch {
@@ -130,6 +131,39 @@ impl Model {
 
     pub fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    /// Checks that the model in `dir` can load, without loading it for use:
+    /// the manifest and config.json agree, every dense tensor matches the
+    /// manifest, the file and the architecture's schema (dtype, shape, byte
+    /// range), every expert layout fits its extent, and every expert file
+    /// lies inside `dir` with exactly the size the manifest implies.
+    /// Returns what it read (for `inspect`).
+    pub fn check_dir(dir: &Path) -> Result<(Manifest, ModelConfig)> {
+        let manifest_path = dir.join(crate::format::MANIFEST_FILE);
+        let manifest = Manifest::read(&manifest_path)?;
+        let config = ModelConfig::from_dir(dir)?;
+        if manifest.architecture != config.arch.model_type() {
+            return Err(Error::format(
+                &manifest_path,
+                format!(
+                    "architecture `{}` disagrees with config.json model_type `{}`",
+                    manifest.architecture,
+                    config.arch.model_type()
+                ),
+            ));
+        }
+        Model::load(dir, &manifest, config.clone())?;
+        crate::io::ExpertStore::open(
+            dir,
+            &manifest,
+            &crate::io::ExpertStoreOptions {
+                mmap: false,
+                io_threads: 1,
+                ..Default::default()
+            },
+        )?;
+        Ok((manifest, config))
     }
 
     /// An empty sequence state: a KV cache per full-attention layer, a

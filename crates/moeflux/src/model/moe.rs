@@ -148,7 +148,9 @@ impl ExpertLayout {
             )));
         }
         let (h, i) = (c.hidden_size, c.moe.moe_intermediate);
-        let comp = |name: &str, rows: usize, cols: usize| -> Result<ComponentLayout> {
+        // Byte ranges of every component part, to refuse overlaps.
+        let mut ranges: Vec<(u64, u64, String)> = Vec::new();
+        let mut comp = |name: &str, rows: usize, cols: usize| -> Result<ComponentLayout> {
             let cp = l
                 .component(name)
                 .ok_or_else(|| err(format!("component {name} missing")))?;
@@ -183,15 +185,19 @@ impl ExpertLayout {
                 (&cp.biases, sbytes, if scales_f32 { 4 } else { 2 }, "biases"),
             ];
             for (r, bytes, align, what) in parts {
-                if r.bytes as usize != bytes
-                    || r.offset + r.bytes > l.expert_bytes
-                    || !(r.offset as usize).is_multiple_of(align)
+                if r.bytes != bytes as u64
+                    || r.offset
+                        .checked_add(r.bytes)
+                        .is_none_or(|e| e > l.expert_bytes)
+                    || !r.offset.is_multiple_of(align as u64)
                 {
                     return Err(err(format!(
-                        "{name}.{what}: bad byte range {}+{}",
-                        r.offset, r.bytes
+                        "{name}.{what}: bad byte range {}+{} (expected {bytes} bytes, \
+                         {align}-aligned, inside expert_bytes {})",
+                        r.offset, r.bytes, l.expert_bytes
                     )));
                 }
+                ranges.push((r.offset, r.offset + r.bytes, format!("{name}.{what}")));
             }
             if cp.weight.dtype != "U32" {
                 return Err(err(format!(
@@ -209,12 +215,26 @@ impl ExpertLayout {
                 scales_f32,
             })
         };
+        let (gate, up, down) = (
+            comp("gate_proj", i, h)?,
+            comp("up_proj", i, h)?,
+            comp("down_proj", h, i)?,
+        );
+        ranges.sort();
+        for w in ranges.windows(2) {
+            if w[1].0 < w[0].1 {
+                return Err(err(format!(
+                    "{} ({}..{}) overlaps {} ({}..{})",
+                    w[1].2, w[1].0, w[1].1, w[0].2, w[0].0, w[0].1
+                )));
+            }
+        }
         Ok(ExpertLayout {
             num_experts: l.num_experts,
             extent: l.stride as usize,
-            gate: comp("gate_proj", i, h)?,
-            up: comp("up_proj", i, h)?,
-            down: comp("down_proj", h, i)?,
+            gate,
+            up,
+            down,
         })
     }
 }

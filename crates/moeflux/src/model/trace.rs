@@ -43,6 +43,12 @@ pub struct Trace {
     /// Rows of the logits (all tokens or the last).
     pub logits_rows: usize,
     pub entries: Vec<TraceEntry>,
+    /// Keep no entries, only note the first block whose output is not
+    /// finite ([`Trace::checking`]).
+    check_only: bool,
+    /// `(layer, block)` of the first recorded output holding a NaN or an
+    /// infinity, in evaluation order.
+    pub first_non_finite: Option<(Option<usize>, &'static str)>,
 }
 
 impl Trace {
@@ -51,6 +57,19 @@ impl Trace {
             tokens,
             logits_rows,
             entries: Vec::new(),
+            check_only: false,
+            first_non_finite: None,
+        }
+    }
+
+    /// A trace that keeps nothing but [`Trace::first_non_finite`], checking
+    /// the residual stream (not what each block added to it) and the norms'
+    /// outputs: finds where damaged weights first break a forward pass
+    /// without holding every block's output.
+    pub fn checking(tokens: usize, logits_rows: usize) -> Self {
+        Trace {
+            check_only: true,
+            ..Trace::new(tokens, logits_rows)
         }
     }
 
@@ -62,6 +81,12 @@ impl Trace {
     }
 
     fn push(&mut self, layer: Option<usize>, block: &'static str, rows: usize, data: Vec<f32>) {
+        if self.first_non_finite.is_none() && data.iter().any(|v| !v.is_finite()) {
+            self.first_non_finite = Some((layer, block));
+        }
+        if self.check_only {
+            return;
+        }
         let cols = data.len() / rows.max(1);
         self.entries.push(TraceEntry {
             layer,
@@ -97,6 +122,10 @@ impl Trace {
         block: &'static str,
     ) -> Result<Vec<f32>> {
         let x = ex.read(Activation::Hidden)?;
+        if self.check_only {
+            self.push(layer, block, self.tokens, x);
+            return Ok(Vec::new());
+        }
         self.push(layer, block, self.tokens, x.clone());
         Ok(x)
     }
@@ -111,6 +140,11 @@ impl Trace {
         before: &mut Vec<f32>,
     ) -> Result<()> {
         let x = ex.read(Activation::Hidden)?;
+        if self.check_only {
+            // The stream itself: non-finite from this block on.
+            self.push(Some(layer), block, self.tokens, x);
+            return Ok(());
+        }
         let delta = x.iter().zip(before.iter()).map(|(a, b)| a - b).collect();
         *before = x;
         self.push(Some(layer), block, self.tokens, delta);

@@ -136,6 +136,8 @@ impl WeightsLoader {
 
 pub struct DenseStore {
     path: PathBuf,
+    /// Kept open to see the file shrink under the map ([`DenseStore::check_unchanged`]).
+    file: File,
     map: Mmap,
     tensors: BTreeMap<String, (TensorLoc, Vec<usize>)>,
     quantized: BTreeMap<String, QuantSpec>,
@@ -145,10 +147,13 @@ impl DenseStore {
     /// Maps the dense file and validates the manifest's table against the
     /// safetensors header.
     pub fn open(dir: &Path, manifest: &Manifest) -> Result<Self> {
-        let path = dir.join(&manifest.dense_file);
+        let path = crate::format::resolve_in_dir(dir, &manifest.dense_file, "dense_file")?;
         let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
         // SAFETY: the file is opened read-only; moeflux never writes a model
         // directory in place (convert renames a complete one into place).
+        // The dense file must not be truncated or rewritten while a model
+        // is loaded: a page past a shrunk end faults (SIGBUS). Sessions
+        // check its size before each eval (`check_unchanged`).
         let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
         let st = safetensors::SafeTensors::deserialize(&map)
             .map_err(|e| Error::format(&path, format!("not a valid safetensors file: {e}")))?;
@@ -167,6 +172,7 @@ impl DenseStore {
         }
         Ok(DenseStore {
             path,
+            file,
             map,
             tensors,
             quantized: manifest.quantized.clone(),
@@ -234,6 +240,29 @@ impl DenseStore {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Fails when the file has shrunk since it was mapped (truncated under a
+    /// running process): reading the map past the new end would kill the
+    /// process with SIGBUS. One `fstat`; sessions call it before each eval,
+    /// so only a truncation during an eval can still fault.
+    pub fn check_unchanged(&self) -> Result<()> {
+        let now = self
+            .file
+            .metadata()
+            .map_err(|e| Error::io(&self.path, e))?
+            .len();
+        if now < self.map.len() as u64 {
+            return Err(Error::format(
+                &self.path,
+                format!(
+                    "dense file is now {now} bytes, {} when loaded (the model directory was \
+                     modified while loaded)",
+                    self.map.len()
+                ),
+            ));
+        }
+        Ok(())
     }
 
     fn err(&self, tensor: &str, reason: impl Into<String>) -> Error {

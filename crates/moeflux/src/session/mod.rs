@@ -138,9 +138,10 @@ impl Session {
     /// Opens a model directory written by `moeflux convert`.
     pub fn open(dir: &Path, opts: SessionOptions) -> Result<Self> {
         let manifest_path = dir.join(MANIFEST_FILE);
+        // Read (size-checked) and parsed before its bytes are hashed.
+        let manifest = Manifest::read(&manifest_path)?;
         let manifest_bytes =
             std::fs::read(&manifest_path).map_err(|e| Error::io(&manifest_path, e))?;
-        let manifest = Manifest::read(&manifest_path)?;
         let config = ModelConfig::from_dir(dir)?;
         if manifest.architecture != config.arch.model_type() {
             return Err(Error::format(
@@ -461,6 +462,8 @@ impl Session {
                 limit: self.max_context,
             });
         }
+        // A dense file truncated since open: an error, not a SIGBUS.
+        self.model.weights.dense.check_unchanged()?;
         let start = self.position();
         let cx = ForwardCtx {
             model: &self.model,
@@ -473,6 +476,13 @@ impl Session {
         };
         let result = self.engine.forward(cx, tokens, start, mode, trace);
         match result {
+            // One pass over the logits: weights that compute a NaN must stop
+            // generation with an error, not sample garbage (or "eos").
+            Ok(logits) if !all_finite(&logits) => {
+                self.poisoned = true;
+                let history: Vec<u32> = self.tokens.iter().chain(tokens).copied().collect();
+                Err(self.non_finite_error(&history))
+            }
             Ok(logits) => {
                 self.tokens.extend_from_slice(tokens);
                 Ok(logits)
@@ -482,6 +492,72 @@ impl Session {
                 Err(e)
             }
         }
+    }
+
+    /// The error for an eval whose logits are not finite, naming the first
+    /// layer whose output is not: `history` (every token up to and
+    /// including the failed eval's) is evaluated again from position 0, in
+    /// chunks, with a checking [`Trace`], stopping at the first chunk that
+    /// goes non-finite. Runs only on this error path; leaves the session
+    /// poisoned (the caller clears or restores it).
+    fn non_finite_error(&mut self, history: &[u32]) -> Error {
+        // Bounds the host copies of the residual stream the check reads.
+        const CHUNK: usize = 256;
+        let mut found = None;
+        let mut failed = None;
+        if let Err(e) = self.engine.clear() {
+            failed = Some(e);
+        }
+        let mut start = 0;
+        while failed.is_none() && found.is_none() && start < history.len() {
+            let chunk = &history[start..(start + CHUNK).min(history.len())];
+            let mut trace = Trace::checking(chunk.len(), 1);
+            let cx = ForwardCtx {
+                model: &self.model,
+                store: &self.store,
+                pool: &self.pool,
+                k: self.k_active,
+                prefetch: false,
+                prefetch_stats: &mut self.prefetch_stats,
+                times: &mut self.times,
+            };
+            match self
+                .engine
+                .forward(cx, chunk, start, LogitsMode::Last, Some(&mut trace))
+            {
+                Ok(_) => {
+                    found = trace
+                        .first_non_finite
+                        .map(|(layer, block)| (layer, block, start, chunk.len()))
+                }
+                Err(e) => failed = Some(e),
+            }
+            start += chunk.len();
+        }
+        let at = |s: usize, n: usize| format!("within token positions {s}..{}", s + n);
+        Error::NonFinite(match (found, failed) {
+            (Some((Some(layer), block, s, n)), _) => format!(
+                "layer {layer} ({block}) is the first whose output holds a NaN or an infinity \
+                 ({}); the weights of layer {layer} are likely damaged",
+                at(s, n)
+            ),
+            (Some((None, "embed", s, n)), _) => format!(
+                "the token embedding holds a NaN or an infinity ({}); \
+                 model.embed_tokens is likely damaged",
+                at(s, n)
+            ),
+            (Some((None, block, s, n)), _) => format!(
+                "the {block} are the first output holding a NaN or an infinity ({}): \
+                 every layer's output was finite; model.norm or the LM head is likely damaged",
+                at(s, n)
+            ),
+            (None, Some(e)) => {
+                format!("the logits hold a NaN or an infinity (finding the layer failed: {e})")
+            }
+            (None, None) => "the logits hold a NaN or an infinity (not reproduced when \
+                             evaluated again to find the layer)"
+                .into(),
+        })
     }
 
     /// Forgets everything: position 0, empty caches, no checkpoints.
@@ -640,4 +716,11 @@ impl Session {
         self.poisoned = false;
         Ok(())
     }
+}
+
+/// Whether every value is finite: one pass, in blocks whose inner loop has
+/// no early exit so that it vectorizes (checked on every eval's logits).
+fn all_finite(v: &[f32]) -> bool {
+    v.chunks(256)
+        .all(|c| c.iter().fold(true, |ok, x| ok & x.is_finite()))
 }
