@@ -133,13 +133,9 @@ impl Model {
         &self.config
     }
 
-    /// Checks that the model in `dir` can load, without loading it for use:
-    /// the manifest and config.json agree, every dense tensor matches the
-    /// manifest, the file and the architecture's schema (dtype, shape, byte
-    /// range), every expert layout fits its extent, and every expert file
-    /// lies inside `dir` with exactly the size the manifest implies.
-    /// Returns what it read (for `inspect`).
-    pub fn check_dir(dir: &Path) -> Result<(Manifest, ModelConfig)> {
+    /// The manifest (size-checked) and config of the model in `dir`, which
+    /// must name the same architecture.
+    pub fn read_dir(dir: &Path) -> Result<(Manifest, ModelConfig)> {
         let manifest_path = dir.join(crate::format::MANIFEST_FILE);
         let manifest = Manifest::read(&manifest_path)?;
         let config = ModelConfig::from_dir(dir)?;
@@ -153,6 +149,17 @@ impl Model {
                 ),
             ));
         }
+        Ok((manifest, config))
+    }
+
+    /// Checks that the model in `dir` can load, without loading it for use:
+    /// the manifest and config.json agree, every dense tensor matches the
+    /// manifest, the file and the architecture's schema (dtype, shape, byte
+    /// range), every expert layout fits its extent, and every expert file
+    /// lies inside `dir` with exactly the size the manifest implies.
+    /// Returns what it read (for `inspect`).
+    pub fn check_dir(dir: &Path) -> Result<(Manifest, ModelConfig)> {
+        let (manifest, config) = Self::read_dir(dir)?;
         Model::load(dir, &manifest, config.clone())?;
         crate::io::ExpertStore::open(
             dir,

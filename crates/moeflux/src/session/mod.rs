@@ -12,7 +12,7 @@ pub use crate::backend::prefetch::Prefetch;
 use crate::backend::prefetch::PrefetchStats;
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
-use crate::format::{Manifest, MANIFEST_FILE};
+use crate::format::MANIFEST_FILE;
 use crate::io::{ExpertStore, ExpertStoreOptions, IoStats};
 use crate::model::state::LinearState;
 pub use crate::model::timing::PhaseTimes;
@@ -139,20 +139,9 @@ impl Session {
     pub fn open(dir: &Path, opts: SessionOptions) -> Result<Self> {
         let manifest_path = dir.join(MANIFEST_FILE);
         // Read (size-checked) and parsed before its bytes are hashed.
-        let manifest = Manifest::read(&manifest_path)?;
+        let (manifest, config) = Model::read_dir(dir)?;
         let manifest_bytes =
             std::fs::read(&manifest_path).map_err(|e| Error::io(&manifest_path, e))?;
-        let config = ModelConfig::from_dir(dir)?;
-        if manifest.architecture != config.arch.model_type() {
-            return Err(Error::format(
-                &manifest_path,
-                format!(
-                    "architecture `{}` disagrees with config.json model_type `{}`",
-                    manifest.architecture,
-                    config.arch.model_type()
-                ),
-            ));
-        }
         let k_max = config.moe.num_experts_per_tok;
         let k_active = match opts.experts_per_token {
             None => k_max,
