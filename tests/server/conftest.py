@@ -37,15 +37,16 @@ class Server:
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             [str(BIN), "serve", "--model", str(model_dir), "--port", "0",
-             "--backend", "cpu", "--threads", "2", "--ctx-size", "8192", *args],
+             "--backend", "cpu", "--threads", "2", "--ctx-size", "4096", *args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )
         # The first stderr line names the address.
         deadline = time.time() + 60
-        line = b""
+        said = b""
         while time.time() < deadline:
             line = self.proc.stderr.readline()
+            said += line
             m = re.search(rb"listening on http://([\d.]+):(\d+)", line)
             if m:
                 self.host, self.port = m.group(1).decode(), int(m.group(2))
@@ -56,7 +57,7 @@ class Server:
             self.stop()
             raise RuntimeError("server did not start")
         if self.proc.poll() is not None:
-            raise RuntimeError(f"server exited: {line!r} {self.proc.stderr.read()!r}")
+            raise RuntimeError(f"server exited: {said + self.proc.stderr.read()!r}")
         self.url = f"http://{self.host}:{self.port}"
         self.pid = self.proc.pid
 
