@@ -9,57 +9,13 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use moeflux::{Session, SessionOptions};
-use moeflux_server::{EngineOptions, PrefixCacheOptions, Server, ServerOptions};
+use moeflux_server::{EngineOptions, PrefixCacheOptions, ServerOptions};
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
-
-fn model_dir() -> PathBuf {
-    static DIR: std::sync::OnceLock<(tempfile::TempDir, PathBuf)> = std::sync::OnceLock::new();
-    DIR.get_or_init(|| {
-        let tmp = tempfile::tempdir().unwrap();
-        let dst = tmp.path().join("tiny-qwen");
-        moeflux::convert::convert(
-            &fixtures().join("qwen35moe-q4/src"),
-            &dst,
-            &Default::default(),
-        )
-        .unwrap();
-        std::fs::copy(
-            fixtures().join("templates/qwen3.5/chat_template.jinja"),
-            dst.join("chat_template.jinja"),
-        )
-        .unwrap();
-        (tmp, dst)
-    })
-    .1
-    .clone()
-}
-
-fn open(opts: ServerOptions) -> Result<Server, String> {
-    let dir = model_dir();
-    let d = dir.clone();
-    Server::start(
-        &dir,
-        opts,
-        Box::new(move || {
-            Session::open(
-                &d,
-                SessionOptions {
-                    threads: Some(2),
-                    max_context: Some(2048),
-                    ..Default::default()
-                },
-            )
-            .map_err(|e| e.to_string())
-        }),
-    )
-}
+mod common;
+use common::open;
 
 /// A server on a free port; it stops when the returned sender is dropped.
 async fn serve(opts: ServerOptions) -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {

@@ -14,53 +14,11 @@ use moeflux_server::{EngineOptions, PrefixCacheOptions, Server, ServerOptions};
 use serde_json::{json, Value};
 use tower::ServiceExt;
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
-
-/// The fixture model converted once per test binary, with the Qwen3.5
-/// template (which renders tools).
-fn model_dir() -> PathBuf {
-    static DIR: std::sync::OnceLock<(tempfile::TempDir, PathBuf)> = std::sync::OnceLock::new();
-    DIR.get_or_init(|| {
-        let tmp = tempfile::tempdir().unwrap();
-        let dst = tmp.path().join("tiny-qwen");
-        moeflux::convert::convert(
-            &fixtures().join("qwen35moe-q4/src"),
-            &dst,
-            &Default::default(),
-        )
-        .unwrap();
-        std::fs::copy(
-            fixtures().join("templates/qwen3.5/chat_template.jinja"),
-            dst.join("chat_template.jinja"),
-        )
-        .unwrap();
-        (tmp, dst)
-    })
-    .1
-    .clone()
-}
+mod common;
+use common::{fixtures, model_dir};
 
 fn server(opts: ServerOptions) -> Server {
-    let dir = model_dir();
-    let d = dir.clone();
-    Server::start(
-        &dir,
-        opts,
-        Box::new(move || {
-            Session::open(
-                &d,
-                SessionOptions {
-                    threads: Some(2),
-                    max_context: Some(2048),
-                    ..Default::default()
-                },
-            )
-            .map_err(|e| e.to_string())
-        }),
-    )
-    .unwrap()
+    common::open(opts).unwrap()
 }
 
 fn post(path: &str, body: &Value) -> Request<Body> {
