@@ -115,12 +115,7 @@ fn truncated_dense_file() {
     let (_t, dir) = model();
     let p = dir.join("dense.safetensors");
     let len = std::fs::metadata(&p).unwrap().len();
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&p)
-        .unwrap()
-        .set_len(len / 2)
-        .unwrap();
+    set_len(&p, len / 2);
     assert!(open_err(&dir).contains("dense.safetensors"));
 }
 
@@ -136,12 +131,7 @@ fn truncated_expert_file() {
     let (_t, dir) = model();
     let p = dir.join("experts/layer_001.bin");
     let len = std::fs::metadata(&p).unwrap().len();
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&p)
-        .unwrap()
-        .set_len(len - 4096)
-        .unwrap();
+    set_len(&p, len - 4096);
     assert!(open_err(&dir).contains("layer_001.bin"));
 }
 
@@ -476,12 +466,7 @@ fn expert_file_truncated_after_open_fails_the_eval() {
         s.eval(&[1, 2, 3], moeflux::LogitsMode::Last).unwrap();
         let p = dir.join("experts/layer_001.bin");
         let len = std::fs::metadata(&p).unwrap().len();
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&p)
-            .unwrap()
-            .set_len(len / 4)
-            .unwrap();
+        set_len(&p, len / 4);
         let e = s
             .eval(&[4, 5, 6, 7], moeflux::LogitsMode::Last)
             .unwrap_err()
@@ -500,12 +485,7 @@ fn dense_file_truncated_after_open_fails_the_eval() {
     s.eval(&[1, 2], moeflux::LogitsMode::Last).unwrap();
     let p = dir.join("dense.safetensors");
     let len = std::fs::metadata(&p).unwrap().len();
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&p)
-        .unwrap()
-        .set_len(len / 8)
-        .unwrap();
+    set_len(&p, len / 8);
     let e = s
         .eval(&[3], moeflux::LogitsMode::Last)
         .unwrap_err()
@@ -524,12 +504,7 @@ fn oversized_manifest_and_config_are_refused_unread() {
     ] {
         let (_t, dir) = model();
         // Sparse: nothing is written, and nothing may be read.
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(dir.join(file))
-            .unwrap()
-            .set_len(limit + 1)
-            .unwrap();
+        set_len(&dir.join(file), limit + 1);
         assert_open_err(&dir, &[file, "larger than"]);
     }
 }
@@ -606,4 +581,14 @@ fn nan_lm_head_names_the_logits() {
         e.contains("logits") && e.contains("every layer's output was finite"),
         "{e}"
     );
+}
+
+/// Cuts or extends a file in place, as another process could.
+fn set_len(p: &Path, len: u64) {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(p)
+        .unwrap()
+        .set_len(len)
+        .unwrap();
 }
