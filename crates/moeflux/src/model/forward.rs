@@ -4,7 +4,14 @@
 //! `x`, its normed copy `xn`, and the logits — and [`forward`] drives it
 //! through the model: embedding, per layer RMSNorm, the layer's token mixer,
 //! RMSNorm and its MLP, then the final norm and the LM head.
+//!
+//! A batch may hold several sequences ([`Segment`]s): the rows of each are
+//! contiguous, the mixers run per sequence on its own state and positions,
+//! and everything else (norms, projections, MLPs and the experts of MoE
+//! blocks) runs once over all rows, so one pass over a layer's weights and
+//! one fetch of each chosen expert serve every sequence of the step.
 
+use std::ops::Range;
 use std::time::Instant;
 
 use crate::error::Result;
@@ -16,7 +23,43 @@ use crate::model::moe::{DenseMlp, MoeBlock};
 use crate::model::timing::{lap, PhaseTimes};
 use crate::model::trace::Trace;
 use crate::model::weights::{LinearRef, VectorRef};
-use crate::model::Model;
+use crate::model::{LogitsMode, Model};
+
+/// One sequence's share of a batch: its rows, the position of its first
+/// row, and which of its rows produce logits (`None`: none, e.g. a prefill
+/// chunk that is not the prompt's last).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Segment {
+    pub rows: Range<usize>,
+    pub start: usize,
+    pub logits: Option<LogitsMode>,
+}
+
+impl Segment {
+    /// The one segment of a single-sequence eval of `n` tokens.
+    pub fn single(n: usize, start: usize, mode: LogitsMode) -> Segment {
+        Segment {
+            rows: 0..n,
+            start,
+            logits: Some(mode),
+        }
+    }
+
+    /// The rows of this segment whose logits are computed.
+    pub fn logit_rows(&self) -> Range<usize> {
+        match self.logits {
+            None => self.rows.end..self.rows.end,
+            Some(LogitsMode::All) => self.rows.clone(),
+            Some(LogitsMode::Last) => self.rows.end - 1..self.rows.end,
+        }
+    }
+}
+
+/// Every row whose logits a batch computes, in segment order (the order
+/// the logits come back in).
+pub fn logit_rows(segs: &[Segment]) -> Vec<usize> {
+    segs.iter().flat_map(|s| s.logit_rows()).collect()
+}
 
 /// A buffer of the executor's batch that can be read back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,28 +1,34 @@
-//! Where a session's forward pass runs, and its sequence state: on the CPU
-//! (state in host memory) or on a GPU (state in VRAM, copied to the host
-//! only for checkpoints and snapshots, in the same layout).
+//! Where a batch's forward pass runs, and each sequence's state: on the
+//! CPU (state in host memory) or on a GPU (state in VRAM, copied to the
+//! host only for checkpoints and snapshots, in the same layout).
 
 use std::borrow::Cow;
 
 use crate::backend::cpu::exec::CpuExecutor;
 use crate::backend::cpu::experts::ExpertRun;
-use crate::backend::cuda::model::CudaModel;
+use crate::backend::cuda::model::{CudaModel, GpuSegment};
+use crate::backend::cuda::state::GpuState;
 use crate::backend::prefetch::PrefetchStats;
 use crate::error::Result;
 use crate::io::{ExpertBuf, ExpertStore};
-use crate::model::forward;
+use crate::model::forward::{self, Segment};
 use crate::model::state::{LinearState, ModelState};
 use crate::model::timing::PhaseTimes;
 use crate::model::trace::Trace;
-use crate::model::{LogitsMode, Model};
+use crate::model::Model;
 
 pub(crate) enum Engine {
     Cpu {
-        state: ModelState,
         /// Reusable expert read buffers.
         bufs: Vec<ExpertBuf>,
     },
     Cuda(Box<CudaModel>),
+}
+
+/// One sequence's state, where its engine keeps it.
+pub(crate) enum SeqState {
+    Cpu(ModelState),
+    Cuda(GpuState),
 }
 
 /// What a forward pass needs besides the engine.
@@ -37,18 +43,28 @@ pub(crate) struct ForwardCtx<'a> {
 }
 
 impl Engine {
-    /// Evaluates `tokens` at positions `start..`; with `trace`, records
-    /// every block's output.
+    /// A new, empty sequence state.
+    pub fn new_state(&self, model: &Model) -> Result<SeqState> {
+        match self {
+            Engine::Cpu { .. } => Ok(SeqState::Cpu(model.new_state())),
+            Engine::Cuda(m) => Ok(SeqState::Cuda(m.new_state(model)?)),
+        }
+    }
+
+    /// Evaluates `tokens`, the rows of `segs` in order, segment `i` on
+    /// `states[i]` (each segment's state is on this engine); with `trace`,
+    /// records every block's output. Returns the logits of every
+    /// segment's logit rows, in order.
     pub fn forward(
         &mut self,
         cx: ForwardCtx<'_>,
+        states: Vec<&mut SeqState>,
+        segs: Vec<Segment>,
         tokens: &[u32],
-        start: usize,
-        mode: LogitsMode,
         trace: Option<&mut Trace>,
     ) -> Result<Vec<f32>> {
         match self {
-            Engine::Cpu { state, bufs } => {
+            Engine::Cpu { bufs } => {
                 let run = ExpertRun {
                     store: cx.store,
                     bufs,
@@ -57,65 +73,92 @@ impl Engine {
                     pending: None,
                     stats: cx.prefetch_stats,
                 };
-                let (model, n) = (cx.model, tokens.len());
+                let states = states
+                    .into_iter()
+                    .map(|s| match s {
+                        SeqState::Cpu(s) => s,
+                        SeqState::Cuda(_) => unreachable!("a GPU state on the CPU engine"),
+                    })
+                    .collect();
+                let model = cx.model;
                 cx.pool.install(|| {
-                    let mut ex = CpuExecutor::new(model, state, run, cx.times, start, n, mode);
+                    let mut ex = CpuExecutor::new(model, states, segs, run, cx.times);
                     forward::forward(model, &mut ex, tokens, trace)?;
                     Ok(ex.into_logits())
                 })
             }
-            Engine::Cuda(m) => m.forward(
-                cx.model, cx.store, cx.pool, cx.k, tokens, start, mode, cx.times, trace,
-            ),
+            Engine::Cuda(m) => {
+                let segs = states
+                    .into_iter()
+                    .zip(segs)
+                    .map(|(s, seg)| match s {
+                        SeqState::Cuda(state) => GpuSegment { state, seg },
+                        SeqState::Cpu(_) => unreachable!("a host state on the GPU engine"),
+                    })
+                    .collect();
+                m.forward(
+                    cx.model, cx.store, cx.pool, cx.k, tokens, segs, cx.times, trace,
+                )
+            }
         }
     }
 
-    /// Empties the state (position 0).
-    pub fn clear(&mut self) -> Result<()> {
-        match self {
-            Engine::Cpu { state, .. } => {
-                state.clear();
+    /// Empties `state` (position 0).
+    pub fn clear(&mut self, state: &mut SeqState) -> Result<()> {
+        match (self, state) {
+            (Engine::Cpu { .. }, SeqState::Cpu(s)) => {
+                s.clear();
                 Ok(())
             }
-            Engine::Cuda(m) => m.clear(),
+            (Engine::Cuda(m), SeqState::Cuda(s)) => m.clear(s),
+            _ => unreachable!("a state on another engine"),
         }
     }
 
     /// Copies of the linear-attention states, in layer order.
-    pub fn linear_states(&self) -> Result<Vec<LinearState>> {
-        match self {
-            Engine::Cpu { state, .. } => Ok(state.linear_states()),
-            Engine::Cuda(m) => m.linear_states(),
+    pub fn linear_states(&self, state: &SeqState) -> Result<Vec<LinearState>> {
+        match (self, state) {
+            (Engine::Cpu { .. }, SeqState::Cpu(s)) => Ok(s.linear_states()),
+            (Engine::Cuda(m), SeqState::Cuda(s)) => m.linear_states(s),
+            _ => unreachable!("a state on another engine"),
         }
     }
 
     /// Keeps `pos` positions of the attention layers and installs `linear`.
-    pub fn rewind(&mut self, pos: usize, linear: &[LinearState]) -> Result<()> {
-        match self {
-            Engine::Cpu { state, .. } => {
-                state.rewind(pos, linear);
+    pub fn rewind(
+        &mut self,
+        state: &mut SeqState,
+        pos: usize,
+        linear: &[LinearState],
+    ) -> Result<()> {
+        match (self, state) {
+            (Engine::Cpu { .. }, SeqState::Cpu(s)) => {
+                s.rewind(pos, linear);
                 Ok(())
             }
-            Engine::Cuda(m) => m.rewind(pos, linear),
+            (Engine::Cuda(m), SeqState::Cuda(s)) => m.rewind(s, pos, linear),
+            _ => unreachable!("a state on another engine"),
         }
     }
 
     /// The whole state in host memory.
-    pub fn host_state(&self) -> Result<Cow<'_, ModelState>> {
-        match self {
-            Engine::Cpu { state, .. } => Ok(Cow::Borrowed(state)),
-            Engine::Cuda(m) => Ok(Cow::Owned(m.download_state()?)),
+    pub fn host_state<'s>(&self, state: &'s SeqState) -> Result<Cow<'s, ModelState>> {
+        match (self, state) {
+            (Engine::Cpu { .. }, SeqState::Cpu(s)) => Ok(Cow::Borrowed(s)),
+            (Engine::Cuda(m), SeqState::Cuda(s)) => Ok(Cow::Owned(m.download_state(s)?)),
+            _ => unreachable!("a state on another engine"),
         }
     }
 
-    /// Replaces the state (validated by the caller).
-    pub fn set_state(&mut self, new: ModelState) -> Result<()> {
-        match self {
-            Engine::Cpu { state, .. } => {
-                *state = new;
+    /// Replaces `state` (validated by the caller).
+    pub fn set_state(&mut self, state: &mut SeqState, new: ModelState) -> Result<()> {
+        match (self, state) {
+            (Engine::Cpu { .. }, SeqState::Cpu(s)) => {
+                *s = new;
                 Ok(())
             }
-            Engine::Cuda(m) => m.upload_state(&new),
+            (Engine::Cuda(m), SeqState::Cuda(s)) => m.upload_state(s, &new),
+            _ => unreachable!("a state on another engine"),
         }
     }
 }

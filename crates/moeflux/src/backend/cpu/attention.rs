@@ -5,18 +5,20 @@
 
 use rayon::prelude::*;
 
-use crate::backend::cpu::ops;
 use crate::backend::cpu::qmatmul::{matmul, matmul_group};
 use crate::backend::cpu::vec;
+use crate::backend::cpu::{ops, SeqRows};
 use crate::config::ModelConfig;
 use crate::model::attention::FullAttention;
 use crate::model::rope::Rope;
 use crate::model::state::KvCache;
 use crate::model::weights::Weights;
 
-/// Attends `n` normed tokens at positions `start..start+n`, appending
-/// their keys and values to `kv` (which must hold exactly `start` rows);
-/// the output projection goes to `out`.
+/// Attends the `n` normed tokens of a batch: the projections over all of
+/// them, then per sequence its rows at its positions, appending their keys
+/// and values to its KV cache (which must hold exactly `start` rows); the
+/// output projection goes to `out`. A token's result does not depend on
+/// the other sequences in the batch.
 #[allow(clippy::too_many_arguments)]
 pub fn forward(
     a: &FullAttention,
@@ -25,16 +27,17 @@ pub fn forward(
     rope: &Rope,
     xn: &[f32],
     n: usize,
-    start: usize,
-    kv: &mut KvCache,
+    seqs: &mut [SeqRows<'_, KvCache>],
     out: &mut [f32],
 ) {
     let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
-    assert_eq!(
-        kv.len(),
-        start,
-        "KV cache rows must equal the start position"
-    );
+    for s in seqs.iter() {
+        assert_eq!(
+            s.state.len(),
+            s.start,
+            "KV cache rows must equal the start position"
+        );
+    }
     // q_proj rows are per head `[q | gate]` when the output is gated.
     let q_stride = if a.output_gate { 2 * hd } else { hd };
     let mut qg = vec![0.0f32; n * nh * q_stride];
@@ -52,12 +55,18 @@ pub fn forward(
     }
     let norms = a.qk_norm.map(|(q, k)| (w.vector(q), w.vector(k)));
 
+    // Per token: its sequence and position.
+    let mut at = vec![(0usize, 0usize); n];
+    for (si, s) in seqs.iter().enumerate() {
+        for t in s.rows.clone() {
+            at[t] = (si, s.start + t - s.rows.start);
+        }
+    }
     let mut q = vec![0.0f32; n * nh * hd];
     let mut gate = vec![0.0f32; if a.output_gate { n * nh * hd } else { 0 }];
     let eps = c.rms_norm_eps;
     let mut normed = vec![0.0f32; hd];
-    for t in 0..n {
-        let pos = start + t;
+    for (t, &(_, pos)) in at.iter().enumerate() {
         for h in 0..nh {
             let src = &qg[(t * nh + h) * q_stride..(t * nh + h + 1) * q_stride];
             let dst = &mut q[(t * nh + h) * hd..(t * nh + h + 1) * hd];
@@ -79,19 +88,27 @@ pub fn forward(
             rope.apply(row, pos);
         }
     }
-    kv.k.extend_from_slice(&k);
-    kv.v.extend_from_slice(&v);
+    let row = nkv * hd;
+    for s in seqs.iter_mut() {
+        let r = s.rows.start * row..s.rows.end * row;
+        s.state.k.extend_from_slice(&k[r.clone()]);
+        s.state.v.extend_from_slice(&v[r]);
+    }
 
     let scale = 1.0 / (hd as f32).sqrt();
     let group = nh / nkv;
-    let row = nkv * hd;
-    let (keys, values) = (&kv.k, &kv.v);
+    let caches: Vec<(&[f32], &[f32])> = seqs
+        .iter()
+        .map(|s| (&s.state.k[..], &s.state.v[..]))
+        .collect();
     let mut attn = vec![0.0f32; n * nh * hd];
     attn.par_chunks_mut(hd).enumerate().for_each(|(i, o)| {
         let (t, h) = (i / nh, i % nh);
         let g = h / group;
+        let (si, pos) = at[t];
+        let (keys, values) = caches[si];
         let qh = &q[i * hd..(i + 1) * hd];
-        let ctx = start + t + 1;
+        let ctx = pos + 1;
         let mut scores: Vec<f32> = (0..ctx)
             .map(|p| vec::dot(qh, &keys[p * row + g * hd..p * row + (g + 1) * hd]) * scale)
             .collect();

@@ -6,21 +6,23 @@
 use rayon::prelude::*;
 
 use crate::backend::cpu::qmatmul::{matmul, matmul_group};
-use crate::backend::cpu::{ops, vec};
+use crate::backend::cpu::{ops, vec, SeqRows};
 use crate::config::ModelConfig;
 use crate::model::deltanet::{DeltaProjections, GatedDeltaNet};
 use crate::model::state::LinearState;
 use crate::model::weights::Weights;
 
-/// Runs `n` normed tokens through the layer in order, updating `state`;
-/// the output projection goes to `out`.
+/// Runs the `n` normed tokens of a batch through the layer: the
+/// projections over all of them, the conv and the recurrence per sequence,
+/// its rows in order, updating its state; the output projection goes to
+/// `out`. A token's result does not depend on the other sequences.
 pub fn forward(
     gdn: &GatedDeltaNet,
     w: &Weights,
     c: &ModelConfig,
     xn: &[f32],
     n: usize,
-    state: &mut LinearState,
+    seqs: &mut [SeqRows<'_, LinearState>],
     out: &mut [f32],
 ) {
     let l = &c.linear;
@@ -85,7 +87,10 @@ pub fn forward(
         }
     }
 
-    conv_silu(w.vector(gdn.conv), c, &mut mixed, n, &mut state.conv);
+    for s in seqs.iter_mut() {
+        let rows = &mut mixed[s.rows.start * cd..s.rows.end * cd];
+        conv_silu(w.vector(gdn.conv), c, rows, s.rows.len(), &mut s.state.conv);
+    }
 
     // q, k: L2 normalisation (as RMSNorm with eps scaled by 1/dk) with the
     // 1/sqrt(dk) readout scale folded into q.
@@ -99,46 +104,57 @@ pub fn forward(
         }
     }
 
-    // Recurrence, one value head per task.
+    // Recurrence, one (sequence, value head) per task; `y` holds per
+    // sequence `[nv][its tokens][dv]` from its first row's offset.
     let (a_log, dt_bias) = (w.vector(gdn.a_log), w.vector(gdn.dt_bias));
     let r = nv / nk;
-    let mut y = vec![0.0f32; nv * n * dv];
-    state
-        .ssm
-        .par_chunks_mut(dv * dk)
-        .zip(y.par_chunks_mut(n * dv))
-        .enumerate()
-        .for_each(|(h, (s, yh))| {
-            let kh = h / r;
-            let decay_rate = a_log[h].exp();
-            for t in 0..n {
-                let m = &mixed[t * cd..(t + 1) * cd];
-                let q = &m[kh * dk..(kh + 1) * dk];
-                let k = &m[kd + kh * dk..kd + (kh + 1) * dk];
-                let v = &m[2 * kd + h * dv..2 * kd + (h + 1) * dv];
-                let g = (-decay_rate * ops::softplus(a[t * nv + h] + dt_bias[h])).exp();
-                let beta = ops::sigmoid(b[t * nv + h]);
-                vec::delta_rule_step(s, q, k, v, g, beta, &mut yh[t * dv..(t + 1) * dv]);
-            }
-        });
+    let mut y = vec![0.0f32; n * nv * dv];
+    let mut tasks = Vec::with_capacity(seqs.len() * nv);
+    let mut rest = &mut y[..];
+    for s in seqs.iter_mut() {
+        let m = s.rows.len();
+        let (mine, tail) = rest.split_at_mut(m * nv * dv);
+        rest = tail;
+        for (h, (st, yh)) in s
+            .state
+            .ssm
+            .chunks_mut(dv * dk)
+            .zip(mine.chunks_mut(m * dv))
+            .enumerate()
+        {
+            tasks.push((h, s.rows.clone(), st, yh));
+        }
+    }
+    tasks.into_par_iter().for_each(|(h, rows, s, yh)| {
+        let kh = h / r;
+        let decay_rate = a_log[h].exp();
+        for (i, t) in rows.enumerate() {
+            let m = &mixed[t * cd..(t + 1) * cd];
+            let q = &m[kh * dk..(kh + 1) * dk];
+            let k = &m[kd + kh * dk..kd + (kh + 1) * dk];
+            let v = &m[2 * kd + h * dv..2 * kd + (h + 1) * dv];
+            let g = (-decay_rate * ops::softplus(a[t * nv + h] + dt_bias[h])).exp();
+            let beta = ops::sigmoid(b[t * nv + h]);
+            vec::delta_rule_step(s, q, k, v, g, beta, &mut yh[i * dv..(i + 1) * dv]);
+        }
+    });
 
     // Gated RMSNorm per value head, then the output projection.
     let norm = w.vector(gdn.norm);
     let mut o = vec![0.0f32; n * vd];
-    for t in 0..n {
-        for h in 0..nv {
-            let dst = &mut o[t * vd + h * dv..t * vd + (h + 1) * dv];
-            ops::rms_norm(
-                &y[(h * n + t) * dv..(h * n + t + 1) * dv],
-                norm,
-                c.rms_norm_eps,
-                dst,
-            );
-            for (x, &zz) in dst
-                .iter_mut()
-                .zip(&z[t * vd + h * dv..t * vd + (h + 1) * dv])
-            {
-                *x *= ops::silu(zz);
+    for s in seqs.iter() {
+        let (m, base) = (s.rows.len(), s.rows.start * nv * dv);
+        for (i, t) in s.rows.clone().enumerate() {
+            for h in 0..nv {
+                let dst = &mut o[t * vd + h * dv..t * vd + (h + 1) * dv];
+                let src = base + (h * m + i) * dv;
+                ops::rms_norm(&y[src..src + dv], norm, c.rms_norm_eps, dst);
+                for (x, &zz) in dst
+                    .iter_mut()
+                    .zip(&z[t * vd + h * dv..t * vd + (h + 1) * dv])
+                {
+                    *x *= ops::silu(zz);
+                }
             }
         }
     }

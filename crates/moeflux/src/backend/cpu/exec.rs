@@ -1,31 +1,32 @@
 //! The CPU's [`BlockExecutor`]: one batch's residual stream, normed copy and
-//! block-output scratch in host memory, the sequence state, and the expert
-//! streaming of the MoE blocks.
+//! block-output scratch in host memory, the state of each sequence in the
+//! batch, and the expert streaming of the MoE blocks.
 
 use crate::backend::cpu::experts::ExpertRun;
 use crate::backend::cpu::qmatmul::{dequantize_row, matmul};
-use crate::backend::cpu::{attention, deltanet, mla, moe, ops};
+use crate::backend::cpu::{attention, deltanet, mla, moe, ops, SeqRows};
 use crate::error::{Error, Result};
 use crate::model::attention::FullAttention;
 use crate::model::deltanet::GatedDeltaNet;
-use crate::model::forward::{Activation, BlockExecutor};
+use crate::model::forward::{logit_rows, Activation, BlockExecutor, Segment};
 use crate::model::mla::MlaAttention;
 use crate::model::moe::{DenseMlp, MoeBlock};
 use crate::model::rope::softmax_scale;
 use crate::model::state::{LayerState, ModelState};
 use crate::model::timing::PhaseTimes;
 use crate::model::weights::{LinearRef, VectorRef};
-use crate::model::{LogitsMode, Model};
+use crate::model::Model;
 
-/// One eval of `n` tokens at positions `start..` on the CPU.
+/// One eval on the CPU of `n` tokens: the rows of one or more sequences,
+/// each with its state.
 pub struct CpuExecutor<'a> {
     model: &'a Model,
-    state: &'a mut ModelState,
+    /// Per segment, the state of its sequence.
+    states: Vec<&'a mut ModelState>,
+    segs: Vec<Segment>,
     run: ExpertRun<'a>,
     times: &'a mut PhaseTimes,
-    start: usize,
     n: usize,
-    mode: LogitsMode,
     /// Residual stream, normed copy and a block's output, `[n, hidden]` each.
     x: Vec<f32>,
     xn: Vec<f32>,
@@ -34,24 +35,24 @@ pub struct CpuExecutor<'a> {
 }
 
 impl<'a> CpuExecutor<'a> {
+    /// `segs` cover the batch's rows in order; `states[i]` is segment `i`'s.
     pub fn new(
         model: &'a Model,
-        state: &'a mut ModelState,
+        states: Vec<&'a mut ModelState>,
+        segs: Vec<Segment>,
         run: ExpertRun<'a>,
         times: &'a mut PhaseTimes,
-        start: usize,
-        n: usize,
-        mode: LogitsMode,
     ) -> Self {
         let h = model.config.hidden_size;
+        let n = segs.last().map_or(0, |s| s.rows.end);
+        debug_assert_eq!(states.len(), segs.len());
         CpuExecutor {
             model,
-            state,
+            states,
+            segs,
             run,
             times,
-            start,
             n,
-            mode,
             x: vec![0.0; n * h],
             xn: vec![0.0; n * h],
             r: vec![0.0; n * h],
@@ -74,6 +75,33 @@ impl<'a> CpuExecutor<'a> {
     }
 }
 
+/// Per segment, its rows and its sequence's state of `layer`, taken by
+/// `pick`.
+fn layer_states<'s, S>(
+    states: &'s mut [&mut ModelState],
+    segs: &[Segment],
+    layer: usize,
+    what: &str,
+    pick: impl Fn(&mut LayerState) -> Option<&mut S>,
+) -> Result<Vec<SeqRows<'s, S>>> {
+    states
+        .iter_mut()
+        .zip(segs)
+        .map(|(st, seg)| {
+            let state = st
+                .layers
+                .get_mut(layer)
+                .and_then(&pick)
+                .ok_or_else(|| CpuExecutor::state_error(layer, what))?;
+            Ok(SeqRows {
+                rows: seg.rows.clone(),
+                start: seg.start,
+                state,
+            })
+        })
+        .collect()
+}
+
 impl BlockExecutor for CpuExecutor<'_> {
     fn embed(&mut self, table: &LinearRef, tokens: &[u32]) -> Result<()> {
         let h = self.model.config.hidden_size;
@@ -91,54 +119,81 @@ impl BlockExecutor for CpuExecutor<'_> {
     }
 
     fn full_attention(&mut self, layer: usize, a: &FullAttention) -> Result<()> {
-        let m = self.model;
-        let Some(LayerState::Full(kv)) = self.state.layers.get_mut(layer) else {
-            return Err(Self::state_error(layer, "a KV cache"));
-        };
+        let (m, n) = (self.model, self.n);
+        let mut r = std::mem::take(&mut self.r);
+        let mut seqs = layer_states(
+            &mut self.states,
+            &self.segs,
+            layer,
+            "a KV cache",
+            |l| match l {
+                LayerState::Full(kv) => Some(kv),
+                _ => None,
+            },
+        )?;
         attention::forward(
-            a,
-            &m.weights,
-            &m.config,
-            &m.rope,
-            &self.xn,
-            self.n,
-            self.start,
-            kv,
-            &mut self.r,
+            a, &m.weights, &m.config, &m.rope, &self.xn, n, &mut seqs, &mut r,
         );
+        drop(seqs);
+        self.r = r;
         self.add_output();
         Ok(())
     }
 
     fn gated_deltanet(&mut self, layer: usize, g: &GatedDeltaNet) -> Result<()> {
-        let m = self.model;
-        let Some(LayerState::Linear(s)) = self.state.layers.get_mut(layer) else {
-            return Err(Self::state_error(layer, "a GatedDeltaNet state"));
-        };
-        deltanet::forward(g, &m.weights, &m.config, &self.xn, self.n, s, &mut self.r);
+        let (m, n) = (self.model, self.n);
+        let mut r = std::mem::take(&mut self.r);
+        let mut seqs = layer_states(
+            &mut self.states,
+            &self.segs,
+            layer,
+            "a GatedDeltaNet state",
+            |l| match l {
+                LayerState::Linear(s) => Some(s),
+                _ => None,
+            },
+        )?;
+        deltanet::forward(g, &m.weights, &m.config, &self.xn, n, &mut seqs, &mut r);
+        drop(seqs);
+        self.r = r;
         self.add_output();
         Ok(())
     }
 
     fn mla(&mut self, layer: usize, a: &MlaAttention) -> Result<()> {
         let m = self.model;
-        let Some(LayerState::Mla(cache)) = self.state.layers.get_mut(layer) else {
-            return Err(Self::state_error(layer, "an MLA cache"));
-        };
+        let h = m.config.hidden_size;
         let mla_dims = crate::model::mla::mla_of(&m.config)?;
         let scale = softmax_scale(&mla_dims, &m.config.rope);
-        mla::forward(
-            a,
-            &m.weights,
-            &m.config,
-            &m.rope,
-            scale,
-            &self.xn,
-            self.n,
-            self.start,
-            cache,
-            &mut self.r,
+        let mut r = std::mem::take(&mut self.r);
+        let seqs = layer_states(
+            &mut self.states,
+            &self.segs,
+            layer,
+            "an MLA cache",
+            |l| match l {
+                LayerState::Mla(c) => Some(c),
+                _ => None,
+            },
         )?;
+        // Per sequence: which of MLA's two forms runs depends on its own
+        // chunk and context, as when it is evaluated alone.
+        for s in seqs {
+            let rows = s.rows.start * h..s.rows.end * h;
+            mla::forward(
+                a,
+                &m.weights,
+                &m.config,
+                &m.rope,
+                scale,
+                &self.xn[rows.clone()],
+                s.rows.len(),
+                s.start,
+                s.state,
+                &mut r[rows],
+            )?;
+        }
+        self.r = r;
         self.add_output();
         Ok(())
     }
@@ -171,20 +226,17 @@ impl BlockExecutor for CpuExecutor<'_> {
     fn logits(&mut self, final_norm: VectorRef, lm_head: &LinearRef) -> Result<()> {
         let (c, w) = (&self.model.config, &self.model.weights);
         let h = c.hidden_size;
-        let rows = match self.mode {
-            LogitsMode::All => 0..self.n,
-            LogitsMode::Last => self.n - 1..self.n,
-        };
+        let rows = logit_rows(&self.segs);
         let m = rows.len();
         let mut normed = vec![0.0f32; m * h];
-        ops::rms_norm_rows(
-            &self.x[rows.start * h..rows.end * h],
-            w.vector(final_norm),
-            c.rms_norm_eps,
-            &mut normed,
-        );
+        let norm = w.vector(final_norm);
+        for (dst, &row) in normed.chunks_exact_mut(h).zip(&rows) {
+            ops::rms_norm_rows(&self.x[row * h..(row + 1) * h], norm, c.rms_norm_eps, dst);
+        }
         self.logits = vec![0.0f32; m * c.vocab_size];
-        matmul(&w.view(lm_head), &normed, m, &mut self.logits);
+        if m > 0 {
+            matmul(&w.view(lm_head), &normed, m, &mut self.logits);
+        }
         Ok(())
     }
 

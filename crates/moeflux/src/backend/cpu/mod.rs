@@ -14,3 +14,11 @@ pub mod qmatmul;
 pub mod router;
 pub mod simd;
 pub mod vec;
+
+/// One sequence's rows of a batch (contiguous), the position of its first
+/// row, and its state of the layer being evaluated.
+pub struct SeqRows<'s, S> {
+    pub rows: std::ops::Range<usize>,
+    pub start: usize,
+    pub state: &'s mut S,
+}

@@ -17,7 +17,7 @@ mod linear;
 mod mla;
 pub mod model;
 mod moe;
-mod state;
+pub mod state;
 pub mod support;
 
 pub use device::{probe, Gpu, GpuInfo};

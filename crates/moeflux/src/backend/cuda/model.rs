@@ -16,6 +16,7 @@ use crate::error::{Error, Result};
 use crate::io::ExpertStore;
 use crate::model::attention::FullAttention;
 use crate::model::deltanet::GatedDeltaNet;
+use crate::model::forward::Segment;
 use crate::model::forward::{self, Activation, BlockExecutor};
 use crate::model::layer::Mixer;
 use crate::model::mla::MlaAttention;
@@ -24,7 +25,7 @@ use crate::model::state::{LinearState, ModelState};
 use crate::model::timing::{lap, PhaseTimes};
 use crate::model::trace::Trace;
 use crate::model::weights::{LinearRef, VectorRef};
-use crate::model::{LogitsMode, Model};
+use crate::model::Model;
 
 use super::device::{args, begin_capture, end_capture, DevBuf, Gpu, PinnedArena, PinnedDownload};
 use super::experts::{CachePolicy, CacheStats, ExpertCache};
@@ -84,12 +85,13 @@ pub(super) struct Ctx<'a> {
     /// The shape and scales of the MLA layers (the DeepSeek-V3 family).
     pub mla: Option<MlaParams>,
     pub scratch: &'a mut Scratch,
-    pub state: &'a mut GpuState,
-    /// Device address of the eval's first position (kernels read it, so a
-    /// captured graph serves every position).
+    /// The state of the sequence whose rows a mixer is evaluating.
+    pub state: &'a GpuState,
+    /// Device address of that sequence's first position in the eval
+    /// (kernels read it, so a captured graph serves every position).
     pub pos: u64,
-    /// The eval's first position on the host: only for sizing what batches
-    /// use (one-token steps are captured and replayed at other positions).
+    /// That first position on the host: only for sizing what batches use
+    /// (one-token steps are captured and replayed at other positions).
     pub start: usize,
     /// Device address of the rotary inverse frequencies (f64).
     pub inv_freq: u64,
@@ -157,7 +159,19 @@ const RESERVE: usize = 3 << 30;
 struct DecodeGraph {
     graph: cudarc::driver::CudaGraph,
     epoch: u64,
+    /// The sequence state whose buffers it writes.
+    state: u64,
 }
+
+/// One sequence's rows of a GPU eval and its state.
+pub struct GpuSegment<'s> {
+    pub state: &'s mut GpuState,
+    pub seg: Segment,
+}
+
+/// Positions the `pos` buffer holds (one per segment of an eval) before it
+/// grows.
+const POS_SLOTS: usize = 64;
 
 pub struct CudaModel {
     gpu: Gpu,
@@ -173,20 +187,20 @@ pub struct CudaModel {
     /// the DeepSeek family).
     inv_freq: DevBuf,
     moe_layers: usize,
-    state: GpuState,
     cache: Option<ExpertCache>,
     scratch: Scratch,
     arena: PinnedArena,
     logits_host: PinnedDownload,
     /// The MoE layers' router choices (and inputs) read by the host.
     route_host: PinnedDownload,
-    /// The position of the eval's first token, on the device.
+    /// Per segment of the eval, the position of its first token, on the
+    /// device.
     pos: DevBuf,
     /// Bumped whenever a buffer a graph may have captured moves.
     epoch: u64,
-    /// The epoch of the last eager decode step that allocated nothing: a
-    /// graph captured now would stay valid.
-    stable_epoch: Option<u64>,
+    /// The epoch and state of the last eager decode step that allocated
+    /// nothing: a graph captured now would stay valid.
+    stable_epoch: Option<(u64, u64)>,
     graph: Option<DecodeGraph>,
     /// Layers and bytes of expert files pinned in host RAM.
     host_tier: (usize, u64),
@@ -243,17 +257,6 @@ impl CudaModel {
         let mla = has_mla
             .then(|| MlaParams::new(&c, &model.rope))
             .transpose()?;
-        let state = GpuState {
-            layers: model
-                .layers
-                .iter()
-                .map(|l| match &l.mixer {
-                    Mixer::Full(_) => attention::new_kv(&gpu, &c),
-                    Mixer::Linear(_) => deltanet::new_state(&gpu, &c),
-                    Mixer::Mla(_) => mla::new_cache(&gpu, mla.as_ref().expect("MLA layers")),
-                })
-                .collect::<Result<_>>()?,
-        };
         let max_extent = model
             .layers
             .iter()
@@ -271,13 +274,12 @@ impl CudaModel {
             mla,
             inv_freq: DevBuf::from_slice(&gpu, &model.rope.inv_freq)?,
             moe_layers: model.moe_layers(),
-            state,
             cache: None,
             scratch: Scratch::default(),
             arena: PinnedArena::new(),
             logits_host: PinnedDownload::default(),
             route_host: PinnedDownload::default(),
-            pos: DevBuf::zeros(&gpu, 8)?,
+            pos: DevBuf::zeros(&gpu, 8 * POS_SLOTS)?,
             epoch: 0,
             stable_epoch: None,
             graph: None,
@@ -331,33 +333,49 @@ impl CudaModel {
         self.cache.as_ref().map_or(0, |c| c.slots())
     }
 
-    /// Forgets the sequence: empty attention caches, zero recurrent states
-    /// (in place: buffers keep their addresses and capacity).
-    pub fn clear(&mut self) -> Result<()> {
+    /// A new, empty sequence state (its row caches grow as it does).
+    pub fn new_state(&self, model: &Model) -> Result<GpuState> {
         self.gpu.bind()?;
-        self.state.clear(&self.gpu)
+        let c = &self.config;
+        let layers = model
+            .layers
+            .iter()
+            .map(|l| match &l.mixer {
+                Mixer::Full(_) => attention::new_kv(&self.gpu, c),
+                Mixer::Linear(_) => deltanet::new_state(&self.gpu, c),
+                Mixer::Mla(_) => mla::new_cache(&self.gpu, self.mla.as_ref().expect("MLA layers")),
+            })
+            .collect::<Result<_>>()?;
+        Ok(GpuState::new(layers))
     }
 
-    /// A host copy of the sequence state (same layout as the CPU backend's).
-    pub fn download_state(&self) -> Result<ModelState> {
+    /// Forgets a sequence: empty attention caches, zero recurrent states
+    /// (in place: buffers keep their addresses and capacity).
+    pub fn clear(&mut self, state: &mut GpuState) -> Result<()> {
+        self.gpu.bind()?;
+        state.clear(&self.gpu)
+    }
+
+    /// A host copy of a sequence state (same layout as the CPU backend's).
+    pub fn download_state(&self, state: &GpuState) -> Result<ModelState> {
         self.gpu.bind()?;
         self.gpu.sync()?;
-        self.state.download()
+        state.download()
     }
 
     /// The linear-attention states only (checkpoints).
-    pub fn linear_states(&self) -> Result<Vec<LinearState>> {
+    pub fn linear_states(&self, state: &GpuState) -> Result<Vec<LinearState>> {
         self.gpu.bind()?;
         self.gpu.sync()?;
-        self.state.linear_states()
+        state.linear_states()
     }
 
-    /// Replaces the state with a host copy (from `download_state` or a
+    /// Replaces a state with a host copy (from `download_state` or a
     /// snapshot of either backend).
-    pub fn upload_state(&mut self, s: &ModelState) -> Result<()> {
+    pub fn upload_state(&mut self, state: &mut GpuState, s: &ModelState) -> Result<()> {
         self.gpu.bind()?;
         self.gpu.sync()?;
-        if self.state.upload(&self.gpu, s)? {
+        if state.upload(&self.gpu, s)? {
             self.epoch += 1;
         }
         Ok(())
@@ -365,16 +383,24 @@ impl CudaModel {
 
     /// Keeps the first `pos` rows of the attention caches and puts `linear`
     /// (one per linear layer, in order) into the linear layers.
-    pub fn rewind(&mut self, pos: usize, linear: &[LinearState]) -> Result<()> {
+    pub fn rewind(
+        &mut self,
+        state: &mut GpuState,
+        pos: usize,
+        linear: &[LinearState],
+    ) -> Result<()> {
         self.gpu.bind()?;
         self.gpu.sync()?;
-        self.state.rewind(pos, linear)
+        state.rewind(pos, linear)
     }
 
-    /// Evaluates `tokens` of `model` (the one this was built from) at
-    /// positions `start..` and returns logits like the CPU backend. `pool`:
-    /// the threads that compute the experts the host takes (`cpu_experts`).
-    /// With `trace`, every block's output is read back (eagerly, no graph).
+    /// Evaluates `tokens` of `model` (the one this was built from), the
+    /// rows of `segs` in order, each segment on its sequence's state, and
+    /// returns the logits of the segments' logit rows like the CPU backend.
+    /// The mixers run per segment; everything else once over all rows.
+    /// `pool`: the threads that compute the experts the host takes
+    /// (`cpu_experts`). With `trace`, every block's output is read back
+    /// (eagerly, no graph).
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &mut self,
@@ -383,31 +409,39 @@ impl CudaModel {
         pool: &rayon::ThreadPool,
         k: usize,
         tokens: &[u32],
-        start: usize,
-        mode: LogitsMode,
+        mut segs: Vec<GpuSegment<'_>>,
         times: &mut PhaseTimes,
         trace: Option<&mut Trace>,
     ) -> Result<Vec<f32>> {
         self.gpu.bind()?;
         let mut clock = std::time::Instant::now();
         let n = tokens.len();
-        if self.state.grow_for_eval(&self.gpu, start, n)? {
+        for s in &mut segs {
+            if s.state
+                .grow_for_eval(&self.gpu, s.seg.start, s.seg.rows.len())?
+            {
+                self.epoch += 1;
+            }
+        }
+        if segs.len() > self.pos.bytes() / 8 {
+            self.pos = DevBuf::zeros(&self.gpu, 8 * segs.len().next_power_of_two())?;
             self.epoch += 1;
         }
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
         let d_ids = self.scratch.get(&self.gpu, "ids", 4 * n)?;
         self.arena.reset();
         self.arena.upload(&self.gpu, d_ids, &ids)?;
-        self.arena
-            .upload(&self.gpu, self.pos.ptr(), &[start as i64])?;
+        let starts: Vec<i64> = segs.iter().map(|s| s.seg.start as i64).collect();
+        self.arena.upload(&self.gpu, self.pos.ptr(), &starts)?;
         let resident = self.cache.as_ref().is_none_or(|c| c.all_resident());
-        let graphable = self.opts.graphs && n == 1 && resident && trace.is_none();
-        let rows = match mode {
-            LogitsMode::All => 0..n,
-            LogitsMode::Last => n - 1..n,
-        };
-        let m = rows.len();
-        if graphable && !self.graph_valid() && self.stable_epoch == Some(self.epoch) {
+        let graphable =
+            self.opts.graphs && n == 1 && segs.len() == 1 && resident && trace.is_none();
+        let state_id = segs.first().map_or(u64::MAX, |s| s.state.id);
+        let m: usize = segs.iter().map(|s| s.seg.logit_rows().len()).sum();
+        if graphable
+            && !self.graph_valid(state_id)
+            && self.stable_epoch == Some((self.epoch, state_id))
+        {
             begin_capture(&self.gpu)?;
             let recorded = self.layers_forward(
                 model,
@@ -415,8 +449,7 @@ impl CudaModel {
                 pool,
                 k,
                 tokens,
-                start,
-                rows.clone(),
+                &segs,
                 &mut PhaseTimes::default(),
                 None,
             );
@@ -430,10 +463,11 @@ impl CudaModel {
                 self.graph = Some(DecodeGraph {
                     graph,
                     epoch: self.epoch,
+                    state: state_id,
                 });
             }
         }
-        if graphable && self.graph_valid() {
+        if graphable && self.graph_valid(state_id) {
             let g = self.graph.as_ref().expect("checked above");
             g.graph
                 .launch()
@@ -447,22 +481,25 @@ impl CudaModel {
         } else {
             self.scratch.grew = false;
             let before = self.epoch;
-            self.layers_forward(model, store, pool, k, tokens, start, rows, times, trace)?;
+            self.layers_forward(model, store, pool, k, tokens, &segs, times, trace)?;
             if self.scratch.grew {
                 self.scratch.grew = false;
                 self.epoch += 1;
             }
             if graphable && self.epoch == before {
-                self.stable_epoch = Some(self.epoch);
+                self.stable_epoch = Some((self.epoch, state_id));
             }
             clock = std::time::Instant::now();
         }
         self.download_logits(m, clock, times)
     }
 
-    /// Whether the captured decode graph matches the current buffers.
-    fn graph_valid(&self) -> bool {
-        self.graph.as_ref().is_some_and(|g| g.epoch == self.epoch)
+    /// Whether the captured decode graph matches the current buffers and
+    /// writes `state`.
+    fn graph_valid(&self, state: u64) -> bool {
+        self.graph
+            .as_ref()
+            .is_some_and(|g| g.epoch == self.epoch && g.state == state)
     }
 
     fn download_logits(
@@ -478,9 +515,9 @@ impl CudaModel {
         Ok(out)
     }
 
-    /// The layer stack over `tokens` at positions `start..`, whose ids and
-    /// first position are on the device; logits of `rows` land in the
-    /// "logits" scratch buffer.
+    /// The layer stack over `tokens` (segment `i`'s first position at
+    /// `pos + 8 i` on the device, the ids on the device too); logits of the
+    /// segments' logit rows land in the "logits" scratch buffer.
     #[allow(clippy::too_many_arguments)]
     fn layers_forward(
         &mut self,
@@ -489,23 +526,32 @@ impl CudaModel {
         pool: &rayon::ThreadPool,
         k: usize,
         tokens: &[u32],
-        start: usize,
-        rows: std::ops::Range<usize>,
+        segs: &[GpuSegment<'_>],
         times: &mut PhaseTimes,
         trace: Option<&mut Trace>,
     ) -> Result<()> {
         let n = tokens.len();
         let h = self.config.hidden_size;
         let g = &self.gpu;
+        let seqs: Vec<SeqRows> = segs
+            .iter()
+            .enumerate()
+            .map(|(i, s)| SeqRows {
+                state: &*s.state,
+                pos: self.pos.ptr() + 8 * i as u64,
+                seg: s.seg.clone(),
+            })
+            .collect();
+        let first = seqs.first().ok_or(Error::EmptyTokens)?;
         let cx = Ctx {
             gpu: g,
             config: &self.config,
             weights: self.weights,
             mla: self.mla,
             scratch: &mut self.scratch,
-            state: &mut self.state,
-            pos: self.pos.ptr(),
-            start,
+            state: first.state,
+            pos: first.pos,
+            start: first.seg.start,
             inv_freq: self.inv_freq.ptr(),
             cache: self.cache.as_mut(),
             arena: &mut self.arena,
@@ -522,7 +568,7 @@ impl CudaModel {
         let mut step = GpuStep {
             cx,
             n,
-            rows,
+            seqs,
             ids,
             x,
             xn,
@@ -532,18 +578,50 @@ impl CudaModel {
     }
 }
 
+/// One sequence's share of a GPU eval: its state, the device address of
+/// its first position, its rows.
+struct SeqRows<'a> {
+    state: &'a GpuState,
+    pos: u64,
+    seg: Segment,
+}
+
 /// One eval's batch on the GPU: the [`BlockExecutor`] the layer stack
 /// drives, its `x` and `xn` device buffers of `n` rows.
 struct GpuStep<'a, 'b> {
     cx: Ctx<'a>,
     n: usize,
-    /// The rows whose logits are computed.
-    rows: std::ops::Range<usize>,
+    /// The batch's sequences, in row order.
+    seqs: Vec<SeqRows<'a>>,
     /// Device addresses of the token ids and the two activations.
     ids: u64,
     x: u64,
     xn: u64,
     times: &'b mut PhaseTimes,
+}
+
+impl<'a> GpuStep<'a, '_> {
+    /// Rows whose logits the eval computes.
+    fn logit_rows(&self) -> usize {
+        self.seqs.iter().map(|s| s.seg.logit_rows().len()).sum()
+    }
+
+    /// Runs a mixer per sequence: `f(cx, xn, n, x)` on its rows, with the
+    /// context's state and positions its own.
+    fn per_sequence(
+        &mut self,
+        mut f: impl FnMut(&mut Ctx<'a>, u64, usize, u64) -> Result<()>,
+    ) -> Result<()> {
+        let row = 4 * self.cx.config.hidden_size as u64;
+        for s in &self.seqs {
+            self.cx.state = s.state;
+            self.cx.pos = s.pos;
+            self.cx.start = s.seg.start;
+            let off = s.seg.rows.start as u64 * row;
+            f(&mut self.cx, self.xn + off, s.seg.rows.len(), self.x + off)?;
+        }
+        Ok(())
+    }
 }
 
 impl BlockExecutor for GpuStep<'_, '_> {
@@ -583,15 +661,15 @@ impl BlockExecutor for GpuStep<'_, '_> {
     }
 
     fn full_attention(&mut self, layer: usize, a: &FullAttention) -> Result<()> {
-        attention::forward(&mut self.cx, layer, a, self.xn, self.n, self.x)
+        self.per_sequence(|cx, xn, n, x| attention::forward(cx, layer, a, xn, n, x))
     }
 
     fn gated_deltanet(&mut self, layer: usize, g: &GatedDeltaNet) -> Result<()> {
-        deltanet::forward(&mut self.cx, layer, g, self.xn, self.n, self.x)
+        self.per_sequence(|cx, xn, n, x| deltanet::forward(cx, layer, g, xn, n, x))
     }
 
     fn mla(&mut self, layer: usize, a: &MlaAttention) -> Result<()> {
-        mla::forward(&mut self.cx, layer, a, self.xn, self.n, self.x)
+        self.per_sequence(|cx, xn, n, x| mla::forward(cx, layer, a, xn, n, x))
     }
 
     fn dense_mlp(&mut self, _layer: usize, d: &DenseMlp) -> Result<()> {
@@ -603,14 +681,34 @@ impl BlockExecutor for GpuStep<'_, '_> {
     }
 
     fn logits(&mut self, final_norm: VectorRef, lm_head: &LinearRef) -> Result<()> {
+        let m = self.logit_rows();
         let cx = &mut self.cx;
         let (g, c) = (cx.gpu, cx.config);
         let (h, v) = (c.hidden_size, c.vocab_size);
-        let m = self.rows.len();
+        if m == 0 {
+            return Ok(());
+        }
         let normed = cx.scratch.get(g, "normed", 4 * m * h)?;
-        let final_x = self.x + (4 * self.rows.start * h) as u64;
         let w = cx.weights;
-        rms_norm(g, final_x, w.vec(final_norm), m, h, c.rms_norm_eps, normed)?;
+        let mut at = 0;
+        for s in &self.seqs {
+            let rows = s.seg.logit_rows();
+            if rows.is_empty() {
+                continue;
+            }
+            let src = self.x + (4 * rows.start * h) as u64;
+            let dst = normed + (4 * at * h) as u64;
+            rms_norm(
+                g,
+                src,
+                w.vec(final_norm),
+                rows.len(),
+                h,
+                c.rms_norm_eps,
+                dst,
+            )?;
+            at += rows.len();
+        }
         let logits = cx.scratch.get(g, "logits", 4 * m * v)?;
         matmuls(g, &[mm(w.lin(lm_head), logits)], normed, m)
     }
@@ -621,7 +719,7 @@ impl BlockExecutor for GpuStep<'_, '_> {
             Activation::Hidden => (self.x, self.n * c.hidden_size),
             Activation::Normed => (self.xn, self.n * c.hidden_size),
             Activation::Logits => {
-                let count = self.rows.len() * c.vocab_size;
+                let count = self.logit_rows() * c.vocab_size;
                 let logits = self.cx.scratch.get(self.cx.gpu, "logits", 4 * count)?;
                 (logits, count)
             }

@@ -132,15 +132,25 @@ fn mismatch() -> Error {
     Error::Invalid("state does not match the model's layers".into())
 }
 
-/// Every layer's state.
-pub(super) struct GpuState {
-    pub layers: Vec<GpuLayerState>,
+/// Every layer's state of one sequence.
+pub struct GpuState {
+    pub(super) layers: Vec<GpuLayerState>,
+    /// Unique per state: a captured graph holds its buffers' addresses.
+    pub(super) id: u64,
 }
 
 impl GpuState {
+    pub(super) fn new(layers: Vec<GpuLayerState>) -> GpuState {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        GpuState {
+            layers,
+            id: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        }
+    }
+
     /// Forgets the sequence: empty row caches, zero recurrent states (in
     /// place: buffers keep their addresses and capacity).
-    pub fn clear(&mut self, gpu: &Gpu) -> Result<()> {
+    pub(super) fn clear(&mut self, gpu: &Gpu) -> Result<()> {
         for s in &mut self.layers {
             match s {
                 GpuLayerState::Full(c) | GpuLayerState::Mla(c) => c.len = 0,
@@ -156,7 +166,7 @@ impl GpuState {
     /// Makes every row cache take `n` rows after its `start` rows (room made
     /// now, before any graph replay writes them); returns whether a buffer
     /// moved.
-    pub fn grow_for_eval(&mut self, gpu: &Gpu, start: usize, n: usize) -> Result<bool> {
+    pub(super) fn grow_for_eval(&mut self, gpu: &Gpu, start: usize, n: usize) -> Result<bool> {
         let mut moved = false;
         for c in self.layers.iter_mut().filter_map(GpuLayerState::rows_mut) {
             if c.len != start {
@@ -172,7 +182,7 @@ impl GpuState {
     }
 
     /// A host copy (the CPU backend's layout). The caller synchronises.
-    pub fn download(&self) -> Result<ModelState> {
+    pub(super) fn download(&self) -> Result<ModelState> {
         let layers = self
             .layers
             .iter()
@@ -199,7 +209,7 @@ impl GpuState {
     }
 
     /// The linear-attention states only (checkpoints).
-    pub fn linear_states(&self) -> Result<Vec<LinearState>> {
+    pub(super) fn linear_states(&self) -> Result<Vec<LinearState>> {
         self.layers
             .iter()
             .filter_map(|s| match s {
@@ -212,7 +222,7 @@ impl GpuState {
     /// Replaces the state with a host copy (from `download` or a snapshot
     /// of either backend); returns whether a buffer moved. The caller
     /// synchronises first.
-    pub fn upload(&mut self, gpu: &Gpu, s: &ModelState) -> Result<bool> {
+    pub(super) fn upload(&mut self, gpu: &Gpu, s: &ModelState) -> Result<bool> {
         if s.layers.len() != self.layers.len() {
             return Err(mismatch());
         }
@@ -234,7 +244,7 @@ impl GpuState {
 
     /// Keeps the first `pos` rows of every row cache and puts `linear` (one
     /// per linear layer, in order) into the linear layers.
-    pub fn rewind(&mut self, pos: usize, linear: &[LinearState]) -> Result<()> {
+    pub(super) fn rewind(&mut self, pos: usize, linear: &[LinearState]) -> Result<()> {
         let mut lin = linear.iter();
         for s in &mut self.layers {
             match s {
