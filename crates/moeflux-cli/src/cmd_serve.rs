@@ -40,9 +40,20 @@ pub struct ServeArgs {
     /// Seconds an idle keep-alive connection stays open.
     #[arg(long, default_value_t = 60, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..))]
     pub idle_timeout: u64,
-    /// Requests that may wait for the model; more get 429 with Retry-After.
+    /// Requests that may wait for the model beyond the running ones; more
+    /// get 429 with Retry-After.
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
+    /// Requests generating at once: their tokens share each forward pass,
+    /// and each expert a step needs is read once for all of them. 1 runs
+    /// one request at a time. Each takes its own KV cache / state.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..=256))]
+    pub parallel: u64,
+    /// Tokens per engine step: every running request's next token, then
+    /// chunks of prompts being prefilled, up to this many (a long prompt
+    /// never stalls the others for longer than one step).
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    pub step_tokens: u64,
     /// The model id clients see (default: the model directory's name).
     #[arg(long)]
     pub model_name: Option<String>,
@@ -118,6 +129,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
         prepare_threads: 0,
         engine: EngineOptions {
             max_queue: args.max_queue,
+            parallel: args.parallel as usize,
+            step_tokens: args.step_tokens as usize,
             prefix_cache: PrefixCacheOptions {
                 ram_bytes: args.prefix_cache,
                 disk_dir: args.prefix_cache_dir.clone(),

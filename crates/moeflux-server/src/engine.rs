@@ -1,35 +1,41 @@
-//! The engine: one thread owns the model's `Session` (it need not be `Send`:
-//! it is opened on that thread) and runs requests one at a time, in arrival
-//! order, from a bounded queue. An HTTP handler first takes an
-//! [`Admission`] (a place among the `max_queue + 1` requests the engine
-//! holds: preparing, waiting or running), refused at once (429) when there
-//! is none, and only then renders and tokenizes its prompt, so a flood of
-//! requests costs no tokenizer work; it then submits its [`Job`] and reads
-//! the [`EngineEvent`]s from a channel.
+//! The engine: one thread owns the model (a `Batch` of `parallel`
+//! sequences; it need not be `Send`: it is opened on that thread) and runs
+//! up to `parallel` requests at once, the rest waiting in arrival order in
+//! a bounded queue. An HTTP handler first takes an [`Admission`] (a place
+//! among the `max_queue + parallel` requests the engine holds: preparing,
+//! waiting or running), refused at once (429) when there is none, and only
+//! then renders and tokenizes its prompt, so a flood of requests costs no
+//! tokenizer work; it then submits its [`Job`] and reads the
+//! [`EngineEvent`]s from a channel.
 //!
-//! Per job: bring the session to the longest prefix of the prompt it can
-//! get cheaply — what the live session holds (returning to a checkpoint,
+//! A job takes a free slot (a sequence of the batch): the one whose live
+//! tokens give the longest prefix of its prompt (returning to a checkpoint,
 //! never truncating recurrent state), or a snapshot from the
-//! [`PrefixCache`], whichever is longer — evaluate the rest, snapshotting at
-//! the message boundaries the job names, then generate. The job's cancel
-//! flag (raised when its client goes away) is checked per token.
+//! [`PrefixCache`] if that is longer. Then the scheduler (`scheduler.rs`)
+//! runs steps: every decoding job's next token and chunks of the prefilling
+//! jobs' prompts, up to `step_tokens` tokens per step, in one forward pass,
+//! so a long prompt never stalls the others and each expert a step needs is
+//! fetched once for all of them. Prefill pauses at the message boundaries
+//! the job names (a checkpoint and a snapshot there) and before the last
+//! prompt token (a checkpoint). A job's cancel flag (raised when its client
+//! goes away) is checked every step.
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use moeflux::generate::{generate, Event, FinishReason, GenerateOptions};
+use moeflux::generate::FinishReason;
 use moeflux::text::tokenizer::Tokenizer;
-use moeflux::{LogitsMode, Session};
+use moeflux::Session;
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::api::GenParams;
 use crate::error::ApiError;
-use crate::metrics::{GenerationSample, Metrics};
+use crate::metrics::Metrics;
 use crate::prefix_cache::{PrefixCache, PrefixCacheOptions};
+use crate::scheduler::Scheduler;
 
 /// One generation request, ready to run.
 pub struct Job {
@@ -73,12 +79,16 @@ pub struct Outcome {
 
 #[derive(Debug, Clone)]
 pub struct EngineOptions {
+    /// Requests waiting beyond the running ones; more get 429.
     pub max_queue: usize,
+    /// Requests generating at once (sequences of the batch).
+    pub parallel: usize,
     pub prefix_cache: PrefixCacheOptions,
     /// Start every request from an empty session (for measurements).
     pub no_prefix_reuse: bool,
-    /// Tokens per prefill batch (also the cancellation granularity).
-    pub prefill_chunk: usize,
+    /// Tokens per step: every decoding request's next token, then chunks
+    /// of prompts (also the cancellation granularity of a prompt).
+    pub step_tokens: usize,
     /// Pause after each streamed text event. Zero in use; tests set it so a
     /// job is still running when they need it to be, on any machine speed.
     #[doc(hidden)]
@@ -89,12 +99,13 @@ impl Default for EngineOptions {
     fn default() -> Self {
         EngineOptions {
             max_queue: 64,
+            parallel: 4,
             prefix_cache: PrefixCacheOptions {
                 ram_bytes: 1 << 30,
                 ..Default::default()
             },
             no_prefix_reuse: false,
-            prefill_chunk: 512,
+            step_tokens: 512,
             event_delay: Duration::ZERO,
         }
     }
@@ -110,9 +121,10 @@ pub struct ModelInfo {
 
 /// The handlers' side of the engine (cheap to share).
 pub struct EngineHandle {
-    tx: SyncSender<(Job, Admission, Instant)>,
-    /// `max_queue + 1` places: the running job and the waiting ones.
+    tx: SyncSender<Queued>,
+    /// `max_queue + parallel` places: the running jobs and the waiting ones.
     places: Arc<Semaphore>,
+    parallel: u64,
     metrics: Arc<Metrics>,
     alive: Arc<AtomicBool>,
     /// Moving average of a job's run time, for `Retry-After`.
@@ -130,8 +142,15 @@ impl EngineHandle {
     ) -> Result<(EngineHandle, ModelInfo), String> {
         let cache = PrefixCache::new(opts.prefix_cache.clone())
             .map_err(|e| format!("prefix cache directory: {e}"))?;
+        if opts.parallel == 0 {
+            return Err("parallel sequences must be at least 1".into());
+        }
         // Admissions bound what is in the channel, so a send never blocks.
-        let places = opts.max_queue.saturating_add(1).min(Semaphore::MAX_PERMITS);
+        let places = opts
+            .max_queue
+            .saturating_add(opts.parallel)
+            .min(Semaphore::MAX_PERMITS);
+        let parallel = opts.parallel as u64;
         let (tx, rx) = sync_channel(places);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let alive = Arc::new(AtomicBool::new(true));
@@ -143,24 +162,21 @@ impl EngineHandle {
             .name("moeflux-engine".into())
             .spawn(move || {
                 // The session is opened, used and dropped on this thread.
-                match open() {
-                    Ok(session) => {
-                        let info = ModelInfo {
-                            max_context: session.max_context(),
-                            vocab_size: session.vocab_size(),
-                            backend: session.backend().to_string(),
-                        };
+                let opened = open().and_then(|session| {
+                    let info = ModelInfo {
+                        max_context: session.max_context(),
+                        vocab_size: session.vocab_size(),
+                        backend: session.backend().to_string(),
+                    };
+                    let (batch, first) = session.into_batch();
+                    Scheduler::new(batch, first, &tokenizer, cache, metrics2, opts, avg2)
+                        .map(|s| (s, info))
+                        .map_err(|e| format!("cannot hold {parallel} sequences: {e}"))
+                });
+                match opened {
+                    Ok((scheduler, info)) => {
                         let _ = ready_tx.send(Ok(info));
-                        Worker {
-                            session,
-                            tokenizer,
-                            cache,
-                            restored: None,
-                            metrics: metrics2,
-                            opts,
-                            avg_job_ms: avg2,
-                        }
-                        .run(rx);
+                        scheduler.run(rx);
                     }
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
@@ -176,6 +192,7 @@ impl EngineHandle {
             EngineHandle {
                 tx,
                 places: Arc::new(Semaphore::new(places)),
+                parallel,
                 metrics,
                 alive,
                 avg_job_ms,
@@ -199,7 +216,7 @@ impl EngineHandle {
             Ok(permit) => Ok(Admission { _permit: permit }),
             Err(_) => {
                 let waiting = self.metrics.queue_depth.load(Ordering::SeqCst).max(0) as u64;
-                let ms = self.avg_job_ms.load(Ordering::Relaxed) * (waiting + 1);
+                let ms = self.avg_job_ms.load(Ordering::Relaxed) * (waiting + 1) / self.parallel;
                 Err(ApiError::queue_full(ms.div_ceil(1000)))
             }
         }
@@ -224,253 +241,13 @@ impl EngineHandle {
     }
 }
 
-struct Worker {
-    session: Session,
-    tokenizer: Arc<Tokenizer>,
-    cache: PrefixCache,
-    /// The length of the cached prefix the current job started from.
-    restored: Option<usize>,
-    metrics: Arc<Metrics>,
-    opts: EngineOptions,
-    avg_job_ms: Arc<AtomicU64>,
-}
-
-impl Worker {
-    fn run(&mut self, rx: Receiver<(Job, Admission, Instant)>) {
-        while let Ok((job, admission, enqueued)) = rx.recv() {
-            self.metrics.queue_depth.fetch_sub(1, Ordering::SeqCst);
-            if job.cancel.load(Ordering::SeqCst) || job.events.is_closed() {
-                // The client left while the job waited.
-                drop(admission);
-                self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
-                continue;
-            }
-            self.metrics.running.store(1, Ordering::SeqCst);
-            let t0 = Instant::now();
-            let queued = t0 - enqueued;
-            let result = catch_unwind(AssertUnwindSafe(|| self.run_job(&job, queued)));
-            let result = match result {
-                Ok(r) => r,
-                Err(panic) => {
-                    let what = panic
-                        .downcast_ref::<&str>()
-                        .map(|s| s.to_string())
-                        .or_else(|| panic.downcast_ref::<String>().cloned())
-                        .unwrap_or_default();
-                    Err(ApiError::internal(format!("engine panicked: {what}")))
-                }
-            };
-            if let Err(e) = &result {
-                // Whatever state the failure left, the next job starts
-                // clean, and not from the snapshot it started from: a bad
-                // entry must not fail its conversation again and again.
-                self.session.clear();
-                if let (Some(len), false) = (self.restored, e.message == CANCELLED) {
-                    self.cache.discard(&job.prompt[..len]);
-                }
-            }
-            match &result {
-                Ok(o) if o.finish == FinishReason::Cancelled => {
-                    self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
-                }
-                Err(e) if e.message == CANCELLED => {
-                    self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
-                }
-                Err(_) => {
-                    self.metrics.engine_errors.fetch_add(1, Ordering::Relaxed);
-                }
-                Ok(_) => {}
-            }
-            let ms = t0.elapsed().as_millis() as u64;
-            let avg = self.avg_job_ms.load(Ordering::Relaxed);
-            self.avg_job_ms.store((avg * 7 + ms) / 8, Ordering::Relaxed);
-            self.metrics.set_prefix_cache(self.cache.stats());
-            // The place frees before the job is seen to end, so a client
-            // that saw it end finds room.
-            drop(admission);
-            self.metrics.running.store(0, Ordering::SeqCst);
-            let _ = job.events.send(EngineEvent::Done(result));
-        }
-    }
-
-    fn run_job(&mut self, job: &Job, queued: Duration) -> Result<Outcome, ApiError> {
-        let session = &mut self.session;
-        let prompt = &job.prompt;
-        let n = prompt.len();
-        if n == 0 {
-            return Err(ApiError::invalid("", "the prompt is empty"));
-        }
-        let t0 = Instant::now();
-        let io0 = session.io_stats();
-        let gpu0 = session.gpu_cache_stats();
-
-        // 1. The cheapest starting point: `start` tokens of the prompt held
-        //    without evaluating anything.
-        if self.opts.no_prefix_reuse {
-            session.clear();
-        }
-        let common = session
-            .tokens()
-            .iter()
-            .zip(prompt)
-            .take_while(|(a, b)| a == b)
-            .count()
-            .min(n - 1);
-        let mut live = if common == session.position() {
-            common
-        } else {
-            // Recurrent state only goes back to a checkpoint.
-            session
-                .checkpoints()
-                .into_iter()
-                .filter(|&p| p <= common)
-                .max()
-                .unwrap_or(0)
-        };
-        let mut start = live;
-        let cached = if self.opts.no_prefix_reuse {
-            0
-        } else {
-            self.cache.longest(prompt, n - 1)
-        };
-        let mut restored = false;
-        self.restored = None;
-        if cached > live {
-            if let Some((len, snap)) = self.cache.get(prompt, n - 1) {
-                // A snapshot that fails to load, or holds other tokens than
-                // its key, is dropped and costs only the reuse.
-                let loaded = session.state_load(&snap).is_ok()
-                    && session.position() == len
-                    && session.tokens() == &prompt[..len];
-                if loaded {
-                    start = len;
-                    restored = true;
-                    self.restored = Some(len);
-                } else {
-                    self.cache.discard(&prompt[..len]);
-                    session.clear();
-                    live = 0;
-                }
-            }
-        } else if self.cache.enabled() && !self.opts.no_prefix_reuse {
-            self.cache.note_miss();
-        }
-        if !restored {
-            if live < session.position() {
-                session.restore_to(live).map_err(engine_error)?;
-            }
-            start = live;
-        }
-
-        // 2. Prefill up to each boundary, snapshotting there.
-        let chunk = self.opts.prefill_chunk.max(1);
-        for &b in job.boundaries.iter().filter(|&&b| b > start && b < n) {
-            let from = session.position();
-            for part in prompt[from..b].chunks(chunk) {
-                if job.cancel.load(Ordering::Relaxed) {
-                    return Err(ApiError::internal(CANCELLED));
-                }
-                session.eval(part, LogitsMode::Last).map_err(engine_error)?;
-            }
-            session.checkpoint();
-            if self.cache.enabled()
-                && !self.opts.no_prefix_reuse
-                && !self.cache.contains(&prompt[..b])
-            {
-                if let Ok(snap) = session.state_save() {
-                    self.cache.insert(prompt[..b].to_vec(), snap);
-                }
-            }
-        }
-        // A checkpoint before the last prompt token too: the same prompt
-        // again (a retry, another sample) then evaluates one token.
-        if n - 1 > session.position() {
-            let from = session.position();
-            for part in prompt[from..n - 1].chunks(chunk) {
-                if job.cancel.load(Ordering::Relaxed) {
-                    return Err(ApiError::internal(CANCELLED));
-                }
-                session.eval(part, LogitsMode::Last).map_err(engine_error)?;
-            }
-            session.checkpoint();
-        }
-        let own_prefill = t0.elapsed();
-
-        // 3. The rest of the prompt and the answer.
-        let opts = GenerateOptions {
-            max_tokens: job.params.max_tokens.unwrap_or(usize::MAX),
-            sampler: job.params.sampler.clone(),
-            stop: job.params.stop.clone(),
-            prefill_chunk: chunk,
-            starts_in_reasoning: job.starts_in_reasoning,
-            checkpoint_after_prefill: true,
-            ignore_eos: job.params.ignore_eos,
-        };
-        let cancel = &job.cancel;
-        let events = &job.events;
-        let event_delay = self.opts.event_delay;
-        let stats = generate(
-            session,
-            &self.tokenizer,
-            prompt,
-            &opts,
-            Some(cancel),
-            &mut |e| {
-                if let Event::Text { text, reasoning } = e {
-                    let ev = EngineEvent::Text {
-                        text: text.to_string(),
-                        reasoning,
-                    };
-                    if events.send(ev).is_err() {
-                        cancel.store(true, Ordering::SeqCst);
-                    }
-                    if !event_delay.is_zero() {
-                        std::thread::sleep(event_delay);
-                    }
-                }
-            },
-        );
-        let stats = match stats {
-            Ok(s) => s,
-            Err(moeflux::Error::Cancelled) => return Err(ApiError::internal(CANCELLED)),
-            Err(e) => return Err(engine_error(e)),
-        };
-        let prefill = own_prefill + stats.prefill_time;
-        let (reads, hits) = if session.on_gpu() {
-            let g = session.gpu_cache_stats().since(&gpu0);
-            (g.hits + g.misses, g.hits)
-        } else {
-            let io = session.io_stats().since(&io0);
-            (io.reads, io.cached)
-        };
-        let outcome = Outcome {
-            prompt_tokens: n,
-            cached_tokens: start,
-            completion_tokens: stats.generated_tokens,
-            finish: stats.finish,
-            ttft: prefill,
-            prefill,
-            decode: stats.decode_time,
-            queued,
-        };
-        self.metrics.generation(&GenerationSample {
-            prompt_tokens: n - start,
-            cached_tokens: start,
-            generated_tokens: stats.generated_tokens,
-            prefill,
-            decode: stats.decode_time,
-            ttft: prefill,
-            expert_reads: reads,
-            expert_hits: hits,
-        });
-        Ok(outcome)
-    }
-}
+/// What goes through the engine's queue.
+pub(crate) type Queued = (Job, Admission, Instant);
 
 /// The message of the error a cancelled job ends with (never sent to a
 /// client: it has gone).
 pub const CANCELLED: &str = "cancelled: the client went away";
 
-fn engine_error(e: moeflux::Error) -> ApiError {
+pub(crate) fn engine_error(e: moeflux::Error) -> ApiError {
     ApiError::internal(format!("engine error: {e}"))
 }

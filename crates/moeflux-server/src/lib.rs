@@ -32,6 +32,7 @@ pub mod prefix_cache;
 pub mod prompt;
 pub mod respond;
 pub mod routes;
+mod scheduler;
 pub mod tools;
 
 use std::future::Future;

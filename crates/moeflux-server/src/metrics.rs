@@ -36,6 +36,14 @@ pub struct Metrics {
     pub running: AtomicI64,
     pub expert_reads: AtomicU64,
     pub expert_hits: AtomicU64,
+    expert_bytes: AtomicU64,
+    steps: AtomicU64,
+    step_sequences: AtomicU64,
+    step_tokens: AtomicU64,
+    step_ns: AtomicU64,
+    /// The latest step's sequences and tokens.
+    last_step_sequences: AtomicU64,
+    last_step_tokens: AtomicU64,
     prefix: Mutex<PrefixCacheStats>,
 }
 
@@ -48,8 +56,20 @@ pub struct GenerationSample {
     pub prefill: Duration,
     pub decode: Duration,
     pub ttft: Duration,
+}
+
+/// What one engine step (one forward pass over every running request)
+/// adds.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StepSample {
+    /// Requests with tokens in the step.
+    pub sequences: usize,
+    pub tokens: usize,
+    pub time: Duration,
     pub expert_reads: u64,
     pub expert_hits: u64,
+    /// Expert bytes read from storage (CPU) or uploaded (GPU).
+    pub expert_bytes: u64,
 }
 
 fn add_ns(a: &AtomicU64, d: Duration) {
@@ -81,9 +101,6 @@ impl Metrics {
         add_ns(&self.decode_ns, s.decode);
         add_ns(&self.ttft_ns, s.ttft);
         self.ttft_count.fetch_add(1, Ordering::Relaxed);
-        self.expert_reads
-            .fetch_add(s.expert_reads, Ordering::Relaxed);
-        self.expert_hits.fetch_add(s.expert_hits, Ordering::Relaxed);
         let rate = |n: usize, t: Duration| {
             if t.is_zero() {
                 0.0
@@ -103,6 +120,19 @@ impl Metrics {
                 Ordering::Relaxed,
             );
         }
+    }
+
+    pub fn step(&self, s: &StepSample) {
+        let r = Ordering::Relaxed;
+        self.steps.fetch_add(1, r);
+        self.step_sequences.fetch_add(s.sequences as u64, r);
+        self.step_tokens.fetch_add(s.tokens as u64, r);
+        add_ns(&self.step_ns, s.time);
+        self.last_step_sequences.store(s.sequences as u64, r);
+        self.last_step_tokens.store(s.tokens as u64, r);
+        self.expert_reads.fetch_add(s.expert_reads, r);
+        self.expert_hits.fetch_add(s.expert_hits, r);
+        self.expert_bytes.fetch_add(s.expert_bytes, r);
     }
 
     pub fn set_prefix_cache(&self, s: PrefixCacheStats) {
@@ -223,8 +253,50 @@ impl Metrics {
         metric(
             "moeflux_requests_running",
             "gauge",
-            "Requests the engine is working on (0 or 1).",
+            "Requests the engine is working on (at most --parallel).",
             &one(self.running.load(Ordering::Relaxed) as f64),
+        );
+        metric(
+            "moeflux_steps_total",
+            "counter",
+            "Engine steps (one forward pass over the tokens of every running request).",
+            &one(n(&self.steps)),
+        );
+        metric(
+            "moeflux_step_sequences_total",
+            "counter",
+            "Requests with tokens in a step, summed over steps (/ steps = mean batch size).",
+            &one(n(&self.step_sequences)),
+        );
+        metric(
+            "moeflux_step_tokens_total",
+            "counter",
+            "Tokens evaluated per step, summed over steps.",
+            &one(n(&self.step_tokens)),
+        );
+        metric(
+            "moeflux_step_seconds_total",
+            "counter",
+            "Time spent in steps.",
+            &one(secs(&self.step_ns)),
+        );
+        metric(
+            "moeflux_batch_size",
+            "gauge",
+            "Requests with tokens in the latest step.",
+            &one(n(&self.last_step_sequences)),
+        );
+        metric(
+            "moeflux_step_tokens",
+            "gauge",
+            "Tokens evaluated in the latest step.",
+            &one(n(&self.last_step_tokens)),
+        );
+        metric(
+            "moeflux_expert_bytes_total",
+            "counter",
+            "Routed-expert bytes read from storage (CPU) or uploaded to the GPU.",
+            &one(n(&self.expert_bytes)),
         );
         let reads = n(&self.expert_reads);
         let hits = n(&self.expert_hits);
@@ -293,6 +365,11 @@ mod tests {
             generated_tokens: 11,
             prefill: Duration::from_secs(2),
             decode: Duration::from_secs(1),
+            ..Default::default()
+        });
+        m.step(&StepSample {
+            sequences: 3,
+            tokens: 40,
             expert_reads: 4,
             expert_hits: 3,
             ..Default::default()
@@ -303,6 +380,8 @@ mod tests {
         assert!(t.contains("moeflux_prefill_tokens_per_second 50\n"));
         assert!(t.contains("moeflux_decode_tokens_per_second 10\n"));
         assert!(t.contains("moeflux_expert_cache_hit_ratio 0.75\n"));
+        assert!(t.contains("moeflux_batch_size 3\n"));
+        assert!(t.contains("moeflux_step_tokens 40\n"));
         assert!(t.contains("# TYPE moeflux_queue_depth gauge\nmoeflux_queue_depth 0\n"));
         // Every sample line is `name{labels} number`.
         for line in t.lines().filter(|l| !l.starts_with('#')) {

@@ -130,6 +130,7 @@ async fn flood_with_a_full_queue_is_refused_before_tokenizing() {
     let (addr, _stop) = serve(ServerOptions {
         engine: EngineOptions {
             max_queue: 0,
+            parallel: 1,
             prefix_cache: PrefixCacheOptions::default(),
             event_delay: Duration::from_millis(5),
             ..Default::default()

@@ -172,7 +172,14 @@ async fn reasoning_streams_like_it_answers() {
 /// from scratch, with far fewer tokens prefilled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefix_reuse_gives_the_fresh_answer() {
-    let reuse = server(ServerOptions::default());
+    // One slot: the other conversation takes the live sequence.
+    let reuse = server(ServerOptions {
+        engine: EngineOptions {
+            parallel: 1,
+            ..Default::default()
+        },
+        ..Default::default()
+    });
     let fresh = server(ServerOptions {
         engine: EngineOptions {
             no_prefix_reuse: true,
@@ -232,6 +239,208 @@ async fn prefix_reuse_gives_the_fresh_answer() {
             .contains("moeflux_prefix_cache_hits_total 1\n"),
         "{m}"
     );
+}
+
+/// With several slots, a conversation interleaved with another stays live
+/// in its own slot: with the prefix cache off, its next turn still keeps
+/// the tokens its slot's checkpoints allow (on one slot the other
+/// conversation took them), and answers as from scratch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn interleaved_conversations_stay_live_in_their_slots() {
+    let slots = |parallel| {
+        server(ServerOptions {
+            engine: EngineOptions {
+                parallel,
+                prefix_cache: PrefixCacheOptions::default(),
+                ..Default::default()
+            },
+            ..Default::default()
+        })
+    };
+    let fresh = server(ServerOptions {
+        engine: EngineOptions {
+            no_prefix_reuse: true,
+            ..Default::default()
+        },
+        ..Default::default()
+    });
+    let mut cached = Vec::new();
+    for s in [slots(1), slots(2)] {
+        let mut a = vec![
+            json!({"role": "system", "content": "You are terse."}),
+            json!({"role": "user", "content": "Name a large river in Europe."}),
+        ];
+        let r1 = chat(&s, greedy(json!(a), 6)).await;
+        let reply = r1["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        chat(
+            &s,
+            greedy(json!([{"role": "user", "content": "Unrelated: boats?"}]), 4),
+        )
+        .await;
+        a.push(json!({"role": "assistant", "content": reply}));
+        a.push(json!({"role": "user", "content": "And in Asia?"}));
+        let r2 = chat(&s, greedy(json!(a), 6)).await;
+        let f2 = chat(&fresh, greedy(json!(a), 6)).await;
+        assert_eq!(r2["choices"][0]["message"], f2["choices"][0]["message"]);
+        cached.push(
+            r2["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap(),
+        );
+    }
+    assert_eq!(cached[0], 0, "one slot: the other conversation took it");
+    assert!(cached[1] > 0, "two slots: the conversation stayed live");
+}
+
+/// A request's answer does not depend on what runs beside it: requests
+/// sent at once to a server with four slots (more requests than slots,
+/// prompts prefilled in small chunks beside the others' decoding) answer
+/// exactly as each does alone on a one-slot server (greedy).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_answer_as_they_do_alone() {
+    let many = server(ServerOptions {
+        engine: EngineOptions {
+            parallel: 4,
+            step_tokens: 16,
+            ..Default::default()
+        },
+        ..Default::default()
+    });
+    let alone = server(ServerOptions {
+        engine: EngineOptions {
+            parallel: 1,
+            no_prefix_reuse: true,
+            ..Default::default()
+        },
+        ..Default::default()
+    });
+    let topics = [
+        "Write about the sea and the long voyages of old sailing ships across it.",
+        "hi",
+        "Explain, step by step and at length, how bread is baked in a village oven.",
+        "List three colours.",
+        "Describe a mountain.",
+        "What is two plus two? Then tell me about numbers in general, in detail.",
+    ];
+    let bodies: Vec<Value> = topics
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let mut b = greedy(json!([{"role": "user", "content": t}]), 6 + 5 * i as u32);
+            b["ignore_eos"] = json!(i % 2 == 0);
+            b
+        })
+        .collect();
+    let tasks: Vec<_> = bodies
+        .iter()
+        .map(|b| {
+            let router = many.router();
+            let req = post("/v1/chat/completions", b);
+            tokio::spawn(async move {
+                let resp = router.oneshot(req).await.unwrap();
+                assert_eq!(resp.status(), StatusCode::OK);
+                let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+                serde_json::from_slice::<Value>(&bytes).unwrap()
+            })
+        })
+        .collect();
+    let mut together = Vec::new();
+    for t in tasks {
+        together.push(t.await.unwrap());
+    }
+    for (b, got) in bodies.iter().zip(&together) {
+        let want = chat(&alone, b.clone()).await;
+        assert_eq!(
+            got["choices"][0]["message"], want["choices"][0]["message"],
+            "{b}"
+        );
+        assert_eq!(
+            got["usage"]["completion_tokens"],
+            want["usage"]["completion_tokens"]
+        );
+    }
+    let (_, m) = call(&many, Request::get("/metrics").body(Body::empty()).unwrap()).await;
+    let m = m.as_str().unwrap();
+    let get = |name: &str| -> f64 {
+        let line = m
+            .lines()
+            .find(|l| l.starts_with(&format!("{name} ")))
+            .unwrap_or_else(|| panic!("{name} missing: {m}"));
+        line.rsplit_once(' ').unwrap().1.parse().unwrap()
+    };
+    // The requests did share steps.
+    let (steps, seqs) = (
+        get("moeflux_steps_total"),
+        get("moeflux_step_sequences_total"),
+    );
+    assert!(seqs / steps > 1.2, "mean batch {seqs} / {steps}");
+}
+
+/// A streaming request cancelled mid-decode leaves the one beside it
+/// untouched: that one answers as it does alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_stream_leaves_its_neighbour_untouched() {
+    let many = server(ServerOptions {
+        engine: EngineOptions {
+            parallel: 2,
+            event_delay: Duration::from_millis(2),
+            ..Default::default()
+        },
+        ..Default::default()
+    });
+    let alone = server(ServerOptions {
+        engine: EngineOptions {
+            parallel: 1,
+            no_prefix_reuse: true,
+            ..Default::default()
+        },
+        ..Default::default()
+    });
+    let mut long = greedy(
+        json!([{"role": "user", "content": "Tell a long story"}]),
+        2000,
+    );
+    long["stream"] = json!(true);
+    long["ignore_eos"] = json!(true);
+    let resp = many
+        .router()
+        .oneshot(post("/v1/chat/completions", &long))
+        .await
+        .unwrap();
+    let mut body = resp.into_body();
+    assert!(body.frame().await.unwrap().unwrap().is_data());
+    let mut short = greedy(json!([{"role": "user", "content": "A short one."}]), 24);
+    short["ignore_eos"] = json!(true);
+    let router = many.router();
+    let req = post("/v1/chat/completions", &short);
+    let other = tokio::spawn(async move {
+        let resp = router.oneshot(req).await.unwrap();
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        serde_json::from_slice::<Value>(&bytes).unwrap()
+    });
+    // A few more chunks of the long one, then the client goes away.
+    for _ in 0..5 {
+        body.frame().await.unwrap().unwrap();
+    }
+    drop(body);
+    let got = other.await.unwrap();
+    let want = chat(&alone, short).await;
+    assert_eq!(got["choices"][0]["message"], want["choices"][0]["message"]);
+    // The cancelled one is counted once it leaves.
+    for _ in 0..200 {
+        let (_, m) = call(&many, Request::get("/metrics").body(Body::empty()).unwrap()).await;
+        if m.as_str()
+            .unwrap()
+            .contains("moeflux_requests_cancelled_total 1\n")
+        {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("the cancelled stream was not counted");
 }
 
 fn weather_tools() -> Value {
@@ -485,6 +694,7 @@ async fn full_queue_429_and_disconnect_cancels() {
     let s = server(ServerOptions {
         engine: EngineOptions {
             max_queue: 0,
+            parallel: 1,
             prefix_cache: PrefixCacheOptions::default(),
             // 2000 tokens of the tiny model would otherwise finish before
             // the second request arrives on a fast machine.

@@ -204,20 +204,11 @@ pub fn generate(
         session.checkpoint();
     }
 
-    let mut sampler = Sampler::new(opts.sampler.clone());
-    let mut stream = StreamDecoder::new(tokenizer, true);
-    let mut stops = StopStrings::new(opts.stop.clone());
-    let think = tokenizer.think_ids();
-    let mut reasoning = opts.starts_in_reasoning;
+    let mut dec = Decoder::new(tokenizer, opts);
     let mut generated = 0usize;
     let mut pending = None;
     let t1 = Instant::now();
     let mut finish = FinishReason::Length;
-    let emit = |text: &str, reasoning: bool, on_event: &mut dyn FnMut(Event<'_>)| {
-        if !text.is_empty() {
-            on_event(Event::Text { text, reasoning });
-        }
-    };
     while generated < opts.max_tokens {
         if cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
             finish = FinishReason::Cancelled;
@@ -229,36 +220,15 @@ pub fn generate(
             }
             logits = session.eval(&[tok], LogitsMode::Last)?;
         }
-        let tok = sampler.sample(&logits, session.tokens());
+        let (tok, done) = dec.next(&logits, session.tokens(), on_event)?;
         generated += 1;
         pending = Some(tok);
-        if !opts.ignore_eos && tokenizer.is_eos(tok) {
-            finish = FinishReason::Eos;
-            break;
-        }
-        if let Some((open, close)) = think {
-            if tok == open || tok == close {
-                // Flush text decided before the switch so it keeps its kind.
-                let (text, _) = stops.push(&stream.finish_pending()?);
-                emit(&text, reasoning, on_event);
-                reasoning = tok == open;
-                continue;
-            }
-        }
-        let piece = stream.push(tok)?;
-        let (text, hit) = stops.push(&piece);
-        emit(&text, reasoning, on_event);
-        if hit {
-            finish = FinishReason::Stop;
+        if let Some(f) = done {
+            finish = f;
             break;
         }
     }
-    if finish != FinishReason::Stop {
-        let (text, _) = stops.push(&stream.finish()?);
-        emit(&text, reasoning, on_event);
-        let rest = stops.finish();
-        emit(&rest, reasoning, on_event);
-    }
+    dec.finish(finish, on_event)?;
     let decode_time = t1.elapsed();
     let disk_read_bytes = match (disk0, procfs::disk_read_bytes()) {
         (Some(a), Some(b)) => Some(b.saturating_sub(a)),
@@ -276,4 +246,84 @@ pub fn generate(
         disk_read_bytes,
         times: session.times().minus(&times0),
     })
+}
+
+/// The token-by-token half of generation, apart from evaluation: sampling,
+/// end-of-sequence and stop strings, reasoning blocks, streamed text. A
+/// caller that evaluates many sequences together (the server's batch) keeps
+/// one per sequence and feeds it each step's logits.
+pub struct Decoder<'t> {
+    tokenizer: &'t Tokenizer,
+    sampler: Sampler,
+    stream: StreamDecoder<'t>,
+    stops: StopStrings,
+    think: Option<(u32, u32)>,
+    reasoning: bool,
+    ignore_eos: bool,
+}
+
+impl<'t> Decoder<'t> {
+    /// `opts`' sampler, stop strings, `starts_in_reasoning` and
+    /// `ignore_eos` (the caller validates the sampler).
+    pub fn new(tokenizer: &'t Tokenizer, opts: &GenerateOptions) -> Self {
+        Decoder {
+            tokenizer,
+            sampler: Sampler::new(opts.sampler.clone()),
+            stream: StreamDecoder::new(tokenizer, true),
+            stops: StopStrings::new(opts.stop.clone()),
+            think: tokenizer.think_ids(),
+            reasoning: opts.starts_in_reasoning,
+            ignore_eos: opts.ignore_eos,
+        }
+    }
+
+    /// Samples the next token from `logits` (`history`: the sequence so
+    /// far, for penalties), streams the text it completes, and says whether
+    /// generation ends with it (EOS or a stop string). The token is the
+    /// sequence's next, to be evaluated if it goes on.
+    pub fn next(
+        &mut self,
+        logits: &[f32],
+        history: &[u32],
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<(u32, Option<FinishReason>)> {
+        let tok = self.sampler.sample(logits, history);
+        if !self.ignore_eos && self.tokenizer.is_eos(tok) {
+            return Ok((tok, Some(FinishReason::Eos)));
+        }
+        if let Some((open, close)) = self.think {
+            if tok == open || tok == close {
+                // Flush text decided before the switch so it keeps its kind.
+                let (text, _) = self.stops.push(&self.stream.finish_pending()?);
+                emit(&text, self.reasoning, on_event);
+                self.reasoning = tok == open;
+                return Ok((tok, None));
+            }
+        }
+        let piece = self.stream.push(tok)?;
+        let (text, hit) = self.stops.push(&piece);
+        emit(&text, self.reasoning, on_event);
+        Ok((tok, hit.then_some(FinishReason::Stop)))
+    }
+
+    /// Flushes the text held back, unless generation ended on a stop string.
+    pub fn finish(
+        &mut self,
+        finish: FinishReason,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<()> {
+        if finish != FinishReason::Stop {
+            let (text, _) = self.stops.push(&self.stream.finish()?);
+            emit(&text, self.reasoning, on_event);
+            let rest = self.stops.finish();
+            emit(&rest, self.reasoning, on_event);
+        }
+        Ok(())
+    }
+}
+
+fn emit(text: &str, reasoning: bool, on_event: &mut dyn FnMut(Event<'_>)) {
+    if !text.is_empty() {
+        on_event(Event::Text { text, reasoning });
+    }
 }

@@ -123,6 +123,12 @@ impl Session {
         &self.batch
     }
 
+    /// The batch behind this session and the session's sequence in it, to
+    /// add more sequences over the same loaded model.
+    pub fn into_batch(self) -> (Batch, SeqId) {
+        (self.batch, self.id)
+    }
+
     pub fn config(&self) -> &ModelConfig {
         self.batch.config()
     }
