@@ -71,6 +71,14 @@ class BenchError(Exception):
         self.code = code
 
 
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 def note(msg: str):
     print(f"serve-load: {msg}", file=sys.stderr, flush=True)
 
@@ -237,8 +245,8 @@ class Server:
         return "\n".join(text[-lines:])
 
     def fail(self, why: str) -> BenchError:
-        return BenchError(f"{self.name} {why}; command: {' '.join(self.cmd)}\n--- last lines of its "
-                          f"output ({self.log}) ---\n{self.tail()}")
+        return BenchError(f"{self.name} {why}; command: {' '.join(self.cmd)}\n--- the last lines of "
+                          f"its output ---\n{self.tail()}")
 
     def wait_ready(self, timeout: float):
         deadline = time.monotonic() + timeout
@@ -474,7 +482,8 @@ def run_engine(engine: str, n: int, a, model_dir: Path, tmp: Path, index_base: i
         server.check_alive()
     finally:
         server.stop()
-        LIVE.remove(server)
+        if server in LIVE:
+            LIVE.remove(server)
     res["ready_s"] = ready_s
     res["command"] = cmd
     if engine == "moeflux":
@@ -647,10 +656,12 @@ def main() -> int:
     a = parse_args()
 
     def on_signal(signum, _frame):
-        stop_all()
-        raise SystemExit(128 + signum)
+        raise Interrupted(signum)
 
+    # both stop the run (even as a background job, where SIGINT would be ignored), and the
+    # finally blocks stop the servers
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         preflight(a)
         with tempfile.TemporaryDirectory(prefix="moeflux-serve-load-") as tmpdir:
@@ -665,10 +676,10 @@ def main() -> int:
                     # request indices: disjoint per N, the same for both engines
                     rows.append(run_engine(e, n, a, model_dir, tmp, index_base=1 + 1_000_000 * n))
             total_s = time.monotonic() - t_all
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Interrupted) as e:
         stop_all()
         note("interrupted; servers stopped")
-        return 130
+        return 128 + (e.signum if isinstance(e, Interrupted) else signal.SIGINT)
     except BenchError as e:
         stop_all()
         print(f"serve-load: error: {e}", file=sys.stderr)
