@@ -98,7 +98,12 @@ def machine_line(threads: int) -> str:
     except OSError:
         pass
     simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    return f"CPU: {model}, {os.cpu_count()} cores, {simd}; {threads} threads per server"
+    try:
+        load = Path("/proc/loadavg").read_text().split()[0]
+    except OSError:
+        load = "?"
+    return (f"CPU: {model}, {os.cpu_count()} cores, {simd}; {threads} thread{'s' if threads != 1 else ''} "
+            f"per server; load average (1 min) at the start: {load}")
 
 
 def percentile(xs: list[float], p: float) -> float:
@@ -664,6 +669,7 @@ def main() -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         preflight(a)
+        a.machine = machine_line(a.threads)
         with tempfile.TemporaryDirectory(prefix="moeflux-serve-load-") as tmpdir:
             tmp = Path(tmpdir)
             model_dir, tok_desc = (served_model_dir(a.model, a.tokenizer, tmp) if not a.no_moeflux
@@ -692,7 +698,7 @@ def main() -> int:
         f"{a.prompt_kind} prompts of {a.prompt_len} tokens" + (" (requested)" if a.prompt_kind == "text" else "")
         + f", {a.gen} generated tokens each (greedy, ignore_eos), {a.requests_per_stream} sequential "
           f"requests per stream, fresh prompt per request, prompt caches off",
-        machine_line(a.threads),
+        a.machine,
     ]
     if not a.no_moeflux:
         par = "" if a.moeflux_parallel_flag == "none" else f" {a.moeflux_parallel_flag} N"
@@ -708,7 +714,7 @@ def main() -> int:
     print(f"\n(total {total_s:.0f} s)")
     if a.json:
         res = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
-               "machine": machine_line(a.threads), "rows": rows, "total_s": total_s}
+               "machine": a.machine, "rows": rows, "total_s": total_s}
         a.json.parent.mkdir(parents=True, exist_ok=True)
         fd, tmpf = tempfile.mkstemp(prefix=a.json.name + ".", dir=a.json.parent)
         with os.fdopen(fd, "w") as f:
