@@ -466,7 +466,8 @@ def run_engine(engine: str, n: int, a, model_dir: Path, tmp: Path, index_base: i
         cmd += a.moeflux_no_reuse + a.moeflux_arg
         server = Server("moeflux serve", cmd, port, log)
     else:
-        slot_ctx = a.slot_ctx or (a.prompt_len * (2 if a.prompt_kind == "text" else 1) + a.gen + 64)
+        # text prompts: room for a byte-level vocabulary's several tokens per word
+        slot_ctx = a.slot_ctx or (a.prompt_len * (8 if a.prompt_kind == "text" else 1) + a.gen + 64)
         cmd = [a.llama_server, "-m", str(a.gguf), "--host", "127.0.0.1", "--port", str(port),
                "-np", str(n), "-c", str(n * slot_ctx), "-t", str(a.threads), "-tb", str(a.threads)]
         cmd += a.llama_defaults + a.llama_arg
@@ -578,7 +579,8 @@ def parse_args():
                     help="extra argument for moeflux serve (repeatable; --moeflux-arg=--x for dashes)")
     ap.add_argument("--llama-arg", action="append", default=[], metavar="ARG",
                     help="extra argument for llama-server (repeatable; --llama-arg=--x for dashes)")
-    ap.add_argument("--slot-ctx", type=int, help="llama-server context per slot (default: prompt + gen + 64)")
+    ap.add_argument("--slot-ctx", type=int, help="llama-server context per slot (default: prompt + gen + 64; "
+                    "8 x prompt + gen + 64 for text prompts)")
     ap.add_argument("--no-llama", action="store_true", help="moeflux only")
     ap.add_argument("--no-moeflux", action="store_true", help="llama-server only")
     ap.add_argument("--start-timeout", type=float, default=600, help="seconds to wait for /health")
