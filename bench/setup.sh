@@ -7,7 +7,8 @@
 #   dl/llama_cpp_python-0.3.36.tar.gz   the llama-cpp-python sdist from PyPI (sha256-pinned)
 #   src/llama_cpp_python-0.3.36/        its extracted source (vendored llama.cpp @0c1e57098)
 #   venv/                               Python venv: bench/requirements.txt + vendored gguf-py
-#   llama.cpp-build/bin/                llama-bench, llama-quantize, libllama.so, libggml*.so
+#   llama.cpp-build/bin/                llama-bench, llama-quantize, llama-server, libllama.so,
+#                                       libggml*.so (llama-server is for bench/serve-load.py)
 #
 # llama.cpp is built without -march=native and with AMX off (oracle.md section 4): the native
 # build enables AMX on this machine's Xeon and then crashes on quantized models whenever ggml's
@@ -42,10 +43,13 @@ CMAKE_FLAGS=(
   -DGGML_AVX512="$(onoff avx512f)" -DGGML_AVX512_VBMI="$(onoff avx512vbmi)"
   -DGGML_AVX512_VNNI="$(onoff avx512_vnni)" -DGGML_AVX512_BF16="$(onoff avx512_bf16)"
   -DGGML_AVX_VNNI="$(onoff avx_vnni)" -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
-  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
+  # llama-server without its web UI: the prebuilt UI would be downloaded from a Hugging Face
+  # bucket at build time, and the benchmark only uses the HTTP API.
+  -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
 )
-TARGETS=(llama-bench llama-quantize llama)
+TARGETS=(llama-bench llama-quantize llama-server llama)
 
 die() { echo "bench/setup.sh: error: $*" >&2; exit 1; }
 note() { echo "bench/setup.sh: $*" >&2; }
@@ -111,7 +115,7 @@ if ! stamp_ok "$BUILD/.moeflux-complete" "$build_key"; then
     || die "cmake configure failed; see $CACHE/cmake-configure.log"
   PATH="$VENV/bin:$PATH" cmake --build "$BUILD" -j "$JOBS" --target "${TARGETS[@]}" >"$CACHE/cmake-build.log" 2>&1 \
     || die "llama.cpp build failed; see $CACHE/cmake-build.log"
-  for f in llama-bench llama-quantize libllama.so; do
+  for f in llama-bench llama-quantize llama-server libllama.so; do
     [[ -e $BUILD/bin/$f ]] || die "the build did not produce $BUILD/bin/$f"
   done
   note "llama.cpp built in $((SECONDS - start)) s"
