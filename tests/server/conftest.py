@@ -107,3 +107,18 @@ def load_server(model_dir):
     s = Server(model_dir, "--max-queue", "4", "--prefix-cache", "4M")
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def parallel_server(model_dir):
+    # Four slots, prompts prefilled in small chunks beside the others' decoding.
+    s = Server(model_dir, "--parallel", "4", "--step-tokens", "16")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def alone_server(model_dir):
+    s = Server(model_dir, "--parallel", "1", "--no-prefix-reuse")
+    yield s
+    s.stop()

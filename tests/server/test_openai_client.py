@@ -289,3 +289,41 @@ def test_load_32_clients_x_20_requests(load_server):
     m = load_server.metrics()
     assert m['moeflux_requests_total{endpoint="chat",status="429"}'] == statuses.count(429)
     assert m["moeflux_queue_depth"] == 0
+
+
+def test_concurrent_streams_equal_each_request_alone(parallel_server, alone_server):
+    # More streams than slots, of different prompt and answer lengths, all
+    # at once; each stream's text must be what the request gives alone.
+    prompts = [f"stream {i}: " + "tell me about rivers and seas " * (1 + 3 * (i % 4))
+               for i in range(6)]
+    lengths = [8 + 6 * i for i in range(6)]
+    texts = [None] * len(prompts)
+    errors = []
+
+    def stream(i):
+        try:
+            out = []
+            for chunk in ask(client(parallel_server), prompts[i], temperature=0,
+                             max_tokens=lengths[i], stream=True,
+                             extra_body={"ignore_eos": True, **NO_THINK}):
+                if chunk.choices and chunk.choices[0].delta.content:
+                    out.append(chunk.choices[0].delta.content)
+            texts[i] = "".join(out)
+        except Exception as e:  # noqa: BLE001 - recorded, then failed below
+            errors.append(repr(e))
+
+    before = parallel_server.metrics()
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    after = parallel_server.metrics()
+    for i, p in enumerate(prompts):
+        alone = ask(client(alone_server), p, temperature=0, max_tokens=lengths[i],
+                    extra_body={"ignore_eos": True, **NO_THINK})
+        assert texts[i] == alone.choices[0].message.content, i
+    steps = after["moeflux_steps_total"] - before["moeflux_steps_total"]
+    seqs = after["moeflux_step_sequences_total"] - before["moeflux_step_sequences_total"]
+    assert seqs / steps > 1.5, (seqs, steps)  # the streams did share steps
