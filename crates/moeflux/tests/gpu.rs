@@ -565,3 +565,102 @@ fn demo_model_matches_transformers() {
     oracle.check("demo gpu incremental", &mut s, true, TOL, GUARD);
     oracle.check_perplexity("demo gpu", &mut s, 1e-3);
 }
+
+/// A batch on the GPU: several sequences with staggered chunks (prompt
+/// chunks beside one-token decodes, one-sequence decode steps of
+/// different sequences in turn, so a captured graph must never serve
+/// another sequence's step), each item's logits against the CPU evaluating
+/// that sequence alone with the same chunks.
+fn gpu_batch_matches_the_cpu_alone(name: &str, dir: &Path, opts: SessionOptions, bound: f32) {
+    use moeflux::{Batch, Work};
+    let mut batch = Batch::open(dir, opts).unwrap();
+    assert!(batch.on_gpu());
+    let vocab = batch.vocab_size();
+    let ids: Vec<_> = (0..4).map(|_| batch.add_sequence().unwrap()).collect();
+    let mut alone: Vec<Session> = (0..4).map(|_| cpu(dir)).collect();
+    let toks = random_tokens(4096, vocab);
+    let mut at = 0;
+    let mut take = |n: usize| {
+        let t = toks[at..at + n].to_vec();
+        at += n;
+        t
+    };
+    // (sequence, tokens) per step; every item asks for its last logits.
+    let mut schedule: Vec<Vec<(usize, Vec<u32>)>> = vec![
+        vec![(0, take(17))],
+        vec![(0, take(1)), (1, take(33))],
+        vec![(0, take(1)), (1, take(1)), (2, take(5)), (3, take(70))],
+    ];
+    for _ in 0..4 {
+        schedule.push((0..4).map(|s| (s, take(1))).collect());
+    }
+    for s in [0, 0, 0, 1, 1, 0, 2, 3, 3, 3, 0] {
+        schedule.push(vec![(s, take(1))]);
+    }
+    schedule.push(vec![(3, take(1)), (1, take(2)), (0, take(1))]);
+    let mut worst = 0.0f32;
+    for (k, step) in schedule.iter().enumerate() {
+        let work: Vec<Work> = step
+            .iter()
+            .map(|(s, t)| Work {
+                seq: ids[*s],
+                tokens: t,
+                logits: Some(LogitsMode::Last),
+            })
+            .collect();
+        let got = batch.step(&work).unwrap();
+        for ((s, t), got) in step.iter().zip(got) {
+            let got = got.unwrap();
+            let want = alone[*s].eval(t, LogitsMode::Last).unwrap();
+            let d = max_rel_diff(&got, &want);
+            worst = worst.max(d);
+            assert!(
+                d <= bound,
+                "{name}: step {k}, sequence {s}: max rel diff {d:e}"
+            );
+        }
+    }
+    eprintln!("{name}: batch on the GPU vs the CPU alone, worst {worst:e}");
+}
+
+#[test]
+#[ignore]
+fn gpu_batches_of_every_family_match_the_cpu_alone() {
+    for (name, src, bound) in [
+        ("qwen35moe", "qwen35moe-q4/src", GUARD),
+        ("qwen3next", "qwen3next-q4/src", GUARD),
+        ("qwen3moe", "qwen3moe-q4/src", GUARD),
+        ("glm4moe", "glm4moe-q4/src", GUARD),
+        ("deepseekv3", "deepseekv3-q4/src", MLA_GUARD),
+    ] {
+        let (_tmp, dir) = convert_fixture(src, None);
+        let opts = SessionOptions {
+            backend: Backend::Cuda,
+            ..Default::default()
+        };
+        gpu_batch_matches_the_cpu_alone(name, &dir, opts, bound);
+    }
+}
+
+#[test]
+#[ignore]
+fn gpu_batches_through_an_evicting_cache_and_the_host_tier_match_the_cpu_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("synth");
+    synth_model(&dir);
+    let c = cpu(&dir);
+    let experts = c.config().moe.num_experts;
+    let store = c.expert_store();
+    let extent = store.extent_bytes(store.layers().next().unwrap());
+    let budget = ((experts + 8) * extent) as u64;
+    for (host_cache, prefetch) in [(None, Prefetch::Off), (Some(1u64 << 40), Prefetch::On)] {
+        let opts = SessionOptions {
+            backend: Backend::Cuda,
+            gpu_memory: Some(budget),
+            host_cache,
+            prefetch,
+            ..Default::default()
+        };
+        gpu_batch_matches_the_cpu_alone("synth, small cache", &dir, opts, GUARD);
+    }
+}

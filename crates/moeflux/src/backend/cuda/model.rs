@@ -25,7 +25,7 @@ use crate::model::state::{LinearState, ModelState};
 use crate::model::timing::{lap, PhaseTimes};
 use crate::model::trace::Trace;
 use crate::model::weights::{LinearRef, VectorRef};
-use crate::model::Model;
+use crate::model::{LogitsMode, Model};
 
 use super::device::{args, begin_capture, end_capture, DevBuf, Gpu, PinnedArena, PinnedDownload};
 use super::experts::{CachePolicy, CacheStats, ExpertCache};
@@ -159,8 +159,8 @@ const RESERVE: usize = 3 << 30;
 struct DecodeGraph {
     graph: cudarc::driver::CudaGraph,
     epoch: u64,
-    /// The sequence state whose buffers it writes.
-    state: u64,
+    /// The sequence states whose buffers it writes, one token each.
+    states: Vec<u64>,
 }
 
 /// One sequence's rows of a GPU eval and its state.
@@ -172,6 +172,11 @@ pub struct GpuSegment<'s> {
 /// Positions the `pos` buffer holds (one per segment of an eval) before it
 /// grows.
 const POS_SLOTS: usize = 64;
+
+/// Decode steps of at most this many sequences are captured as graphs (the
+/// MoE blocks' per-slot path, which keeps the router's choice on the
+/// device, takes up to 16 tokens).
+const GRAPH_MAX_SEQUENCES: usize = 16;
 
 pub struct CudaModel {
     gpu: Gpu,
@@ -198,9 +203,9 @@ pub struct CudaModel {
     pos: DevBuf,
     /// Bumped whenever a buffer a graph may have captured moves.
     epoch: u64,
-    /// The epoch and state of the last eager decode step that allocated
+    /// The epoch and states of the last eager decode step that allocated
     /// nothing: a graph captured now would stay valid.
-    stable_epoch: Option<(u64, u64)>,
+    stable_epoch: Option<(u64, Vec<u64>)>,
     graph: Option<DecodeGraph>,
     /// Layers and bytes of expert files pinned in host RAM.
     host_tier: (usize, u64),
@@ -434,14 +439,20 @@ impl CudaModel {
         let starts: Vec<i64> = segs.iter().map(|s| s.seg.start as i64).collect();
         self.arena.upload(&self.gpu, self.pos.ptr(), &starts)?;
         let resident = self.cache.as_ref().is_none_or(|c| c.all_resident());
-        let graphable =
-            self.opts.graphs && n == 1 && segs.len() == 1 && resident && trace.is_none();
-        let state_id = segs.first().map_or(u64::MAX, |s| s.state.id);
+        // Decode steps (one token per sequence, its logits) replay a graph
+        // captured for the same sequences, in the same order.
+        let decode = segs.len() <= GRAPH_MAX_SEQUENCES
+            && segs
+                .iter()
+                .all(|s| s.seg.rows.len() == 1 && s.seg.logits == Some(LogitsMode::Last));
+        let graphable = self.opts.graphs && decode && resident && trace.is_none();
+        let states: Vec<u64> = segs.iter().map(|s| s.state.id).collect();
         let m: usize = segs.iter().map(|s| s.seg.logit_rows().len()).sum();
-        if graphable
-            && !self.graph_valid(state_id)
-            && self.stable_epoch == Some((self.epoch, state_id))
-        {
+        let stable = self
+            .stable_epoch
+            .as_ref()
+            .is_some_and(|(e, s)| *e == self.epoch && *s == states);
+        if graphable && !self.graph_valid(&states) && stable {
             begin_capture(&self.gpu)?;
             let recorded = self.layers_forward(
                 model,
@@ -463,16 +474,16 @@ impl CudaModel {
                 self.graph = Some(DecodeGraph {
                     graph,
                     epoch: self.epoch,
-                    state: state_id,
+                    states: states.clone(),
                 });
             }
         }
-        if graphable && self.graph_valid(state_id) {
+        if graphable && self.graph_valid(&states) {
             let g = self.graph.as_ref().expect("checked above");
             g.graph
                 .launch()
                 .map_err(|e| Error::Gpu(format!("CUDA graph launch: {e}")))?;
-            let uses = (k * self.moe_layers) as u64;
+            let uses = (n * k * self.moe_layers) as u64;
             if let Some(c) = self.cache.as_mut() {
                 c.count_hits(uses);
             }
@@ -487,7 +498,7 @@ impl CudaModel {
                 self.epoch += 1;
             }
             if graphable && self.epoch == before {
-                self.stable_epoch = Some((self.epoch, state_id));
+                self.stable_epoch = Some((self.epoch, states));
             }
             clock = std::time::Instant::now();
         }
@@ -495,11 +506,11 @@ impl CudaModel {
     }
 
     /// Whether the captured decode graph matches the current buffers and
-    /// writes `state`.
-    fn graph_valid(&self, state: u64) -> bool {
+    /// writes `states`.
+    fn graph_valid(&self, states: &[u64]) -> bool {
         self.graph
             .as_ref()
-            .is_some_and(|g| g.epoch == self.epoch && g.state == state)
+            .is_some_and(|g| g.epoch == self.epoch && g.states == states)
     }
 
     fn download_logits(

@@ -53,6 +53,12 @@ struct ExpertTask {
 /// expert (each expert's weights read once) from a host copy of the choice.
 const SLOT_PATH_MAX_TOKENS: usize = 2;
 
+/// With every expert of the layer resident, batches up to this many tokens
+/// (the decode steps of several sequences) take the per-slot path too: the
+/// router's choice never leaves the GPU, so the step has no host round trip
+/// per layer and can be captured as a CUDA graph.
+const RESIDENT_SLOT_PATH_MAX_TOKENS: usize = 16;
+
 /// The largest expert count and experts per token the router kernels take
 /// (32 experts per lane of a warp; one lane per chosen expert).
 const MAX_EXPERTS: usize = 1024;
@@ -160,7 +166,8 @@ pub(super) fn moe(
         .as_deref_mut()
         .expect("MoE layers have an expert cache");
     let table = cache.table_row(i);
-    let slot_path = n <= SLOT_PATH_MAX_TOKENS;
+    let slot_path =
+        n <= SLOT_PATH_MAX_TOKENS || (table.is_some() && n <= RESIDENT_SLOT_PATH_MAX_TOKENS);
     let route_table = if slot_path { table.unwrap_or(0) } else { 0 };
     route(
         g,
