@@ -196,6 +196,12 @@ build_llama() {
   fi
 
   local sum key key_server stamp= b built=1 src=$WORK/src build=$WORK/build
+  # one build at a time in WORK: a call cut short by the device's time limit can leave its
+  # build running, and a second one in the same directory would corrupt both
+  if command -v flock >/dev/null; then
+    exec 9>"$WORK/.build-lock"
+    flock -n 9 || { note "another build is running in $WORK; waiting for it"; flock 9; }
+  fi
   sum=$(sha256sum "$tarball" | cut -d' ' -f1)
   key="$sum ${flags[*]} ${gen[*]}"
   # a build that has llama-server as well also serves a request without --server

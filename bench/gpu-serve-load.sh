@@ -10,7 +10,7 @@
 # Parts (--parts, in this order; each skips what an earlier call on the same machine already did,
 # so a warm machine can run them in separate calls of the device tool):
 #   build     llama-server with CUDA: bench/gpu-llama.sh --server --build-only, in DIR/llama
-#             (skipped when that build is current)
+#             (skipped when that build is current); runs in the background during synth
 #   synth     the qwen3.6-35b-a3b synth model, all 40 layers (as bench/gpu.sh part a), in DIR/a3b
 #             (skipped when its stamp matches), and its GGUF Q4_1 export (bench/gpu-llama.sh
 #             --export-only: cached in DIR/llama/gguf under a key of the model's files)
@@ -35,7 +35,7 @@
 #   --requests-per-stream R   sequential requests per client (default 2)
 #   --threads T               CPU threads of each server (default: nproc)
 #   --time-cap S              seconds one config may take; then serve-load.py is stopped, and
-#                             its table and JSON hold the runs done so far (default 420; 0: none)
+#                             its table and JSON hold the runs done so far (default 510; 0: none)
 #   --gpu-share PCT           host config: the share of the expert bytes in VRAM (default 25);
 #                             llama-server's --n-cpu-moe is the rest of the layers
 #   --host-cache SIZE         host config: moeflux --host-cache (default 100G)
@@ -68,7 +68,7 @@ GEN=64
 PROMPT=128
 RPS=2
 THREADS=$NPROC
-CAP=420
+CAP=510
 SHARE=25
 HOST_CACHE=100G
 LAYERS=
@@ -158,12 +158,25 @@ GL=(bash "$REPO/bench/gpu-llama.sh" --work "$DIR/llama" --stage "$STAGE" --out "
 ((CPU_ONLY)) && GL+=(--cpu-only)
 RC=0
 
-# --- build: llama-server ------------------------------------------------------------------------
+# --- build: llama-server, in the background while the model is made --------------------------
+# (the build is compiler-bound on every core, the synth and export mostly single-threaded and
+# disk-bound: side by side they take little more than the build alone)
+BUILD_PID=
+BUILD_START=$SECONDS
+stop_build() {
+  if [[ -n $BUILD_PID ]] && kill -0 "$BUILD_PID" 2>/dev/null; then
+    # its own process group (setsid): cmake, ninja and the compilers go with it
+    kill -- -"$BUILD_PID" 2>/dev/null || kill "$BUILD_PID" 2>/dev/null || true
+  fi
+}
+trap stop_build EXIT
 if ((!NO_LLAMA)) && [[ -z $LLAMA_SERVER ]]; then
   if has_part build; then
-    start=$SECONDS
-    LLAMA_SERVER=$("${GL[@]}" --server --build-only | tail -1) || die "building llama-server failed (see above)"
-    note "build: $LLAMA_SERVER ($((SECONDS - start)) s)"
+    note "build: bench/gpu-llama.sh --server --build-only, in the background (log: $OUTDIR/llama-build-driver.log)"
+    setsid=()
+    command -v setsid >/dev/null && setsid=(setsid)
+    "${setsid[@]}" "${GL[@]}" --server --build-only >"$DIR/llama-server.path" 2>"$OUTDIR/llama-build-driver.log" &
+    BUILD_PID=$!
   elif [[ -x $DIR/llama/build/bin/llama-server ]]; then
     LLAMA_SERVER=$DIR/llama/build/bin/llama-server
   fi
@@ -176,7 +189,8 @@ if [[ -z $MODEL ]]; then
   MODEL=$DIR/a3b${LAYERS:+-$LAYERS}
   stamp=$DIR/stamps/synth-$(basename "$MODEL")
   want="$("$MOEFLUX" --version 2>/dev/null || echo '?') synth ${SYNTH_ARGS[*]}"
-  if [[ -f $stamp && "$(cat "$stamp")" == "$want" && -f $MODEL/moeflux.json ]] && ((!FORCE)); then
+  # (--force redoes the synth only when the synth part is asked for)
+  if [[ -f $stamp && "$(cat "$stamp")" == "$want" && -f $MODEL/moeflux.json ]] && { ((!FORCE)) || ! has_part synth; }; then
     note "synth: $MODEL is there (stamp $stamp)"
   elif has_part synth; then
     rm -f "$stamp"
@@ -204,18 +218,9 @@ if ((!NO_LLAMA)) && [[ -z $GGUF ]]; then
     # an export cut short leaves its temporary directory (as large as the GGUF) behind
     [[ -d $DIR/llama/gguf ]] && find "$DIR/llama/gguf" -maxdepth 1 -name '.*.tmp.*' -exec rm -rf {} +
     ((FORCE)) && [[ -d $DIR/llama/gguf ]] && find "$DIR/llama/gguf" -maxdepth 1 -name "$(basename "$MODEL")-*-q4_1.gguf" -delete
-    exp=("${GL[@]}" --export-only "$MODEL")
-    # export only: the llama-bench of an existing build satisfies it (no build check), else it
-    # builds what the build part builds
-    if [[ -x $DIR/llama/build/bin/llama-bench ]]; then
-      exp+=(--llama-bench "$DIR/llama/build/bin/llama-bench")
-    elif [[ -n $LLAMA_SERVER && -x $(dirname "$LLAMA_SERVER")/llama-bench ]]; then
-      exp+=(--llama-bench "$(dirname "$LLAMA_SERVER")/llama-bench")
-    else
-      exp+=(--server)
-    fi
     start=$SECONDS
-    GGUF=$("${exp[@]}" | tail -1) || die "exporting the GGUF failed (see above)"
+    # (--export-only builds nothing: it runs beside the build)
+    GGUF=$("${GL[@]}" --export-only "$MODEL" | tail -1) || die "exporting the GGUF failed (see above)"
     [[ -f $GGUF ]] || die "bench/gpu-llama.sh --export-only printed '$GGUF', which is no file"
     echo "$GGUF" >"$gstamp"
     note "GGUF: $GGUF ($((SECONDS - start)) s)"
@@ -224,6 +229,18 @@ if ((!NO_LLAMA)) && [[ -z $GGUF ]]; then
   elif has_config resident || has_config host; then
     die "no GGUF of $MODEL: run the synth part first (--parts synth), or pass --gguf FILE or --no-llama"
   fi
+fi
+
+if [[ -n $BUILD_PID ]]; then
+  ((SECONDS - BUILD_START < 5)) || note "waiting for the llama-server build"
+  rc=0
+  wait "$BUILD_PID" || rc=$?
+  BUILD_PID=
+  grep '^gpu-llama:' "$OUTDIR/llama-build-driver.log" >&2 || true
+  ((rc == 0)) || { tail -30 "$OUTDIR/llama-build-driver.log" >&2; die "building llama-server failed (status $rc); see $OUTDIR/llama-build-driver.log and $OUTDIR/llama/"; }
+  LLAMA_SERVER=$(tail -1 "$DIR/llama-server.path")
+  [[ -x $LLAMA_SERVER ]] || die "bench/gpu-llama.sh --build-only printed '$LLAMA_SERVER', which is not an executable"
+  note "build: $LLAMA_SERVER (done $((SECONDS - BUILD_START)) s after it started)"
 fi
 
 # --- resident, host: serve-load.py ---------------------------------------------------------------
@@ -288,7 +305,7 @@ run_config() {  # config
   fi
   note "$cfg: python3 bench/serve-load.py ${args[*]}"
   local rc=0 start=$SECONDS tmo=()
-  ((CAP > 0)) && tmo=(timeout -s TERM -k 60 "$CAP")
+  ((CAP > 0)) && tmo=(timeout -s TERM -k 30 "$CAP")
   # serve-load.py stops its servers on SIGTERM and prints the runs it finished
   "${tmo[@]}" "$PY" "$REPO/bench/serve-load.py" "${args[@]}" --json "$json" | tee "$md" || rc=$?
   if ((rc == 0)); then
