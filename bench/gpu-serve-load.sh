@@ -49,9 +49,11 @@
 #   --no-llama                moeflux only (no build, no export)
 #   --moeflux-arg ARG         one more moeflux serve argument, every config (repeatable)
 #   --llama-arg ARG           one more llama-server argument, every config (repeatable)
-#   --cpu-only                no GPU: moeflux --backend cpu and llama-server without -ngl (the
-#                             host config differs only in --n-cpu-moe); to try the plumbing on a
-#                             machine without one (with --model, --gguf, --llama-server)
+#   --cpu-only                no GPU: moeflux --backend cpu (the host config's GPU flags are
+#                             passed and ignored) and llama-server without -ngl; to try the
+#                             plumbing on a machine without one (e.g. with --layers 4, which
+#                             llama.cpp needs at least: a 2-layer synth has no attention layer,
+#                             and --llama-server PATH of a CPU build)
 #   --force                   redo every part asked for (synth, export and runs), stamps or not
 # Environment: MOEFLUX, PYTHON (default python3), and bench/gpu-llama.sh's (NVCC, CUDA_ARCH, ...).
 # Exit status: 0 when every part asked for finished, 2 when a config hit --time-cap, 1 on errors.
@@ -195,6 +197,8 @@ if [[ -z $MODEL ]]; then
   elif has_part synth; then
     rm -f "$stamp"
     rm -rf "$MODEL" # a synth cut short leaves a partial directory
+    # the exports of an earlier model of this name: stale (their key has the files' mtimes)
+    [[ -d $DIR/llama/gguf ]] && find "$DIR/llama/gguf" -maxdepth 1 -name "$(basename "$MODEL")-*-q4_1.gguf" -delete
     # the model (19.5 GB at 40 layers) and its GGUF (about 1.1x) side by side
     need=$((45 * 1000 ** 3))
     [[ -n $LAYERS ]] && need=$((45 * 1000 ** 3 * LAYERS / 40))
@@ -232,7 +236,7 @@ if ((!NO_LLAMA)) && [[ -z $GGUF ]]; then
 fi
 
 if [[ -n $BUILD_PID ]]; then
-  ((SECONDS - BUILD_START < 5)) || note "waiting for the llama-server build"
+  kill -0 "$BUILD_PID" 2>/dev/null && note "waiting for the llama-server build"
   rc=0
   wait "$BUILD_PID" || rc=$?
   BUILD_PID=
@@ -274,7 +278,8 @@ run_config() {  # config
       ((CPU_ONLY)) || notes+=("config resident: every expert in VRAM (moeflux --backend cuda; llama-server -ngl 99)")
       ;;
     host)
-      ((CPU_ONLY)) || m+=(--gpu-memory "$BUDGET" --host-cache "$HOST_CACHE")
+      # (on the CPU moeflux only warns that these have no effect: the plumbing is still tried)
+      m+=(--gpu-memory "$BUDGET" --host-cache "$HOST_CACHE")
       l+=(--n-cpu-moe "$NCMOE" -fa on)
       ((CPU_ONLY)) || notes+=("config host: $SHARE% of the expert bytes in VRAM: moeflux --gpu-memory $BUDGET ($SHARE% of $EXPERT_BYTES) --host-cache $HOST_CACHE (misses copied from pinned host RAM); llama-server --n-cpu-moe $NCMOE of $NLAYERS layers (those experts computed by the CPU)")
       ;;

@@ -596,9 +596,10 @@ def table(rows: list[dict], a, header: list[str]) -> str:
                    "tokens (prefill fetches included).")
         if "counter" in sources:
             out.append("expert MB / tok: moeflux_expert_bytes_total over the timed phase / generated tokens: "
-                       "routed-expert bytes read from storage (CPU) or uploaded to the GPU (0 when every "
-                       "expert is resident)" + ("; ~: estimated as below, the server had no such counter"
-                                                 if len(sources) > 1 else "") + ".")
+                       "routed-expert bytes read from storage (CPU) or uploaded to the GPU, prefill "
+                       "included (0 when every expert is resident)"
+                       + ("; ~: estimated as below, the server had no such counter" if len(sources) > 1 else "")
+                       + ".")
         if "estimate" in sources:
             out.append("expert MB / tok" + (" (~)" if len(sources) > 1 else "") + ": estimated as expert "
                        "fetches / tok times the mean expert size of moeflux.json (this server does not "
