@@ -298,8 +298,10 @@ run_config() {  # config
 
   # a finished run with the same settings, binaries and model is not repeated
   local key done_json json=$OUTDIR/serve-load-$cfg.json md=$OUTDIR/serve-load-$cfg.md
-  key=$( { printf '%s\n' "${args[@]}"; ls -l --time-style=+%s "$MOEFLUX" ${LLAMA_SERVER:+"$LLAMA_SERVER"} ${GGUF:+"$GGUF"};
-           cat "$MODEL/moeflux.json"; } | sha256sum | cut -c1-12)
+  # (the binaries by content: each device call copies the stage afresh, with new mtimes; the
+  # GGUF's name holds a key of the model's files)
+  key=$( { printf '%s\n' "${args[@]}"; sha256sum "$MOEFLUX" ${LLAMA_SERVER:+"$LLAMA_SERVER"};
+           [[ -z $GGUF ]] || stat -c '%n %s' "$GGUF"; cat "$MODEL/moeflux.json"; } | sha256sum | cut -c1-12)
   done_json=$DIR/results/serve-load-$cfg-$key.json
   if [[ -f $done_json && -f ${done_json%.json}.md ]] && ((!FORCE)); then
     note "$cfg: done in an earlier call ($done_json); --force reruns it"
