@@ -9,8 +9,10 @@
 #    0.3.36, trimmed) into WORK/src and builds llama-bench with CUDA (sm_90, Release, ggml's CPU
 #    backend without -march=native but with the AVX2/AVX-512 features /proc/cpuinfo lists, AMX
 #    off, no curl/openssl, flash attention kernels for an f16 KV cache only) in WORK/build with
-#    every core. Logs: OUT/llama-configure.log, OUT/llama-build.log. Skipped when WORK/build holds
-#    a build of the same tarball and flags (a warm machine rebuilds nothing).
+#    every core (and llama-server with --server). Logs: OUT/llama-configure.log,
+#    OUT/llama-build.log. Skipped when WORK/build holds a build of the same tarball and flags (a
+#    warm machine rebuilds nothing; a build with the server also serves a call without --server).
+#    One build at a time per WORK (flock on WORK/.build-lock).
 # 2. Export: MODEL_DIR -> GGUF Q4_1 with bench/moeflux2gguf.py (a lossless repack: identical
 #    weights), Python 3 with numpy and the staged gguf-py; cached in WORK/gguf under a key of the
 #    model's files (names, sizes, mtimes) and the exporter.
