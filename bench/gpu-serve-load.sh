@@ -313,6 +313,7 @@ run_config() {  # config
   note "$cfg: python3 bench/serve-load.py ${args[*]}"
   local rc=0 start=$SECONDS tmo=()
   ((CAP > 0)) && tmo=(timeout -s TERM -k 30 "$CAP")
+  rm -f "$json" "$md" # none of an earlier run may pass for this one's
   # serve-load.py stops its servers on SIGTERM and prints the runs it finished
   "${tmo[@]}" "$PY" "$REPO/bench/serve-load.py" "${args[@]}" --json "$json" | tee "$md" || rc=$?
   if ((rc == 0)); then
