@@ -9,8 +9,10 @@
 #    0.3.36, trimmed) into WORK/src and builds llama-bench with CUDA (sm_90, Release, ggml's CPU
 #    backend without -march=native but with the AVX2/AVX-512 features /proc/cpuinfo lists, AMX
 #    off, no curl/openssl, flash attention kernels for an f16 KV cache only) in WORK/build with
-#    every core. Logs: OUT/llama-configure.log, OUT/llama-build.log. Skipped when WORK/build holds
-#    a build of the same tarball and flags (a warm machine rebuilds nothing).
+#    every core (and llama-server with --server). Logs: OUT/llama-configure.log,
+#    OUT/llama-build.log. Skipped when WORK/build holds a build of the same tarball and flags (a
+#    warm machine rebuilds nothing; a build with the server also serves a call without --server).
+#    One build at a time per WORK (flock on WORK/.build-lock).
 # 2. Export: MODEL_DIR -> GGUF Q4_1 with bench/moeflux2gguf.py (a lossless repack: identical
 #    weights), Python 3 with numpy and the staged gguf-py; cached in WORK/gguf under a key of the
 #    model's files (names, sizes, mtimes) and the exporter.
@@ -37,9 +39,14 @@
 #                       --llama-arg -nopo --llama-arg 1 keeps host-resident experts off the GPU)
 #   --tokenizer FILE    passed to moeflux2gguf.py (default: MODEL_DIR's, else a placeholder vocab)
 #   --cpu-only          build without CUDA (to try the script on a machine without a GPU)
-#   --build-only        build (or find the build current) and stop; MODEL_DIR not needed
+#   --server            also build llama-server (no web UI: -DLLAMA_BUILD_UI=OFF
+#                       -DLLAMA_USE_PREBUILT_UI=OFF, so nothing is downloaded), for
+#                       bench/gpu-serve-load.sh; with --build-only its path is printed on stdout
+#   --build-only        build (or find the build current) and stop; MODEL_DIR not needed; prints
+#                       the path of llama-bench (llama-server with --server) on stdout
 #   --configure-only    unpack and configure, then stop (checks the toolchain in seconds)
-#   --export-only       build and export the GGUF, then stop (no llama-bench runs)
+#   --export-only       export the GGUF, then stop: no build (none needed) unless --build-only,
+#                       no llama-bench runs; prints the GGUF's path on stdout
 #   --jobs J            build jobs (default: nproc)
 #   --rm-gguf           delete the exported GGUF at the end
 # Environment: PYTHON (default python3), CUDA_ARCH (default 90), NVCC (default: nvcc on PATH,
@@ -69,6 +76,7 @@ GGUF=
 TOKENIZER=
 CUDA=1
 BUILD_ONLY=0
+SERVER=0
 CONFIGURE_ONLY=0
 EXPORT_ONLY=0
 JOBS=$NPROC
@@ -100,6 +108,7 @@ while [[ $# -gt 0 ]]; do
     --llama-arg) LB_EXTRA+=("${2?--llama-arg needs an argument}"); shift 2 ;;
     --cpu-only) CUDA=0; shift ;;
     --build-only) BUILD_ONLY=1; shift ;;
+    --server) SERVER=1; shift ;;
     --configure-only) CONFIGURE_ONLY=1; BUILD_ONLY=1; shift ;;
     --export-only) EXPORT_ONLY=1; shift ;;
     --jobs|-j) JOBS=${2:?}; posint --jobs "$JOBS"; shift 2 ;;
@@ -135,7 +144,7 @@ build_llama() {
 
   local flags=(-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON "-DLLAMA_BUILD_COMMIT=$LLAMA_COMMIT"
     -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
-    -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF
+    -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF
     -DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_RPC=OFF)
   # the CPU backend: every x86 feature this CPU has (not -march=native, which would turn on AMX)
   local cpuflags feat flag
@@ -175,12 +184,34 @@ build_llama() {
   fi
   local gen=()
   if command -v ninja >/dev/null; then gen=(-G Ninja); fi
+  # llama-server without its web UI: LLAMA_USE_PREBUILT_UI would download it at build time
+  # (the GPU machine has no network); the flags are last, so that the stamp of a build with the
+  # server differs from one without and is still recognised as covering llama-bench
+  local server_on=(-DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF)
+  local targets=(llama-bench) bins=(llama-bench)
+  if ((SERVER)); then
+    flags+=("${server_on[@]}")
+    targets+=(llama-server)
+    bins+=(llama-server)
+  else
+    flags+=(-DLLAMA_BUILD_SERVER=OFF)
+  fi
 
-  local sum key src=$WORK/src build=$WORK/build
+  local sum key key_server stamp= b built=1 src=$WORK/src build=$WORK/build
+  # one build at a time in WORK: a call cut short by the device's time limit can leave its
+  # build running, and a second one in the same directory would corrupt both
+  if command -v flock >/dev/null; then
+    exec 9>"$WORK/.build-lock"
+    flock -n 9 || { note "another build is running in $WORK; waiting for it"; flock 9; }
+  fi
   sum=$(sha256sum "$tarball" | cut -d' ' -f1)
   key="$sum ${flags[*]} ${gen[*]}"
-  if [[ -f $build/.moeflux-complete && "$(cat "$build/.moeflux-complete")" == "$key" && -x $build/bin/llama-bench ]]; then
-    note "llama-bench is current in $build (same sources and flags); not rebuilding"
+  # a build that has llama-server as well also serves a request without --server
+  key_server="$sum ${flags[*]/%-DLLAMA_BUILD_SERVER=OFF/${server_on[*]}} ${gen[*]}"
+  [[ -f $build/.moeflux-complete ]] && stamp=$(cat "$build/.moeflux-complete")
+  for b in "${bins[@]}"; do [[ -x $build/bin/$b ]] || built=0; done
+  if ((built)) && [[ -n $stamp && ( $stamp == "$key" || $stamp == "$key_server" ) ]]; then
+    note "${bins[*]} current in $build (same sources and flags); not rebuilding"
   else
     rm -f "$build/.moeflux-complete"
     # the same sources: keep them and the build directory (ninja rebuilds what the flags change)
@@ -213,35 +244,55 @@ build_llama() {
       note "configured in $build (log: $OUT_DIR/llama-configure.log); --configure-only: stopping"
       exit 0
     fi
-    note "building llama-bench with $JOBS jobs (log: $OUT_DIR/llama-build.log)"
+    note "building ${targets[*]} with $JOBS jobs (log: $OUT_DIR/llama-build.log)"
     local start=$SECONDS
-    cmake --build "$build" -j "$JOBS" --target llama-bench >"$OUT_DIR/llama-build.log" 2>&1 \
+    cmake --build "$build" -j "$JOBS" --target "${targets[@]}" >"$OUT_DIR/llama-build.log" 2>&1 \
       || { grep -E -m20 "error|Error" "$OUT_DIR/llama-build.log" >&2 || tail -30 "$OUT_DIR/llama-build.log" >&2
            grep -q "unsupported GNU version" "$OUT_DIR/llama-build.log" \
              && note "nvcc rejects this gcc: try CMAKE_CUDA_FLAGS=-allow-unsupported-compiler"
            die "the llama.cpp build failed; see $OUT_DIR/llama-build.log"; }
-    [[ -x $build/bin/llama-bench ]] || die "the build did not produce $build/bin/llama-bench"
-    note "llama-bench built in $((SECONDS - start)) s"
+    for b in "${bins[@]}"; do
+      [[ -x $build/bin/$b ]] || die "the build did not produce $build/bin/$b"
+    done
+    note "${targets[*]} built in $((SECONDS - start)) s"
     echo "$key" >"$build/.moeflux-complete"
   fi
   LB=$build/bin/llama-bench
+  LS=$build/bin/llama-server
 }
 
-LB_GIVEN=$LB
-if [[ -n $LB ]]; then
-  [[ -x $LB ]] || die "--llama-bench $LB is not an executable"
-  note "using $LB (no build)"
+# --export-only needs no llama.cpp binary: it can run while another call builds
+if ((EXPORT_ONLY && !BUILD_ONLY)) && [[ -z $LB ]]; then
+  ((SERVER)) && die "--server builds llama-server; --export-only builds nothing (use --build-only --server)"
+  note "--export-only: no build"
 else
-  build_llama
+  LB_GIVEN=$LB
+  LS=
+  if [[ -n $LB ]]; then
+    [[ -x $LB ]] || die "--llama-bench $LB is not an executable"
+    ((SERVER)) && die "--server builds llama-server; it cannot be combined with --llama-bench"
+    note "using $LB (no build)"
+  else
+    build_llama
+  fi
+  "$LB" --list-devices >"$OUT_DIR/llama-devices.txt" 2>&1 || { cat "$OUT_DIR/llama-devices.txt" >&2; die "$LB --list-devices failed"; }
+  if ((CUDA)) && ! grep -qE '^[[:space:]]*CUDA[0-9]+:' "$OUT_DIR/llama-devices.txt"; then
+    cat "$OUT_DIR/llama-devices.txt" >&2
+    [[ -n $LB_GIVEN ]] || die "llama-bench sees no CUDA device (see above); is the GPU visible (nvidia-smi)?"
+    note "warning: $LB lists no CUDA device (a CPU-only build?); going on"
+  fi
+  note "devices: $(grep -v '^$' "$OUT_DIR/llama-devices.txt" | tr '\n' ' ')"
+  if ((SERVER)); then
+    # a library missing at run time shows here, not in the middle of a benchmark
+    "$LS" --version >"$OUT_DIR/llama-server-version.txt" 2>&1 \
+      || { cat "$OUT_DIR/llama-server-version.txt" >&2; die "$LS --version failed"; }
+    note "llama-server: $LS ($(grep -m1 '^version' "$OUT_DIR/llama-server-version.txt" || echo 'version ?'))"
+  fi
+  if ((BUILD_ONLY)); then
+    if ((SERVER)); then echo "$LS"; else echo "$LB"; fi
+    exit 0
+  fi
 fi
-"$LB" --list-devices >"$OUT_DIR/llama-devices.txt" 2>&1 || { cat "$OUT_DIR/llama-devices.txt" >&2; die "$LB --list-devices failed"; }
-if ((CUDA)) && ! grep -qE '^[[:space:]]*CUDA[0-9]+:' "$OUT_DIR/llama-devices.txt"; then
-  cat "$OUT_DIR/llama-devices.txt" >&2
-  [[ -n $LB_GIVEN ]] || die "llama-bench sees no CUDA device (see above); is the GPU visible (nvidia-smi)?"
-  note "warning: $LB lists no CUDA device (a CPU-only build?); going on"
-fi
-note "devices: $(grep -v '^$' "$OUT_DIR/llama-devices.txt" | tr '\n' ' ')"
-((BUILD_ONLY)) && exit 0
 
 # --- 2. Python with numpy and the staged gguf-py -----------------------------------------------
 command -v "$PY" >/dev/null || die "$PY not found"
@@ -293,6 +344,7 @@ fi
 GGUF=$(cd "$(dirname "$GGUF")" && pwd)/$(basename "$GGUF")
 if ((EXPORT_ONLY)); then
   note "--export-only: $GGUF is ready; stopping"
+  echo "$GGUF"
   exit 0
 fi
 SMI_PID=

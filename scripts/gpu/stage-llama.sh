@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Stages llama.cpp's source for the GPU machine (which has nvcc, CMake and ninja but no network):
 #   gpu-stage/llama/llama-src.tar.xz   llama.cpp as vendored in llama-cpp-python==0.3.36, trimmed
-#                                      to what llama-bench with the CPU and CUDA backends needs
+#                                      to what llama-bench and llama-server (without its web UI)
+#                                      with the CPU and CUDA backends need
 #   gpu-stage/llama/gguf-py/gguf/      the vendored gguf-py package (pure Python), for
 #                                      bench/moeflux2gguf.py (PYTHONPATH=gpu-stage/llama/gguf-py)
 #   gpu-stage/llama/SOURCE             where it came from, what was kept, sha256 of the tarball
@@ -12,14 +13,19 @@
 # (pip download, sha256-pinned) into that cache.
 #
 # What is kept (everything else goes: other ggml backends, tests, examples, docs, models, the
-# server, the other tools, Python conversion scripts):
+# web UI's sources, the other tools, Python conversion scripts):
 #   CMakeLists.txt LICENSE cmake/ include/ src/ common/ licenses/
 #   vendor/{nlohmann,sheredom,cpp-httplib} (what llama-common links)
+#   vendor/{hash,miniaudio,stb} (what mtmd links; llama-server links mtmd)
 #   ggml/{CMakeLists.txt,cmake,include} ggml/src/* (files) ggml/src/{ggml-cpu,ggml-cuda}
 #   tools/CMakeLists.txt tools/llama-bench
+#   tools/server/ (its sources, not its tests), tools/mtmd/ (sources, models/, debug/; no test
+#   media), tools/ui/{CMakeLists.txt,ui.cpp.in,ui.h.in} scripts/ui-assets.cmake: with
+#   -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF llama-server embeds an empty UI table and
+#   nothing is downloaded or built with npm
 # tools/CMakeLists.txt and vendor/CMakeLists.txt are patched to add_subdirectory() only the
 # directories that exist, so the trimmed tree configures with the usual options
-# (LLAMA_BUILD_TOOLS=ON, tests/examples/server/app OFF).
+# (LLAMA_BUILD_TOOLS=ON, tests/examples/app OFF; the server ON or OFF; tools/cli is left out).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -28,7 +34,8 @@ PYTHON=${PYTHON:-python3}
 SDIST_VERSION=0.3.36
 SDIST=llama_cpp_python-$SDIST_VERSION.tar.gz
 SDIST_SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
-DEST=$REPO/gpu-stage/llama
+# MOEFLUX_STAGE=DIR stages into DIR/llama instead (as scripts/gpu/stage.sh honours it)
+DEST=${MOEFLUX_STAGE:-$REPO/gpu-stage}/llama
 
 die() { echo "stage-llama: error: $*" >&2; exit 1; }
 note() { echo "stage-llama: $*" >&2; }
@@ -74,17 +81,27 @@ keep vendor/CMakeLists.txt vendor/nlohmann vendor/sheredom vendor/cpp-httplib
 keep ggml/CMakeLists.txt ggml/cmake ggml/include ggml/src/ggml-cpu ggml/src/ggml-cuda
 find "$full/ggml/src" -maxdepth 1 -type f -exec cp -a {} "$t/ggml/src/" \;
 keep tools/CMakeLists.txt tools/llama-bench
+# llama-server (LLAMA_BUILD_SERVER=ON): the server, the multimodal library it links, and the UI
+# target without the UI (an empty asset table when neither npm nor a download may provide one)
+keep vendor/hash vendor/miniaudio vendor/stb
+keep tools/ui/CMakeLists.txt tools/ui/ui.cpp.in tools/ui/ui.h.in scripts/ui-assets.cmake
+keep tools/server/CMakeLists.txt tools/mtmd/CMakeLists.txt tools/mtmd/models tools/mtmd/debug
+find "$full/tools/server" "$full/tools/mtmd" -maxdepth 1 -type f \( -name '*.cpp' -o -name '*.h' \) |
+  while read -r f; do cp -a "$f" "$t/${f#"$full"/}"; done
 
 # add_subdirectory(X) -> only when X/CMakeLists.txt is there (the trimmed tools and vendor dirs)
 for f in tools/CMakeLists.txt vendor/CMakeLists.txt; do
   sed -i -E 's|^([[:space:]]*)add_subdirectory\(([A-Za-z0-9_.-]+)\)[[:space:]]*$|\1if (EXISTS ${CMAKE_CURRENT_SOURCE_DIR}/\2/CMakeLists.txt) # moeflux: trimmed tree\n\1    add_subdirectory(\2)\n\1endif()|' "$t/$f"
   grep -q "moeflux: trimmed tree" "$t/$f" || die "patching $f failed"
 done
-grep -q "add_subdirectory(llama-bench)" "$t/tools/CMakeLists.txt" || die "tools/CMakeLists.txt has no llama-bench"
+for d in llama-bench server ui mtmd; do
+  grep -q "add_subdirectory($d)" "$t/tools/CMakeLists.txt" || die "tools/CMakeLists.txt has no $d"
+done
 cat >"$t/MOEFLUX-TRIMMED.txt" <<EOF
 llama.cpp as vendored in llama-cpp-python==$SDIST_VERSION (sdist sha256 $SDIST_SHA256),
-trimmed by moeflux's scripts/gpu/stage-llama.sh to what llama-bench with the CPU and CUDA
-backends needs. tools/CMakeLists.txt and vendor/CMakeLists.txt are patched to skip the
+trimmed by moeflux's scripts/gpu/stage-llama.sh to what llama-bench and llama-server (built
+with -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF: no web UI) with the CPU and CUDA
+backends need. tools/CMakeLists.txt and vendor/CMakeLists.txt are patched to skip the
 directories that were left out. Nothing else is changed.
 EOF
 
