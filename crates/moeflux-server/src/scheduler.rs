@@ -465,7 +465,7 @@ impl<'t> Scheduler<'t> {
     /// Ends running job `i`: the rest of its text, its outcome (or error)
     /// to its client, the metrics; its slot is free again.
     fn end(&mut self, i: usize, end: End) {
-        let mut r = self.running.swap_remove(i);
+        let mut r = self.running.remove(i);
         let seq = self.slots[r.slot].seq;
         self.slots[r.slot].busy = false;
         let result = match end {
