@@ -10,7 +10,7 @@ use crate::model::attention::FullAttention;
 
 use super::device::{args, Gpu};
 use super::linear::{matmuls, mm, mm_add, MMA_MIN_TOKENS};
-use super::model::Ctx;
+use super::model::{Ctx, SeqRows};
 use super::state::{GpuLayerState, RowCache};
 use super::support::unsupported;
 
@@ -67,8 +67,10 @@ fn attention_mma_smem(gpu: &Gpu, nh: usize, nkv: usize, hd: usize, n: usize) -> 
     (gpu.mma && n >= MMA_MIN_TOKENS && shape && smem <= gpu.smem_optin).then_some(smem)
 }
 
-/// Grouped-query attention of layer `i` for the `n` normed tokens `xn`,
-/// its output projection added to `x`.
+/// Grouped-query attention of layer `i` for the `n` normed tokens `xn`
+/// of `seqs` (their rows, in order), its output projection added to `x`:
+/// the projections once over all rows, rotary, the KV append and the
+/// attention per sequence on its own cache.
 pub(super) fn forward(
     cx: &mut Ctx,
     i: usize,
@@ -76,6 +78,7 @@ pub(super) fn forward(
     xn: u64,
     n: usize,
     x: u64,
+    seqs: &[SeqRows],
 ) -> Result<()> {
     let w = cx.weights;
     let c = cx.config;
@@ -113,80 +116,94 @@ pub(super) fn forward(
     let half = (c.rope.rotary_dim / 2) as i32;
     let (nh_i, nkv_i, hd_i) = (nh as i32, nkv as i32, hd as i32);
     let (eps, ps) = (c.rms_norm_eps, c.rope.position_scale);
-    let (inv_freq, pos) = (cx.inv_freq, cx.pos);
-    let Some(GpuLayerState::Full(kv)) = cx.state.layers.get(i) else {
-        return Err(state_error(i));
-    };
-    let (kc, vc) = (kv.a.ptr(), kv.b.ptr());
+    let inv_freq = cx.inv_freq;
     let scale = 1.0 / (hd as f32).sqrt();
-    // SAFETY: `attn_prep` in kernels.cu; the scratch buffers are sized
-    // for n tokens and the cache for its rows (grown before the eval); the
-    // parts' vectors hold a projection row's floats, gate is allocated
-    // exactly when gated.
-    unsafe {
-        g.launch(
-            "attn_prep",
-            ((nh + nkv) as u32, n as u32, 1),
-            hd as u32,
-            (4 * hd) as u32,
-            &mut args!(
-                qg, k, v, parts, inv_freq, half, nh_i, nkv_i, hd_i, eps, pos, ps, q, gate, kc, vc
-            ),
-        )?
-    };
-    if let Some(smem) = attention_mma_smem(g, nh, nkv, hd, n) {
-        let ctx = cx.start + n;
-        let ctx_pad = ctx.next_multiple_of(ATT_KT);
-        let per = ctx_pad * hd / 4; // uint4s per KV group, of K and of V
-        let ws = g.workspace(2 * 16 * per * nkv)?;
-        let (kp, vp) = (ws, ws + (16 * per * nkv) as u64);
-        let (ctx_i, pad_i, nn) = (ctx as i64, ctx_pad as i64, n as i32);
-        let group = nh / nkv;
-        let heads = group.min(ATT_ROWS);
-        let grid = (
-            n.div_ceil(ATT_ROWS / heads) as u32,
-            (nkv * group / heads) as u32,
-            1,
+    for sq in seqs {
+        let Some(GpuLayerState::Full(kv)) = sq.state.layers.get(i) else {
+            return Err(state_error(i));
+        };
+        let (kc, vc) = (kv.a.ptr(), kv.b.ptr());
+        let pos = sq.pos;
+        let n = sq.seg.rows.len();
+        let r0 = sq.seg.rows.start as u64;
+        let (qg, k, v) = (
+            qg + 4 * r0 * q_rows as u64,
+            k + 4 * r0 * (nkv * hd) as u64,
+            v + 4 * r0 * (nkv * hd) as u64,
         );
-        // SAFETY: `attn_kv_split` and `attention_mma` in attn_mma.cu;
-        // the workspace holds both split caches of ctx_pad rows, the
-        // caches hold ctx rows, q / gate / attn n tokens, and
-        // attention_mma_smem checked the shape and the shared memory.
+        let at = 4 * r0 * (nh * hd) as u64;
+        let (q, attn) = (q + at, attn + at);
+        let gate = if a.output_gate { gate + at } else { 0 };
+        // SAFETY: `attn_prep` in kernels.cu; the scratch buffers are sized
+        // for n tokens and the cache for its rows (grown before the eval); the
+        // parts' vectors hold a projection row's floats, gate is allocated
+        // exactly when gated.
         unsafe {
             g.launch(
-                "attn_kv_split",
-                ((per * nkv).div_ceil(256) as u32, 2, 1),
-                256,
-                0,
-                &mut args!(kc, vc, nkv_i, hd_i, ctx_i, pad_i, kp, vp),
-            )?;
-            g.launch(
-                if a.output_gate {
-                    "attention_mma"
-                } else {
-                    "attention_mma_plain"
-                },
-                grid,
-                128,
-                smem as u32,
-                &mut args!(q, kp, vp, gate, nh_i, nkv_i, hd_i, pos, pad_i, nn, scale, attn),
-            )?;
-        }
-    } else {
-        // SAFETY: `attention` in kernels.cu; buffers as above.
-        unsafe {
-            g.launch(
-                if a.output_gate {
-                    "attention"
-                } else {
-                    "attention_plain"
-                },
-                (nh as u32, n as u32, 1),
-                256,
-                0,
-                &mut args!(q, kc, vc, gate, nh_i, nkv_i, hd_i, pos, scale, attn),
+                "attn_prep",
+                ((nh + nkv) as u32, n as u32, 1),
+                hd as u32,
+                (4 * hd) as u32,
+                &mut args!(
+                    qg, k, v, parts, inv_freq, half, nh_i, nkv_i, hd_i, eps, pos, ps, q, gate, kc,
+                    vc
+                ),
             )?
         };
+        if let Some(smem) = attention_mma_smem(g, nh, nkv, hd, n) {
+            let ctx = sq.seg.start + n;
+            let ctx_pad = ctx.next_multiple_of(ATT_KT);
+            let per = ctx_pad * hd / 4; // uint4s per KV group, of K and of V
+            let ws = g.workspace(2 * 16 * per * nkv)?;
+            let (kp, vp) = (ws, ws + (16 * per * nkv) as u64);
+            let (ctx_i, pad_i, nn) = (ctx as i64, ctx_pad as i64, n as i32);
+            let group = nh / nkv;
+            let heads = group.min(ATT_ROWS);
+            let grid = (
+                n.div_ceil(ATT_ROWS / heads) as u32,
+                (nkv * group / heads) as u32,
+                1,
+            );
+            // SAFETY: `attn_kv_split` and `attention_mma` in attn_mma.cu;
+            // the workspace holds both split caches of ctx_pad rows, the
+            // caches hold ctx rows, q / gate / attn n tokens, and
+            // attention_mma_smem checked the shape and the shared memory.
+            unsafe {
+                g.launch(
+                    "attn_kv_split",
+                    ((per * nkv).div_ceil(256) as u32, 2, 1),
+                    256,
+                    0,
+                    &mut args!(kc, vc, nkv_i, hd_i, ctx_i, pad_i, kp, vp),
+                )?;
+                g.launch(
+                    if a.output_gate {
+                        "attention_mma"
+                    } else {
+                        "attention_mma_plain"
+                    },
+                    grid,
+                    128,
+                    smem as u32,
+                    &mut args!(q, kp, vp, gate, nh_i, nkv_i, hd_i, pos, pad_i, nn, scale, attn),
+                )?;
+            }
+        } else {
+            // SAFETY: `attention` in kernels.cu; buffers as above.
+            unsafe {
+                g.launch(
+                    if a.output_gate {
+                        "attention"
+                    } else {
+                        "attention_plain"
+                    },
+                    (nh as u32, n as u32, 1),
+                    256,
+                    0,
+                    &mut args!(q, kc, vc, gate, nh_i, nkv_i, hd_i, pos, scale, attn),
+                )?
+            };
+        }
     }
     matmuls(g, &[mm_add(wo, x)], attn, n)
 }

@@ -10,7 +10,7 @@ use crate::model::deltanet::{DeltaProjections, GatedDeltaNet};
 
 use super::device::{args, DevBuf, Gpu};
 use super::linear::{matmuls, mm, mm_add};
-use super::model::Ctx;
+use super::model::{Ctx, SeqRows};
 use super::state::{GpuLayerState, GpuLinearState};
 use super::support::unsupported;
 
@@ -53,8 +53,10 @@ fn state_error(i: usize) -> Error {
 /// Tokens per block of `conv_qk_norm_batch` (kernels.cu's `CONV_TILE`).
 const CONV_TILE: usize = 16;
 
-/// GatedDeltaNet of layer `i` for the `n` normed tokens `xn`, its output
-/// projection added to `x`.
+/// GatedDeltaNet of layer `i` for the `n` normed tokens `xn` of `seqs`
+/// (their rows, in order), its output projection added to `x`: the
+/// projections and the gated norm once over all rows, the conv and the
+/// delta rule per sequence on its own state.
 pub(super) fn forward(
     cx: &mut Ctx,
     i: usize,
@@ -62,6 +64,7 @@ pub(super) fn forward(
     xn: u64,
     n: usize,
     x: u64,
+    seqs: &[SeqRows],
 ) -> Result<()> {
     let w = cx.weights;
     let l = &cx.config.linear;
@@ -118,47 +121,64 @@ pub(super) fn forward(
             };
         }
     }
-    let Some(GpuLayerState::Linear(st)) = cx.state.layers.get(i) else {
-        return Err(state_error(i));
-    };
-    let (conv_state, ssm) = (st.conv.ptr(), st.ssm.ptr());
     let (conv_w, a_log, dt_bias, norm) = (
         w.vec(gdn.conv),
         w.vec(gdn.a_log),
         w.vec(gdn.dt_bias),
         w.vec(gdn.norm),
     );
-    let (kk, nn) = (conv_kernel as i32, n as i32);
+    let kk = conv_kernel as i32;
     let (nk_i, nv_i, dk_i, dv_i) = (nk as i32, nv as i32, dk as i32, dv as i32);
-    // SAFETY (every launch below): arguments match the kernels in
-    // kernels.cu; buffers sized above, states at model load.
-    unsafe {
-        if n > 1 {
-            let cd_i = cd as i32;
-            g.launch(
-                "conv_qk_norm_batch",
-                ((2 * nk + nv) as u32, n.div_ceil(CONV_TILE) as u32, 1),
-                dk.max(dv) as u32,
-                0,
-                &mut args!(raw, mixed, conv_w, conv_state, nk_i, dk_i, nv_i, dv_i, kk, nn),
-            )?;
-            g.launch(
-                "conv_state_update",
-                (cd.div_ceil(256) as u32, 1, 1),
-                256,
-                0,
-                &mut args!(raw, conv_state, cd_i, kk, nn),
-            )?;
-        } else {
-            g.launch(
-                "conv_qk_norm",
-                ((2 * nk + nv) as u32, 1, 1),
-                dk.max(dv) as u32,
-                0,
-                &mut args!(mixed, conv_w, conv_state, nk_i, dk_i, nv_i, dv_i, kk, nn),
-            )?;
+    for sq in seqs {
+        let Some(GpuLayerState::Linear(st)) = sq.state.layers.get(i) else {
+            return Err(state_error(i));
+        };
+        let (conv_state, ssm) = (st.conv.ptr(), st.ssm.ptr());
+        let r0 = sq.seg.rows.start as u64;
+        let m = sq.seg.rows.len();
+        let nn = m as i32;
+        let (raw, mixed) = (raw + 4 * r0 * cd as u64, mixed + 4 * r0 * cd as u64);
+        let (a, b, y) = (
+            a + 4 * r0 * nv as u64,
+            b + 4 * r0 * nv as u64,
+            y + 4 * r0 * vd as u64,
+        );
+        // SAFETY (every launch below): arguments match the kernels in
+        // kernels.cu; buffers sized above for n rows, this sequence's m
+        // of them from r0; states at model load.
+        unsafe {
+            // A batch's projections went to `raw` (the batch conv is not in
+            // place; its one-token case equals conv_qk_norm bit for bit).
+            if n > 1 {
+                let cd_i = cd as i32;
+                g.launch(
+                    "conv_qk_norm_batch",
+                    ((2 * nk + nv) as u32, m.div_ceil(CONV_TILE) as u32, 1),
+                    dk.max(dv) as u32,
+                    0,
+                    &mut args!(raw, mixed, conv_w, conv_state, nk_i, dk_i, nv_i, dv_i, kk, nn),
+                )?;
+                g.launch(
+                    "conv_state_update",
+                    (cd.div_ceil(256) as u32, 1, 1),
+                    256,
+                    0,
+                    &mut args!(raw, conv_state, cd_i, kk, nn),
+                )?;
+            } else {
+                g.launch(
+                    "conv_qk_norm",
+                    ((2 * nk + nv) as u32, 1, 1),
+                    dk.max(dv) as u32,
+                    0,
+                    &mut args!(mixed, conv_w, conv_state, nk_i, dk_i, nv_i, dv_i, kk, nn),
+                )?;
+            }
+            launch_delta_rule(g, l, m, [mixed, a, b, a_log, dt_bias, ssm, y])?;
         }
-        launch_delta_rule(g, l, n, [mixed, a, b, a_log, dt_bias, ssm, y])?;
+    }
+    // SAFETY: `gated_norm` in kernels.cu, over every row of the batch.
+    unsafe {
         g.launch(
             "gated_norm",
             (nv as u32, n as u32, 1),

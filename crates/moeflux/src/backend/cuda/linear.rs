@@ -377,8 +377,14 @@ fn mma_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
     Ok(())
 }
 
+/// Products of at least this many tokens take the tensor cores: from a few
+/// tokens on (the decode steps of several sequences), a `qmma` tile reads
+/// each weight once for all of them, where the general kernel's cost grows
+/// with the tokens.
+const MMA_MIN_TOKENS_LINEAR: usize = 4;
+
 fn launch_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize, input: Input) -> Result<()> {
-    if n >= MMA_MIN_TOKENS && gpu.mma && input == Input::Plain {
+    if n >= MMA_MIN_TOKENS_LINEAR && gpu.mma && input == Input::Plain {
         let (tc, rest): (Vec<Mm>, Vec<Mm>) = ops
             .iter()
             .partition(|o| matches!(o.w, DevLinear::Quant(q) if mma_fits(&q)));

@@ -591,10 +591,10 @@ impl CudaModel {
 
 /// One sequence's share of a GPU eval: its state, the device address of
 /// its first position, its rows.
-struct SeqRows<'a> {
-    state: &'a GpuState,
-    pos: u64,
-    seg: Segment,
+pub(super) struct SeqRows<'a> {
+    pub state: &'a GpuState,
+    pub pos: u64,
+    pub seg: Segment,
 }
 
 /// One eval's batch on the GPU: the [`BlockExecutor`] the layer stack
@@ -617,8 +617,9 @@ impl<'a> GpuStep<'a, '_> {
         self.seqs.iter().map(|s| s.seg.logit_rows().len()).sum()
     }
 
-    /// Runs a mixer per sequence: `f(cx, xn, n, x)` on its rows, with the
-    /// context's state and positions its own.
+    /// Runs a mixer per sequence (MLA: its absorbed products per
+    /// sequence): `f(cx, xn, n, x)` on its rows, with the context's state
+    /// and positions its own.
     fn per_sequence(
         &mut self,
         mut f: impl FnMut(&mut Ctx<'a>, u64, usize, u64) -> Result<()>,
@@ -672,11 +673,11 @@ impl BlockExecutor for GpuStep<'_, '_> {
     }
 
     fn full_attention(&mut self, layer: usize, a: &FullAttention) -> Result<()> {
-        self.per_sequence(|cx, xn, n, x| attention::forward(cx, layer, a, xn, n, x))
+        attention::forward(&mut self.cx, layer, a, self.xn, self.n, self.x, &self.seqs)
     }
 
     fn gated_deltanet(&mut self, layer: usize, g: &GatedDeltaNet) -> Result<()> {
-        self.per_sequence(|cx, xn, n, x| deltanet::forward(cx, layer, g, xn, n, x))
+        deltanet::forward(&mut self.cx, layer, g, self.xn, self.n, self.x, &self.seqs)
     }
 
     fn mla(&mut self, layer: usize, a: &MlaAttention) -> Result<()> {
