@@ -356,7 +356,7 @@ unsafe fn q_chunk_avx2<U: Unpack<Avx2, NV>, const NV: usize>(
     r1: usize,
     out: OutPtr,
 ) {
-    q_chunk_any::<Avx2, U, NV, 4, 2, 3>(ctx, r0, r1, out)
+    q_chunk_any::<Avx2, U, NV, 4, 2, 4>(ctx, r0, r1, out)
 }
 
 unsafe fn q_chunk_scalar(ctx: &QCtx<'_>, r0: usize, r1: usize, out: OutPtr) {

@@ -246,7 +246,16 @@ struct MultiMatmul {
 /// Several products of the same input `x[n, cols]`: quantized ones four
 /// to a launch, dense ones one each.
 pub(super) fn matmuls(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
-    launch_products(gpu, ops, x, n, Input::Plain)
+    launch_products(gpu, ops, x, n, Input::Plain, MMA_MIN_TOKENS)
+}
+
+/// [`matmuls`] for products whose rows end the model (the LM head): on the
+/// tensor cores from [`MMA_MIN_TOKENS_HEAD`] tokens (the decode steps of a
+/// few sequences), where the general kernel reads the weights once per
+/// token. Their rounding (x split into bf16 hi/lo pairs) reaches no later
+/// layer, so it stays at the last logit bits.
+pub(super) fn matmuls_head(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
+    launch_products(gpu, ops, x, n, Input::Plain, MMA_MIN_TOKENS_HEAD)
 }
 
 /// An MLP's down product of `silu(gate) * up` for `n` tokens: `gu` holds
@@ -256,7 +265,7 @@ pub(super) fn matmuls(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
 pub(super) fn swiglu_matmul(gpu: &Gpu, down: Mm, gu: u64, act: u64, n: usize) -> Result<()> {
     match down.w {
         DevLinear::Quant(q) if n == 1 && qmv_fit(&q).is_some() => {
-            launch_products(gpu, &[down], gu, 1, Input::Glu)
+            launch_products(gpu, &[down], gu, 1, Input::Glu, MMA_MIN_TOKENS)
         }
         w => {
             let cols = match w {
@@ -377,20 +386,27 @@ fn mma_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
     Ok(())
 }
 
-/// Products of at least this many tokens take the tensor cores: from a few
-/// tokens on (the decode steps of several sequences), a `qmma` tile reads
-/// each weight once for all of them, where the general kernel's cost grows
-/// with the tokens.
-const MMA_MIN_TOKENS_LINEAR: usize = 4;
+/// [`matmuls_head`] takes the tensor cores from this many tokens: a
+/// `qmma` tile reads each weight once for all of them, where the general
+/// kernel's cost grows with the tokens (the LM head of eight decode steps:
+/// 0.6 ms against 2.6 on the H100).
+const MMA_MIN_TOKENS_HEAD: usize = 4;
 
-fn launch_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize, input: Input) -> Result<()> {
-    if n >= MMA_MIN_TOKENS_LINEAR && gpu.mma && input == Input::Plain {
+fn launch_products(
+    gpu: &Gpu,
+    ops: &[Mm],
+    x: u64,
+    n: usize,
+    input: Input,
+    mma_min: usize,
+) -> Result<()> {
+    if n >= mma_min && gpu.mma && input == Input::Plain {
         let (tc, rest): (Vec<Mm>, Vec<Mm>) = ops
             .iter()
             .partition(|o| matches!(o.w, DevLinear::Quant(q) if mma_fits(&q)));
         if !tc.is_empty() {
             mma_products(gpu, &tc, x, n)?;
-            return launch_products(gpu, &rest, x, n, input);
+            return launch_products(gpu, &rest, x, n, input, mma_min);
         }
     }
     let nn = n as i32;

@@ -29,7 +29,7 @@ use crate::model::{LogitsMode, Model};
 
 use super::device::{args, begin_capture, end_capture, DevBuf, Gpu, PinnedArena, PinnedDownload};
 use super::experts::{CachePolicy, CacheStats, ExpertCache};
-use super::linear::{dev_linear, matmuls, mm, rms_norm, DevLinear, Qw};
+use super::linear::{dev_linear, matmuls_head, mm, rms_norm, DevLinear, Qw};
 use super::mla::MlaParams;
 use super::state::GpuState;
 use super::{attention, deltanet, mla, moe, support};
@@ -722,7 +722,7 @@ impl BlockExecutor for GpuStep<'_, '_> {
             at += rows.len();
         }
         let logits = cx.scratch.get(g, "logits", 4 * m * v)?;
-        matmuls(g, &[mm(w.lin(lm_head), logits)], normed, m)
+        matmuls_head(g, &[mm(w.lin(lm_head), logits)], normed, m)
     }
 
     fn read(&mut self, what: Activation) -> Result<Vec<f32>> {
