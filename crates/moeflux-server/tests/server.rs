@@ -21,6 +21,14 @@ fn server(opts: ServerOptions) -> Server {
     common::open(opts).unwrap()
 }
 
+/// A server with these engine options and the default others.
+fn server_with(engine: EngineOptions) -> Server {
+    server(ServerOptions {
+        engine,
+        ..Default::default()
+    })
+}
+
 fn post(path: &str, body: &Value) -> Request<Body> {
     Request::post(path)
         .header("content-type", "application/json")
@@ -173,18 +181,12 @@ async fn reasoning_streams_like_it_answers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefix_reuse_gives_the_fresh_answer() {
     // One slot: the other conversation takes the live sequence.
-    let reuse = server(ServerOptions {
-        engine: EngineOptions {
-            parallel: 1,
-            ..Default::default()
-        },
+    let reuse = server_with(EngineOptions {
+        parallel: 1,
         ..Default::default()
     });
-    let fresh = server(ServerOptions {
-        engine: EngineOptions {
-            no_prefix_reuse: true,
-            ..Default::default()
-        },
+    let fresh = server_with(EngineOptions {
+        no_prefix_reuse: true,
         ..Default::default()
     });
     let sys =
@@ -248,20 +250,14 @@ async fn prefix_reuse_gives_the_fresh_answer() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn interleaved_conversations_stay_live_in_their_slots() {
     let slots = |parallel| {
-        server(ServerOptions {
-            engine: EngineOptions {
-                parallel,
-                prefix_cache: PrefixCacheOptions::default(),
-                ..Default::default()
-            },
+        server_with(EngineOptions {
+            parallel,
+            prefix_cache: PrefixCacheOptions::default(),
             ..Default::default()
         })
     };
-    let fresh = server(ServerOptions {
-        engine: EngineOptions {
-            no_prefix_reuse: true,
-            ..Default::default()
-        },
+    let fresh = server_with(EngineOptions {
+        no_prefix_reuse: true,
         ..Default::default()
     });
     let mut cached = Vec::new();
@@ -301,20 +297,14 @@ async fn interleaved_conversations_stay_live_in_their_slots() {
 /// exactly as each does alone on a one-slot server (greedy).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_requests_answer_as_they_do_alone() {
-    let many = server(ServerOptions {
-        engine: EngineOptions {
-            parallel: 4,
-            step_tokens: 16,
-            ..Default::default()
-        },
+    let many = server_with(EngineOptions {
+        parallel: 4,
+        step_tokens: 16,
         ..Default::default()
     });
-    let alone = server(ServerOptions {
-        engine: EngineOptions {
-            parallel: 1,
-            no_prefix_reuse: true,
-            ..Default::default()
-        },
+    let alone = server_with(EngineOptions {
+        parallel: 1,
+        no_prefix_reuse: true,
         ..Default::default()
     });
     let topics = [
@@ -383,20 +373,14 @@ async fn concurrent_requests_answer_as_they_do_alone() {
 /// untouched: that one answers as it does alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancelled_stream_leaves_its_neighbour_untouched() {
-    let many = server(ServerOptions {
-        engine: EngineOptions {
-            parallel: 2,
-            event_delay: Duration::from_millis(2),
-            ..Default::default()
-        },
+    let many = server_with(EngineOptions {
+        parallel: 2,
+        event_delay: Duration::from_millis(2),
         ..Default::default()
     });
-    let alone = server(ServerOptions {
-        engine: EngineOptions {
-            parallel: 1,
-            no_prefix_reuse: true,
-            ..Default::default()
-        },
+    let alone = server_with(EngineOptions {
+        parallel: 1,
+        no_prefix_reuse: true,
         ..Default::default()
     });
     let mut long = greedy(
@@ -691,16 +675,13 @@ async fn api_key_is_required_when_set() {
 /// with Retry-After; dropping the running stream cancels its generation.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_queue_429_and_disconnect_cancels() {
-    let s = server(ServerOptions {
-        engine: EngineOptions {
-            max_queue: 0,
-            parallel: 1,
-            prefix_cache: PrefixCacheOptions::default(),
-            // 2000 tokens of the tiny model would otherwise finish before
-            // the second request arrives on a fast machine.
-            event_delay: Duration::from_millis(5),
-            ..Default::default()
-        },
+    let s = server_with(EngineOptions {
+        max_queue: 0,
+        parallel: 1,
+        prefix_cache: PrefixCacheOptions::default(),
+        // 2000 tokens of the tiny model would otherwise finish before
+        // the second request arrives on a fast machine.
+        event_delay: Duration::from_millis(5),
         ..Default::default()
     });
     let mut long = greedy(
