@@ -529,12 +529,22 @@ impl Batch {
                 return Err(e);
             }
         };
-        let v = vocab;
+        let parts: Vec<Vec<f32>> = if work.len() == 1 {
+            // One item (every `eval`): its logits as they came, no copy on
+            // the decode path.
+            vec![logits]
+        } else {
+            let mut at = 0;
+            rows.iter()
+                .map(|&m| {
+                    let part = logits[at * vocab..(at + m) * vocab].to_vec();
+                    at += m;
+                    part
+                })
+                .collect()
+        };
         let mut out = Vec::with_capacity(work.len());
-        let mut at = 0;
-        for (w, m) in work.iter().zip(rows) {
-            let mine = logits[at * v..(at + m) * v].to_vec();
-            at += m;
+        for (w, mine) in work.iter().zip(parts) {
             // One pass over the logits: weights that compute a NaN must
             // stop generation with an error, not sample garbage (or "eos").
             if all_finite(&mine) {
