@@ -53,6 +53,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from byte_level import bytes_to_unicode  # bench/, beside this script
+
 import numpy as np
 
 try:
@@ -588,20 +590,6 @@ class Exporter:
 # vocabulary
 
 
-def _bytes_to_unicode() -> list[str]:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    table = dict(zip(bs, cs))
-    return [chr(table[b]) for b in range(256)]
-
-
 QWEN35_MARK = r"[\p{L}\p{M}]+"
 
 
@@ -646,7 +634,7 @@ def write_vocab(w: gguf.GGUFWriter, model: Model, tokenizer: Path | None) -> str
         if isinstance(template, str):
             w.add_chat_template(template)
     else:
-        byte_tokens = _bytes_to_unicode()
+        byte_tokens = bytes_to_unicode()
         if vocab_size < 257:
             raise ExportError(f"vocab_size {vocab_size} is too small for a byte-level vocabulary")
         # llama.cpp refuses a BPE vocabulary without merges: one merge, "Ġ Ġ" -> "ĠĠ" (id 256)

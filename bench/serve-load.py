@@ -59,6 +59,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from byte_level import bytes_to_unicode  # bench/, beside this script
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = Path(os.environ.get("MOEFLUX_BENCH_CACHE") or ROOT / "target" / "bench")  # as setup.sh
 DEFAULT_MODEL = BENCH / "models" / "synth-qwen3.6-35b-a3b-8L"
@@ -149,21 +151,6 @@ def vocab_size(model: Path) -> int:
     if not isinstance(v, int) or v < 257:
         raise BenchError(f"{model}/config.json: no usable vocab_size ({v!r})")
     return v
-
-
-def bytes_to_unicode() -> list[str]:
-    """GPT-2's byte -> printable character table (the byte-level BPE alphabet)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    table = dict(zip(bs, cs))
-    return [chr(table[b]) for b in range(256)]
 
 
 def placeholder_tokenizer(model: Path) -> dict:
