@@ -73,6 +73,18 @@ async fn sse(s: &Server, body: &Value) -> Vec<String> {
 
 /// Greedy, without the template's thinking block (so the answer is
 /// `content`, not `reasoning_content`).
+/// A streamed request of 2000 tokens whatever the model says: it keeps
+/// its slot busy while a test does something else.
+fn long_story_stream() -> Value {
+    let mut long = greedy(
+        json!([{"role": "user", "content": "Tell a long story"}]),
+        2000,
+    );
+    long["stream"] = json!(true);
+    long["ignore_eos"] = json!(true);
+    long
+}
+
 fn greedy(messages: Value, max_tokens: u32) -> Value {
     json!({"model": "x", "messages": messages, "temperature": 0, "max_tokens": max_tokens,
            "chat_template_kwargs": {"enable_thinking": false}})
@@ -383,12 +395,7 @@ async fn a_cancelled_stream_leaves_its_neighbour_untouched() {
         no_prefix_reuse: true,
         ..Default::default()
     });
-    let mut long = greedy(
-        json!([{"role": "user", "content": "Tell a long story"}]),
-        2000,
-    );
-    long["stream"] = json!(true);
-    long["ignore_eos"] = json!(true);
+    let long = long_story_stream();
     let resp = many
         .router()
         .oneshot(post("/v1/chat/completions", &long))
@@ -684,12 +691,7 @@ async fn full_queue_429_and_disconnect_cancels() {
         event_delay: Duration::from_millis(5),
         ..Default::default()
     });
-    let mut long = greedy(
-        json!([{"role": "user", "content": "Tell a long story"}]),
-        2000,
-    );
-    long["stream"] = json!(true);
-    long["ignore_eos"] = json!(true);
+    let mut long = long_story_stream();
     long["seed"] = json!(1);
     let resp = s
         .router()

@@ -7,7 +7,7 @@
 //! (on the CPU they are bit-identical to evaluating it alone).
 //! [`super::Session`] is a batch of one sequence.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use crate::backend::cuda::{support, CacheStats, CudaModel, CudaOptions, Gpu};
@@ -448,10 +448,10 @@ impl Batch {
             return Err(Error::EmptyTokens);
         }
         let vocab = self.vocab_size();
-        let mut seen = HashMap::new();
+        let mut seen = HashSet::new();
         for w in work {
             let seq = self.seq(w.seq)?;
-            if seen.insert(w.seq, ()).is_some() {
+            if !seen.insert(w.seq) {
                 return Err(Error::Invalid(format!("{} is twice in one step", w.seq)));
             }
             if seq.poisoned {
@@ -501,7 +501,7 @@ impl Batch {
         let mut by_id: HashMap<SeqId, &mut Sequence> = self
             .seqs
             .iter_mut()
-            .filter(|(id, _)| seen.contains_key(id))
+            .filter(|(id, _)| seen.contains(id))
             .map(|(id, s)| (*id, s))
             .collect();
         let states = work

@@ -120,7 +120,6 @@ impl BlockExecutor for CpuExecutor<'_> {
 
     fn full_attention(&mut self, layer: usize, a: &FullAttention) -> Result<()> {
         let (m, n) = (self.model, self.n);
-        let mut r = std::mem::take(&mut self.r);
         let mut seqs = layer_states(
             &mut self.states,
             &self.segs,
@@ -132,17 +131,21 @@ impl BlockExecutor for CpuExecutor<'_> {
             },
         )?;
         attention::forward(
-            a, &m.weights, &m.config, &m.rope, &self.xn, n, &mut seqs, &mut r,
+            a,
+            &m.weights,
+            &m.config,
+            &m.rope,
+            &self.xn,
+            n,
+            &mut seqs,
+            &mut self.r,
         );
-        drop(seqs);
-        self.r = r;
         self.add_output();
         Ok(())
     }
 
     fn gated_deltanet(&mut self, layer: usize, g: &GatedDeltaNet) -> Result<()> {
         let (m, n) = (self.model, self.n);
-        let mut r = std::mem::take(&mut self.r);
         let mut seqs = layer_states(
             &mut self.states,
             &self.segs,
@@ -153,9 +156,15 @@ impl BlockExecutor for CpuExecutor<'_> {
                 _ => None,
             },
         )?;
-        deltanet::forward(g, &m.weights, &m.config, &self.xn, n, &mut seqs, &mut r);
-        drop(seqs);
-        self.r = r;
+        deltanet::forward(
+            g,
+            &m.weights,
+            &m.config,
+            &self.xn,
+            n,
+            &mut seqs,
+            &mut self.r,
+        );
         self.add_output();
         Ok(())
     }
@@ -165,7 +174,6 @@ impl BlockExecutor for CpuExecutor<'_> {
         let h = m.config.hidden_size;
         let mla_dims = crate::model::mla::mla_of(&m.config)?;
         let scale = softmax_scale(&mla_dims, &m.config.rope);
-        let mut r = std::mem::take(&mut self.r);
         let seqs = layer_states(
             &mut self.states,
             &self.segs,
@@ -190,10 +198,9 @@ impl BlockExecutor for CpuExecutor<'_> {
                 s.rows.len(),
                 s.start,
                 s.state,
-                &mut r[rows],
+                &mut self.r[rows],
             )?;
         }
-        self.r = r;
         self.add_output();
         Ok(())
     }
