@@ -497,7 +497,6 @@ impl Batch {
             });
             tokens.extend_from_slice(w.tokens);
         }
-        let rows: Vec<usize> = segs.iter().map(|s| s.logit_rows().len()).collect();
         let mut by_id: HashMap<SeqId, &mut Sequence> = self
             .seqs
             .iter_mut()
@@ -520,7 +519,7 @@ impl Batch {
             prefetch_stats: &mut self.prefetch_stats,
             times: &mut self.times,
         };
-        let logits = match self.engine.forward(cx, states, segs, &tokens, trace) {
+        let parts = match self.engine.forward(cx, states, segs, &tokens, trace) {
             Ok(l) => l,
             Err(e) => {
                 for w in work {
@@ -528,20 +527,6 @@ impl Batch {
                 }
                 return Err(e);
             }
-        };
-        let parts: Vec<Vec<f32>> = if work.len() == 1 {
-            // One item (every `eval`): its logits as they came, no copy on
-            // the decode path.
-            vec![logits]
-        } else {
-            let mut at = 0;
-            rows.iter()
-                .map(|&m| {
-                    let part = logits[at * vocab..(at + m) * vocab].to_vec();
-                    at += m;
-                    part
-                })
-                .collect()
         };
         let mut out = Vec::with_capacity(work.len());
         for (w, mine) in work.iter().zip(parts) {

@@ -9,7 +9,7 @@ use crate::backend::cpu::experts::ExpertRun;
 use crate::backend::cuda::model::{CudaModel, GpuSegment};
 use crate::backend::cuda::state::GpuState;
 use crate::backend::prefetch::PrefetchStats;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::io::{ExpertBuf, ExpertStore};
 use crate::model::forward::{self, Segment};
 use crate::model::state::{LinearState, ModelState};
@@ -62,7 +62,7 @@ impl Engine {
         segs: Vec<Segment>,
         tokens: &[u32],
         trace: Option<&mut Trace>,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<Vec<Vec<f32>>> {
         match self {
             Engine::Cpu { bufs } => {
                 let run = ExpertRun {
@@ -81,11 +81,13 @@ impl Engine {
                     })
                     .collect();
                 let model = cx.model;
-                cx.pool.install(|| {
+                let rows: Vec<usize> = segs.iter().map(|s| s.logit_rows().len()).collect();
+                let logits = cx.pool.install(|| {
                     let mut ex = CpuExecutor::new(model, states, segs, run, cx.times);
                     forward::forward(model, &mut ex, tokens, trace)?;
-                    Ok(ex.into_logits())
-                })
+                    Ok::<_, Error>(ex.into_logits())
+                })?;
+                Ok(split_rows(logits, &rows, model.config.vocab_size))
             }
             Engine::Cuda(m) => {
                 let segs = states
@@ -161,4 +163,21 @@ impl Engine {
             _ => unreachable!("a state on another engine"),
         }
     }
+}
+
+/// `logits` (`[rows, vocab]`) cut into one vector per segment of `rows`
+/// rows each; a single segment's is `logits` itself (no copy on the
+/// one-sequence decode path).
+fn split_rows(logits: Vec<f32>, rows: &[usize], vocab: usize) -> Vec<Vec<f32>> {
+    if rows.len() == 1 {
+        return vec![logits];
+    }
+    let mut at = 0;
+    rows.iter()
+        .map(|&m| {
+            let part = logits[at * vocab..(at + m) * vocab].to_vec();
+            at += m;
+            part
+        })
+        .collect()
 }

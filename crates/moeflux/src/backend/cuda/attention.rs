@@ -10,7 +10,7 @@ use crate::model::attention::FullAttention;
 
 use super::device::{args, Gpu};
 use super::linear::{matmuls, mm, mm_add, MMA_MIN_TOKENS};
-use super::model::{Ctx, SeqRows};
+use super::model::{Ctx, MixerRun, SeqRows};
 use super::state::{GpuLayerState, RowCache};
 use super::support::unsupported;
 
@@ -70,7 +70,8 @@ fn attention_mma_smem(gpu: &Gpu, nh: usize, nkv: usize, hd: usize, n: usize) -> 
 /// Grouped-query attention of layer `i` for the `n` normed tokens `xn`
 /// of `seqs` (their rows, in order), its output projection added to `x`:
 /// the projections once over all rows, rotary, the KV append and the
-/// attention per sequence on its own cache.
+/// attention per sequence on its own cache (one launch each for a decode
+/// batch).
 pub(super) fn forward(
     cx: &mut Ctx,
     i: usize,
@@ -118,12 +119,59 @@ pub(super) fn forward(
     let (eps, ps) = (c.rms_norm_eps, c.rope.position_scale);
     let inv_freq = cx.inv_freq;
     let scale = 1.0 / (hd as f32).sqrt();
-    for sq in seqs {
+    let (qs, ks) = (4 * q_rows as u64, 4 * (nkv * hd) as u64);
+    let hs = 4 * (nh * hd) as u64;
+    for run in MixerRun::split(seqs) {
+        let sq = match run {
+            MixerRun::Decode(run) => {
+                let full =
+                    |sq: &SeqRows| matches!(sq.state.layers.get(i), Some(GpuLayerState::Full(_)));
+                if !run.iter().all(full) {
+                    return Err(state_error(i));
+                }
+                let first = &run[0];
+                let r0 = first.seg.rows.start as u64;
+                let rows = run.len() as u32;
+                let (qg, k, v) = (qg + r0 * qs, k + r0 * ks, v + r0 * ks);
+                let (q, attn) = (q + r0 * hs, attn + r0 * hs);
+                let gate = if a.output_gate { gate + r0 * hs } else { 0 };
+                let (pos, tab, none) = (first.pos, cx.seq_table(i, first), 0u64);
+                // SAFETY: `attn_prep` and `attention` in kernels.cu, a row
+                // per sequence: the table holds each one's K and V cache
+                // (grown for its token before the eval), `pos` its
+                // position; the scratch buffers hold n rows.
+                unsafe {
+                    g.launch(
+                        "attn_prep",
+                        ((nh + nkv) as u32, rows, 1),
+                        hd as u32,
+                        (4 * hd) as u32,
+                        &mut args!(
+                            qg, k, v, parts, inv_freq, half, nh_i, nkv_i, hd_i, eps, pos, ps, q,
+                            gate, none, none, tab
+                        ),
+                    )?;
+                    g.launch(
+                        if a.output_gate {
+                            "attention"
+                        } else {
+                            "attention_plain"
+                        },
+                        (nh as u32, rows, 1),
+                        256,
+                        0,
+                        &mut args!(q, none, none, gate, nh_i, nkv_i, hd_i, pos, scale, attn, tab),
+                    )?;
+                }
+                continue;
+            }
+            MixerRun::One(sq) => sq,
+        };
         let Some(GpuLayerState::Full(kv)) = sq.state.layers.get(i) else {
             return Err(state_error(i));
         };
         let (kc, vc) = (kv.a.ptr(), kv.b.ptr());
-        let pos = sq.pos;
+        let (pos, none) = (sq.pos, 0u64);
         let n = sq.seg.rows.len();
         let r0 = sq.seg.rows.start as u64;
         let (qg, k, v) = (
@@ -146,7 +194,7 @@ pub(super) fn forward(
                 (4 * hd) as u32,
                 &mut args!(
                     qg, k, v, parts, inv_freq, half, nh_i, nkv_i, hd_i, eps, pos, ps, q, gate, kc,
-                    vc
+                    vc, none
                 ),
             )?
         };
@@ -200,7 +248,7 @@ pub(super) fn forward(
                     (nh as u32, n as u32, 1),
                     256,
                     0,
-                    &mut args!(q, kc, vc, gate, nh_i, nkv_i, hd_i, pos, scale, attn),
+                    &mut args!(q, kc, vc, gate, nh_i, nkv_i, hd_i, pos, scale, attn, none),
                 )?
             };
         }

@@ -10,7 +10,7 @@ use crate::model::deltanet::{DeltaProjections, GatedDeltaNet};
 
 use super::device::{args, DevBuf, Gpu};
 use super::linear::{matmuls, mm, mm_add};
-use super::model::{Ctx, SeqRows};
+use super::model::{Ctx, MixerRun, SeqRows};
 use super::state::{GpuLayerState, GpuLinearState};
 use super::support::unsupported;
 
@@ -56,7 +56,8 @@ const CONV_TILE: usize = 16;
 /// GatedDeltaNet of layer `i` for the `n` normed tokens `xn` of `seqs`
 /// (their rows, in order), its output projection added to `x`: the
 /// projections and the gated norm once over all rows, the conv and the
-/// delta rule per sequence on its own state.
+/// delta rule per sequence on its own state (one launch each for a decode
+/// batch).
 pub(super) fn forward(
     cx: &mut Ctx,
     i: usize,
@@ -129,13 +130,57 @@ pub(super) fn forward(
     );
     let kk = conv_kernel as i32;
     let (nk_i, nv_i, dk_i, dv_i) = (nk as i32, nv as i32, dk as i32, dv as i32);
-    for sq in seqs {
+    let linear = |sq: &SeqRows| matches!(sq.state.layers.get(i), Some(GpuLayerState::Linear(_)));
+    for run in MixerRun::split(seqs) {
+        let sq = match run {
+            MixerRun::Decode(run) => {
+                if !run.iter().all(linear) {
+                    return Err(state_error(i));
+                }
+                let first = &run[0];
+                let r0 = first.seg.rows.start as u64;
+                let rows = run.len();
+                // The projections' raw rows, convolved in place (nobody
+                // else reads them).
+                let mixed = raw + 4 * r0 * cd as u64;
+                let (a, b, y) = (
+                    a + 4 * r0 * nv as u64,
+                    b + 4 * r0 * nv as u64,
+                    y + 4 * r0 * vd as u64,
+                );
+                let (one, tab, none) = (1i32, cx.seq_table(i, first), 0u64);
+                // SAFETY: `conv_qk_norm` and `delta_rule` in kernels.cu, a
+                // row per sequence: the table holds each one's conv and
+                // recurrent state, the scratch buffers n rows.
+                unsafe {
+                    g.launch(
+                        "conv_qk_norm",
+                        ((2 * nk + nv) as u32, rows as u32, 1),
+                        dk.max(dv) as u32,
+                        0,
+                        &mut args!(mixed, conv_w, none, nk_i, dk_i, nv_i, dv_i, kk, one, tab),
+                    )?;
+                    g.launch(
+                        "delta_rule",
+                        (nv as u32, dv.div_ceil(32) as u32, rows as u32),
+                        256,
+                        0,
+                        &mut args!(
+                            mixed, a, b, a_log, dt_bias, none, one, nk_i, nv_i, dk_i, dv_i, y, tab
+                        ),
+                    )?;
+                }
+                continue;
+            }
+            MixerRun::One(sq) => sq,
+        };
         let Some(GpuLayerState::Linear(st)) = sq.state.layers.get(i) else {
             return Err(state_error(i));
         };
         let (conv_state, ssm) = (st.conv.ptr(), st.ssm.ptr());
         let r0 = sq.seg.rows.start as u64;
         let m = sq.seg.rows.len();
+        let none = 0u64;
         let nn = m as i32;
         let (raw, mixed) = (raw + 4 * r0 * cd as u64, mixed + 4 * r0 * cd as u64);
         let (a, b, y) = (
@@ -171,7 +216,7 @@ pub(super) fn forward(
                     ((2 * nk + nv) as u32, 1, 1),
                     dk.max(dv) as u32,
                     0,
-                    &mut args!(mixed, conv_w, conv_state, nk_i, dk_i, nv_i, dv_i, kk, nn),
+                    &mut args!(mixed, conv_w, conv_state, nk_i, dk_i, nv_i, dv_i, kk, nn, none),
                 )?;
             }
             launch_delta_rule(g, l, m, [mixed, a, b, a_log, dt_bias, ssm, y])?;
@@ -231,13 +276,14 @@ unsafe fn launch_delta_rule(g: &Gpu, l: &LinearAttnConfig, n: usize, bufs: [u64;
     );
     let (nn, nk_i, nv_i, dk_i, dv_i) = (n as i32, nk as i32, nv as i32, dk as i32, dv as i32);
     let smem = gdn_scan_smem(dk);
+    let none = 0u64;
     if n < GDN_CHUNK_MIN_TOKENS || smem > g.smem_optin {
         return g.launch(
             "delta_rule",
             (nv as u32, dv.div_ceil(32) as u32, 1),
             256,
             0,
-            &mut args!(mixed, a, b, a_log, dt_bias, ssm, nn, nk_i, nv_i, dk_i, dv_i, y),
+            &mut args!(mixed, a, b, a_log, dt_bias, ssm, nn, nk_i, nv_i, dk_i, dv_i, y, none),
         );
     }
     let chunks = n.div_ceil(GDN_C);

@@ -781,10 +781,18 @@ struct AttnParts {
 extern "C" __global__ void attn_prep(const float* qg, const float* k, const float* v, AttnParts P,
                                      const double* inv_freq, int half_rot, int nh, int nkv, int hd,
                                      float eps, const long* pos, double pos_scale, float* q_out,
-                                     float* gate_out, float* kc, float* vc) { PDL_ENTER();
-    long start = *pos;
+                                     float* gate_out, float* kc, float* vc,
+                                     const unsigned long long* seqs) { PDL_ENTER();
     extern __shared__ float sh[];
     int t = blockIdx.y, h = blockIdx.x, i = threadIdx.x;
+    // `seqs`: a decode batch, row t its own sequence's token (its KV cache
+    // seqs[2t], seqs[2t+1], its position pos[t]); else one sequence's rows.
+    long start = seqs ? pos[t] : *pos;
+    long tl = seqs ? 0 : t;
+    if (seqs) {
+        kc = (float*)seqs[2 * t];
+        vc = (float*)seqs[2 * t + 1];
+    }
     int q_stride = P.gated ? 2 * hd : hd;
     const float* src;
     const float* bias;
@@ -804,7 +812,7 @@ extern "C" __global__ void attn_prep(const float* qg, const float* k, const floa
     } else {
         long kv_row = (long)(h - nh) * hd;
         long in = (long)t * nkv * hd + kv_row;
-        long at = (start + t) * nkv * hd + kv_row;
+        long at = (start + tl) * nkv * hd + kv_row;
         src = k + in;
         bias = P.k_bias ? P.k_bias + kv_row : nullptr;
         dst = kc + at;
@@ -825,7 +833,7 @@ extern "C" __global__ void attn_prep(const float* qg, const float* k, const floa
     float o = sh[i];
     if (i < 2 * half_rot) {
         int j = i < half_rot ? i : i - half_rot;
-        double ang = (double)(start + t) * pos_scale * inv_freq[j];
+        double ang = (double)(start + tl) * pos_scale * inv_freq[j];
         float c = (float)cos(ang), s = (float)sin(ang);
         float a = sh[j], b = sh[j + half_rot];
         o = i < half_rot ? a * c - b * s : a * s + b * c;
@@ -843,10 +851,17 @@ extern "C" __global__ void attn_prep(const float* qg, const float* k, const floa
 template <bool GATED>
 __device__ __forceinline__ void attention_body(const float* q, const float* kc, const float* vc,
                                                const float* gate, int nh, int nkv, int hd,
-                                               const long* pos, float scale, float* out) {
-    long start = *pos;
+                                               const long* pos, float scale, float* out,
+                                               const unsigned long long* seqs) {
     const int NW = 8;
     int h = blockIdx.x, t = blockIdx.y;
+    // `seqs`: a decode batch, as in attn_prep.
+    long start = seqs ? pos[t] : *pos;
+    long tl = seqs ? 0 : t;
+    if (seqs) {
+        kc = (const float*)seqs[2 * t];
+        vc = (const float*)seqs[2 * t + 1];
+    }
     int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int g = h / (nh / nkv);
     int per = hd / WARP;  // channels per lane, <= 8
@@ -859,7 +874,7 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
         acc[c] = 0.0f;
     }
     float m = NEG_INF, l = 0.0f;
-    long ctx = start + t + 1;
+    long ctx = start + tl + 1;
     for (long p = w; p < ctx; p += NW) {
         const float* kr = kc + p * row + (long)g * hd;
         float d = 0.0f;
@@ -906,16 +921,17 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
 
 extern "C" __global__ void attention(const float* q, const float* kc, const float* vc,
                                      const float* gate, int nh, int nkv, int hd, const long* pos,
-                                     float scale, float* out) {
+                                     float scale, float* out, const unsigned long long* seqs) {
     PDL_ENTER();
-    attention_body<true>(q, kc, vc, gate, nh, nkv, hd, pos, scale, out);
+    attention_body<true>(q, kc, vc, gate, nh, nkv, hd, pos, scale, out, seqs);
 }
 
 extern "C" __global__ void attention_plain(const float* q, const float* kc, const float* vc,
                                            const float* gate, int nh, int nkv, int hd,
-                                           const long* pos, float scale, float* out) {
+                                           const long* pos, float scale, float* out,
+                                           const unsigned long long* seqs) {
     PDL_ENTER();
-    attention_body<false>(q, kc, vc, gate, nh, nkv, hd, pos, scale, out);
+    attention_body<false>(q, kc, vc, gate, nh, nkv, hd, pos, scale, out, seqs);
 }
 
 
@@ -993,10 +1009,15 @@ __device__ __forceinline__ float conv_step(const ConvLane& c, const float* w, fl
 
 // The conv and the q/k norms in place over n tokens in order, the state
 // keeping the last kk-1 raw inputs (one-token decode: a chain over the
-// tokens otherwise).
+// tokens otherwise). `seqs`: a decode batch (n = 1), blockIdx.y its row and
+// sequence, whose conv state is seqs[2 * row].
 extern "C" __global__ void conv_qk_norm(float* mixed, const float* w, float* state, int nk, int dk, int nv,
-                                        int dv, int kk, int n) { PDL_ENTER();
+                                        int dv, int kk, int n, const unsigned long long* seqs) { PDL_ENTER();
     ConvLane c = conv_lane(nk, dk, nv, dv, kk);
+    if (seqs) {
+        mixed += (long)blockIdx.y * c.cd;
+        state = (float*)seqs[2 * blockIdx.y];
+    }
     float st[8];
     for (int j = 0; j < c.hist; j++) st[j] = c.live ? state[(long)j * c.cd + c.ch] : 0.0f;
     // The next token's input is loaded before this one is computed.
@@ -1051,15 +1072,25 @@ extern "C" __global__ void conv_state_update(const float* raw, float* state, int
 // The delta rule over n tokens. Grid (value head, row block); a block of 8
 // warps owns 32 rows of the head's state (dv x dk), 4 per warp; a lane
 // keeps dk/32 columns of each of its rows in registers (dk <= 256).
-// y layout: [t][nv][dv].
+// y layout: [t][nv][dv]. `seqs`: a decode batch (n = 1), blockIdx.z its
+// row and sequence, whose state is seqs[2 * row + 1].
 #define DR_ROWS_PER_WARP 4
 extern "C" __global__ void delta_rule(const float* mixed, const float* a, const float* b,
                                       const float* a_log, const float* dt_bias, float* state,
-                                      int n, int nk, int nv, int dk, int dv, float* y) { PDL_ENTER();
+                                      int n, int nk, int nv, int dk, int dv, float* y,
+                                      const unsigned long long* seqs) { PDL_ENTER();
     int h = blockIdx.x;
     int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int kh = h / (nv / nk);
     int kd = nk * dk, cd = 2 * kd + nv * dv;
+    if (seqs) {
+        long r = blockIdx.z;
+        mixed += r * cd;
+        a += r * nv;
+        b += r * nv;
+        y += r * nv * dv;
+        state = (float*)seqs[2 * r + 1];
+    }
     int per = dk / WARP;  // <= 8
     int row0 = blockIdx.y * 32 + w * DR_ROWS_PER_WARP;
     float st[DR_ROWS_PER_WARP][8];

@@ -95,6 +95,12 @@ pub(super) struct Ctx<'a> {
     pub start: usize,
     /// Device address of the rotary inverse frequencies (f64).
     pub inv_freq: u64,
+    /// Device address of the eval's sequence table: per layer and segment
+    /// the two state buffers of the segment's sequence
+    /// (`GpuLayerState::buffers`), read by decode batches' kernels.
+    pub seq_tab: u64,
+    /// Segments in the eval (the table's row length).
+    pub segments: usize,
     pub cache: Option<&'a mut ExpertCache>,
     pub arena: &'a mut PinnedArena,
     pub store: &'a ExpertStore,
@@ -170,7 +176,7 @@ pub struct GpuSegment<'s> {
 }
 
 /// Positions the `pos` buffer holds (one per segment of an eval) before it
-/// grows.
+/// grows, and segments the sequence table holds.
 const POS_SLOTS: usize = 64;
 
 /// Decode steps of at most this many sequences are captured as graphs (the
@@ -201,6 +207,8 @@ pub struct CudaModel {
     /// Per segment of the eval, the position of its first token, on the
     /// device.
     pos: DevBuf,
+    /// Per layer and segment, the segment's state buffers (`Ctx::seq_tab`).
+    seq_tab: DevBuf,
     /// Bumped whenever a buffer a graph may have captured moves.
     epoch: u64,
     /// The epoch and states of the last eager decode step that allocated
@@ -285,6 +293,7 @@ impl CudaModel {
             logits_host: PinnedDownload::default(),
             route_host: PinnedDownload::default(),
             pos: DevBuf::zeros(&gpu, 8 * POS_SLOTS)?,
+            seq_tab: DevBuf::zeros(&gpu, 16 * POS_SLOTS * model.layers.len())?,
             epoch: 0,
             stable_epoch: None,
             graph: None,
@@ -401,7 +410,7 @@ impl CudaModel {
 
     /// Evaluates `tokens` of `model` (the one this was built from), the
     /// rows of `segs` in order, each segment on its sequence's state, and
-    /// returns the logits of the segments' logit rows like the CPU backend.
+    /// returns the logits of each segment's logit rows, a vector per segment.
     /// The mixers run per segment; everything else once over all rows.
     /// `pool`: the threads that compute the experts the host takes
     /// (`cpu_experts`). With `trace`, every block's output is read back
@@ -417,7 +426,7 @@ impl CudaModel {
         mut segs: Vec<GpuSegment<'_>>,
         times: &mut PhaseTimes,
         trace: Option<&mut Trace>,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<Vec<Vec<f32>>> {
         self.gpu.bind()?;
         let mut clock = std::time::Instant::now();
         let n = tokens.len();
@@ -428,8 +437,11 @@ impl CudaModel {
                 self.epoch += 1;
             }
         }
+        let layers = model.layers.len();
         if segs.len() > self.pos.bytes() / 8 {
-            self.pos = DevBuf::zeros(&self.gpu, 8 * segs.len().next_power_of_two())?;
+            let slots = segs.len().next_power_of_two();
+            self.pos = DevBuf::zeros(&self.gpu, 8 * slots)?;
+            self.seq_tab = DevBuf::zeros(&self.gpu, 16 * slots * layers)?;
             self.epoch += 1;
         }
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
@@ -438,6 +450,16 @@ impl CudaModel {
         self.arena.upload(&self.gpu, d_ids, &ids)?;
         let starts: Vec<i64> = segs.iter().map(|s| s.seg.start as i64).collect();
         self.arena.upload(&self.gpu, self.pos.ptr(), &starts)?;
+        if segs.len() > 1 {
+            let mut table = vec![0u64; 2 * layers * segs.len()];
+            for (j, s) in segs.iter().enumerate() {
+                for (i, l) in s.state.layers.iter().enumerate() {
+                    let at = 2 * (i * segs.len() + j);
+                    table[at..at + 2].copy_from_slice(&l.buffers());
+                }
+            }
+            self.arena.upload(&self.gpu, self.seq_tab.ptr(), &table)?;
+        }
         let resident = self.cache.as_ref().is_none_or(|c| c.all_resident());
         // Decode steps (one token per sequence, its logits) replay a graph
         // captured for the same sequences, in the same order.
@@ -447,7 +469,7 @@ impl CudaModel {
                 .all(|s| s.seg.rows.len() == 1 && s.seg.logits == Some(LogitsMode::Last));
         let graphable = self.opts.graphs && decode && resident && trace.is_none();
         let states: Vec<u64> = segs.iter().map(|s| s.state.id).collect();
-        let m: usize = segs.iter().map(|s| s.seg.logit_rows().len()).sum();
+        let rows: Vec<usize> = segs.iter().map(|s| s.seg.logit_rows().len()).collect();
         let stable = self
             .stable_epoch
             .as_ref()
@@ -502,7 +524,7 @@ impl CudaModel {
             }
             clock = std::time::Instant::now();
         }
-        self.download_logits(m, clock, times)
+        self.download_logits(&rows, clock, times)
     }
 
     /// Whether the captured decode graph matches the current buffers and
@@ -513,15 +535,26 @@ impl CudaModel {
             .is_some_and(|g| g.epoch == self.epoch && g.states == states)
     }
 
+    /// The logits of `rows[i]` rows for segment `i`, straight into a
+    /// vector each (one wait for all).
     fn download_logits(
         &mut self,
-        m: usize,
+        rows: &[usize],
         mut clock: std::time::Instant,
         times: &mut PhaseTimes,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<Vec<Vec<f32>>> {
         let v = self.config.vocab_size;
-        let logits = self.scratch.get(&self.gpu, "logits", 4 * m * v)?;
-        let out = self.logits_host.download_f32(&self.gpu, logits, m * v)?;
+        let m: usize = rows.iter().sum();
+        let mut src = self.scratch.get(&self.gpu, "logits", 4 * m * v)?;
+        let runs: Vec<(u64, usize)> = rows
+            .iter()
+            .map(|&r| {
+                let run = (src, r * v);
+                src += (4 * r * v) as u64;
+                run
+            })
+            .collect();
+        let out = self.logits_host.download_runs(&self.gpu, &runs)?;
         lap(&mut clock, &mut times.lm_head);
         Ok(out)
     }
@@ -549,6 +582,7 @@ impl CudaModel {
             .enumerate()
             .map(|(i, s)| SeqRows {
                 state: &*s.state,
+                index: i,
                 pos: self.pos.ptr() + 8 * i as u64,
                 seg: s.seg.clone(),
             })
@@ -564,6 +598,8 @@ impl CudaModel {
             pos: first.pos,
             start: first.seg.start,
             inv_freq: self.inv_freq.ptr(),
+            seq_tab: self.seq_tab.ptr(),
+            segments: segs.len(),
             cache: self.cache.as_mut(),
             arena: &mut self.arena,
             store,
@@ -589,12 +625,53 @@ impl CudaModel {
     }
 }
 
-/// One sequence's share of a GPU eval: its state, the device address of
-/// its first position, its rows.
+/// One sequence's share of a GPU eval: its state, its segment's index,
+/// the device address of its first position, its rows.
 pub(super) struct SeqRows<'a> {
     pub state: &'a GpuState,
+    pub index: usize,
     pub pos: u64,
     pub seg: Segment,
+}
+
+/// How a mixer runs its per-sequence part over a share of the eval.
+pub(super) enum MixerRun<'s, 'a> {
+    /// Consecutive sequences of one token each: one launch per kernel over
+    /// all of them, each row finding its state in the sequence table.
+    Decode(&'s [SeqRows<'a>]),
+    /// One sequence's rows.
+    One(&'s SeqRows<'a>),
+}
+
+impl MixerRun<'_, '_> {
+    /// The sequences in `seqs` split into decode batches (at least two
+    /// one-token sequences in a row) and single sequences, in row order.
+    pub fn split<'s, 'a>(seqs: &'s [SeqRows<'a>]) -> Vec<MixerRun<'s, 'a>> {
+        let mut runs = Vec::new();
+        let mut i = 0;
+        while i < seqs.len() {
+            let len = seqs[i..]
+                .iter()
+                .take_while(|s| s.seg.rows.len() == 1)
+                .count();
+            if len >= 2 {
+                runs.push(MixerRun::Decode(&seqs[i..i + len]));
+                i += len;
+            } else {
+                runs.push(MixerRun::One(&seqs[i]));
+                i += 1;
+            }
+        }
+        runs
+    }
+}
+
+impl Ctx<'_> {
+    /// Device address of layer `layer`'s sequence-table entries from the
+    /// segment `seq`'s on.
+    pub fn seq_table(&self, layer: usize, seq: &SeqRows) -> u64 {
+        self.seq_tab + 16 * (layer * self.segments + seq.index) as u64
+    }
 }
 
 /// One eval's batch on the GPU: the [`BlockExecutor`] the layer stack

@@ -119,6 +119,16 @@ pub(super) enum GpuLayerState {
 }
 
 impl GpuLayerState {
+    /// The device addresses of its two buffers (K and V, latents and
+    /// rotated keys, or the conv and recurrent states), as a decode batch's
+    /// kernels take them from the sequence table.
+    pub fn buffers(&self) -> [u64; 2] {
+        match self {
+            GpuLayerState::Full(c) | GpuLayerState::Mla(c) => [c.a.ptr(), c.b.ptr()],
+            GpuLayerState::Linear(l) => [l.conv.ptr(), l.ssm.ptr()],
+        }
+    }
+
     /// The row cache of an attention layer.
     pub fn rows_mut(&mut self) -> Option<&mut RowCache> {
         match self {
