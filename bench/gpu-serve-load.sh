@@ -40,6 +40,9 @@
 #                             llama-server's --n-cpu-moe is the rest of the layers
 #   --host-cache SIZE         host config: moeflux --host-cache (default 100G)
 #   --layers L                synth only the first L layers (default: all 40)
+#   --router-skew SPEC        synth with this router skew (moeflux synth --router-skew, e.g.
+#                             zipf:1: experts of unequal popularity, as real routers pick them;
+#                             default: uniform), into DIR/a3b-SPEC
 #   --dir DIR                 work directory, reused across calls (default /tmp/moeflux-serve-load)
 #   --out DIR                 results (default $OUT, else ./gpu-out)
 #   --stage DIR               staged llama.cpp (default gpu-stage/llama)
@@ -74,6 +77,7 @@ CAP=510
 SHARE=25
 HOST_CACHE=100G
 LAYERS=
+SKEW=
 DIR=/tmp/moeflux-serve-load
 OUTDIR=${OUT:-$PWD/gpu-out}
 STAGE=$REPO/gpu-stage/llama
@@ -104,6 +108,7 @@ while [[ $# -gt 0 ]]; do
     --gpu-share) SHARE=${2:?}; posint --gpu-share "$SHARE"; ((SHARE <= 100)) || die "--gpu-share is a percentage (1-100)"; shift 2 ;;
     --host-cache) HOST_CACHE=${2:?}; shift 2 ;;
     --layers) LAYERS=${2:?}; posint --layers "$LAYERS"; shift 2 ;;
+    --router-skew) SKEW=${2:?--router-skew needs a spec}; [[ $SKEW =~ ^[a-z]+:[0-9.]+$ ]] || die "--router-skew: '$SKEW' is not KIND:EXPONENT (e.g. zipf:1)"; shift 2 ;;
     --dir) DIR=${2:?}; shift 2 ;;
     --out) OUTDIR=${2:?}; shift 2 ;;
     --stage) STAGE=${2:?}; shift 2 ;;
@@ -187,8 +192,9 @@ fi
 # --- synth: the model and its GGUF ---------------------------------------------------------------
 SYNTH_ARGS=(--preset qwen3.6-35b-a3b)
 [[ -n $LAYERS ]] && SYNTH_ARGS+=(--layers "$LAYERS")
+[[ -n $SKEW ]] && SYNTH_ARGS+=(--router-skew "$SKEW")
 if [[ -z $MODEL ]]; then
-  MODEL=$DIR/a3b${LAYERS:+-$LAYERS}
+  MODEL=$DIR/a3b${LAYERS:+-$LAYERS}${SKEW:+-${SKEW/:/}}
   stamp=$DIR/stamps/synth-$(basename "$MODEL")
   want="$("$MOEFLUX" --version 2>/dev/null || echo '?') synth ${SYNTH_ARGS[*]}"
   # (--force redoes the synth only when the synth part is asked for)
@@ -287,6 +293,7 @@ run_config() {  # config
   m+=("${M_EXTRA[@]}")
   l+=("${L_EXTRA[@]}")
   ((CPU_ONLY)) || notes+=("GPU: $GPU_NAME")
+  notes+=("routing: ${SKEW:-uniform} (synth --router-skew)")
 
   local args=(--bin "$MOEFLUX" --model "$MODEL" --streams "$STREAMS" --prompt-len "$PROMPT" --gen "$GEN"
     --requests-per-stream "$RPS" --threads "$THREADS")
