@@ -287,6 +287,13 @@ impl Gpu {
         Ok(ws.as_ref().expect("allocated above").ptr())
     }
 
+    /// Device address of the workspace now (0 before the first use): a
+    /// captured graph that used it is stale once this changes.
+    pub fn workspace_ptr(&self) -> u64 {
+        let ws = self.workspace.lock().unwrap_or_else(|e| e.into_inner());
+        ws.as_ref().map_or(0, |b| b.ptr())
+    }
+
     /// Makes the context current on the calling thread (every entry point
     /// that may run on a new thread calls this first).
     pub fn bind(&self) -> Result<()> {

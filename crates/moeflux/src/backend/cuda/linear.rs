@@ -244,18 +244,10 @@ struct MultiMatmul {
 }
 
 /// Several products of the same input `x[n, cols]`: quantized ones four
-/// to a launch, dense ones one each.
+/// to a launch (on the tensor cores from [`PRODUCT_MMA_MIN_TOKENS`]
+/// tokens), dense ones one each.
 pub(super) fn matmuls(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
-    launch_products(gpu, ops, x, n, Input::Plain, MMA_MIN_TOKENS)
-}
-
-/// [`matmuls`] for products whose rows end the model (the LM head): on the
-/// tensor cores from [`MMA_MIN_TOKENS_HEAD`] tokens (the decode steps of a
-/// few sequences), where the general kernel reads the weights once per
-/// token. Their rounding (x split into bf16 hi/lo pairs) reaches no later
-/// layer, so it stays at the last logit bits.
-pub(super) fn matmuls_head(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
-    launch_products(gpu, ops, x, n, Input::Plain, MMA_MIN_TOKENS_HEAD)
+    launch_products(gpu, ops, x, n, Input::Plain)
 }
 
 /// An MLP's down product of `silu(gate) * up` for `n` tokens: `gu` holds
@@ -265,7 +257,7 @@ pub(super) fn matmuls_head(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()
 pub(super) fn swiglu_matmul(gpu: &Gpu, down: Mm, gu: u64, act: u64, n: usize) -> Result<()> {
     match down.w {
         DevLinear::Quant(q) if n == 1 && qmv_fit(&q).is_some() => {
-            launch_products(gpu, &[down], gu, 1, Input::Glu, MMA_MIN_TOKENS)
+            launch_products(gpu, &[down], gu, 1, Input::Glu)
         }
         w => {
             let cols = match w {
@@ -308,9 +300,18 @@ fn multi_matmul(group: &[(Qw, &Mm)], rows_per_block: impl Fn(&Qw) -> usize) -> (
     (p, blocks)
 }
 
-/// Batches of at least this many tokens take the tensor-core products
-/// (`qmma`, `moe_*_mma` in mma.cu) where the matrices fit them.
+/// Batches of at least this many tokens take the tensor-core experts and
+/// attention (`moe_*_mma`, `attention_mma`).
 pub(super) const MMA_MIN_TOKENS: usize = 16;
+
+/// Products of at least this many tokens (the decode steps of a few
+/// sequences, prefill) take the tensor cores (`qmma` in mma.cu) where the
+/// matrices fit them: a `qmma` tile reads each weight once for all its
+/// tokens, where the general kernel loads every token's activations per
+/// weight word and its cost grows with the tokens (the LM head of eight
+/// decode steps: 0.6 ms against 2.6 on the H100). Their rounding (x split
+/// into bf16 hi/lo pairs) is prefill's.
+const PRODUCT_MMA_MIN_TOKENS: usize = 4;
 
 /// Output rows and tokens per block of `qmma`.
 const MMA_BLOCK_ROWS: usize = 64;
@@ -386,27 +387,20 @@ fn mma_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
     Ok(())
 }
 
-/// [`matmuls_head`] takes the tensor cores from this many tokens: a
-/// `qmma` tile reads each weight once for all of them, where the general
-/// kernel's cost grows with the tokens (the LM head of eight decode steps:
-/// 0.6 ms against 2.6 on the H100).
-const MMA_MIN_TOKENS_HEAD: usize = 4;
-
 fn launch_products(
     gpu: &Gpu,
     ops: &[Mm],
     x: u64,
     n: usize,
     input: Input,
-    mma_min: usize,
 ) -> Result<()> {
-    if n >= mma_min && gpu.mma && input == Input::Plain {
+    if n >= PRODUCT_MMA_MIN_TOKENS && gpu.mma && input == Input::Plain {
         let (tc, rest): (Vec<Mm>, Vec<Mm>) = ops
             .iter()
             .partition(|o| matches!(o.w, DevLinear::Quant(q) if mma_fits(&q)));
         if !tc.is_empty() {
             mma_products(gpu, &tc, x, n)?;
-            return launch_products(gpu, &rest, x, n, input, mma_min);
+            return launch_products(gpu, &rest, x, n, input);
         }
     }
     let nn = n as i32;

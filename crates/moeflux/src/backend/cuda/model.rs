@@ -29,7 +29,7 @@ use crate::model::{LogitsMode, Model};
 
 use super::device::{args, begin_capture, end_capture, DevBuf, Gpu, PinnedArena, PinnedDownload};
 use super::experts::{CachePolicy, CacheStats, ExpertCache};
-use super::linear::{dev_linear, matmuls_head, mm, rms_norm, DevLinear, Qw};
+use super::linear::{dev_linear, matmuls, mm, rms_norm, DevLinear, Qw};
 use super::mla::MlaParams;
 use super::state::GpuState;
 use super::{attention, deltanet, mla, moe, support};
@@ -167,6 +167,9 @@ struct DecodeGraph {
     epoch: u64,
     /// The sequence states whose buffers it writes, one token each.
     states: Vec<u64>,
+    /// The GPU workspace it used (`Gpu::workspace_ptr`; a later batch may
+    /// have grown, and so moved, it).
+    workspace: u64,
 }
 
 /// One sequence's rows of a GPU eval and its state.
@@ -497,6 +500,7 @@ impl CudaModel {
                     graph,
                     epoch: self.epoch,
                     states: states.clone(),
+                    workspace: self.gpu.workspace_ptr(),
                 });
             }
         }
@@ -530,9 +534,11 @@ impl CudaModel {
     /// Whether the captured decode graph matches the current buffers and
     /// writes `states`.
     fn graph_valid(&self, states: &[u64]) -> bool {
-        self.graph
-            .as_ref()
-            .is_some_and(|g| g.epoch == self.epoch && g.states == states)
+        self.graph.as_ref().is_some_and(|g| {
+            g.epoch == self.epoch
+                && g.states == states
+                && g.workspace == self.gpu.workspace_ptr()
+        })
     }
 
     /// The logits of `rows[i]` rows for segment `i`, straight into a
@@ -799,7 +805,7 @@ impl BlockExecutor for GpuStep<'_, '_> {
             at += rows.len();
         }
         let logits = cx.scratch.get(g, "logits", 4 * m * v)?;
-        matmuls_head(g, &[mm(w.lin(lm_head), logits)], normed, m)
+        matmuls(g, &[mm(w.lin(lm_head), logits)], normed, m)
     }
 
     fn read(&mut self, what: Activation) -> Result<Vec<f32>> {
