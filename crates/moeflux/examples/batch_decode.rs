@@ -2,7 +2,10 @@
 //! evaluates one token of every sequence in one forward pass. Prints the
 //! time per step, per token, and where it went, for 1 and N sequences.
 //!
-//!   cargo run --release --example batch_decode -- MODEL_DIR [N] [STEPS] [THREADS] [cpu|cuda]
+//!   cargo run --release --example batch_decode -- MODEL_DIR [N] [STEPS] [THREADS] [cpu|cuda] [nographs]
+//!
+//! `nographs`: every GPU step eager (for `MOEFLUX_CUDA_PROFILE`, which times
+//! eager launches only).
 
 use std::time::Instant;
 
@@ -12,7 +15,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
     let dir = args
         .next()
-        .ok_or("usage: batch_decode MODEL_DIR [N] [STEPS] [THREADS|all] [cpu|cuda]")?;
+        .ok_or("usage: batch_decode MODEL_DIR [N] [STEPS] [THREADS|all] [cpu|cuda] [nographs]")?;
     let n: usize = args.next().map_or(Ok(8), |s| s.parse())?;
     let steps: usize = args.next().map_or(Ok(16), |s| s.parse())?;
     let threads = match args.next().as_deref() {
@@ -22,9 +25,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let backend = args
         .next()
         .map_or(Some(Backend::Cpu), |b| Backend::parse(&b));
+    let cuda_graphs = match args.next().as_deref() {
+        None => true,
+        Some("nographs") => false,
+        Some(a) => return Err(format!("unknown argument '{a}' (nographs)").into()),
+    };
     let opts = SessionOptions {
         threads,
         backend: backend.ok_or("the backend is cpu, cuda or auto")?,
+        cuda_graphs,
         ..Default::default()
     };
     let mut batch = Batch::open(dir.as_ref(), opts)?;

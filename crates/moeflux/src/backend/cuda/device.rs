@@ -77,6 +77,8 @@ const KERNEL_NAMES: &[&str] = &[
     "qmv_b2_nc2_glu",
     "qmv_b48",
     "qmv_b48_nc2",
+    "qmv_b4_t4",
+    "qmv_b8_t4",
     "moe_gate_up_qmv_b4",
     "moe_gate_up_qmv_b8",
     "moe_gate_up_qmv_b2",

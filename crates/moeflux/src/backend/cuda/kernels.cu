@@ -572,19 +572,26 @@ struct QmvFetch {
 // the same 512-byte slice of its rows: its activations are loaded once.
 // Rows with more slices than a row group has warps (over 8, or not a
 // power of two) take the sets one by one (qmv_body).
-template <int BITS, int NC, bool GLU>
-__device__ __forceinline__ void qmv_stream_body(const MultiMatmul& mm, const float* x) {
+// T > 1: tokens T * blockIdx.y .. of the n in x, each with its activations
+// in registers (the host sends only the streaming layout, plain inputs),
+// every token's sums computed as the one-token kernel computes them.
+template <int BITS, int NC, bool GLU, int T = 1>
+__device__ __forceinline__ void qmv_stream_body(const MultiMatmul& mm, const float* x, int n = 1) {
+    static_assert(T == 1 || !GLU, "SwiGLU inputs are one token's");
     constexpr int EPL = 128 / BITS;
     constexpr int EPW = 32 / BITS;
     const int nsets = mm.first_block[mm.count];
     QmvGeom G = qmv_geom(mm.q[0].cols, BITS);
     if (G.slices > G.parts) {
-        for (int set = blockIdx.x; set < nsets; set += gridDim.x) {
-            qmv_body<BITS, NC, GLU>(mm, set_matrix(mm, set), set, x);
-            __syncthreads();  // qmv_chunks' shared sums are reused
+        if constexpr (T == 1) {
+            for (int set = blockIdx.x; set < nsets; set += gridDim.x) {
+                qmv_body<BITS, NC, GLU>(mm, set_matrix(mm, set), set, x);
+                __syncthreads();  // qmv_chunks' shared sums are reused
+            }
         }
         return;
     }
+    const int t0 = blockIdx.y * T, nt = min(T, n - t0);
     int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int part = w % G.parts;
     int wpb = 8 / G.parts;
@@ -614,44 +621,62 @@ __device__ __forceinline__ void qmv_stream_body(const MultiMatmul& mm, const flo
     int set = blockIdx.x;
     if (set < nsets) fetch(set, cur);
     PDL_WAIT();
-    float xv[EPL];
-    float xs = GLU ? load_glu<EPL>(x + c0, x + mm.q[0].cols + c0, xv) : load_acts<EPL>(x + c0, xv);
+    const int cols = mm.q[0].cols;
+    float xv[T][EPL], xs[T];
 #pragma unroll
-    for (int e = 0; e < EPL; e++) xv[e] *= code_prescale<BITS>(e % EPW);
-    __shared__ float red[2][8][NC];  // two, so one barrier per set suffices
+    for (int t = 0; t < T; t++) {
+        // (tokens past n repeat the last one; their sums are not stored)
+        const float* xt = x + (long)(t0 + min(t, nt - 1)) * cols;
+        xs[t] = GLU ? load_glu<EPL>(xt + c0, xt + cols + c0, xv[t]) : load_acts<EPL>(xt + c0, xv[t]);
+#pragma unroll
+        for (int e = 0; e < EPL; e++) xv[t][e] *= code_prescale<BITS>(e % EPW);
+    }
+    __shared__ float red[2][8][T][NC];  // two, so one barrier per set suffices
     for (int it = 0; set < nsets; set += gridDim.x, it ^= 1) {
         if (set + (int)gridDim.x < nsets) fetch(set + gridDim.x, next);
-        float acc[NC];
+        float acc[T][NC];
 #pragma unroll
-        for (int i = 0; i < NC; i++) acc[i] = fmaf(cur.s[i], chunk_dot<BITS>(cur.w[i], xv), cur.b[i] * xs);
+        for (int t = 0; t < T; t++)
 #pragma unroll
-        for (int i = 0; i < NC; i++)
+            for (int i = 0; i < NC; i++) acc[t][i] = fmaf(cur.s[i], chunk_dot<BITS>(cur.w[i], xv[t]), cur.b[i] * xs[t]);
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1)
-                if (o < G.lpr) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], o);
+        for (int t = 0; t < T; t++)
+#pragma unroll
+            for (int i = 0; i < NC; i++)
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1)
+                    if (o < G.lpr) acc[t][i] += __shfl_xor_sync(0xffffffffu, acc[t][i], o);
         if (G.parts > 1) {
             if (lane == 0)
 #pragma unroll
-                for (int i = 0; i < NC; i++) red[it][w][i] = acc[i];
+                for (int t = 0; t < T; t++)
+#pragma unroll
+                    for (int i = 0; i < NC; i++) red[it][w][t][i] = acc[t][i];
             __syncthreads();
             if (part == 0)
 #pragma unroll
-                for (int i = 0; i < NC; i++) {
-                    float v = 0.0f;
-                    for (int c = 0; c < G.parts; c++) v += red[it][w + c][i];
-                    acc[i] = v;
-                }
+                for (int t = 0; t < T; t++)
+#pragma unroll
+                    for (int i = 0; i < NC; i++) {
+                        float v = 0.0f;
+                        for (int c = 0; c < G.parts; c++) v += red[it][w + c][t][i];
+                        acc[t][i] = v;
+                    }
         }
         if (part == 0 && lane % G.lpr == 0) {
             int m = set_matrix(mm, set);
             int rows = mm.q[m].rows;
             bool add = (mm.accumulate >> m) & 1;
-            float* out = mm.out[m];
             long rg = (long)(set - mm.first_block[m]) * wpb + w / G.parts;
 #pragma unroll
-            for (int i = 0; i < NC; i++) {
-                long r = (rg * NC + i) * G.rpc + lane / G.lpr;
-                if (r < rows) out[r] = add ? out[r] + acc[i] : acc[i];
+            for (int t = 0; t < T; t++) {
+                if (t >= nt) break;
+                float* out = mm.out[m] + (long)(t0 + t) * rows;
+#pragma unroll
+                for (int i = 0; i < NC; i++) {
+                    long r = (rg * NC + i) * G.rpc + lane / G.lpr;
+                    if (r < rows) out[r] = add ? out[r] + acc[t][i] : acc[t][i];
+                }
             }
         }
         cur = next;
@@ -682,6 +707,18 @@ __device__ __forceinline__ void qmv_stream_body(const MultiMatmul& mm, const flo
 QMV_KERNELS(4)
 QMV_KERNELS(8)
 QMV_KERNELS(2)
+
+// A few tokens (the decode steps of several sequences): QMV_TOKENS per
+// blockIdx.y, two chunks per warp and set (the activations of four tokens
+// take the registers), 4- and 8-bit codes, plain inputs.
+#define QMV_TOKENS 4
+#define QMV_MULTI_KERNEL(B)                                                                        \
+    extern "C" __global__ void __launch_bounds__(256, 1) qmv_b##B##_t4(MultiMatmul mm, const float* x, int n) { \
+        PDL_TRIGGER();                                                                             \
+        qmv_stream_body<B, 2, false, QMV_TOKENS>(mm, x, n);                                        \
+    }
+QMV_MULTI_KERNEL(4)
+QMV_MULTI_KERNEL(8)
 
 // A group of 4- and 8-bit matrices in one launch (a MoE block's 8-bit
 // router and gate with its 4-bit shared expert): the width is chosen per

@@ -202,6 +202,60 @@ fn qmv_fit(q: &Qw) -> Option<usize> {
     qmv_rows_per_block(q.cols as usize, q.bits as usize, q.gs as usize, QMV_CHUNKS)
 }
 
+/// Tokens per block row of the few-token activation-stationary kernels
+/// (`QMV_TOKENS` in kernels.cu: `qmv_b4_t4`, `qmv_b8_t4`).
+const QMV_TOKENS: usize = 4;
+
+/// Whether the few-token kernels take `q`: the one-token kernels' layout
+/// in its streaming form (rows of at most eight 512-byte slices, a power
+/// of two of them), 4- or 8-bit codes (2-bit ones would need twice the
+/// registers).
+fn qmv_multi_fit(q: &Qw) -> bool {
+    let rb = q.cols as usize * q.bits as usize / 8;
+    matches!(q.bits, 4 | 8)
+        && qmv_fit(q).is_some()
+        && (rb < 512 || (rb / 512).is_power_of_two() && rb / 512 <= 8)
+}
+
+/// Products of a few tokens (2 to [`MMA_MIN_TOKENS`] - 1: the decode steps
+/// of several sequences) with the one-token kernels' arithmetic: each
+/// token's activations stay in registers while the weights stream past, so
+/// the weights are read once per [`QMV_TOKENS`] tokens and every token's
+/// result is bitwise what it would be alone. Matrices of one width, four
+/// to a launch; [`qmv_multi_fit`] must hold for each.
+fn qmv_multi_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
+    const CHUNKS: usize = 2; // the kernels' chunks per warp and set
+    let nn = n as i32;
+    for bits in [4, 8] {
+        let same: Vec<(Qw, &Mm)> = ops
+            .iter()
+            .filter_map(|o| match o.w {
+                DevLinear::Quant(q) if q.bits == bits => Some((q, o)),
+                _ => None,
+            })
+            .collect();
+        for group in same.chunks(4) {
+            let (p, sets) = multi_matmul(group, |q| {
+                qmv_rows_per_block(q.cols as usize, q.bits as usize, q.gs as usize, CHUNKS)
+                    .expect("qmv_multi_fit accepted the layout")
+            });
+            let grid = ((sets as u32).min(gpu.sms), n.div_ceil(QMV_TOKENS) as u32, 1);
+            // SAFETY: `qmv_b*_t4` in kernels.cu; qmv_multi_fit checked the
+            // layouts, the caller sized x and every output for n tokens.
+            unsafe {
+                gpu.launch(
+                    &format!("qmv_{}_t4", kernel_suffix(bits)),
+                    grid,
+                    256,
+                    0,
+                    &mut args!(p, x, nn),
+                )?
+            };
+        }
+    }
+    Ok(())
+}
+
 /// Products of one launch: the `qmv` width class (`None`: the general
 /// kernels) and each matrix.
 type LaunchGroup<'a> = (Option<i32>, Vec<(Qw, &'a Mm)>);
@@ -304,11 +358,11 @@ fn multi_matmul(group: &[(Qw, &Mm)], rows_per_block: impl Fn(&Qw) -> usize) -> (
 /// attention (`moe_*_mma`, `attention_mma`).
 pub(super) const MMA_MIN_TOKENS: usize = 16;
 
-/// Products of at least this many tokens (the decode steps of a few
-/// sequences, prefill) take the tensor cores (`qmma` in mma.cu) where the
-/// matrices fit them: a `qmma` tile reads each weight once for all its
+/// Products of at least this many tokens that the few-token kernels do not
+/// take ([`qmv_multi_fit`]) go to the tensor cores (`qmma` in mma.cu) where
+/// the matrices fit them: a `qmma` tile reads each weight once for all its
 /// tokens, where the general kernel loads every token's activations per
-/// weight word and its cost grows with the tokens (the LM head of eight
+/// weight word and its cost grows with the tokens (an LM head of eight
 /// decode steps: 0.6 ms against 2.6 on the H100). Their rounding (x split
 /// into bf16 hi/lo pairs) is prefill's.
 const PRODUCT_MMA_MIN_TOKENS: usize = 4;
@@ -387,13 +441,16 @@ fn mma_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
     Ok(())
 }
 
-fn launch_products(
-    gpu: &Gpu,
-    ops: &[Mm],
-    x: u64,
-    n: usize,
-    input: Input,
-) -> Result<()> {
+fn launch_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize, input: Input) -> Result<()> {
+    if n > 1 && n < MMA_MIN_TOKENS && input == Input::Plain {
+        let (few, rest): (Vec<Mm>, Vec<Mm>) = ops
+            .iter()
+            .partition(|o| matches!(o.w, DevLinear::Quant(q) if qmv_multi_fit(&q)));
+        if !few.is_empty() {
+            qmv_multi_products(gpu, &few, x, n)?;
+            return launch_products(gpu, &rest, x, n, input);
+        }
+    }
     if n >= PRODUCT_MMA_MIN_TOKENS && gpu.mma && input == Input::Plain {
         let (tc, rest): (Vec<Mm>, Vec<Mm>) = ops
             .iter()

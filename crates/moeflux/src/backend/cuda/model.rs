@@ -535,9 +535,7 @@ impl CudaModel {
     /// writes `states`.
     fn graph_valid(&self, states: &[u64]) -> bool {
         self.graph.as_ref().is_some_and(|g| {
-            g.epoch == self.epoch
-                && g.states == states
-                && g.workspace == self.gpu.workspace_ptr()
+            g.epoch == self.epoch && g.states == states && g.workspace == self.gpu.workspace_ptr()
         })
     }
 
