@@ -124,18 +124,16 @@ pub(super) fn forward(
     for run in MixerRun::split(seqs) {
         let sq = match run {
             MixerRun::Decode(run) => {
-                let full =
-                    |sq: &SeqRows| matches!(sq.state.layers.get(i), Some(GpuLayerState::Full(_)));
-                if !run.iter().all(full) {
-                    return Err(state_error(i));
-                }
+                let tab = cx
+                    .decode_table(i, run, |l| matches!(l, GpuLayerState::Full(_)))
+                    .ok_or_else(|| state_error(i))?;
                 let first = &run[0];
                 let r0 = first.seg.rows.start as u64;
                 let rows = run.len() as u32;
                 let (qg, k, v) = (qg + r0 * qs, k + r0 * ks, v + r0 * ks);
                 let (q, attn) = (q + r0 * hs, attn + r0 * hs);
                 let gate = if a.output_gate { gate + r0 * hs } else { 0 };
-                let (pos, tab, none) = (first.pos, cx.seq_table(i, first), 0u64);
+                let (pos, none) = (first.pos, 0u64);
                 // SAFETY: `attn_prep` and `attention` in kernels.cu, a row
                 // per sequence: the table holds each one's K and V cache
                 // (grown for its token before the eval), `pos` its

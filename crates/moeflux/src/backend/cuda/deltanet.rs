@@ -130,15 +130,13 @@ pub(super) fn forward(
     );
     let kk = conv_kernel as i32;
     let (nk_i, nv_i, dk_i, dv_i) = (nk as i32, nv as i32, dk as i32, dv as i32);
-    let linear = |sq: &SeqRows| matches!(sq.state.layers.get(i), Some(GpuLayerState::Linear(_)));
     for run in MixerRun::split(seqs) {
         let sq = match run {
             MixerRun::Decode(run) => {
-                if !run.iter().all(linear) {
-                    return Err(state_error(i));
-                }
-                let first = &run[0];
-                let r0 = first.seg.rows.start as u64;
+                let tab = cx
+                    .decode_table(i, run, |l| matches!(l, GpuLayerState::Linear(_)))
+                    .ok_or_else(|| state_error(i))?;
+                let r0 = run[0].seg.rows.start as u64;
                 let rows = run.len();
                 // The projections' raw rows, convolved in place (nobody
                 // else reads them).
@@ -148,7 +146,7 @@ pub(super) fn forward(
                     b + 4 * r0 * nv as u64,
                     y + 4 * r0 * vd as u64,
                 );
-                let (one, tab, none) = (1i32, cx.seq_table(i, first), 0u64);
+                let (one, none) = (1i32, 0u64);
                 // SAFETY: `conv_qk_norm` and `delta_rule` in kernels.cu, a
                 // row per sequence: the table holds each one's conv and
                 // recurrent state, the scratch buffers n rows.

@@ -31,7 +31,7 @@ use super::device::{args, begin_capture, end_capture, DevBuf, Gpu, PinnedArena, 
 use super::experts::{CachePolicy, CacheStats, ExpertCache};
 use super::linear::{dev_linear, matmuls, mm, rms_norm, DevLinear, Qw};
 use super::mla::MlaParams;
-use super::state::GpuState;
+use super::state::{GpuLayerState, GpuState};
 use super::{attention, deltanet, mla, moe, support};
 
 /// Where a model's weights are on the device: the dense file (matrices by
@@ -671,10 +671,20 @@ impl MixerRun<'_, '_> {
 }
 
 impl Ctx<'_> {
-    /// Device address of layer `layer`'s sequence-table entries from the
-    /// segment `seq`'s on.
-    pub fn seq_table(&self, layer: usize, seq: &SeqRows) -> u64 {
-        self.seq_tab + 16 * (layer * self.segments + seq.index) as u64
+    /// Device address of layer `layer`'s sequence-table entries for the
+    /// decode batch `run` (from its first segment's on), or `None` when a
+    /// sequence's state of that layer is not of the mixer's kind (`fits`).
+    pub fn decode_table(
+        &self,
+        layer: usize,
+        run: &[SeqRows],
+        fits: impl Fn(&GpuLayerState) -> bool,
+    ) -> Option<u64> {
+        let ok = run
+            .iter()
+            .all(|sq| sq.state.layers.get(layer).is_some_and(&fits));
+        let first = run.first()?;
+        ok.then(|| self.seq_tab + 16 * (layer * self.segments + first.index) as u64)
     }
 }
 
