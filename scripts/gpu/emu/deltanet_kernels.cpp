@@ -95,7 +95,7 @@ static void test_chunked(Shape s, int n1, int n2, float a_lim, float log_lo, flo
         emu_launch({(unsigned)s.nv, (unsigned)(s.dv / GDN_R), 1}, 256,
                    [&] { gdn_chunk_scan(mp, wsp, sp, n, s.nk, s.nv, s.dk, s.dv, yp); });
         emu_launch({(unsigned)s.nv, (unsigned)((s.dv + 31) / 32), 1}, 256,
-                   [&] { delta_rule(mp, ap, bp, alp, dtp, sdp, n, s.nk, s.nv, s.dk, s.dv, ydp); });
+                   [&] { delta_rule(mp, ap, bp, alp, dtp, sdp, n, s.nk, s.nv, s.dk, s.dv, ydp, nullptr); });
         std::vector<double> ry;
         reference(s, n, in, a_log, dt_bias, rstate, ry);
         char tag[96], name[160];

@@ -131,6 +131,64 @@ static void test_qmv_group(int rows_a, int rows_b, int cols, bool nc2, bool glu 
     check(name, got, want, 1e-5);
 }
 
+// Products of a few tokens (qmv_b4_t4 / qmv_b8_t4: four tokens per blockIdx.y, two chunks
+// per warp and set): every token's rows equal, bit for bit, the one-token kernel's (qmv_b4 or
+// qmv_b8, four chunks) on that token alone, which is what makes a decode batch equal each
+// sequence run alone; and the double-precision product within 1e-5.
+static void test_qmv_tokens(int rows_a, int rows_b, int cols, int bits, int n, unsigned grid = 0) {
+    HostQ A(rows_a, cols, bits), B(rows_b, cols, bits);
+    std::vector<float> x((size_t)n * cols);
+    for (auto& v : x) v = urand();
+    std::vector<float> oa((size_t)n * rows_a, NAN), ob((size_t)n * rows_b);
+    for (auto& v : ob) v = urand();
+    std::vector<float> ob0 = ob;
+    int ba = (rows_a + qmv_rpb(cols, 2, bits) - 1) / qmv_rpb(cols, 2, bits);
+    int bb = (rows_b + qmv_rpb(cols, 2, bits) - 1) / qmv_rpb(cols, 2, bits);
+    unsigned sets = ba + bb;
+    if (grid == 0 || grid > sets) grid = sets;
+    {
+        MultiMatmul mm = two_products(A, B, oa.data(), ob.data(), ba, bb);
+        mm.q[0].rows = rows_a; mm.q[1].rows = rows_b;
+        const float* xp = x.data();
+        emu_launch({grid, (unsigned)((n + 3) / 4), 1}, 256, [&] {
+            if (bits == 8) qmv_b8_t4(mm, xp, n); else qmv_b4_t4(mm, xp, n);
+        });
+    }
+    // Each token alone through the one-token kernel.
+    std::vector<float> sa((size_t)n * rows_a, NAN), sb = ob0;
+    int ba1 = (rows_a + qmv_rpb(cols, 4, bits) - 1) / qmv_rpb(cols, 4, bits);
+    int bb1 = (rows_b + qmv_rpb(cols, 4, bits) - 1) / qmv_rpb(cols, 4, bits);
+    for (int t = 0; t < n; t++) {
+        MultiMatmul mm = two_products(A, B, &sa[(size_t)t * rows_a], &sb[(size_t)t * rows_b], ba1, bb1);
+        const float* xp = &x[(size_t)t * cols];
+        emu_launch({(unsigned)(ba1 + bb1), 1, 1}, 256, [&] {
+            if (bits == 8) qmv_b8(mm, xp); else qmv_b4(mm, xp);
+        });
+    }
+    std::vector<float> got(oa), alone(sa);
+    got.insert(got.end(), ob.begin(), ob.end());
+    alone.insert(alone.end(), sb.begin(), sb.end());
+    std::vector<double> want;
+    for (int t = 0; t < n; t++)
+        for (int r = 0; r < rows_a; r++) {
+            double acc = 0;
+            for (int j = 0; j < cols; j++) acc += (double)A.deq[(size_t)r * cols + j] * x[(size_t)t * cols + j];
+            want.push_back(acc);
+        }
+    for (int t = 0; t < n; t++)
+        for (int r = 0; r < rows_b; r++) {
+            double acc = ob0[(size_t)t * rows_b + r];
+            for (int j = 0; j < cols; j++) acc += (double)B.deq[(size_t)r * cols + j] * x[(size_t)t * cols + j];
+            want.push_back(acc);
+        }
+    char name[128];
+    snprintf(name, sizeof name, "qmv_b%d_t4 %dx%d + %dx%d, n%d, %u of %u blocks", bits, rows_a, cols, rows_b, cols,
+             n, grid, sets);
+    check(name, got, want, 1e-5);
+    snprintf(name, sizeof name, "qmv_b%d_t4 n%d = qmv_b%d per token", bits, n, bits);
+    check(name, got, std::vector<double>(alone.begin(), alone.end()), 0.0);
+}
+
 // model/rope.rs Rope::apply
 static void rope_ref(double* x, int r, long pos, double ps, const std::vector<double>& inv, float ms) {
     double p = pos * ps;
@@ -384,6 +442,12 @@ int main() {
         test_qmv_group(40, 48, 512, nc2, false, true);    // 512 and 256 bytes
         test_qmv_group(24, 40, 256, nc2, false, true);    // 256 and 128 bytes: rows per chunk differ
     }
+    // A few tokens at once (decode batches)
+    test_qmv_tokens(72, 40, 2048, 4, 3);      // rows of 1024 bytes, one partial token group
+    test_qmv_tokens(96, 64, 512, 4, 8);       // 256 bytes: two rows per chunk, two full groups
+    test_qmv_tokens(40, 24, 4096, 4, 13, 3);  // 2048 bytes, fewer blocks than sets
+    test_qmv_tokens(64, 40, 2048, 8, 5);      // 8-bit rows of 2048 bytes
+    test_qmv_tokens(48, 16, 512, 8, 2, 1);    // 8-bit, one block streaming every set
     test_route_softmax(256, 8, true, 6, false);    // Qwen3.5/3.6 MoE
     test_route_softmax(256, 8, true, 6, true);
     test_route_softmax(512, 10, true, 5, false);   // Qwen3.5-397B

@@ -200,9 +200,9 @@ static void test_attention_mma(int nh, int nkv, int hd, int start, int n, bool g
         const long* pp = &start_l;
         emu_launch({(unsigned)nh, (unsigned)n, 1}, 256, [&] {
             if (gated)
-                attention(pq, pk, pv, pg, nh, nkv, hd, pp, scale, po);
+                attention(pq, pk, pv, pg, nh, nkv, hd, pp, scale, po, nullptr);
             else
-                attention_plain(pq, pk, pv, pg, nh, nkv, hd, pp, scale, po);
+                attention_plain(pq, pk, pv, pg, nh, nkv, hd, pp, scale, po, nullptr);
         });
     } else {
         const float *pq = q.data(), *pg = gated ? gate.data() : nullptr;

@@ -40,7 +40,7 @@ static void test_conv_qk_norm(int nk, int nv, int dk, int dv, int kk, int n) {
     {
         float* mp = mixed.data(); const float* wp = w.data(); float* sp = state.data();
         emu_launch({(unsigned)(2 * nk + nv), 1, 1}, (unsigned)std::max(dk, dv),
-                   [&] { conv_qk_norm(mp, wp, sp, nk, dk, nv, dv, kk, n); });
+                   [&] { conv_qk_norm(mp, wp, sp, nk, dk, nv, dv, kk, n, nullptr); });
         const float* rp = m0.data(); float *bp = bmixed.data(), *bsp = bstate.data();
         emu_launch({(unsigned)(2 * nk + nv), (unsigned)((n + CONV_TILE - 1) / CONV_TILE), 1},
                    (unsigned)std::max(dk, dv), [&] { conv_qk_norm_batch(rp, bp, wp, bsp, nk, dk, nv, dv, kk, n); });
@@ -114,7 +114,7 @@ static void test_delta_rule(int nk, int nv, int dk, int dv, int n, int calls) {
                         *dtp = dt_bias.data(), *zp = z.data(), *nwp = norm_w.data();
             float *sp = state.data(), *yp = y.data(), *op = out.data();
             emu_launch({(unsigned)nv, (unsigned)((dv + 31) / 32), 1}, 256,
-                       [&] { delta_rule(mp, ap, bp, alp, dtp, sp, n, nk, nv, dk, dv, yp); });
+                       [&] { delta_rule(mp, ap, bp, alp, dtp, sp, n, nk, nv, dk, dv, yp, nullptr); });
             emu_launch({(unsigned)nv, (unsigned)n, 1}, dv, [&] { gated_norm(yp, zp, nwp, eps, dv, op); });
         }
         std::vector<double> ry((size_t)n * vd), rout((size_t)n * vd);
@@ -232,7 +232,7 @@ static void test_attn_prep(int nh, int nkv, int hd, int half_rot, int n, long st
         const long* pp = &pos;
         float *qo = q_out.data(), *go = f.gated ? gate_out.data() : nullptr, *kcp = kc.data(), *vcp = vc.data();
         emu_launch({(unsigned)(nh + nkv), (unsigned)n, 1}, (unsigned)hd, [&] {
-            attn_prep(qp, kp, vp, P, ip, half_rot, nh, nkv, hd, eps, pp, ps, qo, go, kcp, vcp);
+            attn_prep(qp, kp, vp, P, ip, half_rot, nh, nkv, hd, eps, pp, ps, qo, go, kcp, vcp, nullptr);
         });
     }
     // (src + bias), rms_norm with w (when norms), then Rope::apply at position p * ps.
@@ -293,6 +293,145 @@ static void test_attn_prep(int nh, int nkv, int hd, int half_rot, int n, long st
     printf("%-48s %ld changed %s\n", "  other cache rows", changed, changed ? "FAIL" : "ok");
 }
 
+// ---------------------------------------------------------------------------------------
+// Decode batches: one launch over `b` sequences' one tokens, each row's states (conv and
+// recurrent, or K/V caches) and position from the sequence table, equal bit for bit to each
+// sequence's token run alone (conv_qk_norm, delta_rule, attn_prep, attention).
+
+static void eq_bits(const char* what, const std::vector<float>& got, const std::vector<float>& alone) {
+    check(what, got, std::vector<double>(alone.begin(), alone.end()), 0.0);
+}
+
+static void test_deltanet_batch(int nk, int nv, int dk, int dv, int kk, int b) {
+    int kd = nk * dk, cd = 2 * kd + nv * dv, vd = nv * dv, hist = kk - 1;
+    size_t conv_n = (size_t)hist * cd, rec_n = (size_t)nv * dv * dk;
+    std::vector<float> w((size_t)cd * kk), a_log(nv), dt_bias(nv);
+    for (auto& v : w) v = urand(-0.6f, 0.6f);
+    for (auto& v : a_log) v = urand(-1, 1);
+    for (auto& v : dt_bias) v = urand(-1, 1);
+    std::vector<float> mixed((size_t)b * cd), a((size_t)b * nv), bb((size_t)b * nv);
+    for (auto& v : mixed) v = urand(-2, 2);
+    for (auto& v : a) v = urand(-3, 3);
+    for (auto& v : bb) v = urand(-3, 3);
+    // Each sequence's states in their own buffers, in an order unlike the rows'.
+    std::vector<std::vector<float>> conv(b, std::vector<float>(conv_n)), rec(b, std::vector<float>(rec_n));
+    for (auto& st : conv) for (auto& v : st) v = urand(-2, 2);
+    for (auto& st : rec) for (auto& v : st) v = urand(-0.5f, 0.5f);
+    auto conv1 = conv, rec1 = rec;
+    std::vector<unsigned long long> tab(2 * b);
+    for (int r = 0; r < b; r++) {
+        tab[2 * r] = (unsigned long long)conv[b - 1 - r].data();
+        tab[2 * r + 1] = (unsigned long long)rec[b - 1 - r].data();
+    }
+    std::vector<float> y((size_t)b * vd, NAN), bmixed = mixed;
+    {
+        float* mp = bmixed.data();
+        const float *wp = w.data(), *ap = a.data(), *bp = bb.data(), *alp = a_log.data(), *dtp = dt_bias.data();
+        const unsigned long long* tp = tab.data();
+        float* yp = y.data();
+        emu_launch({(unsigned)(2 * nk + nv), (unsigned)b, 1}, (unsigned)std::max(dk, dv),
+                   [&] { conv_qk_norm(mp, wp, nullptr, nk, dk, nv, dv, kk, 1, tp); });
+        emu_launch({(unsigned)nv, (unsigned)((dv + 31) / 32), (unsigned)b}, 256,
+                   [&] { delta_rule(mp, ap, bp, alp, dtp, nullptr, 1, nk, nv, dk, dv, yp, tp); });
+    }
+    std::vector<float> y1((size_t)b * vd, NAN), mixed1 = mixed;
+    for (int r = 0; r < b; r++) {
+        int s = b - 1 - r;
+        float* mp = &mixed1[(size_t)r * cd];
+        const float *wp = w.data(), *ap = &a[(size_t)r * nv], *bp = &bb[(size_t)r * nv], *alp = a_log.data(),
+                    *dtp = dt_bias.data();
+        float *cp = conv1[s].data(), *sp = rec1[s].data(), *yp = &y1[(size_t)r * vd];
+        emu_launch({(unsigned)(2 * nk + nv), 1, 1}, (unsigned)std::max(dk, dv),
+                   [&] { conv_qk_norm(mp, wp, cp, nk, dk, nv, dv, kk, 1, nullptr); });
+        emu_launch({(unsigned)nv, (unsigned)((dv + 31) / 32), 1}, 256,
+                   [&] { delta_rule(mp, ap, bp, alp, dtp, sp, 1, nk, nv, dk, dv, yp, nullptr); });
+    }
+    char name[128];
+    snprintf(name, sizeof name, "decode batch b%d conv_qk_norm mixed", b);
+    eq_bits(name, bmixed, mixed1);
+    snprintf(name, sizeof name, "decode batch b%d delta_rule y", b);
+    eq_bits(name, y, y1);
+    for (int s = 0; s < b; s++) {
+        snprintf(name, sizeof name, "decode batch b%d seq%d conv state", b, s);
+        eq_bits(name, conv[s], conv1[s]);
+        snprintf(name, sizeof name, "decode batch b%d seq%d recurrent state", b, s);
+        eq_bits(name, rec[s], rec1[s]);
+    }
+}
+
+static void test_attention_batch(int nh, int nkv, int hd, int half_rot, AttnFlavour f, std::vector<long> pos) {
+    int b = (int)pos.size(), qs = f.gated ? 2 * hd : hd;
+    long row = (long)nkv * hd;
+    float eps = 1e-6f, scale = 1.0f / sqrtf((float)hd);
+    std::vector<float> qg((size_t)b * nh * qs), k((size_t)b * row), v((size_t)b * row), q_norm(hd), k_norm(hd),
+        qb((size_t)nh * qs), kb(row), vb(row);
+    for (auto* buf : {&qg, &k, &v, &qb, &kb, &vb}) for (auto& x : *buf) x = urand(-2, 2);
+    for (auto& x : q_norm) x = urand(0.5f, 1.5f);
+    for (auto& x : k_norm) x = urand(0.5f, 1.5f);
+    std::vector<double> inv(half_rot);
+    for (int i = 0; i < half_rot; i++) inv[i] = pow(1e6, -2.0 * i / (2.0 * half_rot));
+    // Sequence r's caches: its earlier rows random, room past its position.
+    std::vector<std::vector<float>> kc(b), vc(b);
+    for (int r = 0; r < b; r++) {
+        kc[r].resize((size_t)(pos[r] + 4) * row);
+        vc[r].resize(kc[r].size());
+        for (auto& x : kc[r]) x = urand(-1.5f, 1.5f);
+        for (auto& x : vc[r]) x = urand(-2, 2);
+    }
+    auto kc1 = kc, vc1 = vc;
+    std::vector<unsigned long long> tab(2 * b);
+    for (int r = 0; r < b; r++) tab[2 * r] = (unsigned long long)kc[r].data(), tab[2 * r + 1] = (unsigned long long)vc[r].data();
+    AttnParts P{f.bias ? qb.data() : nullptr, f.bias ? kb.data() : nullptr, f.bias ? vb.data() : nullptr,
+                f.norms ? q_norm.data() : nullptr, f.norms ? k_norm.data() : nullptr, f.gated};
+    size_t qn = (size_t)b * nh * hd;
+    std::vector<float> q(qn, NAN), gate(f.gated ? qn : 0, NAN), out(qn, NAN);
+    {
+        const float *qp = qg.data(), *kp = k.data(), *vp = v.data();
+        const double* ip = inv.data();
+        const long* pp = pos.data();
+        const unsigned long long* tp = tab.data();
+        float *qo = q.data(), *go = f.gated ? gate.data() : nullptr, *op = out.data();
+        emu_launch({(unsigned)(nh + nkv), (unsigned)b, 1}, (unsigned)hd, [&] {
+            attn_prep(qp, kp, vp, P, ip, half_rot, nh, nkv, hd, eps, pp, 1.0, qo, go, nullptr, nullptr, tp);
+        });
+        emu_launch({(unsigned)nh, (unsigned)b, 1}, 256, [&] {
+            if (f.gated) attention(qo, nullptr, nullptr, go, nh, nkv, hd, pp, scale, op, tp);
+            else attention_plain(qo, nullptr, nullptr, go, nh, nkv, hd, pp, scale, op, tp);
+        });
+    }
+    std::vector<float> q1(qn, NAN), gate1(gate.size(), NAN), out1(qn, NAN);
+    for (int r = 0; r < b; r++) {
+        const float *qp = &qg[(size_t)r * nh * qs], *kp = &k[(size_t)r * row], *vp = &v[(size_t)r * row];
+        const double* ip = inv.data();
+        const long* pp = &pos[r];
+        float *qo = &q1[(size_t)r * nh * hd], *go = f.gated ? &gate1[(size_t)r * nh * hd] : nullptr,
+              *op = &out1[(size_t)r * nh * hd], *kcp = kc1[r].data(), *vcp = vc1[r].data();
+        emu_launch({(unsigned)(nh + nkv), 1, 1}, (unsigned)hd, [&] {
+            attn_prep(qp, kp, vp, P, ip, half_rot, nh, nkv, hd, eps, pp, 1.0, qo, go, kcp, vcp, nullptr);
+        });
+        emu_launch({(unsigned)nh, 1, 1}, 256, [&] {
+            if (f.gated) attention(qo, kcp, vcp, go, nh, nkv, hd, pp, scale, op, nullptr);
+            else attention_plain(qo, kcp, vcp, go, nh, nkv, hd, pp, scale, op, nullptr);
+        });
+    }
+    char name[128];
+    snprintf(name, sizeof name, "decode batch b%d nh%d nkv%d hd%d%s q", b, nh, nkv, hd, f.gated ? " gated" : "");
+    eq_bits(name, q, q1);
+    if (f.gated) {
+        snprintf(name, sizeof name, "decode batch b%d gate", b);
+        eq_bits(name, gate, gate1);
+    }
+    snprintf(name, sizeof name, "decode batch b%d attention out", b);
+    eq_bits(name, out, out1);
+    for (int r = 0; r < b; r++) {
+        snprintf(name, sizeof name, "decode batch b%d seq%d pos%ld caches", b, r, pos[r]);
+        std::vector<float> both(kc[r]), both1(kc1[r]);
+        both.insert(both.end(), vc[r].begin(), vc[r].end());
+        both1.insert(both1.end(), vc1[r].begin(), vc1[r].end());
+        eq_bits(name, both, both1);
+    }
+}
+
 int main() {
     // Qwen3.5-style: 16 key heads, 32 value heads of 128, kernel 4
     test_conv_qk_norm(16, 32, 128, 128, 4, 1);
@@ -316,6 +455,10 @@ int main() {
     test_attn_prep(12, 2, 128, 32, 2, 6, 1e6, 1.0, glm);       // GLM-4.6: biases, norms, half rotary
     test_attn_prep(12, 4, 128, 32, 3, 0, 1e6, 1.0, glm_air);   // GLM-4.5-Air: biases, no norms
     test_attn_prep(4, 2, 64, 16, 2, 3, 1e4, 1.0, {true, false, true});  // every part independent
+    test_deltanet_batch(2, 4, 128, 64, 4, 3);  // dv < dk: two row blocks per head
+    test_deltanet_batch(4, 8, 64, 128, 4, 5);  // dk < dv
+    test_attention_batch(8, 2, 128, 32, qwen35, {5, 0, 23, 9});  // positions apart, one at 0
+    test_attention_batch(12, 4, 64, 32, glm, {3, 17});
     printf(fails ? "%d FAILED\n" : "all ok\n", fails);
     return fails != 0;
 }

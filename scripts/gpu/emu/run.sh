@@ -7,9 +7,11 @@
 #   mla_kernels.cpp   MLA (mla_prep, mla_attention, the per-head products), the routers
 #                     (moe_route_noaux, moe_route_c*), the one-token grouped products
 #                     (qmv_b4, qmv_b4_nc2, their SwiGLU-input _glu variants, and
-#                     qmv_b48/_nc2 over 4- and 8-bit matrices in one launch)
+#                     qmv_b48/_nc2 over 4- and 8-bit matrices in one launch), the few-token
+#                     products (qmv_b4_t4, qmv_b8_t4) equal to the one-token ones per token
 #   qwen_kernels.cpp  GatedDeltaNet (conv_qk_norm, delta_rule, gated_norm), moe_combine,
-#                     attn_prep
+#                     attn_prep; decode batches (the sequence table of conv_qk_norm,
+#                     delta_rule, attn_prep and attention) equal to each sequence alone
 #   mma_kernels.cpp   the tensor-core kernels (mma_split, qmma, moe_gate_up_mma,
 #                     moe_down_mma, attn_kv_split, attention_mma)
 #                     through an emulated mma.sync
