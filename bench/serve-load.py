@@ -3,7 +3,8 @@
 
 For each concurrency N of --streams, each engine gets a fresh server sized for N concurrent
 sequences (moeflux `serve --parallel N`; llama-server `-np N -c N*slot_ctx`, continuous
-batching), one untimed warm-up request, then N client threads that each send R sequential
+batching), an untimed warm-up of N concurrent requests (so neither engine's first batch of
+N, with its one-time allocations, is timed), then N client threads that each send R sequential
 streaming /v1/completions requests (greedy, `ignore_eos`, exactly --gen tokens each). Every
 request has a fresh prompt (seeded by the request's index, the same for both engines) and
 prompt caches are off (`--no-prefix-reuse`, `"cache_prompt": false`), so no prefix reuse
@@ -14,7 +15,10 @@ the inter-token latencies (gaps between successive token chunks; a chunk the ser
 k tokens counts as k gaps of gap/k); over the timed phase (first send to last finish): the
 aggregate generated tok/s. moeflux's /metrics is read before and after each timed phase for
 the routed-expert fetches, cache hits and bytes moved (moeflux_expert_bytes_total: read from
-storage on the CPU, uploaded to the GPU) per generated token.
+storage on the CPU, uploaded to the GPU) per generated token. Where moeflux serve has
+--step-log, its steps of the timed phase are summarised too: the forward passes, the work after
+them (sampling, streaming) and the time between steps, and the mean forward pass of the steps
+that only decoded all N sequences.
 
 Prompts: by default (--prompt-kind ids) a list of --prompt-len token ids, which both servers
 accept on /v1/completions, so both evaluate exactly the same tokens whatever their
@@ -474,12 +478,16 @@ def scrape(base: str) -> dict[str, float]:
 def run_engine(engine: str, n: int, a, model_dir: Path, tmp: Path, index_base: int) -> dict:
     port = free_port()
     log = tmp / f"{engine.replace('.', '')}-N{n}.log"
+    step_log = None
     if engine == "moeflux":
         cmd = [a.bin, "serve", "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
                "--threads", str(a.threads), "--max-queue", str(max(64, 4 * n))]
         if a.moeflux_parallel_flag != "none":
             cmd += [a.moeflux_parallel_flag, str(n)]
         cmd += a.moeflux_no_reuse + a.moeflux_arg
+        if a.moeflux_step_log:
+            step_log = tmp / f"moeflux-N{n}-steps.jsonl"
+            cmd += ["--step-log", str(step_log)]
         server = Server("moeflux serve", cmd, port, log)
     else:
         # text prompts: room for a byte-level vocabulary's several tokens per word
@@ -496,11 +504,13 @@ def run_engine(engine: str, n: int, a, model_dir: Path, tmp: Path, index_base: i
         t = time.monotonic()
         server.wait_ready(a.start_timeout)
         ready_s = time.monotonic() - t
-        # untimed warm-up with a prompt no timed request uses
-        stream_request(port, request_body(engine, prompt_for(index_base - 1, a), a.gen), a.request_timeout)
+        warm_up(engine, server, n, a, index_base)
         before = scrape(server.base) if engine == "moeflux" else {}
+        logged = count_lines(step_log) if step_log else 0
         res = timed_phase(engine, server, n, a, index_base)
         after = scrape(server.base) if engine == "moeflux" else {}
+        if step_log:
+            res["steps"] = summarise_steps(step_log, logged, n)
         server.check_alive()
     finally:
         server.stop()
@@ -535,7 +545,63 @@ def run_engine(engine: str, n: int, a, model_dir: Path, tmp: Path, index_base: i
                 res[k] = after[k]
     note(f"{engine} N={n}: {res['generated_tokens']} tokens in {res['wall_s']:.2f} s = "
          f"{res['tok_s']:.2f} tok/s (server ready in {ready_s:.1f} s)")
+    if "steps" in res:
+        st = res["steps"]
+        note(f"  {st['steps']} steps: forward {st['forward_s']:.2f} s, after {st['after_s']:.2f} s, "
+             f"between {st['before_s']:.2f} s; all-{n}-decoding steps: {st['full_decode_steps']}, "
+             f"forward {fmt(st['full_decode_forward_ms'], '.2f')} ms, after {fmt(st['full_decode_after_ms'], '.2f')} ms")
     return res
+
+
+def warm_up(engine: str, server: Server, n: int, a, index_base: int):
+    """N concurrent untimed requests, with prompts no timed request uses."""
+    errors: list[BaseException] = []
+
+    def one(i: int):
+        try:
+            stream_request(server.port, request_body(engine, prompt_for(index_base - 1 - i, a), a.gen),
+                           a.request_timeout)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        server.check_alive()
+        raise BenchError(f"{server.name} warm-up request failed: {errors[0]}")
+
+
+def count_lines(path: Path) -> int:
+    try:
+        with open(path) as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+def summarise_steps(path: Path, skip: int, n: int) -> dict:
+    """The step log's lines after the first `skip` (the timed phase's steps)."""
+    recs = []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if i >= skip and line.strip():
+                recs.append(json.loads(line))
+    full = [r for r in recs if r["sequences"] == n and r["decoding"] == n]
+    mean = lambda xs: sum(xs) / len(xs) if xs else None
+    return {
+        "steps": len(recs),
+        "forward_s": sum(r["forward_ms"] for r in recs) / 1e3,
+        "after_s": sum(r["after_ms"] for r in recs) / 1e3,
+        "before_s": sum(r["before_ms"] for r in recs) / 1e3,
+        "prefill_steps": sum(1 for r in recs if r["tokens"] > r["sequences"]),
+        "prefill_forward_s": sum(r["forward_ms"] for r in recs if r["tokens"] > r["sequences"]) / 1e3,
+        "full_decode_steps": len(full),
+        "full_decode_forward_ms": mean([r["forward_ms"] for r in full]),
+        "full_decode_after_ms": mean([r["after_ms"] for r in full]),
+    }
 
 
 # ---------------------------------------------------------------- table
@@ -594,6 +660,20 @@ def table(rows: list[dict], a, header: list[str]) -> str:
     if has_hits:
         out.append("expert hits: moeflux_expert_cache_hits_total / moeflux_expert_fetches_total over the "
                    "timed phase (GPU: found in the VRAM cache; CPU: in the page cache).")
+    stepped = [r for r in rows if "steps" in r]
+    if stepped:
+        out += ["", "moeflux's steps in the timed phase (serve --step-log): where the wall time went.", "",
+                "| N | steps | with prefill | forward s | of it prefill s | after s | between s | "
+                "all-N-decoding steps | their forward ms | their after ms |",
+                "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in stepped:
+            st = r["steps"]
+            out.append(f"| {r['streams']} | {st['steps']} | {st['prefill_steps']} | {st['forward_s']:.3f} | "
+                       f"{st['prefill_forward_s']:.3f} | {st['after_s']:.3f} | {st['before_s']:.3f} | "
+                       f"{st['full_decode_steps']} | {fmt(st['full_decode_forward_ms'], '.2f')} | "
+                       f"{fmt(st['full_decode_after_ms'], '.2f')} |")
+        out.append("forward: Batch::step; after: sampling, streaming and ending jobs; between: admissions "
+                   "and waiting for requests.")
     return "\n".join(out)
 
 
@@ -661,6 +741,7 @@ def parse_args():
 def preflight(a):
     """Checks binaries, flags and files before anything starts; sets derived options."""
     a.moeflux_no_reuse, a.llama_defaults = [], []
+    a.moeflux_step_log = False
     if not a.no_moeflux:
         if not (Path(a.bin).is_file() and os.access(a.bin, os.X_OK)):
             raise BenchError(f"--bin {a.bin}: no such executable (cargo build --release -p moeflux-cli)")
@@ -672,6 +753,7 @@ def preflight(a):
                              "one request at a time, so a concurrency benchmark would measure its queue. "
                              "Build a moeflux with `serve --parallel N`, or pass --moeflux-parallel-flag "
                              "none to run this binary as is (to test the script).", code=2)
+        a.moeflux_step_log = has_flag(h, "--step-log")
         if has_flag(h, "--no-prefix-reuse"):
             a.moeflux_no_reuse = ["--no-prefix-reuse"]
         else:

@@ -54,6 +54,11 @@ pub struct ServeArgs {
     /// never stalls the others for longer than one step).
     #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..=65536))]
     pub step_tokens: u64,
+    /// Write one JSON line per engine step to FILE: its sequences and
+    /// tokens, and the milliseconds before, in and after its forward pass
+    /// (where a served run's time goes).
+    #[arg(long, value_name = "FILE")]
+    pub step_log: Option<PathBuf>,
     /// The model id clients see (default: the model directory's name).
     #[arg(long)]
     pub model_name: Option<String>,
@@ -131,6 +136,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             max_queue: args.max_queue,
             parallel: args.parallel as usize,
             step_tokens: args.step_tokens as usize,
+            step_log: args.step_log.clone(),
             prefix_cache: PrefixCacheOptions {
                 ram_bytes: args.prefix_cache,
                 disk_dir: args.prefix_cache_dir.clone(),

@@ -89,6 +89,8 @@ pub struct EngineOptions {
     /// Tokens per step: every decoding request's next token, then chunks
     /// of prompts (also the cancellation granularity of a prompt).
     pub step_tokens: usize,
+    /// Write one JSON line per step here (see `step_log`).
+    pub step_log: Option<std::path::PathBuf>,
     /// Pause after each streamed text event. Zero in use; tests set it so a
     /// job is still running when they need it to be, on any machine speed.
     #[doc(hidden)]
@@ -106,6 +108,7 @@ impl Default for EngineOptions {
             },
             no_prefix_reuse: false,
             step_tokens: 512,
+            step_log: None,
             event_delay: Duration::ZERO,
         }
     }
@@ -145,6 +148,11 @@ impl EngineHandle {
         if opts.parallel == 0 {
             return Err("parallel sequences must be at least 1".into());
         }
+        let step_log = opts
+            .step_log
+            .as_deref()
+            .map(crate::step_log::StepLog::create)
+            .transpose()?;
         // Admissions bound what is in the channel, so a send never blocks.
         let places = opts
             .max_queue
@@ -169,9 +177,11 @@ impl EngineHandle {
                         backend: session.backend().to_string(),
                     };
                     let (batch, first) = session.into_batch();
-                    Scheduler::new(batch, first, &tokenizer, cache, metrics2, opts, avg2)
-                        .map(|s| (s, info))
-                        .map_err(|e| format!("cannot hold {parallel} sequences: {e}"))
+                    Scheduler::new(
+                        batch, first, &tokenizer, cache, metrics2, opts, avg2, step_log,
+                    )
+                    .map(|s| (s, info))
+                    .map_err(|e| format!("cannot hold {parallel} sequences: {e}"))
                 });
                 match opened {
                     Ok((scheduler, info)) => {

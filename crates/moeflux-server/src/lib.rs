@@ -33,6 +33,7 @@ pub mod prompt;
 pub mod respond;
 pub mod routes;
 mod scheduler;
+mod step_log;
 pub mod tools;
 
 use std::future::Future;

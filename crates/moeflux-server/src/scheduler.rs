@@ -14,12 +14,13 @@ use std::time::{Duration, Instant};
 
 use moeflux::generate::{Decoder, Event, FinishReason, GenerateOptions};
 use moeflux::text::tokenizer::Tokenizer;
-use moeflux::{Batch, LogitsMode, SeqId, Work};
+use moeflux::{Batch, LogitsMode, Output, SeqId, Work};
 
 use crate::engine::{engine_error, EngineEvent, EngineOptions, Job, Outcome, Queued, CANCELLED};
 use crate::error::ApiError;
 use crate::metrics::{GenerationSample, Metrics, StepSample};
 use crate::prefix_cache::PrefixCache;
+use crate::step_log::{StepLog, StepRecord};
 
 /// A sequence of the batch, and whether a job holds it.
 struct Slot {
@@ -75,6 +76,9 @@ pub(crate) struct Scheduler<'t> {
     avg_job_ms: Arc<AtomicU64>,
     /// Jobs started.
     jobs: u64,
+    step_log: Option<StepLog>,
+    /// When the previous step's work ended.
+    last_step_end: Option<Instant>,
 }
 
 impl<'t> Scheduler<'t> {
@@ -87,6 +91,7 @@ impl<'t> Scheduler<'t> {
         metrics: Arc<Metrics>,
         opts: EngineOptions,
         avg_job_ms: Arc<AtomicU64>,
+        step_log: Option<StepLog>,
     ) -> moeflux::Result<Self> {
         let mut slots = vec![Slot {
             seq: first,
@@ -110,6 +115,8 @@ impl<'t> Scheduler<'t> {
             opts,
             avg_job_ms,
             jobs: 0,
+            step_log,
+            last_step_end: None,
         })
     }
 
@@ -322,9 +329,18 @@ impl<'t> Scheduler<'t> {
         let budget = self.opts.step_tokens.max(1);
         let mut plan: Vec<(usize, Vec<u32>, Option<LogitsMode>)> = Vec::new();
         let mut used = 0;
+        // Greedy jobs' tokens are picked where the logits are (on a GPU,
+        // only the token comes back).
+        let mode = |r: &Running| {
+            if r.decoder.greedy() {
+                LogitsMode::Greedy
+            } else {
+                LogitsMode::Last
+            }
+        };
         for (i, r) in self.running.iter().enumerate() {
             if let Some(tok) = r.pending {
-                plan.push((i, vec![tok], Some(LogitsMode::Last)));
+                plan.push((i, vec![tok], Some(mode(r))));
                 used += 1;
             }
         }
@@ -340,7 +356,7 @@ impl<'t> Scheduler<'t> {
                 continue;
             }
             let end = pos + take;
-            let logits = (end == r.job.prompt.len()).then_some(LogitsMode::Last);
+            let logits = (end == r.job.prompt.len()).then_some(mode(r));
             plan.push((i, r.job.prompt[pos..end].to_vec(), logits));
             used += take;
         }
@@ -359,6 +375,7 @@ impl<'t> Scheduler<'t> {
         let gpu0 = self.batch.gpu_cache_stats();
         let t = Instant::now();
         let results = self.batch.step(&work);
+        let forward = t.elapsed();
         let (reads, hits, bytes) = if self.batch.on_gpu() {
             let g = self.batch.gpu_cache_stats().since(&gpu0);
             (g.hits + g.misses, g.hits, g.uploaded_bytes)
@@ -369,7 +386,7 @@ impl<'t> Scheduler<'t> {
         self.metrics.step(&StepSample {
             sequences: plan.len(),
             tokens: used,
-            time: t.elapsed(),
+            time: forward,
             expert_reads: reads,
             expert_hits: hits,
             expert_bytes: bytes,
@@ -387,7 +404,7 @@ impl<'t> Scheduler<'t> {
             Ok(results) => {
                 for ((i, _, _), result) in plan.iter().zip(results) {
                     let end = match result {
-                        Ok(logits) => self.advance(*i, &logits),
+                        Ok(out) => self.advance(*i, out),
                         Err(e) => Some(End::Failed(engine_error(e))),
                     };
                     if let Some(end) = end {
@@ -401,12 +418,33 @@ impl<'t> Scheduler<'t> {
         for (i, end) in ends {
             self.end(i, end);
         }
+        let done = Instant::now();
+        if let Some(log) = self.step_log.as_mut() {
+            let ms = |d: Duration| d.as_secs_f64() * 1e3;
+            let before = self
+                .last_step_end
+                .map_or(Duration::ZERO, |e| t.saturating_duration_since(e));
+            log.write(&StepRecord {
+                t: t.duration_since(log.start()).as_secs_f64(),
+                sequences: plan.len(),
+                decoding: plan
+                    .iter()
+                    .filter(|(_, tokens, _)| tokens.len() == 1)
+                    .count(),
+                tokens: used,
+                before_ms: ms(before),
+                forward_ms: ms(forward),
+                after_ms: ms(done - t - forward),
+            });
+        }
+        self.last_step_end = Some(done);
     }
 
     /// After job `i`'s tokens of a step: checkpoints and snapshots at the
     /// prompt's stops, then (at the prompt's end, or decoding) the next
-    /// token. Returns how the job ends, if it does.
-    fn advance(&mut self, i: usize, logits: &[f32]) -> Option<End> {
+    /// token (from `out`: the logits, or the greedy token). Returns how the
+    /// job ends, if it does.
+    fn advance(&mut self, i: usize, out: Output) -> Option<End> {
         let seq = self.slots[self.running[i].slot].seq;
         let pos = self.batch.position(seq).unwrap_or(0);
         let r = &mut self.running[i];
@@ -432,7 +470,7 @@ impl<'t> Scheduler<'t> {
         let events = &r.job.events;
         let cancel = &r.job.cancel;
         let delay = self.opts.event_delay;
-        let next = r.decoder.next(logits, history, &mut |e| {
+        let mut on_event = |e: Event<'_>| {
             if let Event::Text { text, reasoning } = e {
                 let ev = EngineEvent::Text {
                     text: text.to_string(),
@@ -445,7 +483,11 @@ impl<'t> Scheduler<'t> {
                     std::thread::sleep(delay);
                 }
             }
-        });
+        };
+        let next = match out {
+            Output::Token(tok) => r.decoder.accept(tok, &mut on_event),
+            Output::Logits(logits) => r.decoder.next(&logits, history, &mut on_event),
+        };
         let (tok, done) = match next {
             Ok(x) => x,
             Err(e) => return Some(End::Failed(engine_error(e))),

@@ -205,8 +205,11 @@ pub fn generate(
     }
 
     let mut dec = Decoder::new(tokenizer, opts);
+    let greedy = dec.greedy();
     let mut generated = 0usize;
     let mut pending = None;
+    // A greedy eval's token (the logits stay on the GPU).
+    let mut picked = None;
     let t1 = Instant::now();
     let mut finish = FinishReason::Length;
     while generated < opts.max_tokens {
@@ -218,9 +221,16 @@ pub fn generate(
             if session.position() >= session.max_context() {
                 break;
             }
-            logits = session.eval(&[tok], LogitsMode::Last)?;
+            if greedy {
+                picked = Some(session.eval_greedy(&[tok])?);
+            } else {
+                logits = session.eval(&[tok], LogitsMode::Last)?;
+            }
         }
-        let (tok, done) = dec.next(&logits, session.tokens(), on_event)?;
+        let (tok, done) = match picked.take() {
+            Some(t) => dec.accept(t, on_event)?,
+            None => dec.next(&logits, session.tokens(), on_event)?,
+        };
         generated += 1;
         pending = Some(tok);
         if let Some(f) = done {
@@ -288,6 +298,22 @@ impl<'t> Decoder<'t> {
         on_event: &mut dyn FnMut(Event<'_>),
     ) -> Result<(u32, Option<FinishReason>)> {
         let tok = self.sampler.sample(logits, history);
+        self.accept(tok, on_event)
+    }
+
+    /// Whether [`Decoder::next`] would pick the argmax of its logits (greedy
+    /// sampling): the caller may then evaluate with `LogitsMode::Greedy`
+    /// and pass the token to [`Decoder::accept`].
+    pub fn greedy(&self) -> bool {
+        self.sampler.is_greedy()
+    }
+
+    /// [`Decoder::next`] for a token picked already (a greedy eval's).
+    pub fn accept(
+        &mut self,
+        tok: u32,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<(u32, Option<FinishReason>)> {
         if !self.ignore_eos && self.tokenizer.is_eos(tok) {
             return Ok((tok, Some(FinishReason::Eos)));
         }

@@ -22,4 +22,4 @@ pub use error::{Error, Result};
 pub mod session;
 pub mod synth;
 
-pub use session::{Backend, Batch, LogitsMode, SeqId, Session, SessionOptions, Work};
+pub use session::{Backend, Batch, LogitsMode, Output, SeqId, Session, SessionOptions, Work};

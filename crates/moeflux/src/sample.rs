@@ -191,7 +191,9 @@ fn clean(x: f32) -> f32 {
 
 /// Index of the largest value (NaN as `-inf`), ties to the lowest index;
 /// 0 when every value is NaN.
-fn argmax(logits: &[f32]) -> usize {
+/// The index of the first of the largest values (NaN never wins; 0 when
+/// nothing beats -inf): greedy sampling's pick.
+pub(crate) fn argmax(logits: &[f32]) -> usize {
     // Two simple passes vectorise; NaN never wins a `>` comparison.
     let max = logits
         .iter()
@@ -326,6 +328,14 @@ impl Sampler {
 
     pub fn config(&self) -> &SamplerConfig {
         &self.cfg
+    }
+
+    /// Whether every pick is the argmax of the logits as given (temperature
+    /// 0, no penalties): then [`crate::LogitsMode::Greedy`] picks the same
+    /// token where the logits are.
+    pub fn is_greedy(&self) -> bool {
+        let t = self.cfg.temperature;
+        (t.is_nan() || t <= 0.0) && !self.cfg.has_penalties()
     }
 
     /// Restarts the random stream from `seed` (as a new sampler would).

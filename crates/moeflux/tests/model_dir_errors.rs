@@ -541,6 +541,10 @@ fn nan_weights_name_the_first_bad_layer() {
     assert!(s.eval(&[4], moeflux::LogitsMode::Last).is_err());
     s.clear();
     assert!(s.eval(&[4], moeflux::LogitsMode::Last).is_err());
+    // A greedy eval checks its logits as well: the same error, no token.
+    let mut s = common::open(&dir);
+    let e = s.eval_greedy(&[1, 2, 3]).unwrap_err();
+    assert!(e.to_string().contains("layer 2 (mlp_norm)"), "{e}");
 }
 
 #[test]

@@ -189,6 +189,46 @@ static void test_qmv_tokens(int rows_a, int rows_b, int cols, int bits, int n, u
     check(name, got, std::vector<double>(alone.begin(), alone.end()), 0.0);
 }
 
+// argmax_rows: per row the first index of its largest value (sample.rs argmax on finite
+// logits), -1 for a row with a NaN or an infinity.
+static void test_argmax_rows(int v, unsigned threads) {
+    const int rows = 7;
+    std::vector<float> x((size_t)rows * v);
+    for (auto& a : x) a = urand(-4, 4);
+    auto row = [&](int r) { return &x[(size_t)r * v]; };
+    // Row 1: its maximum three times (the first wins); row 2: all equal; row 3: the maximum
+    // last; row 4: a NaN; row 5: +inf; row 6: -inf beside the true maximum.
+    for (int at : {v / 3, v / 2, v - 2}) row(1)[at] = 9.0f;
+    for (int i = 0; i < v; i++) row(2)[i] = -1.5f;
+    row(3)[v - 1] = 5.0f;
+    row(4)[v / 4] = NAN;
+    row(5)[v - 3] = INFINITY;
+    row(6)[7] = -INFINITY;
+    std::vector<int> got(rows, -7);
+    {
+        const float* xp = x.data();
+        int* op = got.data();
+        emu_launch({(unsigned)rows, 1, 1}, threads, [&] { argmax_rows(xp, v, op); });
+    }
+    int bad = 0;
+    for (int r = 0; r < rows; r++) {
+        const float* p = row(r);
+        int want = 0;
+        bool finite = true;
+        for (int i = 0; i < v; i++) {
+            if (!std::isfinite(p[i])) finite = false;
+            if (p[i] > p[want]) want = i;
+        }
+        if (!finite) want = -1;
+        if (got[r] != want) {
+            bad++;
+            printf("  row %d: got %d, want %d\n", r, got[r], want);
+        }
+    }
+    if (bad) fails++;
+    printf("argmax_rows v%d, %u threads: %d of %d rows wrong %s\n", v, threads, bad, rows, bad ? "FAIL" : "ok");
+}
+
 // model/rope.rs Rope::apply
 static void rope_ref(double* x, int r, long pos, double ps, const std::vector<double>& inv, float ms) {
     double p = pos * ps;
@@ -442,6 +482,9 @@ int main() {
         test_qmv_group(40, 48, 512, nc2, false, true);    // 512 and 256 bytes
         test_qmv_group(24, 40, 256, nc2, false, true);    // 256 and 128 bytes: rows per chunk differ
     }
+    test_argmax_rows(1000, 256);
+    test_argmax_rows(248320, 1024);  // Qwen3.5/3.6's vocabulary
+    test_argmax_rows(40, 64);        // fewer values than threads
     // A few tokens at once (decode batches)
     test_qmv_tokens(72, 40, 2048, 4, 3);      // rows of 1024 bytes, one partial token group
     test_qmv_tokens(96, 64, 512, 4, 8);       // 256 bytes: two rows per chunk, two full groups

@@ -8,7 +8,8 @@
 #                     (moe_route_noaux, moe_route_c*), the one-token grouped products
 #                     (qmv_b4, qmv_b4_nc2, their SwiGLU-input _glu variants, and
 #                     qmv_b48/_nc2 over 4- and 8-bit matrices in one launch), the few-token
-#                     products (qmv_b4_t4, qmv_b8_t4) equal to the one-token ones per token
+#                     products (qmv_b4_t4, qmv_b8_t4) equal to the one-token ones per token,
+#                     argmax_rows (greedy picks on the device)
 #   qwen_kernels.cpp  GatedDeltaNet (conv_qk_norm, delta_rule, gated_norm), moe_combine,
 #                     attn_prep; decode batches (the sequence table of conv_qk_norm,
 #                     delta_rule, attn_prep and attention) equal to each sequence alone

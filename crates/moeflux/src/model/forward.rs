@@ -50,7 +50,29 @@ impl Segment {
         match self.logits {
             None => self.rows.end..self.rows.end,
             Some(LogitsMode::All) => self.rows.clone(),
-            Some(LogitsMode::Last) => self.rows.end - 1..self.rows.end,
+            Some(LogitsMode::Last | LogitsMode::Greedy) => self.rows.end - 1..self.rows.end,
+        }
+    }
+}
+
+/// What a forward pass gives back for one segment.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SegmentOutput {
+    /// The logits of its logit rows, `[rows, vocab]` (empty for none).
+    Logits(Vec<f32>),
+    /// [`LogitsMode::Greedy`]: its last row's most likely token; `None`
+    /// when that row's logits are not all finite.
+    Token(Option<u32>),
+}
+
+impl SegmentOutput {
+    /// `logits` as `mode` asks for them (Greedy: reduced to the token).
+    pub fn from_logits(logits: Vec<f32>, mode: Option<LogitsMode>) -> SegmentOutput {
+        if mode == Some(LogitsMode::Greedy) {
+            let finite = logits.iter().all(|x| x.is_finite());
+            SegmentOutput::Token(finite.then(|| crate::sample::argmax(&logits) as u32))
+        } else {
+            SegmentOutput::Logits(logits)
         }
     }
 }

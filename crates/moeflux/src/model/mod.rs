@@ -38,6 +38,10 @@ use weights::{DenseStore, LinearRef, VectorRef, Weights, WeightsLoader};
 pub enum LogitsMode {
     Last,
     All,
+    /// The last position's most likely token only (the first of equal
+    /// largest logits: what greedy sampling picks), chosen where the logits
+    /// are computed: on the GPU only the token id is copied back.
+    Greedy,
 }
 
 /// A loaded model of any supported family.

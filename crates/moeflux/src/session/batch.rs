@@ -16,7 +16,7 @@ use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::format::MANIFEST_FILE;
 use crate::io::{ExpertStore, ExpertStoreOptions, IoStats};
-use crate::model::forward::Segment;
+use crate::model::forward::{Segment, SegmentOutput};
 use crate::model::state::LinearState;
 use crate::model::timing::PhaseTimes;
 use crate::model::trace::Trace;
@@ -44,6 +44,34 @@ pub struct Work<'t> {
     pub seq: SeqId,
     pub tokens: &'t [u32],
     pub logits: Option<LogitsMode>,
+}
+
+/// What [`Batch::step`] gives back for one [`Work`] item.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Output {
+    /// The logits its [`LogitsMode`] asked for: `[vocab]` per logit row
+    /// (empty for `logits: None`).
+    Logits(Vec<f32>),
+    /// [`LogitsMode::Greedy`]: the most likely next token.
+    Token(u32),
+}
+
+impl Output {
+    /// The logits (empty for a token).
+    pub fn into_logits(self) -> Vec<f32> {
+        match self {
+            Output::Logits(l) => l,
+            Output::Token(_) => Vec::new(),
+        }
+    }
+
+    /// The greedy token, if that is what was asked for.
+    pub fn token(&self) -> Option<u32> {
+        match self {
+            Output::Token(t) => Some(*t),
+            Output::Logits(_) => None,
+        }
+    }
 }
 
 /// One sequence: its state on the engine, its tokens and checkpoints.
@@ -394,8 +422,26 @@ impl Batch {
 
     /// Evaluates `tokens` after `id`'s position (as [`Batch::step`] with
     /// this one sequence) and returns logits: `[vocab]` for
-    /// `LogitsMode::Last`, `[tokens.len(), vocab]` for `All`.
+    /// `LogitsMode::Last`, `[tokens.len(), vocab]` for `All`
+    /// (`LogitsMode::Greedy` gives a token: [`Batch::eval_greedy`]).
     pub fn eval(&mut self, id: SeqId, tokens: &[u32], mode: LogitsMode) -> Result<Vec<f32>> {
+        if mode == LogitsMode::Greedy {
+            return Err(Error::Invalid(
+                "LogitsMode::Greedy gives a token, not logits: use eval_greedy".into(),
+            ));
+        }
+        self.eval_output(id, tokens, mode).map(Output::into_logits)
+    }
+
+    /// Evaluates `tokens` after `id`'s position and returns the most likely
+    /// next token (as greedy sampling of [`Batch::eval`]'s logits would,
+    /// without copying the logits back from a GPU).
+    pub fn eval_greedy(&mut self, id: SeqId, tokens: &[u32]) -> Result<u32> {
+        let out = self.eval_output(id, tokens, LogitsMode::Greedy)?;
+        Ok(out.token().expect("a greedy eval gives a token"))
+    }
+
+    fn eval_output(&mut self, id: SeqId, tokens: &[u32], mode: LogitsMode) -> Result<Output> {
         let work = [Work {
             seq: id,
             tokens,
@@ -415,6 +461,11 @@ impl Batch {
         let rows = match mode {
             LogitsMode::All => tokens.len(),
             LogitsMode::Last => 1,
+            LogitsMode::Greedy => {
+                return Err(Error::Invalid(
+                    "a traced eval returns logits: use LogitsMode::Last".into(),
+                ))
+            }
         };
         let mut trace = Trace::new(tokens.len(), rows);
         let work = [Work {
@@ -423,19 +474,20 @@ impl Batch {
             logits: Some(mode),
         }];
         let logits = self.step_inner(&work, Some(&mut trace))?.remove(0)?;
-        Ok((logits, trace))
+        Ok((logits.into_logits(), trace))
     }
 
     /// Evaluates every `work` item in one forward pass: per item, its
-    /// tokens after its sequence's position. Returns per item its logits
-    /// (`[vocab]` per logit row; empty for `logits: None`), or the error
+    /// tokens after its sequence's position. Returns per item its output
+    /// (logits, `[vocab]` per logit row, empty for `logits: None`; or the
+    /// token of `LogitsMode::Greedy`), or the error
     /// that item alone ended with (logits holding a NaN or an infinity:
     /// that sequence is poisoned, the others go on). The outer error is a
     /// refused step (unknown or repeated sequence, empty or out-of-range
     /// tokens, a sequence past its context, a poisoned sequence: nothing
     /// was evaluated) or a failed pass (every sequence of the step is then
     /// poisoned).
-    pub fn step(&mut self, work: &[Work<'_>]) -> Result<Vec<Result<Vec<f32>>>> {
+    pub fn step(&mut self, work: &[Work<'_>]) -> Result<Vec<Result<Output>>> {
         self.step_inner(work, None)
     }
 
@@ -443,7 +495,7 @@ impl Batch {
         &mut self,
         work: &[Work<'_>],
         trace: Option<&mut Trace>,
-    ) -> Result<Vec<Result<Vec<f32>>>> {
+    ) -> Result<Vec<Result<Output>>> {
         if work.is_empty() {
             return Err(Error::EmptyTokens);
         }
@@ -530,9 +582,14 @@ impl Batch {
         };
         let mut out = Vec::with_capacity(work.len());
         for (w, mine) in work.iter().zip(parts) {
-            // One pass over the logits: weights that compute a NaN must
-            // stop generation with an error, not sample garbage (or "eos").
-            if all_finite(&mine) {
+            // Weights that compute a NaN must stop generation with an
+            // error, not sample garbage (or "eos"): one pass over the
+            // logits (the greedy pick checks its row where it is made).
+            let mine = match mine {
+                SegmentOutput::Logits(l) => all_finite(&l).then_some(Output::Logits(l)),
+                SegmentOutput::Token(t) => t.map(Output::Token),
+            };
+            if let Some(mine) = mine {
                 let s = self.seqs.get_mut(&w.seq).expect("checked above");
                 s.tokens.extend_from_slice(w.tokens);
                 out.push(Ok(mine));

@@ -11,7 +11,7 @@ use crate::backend::cuda::state::GpuState;
 use crate::backend::prefetch::PrefetchStats;
 use crate::error::{Error, Result};
 use crate::io::{ExpertBuf, ExpertStore};
-use crate::model::forward::{self, Segment};
+use crate::model::forward::{self, Segment, SegmentOutput};
 use crate::model::state::{LinearState, ModelState};
 use crate::model::timing::PhaseTimes;
 use crate::model::trace::Trace;
@@ -53,8 +53,8 @@ impl Engine {
 
     /// Evaluates `tokens`, the rows of `segs` in order, segment `i` on
     /// `states[i]` (each segment's state is on this engine); with `trace`,
-    /// records every block's output. Returns the logits of every
-    /// segment's logit rows, in order.
+    /// records every block's output. Returns each segment's output (its
+    /// logit rows' logits, or its greedy token), in order.
     pub fn forward(
         &mut self,
         cx: ForwardCtx<'_>,
@@ -62,7 +62,7 @@ impl Engine {
         segs: Vec<Segment>,
         tokens: &[u32],
         trace: Option<&mut Trace>,
-    ) -> Result<Vec<Vec<f32>>> {
+    ) -> Result<Vec<SegmentOutput>> {
         match self {
             Engine::Cpu { bufs } => {
                 let run = ExpertRun {
@@ -82,12 +82,18 @@ impl Engine {
                     .collect();
                 let model = cx.model;
                 let rows: Vec<usize> = segs.iter().map(|s| s.logit_rows().len()).collect();
+                let modes: Vec<_> = segs.iter().map(|s| s.logits).collect();
                 let logits = cx.pool.install(|| {
                     let mut ex = CpuExecutor::new(model, states, segs, run, cx.times);
                     forward::forward(model, &mut ex, tokens, trace)?;
                     Ok::<_, Error>(ex.into_logits())
                 })?;
-                Ok(split_rows(logits, &rows, model.config.vocab_size))
+                let parts = split_rows(logits, &rows, model.config.vocab_size);
+                Ok(parts
+                    .into_iter()
+                    .zip(modes)
+                    .map(|(l, mode)| SegmentOutput::from_logits(l, mode))
+                    .collect())
             }
             Engine::Cuda(m) => {
                 let segs = states

@@ -17,7 +17,7 @@ use crate::io::{ExpertStore, IoStats};
 pub use crate::model::timing::PhaseTimes;
 pub use crate::model::trace::{Trace, TraceEntry};
 pub use crate::model::LogitsMode;
-pub use batch::{Batch, SeqId, Work};
+pub use batch::{Batch, Output, SeqId, Work};
 
 #[derive(Debug, Clone)]
 pub struct SessionOptions {
@@ -247,6 +247,13 @@ impl Session {
     /// logits: `[vocab]` for `LogitsMode::Last`, `[tokens.len(), vocab]` for `All`.
     pub fn eval(&mut self, tokens: &[u32], mode: LogitsMode) -> Result<Vec<f32>> {
         self.batch.eval(self.id, tokens, mode)
+    }
+
+    /// Evaluates `tokens` after the current position and returns the most
+    /// likely next token: what greedy sampling of [`Session::eval`]'s
+    /// logits picks, without copying the logits back from a GPU.
+    pub fn eval_greedy(&mut self, tokens: &[u32]) -> Result<u32> {
+        self.batch.eval_greedy(self.id, tokens)
     }
 
     /// [`Session::eval`] that also records every block's output (the

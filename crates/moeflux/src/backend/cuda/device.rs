@@ -34,6 +34,7 @@ const KERNEL_NAMES: &[&str] = &[
     "dmatmul",
     "qgather_rows",
     "rms_norm",
+    "argmax_rows",
     "swiglu",
     "attn_prep",
     "attention",

@@ -16,8 +16,7 @@ use crate::error::{Error, Result};
 use crate::io::ExpertStore;
 use crate::model::attention::FullAttention;
 use crate::model::deltanet::GatedDeltaNet;
-use crate::model::forward::Segment;
-use crate::model::forward::{self, Activation, BlockExecutor};
+use crate::model::forward::{self, Activation, BlockExecutor, Segment, SegmentOutput};
 use crate::model::layer::Mixer;
 use crate::model::mla::MlaAttention;
 use crate::model::moe::{DenseMlp, MoeBlock};
@@ -170,6 +169,8 @@ struct DecodeGraph {
     /// The GPU workspace it used (`Gpu::workspace_ptr`; a later batch may
     /// have grown, and so moved, it).
     workspace: u64,
+    /// Whether it picks greedy tokens (`argmax_rows` after the LM head).
+    picks: bool,
 }
 
 /// One sequence's rows of a GPU eval and its state.
@@ -429,7 +430,7 @@ impl CudaModel {
         mut segs: Vec<GpuSegment<'_>>,
         times: &mut PhaseTimes,
         trace: Option<&mut Trace>,
-    ) -> Result<Vec<Vec<f32>>> {
+    ) -> Result<Vec<SegmentOutput>> {
         self.gpu.bind()?;
         let mut clock = std::time::Instant::now();
         let n = tokens.len();
@@ -467,17 +468,22 @@ impl CudaModel {
         // Decode steps (one token per sequence, its logits) replay a graph
         // captured for the same sequences, in the same order.
         let decode = segs.len() <= GRAPH_MAX_SEQUENCES
-            && segs
-                .iter()
-                .all(|s| s.seg.rows.len() == 1 && s.seg.logits == Some(LogitsMode::Last));
+            && segs.iter().all(|s| {
+                s.seg.rows.len() == 1
+                    && matches!(s.seg.logits, Some(LogitsMode::Last | LogitsMode::Greedy))
+            });
         let graphable = self.opts.graphs && decode && resident && trace.is_none();
         let states: Vec<u64> = segs.iter().map(|s| s.state.id).collect();
-        let rows: Vec<usize> = segs.iter().map(|s| s.seg.logit_rows().len()).collect();
+        let modes: Vec<_> = segs
+            .iter()
+            .map(|s| (s.seg.logit_rows().len(), s.seg.logits))
+            .collect();
+        let picks = picks_tokens(segs.iter().map(|s| &s.seg));
         let stable = self
             .stable_epoch
             .as_ref()
             .is_some_and(|(e, s)| *e == self.epoch && *s == states);
-        if graphable && !self.graph_valid(&states) && stable {
+        if graphable && !self.graph_valid(&states, picks) && stable {
             begin_capture(&self.gpu)?;
             let recorded = self.layers_forward(
                 model,
@@ -501,10 +507,11 @@ impl CudaModel {
                     epoch: self.epoch,
                     states: states.clone(),
                     workspace: self.gpu.workspace_ptr(),
+                    picks,
                 });
             }
         }
-        if graphable && self.graph_valid(&states) {
+        if graphable && self.graph_valid(&states, picks) {
             let g = self.graph.as_ref().expect("checked above");
             g.graph
                 .launch()
@@ -528,39 +535,66 @@ impl CudaModel {
             }
             clock = std::time::Instant::now();
         }
-        self.download_logits(&rows, clock, times)
+        self.download_outputs(&modes, picks, clock, times)
     }
 
-    /// Whether the captured decode graph matches the current buffers and
-    /// writes `states`.
-    fn graph_valid(&self, states: &[u64]) -> bool {
+    /// Whether the captured decode graph matches the current buffers,
+    /// writes `states` and picks greedy tokens as asked (`picks`).
+    fn graph_valid(&self, states: &[u64], picks: bool) -> bool {
         self.graph.as_ref().is_some_and(|g| {
-            g.epoch == self.epoch && g.states == states && g.workspace == self.gpu.workspace_ptr()
+            g.epoch == self.epoch
+                && g.states == states
+                && g.workspace == self.gpu.workspace_ptr()
+                && g.picks == picks
         })
     }
 
-    /// The logits of `rows[i]` rows for segment `i`, straight into a
-    /// vector each (one wait for all).
-    fn download_logits(
+    /// Each segment's output, from its `(logit rows, mode)`: the logits of
+    /// its rows straight into a vector, or (Greedy) its row's token from
+    /// "picks" (one wait for all).
+    fn download_outputs(
         &mut self,
-        rows: &[usize],
+        modes: &[(usize, Option<LogitsMode>)],
+        picks: bool,
         mut clock: std::time::Instant,
         times: &mut PhaseTimes,
-    ) -> Result<Vec<Vec<f32>>> {
+    ) -> Result<Vec<SegmentOutput>> {
         let v = self.config.vocab_size;
-        let m: usize = rows.iter().sum();
-        let mut src = self.scratch.get(&self.gpu, "logits", 4 * m * v)?;
-        let runs: Vec<(u64, usize)> = rows
+        let m: usize = modes.iter().map(|&(r, _)| r).sum();
+        let logits = self.scratch.get(&self.gpu, "logits", 4 * m * v)?;
+        let tokens = if picks {
+            self.scratch.get(&self.gpu, "picks", 4 * m)?
+        } else {
+            0
+        };
+        let mut at = 0;
+        let runs: Vec<(u64, usize)> = modes
             .iter()
-            .map(|&r| {
-                let run = (src, r * v);
-                src += (4 * r * v) as u64;
+            .map(|&(r, mode)| {
+                let run = if mode == Some(LogitsMode::Greedy) {
+                    (tokens + 4 * at as u64, 1)
+                } else {
+                    (logits + (4 * at * v) as u64, r * v)
+                };
+                at += r;
                 run
             })
             .collect();
-        let out = self.logits_host.download_runs(&self.gpu, &runs)?;
+        let got: Vec<Vec<f32>> = self.logits_host.download_runs(&self.gpu, &runs)?;
         lap(&mut clock, &mut times.lm_head);
-        Ok(out)
+        Ok(got
+            .into_iter()
+            .zip(modes)
+            .map(|(vals, &(_, mode))| {
+                if mode == Some(LogitsMode::Greedy) {
+                    // argmax_rows' i32, -1 for a row that is not all finite.
+                    let id = vals[0].to_bits() as i32;
+                    SegmentOutput::Token(u32::try_from(id).ok())
+                } else {
+                    SegmentOutput::Logits(vals)
+                }
+            })
+            .collect())
     }
 
     /// The layer stack over `tokens` (segment `i`'s first position at
@@ -627,6 +661,12 @@ impl CudaModel {
         };
         forward::forward(model, &mut step, tokens, trace)
     }
+}
+
+/// Whether any of `segs` asks for its greedy token (then every logit row's
+/// is picked on the device, after the LM head).
+fn picks_tokens<'s>(mut segs: impl Iterator<Item = &'s Segment>) -> bool {
+    segs.any(|s| s.logits == Some(LogitsMode::Greedy))
 }
 
 /// One sequence's share of a GPU eval: its state, its segment's index,
@@ -813,7 +853,23 @@ impl BlockExecutor for GpuStep<'_, '_> {
             at += rows.len();
         }
         let logits = cx.scratch.get(g, "logits", 4 * m * v)?;
-        matmuls(g, &[mm(w.lin(lm_head), logits)], normed, m)
+        matmuls(g, &[mm(w.lin(lm_head), logits)], normed, m)?;
+        if picks_tokens(self.seqs.iter().map(|s| &s.seg)) {
+            let picks = cx.scratch.get(g, "picks", 4 * m)?;
+            let vv = v as i32;
+            // SAFETY: `argmax_rows` in kernels.cu; logits hold m rows of v
+            // floats, picks m ints.
+            unsafe {
+                g.launch(
+                    "argmax_rows",
+                    (m as u32, 1, 1),
+                    1024,
+                    0,
+                    &mut args!(logits, vv, picks),
+                )?;
+            }
+        }
+        Ok(())
     }
 
     fn read(&mut self, what: Activation) -> Result<Vec<f32>> {
