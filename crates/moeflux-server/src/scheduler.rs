@@ -91,7 +91,6 @@ impl<'t> Scheduler<'t> {
         metrics: Arc<Metrics>,
         opts: EngineOptions,
         avg_job_ms: Arc<AtomicU64>,
-        step_log: Option<StepLog>,
     ) -> moeflux::Result<Self> {
         let mut slots = vec![Slot {
             seq: first,
@@ -115,9 +114,15 @@ impl<'t> Scheduler<'t> {
             opts,
             avg_job_ms,
             jobs: 0,
-            step_log,
+            step_log: None,
             last_step_end: None,
         })
+    }
+
+    /// Logs every step to `log` (`--step-log`).
+    pub fn with_step_log(mut self, log: Option<StepLog>) -> Self {
+        self.step_log = log;
+        self
     }
 
     pub fn run(mut self, rx: Receiver<Queued>) {
