@@ -177,11 +177,9 @@ impl EngineHandle {
                         backend: session.backend().to_string(),
                     };
                     let (batch, first) = session.into_batch();
-                    Scheduler::new(
-                        batch, first, &tokenizer, cache, metrics2, opts, avg2, step_log,
-                    )
-                    .map(|s| (s, info))
-                    .map_err(|e| format!("cannot hold {parallel} sequences: {e}"))
+                    Scheduler::new(batch, first, &tokenizer, cache, metrics2, opts, avg2)
+                        .map(|s| (s.with_step_log(step_log), info))
+                        .map_err(|e| format!("cannot hold {parallel} sequences: {e}"))
                 });
                 match opened {
                     Ok((scheduler, info)) => {
