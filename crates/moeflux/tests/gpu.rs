@@ -713,7 +713,7 @@ fn gpu_decode_batch_is_bitwise_alone(name: &str, dir: &Path) {
         }
         let tokens: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
         // (Step 5: no greedy item, so the graph without the picks.)
-        let greedy = |s: usize| step != 5 && (s + step) % 2 == 0;
+        let greedy = |s: usize| step != 5 && (s + step).is_multiple_of(2);
         let work: Vec<Work> = (0..seqs)
             .map(|s| Work {
                 seq: ids_t[s],
