@@ -454,12 +454,14 @@ impl<'t> Scheduler<'t> {
         let pos = self.batch.position(seq).unwrap_or(0);
         let r = &mut self.running[i];
         let n = r.job.prompt.len();
+        // Checkpoints serve only prefix reuse (a GPU sequence's linear
+        // states are copied to the host for each).
+        let reuse = !self.opts.no_prefix_reuse;
         if r.pending.is_none() && pos < n {
-            if r.stops.contains(&pos) {
+            if r.stops.contains(&pos) && reuse {
                 self.batch.checkpoint(seq).ok();
                 let boundary = r.job.boundaries.contains(&pos);
-                let reuse = self.cache.enabled() && !self.opts.no_prefix_reuse;
-                if boundary && reuse && !self.cache.contains(&r.job.prompt[..pos]) {
+                if boundary && self.cache.enabled() && !self.cache.contains(&r.job.prompt[..pos]) {
                     if let Ok(snap) = self.batch.state_save(seq) {
                         self.cache.insert(r.job.prompt[..pos].to_vec(), snap);
                     }
@@ -467,7 +469,7 @@ impl<'t> Scheduler<'t> {
             }
             return None;
         }
-        if r.pending.is_none() {
+        if r.pending.is_none() && reuse {
             // The prompt is in: a turn boundary a later prompt can return to.
             self.batch.checkpoint(seq).ok();
         }
