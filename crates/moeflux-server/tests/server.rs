@@ -333,6 +333,17 @@ async fn concurrent_requests_answer_as_they_do_alone() {
         .map(|(i, t)| {
             let mut b = greedy(json!([{"role": "user", "content": t}]), 6 + 5 * i as u32);
             b["ignore_eos"] = json!(i % 2 == 0);
+            // Some sampled (seeded; one with a penalty over its history):
+            // sampled beside others, each draws what it draws alone.
+            if i % 3 == 1 {
+                b["temperature"] = json!(0.9);
+                b["top_p"] = json!(0.95);
+                b["seed"] = json!(11 + i);
+            }
+            if i == 4 {
+                b["frequency_penalty"] = json!(2.0);
+                b["presence_penalty"] = json!(2.0);
+            }
             b
         })
         .collect();

@@ -297,8 +297,14 @@ impl<'t> Decoder<'t> {
         history: &[u32],
         on_event: &mut dyn FnMut(Event<'_>),
     ) -> Result<(u32, Option<FinishReason>)> {
-        let tok = self.sampler.sample(logits, history);
+        let tok = self.sample(logits, history);
         self.accept(tok, on_event)
+    }
+
+    /// The next token from `logits` (`history`: for penalties), not yet
+    /// accepted: [`Decoder::next`] is this, then [`Decoder::accept`].
+    pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+        self.sampler.sample(logits, history)
     }
 
     /// Whether [`Decoder::next`] would pick the argmax of its logits (greedy
