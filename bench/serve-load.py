@@ -393,9 +393,13 @@ def stream_request(port: int, body: dict, timeout: float) -> dict:
             (timings or {}).get("prompt_n")}
 
 
-def request_body(engine: str, prompt, gen: int) -> dict:
-    body = {"prompt": prompt, "max_tokens": gen, "temperature": 0, "ignore_eos": True,
+def request_body(engine: str, prompt, gen: int, a, index: int) -> dict:
+    body = {"prompt": prompt, "max_tokens": gen, "temperature": a.temperature, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
+    if a.temperature > 0:
+        # sampled, seeded per request: top-k then top-p (llama.cpp's defaults are top-k 40, top-p
+        # 0.95); without top-k a synth model's flat logits put most of the vocabulary in top-p
+        body.update({"top_k": a.top_k, "top_p": a.top_p, "seed": index})
     if engine == "llama.cpp":
         # no prompt cache; per-chunk timings give the token count of every chunk
         body.update({"cache_prompt": False, "timings_per_token": True})
@@ -413,7 +417,7 @@ def timed_phase(engine: str, server: Server, n: int, a, first_index: int) -> dic
             start.wait()
             for r in range(a.requests_per_stream):
                 idx = first_index + c * a.requests_per_stream + r
-                res = stream_request(server.port, request_body(engine, prompt_for(idx, a), a.gen),
+                res = stream_request(server.port, request_body(engine, prompt_for(idx, a), a.gen, a, idx),
                                      a.request_timeout)
                 res["stream"], res["index"] = c, idx
                 with lock:
@@ -559,7 +563,7 @@ def warm_up(engine: str, server: Server, n: int, a, index_base: int):
 
     def one(i: int):
         try:
-            stream_request(server.port, request_body(engine, prompt_for(index_base - 1 - i, a), a.gen),
+            stream_request(server.port, request_body(engine, prompt_for(index_base - 1 - i, a), a.gen, a, index_base - 1 - i),
                            a.request_timeout)
         except BaseException as e:  # reported below
             errors.append(e)
@@ -693,6 +697,10 @@ def parse_args():
     ap.add_argument("--requests-per-stream", type=int, default=4,
                     help="sequential requests each of the N client threads sends")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="compute threads per server")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature of every request (default 0: greedy)")
+    ap.add_argument("--top-k", type=int, default=40, help="top-k of sampled requests (--temperature > 0)")
+    ap.add_argument("--top-p", type=float, default=0.95, help="top-p of sampled requests (--temperature > 0)")
     ap.add_argument("--prompt-kind", choices=("ids", "text"), default="ids",
                     help="token-id prompts of exactly --prompt-len tokens (default), or random words")
     ap.add_argument("--prompt-id-range", default="0,256",
@@ -881,7 +889,9 @@ def report(a, rows: list[dict], tok_desc: str) -> str:
     header = [
         f"model: {a.model}" + ("" if a.no_llama else f"; GGUF: {a.gguf.name}"),
         f"{a.prompt_kind} prompts of {a.prompt_len} tokens" + (" (requested)" if a.prompt_kind == "text" else "")
-        + f", {a.gen} generated tokens each (greedy, ignore_eos), {a.requests_per_stream} sequential "
+        + f", {a.gen} generated tokens each ("
+        + ("greedy" if a.temperature <= 0 else f"sampled: temperature {a.temperature}, top-k {a.top_k}, top-p {a.top_p}, seeded")
+        + f", ignore_eos), {a.requests_per_stream} sequential "
           f"requests per stream, fresh prompt per request, prompt caches off",
         a.machine,
     ] + a.note
