@@ -56,6 +56,22 @@ static MultiMatmul two_products(const HostQ& A, const HostQ& B, float* oa, float
     return mm;
 }
 
+// The double-precision result of `two_products` over n tokens of x ([n][cols]): A x, then
+// B x added to ob0, each token-major (the order of oa followed by ob).
+static std::vector<double> two_products_ref(const HostQ& A, const HostQ& B, const std::vector<float>& x, int n,
+                                            const std::vector<float>& ob0) {
+    std::vector<double> want;
+    for (const HostQ* W : {&A, &B})
+        for (int t = 0; t < n; t++)
+            for (int r = 0; r < W->rows; r++) {
+                double acc = W == &B ? ob0[(size_t)t * W->rows + r] : 0.0;
+                for (int j = 0; j < W->cols; j++)
+                    acc += (double)W->deq[(size_t)r * W->cols + j] * x[(size_t)t * W->cols + j];
+                want.push_back(acc);
+            }
+    return want;
+}
+
 // Passes when max |got - want| <= rel * max |want| (a NaN in got fails).
 static int fails = 0;
 static void check(const char* what, const std::vector<float>& got, const std::vector<double>& want, double rel) {

@@ -168,19 +168,7 @@ static void test_qmv_tokens(int rows_a, int rows_b, int cols, int bits, int n, u
     std::vector<float> got(oa), alone(sa);
     got.insert(got.end(), ob.begin(), ob.end());
     alone.insert(alone.end(), sb.begin(), sb.end());
-    std::vector<double> want;
-    for (int t = 0; t < n; t++)
-        for (int r = 0; r < rows_a; r++) {
-            double acc = 0;
-            for (int j = 0; j < cols; j++) acc += (double)A.deq[(size_t)r * cols + j] * x[(size_t)t * cols + j];
-            want.push_back(acc);
-        }
-    for (int t = 0; t < n; t++)
-        for (int r = 0; r < rows_b; r++) {
-            double acc = ob0[(size_t)t * rows_b + r];
-            for (int j = 0; j < cols; j++) acc += (double)B.deq[(size_t)r * cols + j] * x[(size_t)t * cols + j];
-            want.push_back(acc);
-        }
+    std::vector<double> want = two_products_ref(A, B, x, n, ob0);
     char name[128];
     snprintf(name, sizeof name, "qmv_b%d_t4 %dx%d + %dx%d, n%d, %u of %u blocks", bits, rows_a, cols, rows_b, cols,
              n, grid, sets);

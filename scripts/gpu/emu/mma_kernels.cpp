@@ -44,22 +44,9 @@ static void test_qmma(int rows_a, int rows_b, int cols, int n, int bits, int gs)
     const uint4* pp = xp.data();
     const float* ps = xs.data();
     emu_launch({(unsigned)(ba + bb), (unsigned)((n + 63) / 64), 1}, 128, [&] { qmma(mm, pp, ps, n); });
-    std::vector<float> got;
-    std::vector<double> want;
-    for (int t = 0; t < n; t++)
-        for (int r = 0; r < rows_a; r++) {
-            double acc = 0;
-            for (int j = 0; j < cols; j++) acc += (double)A.deq[(size_t)r * cols + j] * x[(size_t)t * cols + j];
-            want.push_back(acc);
-            got.push_back(oa[(size_t)t * rows_a + r]);
-        }
-    for (int t = 0; t < n; t++)
-        for (int r = 0; r < rows_b; r++) {
-            double acc = ob0[(size_t)t * rows_b + r];
-            for (int j = 0; j < cols; j++) acc += (double)B.deq[(size_t)r * cols + j] * x[(size_t)t * cols + j];
-            want.push_back(acc);
-            got.push_back(ob[(size_t)t * rows_b + r]);
-        }
+    std::vector<float> got(oa);
+    got.insert(got.end(), ob.begin(), ob.end());
+    std::vector<double> want = two_products_ref(A, B, x, n, ob0);
     char name[128];
     snprintf(name, sizeof name, "qmma b%d+b4 g%d %dx%d + %dx%d, %d tokens", bits, gs, rows_a, cols, rows_b, cols, n);
     check(name, got, want, 1e-5);
