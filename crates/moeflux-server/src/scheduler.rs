@@ -457,28 +457,29 @@ impl<'t> Scheduler<'t> {
         plan: &[(usize, Vec<u32>, Option<LogitsMode>)],
         results: &mut [moeflux::Result<Output>],
     ) {
-        let mut logits: Vec<Option<(Vec<f32>, Vec<u32>)>> = vec![None; self.running.len()];
-        let mut at: Vec<Option<usize>> = vec![None; self.running.len()];
+        // Per running job: its result's index, logits and history (for
+        // penalties), borrowed from the batch.
+        let mut todo = vec![None; self.running.len()];
         for (k, ((i, _, _), result)) in plan.iter().zip(results.iter_mut()).enumerate() {
             if let Ok(Output::Logits(l)) = result {
                 if !l.is_empty() {
                     let seq = self.slots[self.running[*i].slot].seq;
-                    let history = self.batch.tokens(seq).unwrap_or_default().to_vec();
-                    logits[*i] = Some((std::mem::take(l), history));
-                    at[*i] = Some(k);
+                    let history = self.batch.tokens(seq).unwrap_or_default();
+                    todo[*i] = Some((k, std::mem::take(l), history));
                 }
             }
         }
-        let tokens: Vec<Option<u32>> = self
+        let picked: Vec<(usize, u32)> = self
             .running
             .par_iter_mut()
-            .zip(logits.par_iter())
-            .map(|(r, l)| l.as_ref().map(|(l, history)| r.decoder.sample(l, history)))
+            .zip(todo.par_iter())
+            .filter_map(|(r, t)| {
+                t.as_ref()
+                    .map(|(k, l, history)| (*k, r.decoder.sample(l, history)))
+            })
             .collect();
-        for (tok, k) in tokens.into_iter().zip(at) {
-            if let (Some(tok), Some(k)) = (tok, k) {
-                results[k] = Ok(Output::Token(tok));
-            }
+        for (k, tok) in picked {
+            results[k] = Ok(Output::Token(tok));
         }
     }
 
@@ -510,7 +511,6 @@ impl<'t> Scheduler<'t> {
             // The prompt is in: a turn boundary a later prompt can return to.
             self.batch.checkpoint(seq).ok();
         }
-        let history = self.batch.tokens(seq).unwrap_or_default();
         let events = &r.job.events;
         let cancel = &r.job.cancel;
         let delay = self.opts.event_delay;
@@ -530,7 +530,10 @@ impl<'t> Scheduler<'t> {
         };
         let next = match out {
             Output::Token(tok) => r.decoder.accept(tok, &mut on_event),
-            Output::Logits(logits) => r.decoder.next(&logits, history, &mut on_event),
+            Output::Logits(logits) => {
+                let history = self.batch.tokens(seq).unwrap_or_default();
+                r.decoder.next(&logits, history, &mut on_event)
+            }
         };
         let (tok, done) = match next {
             Ok(x) => x,
