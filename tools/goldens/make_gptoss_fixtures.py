@@ -1,0 +1,202 @@
+#!/usr/bin/env python3
+"""Regenerate moeflux's gpt-oss (gpt_oss) fixture: a tiny random checkpoint in mlx-lm's
+layout plus float32 golden logits.
+
+    HF_HUB_OFFLINE=1 python tools/goldens/make_gptoss_fixtures.py            # -> tests/fixtures/
+    HF_HUB_OFFLINE=1 python tools/goldens/make_gptoss_fixtures.py --out DIR
+
+Uses make_fixtures.py's helpers (tokenizer, random init, cast/quantize like mlx_lm.convert,
+golden procedure) and make_deepseek_fixtures.py's f32 dequantizer. mlx-lm initialises to
+constants what an engine could ignore and still match: the attention sinks (zeros), every
+linear bias of q/k/v/o, the router and the experts (zeros or near zero). All are drawn here,
+and `ablations` in golden.json records how far the logits move when each is dropped (or the
+SwiGLU clamp is lifted), so the golden shows that each one matters.
+
+Fixture (see tests/fixtures/README.md):
+* gptoss-q4/: gpt_oss, 4 layers alternating sliding (window 8, shorter than the 32-token
+  golden) and full attention, 4 q heads x 32, 2 kv heads, learned sinks, q/k/v/o biases, YaRN
+  rotary (factor 32, half-split), 16 experts top-4 with biases and the clamped SwiGLU, router
+  with bias; 4-bit g64, router 8-bit (gpt_oss.quant_predicate).
+"""
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import make_fixtures as mf  # noqa: E402
+import make_deepseek_fixtures as ds  # noqa: E402
+from make_fixtures import BF16, F32, GS, H, V, mx  # noqa: E402
+from mlx.utils import tree_flatten, tree_map_with_path  # noqa: E402
+
+# Spreads of the parameters mlx-lm starts at constants. Expert gate/up biases are wide so
+# that the SwiGLU clamp (|x| > 7) engages for some tokens.
+SINK_STD = 1.0
+ATTN_BIAS_STD = 0.5
+ROUTER_BIAS_STD = 0.5
+EXPERT_BIAS_STD = {"gate_proj": 4.0, "up_proj": 4.0, "down_proj": 0.1}
+
+
+def gptoss_config(*, hidden=H, layers=4, experts=16, topk=4, window=8):
+    return {
+        "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
+        "num_hidden_layers": layers, "num_local_experts": experts, "num_experts_per_tok": topk,
+        "vocab_size": V, "rms_norm_eps": 1e-5, "hidden_size": hidden, "intermediate_size": 64,
+        "head_dim": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "sliding_window": window, "rope_theta": 150000,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "original_max_position_embeddings": 4096, "truncate": False},
+        "layer_types": ["sliding_attention", "full_attention"] * (layers // 2),
+        "max_position_embeddings": 131072, "tie_word_embeddings": False,
+        "eos_token_id": 2, "pad_token_id": 1,
+    }
+
+
+def build_random(config, seed):
+    model = mf.build_random_model(config, seed)
+    rng = np.random.default_rng(seed + 41)
+    repl = {}
+    for k, v in sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0]):
+        if k.endswith("self_attn.sinks"):
+            std = SINK_STD
+        elif k.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias", "o_proj.bias")):
+            std = ATTN_BIAS_STD
+        elif k.endswith("router.bias"):
+            std = ROUTER_BIAS_STD
+        elif ".experts." in k and k.endswith(".bias"):
+            std = EXPERT_BIAS_STD[k.split(".")[-2]]
+        else:
+            continue
+        repl[k] = mx.array((std * rng.standard_normal(v.shape)).astype(np.float32))
+    drawn = {k.split(".")[-1] if k.endswith("sinks") else k.split(".")[-2] for k in repl}
+    assert {"sinks", "q_proj", "k_proj", "v_proj", "o_proj", "router", "gate_proj", "up_proj",
+            "down_proj"} <= drawn, drawn
+    model.update(tree_map_with_path(lambda p, v: repl.get(p, v), model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+class RouterProbe:
+    """Records min over tokens/layers of (k-th largest - (k+1)-th largest) router logit:
+    gpt_oss takes the top-k of the raw logits, then a softmax over those k."""
+
+    def __enter__(self):
+        from mlx_lm.models.gpt_oss import MLPBlock
+        self.cls, self.orig, self.gaps = MLPBlock, MLPBlock.__call__, []
+        probe = self
+
+        def patched(s, x):
+            g = mx.sort(s.router(x).astype(F32), axis=-1)
+            k = s.num_experts_per_tok
+            probe.gaps.append(float((g[..., -k] - g[..., -k - 1]).min().item()))
+            return probe.orig(s, x)
+        MLPBlock.__call__ = patched
+        return self
+
+    def __exit__(self, *a):
+        self.cls.__call__ = self.orig
+
+
+def logits_of(model, tokens):
+    out = model(mx.array([tokens])).astype(F32)
+    mx.eval(out)
+    return np.array(out[0])
+
+
+def ablations(ckpt, tokens, reference):
+    """max |logit change| when each drawn parameter is reset to mlx's constant, and when the
+    SwiGLU clamp is lifted."""
+    from mlx_lm.models import activations, gpt_oss
+    from mlx_lm.utils import load_model
+
+    def run(mutate):
+        model, _ = load_model(ckpt)
+        mutate(model)
+        model = ds.dequantize_f32(model)
+        return float(np.abs(logits_of(model, tokens) - reference).max())
+
+    def zero(suffixes):
+        def m(model):
+            model.update(tree_map_with_path(
+                lambda p, v: mx.zeros_like(v) if p.endswith(suffixes) else v, model.parameters()))
+        return m
+
+    out = {}
+    for name, suffixes in [("sinks", ("self_attn.sinks",)),
+                           ("attention biases", ("q_proj.bias", "k_proj.bias", "v_proj.bias",
+                                                 "o_proj.bias")),
+                           ("router bias", ("router.bias",)),
+                           ("expert biases", ("gate_proj.bias", "up_proj.bias", "down_proj.bias"))]:
+        out[name] = run(zero(suffixes))
+    orig = activations.swiglu_oai
+
+    def unclamped(gate, x, alpha=1.702, limit=7.0):
+        return orig(gate, x, alpha=alpha, limit=1e30)
+    activations.swiglu_oai = unclamped
+    try:
+        out["swiglu clamp"] = run(lambda m: None)
+    finally:
+        activations.swiglu_oai = orig
+    saved = gpt_oss.GptOssMoeModel.__init__
+
+    def no_window(self, args):
+        saved(self, args)
+        self.window_size = None
+    gpt_oss.GptOssMoeModel.__init__ = no_window
+    try:
+        out["sliding window"] = run(lambda m: None)
+    finally:
+        gpt_oss.GptOssMoeModel.__init__ = saved
+    for k, v in out.items():
+        print(f"  ablation {k}: max|dlogit| = {v:.3g}")
+        assert v > 1e-2, f"dropping {k} does not move the logits"
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=mf.REPO / "tests" / "fixtures")
+    args = ap.parse_args()
+    root = args.out
+    root.mkdir(parents=True, exist_ok=True)
+    mx.set_default_device(mx.cpu)
+    tok_json, tok_info = mf.train_tokenizer()
+
+    d = root / "gptoss-q4"
+    if d.exists():
+        shutil.rmtree(d)
+    d.mkdir(parents=True)
+    config = gptoss_config()
+    model = build_random(config, 401)
+    mf.cast_like_convert(model, config)
+    model, qconfig = mf.quantize_model(model, config, GS, 4)
+    mx.eval(model.parameters())
+    mf.save_model(d / "src", model)
+    mf.save_config(qconfig, d / "src" / "config.json")
+    mf.write_tokenizer(d / "src", tok_json)
+
+    saved = (mf.dequantize_f32, mf.RouterProbe)
+    mf.dequantize_f32, mf.RouterProbe = ds.dequantize_f32, RouterProbe
+    try:
+        res = mf.golden_from_checkpoint(
+            d, d / "src", 4001,
+            "gpt_oss, 4 layers alternating sliding (window 8) / full attention, 4 q heads x 32, "
+            "2 kv heads, learned sinks, q/k/v/o biases, YaRN rotary (factor 32, half-split, theta "
+            "1.5e5), 16 experts top-4 (intermediate 64) with biases and the clamped SwiGLU "
+            "(alpha 1.702, limit 7), router with bias (softmax over the top-4 logits), untied; "
+            "4-bit g64, router 8-bit; router_topk_gap_min is in logits",
+            "src", extra={"tokenizer": tok_info})
+    finally:
+        mf.dequantize_f32, mf.RouterProbe = saved
+    extra = ablations(d / "src", res["tokens"], res["logits"])
+    import json
+    g = json.loads((d / "golden.json").read_text())
+    g["ablations_max_abs_logit_change"] = extra
+    (d / "golden.json").write_text(json.dumps(g, indent=1) + "\n")
+    print("done:", d)
+
+
+if __name__ == "__main__":
+    main()
