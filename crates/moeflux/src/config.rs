@@ -24,6 +24,7 @@ pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
 
 mod deepseek;
 mod glm;
+mod gpt_oss;
 mod qwen;
 
 /// Model families this build can run.
@@ -49,11 +50,15 @@ pub enum Architecture {
     /// `kimi_k25` (Kimi-K2.5's text model): DeepSeek-V3 under a nested `text_config`,
     /// its weights under `language_model.`.
     KimiK25,
+    /// `gpt_oss` (gpt-oss-20b/120b): GQA with learned sinks, q/k/v/o biases,
+    /// alternating sliding-window and full layers, YaRN rotary; top-K router over
+    /// raw logits with a bias, experts with biases and a clamped SwiGLU.
+    GptOss,
 }
 
 impl Architecture {
     pub const SUPPORTED: &'static str =
-        "qwen3_5_moe, qwen3_next, qwen3_moe, glm4_moe, deepseek_v3, kimi_k2, kimi_k25";
+        "qwen3_5_moe, qwen3_next, qwen3_moe, glm4_moe, deepseek_v3, kimi_k2, kimi_k25, gpt_oss";
 
     pub fn from_model_type(s: &str) -> Option<Self> {
         match s {
@@ -64,6 +69,7 @@ impl Architecture {
             "deepseek_v3" => Some(Self::DeepseekV3),
             "kimi_k2" => Some(Self::KimiK2),
             "kimi_k25" => Some(Self::KimiK25),
+            "gpt_oss" => Some(Self::GptOss),
             _ => None,
         }
     }
@@ -77,6 +83,7 @@ impl Architecture {
             Self::DeepseekV3 => "deepseek_v3",
             Self::KimiK2 => "kimi_k2",
             Self::KimiK25 => "kimi_k25",
+            Self::GptOss => "gpt_oss",
         }
     }
 
@@ -90,6 +97,7 @@ impl Architecture {
             Self::Qwen3Moe => 5,
             Self::Glm4Moe => 6,
             Self::KimiK25 => 7,
+            Self::GptOss => 8,
         }
     }
 
@@ -199,6 +207,11 @@ pub struct AttentionConfig {
     pub qk_norm: bool,
     /// `q_proj`, `k_proj` and `v_proj` add a bias (GLM's `attention_bias`).
     pub qkv_bias: bool,
+    /// `o_proj` adds a bias (gpt-oss).
+    pub o_bias: bool,
+    /// A learned logit per head (`self_attn.sinks`) joins every softmax
+    /// without a value: attention may go "nowhere" (gpt-oss).
+    pub sinks: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -215,6 +228,22 @@ pub struct MoeConfig {
     pub shared_gate: bool,
     pub norm_topk_prob: bool,
     pub router: RouterKind,
+    /// The router adds a bias to its logits (gpt-oss `mlp.router.bias`).
+    pub router_bias: bool,
+    /// Each routed expert's projections add a bias (gpt-oss).
+    pub expert_bias: bool,
+    pub activation: ExpertActivation,
+}
+
+/// The gated activation of the routed experts.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum ExpertActivation {
+    /// `silu(gate) * up`.
+    #[default]
+    Silu,
+    /// gpt-oss: `(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)` with
+    /// `g = min(gate, limit)` (mlx-lm's `swiglu_oai`).
+    SwigluOai { alpha: f32, limit: f32 },
 }
 
 /// How a MoE layer picks its experts.
@@ -231,6 +260,8 @@ pub enum RouterKind {
         topk_group: usize,
         routed_scaling_factor: f32,
     },
+    /// gpt-oss: the top-K raw logits, then a softmax over those K.
+    TopKSoftmax,
 }
 
 /// DeepSeek-V3 multi-head latent attention shape.
@@ -297,6 +328,9 @@ pub struct ModelConfig {
     pub tie_word_embeddings: bool,
     pub layer_kinds: Vec<LayerKind>,
     pub mlp_kinds: Vec<MlpKind>,
+    /// Per layer: attention sees only the last `w` positions (itself
+    /// included) when `Some(w)` (gpt-oss's sliding layers); `None`: all.
+    pub attention_window: Vec<Option<usize>>,
     /// Full-attention layers' flavour.
     pub attention: AttentionConfig,
     pub linear: LinearAttnConfig,
@@ -522,6 +556,7 @@ impl ModelConfig {
             Architecture::DeepseekV3 | Architecture::KimiK2 | Architecture::KimiK25 => {
                 deepseek::parse(&f, top, arch)
             }
+            Architecture::GptOss => gpt_oss::parse(&f, top),
         }?;
         c.check_sizes(&f)?;
         Ok(c)

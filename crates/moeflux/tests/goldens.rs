@@ -80,6 +80,11 @@ fn glm4_moe_q4_qkv_bias_qk_norm_partial_rope_noaux_tc() {
 }
 
 #[test]
+fn gpt_oss_q4_sinks_sliding_window_biases_yarn_clamped_swiglu() {
+    run_fixture("gptoss-q4", "gptoss-q4/src", "gptoss-q4", None);
+}
+
+#[test]
 fn glm4_moe_from_hugging_face_bf16_without_qk_norm_mtp_dropped() {
     run_fixture("glm4moe-hf", "glm4moe-hf/src", "glm4moe-hf", None);
 }

@@ -90,6 +90,7 @@ pub(super) fn parse(
         max_position_embeddings,
         tie_word_embeddings,
         layer_kinds: vec![LayerKind::Mla; num_layers],
+        attention_window: vec![None; num_layers],
         mlp_kinds,
         // MLA layers only: no GQA attention, no GatedDeltaNet.
         attention: AttentionConfig::default(),
@@ -148,6 +149,9 @@ pub(super) fn parse_moe(f: &Fields) -> Result<MoeConfig> {
             topk_group: f.usize_opt("topk_group")?.unwrap_or(1),
             routed_scaling_factor: scaling as f32,
         },
+        router_bias: false,
+        expert_bias: false,
+        activation: Default::default(),
     })
 }
 
@@ -206,7 +210,7 @@ pub(super) fn check_moe(f: &Fields, m: &MoeConfig) -> Result<()> {
 
 /// `rope_theta` plus `rope_scaling` (`yarn`/`deepseek_yarn`, `linear` or none), applied
 /// to the `qk_rope_head_dim` channels with interleaved pairs (mlx `traditional=True`).
-fn parse_rope(f: &Fields, rotary_dim: usize) -> Result<RopeConfig> {
+pub(super) fn parse_rope(f: &Fields, rotary_dim: usize) -> Result<RopeConfig> {
     let theta = f.f64_opt("rope_theta")?.unwrap_or(10_000.0);
     if !(theta.is_finite() && theta > 0.0) {
         return Err(f.err("rope_theta", "must be positive"));

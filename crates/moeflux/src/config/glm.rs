@@ -48,11 +48,13 @@ pub(super) fn parse(f: &Fields, top: &Map<String, Value>) -> Result<ModelConfig>
         max_position_embeddings: g.max_position_embeddings,
         tie_word_embeddings: g.tie_word_embeddings,
         layer_kinds: vec![LayerKind::FullAttention; g.num_layers],
+        attention_window: vec![None; mlp_kinds.len()],
         mlp_kinds,
         attention: AttentionConfig {
             output_gate: false,
             qk_norm: f.bool_opt("use_qk_norm")?.unwrap_or(false),
             qkv_bias: f.bool_opt("attention_bias")?.unwrap_or(false),
+            ..Default::default()
         },
         linear: LinearAttnConfig::default(),
         moe,

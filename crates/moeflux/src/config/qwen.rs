@@ -49,6 +49,9 @@ pub(super) fn parse(
             .bool_opt("norm_topk_prob")?
             .unwrap_or(arch == Architecture::Qwen3_5Moe),
         router: RouterKind::Softmax,
+        router_bias: false,
+        expert_bias: false,
+        activation: Default::default(),
     };
     let mlp_kinds = parse_mlp_kinds(f, arch, g.num_layers, &moe)?;
     check_mlp_widths(f, &mlp_kinds, &moe, g.intermediate_size, "num_experts")?;
@@ -67,11 +70,13 @@ pub(super) fn parse(
         max_position_embeddings: g.max_position_embeddings,
         tie_word_embeddings: g.tie_word_embeddings,
         layer_kinds,
+        attention_window: vec![None; mlp_kinds.len()],
         mlp_kinds,
         attention: AttentionConfig {
             output_gate: hybrid,
             qk_norm: true,
             qkv_bias: false,
+            ..Default::default()
         },
         linear,
         moe,

@@ -293,7 +293,8 @@ impl<'a> Planner<'a> {
                 Architecture::Glm4Moe
                 | Architecture::DeepseekV3
                 | Architecture::KimiK2
-                | Architecture::KimiK25 => false,
+                | Architecture::KimiK25
+                | Architecture::GptOss => false,
             };
             let bits = if gate && gate_active {
                 self.gate_overrides.insert(
@@ -532,7 +533,7 @@ impl<'a> Planner<'a> {
                     .config
                     .quantization
                     .as_ref()
-                    .and_then(|q| q.for_module(&module))
+                    .and_then(|q| q.for_module(&mlx_module_path(self.src.config.arch, &module)))
                     .ok_or_else(|| {
                         self.err(
                             weight,
@@ -749,6 +750,9 @@ pub fn plan(src: &Source, san: &Sanitized, expert_bits: Option<u32>) -> Result<P
             WeightKind::Vector { len } => p.float_tensor(&w.name, &[len], "vector")?,
             WeightKind::Conv { channels, kernel } => {
                 p.float_tensor(&w.name, &[channels, kernel, 1], "[channels, kernel, 1]")?
+            }
+            WeightKind::Table { rows, cols } => {
+                p.float_tensor(&w.name, &[rows, cols], "[experts, rows]")?
             }
         }
     }

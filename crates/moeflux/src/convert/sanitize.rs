@@ -151,6 +151,10 @@ fn mlx_name(arch: Architecture, raw: &str) -> Option<String> {
 pub fn canonical_of_mlx(arch: Architecture, mlx: &str) -> String {
     if arch.nests_language_model() {
         mlx.strip_prefix("language_model.").unwrap_or(mlx).into()
+    } else if arch == Architecture::GptOss {
+        // gpt-oss's SwitchGLU is `mlp.experts`; canonically every family's
+        // stacked experts are `mlp.switch_mlp`.
+        mlx.replacen(".mlp.experts.", ".mlp.switch_mlp.", 1)
     } else {
         mlx.to_string()
     }
@@ -161,6 +165,8 @@ pub fn canonical_of_mlx(arch: Architecture, mlx: &str) -> String {
 pub fn mlx_module_path(arch: Architecture, canonical: &str) -> String {
     if arch.nests_language_model() {
         format!("language_model.{canonical}")
+    } else if arch == Architecture::GptOss {
+        canonical.replacen(".mlp.switch_mlp.", ".mlp.experts.", 1)
     } else {
         canonical.to_string()
     }
@@ -218,7 +224,8 @@ pub fn sanitize(src: &Source) -> Result<Sanitized> {
         | Architecture::Glm4Moe
         | Architecture::DeepseekV3
         | Architecture::KimiK2
-        | Architecture::KimiK25 => false,
+        | Architecture::KimiK25
+        | Architecture::GptOss => false,
     };
     if arch.is_deepseek() {
         // FP8 block scales are read with their weights, not copied.
@@ -328,6 +335,9 @@ pub fn sanitize(src: &Source) -> Result<Sanitized> {
                 }
             }
         }
+        // mlx-lm layout only so far (Hugging Face's MXFP4 `_blocks`/`_scales`
+        // are not read yet).
+        Architecture::GptOss => {}
     }
 
     type KvbHalfSrc = (String, String, KvbSplit, Option<(String, String)>);

@@ -1,7 +1,8 @@
 //! Grouped-query full attention: Qwen3.5 / Qwen3-Next's gated form (`q_proj`
 //! rows per head `[q | gate]`, output scaled by `sigmoid(gate)`), Qwen3-MoE's
 //! and GLM's plain form; per-head q/k RMSNorm and q/k/v biases where the
-//! config has them; partial half-split rotary; a KV cache per layer.
+//! config has them; gpt-oss's o bias, sinks and sliding window; partial
+//! half-split rotary; a KV cache per layer.
 
 use crate::config::ModelConfig;
 use crate::error::Result;
@@ -18,10 +19,22 @@ pub struct FullAttention {
     pub qk_norm: Option<(VectorRef, VectorRef)>,
     /// Biases of q, k and v, added to the projections before the norms.
     pub qkv_bias: Option<[VectorRef; 3]>,
+    /// Bias of the output projection (gpt-oss).
+    pub o_bias: Option<VectorRef>,
+    /// One logit per head that joins the softmax without a value (gpt-oss).
+    pub sinks: Option<VectorRef>,
+    /// Keys visible to a query: the last `window` positions, itself
+    /// included (gpt-oss's sliding layers); `None`: all earlier ones.
+    pub window: Option<usize>,
 }
 
 impl FullAttention {
-    pub fn load(w: &mut WeightsLoader, c: &ModelConfig, prefix: &str) -> Result<Self> {
+    pub fn load(
+        w: &mut WeightsLoader,
+        c: &ModelConfig,
+        prefix: &str,
+        window: Option<usize>,
+    ) -> Result<Self> {
         let (h, nh, nkv, hd) = (
             c.hidden_size,
             c.num_attention_heads,
@@ -48,6 +61,16 @@ impl FullAttention {
         } else {
             None
         };
+        let o_bias = if a.o_bias {
+            Some(w.vector(&format!("{p}o_proj.bias"), &[h])?)
+        } else {
+            None
+        };
+        let sinks = if a.sinks {
+            Some(w.vector(&format!("{p}sinks"), &[nh])?)
+        } else {
+            None
+        };
         Ok(FullAttention {
             q_proj: w.linear(&format!("{p}q_proj"), q_rows, h)?,
             k_proj: w.linear(&format!("{p}k_proj"), nkv * hd, h)?,
@@ -56,6 +79,9 @@ impl FullAttention {
             output_gate: a.output_gate,
             qk_norm,
             qkv_bias,
+            o_bias,
+            sinks,
+            window,
         })
     }
 }

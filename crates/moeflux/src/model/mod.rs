@@ -67,7 +67,8 @@ impl Model {
             Architecture::Qwen3_5Moe
             | Architecture::Qwen3Next
             | Architecture::Qwen3Moe
-            | Architecture::Glm4Moe => {
+            | Architecture::Glm4Moe
+            | Architecture::GptOss => {
                 if config.layer_kinds.contains(&LayerKind::Mla) {
                     return Err(Error::format(
                         &manifest_path,
@@ -94,7 +95,12 @@ impl Model {
             let p = layer_prefix(i);
             let input_norm = w.vector(&format!("{p}input_layernorm.weight"), &[h])?;
             let mixer = match config.layer_kinds[i] {
-                LayerKind::FullAttention => Mixer::Full(FullAttention::load(&mut w, &config, &p)?),
+                LayerKind::FullAttention => Mixer::Full(FullAttention::load(
+                    &mut w,
+                    &config,
+                    &p,
+                    config.attention_window[i],
+                )?),
                 LayerKind::LinearAttention => {
                     Mixer::Linear(GatedDeltaNet::load(&mut w, &config, &p)?)
                 }

@@ -21,8 +21,13 @@ pub struct SharedExpert {
 pub struct MoeBlock {
     pub layer: usize,
     pub router: LinearRef,
+    /// Added to the router's logits (gpt-oss).
+    pub router_bias: Option<VectorRef>,
     /// `noaux_tc`'s `e_score_correction_bias`.
     pub score_bias: Option<VectorRef>,
+    /// Per-expert biases of gate, up and down, `[experts, rows]` each
+    /// (gpt-oss).
+    pub expert_bias: Option<[VectorRef; 3]>,
     pub shared: Option<SharedExpert>,
     pub experts: ExpertLayout,
 }
@@ -42,7 +47,29 @@ impl MoeBlock {
                 &format!("{p}gate.e_score_correction_bias"),
                 &[m.num_experts],
             )?),
-            RouterKind::Softmax => None,
+            RouterKind::Softmax | RouterKind::TopKSoftmax => None,
+        };
+        let router = crate::model::schema::router_module(c);
+        let router_bias = if m.router_bias {
+            Some(w.vector(&format!("{p}{router}.bias"), &[m.num_experts])?)
+        } else {
+            None
+        };
+        let expert_bias = if m.expert_bias {
+            let i = m.moe_intermediate;
+            let table = |w: &mut WeightsLoader, proj: &str, rows: usize| {
+                w.vector(
+                    &format!("{p}switch_mlp.{proj}.bias"),
+                    &[m.num_experts, rows],
+                )
+            };
+            Some([
+                table(w, "gate_proj", i)?,
+                table(w, "up_proj", i)?,
+                table(w, "down_proj", h)?,
+            ])
+        } else {
+            None
         };
         let shared = if m.shared_intermediate == 0 {
             None
@@ -64,8 +91,10 @@ impl MoeBlock {
         };
         Ok(MoeBlock {
             layer,
-            router: w.linear(&format!("{p}gate"), m.num_experts, h)?,
+            router: w.linear(&format!("{p}{router}"), m.num_experts, h)?,
+            router_bias,
             score_bias,
+            expert_bias,
             shared,
             experts,
         })

@@ -18,6 +18,9 @@ pub enum WeightKind {
     Vector { len: usize },
     /// The depthwise conv1d weight `<name>`: float `[channels, kernel, 1]`.
     Conv { channels: usize, kernel: usize },
+    /// A float table `<name>` `[rows, cols]`, never quantized (gpt-oss's
+    /// per-expert biases: a row per expert).
+    Table { rows: usize, cols: usize },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -58,6 +61,16 @@ fn vector(name: String, len: usize) -> WeightSpec {
     WeightSpec {
         name,
         kind: WeightKind::Vector { len },
+    }
+}
+
+/// The router's module name under `mlp.`: `router` for gpt-oss, `gate` for
+/// every other family.
+pub fn router_module(c: &ModelConfig) -> &'static str {
+    if c.arch == crate::config::Architecture::GptOss {
+        "router"
+    } else {
+        "gate"
     }
 }
 
@@ -119,6 +132,12 @@ fn attention_weights(c: &ModelConfig, p: &str, w: &mut Vec<WeightSpec>) {
         }
     }
     w.push(linear(format!("{p}self_attn.o_proj"), h, nh * hd));
+    if a.o_bias {
+        w.push(vector(format!("{p}self_attn.o_proj.bias"), h));
+    }
+    if a.sinks {
+        w.push(vector(format!("{p}self_attn.sinks"), nh));
+    }
     if a.qk_norm {
         w.push(vector(format!("{p}self_attn.q_norm.weight"), hd));
         w.push(vector(format!("{p}self_attn.k_norm.weight"), hd));
@@ -162,7 +181,25 @@ fn deltanet_weights(c: &ModelConfig, p: &str, w: &mut Vec<WeightSpec>) {
 /// DeepSeek's and GLM's ungated `shared_experts`).
 fn moe_weights(c: &ModelConfig, p: &str, w: &mut Vec<WeightSpec>) {
     let (m, h) = (&c.moe, c.hidden_size);
-    w.push(linear(format!("{p}mlp.gate"), m.num_experts, h));
+    let router = router_module(c);
+    w.push(linear(format!("{p}mlp.{router}"), m.num_experts, h));
+    if m.router_bias {
+        w.push(vector(format!("{p}mlp.{router}.bias"), m.num_experts));
+    }
+    // Expert biases are small ([experts, rows] per projection): they live
+    // with the dense weights, not in the streamed expert extents.
+    if m.expert_bias {
+        let i = m.moe_intermediate;
+        for (proj, rows) in [("gate_proj", i), ("up_proj", i), ("down_proj", h)] {
+            w.push(WeightSpec {
+                name: format!("{p}mlp.switch_mlp.{proj}.bias"),
+                kind: WeightKind::Table {
+                    rows: m.num_experts,
+                    cols: rows,
+                },
+            });
+        }
+    }
     if let RouterKind::NoauxTc { .. } = m.router {
         w.push(vector(
             format!("{p}mlp.gate.e_score_correction_bias"),

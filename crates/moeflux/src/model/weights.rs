@@ -376,6 +376,9 @@ impl DenseStore {
                 WeightKind::Conv { channels, kernel } => {
                     self.floats(&w.name, &[channels, kernel, 1])?;
                 }
+                WeightKind::Table { rows, cols } => {
+                    self.floats(&w.name, &[rows, cols])?;
+                }
             }
         }
         Ok(())

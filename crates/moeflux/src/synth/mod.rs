@@ -247,6 +247,10 @@ pub fn synth(dst: &Path, opts: &SynthOptions) -> Result<SynthReport> {
                 let out = push(w.name, Dtype::BF16, vec![channels, kernel, 1]);
                 jobs.push(Job::Floats { out, kind: w.kind });
             }
+            WeightKind::Table { rows, cols } => {
+                let out = push(w.name, Dtype::BF16, vec![rows, cols]);
+                jobs.push(Job::Floats { out, kind: w.kind });
+            }
         }
     }
     let lay = layout(&outputs);
@@ -457,7 +461,7 @@ fn write_dense(
                 let t = &outputs[*out];
                 let vals = match *kind {
                     WeightKind::Conv { channels, kernel } => init.conv(&t.name, channels, kernel),
-                    _ => init.vector(&t.name, t.shape[0]),
+                    _ => init.vector(&t.name, t.shape.iter().product()),
                 };
                 let mut buf = vec![0u8; t.bytes() as usize];
                 crate::convert::dtype::encode_into(&vals, t.dtype, &mut buf);

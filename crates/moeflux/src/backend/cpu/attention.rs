@@ -1,7 +1,9 @@
 //! Grouped-query attention on the CPU (`model::attention::FullAttention`):
 //! q/k/v projections in one grouped matmul, biases, per-head q/k RMSNorm,
-//! rotary, the KV append, causal softmax attention per (token, head), the
-//! optional `sigmoid(gate)` output gate, and the output projection.
+//! rotary, the KV append, causal softmax attention per (token, head) (over
+//! a sliding window, with a sink logit, where the layer has them), the
+//! optional `sigmoid(gate)` output gate, and the output projection (and its
+//! bias).
 
 use rayon::prelude::*;
 
@@ -101,6 +103,7 @@ pub fn forward(
         .iter()
         .map(|s| (&s.state.k[..], &s.state.v[..]))
         .collect();
+    let sinks = a.sinks.map(|s| w.vector(s));
     let mut attn = vec![0.0f32; n * nh * hd];
     attn.par_chunks_mut(hd).enumerate().for_each(|(i, o)| {
         let (t, h) = (i / nh, i % nh);
@@ -108,13 +111,23 @@ pub fn forward(
         let (si, pos) = at[t];
         let (keys, values) = caches[si];
         let qh = &q[i * hd..(i + 1) * hd];
-        let ctx = pos + 1;
-        let mut scores: Vec<f32> = (0..ctx)
+        let first = a.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        let mut scores: Vec<f32> = (first..=pos)
             .map(|p| vec::dot(qh, &keys[p * row + g * hd..p * row + (g + 1) * hd]) * scale)
             .collect();
-        ops::softmax_inplace(&mut scores);
+        match sinks {
+            // The sink's logit joins the softmax and takes its share of
+            // the weight, which no value receives.
+            Some(s) => {
+                scores.push(s[h]);
+                ops::softmax_inplace(&mut scores);
+                scores.pop();
+            }
+            None => ops::softmax_inplace(&mut scores),
+        }
         o.fill(0.0);
-        for (p, &wt) in scores.iter().enumerate() {
+        for (j, &wt) in scores.iter().enumerate() {
+            let p = first + j;
             vec::axpy(o, wt, &values[p * row + g * hd..p * row + (g + 1) * hd]);
         }
         if !gate.is_empty() {
@@ -125,4 +138,10 @@ pub fn forward(
         }
     });
     matmul(&w.view(&a.o_proj), &attn, n, out);
+    if let Some(b) = a.o_bias {
+        let b = w.vector(b);
+        for row in out.chunks_exact_mut(b.len()) {
+            ops::add_inplace(row, b);
+        }
+    }
 }

@@ -12,7 +12,7 @@ use crate::backend::cpu::ops;
 use crate::backend::cpu::qmatmul::{matmul, matmul_group};
 use crate::backend::cpu::router::NoauxTc;
 use crate::backend::prefetch::most_chosen;
-use crate::config::{ModelConfig, RouterKind};
+use crate::config::{ExpertActivation, ModelConfig, RouterKind};
 use crate::error::Result;
 use crate::io::{ExpertBuf, ExpertStore, Landed};
 use crate::model::moe::{DenseMlp, ExpertLayout, MoeBlock, SharedExpert};
@@ -48,6 +48,25 @@ impl Routing {
                     *x /= s;
                 }
             }
+            experts.extend(top);
+            weights.extend(w);
+        }
+        Routing {
+            k,
+            experts,
+            weights,
+        }
+    }
+
+    /// gpt-oss: per token the `k` largest logits (ties to the lower index),
+    /// weighted by a softmax over those `k`.
+    pub fn top_k_softmax(logits: &[f32], e: usize, k: usize) -> Routing {
+        let mut experts = Vec::with_capacity(logits.len() / e * k);
+        let mut weights = Vec::with_capacity(logits.len() / e * k);
+        for row in logits.chunks_exact(e) {
+            let top = ops::top_k(row, k);
+            let mut w: Vec<f32> = top.iter().map(|&i| row[i]).collect();
+            ops::softmax_inplace(&mut w);
             experts.extend(top);
             weights.extend(w);
         }
@@ -96,9 +115,17 @@ pub fn route(
     n: usize,
     k: usize,
 ) -> Routing {
-    let mut logits = vec![0.0f32; n * c.moe.num_experts];
+    let e = c.moe.num_experts;
+    let mut logits = vec![0.0f32; n * e];
     matmul(&w.view(&b.router), xn, n, &mut logits);
+    if let Some(bias) = b.router_bias {
+        let bias = w.vector(bias);
+        for row in logits.chunks_exact_mut(e) {
+            ops::add_inplace(row, bias);
+        }
+    }
     match (c.moe.router, b.score_bias.map(|v| w.vector(v))) {
+        (RouterKind::TopKSoftmax, _) => Routing::top_k_softmax(&logits, e, k),
         (
             RouterKind::NoauxTc {
                 n_group,
@@ -182,6 +209,7 @@ pub fn forward(
     let shared = b.shared.as_ref().map(|sh| shared_forward(sh, w, xn, n, h));
     lap(&mut clock, &mut times.shared_mlp);
 
+    let act = ExpertAct::of(b, w, c);
     let mut slot_out = vec![0.0f32; n * k * h];
     if let Some(mut p) = ahead {
         // Every prefetched read is waited for, so its buffer returns
@@ -191,7 +219,8 @@ pub fn forward(
             let e = p.ids[landed.index];
             let buf = match users.get(&e) {
                 Some(slots) => {
-                    let buf = apply_landed(b, run, landed, e, slots, xn, k, h, &mut slot_out)?;
+                    let buf =
+                        apply_landed(b, &act, run, landed, e, slots, xn, k, h, &mut slot_out)?;
                     lap(&mut clock, &mut times.expert_compute);
                     buf
                 }
@@ -210,7 +239,7 @@ pub fn forward(
         while let Some(landed) = fetch.next_landed() {
             lap(&mut clock, &mut times.expert_io);
             let e = wave_ids[landed.index];
-            let buf = apply_landed(b, run, landed, e, &users[&e], xn, k, h, &mut slot_out)?;
+            let buf = apply_landed(b, &act, run, landed, e, &users[&e], xn, k, h, &mut slot_out)?;
             run.bufs.extend(buf);
             lap(&mut clock, &mut times.expert_compute);
         }
@@ -262,6 +291,7 @@ fn fetch_cap(b: &MoeBlock, store: &ExpertStore, k: usize) -> usize {
 #[allow(clippy::too_many_arguments)]
 fn apply_landed(
     b: &MoeBlock,
+    act: &ExpertAct<'_>,
     run: &ExpertRun<'_>,
     landed: Landed,
     e: usize,
@@ -279,14 +309,17 @@ fn apply_landed(
             .mapped(b.layer, e)
             .expect("mapped layer serves its experts"),
     };
-    apply_expert(&b.experts, bytes, slots, xn, k, h, slot_out);
+    apply_expert(&b.experts, act, e, bytes, slots, xn, k, h, slot_out);
     Ok(landed.buf)
 }
 
 /// One routed expert's SwiGLU over the tokens that chose it, written to
 /// their (token, slot) rows of `slot_out`.
+#[allow(clippy::too_many_arguments)]
 fn apply_expert(
     layout: &ExpertLayout,
+    act: &ExpertAct<'_>,
+    e: usize,
     bytes: &[u8],
     slots: &[usize],
     xn: &[f32],
@@ -301,7 +334,7 @@ fn apply_expert(
         x[r * h..(r + 1) * h].copy_from_slice(&xn[t * h..(t + 1) * h]);
     }
     let mut y = vec![0.0f32; m * h];
-    expert_forward(layout, bytes, &x, m, &mut y);
+    expert_forward_with(layout, act, e, bytes, &x, m, &mut y);
     for (r, &s) in slots.iter().enumerate() {
         slot_out[s * h..(s + 1) * h].copy_from_slice(&y[r * h..(r + 1) * h]);
     }
@@ -338,15 +371,72 @@ pub fn dense_forward(m: &DenseMlp, w: &Weights, xn: &[f32], n: usize, out: &mut 
     matmul(&w.view(&m.down), &act, n, out);
 }
 
+/// What a routed expert adds beyond its three products: per-expert biases
+/// (`[experts, rows]` tables) and the gated activation.
+pub struct ExpertAct<'a> {
+    /// gate, up and down bias tables.
+    pub bias: Option<[&'a [f32]; 3]>,
+    pub activation: ExpertActivation,
+}
+
+impl<'a> ExpertAct<'a> {
+    pub fn of(b: &MoeBlock, w: &'a Weights, c: &ModelConfig) -> Self {
+        ExpertAct {
+            bias: b.expert_bias.map(|t| t.map(|v| w.vector(v))),
+            activation: c.moe.activation,
+        }
+    }
+
+    /// Plain SwiGLU without biases.
+    pub const PLAIN: ExpertAct<'static> = ExpertAct {
+        bias: None,
+        activation: ExpertActivation::Silu,
+    };
+}
+
+/// Adds row `e` of a `[experts, width]` bias table to every `width`-wide
+/// row of `y`.
+fn add_bias_rows(table: &[f32], e: usize, width: usize, y: &mut [f32]) {
+    let b = &table[e * width..(e + 1) * width];
+    for row in y.chunks_exact_mut(width) {
+        ops::add_inplace(row, b);
+    }
+}
+
 /// One routed expert (its bytes: an extent of `layout`) on `m` rows of `x`
 /// (m x hidden): `y = down(silu(gate x) * up x)`.
 pub fn expert_forward(layout: &ExpertLayout, bytes: &[u8], x: &[f32], m: usize, y: &mut [f32]) {
+    expert_forward_with(layout, &ExpertAct::PLAIN, 0, bytes, x, m, y)
+}
+
+/// [`expert_forward`] of expert `e` with its biases and activation.
+pub fn expert_forward_with(
+    layout: &ExpertLayout,
+    act: &ExpertAct<'_>,
+    e: usize,
+    bytes: &[u8],
+    x: &[f32],
+    m: usize,
+    y: &mut [f32],
+) {
     let inter = layout.gate.rows;
     let mut g = vec![0.0f32; m * inter];
     let mut u = vec![0.0f32; m * inter];
     let (gw, uw) = (layout.gate.view(bytes), layout.up.view(bytes));
     matmul_group(&mut [(&gw, &mut g), (&uw, &mut u)], x, m);
-    let mut act = vec![0.0f32; m * inter];
-    ops::swiglu(&g, &u, &mut act);
-    matmul(&layout.down.view(bytes), &act, m, y);
+    if let Some([bg, bu, _]) = act.bias {
+        add_bias_rows(bg, e, inter, &mut g);
+        add_bias_rows(bu, e, inter, &mut u);
+    }
+    let mut a = vec![0.0f32; m * inter];
+    match act.activation {
+        ExpertActivation::Silu => ops::swiglu(&g, &u, &mut a),
+        ExpertActivation::SwigluOai { alpha, limit } => {
+            ops::swiglu_oai(&g, &u, alpha, limit, &mut a)
+        }
+    }
+    matmul(&layout.down.view(bytes), &a, m, y);
+    if let Some([_, _, bd]) = act.bias {
+        add_bias_rows(bd, e, layout.down.rows, y);
+    }
 }

@@ -68,6 +68,17 @@ pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
 }
 
+/// gpt-oss's clamped SwiGLU (mlx-lm `swiglu_oai`), in mlx's order of
+/// operations: `g = min(gate, limit)`, `(clip(up, -limit, limit) + 1) * (g *
+/// sigmoid(alpha * g))`.
+pub fn swiglu_oai(gate: &[f32], up: &[f32], alpha: f32, limit: f32, out: &mut [f32]) {
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        let g = g.min(limit);
+        let u = u.clamp(-limit, limit);
+        *o = (u + 1.0) * (g * sigmoid(alpha * g));
+    }
+}
+
 pub fn add_inplace(acc: &mut [f32], x: &[f32]) {
     for (a, &b) in acc.iter_mut().zip(x) {
         *a += b;

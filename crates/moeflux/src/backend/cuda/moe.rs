@@ -435,6 +435,9 @@ fn route(
     let (nn, e_i, k_i) = (n as i32, c.moe.num_experts as i32, k as i32);
     let grid = (n.div_ceil(4) as u32, 1, 1);
     match (c.moe.router, b.score_bias) {
+        (RouterKind::TopKSoftmax, _) => Err(super::support::unsupported(
+            "the top-K softmax router (gpt-oss)".into(),
+        )),
         (RouterKind::Softmax, _) | (RouterKind::NoauxTc { .. }, None) => {
             let norm = c.moe.norm_topk_prob as i32;
             // The variant whose lanes hold just enough logits.
