@@ -181,6 +181,7 @@ pub fn summary(m: &Manifest, c: &ModelConfig) -> Value {
         })),
         "router": match c.moe.router {
             RouterKind::Softmax => json!({"kind": "softmax"}),
+            RouterKind::TopKSoftmax => json!({"kind": "top_k_softmax", "bias": c.moe.router_bias}),
             RouterKind::NoauxTc { n_group, topk_group, routed_scaling_factor } => json!({
                 "kind": "noaux_tc",
                 "n_group": n_group,

@@ -106,6 +106,9 @@ fn check_model_dir(dst: &Path) -> Manifest {
             WeightKind::Conv { channels, kernel } => {
                 assert_eq!(m.tensors[&w.name].shape, [channels, kernel, 1])
             }
+            WeightKind::Table { rows, cols } => {
+                assert_eq!(m.tensors[&w.name].shape, [rows, cols])
+            }
         }
     }
 
@@ -280,7 +283,7 @@ fn check_exact_schema(dst: &Path, m: &Manifest) {
                 }
                 want.insert(w.name);
             }
-            WeightKind::Conv { .. } => {
+            WeightKind::Conv { .. } | WeightKind::Table { .. } => {
                 want.insert(w.name);
             }
         }
@@ -1060,6 +1063,7 @@ fn large_synthetic_mlx_checkpoint() {
             WeightKind::Vector { len } if w.name.ends_with("A_log") => put(w.name, F32, vec![len]),
             WeightKind::Vector { len } => put(w.name, BF16, vec![len]),
             WeightKind::Conv { channels, kernel } => put(w.name, BF16, vec![channels, kernel, 1]),
+            WeightKind::Table { rows, cols } => put(w.name, BF16, vec![rows, cols]),
         }
     }
     for s in schema::expert_weights(&cfg) {

@@ -107,7 +107,8 @@ mod tests {
             AttentionConfig {
                 output_gate: false,
                 qk_norm: false,
-                qkv_bias: true
+                qkv_bias: true,
+                ..Default::default()
             }
         );
         assert!(c.layer_kinds.iter().all(|k| *k == LayerKind::FullAttention));

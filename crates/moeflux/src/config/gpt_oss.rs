@@ -124,7 +124,7 @@ mod tests {
             "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
             "initial_context_length": 4096, "initializer_range": 0.02,
             "intermediate_size": 2880,
-            "layer_types": ["sliding_attention", "full_attention"].repeat(18),
+            "layer_types": (0..36).map(|i| if i % 2 == 0 { "sliding_attention" } else { "full_attention" }).collect::<Vec<_>>(),
             "max_position_embeddings": 131072, "model_type": "gpt_oss",
             "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 36,
             "num_key_value_heads": 8, "num_local_experts": 128, "output_router_logits": false,
@@ -183,7 +183,13 @@ mod tests {
             ("layer_types", json!(["sliding_attention"]), "layer_types"),
             (
                 "layer_types",
-                json!(["sliding_attention", "chunked"].repeat(18)),
+                json!((0..36)
+                    .map(|i| if i % 2 == 0 {
+                        "sliding_attention"
+                    } else {
+                        "chunked"
+                    })
+                    .collect::<Vec<_>>()),
                 "layer_types[1]",
             ),
             ("sliding_window", json!(0), "sliding_window"),

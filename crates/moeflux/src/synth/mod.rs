@@ -610,7 +610,8 @@ mod tests {
                 crate::config::AttentionConfig {
                     output_gate: false,
                     qk_norm: true,
-                    qkv_bias: false
+                    qkv_bias: false,
+                    ..Default::default()
                 }
             );
             assert!(c.layer_kinds.iter().all(|k| *k == LayerKind::FullAttention));
@@ -693,7 +694,8 @@ mod tests {
                 crate::config::AttentionConfig {
                     output_gate: false,
                     qk_norm,
-                    qkv_bias: true
+                    qkv_bias: true,
+                    ..Default::default()
                 }
             );
             let moe_layers: Vec<usize> = (0..layers).filter(|&l| c.is_moe_layer(l)).collect();
