@@ -60,8 +60,8 @@ fn greedy_continuation_matches_the_golden_qwen35() {
 }
 
 #[test]
-fn greedy_continuation_matches_the_golden_qwen3_moe_glm4_moe_kimi_k25() {
-    for name in ["qwen3moe-q4", "glm4moe-q4", "kimik25-q4"] {
+fn greedy_continuation_matches_the_golden_qwen3_moe_glm4_moe_kimi_k25_gpt_oss() {
+    for name in ["qwen3moe-q4", "glm4moe-q4", "kimik25-q4", "gptoss-q4"] {
         check_greedy_continuation(name);
     }
 }

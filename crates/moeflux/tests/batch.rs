@@ -220,6 +220,11 @@ fn glm4moe_sequences_in_a_batch_equal_themselves_alone() {
 }
 
 #[test]
+fn gpt_oss_sequences_in_a_batch_equal_themselves_alone() {
+    scenario("gptoss", "gptoss-q4/src");
+}
+
+#[test]
 fn deepseek_v3_sequences_in_a_batch_equal_themselves_alone() {
     scenario("deepseekv3", "deepseekv3-q4/src");
 }
