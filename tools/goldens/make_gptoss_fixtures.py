@@ -17,12 +17,16 @@ Fixture (see tests/fixtures/README.md):
   golden) and full attention, 4 q heads x 32, 2 kv heads, learned sinks, q/k/v/o biases, YaRN
   rotary (factor 32, half-split), 16 experts top-4 with biases and the clamped SwiGLU, router
   with bias; 4-bit g64, router 8-bit (gpt_oss.quant_predicate).
+* gptoss-mxfp4/: the same architecture (other random weights), quantized as mlx-community's
+  gpt-oss "MXFP4-Q8" checkpoints are: the routed experts MXFP4 (e2m1 codes, groups of 32, e8m0
+  scales), everything else 8-bit affine g64.
 """
 import argparse
 import shutil
 import sys
 from pathlib import Path
 
+import mlx.nn as nn
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -99,6 +103,41 @@ class RouterProbe:
         self.cls.__call__ = self.orig
 
 
+def dequantize_f32(model):
+    """make_deepseek_fixtures' f32 dequantizer, for layers without quantization biases too
+    (MXFP4: w = e2m1 code * 2^(scale - 127))."""
+    from mlx.utils import tree_unflatten
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+    fixed = []
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, QuantizedSwitchLinear)) and m.mode == "mxfp4":
+            w = mx.dequantize(m.weight, m.scales, None, m.group_size, m.bits, m.mode, dtype=F32)
+            # A float layer in place of the quantized one.
+            nm = (nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
+                  if isinstance(m, nn.QuantizedLinear) else None)
+            if nm is None:
+                from mlx_lm.models.switch_layers import SwitchLinear
+                nm = SwitchLinear(w.shape[2], w.shape[1], w.shape[0], bias="bias" in m)
+            nm.weight = w
+            if "bias" in m:
+                nm.bias = m.bias
+            fixed.append((name, nm))
+    if fixed:
+        model.update_modules(tree_unflatten(fixed))
+    return ds.dequantize_f32(model)
+
+
+def quantize_mxfp4_q8(model, config):
+    """Experts MXFP4, the rest 8-bit affine g64 (mlx-community's gpt-oss MXFP4-Q8 layout)."""
+    from mlx_lm.utils import quantize_model
+
+    def predicate(path, _module):
+        if ".experts." in path:
+            return {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+        return {"group_size": 64, "bits": 8, "mode": "affine"}
+    return quantize_model(model, config, 64, 8, mode="affine", quant_predicate=predicate)
+
+
 def logits_of(model, tokens):
     out = model(mx.array([tokens])).astype(F32)
     mx.eval(out)
@@ -114,7 +153,7 @@ def ablations(ckpt, tokens, reference):
     def run(mutate):
         model, _ = load_model(ckpt)
         mutate(model)
-        model = ds.dequantize_f32(model)
+        model = dequantize_f32(model)
         return float(np.abs(logits_of(model, tokens) - reference).max())
 
     def zero(suffixes):
@@ -164,38 +203,43 @@ def main():
     mx.set_default_device(mx.cpu)
     tok_json, tok_info = mf.train_tokenizer()
 
-    d = root / "gptoss-q4"
-    if d.exists():
-        shutil.rmtree(d)
-    d.mkdir(parents=True)
-    config = gptoss_config()
-    model = build_random(config, 401)
-    mf.cast_like_convert(model, config)
-    model, qconfig = mf.quantize_model(model, config, GS, 4)
-    mx.eval(model.parameters())
-    mf.save_model(d / "src", model)
-    mf.save_config(qconfig, d / "src" / "config.json")
-    mf.write_tokenizer(d / "src", tok_json)
+    def make(name, seed, golden_seed, quantize, description):
+        d = root / name
+        if d.exists():
+            shutil.rmtree(d)
+        d.mkdir(parents=True)
+        config = gptoss_config()
+        model = build_random(config, seed)
+        mf.cast_like_convert(model, config)
+        model, qconfig = quantize(model, config)
+        mx.eval(model.parameters())
+        mf.save_model(d / "src", model)
+        mf.save_config(qconfig, d / "src" / "config.json")
+        mf.write_tokenizer(d / "src", tok_json)
+        saved = (mf.dequantize_f32, mf.RouterProbe)
+        mf.dequantize_f32, mf.RouterProbe = dequantize_f32, RouterProbe
+        try:
+            res = mf.golden_from_checkpoint(d, d / "src", golden_seed, description, "src",
+                                            extra={"tokenizer": tok_info})
+        finally:
+            mf.dequantize_f32, mf.RouterProbe = saved
+        extra = ablations(d / "src", res["tokens"], res["logits"])
+        import json
+        g = json.loads((d / "golden.json").read_text())
+        g["ablations_max_abs_logit_change"] = extra
+        (d / "golden.json").write_text(json.dumps(g, indent=1) + "\n")
+        print("done:", d)
 
-    saved = (mf.dequantize_f32, mf.RouterProbe)
-    mf.dequantize_f32, mf.RouterProbe = ds.dequantize_f32, RouterProbe
-    try:
-        res = mf.golden_from_checkpoint(
-            d, d / "src", 4001,
-            "gpt_oss, 4 layers alternating sliding (window 8) / full attention, 4 q heads x 32, "
-            "2 kv heads, learned sinks, q/k/v/o biases, YaRN rotary (factor 32, half-split, theta "
-            "1.5e5), 16 experts top-4 (intermediate 64) with biases and the clamped SwiGLU "
-            "(alpha 1.702, limit 7), router with bias (softmax over the top-4 logits), untied; "
-            "4-bit g64, router 8-bit; router_topk_gap_min is in logits",
-            "src", extra={"tokenizer": tok_info})
-    finally:
-        mf.dequantize_f32, mf.RouterProbe = saved
-    extra = ablations(d / "src", res["tokens"], res["logits"])
-    import json
-    g = json.loads((d / "golden.json").read_text())
-    g["ablations_max_abs_logit_change"] = extra
-    (d / "golden.json").write_text(json.dumps(g, indent=1) + "\n")
-    print("done:", d)
+    shape = ("gpt_oss, 4 layers alternating sliding (window 8) / full attention, 4 q heads x 32, "
+             "2 kv heads, learned sinks, q/k/v/o biases, YaRN rotary (factor 32, half-split, theta "
+             "1.5e5), 16 experts top-4 (intermediate 64) with biases and the clamped SwiGLU "
+             "(alpha 1.702, limit 7), router with bias (softmax over the top-4 logits), untied; ")
+    make("gptoss-q4", 401, 4001, lambda m, c: mf.quantize_model(m, c, GS, 4),
+         shape + "4-bit g64, router 8-bit; router_topk_gap_min is in logits")
+    make("gptoss-mxfp4", 402, 4002, quantize_mxfp4_q8,
+         shape + "experts MXFP4 (groups of 32, e8m0 scales), everything else 8-bit affine g64; "
+         "router_topk_gap_min is in logits")
+
 
 
 if __name__ == "__main__":
