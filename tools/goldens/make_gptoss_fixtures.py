@@ -20,6 +20,11 @@ Fixture (see tests/fixtures/README.md):
 * gptoss-mxfp4/: the same architecture (other random weights), quantized as mlx-community's
   gpt-oss "MXFP4-Q8" checkpoints are: the routed experts MXFP4 (e2m1 codes, groups of 32, e8m0
   scales), everything else 8-bit affine g64.
+* gptoss-hf/: Hugging Face's release layout (hidden 64): bf16 dense tensors, the experts as
+  MXFP4 `*_blocks` [E, rows, cols/32, 16] / `*_scales` [E, rows, cols/32] with gate and up
+  interleaved row by row in `gate_up_proj*`, biases `*_bias`, `quantization_config`
+  `quant_method: mxfp4`; expected_mlx/ is the real `mlx_lm convert -q` of it (experts stay MXFP4,
+  the rest 4-bit affine g64, router 8-bit).
 """
 import argparse
 import shutil
@@ -138,6 +143,59 @@ def quantize_mxfp4_q8(model, config):
     return quantize_model(model, config, 64, 8, mode="affine", quant_predicate=predicate)
 
 
+def to_hf_gptoss(params, layers):
+    """mlx gpt_oss parameters (experts already MXFP4) -> Hugging Face tensor names and layout:
+    the inverse of gpt_oss.sanitize."""
+    hf = {}
+    for k, v in params.items():
+        if ".mlp.experts." not in k:
+            hf[k] = v
+    for l in range(layers):
+        p = f"model.layers.{l}.mlp.experts"
+
+        def blocks(w):  # uint32 [E, R, C/8] -> uint8 [E, R, C/32, 16], same bytes
+            e, r, c8 = w.shape
+            return w.view(mx.uint8).reshape(e, r, c8 // 4, 16)
+
+        def interleave(a, b):  # rows of a at even, of b at odd indices
+            return mx.stack([a, b], axis=2).reshape(a.shape[0], 2 * a.shape[1], *a.shape[2:])
+        g, u, d = (f"{p}.{c}" for c in ("gate_proj", "up_proj", "down_proj"))
+        hf[f"{p}.gate_up_proj_blocks"] = interleave(blocks(params[f"{g}.weight"]),
+                                                    blocks(params[f"{u}.weight"]))
+        hf[f"{p}.gate_up_proj_scales"] = interleave(params[f"{g}.scales"], params[f"{u}.scales"])
+        hf[f"{p}.gate_up_proj_bias"] = interleave(params[f"{g}.bias"], params[f"{u}.bias"])
+        hf[f"{p}.down_proj_blocks"] = blocks(params[f"{d}.weight"])
+        hf[f"{p}.down_proj_scales"] = params[f"{d}.scales"]
+        hf[f"{p}.down_proj_bias"] = params[f"{d}.bias"]
+    return hf
+
+
+def build_hf_fixture(d, seed, golden_seed, tok_json, tok_info):
+    from mlx_lm.utils import load_model
+    config = gptoss_config(hidden=64, layers=2, experts=8, topk=2)
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                   "model.embed_tokens", "lm_head"]}
+    config["transformers_version"] = "4.55.0.dev0"
+    model = build_random({k: v for k, v in config.items() if k != "quantization_config"}, seed)
+    mf.cast_like_convert(model, config)
+    # The release's experts: MXFP4 from the bf16 weights (as mlx quantizes them).
+    nn.quantize(model, 32, 4, mode="mxfp4",
+                class_predicate=lambda p, m: ".experts." in p and hasattr(m, "to_quantized"))
+    mx.eval(model.parameters())
+    params = dict(tree_flatten(model.parameters()))
+    hf = to_hf_gptoss(params, config["num_hidden_layers"])
+    mx.eval(hf)
+    mf.write_hf_checkpoint(d / "src", hf, config, tok_json)
+    # 1. mlx-lm's sanitize gives back exactly the model we started from
+    m2, _ = load_model(d / "src")
+    mf.compare_params(dict(tree_flatten(m2.parameters())), params, "load_model(HF src) vs built model")
+    # 2. the real converter: experts stay MXFP4, the rest is quantized 4-bit (router 8-bit)
+    cmd = mf.run_convert(d / "src", d / "expected_mlx")
+    return cmd
+
+
 def logits_of(model, tokens):
     out = model(mx.array([tokens])).astype(F32)
     mx.eval(out)
@@ -239,6 +297,24 @@ def main():
     make("gptoss-mxfp4", 402, 4002, quantize_mxfp4_q8,
          shape + "experts MXFP4 (groups of 32, e8m0 scales), everything else 8-bit affine g64; "
          "router_topk_gap_min is in logits")
+
+    d = root / "gptoss-hf"
+    if d.exists():
+        shutil.rmtree(d)
+    d.mkdir(parents=True)
+    cmd = build_hf_fixture(d, 403, 4003, tok_json, tok_info)
+    saved = (mf.dequantize_f32, mf.RouterProbe)
+    mf.dequantize_f32, mf.RouterProbe = dequantize_f32, RouterProbe
+    try:
+        mf.golden_from_checkpoint(
+            d, d / "expected_mlx", 4003,
+            "HF-layout gpt_oss (hidden 64, 2 layers sliding/full window 8, 8 experts top-2 as MXFP4 "
+            "_blocks/_scales with gate/up interleaved, bf16 elsewhere) in src/; expected_mlx/ is the "
+            "real mlx_lm convert 4-bit g64 output (experts stay MXFP4, router 8-bit); golden is for "
+            "expected_mlx", "expected_mlx", extra={"tokenizer": tok_info, "convert_command": cmd})
+    finally:
+        mf.dequantize_f32, mf.RouterProbe = saved
+    print("done:", d)
 
 
 
