@@ -68,7 +68,7 @@ fn group_of(name: &str) -> &'static str {
         "embedding"
     } else if m == "lm_head" {
         "lm_head"
-    } else if m.ends_with("mlp.gate") {
+    } else if m.ends_with("mlp.gate") || m.ends_with("mlp.router") {
         "router"
     } else if m.ends_with("shared_expert_gate") {
         "shared expert gate"
@@ -154,6 +154,10 @@ pub fn summary(m: &Manifest, c: &ModelConfig) -> Value {
             "output_gate": c.attention.output_gate,
             "qk_norm": c.attention.qk_norm,
             "qkv_bias": c.attention.qkv_bias,
+            "o_bias": c.attention.o_bias,
+            "sinks": c.attention.sinks,
+            "sliding_window": c.attention_window.iter().flatten().max(),
+            "sliding_layers": c.attention_window.iter().filter(|w| w.is_some()).count(),
         },
         "linear_attention": c.layer_kinds.contains(&LayerKind::LinearAttention).then(|| json!({
             "k_heads": c.linear.num_k_heads,
@@ -248,13 +252,15 @@ fn print_text(s: &Value) {
             ("/full_attention/output_gate", "output gate"),
             ("/full_attention/qk_norm", "q/k norm"),
             ("/full_attention/qkv_bias", "q/k/v bias"),
+            ("/full_attention/o_bias", "o bias"),
+            ("/full_attention/sinks", "sinks"),
         ]
         .iter()
         .filter(|(p, _)| g(p).as_bool() == Some(true))
         .map(|(_, name)| *name)
         .collect();
         println!(
-            "full attention {} heads, {} kv heads, head dim {}, rotary dim {}{}",
+            "full attention {} heads, {} kv heads, head dim {}, rotary dim {}{}{}",
             n("/full_attention/heads"),
             n("/full_attention/kv_heads"),
             n("/full_attention/head_dim"),
@@ -263,6 +269,13 @@ fn print_text(s: &Value) {
                 String::new()
             } else {
                 format!("; {}", flavour.join(", "))
+            },
+            match g("/full_attention/sliding_window").as_u64() {
+                Some(w) => format!(
+                    "; {} of the layers see the last {w} positions only",
+                    n("/full_attention/sliding_layers")
+                ),
+                None => String::new(),
             }
         );
     }

@@ -198,7 +198,8 @@ impl Init {
 
     /// Dense linear layer `module` with `cols` inputs.
     pub fn linear(&self, module: &str, cols: usize) -> LinearInit {
-        let gate = module.ends_with("mlp.gate") || module.ends_with("shared_expert_gate");
+        let router = module.ends_with("mlp.gate") || module.ends_with("mlp.router");
+        let gate = router || module.ends_with("shared_expert_gate");
         // mlx-lm's quant_predicate: router and shared-expert gate at 8 bits.
         let bits = if gate { GATE_BITS } else { DEFAULT_BITS };
         let key = stream_key(self.seed, module);
@@ -213,7 +214,7 @@ impl Init {
             _ if residual => scale_bias(self.residual_gain(), cols, bits),
             _ => scale_bias(1.0, cols, bits),
         };
-        let col0 = match (module.ends_with("mlp.gate"), self.skew, layer_of(module)) {
+        let col0 = match (router, self.skew, layer_of(module)) {
             (true, Some(alpha), Some(layer)) => Some(self.router_col0(layer, alpha, scale, bits)),
             _ => None,
         };
@@ -297,7 +298,13 @@ impl Init {
                 .map(|u| ATTENTION_BIAS * (2.0 * u - 1.0))
                 .collect();
         }
-        if name.ends_with("e_score_correction_bias") {
+        // The correction bias (noaux_tc) and gpt-oss's router bias are 0,
+        // so the choice is the router logits' (where the skew lives); the
+        // attention sinks start at mlx-lm's 0.
+        if name.ends_with("e_score_correction_bias")
+            || name.ends_with("mlp.router.bias")
+            || name.ends_with("self_attn.sinks")
+        {
             return vec![0.0; len];
         }
         let mut v = vec![1.0; len];

@@ -374,7 +374,7 @@ fn config_json(opts: &SynthOptions, layers: usize) -> Result<serde_json::Value> 
         // The router at 8 bits (mlx-lm's Qwen quant_predicates; DeepSeek and
         // GLM checkpoints keep their `noaux_tc` router in bf16, a synthetic
         // model quantizes it too), and Qwen3.5's shared-expert gate.
-        let mut gates = vec!["gate"];
+        let mut gates = vec![schema::router_module(&shape)];
         if shape.moe.shared_gate && shape.moe.shared_intermediate > 0 {
             gates.push("shared_expert_gate");
         }
@@ -586,6 +586,34 @@ mod tests {
         let depth = layers.unwrap_or(p.spec.num_layers());
         let o = SynthOptions::new(name, p.spec);
         ModelConfig::from_json(&config_json(&o, depth).unwrap(), Path::new("c")).unwrap()
+    }
+
+    #[test]
+    fn gpt_oss_presets_have_the_real_shapes() {
+        for (name, layers, experts) in [("gpt-oss-120b", 36, 128), ("gpt-oss-20b", 24, 32)] {
+            let c = preset_config(name, None);
+            assert_eq!(c.arch, crate::Architecture::GptOss);
+            assert_eq!(
+                (c.num_layers, c.hidden_size, c.vocab_size),
+                (layers, 2880, 201_088)
+            );
+            assert_eq!(
+                (c.num_attention_heads, c.num_kv_heads, c.head_dim),
+                (64, 8, 64)
+            );
+            assert_eq!((c.moe.num_experts, c.moe.num_experts_per_tok), (experts, 4));
+            assert_eq!(c.moe.moe_intermediate, 2880);
+            assert_eq!(c.attention_window[0], Some(128));
+            assert_eq!(c.attention_window[1], None);
+            assert!(c.attention.sinks && c.attention.o_bias && c.moe.expert_bias);
+            assert_eq!(c.rope.yarn.unwrap().factor, 32.0);
+            let q = c.quantization.as_ref().unwrap();
+            let router = mlx_module_path(c.arch, "model.layers.3.mlp.router");
+            assert_eq!(q.for_module(&router).unwrap().bits, 8);
+            // Each expert: gate, up (2880 x 2880) and down, 4-bit g64.
+            let layers = expert_layouts(&c, 4);
+            assert_eq!(layers[0].expert_bytes, expert_bytes_4bit(2880, 2880));
+        }
     }
 
     #[test]

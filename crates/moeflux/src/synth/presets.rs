@@ -32,6 +32,28 @@ pub enum SynthSpec {
     Qwen3Moe(Qwen3MoeShape),
     Glm4Moe(GlmShape),
     DeepseekV3(DeepseekShape),
+    GptOss(GptOssShape),
+}
+
+/// A `gpt_oss` model (gpt-oss-20b/120b): GQA with sinks and biases,
+/// sliding-window (`sliding_window`) and full layers alternating, YaRN
+/// rotary (factor 32 over 4096 positions), every layer MoE with a biased
+/// router and biased experts (clamped SwiGLU). Experts are MLX affine here
+/// (the release's MXFP4 is not a synth format yet).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GptOssShape {
+    pub hidden_size: usize,
+    pub num_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub num_experts: usize,
+    pub experts_per_token: usize,
+    /// Expert width (`intermediate_size`).
+    pub intermediate_size: usize,
+    pub sliding_window: usize,
+    pub eos_token_ids: &'static [u32],
 }
 
 /// A `qwen3_moe` model (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder): GQA
@@ -151,6 +173,8 @@ pub struct Preset {
 const QWEN_EOS: &[u32] = &[248046, 248044];
 /// Qwen3's `<|im_end|>` and `<|endoftext|>` (its generation_config.json).
 const QWEN3_EOS: &[u32] = &[151645, 151643];
+/// gpt-oss's `<|return|>`, `<|endoftext|>`, `<|call|>` (generation_config.json).
+const GPT_OSS_EOS: &[u32] = &[200002, 199999, 200012];
 /// GLM-4.5/4.6's `<|endoftext|>`, `<|user|>`, `<|observation|>`.
 const GLM_EOS: &[u32] = &[151329, 151336, 151338];
 
@@ -264,6 +288,42 @@ pub fn presets() -> Vec<Preset> {
                 rope_theta: 1_000_000.0,
                 max_position_embeddings: 40_960,
                 eos_token_ids: QWEN3_EOS,
+            }),
+        },
+        Preset {
+            name: "gpt-oss-120b",
+            description: "gpt-oss-120b (117B-A5.1B): hidden 2880, 36 layers (sliding 128 / full), \
+                          GQA 64/8 heads of 64 with sinks, 128 experts top-4 of 2880",
+            spec: SynthSpec::GptOss(GptOssShape {
+                hidden_size: 2880,
+                num_layers: 36,
+                num_attention_heads: 64,
+                num_kv_heads: 8,
+                head_dim: 64,
+                vocab_size: 201_088,
+                num_experts: 128,
+                experts_per_token: 4,
+                intermediate_size: 2880,
+                sliding_window: 128,
+                eos_token_ids: GPT_OSS_EOS,
+            }),
+        },
+        Preset {
+            name: "gpt-oss-20b",
+            description: "gpt-oss-20b (21B-A3.6B): hidden 2880, 24 layers (sliding 128 / full), \
+                          GQA 64/8 heads of 64 with sinks, 32 experts top-4 of 2880",
+            spec: SynthSpec::GptOss(GptOssShape {
+                hidden_size: 2880,
+                num_layers: 24,
+                num_attention_heads: 64,
+                num_kv_heads: 8,
+                head_dim: 64,
+                vocab_size: 201_088,
+                num_experts: 32,
+                experts_per_token: 4,
+                intermediate_size: 2880,
+                sliding_window: 128,
+                eos_token_ids: GPT_OSS_EOS,
             }),
         },
         Preset {
@@ -409,6 +469,7 @@ impl SynthSpec {
             SynthSpec::Qwen3Moe(s) => s.num_layers,
             SynthSpec::Glm4Moe(s) => s.num_layers,
             SynthSpec::DeepseekV3(s) => s.num_layers,
+            SynthSpec::GptOss(s) => s.num_layers,
         }
     }
 
@@ -419,6 +480,7 @@ impl SynthSpec {
             SynthSpec::Qwen3Moe(_) => Architecture::Qwen3Moe,
             SynthSpec::Glm4Moe(_) => Architecture::Glm4Moe,
             SynthSpec::DeepseekV3(_) => Architecture::DeepseekV3,
+            SynthSpec::GptOss(_) => Architecture::GptOss,
         }
     }
 
@@ -536,6 +598,40 @@ impl SynthSpec {
                 "torch_dtype": "bfloat16",
                 "use_cache": true,
                 "use_qk_norm": s.use_qk_norm,
+                "vocab_size": s.vocab_size,
+            }),
+            SynthSpec::GptOss(s) => json!({
+                "architectures": ["GptOssForCausalLM"],
+                "model_type": "gpt_oss",
+                "attention_bias": true,
+                "eos_token_id": s.eos_token_ids.first(),
+                "head_dim": s.head_dim,
+                "hidden_act": "silu",
+                "hidden_size": s.hidden_size,
+                "initial_context_length": 4096,
+                "intermediate_size": s.intermediate_size,
+                "layer_types": (0..layers)
+                    .map(|i| if i % 2 == 0 { "sliding_attention" } else { "full_attention" })
+                    .collect::<Vec<_>>(),
+                "max_position_embeddings": 131_072,
+                "num_attention_heads": s.num_attention_heads,
+                "num_experts_per_tok": s.experts_per_token,
+                "experts_per_token": s.experts_per_token,
+                "num_hidden_layers": layers,
+                "num_key_value_heads": s.num_kv_heads,
+                "num_local_experts": s.num_experts,
+                "pad_token_id": s.eos_token_ids.get(1),
+                "rms_norm_eps": 1e-5,
+                "rope_scaling": {
+                    "beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                    "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                    "truncate": false
+                },
+                "rope_theta": 150_000,
+                "sliding_window": s.sliding_window,
+                "swiglu_limit": 7.0,
+                "tie_word_embeddings": false,
+                "torch_dtype": "bfloat16",
                 "vocab_size": s.vocab_size,
             }),
             SynthSpec::DeepseekV3(s) => json!({
