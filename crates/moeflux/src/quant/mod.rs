@@ -1,7 +1,10 @@
-//! Quantized weight representation (MLX affine, group-wise) and the
-//! quantizer used by `convert`.
+//! Quantized weight representation (MLX affine, group-wise; MXFP4 as
+//! released) and the quantizer used by `convert`.
 
 pub mod affine;
+pub mod mxfp4;
+
+pub use mxfp4::Mxfp4Matrix;
 
 pub use crate::config::QuantSpec;
 
@@ -98,6 +101,8 @@ pub struct DenseMatrix<'a> {
 #[derive(Debug, Clone, Copy)]
 pub enum Weight<'a> {
     Quantized(QMatrix<'a>),
+    /// MXFP4 codes and e8m0 scales, kept as released (gpt-oss experts).
+    Mxfp4(Mxfp4Matrix<'a>),
     Dense(DenseMatrix<'a>),
 }
 
@@ -105,12 +110,14 @@ impl Weight<'_> {
     pub fn rows(&self) -> usize {
         match self {
             Weight::Quantized(q) => q.rows,
+            Weight::Mxfp4(m) => m.rows,
             Weight::Dense(d) => d.rows,
         }
     }
     pub fn cols(&self) -> usize {
         match self {
             Weight::Quantized(q) => q.cols,
+            Weight::Mxfp4(m) => m.cols,
             Weight::Dense(d) => d.cols,
         }
     }
@@ -142,6 +149,7 @@ impl<'a> Weight<'a> {
                     biases: q.biases.range(r0 * gpr, r1 * gpr),
                 })
             }
+            Weight::Mxfp4(m) => Weight::Mxfp4(m.row_block(r0, r1)),
             Weight::Dense(d) => {
                 let (a, b) = (r0 * d.cols, r1 * d.cols);
                 Weight::Dense(DenseMatrix {
