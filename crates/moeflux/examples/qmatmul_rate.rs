@@ -1,15 +1,16 @@
 //! Rate of the CPU quantized products (multiply-adds per second) by shape and
-//! token count, on the current rayon pool, with random MLX affine weights.
+//! token count, on the current rayon pool, with random MLX affine weights
+//! (group 64) or, given `mxfp4`, random MXFP4 weights (group 32).
 //! The ceiling to compare with is the machine's FMA peak (2 FMA units x
 //! lanes x clock per core).
 //!
-//!   cargo run --release --example qmatmul_rate -- [BITS] [REPS] [avx2|avx512|scalar]
+//!   cargo run --release --example qmatmul_rate -- [BITS|mxfp4] [REPS] [avx2|avx512|scalar]
 
 use std::time::Instant;
 
 use moeflux::backend::cpu::qmatmul::{matmul_at, SimdLevel};
 use moeflux::config::QuantSpec;
-use moeflux::quant::{QMatrix, ScaleData, Weight};
+use moeflux::quant::{Mxfp4Matrix, QMatrix, ScaleData, Weight};
 
 /// A small xorshift generator: the weights only need to be arbitrary.
 struct Rng(u64);
@@ -27,7 +28,9 @@ impl Rng {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
-    let bits: u32 = args.next().map_or(Ok(4), |s| s.parse())?;
+    let format = args.next().unwrap_or_else(|| "4".to_string());
+    let mxfp4 = format == "mxfp4";
+    let bits: u32 = if mxfp4 { 4 } else { format.parse()? };
     let reps: usize = args.next().map_or(Ok(5), |s| s.parse())?;
     let level = match args.next().as_deref() {
         None => moeflux::backend::cpu::qmatmul::simd_level(),
@@ -41,28 +44,46 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         group_size: 64,
     };
     let mut rng = Rng(0x9e3779b97f4a7c15);
+    let what = if mxfp4 {
+        "MXFP4, group 32".to_string()
+    } else {
+        format!("{bits}-bit affine, group 64")
+    };
     println!(
-        "{level:?}, {bits}-bit, group 64, {} threads",
+        "{level:?}, {what}, {} threads",
         rayon::current_num_threads()
     );
     println!("| rows x cols | tokens | ms | GFMA/s |");
     println!("|---|---:|---:|---:|");
     // An LM head slice, a GatedDeltaNet input projection, an expert's up and
-    // down projections (A3B widths).
-    for (rows, cols) in [(32768, 2048), (12288, 2048), (512, 2048), (2048, 512)] {
+    // down projections (A3B widths), gpt-oss-20b's expert gate_up projection.
+    for (rows, cols) in [
+        (32768, 2048),
+        (12288, 2048),
+        (512, 2048),
+        (2048, 512),
+        (5760, 2880),
+    ] {
         let words = rows * cols * bits as usize / 32;
         let packed: Vec<u32> = (0..words).map(|_| rng.next() as u32).collect();
         let groups = rows * cols / 64;
         let scales: Vec<f32> = (0..groups).map(|_| rng.f32() * 0.02).collect();
         let biases: Vec<f32> = (0..groups).map(|_| rng.f32() * 0.1).collect();
-        let w = Weight::Quantized(QMatrix {
-            rows,
-            cols,
-            spec,
-            packed: &packed,
-            scales: ScaleData::F32(&scales),
-            biases: ScaleData::F32(&biases),
-        });
+        let e8m0: Vec<u8> = (0..rows * cols / 32)
+            .map(|_| 120 + (rng.next() % 8) as u8)
+            .collect();
+        let w = if mxfp4 {
+            Weight::Mxfp4(Mxfp4Matrix::new(rows, cols, &packed, &e8m0)?)
+        } else {
+            Weight::Quantized(QMatrix {
+                rows,
+                cols,
+                spec,
+                packed: &packed,
+                scales: ScaleData::F32(&scales),
+                biases: ScaleData::F32(&biases),
+            })
+        };
         for n in [1usize, 2, 4, 8, 16, 64] {
             let x: Vec<f32> = (0..n * cols).map(|_| rng.f32()).collect();
             let mut out = vec![0.0f32; n * rows];

@@ -1,6 +1,10 @@
 //! Our MLX affine quantizer against real `mx.quantize` output, bit for bit,
 //! and the CPU matmul on MLX-packed weights against `mx.dequantize(..) @ x`.
 //!
+//! MXFP4: our dequantization against `mx.dequantize(.., mode="mxfp4")` bit for
+//! bit, the Hugging Face block layout against mlx's codes, and the products
+//! against `mx.quantized_matmul`.
+//!
 //! Fixture: tests/fixtures/quant/quant_vectors.safetensors, written by
 //! tools/goldens/quant_vectors.py (see its docstring for the keys).
 
@@ -10,7 +14,7 @@ use moeflux::backend::cpu::qmatmul::{matmul, matmul_at};
 use moeflux::backend::cpu::simd::supported_levels;
 use moeflux::config::QuantSpec;
 use moeflux::quant::affine::{self, bf16_to_f32, round_to_bf16};
-use moeflux::quant::{QMatrix, ScaleData, Weight};
+use moeflux::quant::{mxfp4, Mxfp4Matrix, QMatrix, ScaleData, Weight};
 use safetensors::{Dtype, SafeTensors};
 
 fn fixture() -> Vec<u8> {
@@ -220,5 +224,134 @@ fn matmul_on_mlx_weights_matches_mlx_dequantize() {
                 );
             }
         }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// MXFP4: keys `mxfp4_{quantized,random}.*` (see tools/goldens/quant_vectors.py).
+
+fn u8s<'a>(st: &'a SafeTensors, name: &str, want: Dtype) -> (Vec<usize>, &'a [u8]) {
+    let (shape, dt, raw) = get(st, name);
+    assert_eq!(dt, want, "{name}: dtype");
+    (shape, raw)
+}
+
+/// Rounding steps on the longest path to one of our outputs (see the CPU
+/// kernels' tests): per lane up to 4 products and a scale step per group,
+/// the horizontal sum; doubled for the scalar level.
+fn mxfp4_depth(cols: usize) -> f64 {
+    (2 * (4 + cols / 32) + 5) as f64
+}
+
+#[test]
+fn mxfp4_dequantize_and_hf_blocks_match_mlx_bit_for_bit() {
+    let bytes = fixture();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    for name in ["quantized", "random"] {
+        let key = format!("mxfp4_{name}");
+        let (cshape, craw) = u8s(&st, &format!("{key}.codes"), Dtype::U32);
+        let (sshape, scales) = u8s(&st, &format!("{key}.scales"), Dtype::U8);
+        let (bshape, blocks) = u8s(&st, &format!("{key}.blocks"), Dtype::U8);
+        let (dshape, draw) = u8s(&st, &format!("{key}.dequant"), Dtype::F32);
+        let (rows, cols) = (dshape[0], dshape[1]);
+        assert_eq!(cshape, vec![rows, cols / 8]);
+        assert_eq!(sshape, vec![rows, cols / 32]);
+        assert_eq!(bshape, vec![rows, cols / 32, 16]);
+        let codes = u32s(craw);
+        // The Hugging Face layout holds the same bytes.
+        let from_hf = mxfp4::codes_from_hf_blocks(blocks, rows, cols).unwrap();
+        assert_eq!(from_hf, codes, "{key}: HF blocks");
+        mxfp4::check_hf_scales(scales, rows, cols).unwrap();
+
+        let m = Mxfp4Matrix::new(rows, cols, &codes, scales).unwrap();
+        let want = u32s(draw);
+        let w = Weight::Mxfp4(m);
+        let mut row = vec![0.0f32; cols];
+        let (mut neg_zero, mut extremes) = (0, 0);
+        for r in 0..rows {
+            moeflux::backend::cpu::qmatmul::dequantize_row(&w, r, &mut row);
+            for (j, v) in row.iter().enumerate() {
+                assert_eq!(
+                    v.to_bits(),
+                    want[r * cols + j],
+                    "{key}: row {r} col {j}: ours {v}, mlx {}",
+                    f32::from_bits(want[r * cols + j])
+                );
+                neg_zero += (v.to_bits() == 0x8000_0000) as usize;
+            }
+            extremes += scales[r * cols / 32..(r + 1) * cols / 32]
+                .iter()
+                .filter(|&&s| s == 0 || s == 254)
+                .count();
+        }
+        if name == "random" {
+            assert!(neg_zero > 0 && extremes >= 3, "{key}: coverage");
+        }
+    }
+}
+
+#[test]
+fn mxfp4_matmul_matches_mlx_quantized_matmul() {
+    let bytes = fixture();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    for name in ["quantized", "random"] {
+        let key = format!("mxfp4_{name}");
+        let codes = u32s(u8s(&st, &format!("{key}.codes"), Dtype::U32).1);
+        let scales = u8s(&st, &format!("{key}.scales"), Dtype::U8).1;
+        let (xshape, xraw) = u8s(&st, &format!("{key}.x"), Dtype::F32);
+        let (yshape, yraw) = u8s(&st, &format!("{key}.y"), Dtype::F32);
+        let (n, cols) = (xshape[0], xshape[1]);
+        let rows = yshape[1];
+        assert_eq!(yshape[0], n);
+        let (x, want) = (f32s(xraw), f32s(yraw));
+        let w = Weight::Mxfp4(Mxfp4Matrix::new(rows, cols, &codes, scales).unwrap());
+        // Exact value and magnitude per output, in f64 (where no weight
+        // overflows).
+        let mut exact = vec![(0.0f64, 0.0f64); n * rows];
+        for r in 0..rows {
+            for t in 0..n {
+                let (mut s, mut m) = (0.0, 0.0);
+                for j in 0..cols {
+                    let c = (codes[r * cols / 8 + j / 8] >> (4 * (j % 8))) & 15;
+                    let e = scales[r * cols / 32 + j / 32] as i32 - 127;
+                    let v = mxfp4::E2M1[c as usize] as f64 * 2f64.powi(e) * x[t * cols + j] as f64;
+                    s += v;
+                    m += v.abs();
+                }
+                exact[t * rows + r] = (s, m);
+            }
+        }
+        let u = f32::EPSILON as f64 / 2.0;
+        let tiny = f64::from(f32::from_bits(1));
+        let ours_bound = mxfp4_depth(cols) * 1.01;
+        // mlx's summation order is its own: allow a serial sum's depth.
+        let mlx_bound = cols as f64;
+        let mut compared = 0;
+        for level in supported_levels() {
+            let mut got = vec![0.0f32; n * rows];
+            matmul_at(level, &w, &x, n, &mut got);
+            for i in 0..n * rows {
+                let (v, m) = exact[i];
+                if m >= f32::MAX as f64 / 2.0 {
+                    // Past f32's range (row 1 of `random`, scale 254): mlx
+                    // gives inf; nothing finite to compare.
+                    continue;
+                }
+                let (g, y) = (got[i] as f64, want[i] as f64);
+                assert!(
+                    (g - v).abs() <= ours_bound * (u * m + tiny),
+                    "{key} {level}: output {i}: ours {g}, exact {v}, magnitude {m}"
+                );
+                assert!(
+                    (g - y).abs() <= (ours_bound + mlx_bound) * (u * m + tiny),
+                    "{key} {level}: output {i}: ours {g}, mlx {y}, magnitude {m}"
+                );
+                compared += 1;
+            }
+        }
+        assert!(
+            compared >= supported_levels().len() * (rows - 1) * n,
+            "{key}"
+        );
     }
 }

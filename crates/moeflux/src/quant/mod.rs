@@ -1,9 +1,46 @@
-//! Quantized weight representation (MLX affine, group-wise) and the
-//! quantizer used by `convert`.
+//! Quantized weight representation (MLX affine, group-wise; MXFP4 as
+//! released) and the quantizer used by `convert`.
 
 pub mod affine;
+pub mod mxfp4;
+
+pub use mxfp4::Mxfp4Matrix;
 
 pub use crate::config::QuantSpec;
+
+/// How a quantized tensor's codes become weights: the `mode` of a
+/// `moeflux.json` `quantized` entry or expert component `quant` (absent means
+/// affine, so older manifests read unchanged). Not yet read by the manifest
+/// parser: `QuantSpec` has no `mode` field today.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum QuantMode {
+    /// MLX affine: codes, scales and biases, `w = q * scale + bias`.
+    #[default]
+    Affine,
+    /// MXFP4 as released: e2m1 codes and e8m0 scales, no biases.
+    Mxfp4,
+}
+
+impl QuantMode {
+    pub fn is_affine(&self) -> bool {
+        *self == QuantMode::Affine
+    }
+
+    /// Checks `spec` for this mode (MXFP4 is only 4 bits in groups of 32).
+    pub fn validate(self, spec: QuantSpec) -> Result<(), String> {
+        match self {
+            QuantMode::Affine => spec.validate(),
+            QuantMode::Mxfp4 if spec.bits == 4 && spec.group_size == mxfp4::GROUP => Ok(()),
+            QuantMode::Mxfp4 => Err(format!(
+                "mode mxfp4 needs bits 4 and group_size 32, not bits {} and group_size {}",
+                spec.bits, spec.group_size
+            )),
+        }
+    }
+}
 
 /// Per-group scales or biases as stored in the checkpoint.
 #[derive(Debug, Clone, Copy)]
@@ -98,6 +135,8 @@ pub struct DenseMatrix<'a> {
 #[derive(Debug, Clone, Copy)]
 pub enum Weight<'a> {
     Quantized(QMatrix<'a>),
+    /// MXFP4 codes and e8m0 scales, kept as released (gpt-oss experts).
+    Mxfp4(Mxfp4Matrix<'a>),
     Dense(DenseMatrix<'a>),
 }
 
@@ -105,12 +144,14 @@ impl Weight<'_> {
     pub fn rows(&self) -> usize {
         match self {
             Weight::Quantized(q) => q.rows,
+            Weight::Mxfp4(m) => m.rows,
             Weight::Dense(d) => d.rows,
         }
     }
     pub fn cols(&self) -> usize {
         match self {
             Weight::Quantized(q) => q.cols,
+            Weight::Mxfp4(m) => m.cols,
             Weight::Dense(d) => d.cols,
         }
     }
@@ -142,6 +183,7 @@ impl<'a> Weight<'a> {
                     biases: q.biases.range(r0 * gpr, r1 * gpr),
                 })
             }
+            Weight::Mxfp4(m) => Weight::Mxfp4(m.row_block(r0, r1)),
             Weight::Dense(d) => {
                 let (a, b) = (r0 * d.cols, r1 * d.cols);
                 Weight::Dense(DenseMatrix {
@@ -154,5 +196,49 @@ impl<'a> Weight<'a> {
                 })
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quant_mode_parses_and_defaults_to_affine() {
+        #[derive(serde::Deserialize)]
+        struct Entry {
+            bits: u32,
+            group_size: usize,
+            #[serde(default)]
+            mode: QuantMode,
+        }
+        let old: Entry = serde_json::from_str(r#"{"bits": 4, "group_size": 64}"#).unwrap();
+        assert!(old.mode.is_affine());
+        let e: Entry =
+            serde_json::from_str(r#"{"bits": 4, "group_size": 32, "mode": "mxfp4"}"#).unwrap();
+        assert_eq!(e.mode, QuantMode::Mxfp4);
+        let spec = QuantSpec {
+            bits: e.bits,
+            group_size: e.group_size,
+        };
+        assert!(e.mode.validate(spec).is_ok());
+        let bad = QuantSpec {
+            bits: old.bits,
+            group_size: old.group_size,
+        };
+        assert!(QuantMode::Mxfp4.validate(bad).is_err());
+        assert!(QuantMode::Affine.validate(bad).is_ok());
+        let a: Entry =
+            serde_json::from_str(r#"{"bits": 8, "group_size": 64, "mode": "affine"}"#).unwrap();
+        assert!(a.mode.is_affine());
+        let err =
+            serde_json::from_str::<Entry>(r#"{"bits": 4, "group_size": 32, "mode": "nvfp4"}"#)
+                .err()
+                .unwrap();
+        assert!(err.to_string().contains("unknown variant `nvfp4`"), "{err}");
+        assert_eq!(
+            serde_json::to_string(&QuantMode::Mxfp4).unwrap(),
+            r#""mxfp4""#
+        );
     }
 }

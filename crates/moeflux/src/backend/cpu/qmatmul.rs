@@ -1,4 +1,5 @@
-//! Quantized (MLX affine) and dense matmul kernels for the CPU backend.
+//! Quantized (MLX affine, MXFP4) and dense matmul kernels for the CPU
+//! backend (MXFP4 in the `mxfp4` submodule, same contract without biases).
 //!
 //! `out[t*rows + r] = dot(W[r, :], x[t*cols .. (t+1)*cols])`.
 //!
@@ -40,6 +41,7 @@
 //!   over it, token tile outermost so the codes stream from L2 while the
 //!   activations stay in L1.
 
+mod mxfp4;
 mod unpack;
 
 use std::borrow::Cow;
@@ -122,6 +124,11 @@ fn job<'a>(
                 panic!("matmul: {e}");
             }
         }
+        Weight::Mxfp4(m) => {
+            if let Err(e) = m.check() {
+                panic!("matmul: {e}");
+            }
+        }
         Weight::Dense(d) => {
             let len = match d.data {
                 DenseData::Bf16(v) => v.len(),
@@ -145,11 +152,13 @@ fn job<'a>(
     let out = OutPtr(out.as_mut_ptr());
     Some(match w {
         Weight::Quantized(q) => qmatmul(level, q, x, n_tokens, out),
+        Weight::Mxfp4(m) => mxfp4::mxmatmul(level, m, x, n_tokens, out),
         Weight::Dense(d) => dmatmul(level, d, x, n_tokens, out),
     })
 }
 
-/// Row `r` of the weight in f32 (`q * scale + bias` for quantized weights).
+/// Row `r` of the weight in f32 (`q * scale + bias` for affine weights,
+/// `e2m1(q) * 2^(s - 127)` for MXFP4).
 pub fn dequantize_row(w: &Weight, r: usize, out: &mut [f32]) {
     assert!(r < w.rows(), "dequantize_row: row {r} out of range");
     assert_eq!(
@@ -169,6 +178,11 @@ pub fn dequantize_row(w: &Weight, r: usize, out: &mut [f32]) {
                 for v in o {
                     *v = *v * s + b;
                 }
+            }
+        }
+        Weight::Mxfp4(m) => {
+            if let Err(e) = m.dequantize_row(r, out) {
+                panic!("dequantize_row: {e}");
             }
         }
         Weight::Dense(d) => match d.data {
