@@ -127,8 +127,11 @@ pub enum MlpKind {
     Dense,
 }
 
-/// Affine quantization parameters of one module.
+/// Affine quantization parameters of one module. A manifest entry with
+/// another field (`"mode": "mxfp4"`, which this build does not load yet) is
+/// refused rather than read as affine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct QuantSpec {
     pub bits: u32,
     pub group_size: usize,

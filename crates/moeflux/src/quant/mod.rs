@@ -204,6 +204,17 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_manifest_quant_spec_with_a_mode_is_refused_until_loaded() {
+        let e =
+            serde_json::from_str::<QuantSpec>(r#"{"bits": 4, "group_size": 32, "mode": "mxfp4"}"#)
+                .unwrap_err()
+                .to_string();
+        assert!(e.contains("mode"), "{e}");
+        let ok: QuantSpec = serde_json::from_str(r#"{"bits": 4, "group_size": 64}"#).unwrap();
+        assert_eq!(ok.group_size, 64);
+    }
+
+    #[test]
     fn quant_mode_parses_and_defaults_to_affine() {
         #[derive(serde::Deserialize)]
         struct Entry {
