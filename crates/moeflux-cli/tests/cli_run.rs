@@ -134,7 +134,11 @@ fn reasoning_effort_reaches_the_template() {
     }
     let bad = run_text(&model, &["-p", "Hello", "--reasoning-effort", "max"]);
     assert!(!bad.status.success());
-    assert!(text(&bad.stderr).contains("--reasoning-effort"), "{}", text(&bad.stderr));
+    assert!(
+        text(&bad.stderr).contains("--reasoning-effort"),
+        "{}",
+        text(&bad.stderr)
+    );
 }
 
 #[test]

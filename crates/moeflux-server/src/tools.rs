@@ -108,7 +108,8 @@ impl ToolFormat {
 
     /// Text appended to the prompt so that the model's next tokens are the
     /// inside of a tool call (`tool_choice: "required"`), of a call to
-    /// `name` when given. The parser is fed it as the start of the answer.
+    /// `name` when given. The parser is fed it as the start of the answer
+    /// (but see [`parser_prefix`](Self::parser_prefix)).
     /// `calls_before`: the tool calls of the conversation so far (Kimi
     /// numbers calls across the conversation: `functions.NAME:IDX`).
     pub fn forced_prefix(self, name: Option<&str>, calls_before: usize) -> String {
@@ -799,14 +800,16 @@ impl ToolCallParser {
             return false;
         };
         let header = format!("{HARMONY}{}", &self.buf[..end]);
-        let recipient = harmony::parse_header(&header).1.map(str::to_string);
+        let name = harmony::parse_header(&header)
+            .1
+            .map(|r| r.strip_prefix("functions.").unwrap_or(r).to_string())
+            .filter(|n| !n.is_empty());
         self.buf.drain(..end + HARMONY_MESSAGE.len());
-        let Some(r) = recipient else {
+        let Some(name) = name else {
             push_content(out, format!("{header}{HARMONY_MESSAGE}"));
             self.state = State::Text;
             return true;
         };
-        let name = r.strip_prefix("functions.").unwrap_or(&r).to_string();
         let index = self.start_call(name, out);
         self.state = State::HarmonyArgs(JsonStream {
             index,
@@ -1638,8 +1641,12 @@ mod tests {
         );
         assert_eq!(calls, vec![("f".to_string(), "{}".to_string())]);
         // No recipient, or no `<|message|>`: content, nothing lost.
-        let text = "<|channel|>commentary<|message|>hi";
-        assert_eq!(check_all_splits(None, text), (text.to_string(), vec![]));
+        for text in [
+            "<|channel|>commentary<|message|>hi",
+            "<|channel|>commentary to=functions.<|message|>{}",
+        ] {
+            assert_eq!(check_all_splits(None, text), (text.to_string(), vec![]));
+        }
         // (The space before a would-be call goes, as before `<tool_call>`.)
         let text = "a <|channel|>final";
         assert_eq!(
