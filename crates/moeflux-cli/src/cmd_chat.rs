@@ -53,6 +53,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
     let render_opts = RenderOptions {
         add_generation_prompt: true,
         enable_thinking: args.display.enable_thinking(),
+        extra: args.display.template_extra(),
         ..Default::default()
     };
     eprintln!("{HELP}");

@@ -49,6 +49,7 @@ pub fn run(args: RunArgs) -> Result<()> {
                 &RenderOptions {
                     add_generation_prompt: true,
                     enable_thinking: args.display.enable_thinking(),
+                    extra: args.display.template_extra(),
                     ..Default::default()
                 },
                 &loaded.tokenizer,

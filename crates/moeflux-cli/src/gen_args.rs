@@ -297,6 +297,10 @@ pub struct DisplayArgs {
     /// Ask the model to answer without thinking (`enable_thinking=false`).
     #[arg(long)]
     pub no_think: bool,
+    /// How much the model reasons: the template variable
+    /// `reasoning_effort` (gpt-oss; other templates ignore it).
+    #[arg(long, value_parser = ["low", "medium", "high"])]
+    pub reasoning_effort: Option<String>,
     /// Do not print the model's reasoning.
     #[arg(long)]
     pub hide_reasoning: bool,
@@ -306,6 +310,15 @@ pub struct DisplayArgs {
 }
 
 impl DisplayArgs {
+    /// Template variables besides `enable_thinking`.
+    pub fn template_extra(&self) -> serde_json::Map<String, serde_json::Value> {
+        let mut extra = serde_json::Map::new();
+        if let Some(e) = &self.reasoning_effort {
+            extra.insert("reasoning_effort".into(), e.clone().into());
+        }
+        extra
+    }
+
     pub fn enable_thinking(&self) -> Option<bool> {
         match (self.think, self.no_think) {
             (true, _) => Some(true),

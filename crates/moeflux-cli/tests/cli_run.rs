@@ -106,6 +106,41 @@ fn text_prompt_goes_through_the_chat_template() {
     assert_ne!(ok(&raw), ok(&from_text));
 }
 
+/// `--reasoning-effort` reaches the template as `reasoning_effort`
+/// (gpt-oss's); only the three levels are accepted.
+#[test]
+fn reasoning_effort_reaches_the_template() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = convert("qwen35moe-q4", tmp.path());
+    std::fs::write(
+        model.join("chat_template.jinja"),
+        "{{ reasoning_effort | default('none') }}: {{ messages[0].content }}",
+    )
+    .unwrap();
+    let tok = Tokenizer::from_model_dir(&model).unwrap();
+    let greedy = ["--temp", "0", "-n", "8", "--ignore-eos"];
+    let ids = |text: &str| id_list(&tok.encode(text, false).unwrap());
+    for (flag, rendered) in [(Some("high"), "high: Hello"), (None, "none: Hello")] {
+        let mut args = vec!["-p", "Hello"];
+        if let Some(f) = flag {
+            args.extend(["--reasoning-effort", f]);
+        }
+        let from_text = run_text(&model, &[&args[..], &greedy[..]].concat());
+        let want = run_text(
+            &model,
+            &[&["--prompt-ids", &ids(rendered)], &greedy[..]].concat(),
+        );
+        assert_eq!(ok(&from_text), ok(&want), "{flag:?}");
+    }
+    let bad = run_text(&model, &["-p", "Hello", "--reasoning-effort", "max"]);
+    assert!(!bad.status.success());
+    assert!(
+        text(&bad.stderr).contains("--reasoning-effort"),
+        "{}",
+        text(&bad.stderr)
+    );
+}
+
 #[test]
 fn same_seed_same_text() {
     let tmp = tempfile::tempdir().unwrap();

@@ -91,6 +91,10 @@ pub struct ChatRequest {
     /// Extra chat-template variables (vLLM's extension), e.g.
     /// `{"enable_thinking": false}`.
     pub chat_template_kwargs: Option<Map<String, Json>>,
+    /// OpenAI's `low` / `medium` / `high`: the template variable
+    /// `reasoning_effort` (gpt-oss's template writes it into the system
+    /// message; other templates ignore it).
+    pub reasoning_effort: Option<Json>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -139,6 +143,28 @@ impl ChatRequest {
             n: self.n,
             ignore_eos: self.ignore_eos,
         }
+    }
+
+    /// The chat template's extra variables: `chat_template_kwargs`, with
+    /// `reasoning_effort` added (as vLLM passes it to gpt-oss's template);
+    /// one given in `chat_template_kwargs` wins.
+    pub fn template_kwargs(&self) -> Result<Option<Map<String, Json>>, ApiError> {
+        let mut kw = self.chat_template_kwargs.clone();
+        match &self.reasoning_effort {
+            None | Some(Json::Null) => {}
+            Some(Json::String(e)) if matches!(e.as_str(), "low" | "medium" | "high") => {
+                kw.get_or_insert_with(Map::new)
+                    .entry("reasoning_effort")
+                    .or_insert_with(|| e.clone().into());
+            }
+            Some(_) => {
+                return Err(ApiError::invalid(
+                    "reasoning_effort",
+                    "`reasoning_effort` must be \"low\", \"medium\" or \"high\"",
+                ))
+            }
+        }
+        Ok(kw)
     }
 
     /// Options this server does not implement: refused rather than ignored.
@@ -605,6 +631,25 @@ mod tests {
         let m = r.checked_messages().unwrap();
         assert_eq!(m[0].role, "system");
         assert_eq!(m[2].tool_call_id.as_deref(), Some("c"));
+    }
+
+    #[test]
+    fn reasoning_effort_is_a_template_variable() {
+        let kw = |body: &str| chat(body).unwrap().template_kwargs();
+        assert_eq!(kw("{}").unwrap(), None);
+        let k = kw("{\"reasoning_effort\": \"high\"}").unwrap().unwrap();
+        assert_eq!(k["reasoning_effort"], "high");
+        let k = kw("{\"reasoning_effort\": \"high\", \"chat_template_kwargs\": {\"reasoning_effort\": \"low\", \"x\": 1}}")
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (&k["reasoning_effort"], &k["x"]),
+            (&"low".into(), &1.into())
+        );
+        for bad in ["\"extreme\"", "3"] {
+            let e = kw(&format!("{{\"reasoning_effort\": {bad}}}")).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("reasoning_effort"));
+        }
     }
 
     #[test]

@@ -19,8 +19,8 @@ pub struct ChatPrompt {
     pub starts_in_reasoning: bool,
     /// Parse `<tool_call>`s out of the answer.
     pub parse_tools: bool,
-    /// Text appended to the prompt that the tool parser must see as the
-    /// start of the answer (a forced call).
+    /// Text that the tool parser must see as the start of the answer (a
+    /// forced call's opening, appended to the prompt).
     pub forced: Option<String>,
 }
 
@@ -100,22 +100,25 @@ pub fn chat_prompt_checked(
         .filter(|m| m.role == "assistant")
         .filter_map(|m| m.tool_calls.as_ref()?.as_array().map(Vec::len))
         .sum();
-    let forced = match (format, input.choice) {
+    let forced_name = match (format, input.choice) {
         // With one tool, "required" can only mean that one: force its name.
-        (Some(f), ToolChoice::Required) => match input.tools.unwrap_or_default() {
-            [only] => Some(f.forced_prefix(only["function"]["name"].as_str(), calls_before)),
-            _ => Some(f.forced_prefix(None, calls_before)),
+        (Some(_), ToolChoice::Required) => match input.tools.unwrap_or_default() {
+            [only] => Some(only["function"]["name"].as_str()),
+            _ => Some(None),
         },
-        (Some(f), ToolChoice::Named(n)) => Some(f.forced_prefix(Some(n), calls_before)),
+        (Some(_), ToolChoice::Named(n)) => Some(Some(n.as_str())),
         _ => None,
     };
-    if let (Some(fmt), Some(f)) = (format, &forced) {
+    let mut forced = None;
+    if let (Some(fmt), Some(name)) = (format, forced_name) {
         // The call goes where the model writes one: after the reasoning
         // block, closed (and empty) if the prompt left it open.
         let close = fmt.before_forced_call(prompt.text(), template.source());
         prompt.push_str(close);
         starts_in_reasoning = false;
-        prompt.push_str(f);
+        let f = fmt.forced_prefix(name, calls_before);
+        prompt.push_str(&f);
+        forced = fmt.parser_prefix(&f, name);
     }
     before_encode(prompt.text())?;
     let tokens = tokenizer

@@ -130,6 +130,7 @@ async fn chat_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiErr
     let req: ChatRequest = api::parse_body(&body)?;
     drop(body);
     req.check_unsupported()?;
+    let kwargs = req.template_kwargs()?;
     let messages = req.checked_messages()?;
     let choice = api::tool_choice(req.tools.as_deref(), req.tool_choice.as_ref())?;
     let params = api::gen_params(
@@ -151,12 +152,7 @@ async fn chat_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiErr
         .with_code("context_length_exceeded"));
     }
     let admission = st.engine.admit()?;
-    let (st2, tools, kwargs, choice2) = (
-        st.clone(),
-        req.tools.clone(),
-        req.chat_template_kwargs.clone(),
-        choice.clone(),
-    );
+    let (st2, tools, choice2) = (st.clone(), req.tools.clone(), choice.clone());
     let max_tokens = params.max_tokens;
     let prepared = prepare(st, move || {
         prompt::chat_prompt_checked(

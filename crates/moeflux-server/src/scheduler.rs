@@ -192,6 +192,18 @@ impl<'t> Scheduler<'t> {
         if let Err(e) = job.params.sampler.validate() {
             return fail(job, admission, ApiError::invalid("", e));
         }
+        let gen = GenerateOptions {
+            max_tokens: job.params.max_tokens.unwrap_or(usize::MAX),
+            sampler: job.params.sampler.clone(),
+            stop: job.params.stop.clone(),
+            starts_in_reasoning: job.starts_in_reasoning,
+            ignore_eos: job.params.ignore_eos,
+            ..Default::default()
+        };
+        let mut decoder = Decoder::new(self.tokenizer, &gen);
+        if let Err(e) = decoder.prime(prompt) {
+            return fail(job, admission, engine_error(e));
+        }
         let reuse = !self.opts.no_prefix_reuse;
         // 1. The free slot with the longest live prefix (recurrent state
         //    only goes back to a checkpoint).
@@ -262,15 +274,6 @@ impl<'t> Scheduler<'t> {
         stops.retain(|&p| p > start);
         stops.sort_unstable();
         stops.dedup();
-        let gen = GenerateOptions {
-            max_tokens: job.params.max_tokens.unwrap_or(usize::MAX),
-            sampler: job.params.sampler.clone(),
-            stop: job.params.stop.clone(),
-            starts_in_reasoning: job.starts_in_reasoning,
-            ignore_eos: job.params.ignore_eos,
-            ..Default::default()
-        };
-        let decoder = Decoder::new(self.tokenizer, &gen);
         self.slots[slot].busy = true;
         self.running.push(Running {
             queued: t0 - enqueued,

@@ -1,7 +1,7 @@
 //! Tool calls: parsing the model's tool-call output back into OpenAI
 //! `tool_calls`, incrementally, and forcing a call for `tool_choice`.
 //!
-//! Four spellings are understood, whatever the template is:
+//! Five spellings are understood, whatever the template is:
 //!
 //! - **XML** (Qwen3.5 / Qwen3-Coder templates), inside
 //!   `<tool_call>...</tool_call>`:
@@ -16,6 +16,10 @@
 //!   call, `<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>
 //!   {JSON}<|tool_call_end|>`, then `<|tool_calls_section_end|>`; the call's
 //!   id is the model's `functions.NAME:IDX`.
+//! - **Harmony** (gpt-oss): `<|channel|>commentary to=functions.NAME
+//!   <|constrain|>json<|message|>{JSON}<|call|>` (the header words in any
+//!   order). The generation's decoder hides harmony's other markup and
+//!   passes a call on in this spelling (`moeflux::text::harmony`).
 //!
 //! Inside `<tool_call>` the parser decides per call from what follows the
 //! tag: `{` is JSON, `<function=` XML, a function name GLM. Text before a
@@ -23,13 +27,17 @@
 //! is held back so partial tags never leak; whitespace between content and
 //! a call is dropped. Calls stream as OpenAI deltas: the name as soon as it
 //! is complete, then the arguments — XML and GLM one fragment per finished
-//! parameter, JSON and Kimi as the argument object's text arrives (a JSON
+//! parameter, JSON, Kimi and Harmony as the argument object's text arrives (a JSON
 //! call whose name comes after its arguments, or whose arguments are a
 //! string, is sent whole at the end). A JSON or Kimi call that cannot be
-//! parsed is returned as content, so no text is lost.
+//! parsed, or a harmony header without a recipient, is returned as
+//! content, so no text is lost.
 
 use std::collections::HashMap;
 
+use moeflux::text::harmony::{
+    self, CALL as HARMONY_CALL, CHANNEL as HARMONY, MESSAGE as HARMONY_MESSAGE,
+};
 use serde_json::{Map, Value as Json};
 
 const OPEN: &str = "<tool_call>";
@@ -48,7 +56,9 @@ const KIMI_CALL: &str = "<|tool_call_begin|>";
 const KIMI_ARGS: &str = "<|tool_call_argument_begin|>";
 const KIMI_CALL_END: &str = "<|tool_call_end|>";
 /// What opens tool calls in text.
-const OPENERS: [&str; 2] = [OPEN, KIMI_SECTION];
+const OPENERS: [&str; 3] = [OPEN, KIMI_SECTION, HARMONY];
+/// A harmony header longer than this without `<|message|>` is not one.
+const MAX_HARMONY_HEADER: usize = 256;
 
 /// How a chat template asks the model to write tool calls (decides what a
 /// forced call starts with; parsing accepts every spelling).
@@ -63,6 +73,9 @@ pub enum ToolFormat {
     /// `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX
     /// <|tool_call_argument_begin|>{..}` (Kimi K2).
     Kimi,
+    /// `<|channel|>commentary to=functions.NAME <|constrain|>json
+    /// <|message|>{..}<|call|>` (gpt-oss's harmony).
+    Harmony,
 }
 
 impl ToolFormat {
@@ -74,6 +87,12 @@ impl ToolFormat {
         }
         if template_source.contains(KIMI_SECTION) {
             return Some(ToolFormat::Kimi);
+        }
+        if template_source.contains(HARMONY)
+            && template_source.contains(HARMONY_CALL)
+            && template_source.contains("to=")
+        {
+            return Some(ToolFormat::Harmony);
         }
         if !template_source.contains(OPEN) {
             return None;
@@ -89,7 +108,8 @@ impl ToolFormat {
 
     /// Text appended to the prompt so that the model's next tokens are the
     /// inside of a tool call (`tool_choice: "required"`), of a call to
-    /// `name` when given. The parser is fed it as the start of the answer.
+    /// `name` when given. The parser is fed it as the start of the answer
+    /// (but see [`parser_prefix`](Self::parser_prefix)).
     /// `calls_before`: the tool calls of the conversation so far (Kimi
     /// numbers calls across the conversation: `functions.NAME:IDX`).
     pub fn forced_prefix(self, name: Option<&str>, calls_before: usize) -> String {
@@ -98,6 +118,12 @@ impl ToolFormat {
             (ToolFormat::Kimi, Some(n)) => {
                 format!("{KIMI_SECTION}{KIMI_CALL}functions.{n}:{calls_before}{KIMI_ARGS}")
             }
+            // The prompt ends `<|start|>assistant`: the call's header
+            // (skipping the analysis message the model may write first).
+            (ToolFormat::Harmony, None) => format!("{HARMONY}commentary to=functions."),
+            (ToolFormat::Harmony, Some(n)) => {
+                format!("{HARMONY}commentary to=functions.{n} <|constrain|>json{HARMONY_MESSAGE}")
+            }
             (ToolFormat::Glm, None) => OPEN.to_string(),
             (ToolFormat::Glm, Some(n)) => format!("{OPEN}{n}\n"),
             (_, None) => format!("{OPEN}\n"),
@@ -105,6 +131,17 @@ impl ToolFormat {
             (ToolFormat::Json, Some(n)) => {
                 format!("{OPEN}\n{{\"name\": {}, \"arguments\": ", Json::from(n))
             }
+        }
+    }
+
+    /// What the parser must be fed first for a forced call whose prompt
+    /// ends with `forced` ([`forced_prefix`](Self::forced_prefix)): the
+    /// same text, but for a harmony call whose name the model is still to
+    /// write (the decoder passes on the whole header once it has it).
+    pub fn parser_prefix(self, forced: &str, name: Option<&str>) -> Option<String> {
+        match (self, name) {
+            (ToolFormat::Harmony, None) => None,
+            _ => Some(forced.to_string()),
         }
     }
 
@@ -128,6 +165,8 @@ impl ToolFormat {
             ToolFormat::Kimi if open_think => "</think>",
             ToolFormat::Kimi if template_source.contains("<think></think>") => "<think></think>",
             ToolFormat::Kimi => "",
+            // The prompt ends `<|start|>assistant`, where a header goes.
+            ToolFormat::Harmony => "",
         }
     }
 }
@@ -213,6 +252,10 @@ enum State {
     KimiCall,
     /// Kimi spelling: a call's JSON arguments streaming.
     KimiArgs(JsonStream),
+    /// Harmony spelling: after `<|channel|>`, before `<|message|>`.
+    HarmonyHeader,
+    /// Harmony spelling: a call's JSON arguments streaming, up to `<|call|>`.
+    HarmonyArgs(JsonStream),
 }
 
 pub struct ToolCallParser {
@@ -282,8 +325,13 @@ impl ToolCallParser {
             State::KimiArgs(JsonStream {
                 index,
                 args: ArgsScan::Seeking | ArgsScan::Other,
+            })
+            | State::HarmonyArgs(JsonStream {
+                index,
+                args: ArgsScan::Seeking | ArgsScan::Other,
             }) => self.args(index, &kimi_args(&rest), &mut out),
-            State::KimiArgs(js) => self.close_args(js, &mut out),
+            State::KimiArgs(js) | State::HarmonyArgs(js) => self.close_args(js, &mut out),
+            State::HarmonyHeader => push_content(&mut out, format!("{HARMONY}{rest}")),
         }
         out
     }
@@ -347,7 +395,9 @@ impl ToolCallParser {
             State::GlmArgs { index, any } => self.step_glm_args(index, any, out),
             State::KimiSection => self.step_kimi_section(),
             State::KimiCall => self.step_kimi_call(out),
-            State::KimiArgs(js) => self.step_kimi_args(js, out),
+            State::KimiArgs(js) => self.step_json_args(js, KIMI_CALL_END, out),
+            State::HarmonyHeader => self.step_harmony_header(out),
+            State::HarmonyArgs(js) => self.step_json_args(js, HARMONY_CALL, out),
             State::XmlEnd => {
                 let Some(end) = self.buf.find(CLOSE) else {
                     // Anything else before the closing tag is ignored.
@@ -374,10 +424,10 @@ impl ToolCallParser {
             let mut s = std::mem::take(&mut self.pending_ws);
             s.push_str(&before);
             push_content(out, s.trim_end().to_string());
-            self.state = if tag == OPEN {
-                State::CallStart
-            } else {
-                State::KimiSection
+            self.state = match tag {
+                OPEN => State::CallStart,
+                KIMI_SECTION => State::KimiSection,
+                _ => State::HarmonyHeader,
             };
             return true;
         }
@@ -737,12 +787,58 @@ impl ToolCallParser {
         true
     }
 
-    /// Kimi spelling: a call's arguments up to `<|tool_call_end|>`, streamed
-    /// as the object's text arrives. Arguments that are not an object are
-    /// parsed whole at the end (a JSON string holding an object is
-    /// accepted), else `{}`.
-    fn step_kimi_args(&mut self, mut js: JsonStream, out: &mut Vec<Delta>) -> bool {
-        let close = self.buf.find(KIMI_CALL_END);
+    /// Harmony spelling after `<|channel|>`: the header up to `<|message|>`;
+    /// with a recipient (`to=functions.NAME`) it starts a call, else it is
+    /// content.
+    fn step_harmony_header(&mut self, out: &mut Vec<Delta>) -> bool {
+        let Some(end) = self.buf.find(HARMONY_MESSAGE) else {
+            if self.buf.len() > MAX_HARMONY_HEADER {
+                push_content(out, HARMONY.to_string());
+                self.state = State::Text;
+                return true;
+            }
+            return false;
+        };
+        let header = format!("{HARMONY}{}", &self.buf[..end]);
+        let name = harmony::parse_header(&header)
+            .1
+            .map(|r| r.strip_prefix("functions.").unwrap_or(r).to_string())
+            .filter(|n| !n.is_empty());
+        self.buf.drain(..end + HARMONY_MESSAGE.len());
+        let Some(name) = name else {
+            push_content(out, format!("{header}{HARMONY_MESSAGE}"));
+            self.state = State::Text;
+            return true;
+        };
+        let index = self.start_call(name, out);
+        self.state = State::HarmonyArgs(JsonStream {
+            index,
+            args: ArgsScan::Seeking,
+        });
+        true
+    }
+
+    /// Kimi and Harmony spellings: a call's arguments up to `end_tag`
+    /// (`<|tool_call_end|>`, `<|call|>`), streamed as the object's text
+    /// arrives. Arguments that are not an object are parsed whole at the
+    /// end (a JSON string holding an object is accepted), else `{}`.
+    fn step_json_args(&mut self, mut js: JsonStream, end_tag: &str, out: &mut Vec<Delta>) -> bool {
+        let kimi = end_tag == KIMI_CALL_END;
+        let waiting = |js| {
+            if kimi {
+                State::KimiArgs(js)
+            } else {
+                State::HarmonyArgs(js)
+            }
+        };
+        let next = || {
+            if kimi {
+                State::KimiSection
+            } else {
+                State::Text
+            }
+        };
+        let close = self.buf.find(end_tag);
         if let ArgsScan::Seeking = js.args {
             let t = self.buf.trim_start();
             match t.chars().next() {
@@ -761,26 +857,26 @@ impl ToolCallParser {
         }
         if let ArgsScan::Other = js.args {
             let Some(end) = close else {
-                self.state = State::KimiArgs(js);
+                self.state = waiting(js);
                 return false;
             };
             let args = kimi_args(&self.buf[..end]);
             self.args(js.index, &args, out);
-            self.buf.drain(..end + KIMI_CALL_END.len());
-            self.state = State::KimiSection;
+            self.buf.drain(..end + end_tag.len());
+            self.state = next();
             return true;
         }
-        let limit = close.unwrap_or_else(|| self.buf.len() - held_prefix(&self.buf, KIMI_CALL_END));
+        let limit = close.unwrap_or_else(|| self.buf.len() - held_prefix(&self.buf, end_tag));
         let js = self
             .json_progress(Some(js), limit, out)
             .expect("a started call");
         let Some(end) = close else {
-            self.state = State::KimiArgs(js);
+            self.state = waiting(js);
             return false;
         };
         self.close_args(js, out);
-        self.buf.drain(..end + KIMI_CALL_END.len());
-        self.state = State::KimiSection;
+        self.buf.drain(..end + end_tag.len());
+        self.state = next();
         true
     }
 
@@ -1156,6 +1252,7 @@ mod tests {
             ToolFormat::Json,
             ToolFormat::Glm,
             ToolFormat::Kimi,
+            ToolFormat::Harmony,
         ] {
             let mut p = parser(None);
             let mut d = p.push(&format.forced_prefix(Some("f"), 3));
@@ -1164,6 +1261,7 @@ mod tests {
                 ToolFormat::Json => "{\"q\": \"hi\"}}\n</tool_call>",
                 ToolFormat::Glm => "<arg_key>q</arg_key>\n<arg_value>hi</arg_value>\n</tool_call>",
                 ToolFormat::Kimi => "{\"q\": \"hi\"}<|tool_call_end|><|tool_calls_section_end|>",
+                ToolFormat::Harmony => "{\"q\": \"hi\"}<|call|>",
             };
             d.extend(p.push(rest));
             d.extend(p.finish());
@@ -1189,12 +1287,18 @@ mod tests {
             }
             // Without a name: the model writes it.
             let mut p = parser(None);
-            let mut d = p.push(&format.forced_prefix(None, 0));
+            let open = format.forced_prefix(None, 0);
+            let mut d = match format.parser_prefix(&open, None) {
+                Some(f) => p.push(&f),
+                None => Vec::new(),
+            };
             let rest = match format {
                 ToolFormat::Xml => "<function=g>\n</function>\n</tool_call>",
                 ToolFormat::Json => "{\"name\": \"g\"}\n</tool_call>",
                 ToolFormat::Glm => "g\n</tool_call>",
                 ToolFormat::Kimi => "functions.g:0<|tool_call_argument_begin|>{}<|tool_call_end|>",
+                // The decoder passes on the header it completed.
+                ToolFormat::Harmony => "<|channel|>commentary to=functions.g<|message|>{}<|call|>",
             };
             d.extend(p.push(rest));
             d.extend(p.finish());
@@ -1440,6 +1544,7 @@ mod tests {
             ("glm4.5", Some(ToolFormat::Glm)),
             ("kimi-k2", Some(ToolFormat::Kimi)),
             ("kimi-k2-thinking", Some(ToolFormat::Kimi)),
+            ("gpt-oss", Some(ToolFormat::Harmony)),
             // Llama 3.1 renders tools, but with its own JSON convention.
             ("llama3.1", None),
         ];
@@ -1480,6 +1585,109 @@ mod tests {
         assert_eq!(
             f(ToolFormat::Kimi, &format!("{p}<think>"), &kimi),
             "</think>"
+        );
+        let oss = fixture_template("gpt-oss");
+        assert_eq!(f(ToolFormat::Harmony, "<|start|>assistant", &oss), "");
+    }
+
+    /// A harmony call as the decoder passes it on, with content before it
+    /// (a `final` message the decoder stripped of its markup).
+    const HARMONY_CALL_TEXT: &str = "Checking.\n<|channel|>commentary to=functions.get_weather<|message|>{\"city\": \"Zürich\", \"opts\": {\"t\": \"}<|\"}}<|call|>";
+
+    #[test]
+    fn harmony_calls() {
+        let (content, calls) = check_all_splits(None, HARMONY_CALL_TEXT);
+        assert_eq!(content, "Checking.");
+        assert_eq!(
+            calls,
+            vec![(
+                "get_weather".to_string(),
+                "{\"city\": \"Zürich\", \"opts\": {\"t\": \"}<|\"}}".to_string()
+            )]
+        );
+        // The model's own header spellings: recipient before the channel,
+        // `<|constrain|>`, a recipient outside `functions`; string arguments.
+        let (content, calls) = check_all_splits(
+            None,
+            "<|channel|>commentary to=functions.a <|constrain|>json<|message|> {\"x\": [1, {\"y\": 2}]} <|call|>",
+        );
+        assert_eq!(content, "");
+        assert_eq!(
+            calls,
+            vec![("a".to_string(), "{\"x\": [1, {\"y\": 2}]}".to_string())]
+        );
+        let (_, calls) = check_all_splits(
+            None,
+            "<|channel|>analysis to=python code<|message|>\"{\\\"q\\\": 1}\"<|call|>",
+        );
+        assert_eq!(calls, vec![("python".to_string(), "{\"q\":1}".to_string())]);
+    }
+
+    #[test]
+    fn harmony_unfinished_and_not_calls() {
+        // Cut off inside the arguments: closed with what came.
+        let (_, calls) = check_all_splits(
+            None,
+            "<|channel|>commentary to=functions.f<|message|>{\"a\": [\"b",
+        );
+        assert_eq!(
+            calls,
+            vec![("f".to_string(), "{\"a\": [\"b\"]}".to_string())]
+        );
+        // Arguments that are not JSON: `{}`.
+        let (_, calls) = check_all_splits(
+            None,
+            "<|channel|>commentary to=functions.f<|message|>oops<|call|>",
+        );
+        assert_eq!(calls, vec![("f".to_string(), "{}".to_string())]);
+        // No recipient, or no `<|message|>`: content, nothing lost.
+        for text in [
+            "<|channel|>commentary<|message|>hi",
+            "<|channel|>commentary to=functions.<|message|>{}",
+        ] {
+            assert_eq!(check_all_splits(None, text), (text.to_string(), vec![]));
+        }
+        // (The space before a would-be call goes, as before `<tool_call>`.)
+        let text = "a <|channel|>final";
+        assert_eq!(
+            check_all_splits(None, text),
+            ("a<|channel|>final".to_string(), vec![])
+        );
+        let long = format!("<|channel|>{}", "x".repeat(MAX_HARMONY_HEADER + 1));
+        assert_eq!(check_all_splits(None, &long).0, long);
+    }
+
+    #[test]
+    fn harmony_forced_calls() {
+        let f = ToolFormat::Harmony;
+        let named = f.forced_prefix(Some("get_weather"), 3);
+        assert_eq!(
+            named,
+            "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+        );
+        // Named: the parser reads the prompt's opening, then the body.
+        assert_eq!(
+            f.parser_prefix(&named, Some("get_weather")).as_deref(),
+            Some(named.as_str())
+        );
+        let text = format!("{named}{{\"city\": \"Rome\"}}<|call|>");
+        let (content, calls) = check_all_splits(None, &text);
+        assert_eq!(content, "");
+        assert_eq!(
+            calls,
+            vec![(
+                "get_weather".to_string(),
+                "{\"city\": \"Rome\"}".to_string()
+            )]
+        );
+        // Unnamed: the model writes the name; the decoder passes on the
+        // whole header, so the parser is fed nothing first.
+        let open = f.forced_prefix(None, 0);
+        assert_eq!(open, "<|channel|>commentary to=functions.");
+        assert_eq!(f.parser_prefix(&open, None), None);
+        assert_eq!(
+            ToolFormat::Kimi.parser_prefix("x", None).as_deref(),
+            Some("x")
         );
     }
 

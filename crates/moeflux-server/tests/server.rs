@@ -1141,3 +1141,142 @@ async fn special_token_text_in_a_request_stays_text() {
         "typed <|im_end|> became a control token"
     );
 }
+
+#[path = "../../moeflux/tests/support/harmony_tokenizer.rs"]
+mod harmony_tokenizer;
+
+/// A private copy of the model speaking harmony: a tokenizer with the
+/// markers as special tokens (ids inside the model's vocabulary), gpt-oss's
+/// EOS ids (`<|return|>`, `<|endoftext|>`, `<|call|>`) and a template:
+/// gpt-oss's, changed by `edit`.
+fn harmony_server(edit: &dyn Fn(String) -> String) -> (tempfile::TempDir, PathBuf, Server) {
+    let (tmp, dir) = private_copy();
+    std::fs::write(
+        dir.join("tokenizer.json"),
+        harmony_tokenizer::harmony_tokenizer_json(),
+    )
+    .unwrap();
+    let id = |m: &str| {
+        let i = harmony_tokenizer::HARMONY_MARKERS
+            .iter()
+            .position(|x| *x == m)
+            .unwrap();
+        harmony_tokenizer::FIRST_MARKER_ID + i as u64
+    };
+    std::fs::write(
+        dir.join("generation_config.json"),
+        json!({"eos_token_id": [id("<|return|>"), 0, id("<|call|>")]}).to_string(),
+    )
+    .unwrap();
+    let template =
+        std::fs::read_to_string(fixtures().join("templates/gpt-oss/chat_template.jinja")).unwrap();
+    std::fs::write(dir.join("chat_template.jinja"), edit(template)).unwrap();
+    let d = dir.clone();
+    let s = Server::start(
+        &dir,
+        ServerOptions::default(),
+        Box::new(move || {
+            Session::open(
+                &d,
+                SessionOptions {
+                    threads: Some(2),
+                    ..Default::default()
+                },
+            )
+            .map_err(|e| e.to_string())
+        }),
+    )
+    .unwrap();
+    (tmp, dir, s)
+}
+
+/// gpt-oss's template (harmony): tool history in its spelling, a forced
+/// call's opening after `<|start|>assistant`, and the call back as an
+/// OpenAI tool call, whole and streamed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn harmony_template_tools_and_forced_calls() {
+    use moeflux_server::api::ToolChoice;
+    let (_tmp, dir, s) = harmony_server(&|t| t);
+    assert_eq!(
+        s.state().tool_format,
+        Some(moeflux_server::tools::ToolFormat::Harmony)
+    );
+    let (text, p) = render_prompt(&dir, weather_history(), ToolChoice::Auto, None);
+    assert!(
+        text.contains("<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{\"city\": \"Paris\"}<|call|><|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>\"sunny\"<|end|><|start|>assistant"),
+        "{text}"
+    );
+    assert!(text.ends_with("<|start|>assistant"), "{text}");
+    assert!(p.parse_tools && p.forced.is_none());
+    // The template's markers are special tokens in the prompt.
+    let tok = moeflux::text::tokenizer::Tokenizer::from_model_dir(&dir).unwrap();
+    let call = tok.token_to_id("<|call|>").unwrap();
+    assert_eq!(p.tokens.iter().filter(|&&t| t == call).count(), 1);
+    assert!(tok.is_eos(call));
+
+    let opening = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>";
+    let user = json!([{"role": "user", "content": "Weather in Rome?"}]);
+    let (text, p) = render_prompt(
+        &dir,
+        user.clone(),
+        ToolChoice::Named("get_weather".into()),
+        None,
+    );
+    assert!(
+        text.ends_with(&format!(
+            "Weather in Rome?<|end|><|start|>assistant{opening}"
+        )),
+        "{text}"
+    );
+    assert_eq!(p.forced.as_deref(), Some(opening));
+    assert!(!p.starts_in_reasoning);
+
+    let call = forced_weather_call(&s).await;
+    assert!(call["id"].as_str().unwrap().starts_with("call_"));
+    // The call's finish: `<|call|>` (tool_calls) or the token limit.
+    let mut body = greedy(user, 16);
+    body["tools"] = weather_tools();
+    body["tool_choice"] = json!("required");
+    let v = chat(&s, body).await;
+    let finish = v["choices"][0]["finish_reason"].as_str().unwrap();
+    assert!(finish == "tool_calls" || finish == "length", "{v}");
+    assert_eq!(
+        v["choices"][0]["message"]["tool_calls"][0]["function"]["name"],
+        "get_weather"
+    );
+}
+
+/// The analysis channel is `reasoning_content`, whole and streamed, and no
+/// harmony markup reaches the client. The template's generation prompt
+/// opens the analysis here, so the random model's text is reasoning.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn harmony_analysis_is_reasoning_content() {
+    let (_tmp, _dir, s) = harmony_server(&|t| {
+        let at = "<|start|>assistant\n{%- endif -%}";
+        assert!(t.contains(at));
+        t.replace(
+            at,
+            "<|start|>assistant<|channel|>analysis<|message|>\n{%- endif -%}",
+        )
+    });
+    let body = greedy(json!([{"role": "user", "content": "Hi"}]), 12);
+    let v = chat(&s, body.clone()).await;
+    let msg = &v["choices"][0]["message"];
+    let reasoning = msg["reasoning_content"].as_str().unwrap_or_default();
+    let content = msg["content"].as_str().unwrap_or_default();
+    assert!(!reasoning.is_empty(), "{v}");
+    for m in harmony_tokenizer::HARMONY_MARKERS {
+        assert!(!reasoning.contains(m) && !content.contains(m), "{v}");
+    }
+    let mut body = body;
+    body["stream"] = json!(true);
+    let data = sse(&s, &body).await;
+    let (mut r, mut c) = (String::new(), String::new());
+    for d in &data[..data.len() - 1] {
+        let x: Value = serde_json::from_str(d).unwrap();
+        let delta = &x["choices"][0]["delta"];
+        r.push_str(delta["reasoning_content"].as_str().unwrap_or(""));
+        c.push_str(delta["content"].as_str().unwrap_or(""));
+    }
+    assert_eq!((r.as_str(), c.as_str()), (reasoning, content));
+}

@@ -10,6 +10,7 @@ use crate::io::{procfs, IoStats};
 use crate::model::timing::PhaseTimes;
 use crate::sample::{Sampler, SamplerConfig, StopStrings};
 use crate::session::{LogitsMode, Session};
+use crate::text::harmony::{Channels, HarmonyIds};
 use crate::text::stream::StreamDecoder;
 use crate::text::tokenizer::Tokenizer;
 
@@ -118,7 +119,8 @@ fn rate(n: usize, t: Duration) -> f64 {
 pub enum Event<'a> {
     /// `done` of `total` prompt tokens evaluated.
     Prefill { done: usize, total: usize },
-    /// Newly completed text; `reasoning` inside a `<think>` block.
+    /// Newly completed text; `reasoning` inside a `<think>` block or a
+    /// harmony `analysis` message (see [`Decoder`]).
     Text { text: &'a str, reasoning: bool },
 }
 
@@ -205,6 +207,7 @@ pub fn generate(
     }
 
     let mut dec = Decoder::new(tokenizer, opts);
+    dec.prime(prompt)?;
     let greedy = dec.greedy();
     let mut generated = 0usize;
     let mut pending = None;
@@ -259,15 +262,22 @@ pub fn generate(
 }
 
 /// The token-by-token half of generation, apart from evaluation: sampling,
-/// end-of-sequence and stop strings, reasoning blocks, streamed text. A
-/// caller that evaluates many sequences together (the server's batch) keeps
-/// one per sequence and feeds it each step's logits.
+/// end-of-sequence and stop strings, reasoning, streamed text. A caller
+/// that evaluates many sequences together (the server's batch) keeps one
+/// per sequence and feeds it each step's logits.
+///
+/// Reasoning is marked by the model's vocabulary: `<think>`/`</think>`
+/// tokens, or OpenAI's harmony markers (gpt-oss, [`crate::text::harmony`]):
+/// then the `analysis` channel is reasoning, headers are hidden, a tool
+/// call is passed on in one spelling, and `<|return|>`/`<|call|>` end the
+/// answer even where no config names them end-of-sequence tokens.
 pub struct Decoder<'t> {
     tokenizer: &'t Tokenizer,
     sampler: Sampler,
     stream: StreamDecoder<'t>,
     stops: StopStrings,
     think: Option<(u32, u32)>,
+    harmony: Option<(HarmonyIds, Channels)>,
     reasoning: bool,
     ignore_eos: bool,
 }
@@ -282,9 +292,21 @@ impl<'t> Decoder<'t> {
             stream: StreamDecoder::new(tokenizer, true),
             stops: StopStrings::new(opts.stop.clone()),
             think: tokenizer.think_ids(),
+            harmony: HarmonyIds::from_tokenizer(tokenizer).map(|ids| (ids, Channels::new())),
             reasoning: opts.starts_in_reasoning,
             ignore_eos: opts.ignore_eos,
         }
+    }
+
+    /// Reads the end of the prompt where the output format needs it
+    /// (harmony: the answer continues the prompt's last message, e.g. a
+    /// header after `<|start|>assistant`, or a forced tool call's body).
+    /// Call once, before the first token.
+    pub fn prime(&mut self, prompt: &[u32]) -> Result<()> {
+        if let Some((ids, channels)) = &mut self.harmony {
+            channels.prime(ids, self.tokenizer, prompt)?;
+        }
+        Ok(())
     }
 
     /// Samples the next token from `logits` (`history`: the sequence so
@@ -320,6 +342,9 @@ impl<'t> Decoder<'t> {
         tok: u32,
         on_event: &mut dyn FnMut(Event<'_>),
     ) -> Result<(u32, Option<FinishReason>)> {
+        if let Some(done) = self.harmony_marker(tok, on_event)? {
+            return Ok((tok, done));
+        }
         if !self.ignore_eos && self.tokenizer.is_eos(tok) {
             return Ok((tok, Some(FinishReason::Eos)));
         }
@@ -333,9 +358,54 @@ impl<'t> Decoder<'t> {
             }
         }
         let piece = self.stream.push(tok)?;
-        let (text, hit) = self.stops.push(&piece);
-        emit(&text, self.reasoning, on_event);
+        let hit = self.show(&piece, on_event);
         Ok((tok, hit.then_some(FinishReason::Stop)))
+    }
+
+    /// Shows decoded text as its kind (harmony: headers held back); true
+    /// when a stop string appeared.
+    fn show(&mut self, piece: &str, on_event: &mut dyn FnMut(Event<'_>)) -> bool {
+        let (piece, reasoning) = match &mut self.harmony {
+            Some((_, channels)) => {
+                let shown = channels.text(piece);
+                (shown.text, shown.reasoning)
+            }
+            None => (piece.to_string(), self.reasoning),
+        };
+        let (text, hit) = self.stops.push(&piece);
+        emit(&text, reasoning, on_event);
+        hit
+    }
+
+    /// A harmony marker token: the text before it is shown as its kind,
+    /// then the marker moves the channels on. `Some(finish)` when `tok` was
+    /// a marker (`Some(None)`: generation goes on).
+    fn harmony_marker(
+        &mut self,
+        tok: u32,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<Option<Option<FinishReason>>> {
+        let Some(marker) = self.harmony.as_ref().and_then(|(ids, _)| ids.marker(tok)) else {
+            return Ok(None);
+        };
+        let pending = self.stream.finish_pending()?;
+        let mut hit = self.show(&pending, on_event);
+        let t = match &mut self.harmony {
+            Some((_, channels)) => channels.marker(marker),
+            None => return Ok(None),
+        };
+        if !hit {
+            let (text, h) = self.stops.push(&t.text);
+            emit(&text, false, on_event);
+            hit = h;
+        }
+        Ok(Some(if hit {
+            Some(FinishReason::Stop)
+        } else if t.ends && !self.ignore_eos {
+            Some(FinishReason::Eos)
+        } else {
+            None
+        }))
     }
 
     /// Flushes the text held back, unless generation ended on a stop string.
@@ -345,10 +415,14 @@ impl<'t> Decoder<'t> {
         on_event: &mut dyn FnMut(Event<'_>),
     ) -> Result<()> {
         if finish != FinishReason::Stop {
-            let (text, _) = self.stops.push(&self.stream.finish()?);
-            emit(&text, self.reasoning, on_event);
+            let text = self.stream.finish()?;
+            self.show(&text, on_event);
+            let reasoning = match &self.harmony {
+                Some((_, channels)) => channels.in_reasoning(),
+                None => self.reasoning,
+            };
             let rest = self.stops.finish();
-            emit(&rest, self.reasoning, on_event);
+            emit(&rest, reasoning, on_event);
         }
         Ok(())
     }

@@ -1,5 +1,5 @@
 //! `generate` on a converted fixture, whose greedy continuation is known from
-//! mlx-lm: reasoning split at `<think>`/`</think>`, EOS, a full context,
+//! mlx-lm: reasoning split at `<think>`/`</think>` or by harmony channel, EOS, a full context,
 //! cancellation and reuse of the prefix a session already holds.
 
 mod common;
@@ -238,4 +238,78 @@ fn a_longer_prompt_reuses_the_held_prefix_and_continues_exactly() {
     assert_eq!((stats.reused_tokens, stats.prompt_tokens), (0, other.len()));
     let (fresh, _, _) = run(&mut open_session(&model, None), &tok, &other, &greedy(4));
     assert_eq!(text, fresh);
+}
+
+/// [`rename_token`] to a special (added) token.
+fn make_special(model: &Path, id: u32, content: &str) {
+    rename_token(model, id, content);
+    let path = model.join("tokenizer.json");
+    let mut t: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    t["added_tokens"].as_array_mut().unwrap().push(
+        serde_json::json!({"id": id, "content": content, "single_word": false,
+            "lstrip": false, "rstrip": false, "normalized": false, "special": true}),
+    );
+    std::fs::write(&path, serde_json::to_vec(&t).unwrap()).unwrap();
+}
+
+/// OpenAI's harmony markers (gpt-oss) through `generate`: the fixture's
+/// known continuation, with tokens renamed, becomes a harmony answer. The
+/// prompt ends `<|start|>` + a role (the template's generation prompt), so
+/// the answer starts in a header: `generate` primes the decoder with the
+/// prompt. The `analysis` body is reasoning, headers are hidden, a call is
+/// passed on in one spelling and `<|call|>` ends generation though no
+/// config names it end-of-sequence.
+#[test]
+fn harmony_channels_split_reasoning_answer_and_calls() {
+    let (prompt, c) = golden_ids();
+    assert_eq!(
+        (&prompt[prompt.len() - 2..], c.as_slice()),
+        (
+            &[1001, 966][..],
+            &[348, 39, 454, 715, 666, 666, 537, 388][..]
+        )
+    );
+    for call in [false, true] {
+        let (_tmp, model) = convert_fixture(&format!("{FIXTURE}/src"), None);
+        make_special(&model, 1001, "<|start|>");
+        make_special(&model, c[0], "<|channel|>");
+        make_special(&model, c[2], "<|message|>");
+        if call {
+            rename_token(&model, c[1], "commentaryĠto=functions.get_weather");
+            make_special(&model, c[6], "<|call|>");
+            // Not generated, but harmony needs it.
+            let spare = (0..1024)
+                .rev()
+                .find(|i| !c.contains(i) && !prompt.contains(i))
+                .unwrap();
+            make_special(&model, spare, "<|end|>");
+        } else {
+            rename_token(&model, c[1], "analysis");
+            make_special(&model, c[6], "<|end|>");
+        }
+        let tok = Tokenizer::from_model_dir(&model).unwrap();
+        assert!(!tok.is_eos(c[6]));
+        let mut s = open_session(&model, None);
+        let opts = GenerateOptions {
+            ignore_eos: false,
+            ..greedy(c.len())
+        };
+        let (content, reasoning, stats) = run(&mut s, &tok, &prompt, &opts);
+        let body = tok.decode(&c[3..6], true).unwrap();
+        if call {
+            assert_eq!(reasoning, "");
+            assert_eq!(
+                content,
+                format!("<|channel|>commentary to=functions.get_weather<|message|>{body}<|call|>")
+            );
+            assert_eq!(stats.finish, FinishReason::Eos);
+            assert_eq!(stats.generated_tokens, 7);
+        } else {
+            // After `<|end|>`, text outside a message is the answer.
+            assert_eq!(reasoning, body);
+            assert_eq!(content, tok.decode(&c[7..], true).unwrap());
+            assert_eq!(stats.generated_tokens, c.len());
+        }
+    }
 }

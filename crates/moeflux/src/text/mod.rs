@@ -1,3 +1,4 @@
 pub mod chat;
+pub mod harmony;
 pub mod stream;
 pub mod tokenizer;
