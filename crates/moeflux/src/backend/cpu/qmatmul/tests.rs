@@ -2,11 +2,11 @@ use super::*;
 use crate::backend::cpu::simd::supported_levels;
 use crate::quant::{affine, QuantSpec};
 
-/// splitmix64
-struct Rng(u64);
+/// splitmix64 (the MXFP4 tests share it and the helpers below).
+pub(super) struct Rng(pub(super) u64);
 
 impl Rng {
-    fn next_u64(&mut self) -> u64 {
+    pub(super) fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -14,10 +14,10 @@ impl Rng {
         z ^ (z >> 31)
     }
     /// Uniform in [-1, 1).
-    fn f32(&mut self) -> f32 {
+    pub(super) fn f32(&mut self) -> f32 {
         (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
     }
-    fn vec(&mut self, n: usize) -> Vec<f32> {
+    pub(super) fn vec(&mut self, n: usize) -> Vec<f32> {
         (0..n).map(|_| self.f32()).collect()
     }
 }
@@ -154,11 +154,11 @@ fn check_close(got: &[f32], want: &[(f64, f64)], what: &str) {
     }
 }
 
-fn bitwise_eq(a: &[f32], b: &[f32]) -> bool {
+pub(super) fn bitwise_eq(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
-fn run(level: SimdLevel, w: &Weight, x: &[f32], n: usize) -> Vec<f32> {
+pub(super) fn run(level: SimdLevel, w: &Weight, x: &[f32], n: usize) -> Vec<f32> {
     let mut out = vec![f32::NAN; n * w.rows()];
     matmul_at(level, w, x, n, &mut out);
     out
@@ -219,7 +219,7 @@ fn dense_matches_f64_reference() {
 }
 
 /// Token `t`'s outputs for each token, computed one token at a time.
-fn per_token(level: SimdLevel, w: &Weight, x: &[f32], n: usize) -> Vec<f32> {
+pub(super) fn per_token(level: SimdLevel, w: &Weight, x: &[f32], n: usize) -> Vec<f32> {
     let (rows, cols) = (w.rows(), w.cols());
     let mut out = vec![0.0; n * rows];
     for t in 0..n {

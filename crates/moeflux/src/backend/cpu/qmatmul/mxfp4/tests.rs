@@ -1,28 +1,9 @@
-use super::super::{dequantize_row, matmul_at, matmul_group, simd_level};
+use super::super::tests::{bitwise_eq, per_token, run, Rng};
+use super::super::{dequantize_row, matmul_group, simd_level};
 use super::*;
 use crate::backend::cpu::simd::supported_levels;
 use crate::quant::mxfp4::{self, E2M1};
 use crate::quant::Weight;
-
-/// splitmix64
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [-1, 1).
-    fn f32(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-    fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.f32()).collect()
-    }
-}
 
 /// Owned storage of an MXFP4 matrix.
 struct OwnedM {
@@ -109,16 +90,6 @@ fn check_close(got: &[f32], want: &[(f64, f64)], cols: usize, k: f64, what: &str
             "{what}: element {i}: got {g}, want {v} (magnitude {m}, err {err})"
         );
     }
-}
-
-fn bitwise_eq(a: &[f32], b: &[f32]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
-}
-
-fn run(level: SimdLevel, w: &Weight, x: &[f32], n: usize) -> Vec<f32> {
-    let mut out = vec![f32::NAN; n * w.rows()];
-    matmul_at(level, w, x, n, &mut out);
-    out
 }
 
 #[test]
@@ -233,16 +204,6 @@ fn mxfp4_nan_scale_poisons_its_row() {
 }
 
 /// Token `t`'s outputs for each token, computed one token at a time.
-fn per_token(level: SimdLevel, w: &Weight, x: &[f32], n: usize) -> Vec<f32> {
-    let (rows, cols) = (w.rows(), w.cols());
-    let mut out = vec![0.0; n * rows];
-    for t in 0..n {
-        let y = run(level, w, &x[t * cols..(t + 1) * cols], 1);
-        out[t * rows..(t + 1) * rows].copy_from_slice(&y);
-    }
-    out
-}
-
 #[test]
 fn mxfp4_batch_equals_per_token_bitwise() {
     let mut rng = Rng(15);
