@@ -21,6 +21,26 @@ fn server(opts: ServerOptions) -> Server {
     common::open(opts).unwrap()
 }
 
+/// A server with the default options on the model directory `dir`.
+fn server_on(dir: &std::path::Path) -> Server {
+    let d = dir.to_path_buf();
+    Server::start(
+        dir,
+        ServerOptions::default(),
+        Box::new(move || {
+            Session::open(
+                &d,
+                SessionOptions {
+                    threads: Some(2),
+                    ..Default::default()
+                },
+            )
+            .map_err(|e| e.to_string())
+        }),
+    )
+    .unwrap()
+}
+
 /// A server with these engine options and the default others.
 fn server_with(engine: EngineOptions) -> Server {
     server(ServerOptions {
@@ -875,22 +895,7 @@ async fn json_tool_calls_with_a_qwen3_template() {
         cfg["chat_template"].as_str().unwrap(),
     )
     .unwrap();
-    let d = dir.clone();
-    let s = Server::start(
-        &dir,
-        ServerOptions::default(),
-        Box::new(move || {
-            Session::open(
-                &d,
-                SessionOptions {
-                    threads: Some(2),
-                    ..Default::default()
-                },
-            )
-            .map_err(|e| e.to_string())
-        }),
-    )
-    .unwrap();
+    let s = server_on(&dir);
     assert_eq!(
         s.state().tool_format,
         Some(moeflux_server::tools::ToolFormat::Json)
@@ -937,22 +942,7 @@ fn server_with_template(name: &str) -> (tempfile::TempDir, PathBuf, Server) {
         dir.join("chat_template.jinja"),
     )
     .unwrap();
-    let d = dir.clone();
-    let s = Server::start(
-        &dir,
-        ServerOptions::default(),
-        Box::new(move || {
-            Session::open(
-                &d,
-                SessionOptions {
-                    threads: Some(2),
-                    ..Default::default()
-                },
-            )
-            .map_err(|e| e.to_string())
-        }),
-    )
-    .unwrap();
+    let s = server_on(&dir);
     (tmp, dir, s)
 }
 
@@ -1171,22 +1161,7 @@ fn harmony_server(edit: &dyn Fn(String) -> String) -> (tempfile::TempDir, PathBu
     let template =
         std::fs::read_to_string(fixtures().join("templates/gpt-oss/chat_template.jinja")).unwrap();
     std::fs::write(dir.join("chat_template.jinja"), edit(template)).unwrap();
-    let d = dir.clone();
-    let s = Server::start(
-        &dir,
-        ServerOptions::default(),
-        Box::new(move || {
-            Session::open(
-                &d,
-                SessionOptions {
-                    threads: Some(2),
-                    ..Default::default()
-                },
-            )
-            .map_err(|e| e.to_string())
-        }),
-    )
-    .unwrap();
+    let s = server_on(&dir);
     (tmp, dir, s)
 }
 
