@@ -24,6 +24,8 @@ pub(super) fn parse(f: &Fields, top: &Map<String, Value>) -> Result<ModelConfig>
     let n = g.num_layers;
     let window = f.usize_opt("sliding_window")?.unwrap_or(128);
     let attention_window = parse_windows(f, n, window)?;
+    // The experts' width (checked here so the error names gpt-oss's field).
+    super::positive(f, "intermediate_size", g.intermediate_size)?;
     let moe = MoeConfig {
         num_experts: f.usize_opt("num_local_experts")?.unwrap_or(128),
         num_experts_per_tok: f.usize_opt("num_experts_per_tok")?.unwrap_or(4),
@@ -195,6 +197,7 @@ mod tests {
             ("sliding_window", json!(0), "sliding_window"),
             ("num_experts_per_tok", json!(129), "num_experts_per_tok"),
             ("num_local_experts", json!(0), "num_local_experts"),
+            ("intermediate_size", json!(0), "intermediate_size"),
         ] {
             let mut v = gpt_oss_120b();
             v[field] = value;
