@@ -1379,6 +1379,15 @@ extern "C" __global__ void moe_combine(const float* slot_out, const float* wts, 
     }
 }
 
+// x[t, i] += b[i] for n rows of `cols` (a bias on a product's output: gpt-oss's
+// o_proj and router). Grid (rows, column blocks).
+extern "C" __global__ void add_rows(float* x, const float* b, int cols) {
+    PDL_ENTER();
+    long t = blockIdx.x;
+    for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < cols; i += gridDim.y * blockDim.x)
+        x[t * cols + i] += b[i];
+}
+
 // Router: per token, softmax over the e logits, the k largest (ties to the
 // lower index, like the CPU), their probabilities (renormalised to sum 1
 // when `norm`), and, when `table` is not null, each chosen expert's address
