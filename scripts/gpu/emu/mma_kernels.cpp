@@ -163,7 +163,11 @@ static void test_moe_mma(int hidden, int inter, int bits, int gs, std::vector<in
 // double-precision softmax attention times sigmoid(gate) (or ungated).
 // With `mma` false, the one-token kernel (`attention`, `attention_plain`) on
 // the cache itself instead, against the same reference.
-static void test_attention_mma(int nh, int nkv, int hd, int start, int n, bool gated = true, bool mma = true) {
+// With `sinks` (one-token kernel only), `attention_sinks`: a random logit
+// per head joins each softmax, and with window > 0 a token sees only the
+// last `window` positions.
+static void test_attention_mma(int nh, int nkv, int hd, int start, int n, bool gated = true, bool mma = true,
+                               bool sinks = false, int window = 0) {
     int ctx = start + n, cap = ctx + 40, row = nkv * hd;
     std::vector<float> q((size_t)n * nh * hd), gate(q.size()), kc((size_t)cap * row, NAN), vc(kc.size(), NAN);
     for (auto& v : q) v = urand(-1.5f, 1.5f);
@@ -180,8 +184,16 @@ static void test_attention_mma(int nh, int nkv, int hd, int start, int n, bool g
                    [&] { attn_kv_split(pk, pv, nkv, hd, ctx, ctx_pad, pkp, pvp); });
     }
     std::vector<float> out(q.size(), NAN);
+    std::vector<float> sink(nh);
+    for (auto& v : sink) v = urand(-2, 4);
     int G = nh / nkv, hg = std::min(G, 64), qt = 64 / hg;
-    if (!mma) {
+    if (sinks) {
+        const float *pq = q.data(), *pk = kc.data(), *pv = vc.data(), *ps = sink.data();
+        float* po = out.data();
+        const long* pp = &start_l;
+        emu_launch({(unsigned)nh, (unsigned)n, 1}, 256,
+                   [&] { attention_sinks(pq, pk, pv, ps, nh, nkv, hd, pp, scale, po, nullptr, window); });
+    } else if (!mma) {
         const float *pq = q.data(), *pk = kc.data(), *pv = vc.data(), *pg = gated ? gate.data() : nullptr;
         float* po = out.data();
         const long* pp = &start_l;
@@ -209,25 +221,28 @@ static void test_attention_mma(int nh, int nkv, int hd, int start, int n, bool g
         for (int h = 0; h < nh; h++) {
             const float* qh = &q[((size_t)t * nh + h) * hd];
             int g = h / G, keys = start + t + 1;
-            std::vector<double> sc(keys);
-            double mx = -1e300, sum = 0;
-            for (int p = 0; p < keys; p++) {
+            int first = window > 0 && keys > window ? keys - window : 0;
+            std::vector<double> sc(keys, 0.0);
+            double mx = sinks ? (double)sink[h] : -1e300, sum = 0;
+            for (int p = first; p < keys; p++) {
                 double d = 0;
                 for (int i = 0; i < hd; i++) d += (double)qh[i] * kc[(size_t)p * row + g * hd + i];
                 sc[p] = d * scale;
                 mx = std::max(mx, sc[p]);
             }
-            for (auto& v : sc) sum += (v = exp(v - mx));
+            for (int p = first; p < keys; p++) sum += (sc[p] = exp(sc[p] - mx));
+            if (sinks) sum += exp((double)sink[h] - mx);
             for (int i = 0; i < hd; i++) {
                 double o = 0;
-                for (int p = 0; p < keys; p++) o += sc[p] * vc[(size_t)p * row + g * hd + i];
+                for (int p = first; p < keys; p++) o += sc[p] * vc[(size_t)p * row + g * hd + i];
                 size_t oi = ((size_t)t * nh + h) * hd + i;
                 want[oi] = o / sum / (gated ? 1.0 + exp(-(double)gate[oi]) : 1.0);
             }
         }
     char name[128];
-    snprintf(name, sizeof name, "%s nh%d nkv%d hd%d start%d n%d%s", mma ? "attention_mma" : "attention", nh,
-             nkv, hd, start, n, gated ? "" : " no gate");
+    snprintf(name, sizeof name, "%s nh%d nkv%d hd%d start%d n%d%s window%d",
+             sinks ? "attention_sinks" : mma ? "attention_mma" : "attention", nh, nkv, hd, start, n,
+             gated ? "" : " no gate", window);
     check(name, out, want, 2e-5);
 }
 
@@ -248,6 +263,11 @@ int main() {
     test_attention_mma(4, 2, 32, 0, 20, false);            // qwen3moe-q4's shape
     test_attention_mma(16, 2, 256, 40, 2, true, false);   // the one-token kernel, gated
     test_attention_mma(12, 2, 128, 33, 1, false, false);  // and plain
+    // gpt-oss: sinks, a window shorter than the context (several warps see
+    // no key), one covering it, and none
+    test_attention_mma(8, 2, 64, 37, 3, false, false, true, 5);
+    test_attention_mma(8, 2, 64, 3, 4, false, false, true, 128);
+    test_attention_mma(4, 1, 32, 20, 2, false, false, true, 0);
     if (fails) {
         printf("%d FAILED\n", fails);
         return 1;

@@ -193,6 +193,26 @@ static void test_moe_combine(int h, int k, int n, Shared sh) {
 }
 
 // ---------------------------------------------------------------------------------------
+// add_rows
+
+static void test_add_rows(int n, int cols) {
+    std::vector<float> x((size_t)n * cols), b(cols);
+    for (auto& v : x) v = urand(-2, 2);
+    for (auto& v : b) v = urand(-1, 1);
+    std::vector<double> want(x.size());
+    for (int t = 0; t < n; t++)
+        for (int i = 0; i < cols; i++) want[(size_t)t * cols + i] = (double)x[(size_t)t * cols + i] + b[i];
+    {
+        float* px = x.data();
+        const float* pb = b.data();
+        emu_launch({(unsigned)n, (unsigned)((cols + 255) / 256), 1}, 256, [&] { add_rows(px, pb, cols); });
+    }
+    char name[64];
+    snprintf(name, sizeof name, "add_rows n%d cols%d", n, cols);
+    check(name, x, want, 1e-7);
+}
+
+// ---------------------------------------------------------------------------------------
 // attn_prep
 
 // The flavour of a grouped-query attention layer: Qwen3.5's gated q_proj
@@ -445,6 +465,8 @@ int main() {
     test_delta_rule(2, 4, 64, 128, 3, 2);     // dk < dv: two columns per lane, four row blocks
     for (auto [h, n] : {std::pair{2048, 1}, std::pair{7168, 3}})
         for (Shared s : {NONE, GATED, PLAIN}) test_moe_combine(h, 8, n, s);
+    test_add_rows(3, 2880);  // gpt-oss's o_proj bias (cols past a block of 256)
+    test_add_rows(5, 16);    // a router bias
     AttnFlavour qwen35{true, true, false}, qwen3{false, true, false}, glm{false, true, true},
         glm_air{false, false, true};
     test_attn_prep(16, 2, 256, 32, 3, 5, 1e7, 1.0, qwen35);    // Qwen3.5: partial rotary (64 of 256)

@@ -91,6 +91,11 @@ pub(super) fn forward(
         w.lin(&a.o_proj),
     );
     let bias = a.qkv_bias.map(|b| b.map(|v| w.vec(v)));
+    // gpt-oss: a sink logit per head and (sliding layers) a window; the
+    // one-token kernel's `attention_sinks` serves both its decode and its
+    // batches (the tensor-core kernel has neither).
+    let sinks = a.sinks.map(|v| w.vec(v));
+    let window = a.window.unwrap_or(0) as i32;
     let norm = a.qk_norm.map(|(q, k)| (w.vec(q), w.vec(k)));
     let parts = AttnParts {
         q_bias: bias.map_or(0, |b| b[0]),
@@ -149,17 +154,30 @@ pub(super) fn forward(
                             gate, none, none, tab
                         ),
                     )?;
-                    g.launch(
-                        if a.output_gate {
-                            "attention"
-                        } else {
-                            "attention_plain"
-                        },
-                        (nh as u32, rows, 1),
-                        256,
-                        0,
-                        &mut args!(q, none, none, gate, nh_i, nkv_i, hd_i, pos, scale, attn, tab),
-                    )?;
+                    match sinks {
+                        Some(sk) => g.launch(
+                            "attention_sinks",
+                            (nh as u32, rows, 1),
+                            256,
+                            0,
+                            &mut args!(
+                                q, none, none, sk, nh_i, nkv_i, hd_i, pos, scale, attn, tab, window
+                            ),
+                        )?,
+                        None => g.launch(
+                            if a.output_gate {
+                                "attention"
+                            } else {
+                                "attention_plain"
+                            },
+                            (nh as u32, rows, 1),
+                            256,
+                            0,
+                            &mut args!(
+                                q, none, none, gate, nh_i, nkv_i, hd_i, pos, scale, attn, tab
+                            ),
+                        )?,
+                    }
                 }
                 continue;
             }
@@ -196,7 +214,20 @@ pub(super) fn forward(
                 ),
             )?
         };
-        if let Some(smem) = attention_mma_smem(g, nh, nkv, hd, n) {
+        let mma_smem = attention_mma_smem(g, nh, nkv, hd, n).filter(|_| sinks.is_none());
+        if let Some(sk) = sinks {
+            // SAFETY: `attention_sinks` in kernels.cu; buffers as below,
+            // sinks hold a float per head.
+            unsafe {
+                g.launch(
+                    "attention_sinks",
+                    (nh as u32, n as u32, 1),
+                    256,
+                    0,
+                    &mut args!(q, kc, vc, sk, nh_i, nkv_i, hd_i, pos, scale, attn, none, window),
+                )?
+            };
+        } else if let Some(smem) = mma_smem {
             let ctx = sq.seg.start + n;
             let ctx_pad = ctx.next_multiple_of(ATT_KT);
             let per = ctx_pad * hd / 4; // uint4s per KV group, of K and of V
@@ -251,5 +282,24 @@ pub(super) fn forward(
             };
         }
     }
-    matmuls(g, &[mm_add(wo, x)], attn, n)
+    matmuls(g, &[mm_add(wo, x)], attn, n)?;
+    match a.o_bias {
+        Some(b) => add_rows(g, x, w.vec(b), n, c.hidden_size),
+        None => Ok(()),
+    }
+}
+
+/// `x[t] += b` for `n` rows of `cols` floats (a projection's bias).
+pub(super) fn add_rows(g: &Gpu, x: u64, b: u64, n: usize, cols: usize) -> Result<()> {
+    let cols_i = cols as i32;
+    // SAFETY: `add_rows` in kernels.cu; x holds n rows of cols floats, b cols.
+    unsafe {
+        g.launch(
+            "add_rows",
+            (n as u32, cols.div_ceil(256) as u32, 1),
+            256,
+            0,
+            &mut args!(x, b, cols_i),
+        )
+    }
 }

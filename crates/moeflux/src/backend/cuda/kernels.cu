@@ -932,12 +932,15 @@ extern "C" __global__ void attn_prep(const float* qg, const float* k, const floa
 // (head, token) with an online softmax per warp over positions p = warp,
 // warp+8, ...; each lane holds hd/32 output channels (hd <= 256). Two
 // kernels rather than a test of gate at run time, which made the gated one
-// 8% slower on the H200.
-template <bool GATED>
+// 8% slower on the H200. SINKS (gpt-oss): a logit per head joins the softmax
+// without a value, and with window > 0 a token sees only the last `window`
+// positions, itself included.
+template <bool GATED, bool SINKS>
 __device__ __forceinline__ void attention_body(const float* q, const float* kc, const float* vc,
                                                const float* gate, int nh, int nkv, int hd,
                                                const long* pos, float scale, float* out,
-                                               const unsigned long long* seqs) {
+                                               const unsigned long long* seqs,
+                                               const float* sinks, int window) {
     const int NW = 8;
     int h = blockIdx.x, t = blockIdx.y;
     // `seqs`: a decode batch, as in attn_prep.
@@ -960,7 +963,8 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
     }
     float m = NEG_INF, l = 0.0f;
     long ctx = start + tl + 1;
-    for (long p = w; p < ctx; p += NW) {
+    long first = SINKS && window > 0 && ctx > window ? ctx - window : 0;
+    for (long p = first + w; p < ctx; p += NW) {
         const float* kr = kc + p * row + (long)g * hd;
         float d = 0.0f;
 #pragma unroll
@@ -988,8 +992,10 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
     if (w == 0) {
         float M = NEG_INF;
         for (int i = 0; i < NW; i++) M = fmaxf(M, sm[i]);
+        if constexpr (SINKS) M = fmaxf(M, sinks[h]);
         float L = 0.0f;
         for (int i = 0; i < NW; i++) L += sm[i] == NEG_INF ? 0.0f : sl[i] * expf(sm[i] - M);
+        if constexpr (SINKS) L += expf(sinks[h] - M);
         for (int c = 0; c < per; c++) {
             int ch = lane + c * WARP;
             float o = 0.0f;
@@ -1008,7 +1014,7 @@ extern "C" __global__ void attention(const float* q, const float* kc, const floa
                                      const float* gate, int nh, int nkv, int hd, const long* pos,
                                      float scale, float* out, const unsigned long long* seqs) {
     PDL_ENTER();
-    attention_body<true>(q, kc, vc, gate, nh, nkv, hd, pos, scale, out, seqs);
+    attention_body<true, false>(q, kc, vc, gate, nh, nkv, hd, pos, scale, out, seqs, nullptr, 0);
 }
 
 extern "C" __global__ void attention_plain(const float* q, const float* kc, const float* vc,
@@ -1016,7 +1022,18 @@ extern "C" __global__ void attention_plain(const float* q, const float* kc, cons
                                            const long* pos, float scale, float* out,
                                            const unsigned long long* seqs) {
     PDL_ENTER();
-    attention_body<false>(q, kc, vc, gate, nh, nkv, hd, pos, scale, out, seqs);
+    attention_body<false, false>(q, kc, vc, gate, nh, nkv, hd, pos, scale, out, seqs, nullptr, 0);
+}
+
+// Ungated attention with a sink logit per head and an optional sliding
+// window (gpt-oss); otherwise as `attention_plain`.
+extern "C" __global__ void attention_sinks(const float* q, const float* kc, const float* vc,
+                                           const float* sinks, int nh, int nkv, int hd,
+                                           const long* pos, float scale, float* out,
+                                           const unsigned long long* seqs, int window) {
+    PDL_ENTER();
+    attention_body<false, true>(q, kc, vc, nullptr, nh, nkv, hd, pos, scale, out, seqs, sinks,
+                                window);
 }
 
 
@@ -1360,6 +1377,15 @@ extern "C" __global__ void moe_combine(const float* slot_out, const float* wts, 
         if (shared) acc += s * shared[(long)t * h + i];
         out[(long)t * h + i] += acc;
     }
+}
+
+// x[t, i] += b[i] for n rows of `cols` (a bias on a product's output: gpt-oss's
+// o_proj and router). Grid (rows, column blocks).
+extern "C" __global__ void add_rows(float* x, const float* b, int cols) {
+    PDL_ENTER();
+    long t = blockIdx.x;
+    for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < cols; i += gridDim.y * blockDim.x)
+        x[t * cols + i] += b[i];
 }
 
 // Router: per token, softmax over the e logits, the k largest (ties to the

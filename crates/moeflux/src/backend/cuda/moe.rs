@@ -434,12 +434,14 @@ fn route(
     let [ids, wts, bases] = out;
     let (nn, e_i, k_i) = (n as i32, c.moe.num_experts as i32, k as i32);
     let grid = (n.div_ceil(4) as u32, 1, 1);
+    if let Some(bias) = b.router_bias {
+        super::attention::add_rows(g, logits, w.vec(bias), n, c.moe.num_experts)?;
+    }
     match (c.moe.router, b.score_bias) {
-        (RouterKind::TopKSoftmax, _) => Err(super::support::unsupported(
-            "the top-K softmax router (gpt-oss)".into(),
-        )),
-        (RouterKind::Softmax, _) | (RouterKind::NoauxTc { .. }, None) => {
-            let norm = c.moe.norm_topk_prob as i32;
+        (RouterKind::Softmax | RouterKind::TopKSoftmax, _) | (RouterKind::NoauxTc { .. }, None) => {
+            // gpt-oss's softmax over the top-K logits is the softmax over all
+            // of them, top-K (the same order), renormalised.
+            let norm = (c.moe.norm_topk_prob || c.moe.router == RouterKind::TopKSoftmax) as i32;
             // The variant whose lanes hold just enough logits.
             let c_per_lane = [4, 8, 16, 32]
                 .into_iter()
