@@ -39,10 +39,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Some("scalar") => SimdLevel::Scalar,
         Some(s) => return Err(format!("unknown level '{s}'").into()),
     };
-    let spec = QuantSpec {
-        bits,
-        group_size: 64,
-    };
+    let spec = QuantSpec::affine(bits, 64);
     let mut rng = Rng(0x9e3779b97f4a7c15);
     let what = if mxfp4 {
         "MXFP4, group 32".to_string()

@@ -127,25 +127,76 @@ pub enum MlpKind {
     Dense,
 }
 
-/// Affine quantization parameters of one module. A manifest entry with
-/// another field (`"mode": "mxfp4"`, which this build does not load yet) is
-/// refused rather than read as affine.
+/// How a quantized tensor's codes become weights: the `mode` of a
+/// `moeflux.json` `quantized` entry or expert component `quant` (absent means
+/// affine, so older manifests read unchanged).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum QuantMode {
+    /// MLX affine: codes, scales and biases, `w = q * scale + bias`.
+    #[default]
+    Affine,
+    /// MXFP4 as released: e2m1 codes and e8m0 scales, no biases.
+    Mxfp4,
+}
+
+impl QuantMode {
+    pub fn is_affine(&self) -> bool {
+        *self == QuantMode::Affine
+    }
+}
+
+/// Quantization parameters of one module. Unknown fields are refused rather
+/// than ignored: a mode this build does not know must not be read as affine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct QuantSpec {
     pub bits: u32,
     pub group_size: usize,
+    #[serde(default, skip_serializing_if = "QuantMode::is_affine")]
+    pub mode: QuantMode,
 }
 
 impl QuantSpec {
+    /// MLX affine with `bits` per weight in groups of `group_size`.
+    pub const fn affine(bits: u32, group_size: usize) -> QuantSpec {
+        QuantSpec {
+            bits,
+            group_size,
+            mode: QuantMode::Affine,
+        }
+    }
+
+    /// MXFP4: 4-bit e2m1 codes, one e8m0 scale per 32.
+    pub const MXFP4: QuantSpec = QuantSpec {
+        bits: 4,
+        group_size: crate::quant::mxfp4::GROUP,
+        mode: QuantMode::Mxfp4,
+    };
+
+    pub fn is_mxfp4(&self) -> bool {
+        self.mode == QuantMode::Mxfp4
+    }
+
     pub fn validate(&self) -> std::result::Result<(), String> {
-        if !matches!(self.bits, 2 | 3 | 4 | 5 | 6 | 8) {
-            return Err(format!("unsupported bit width {}", self.bits));
+        match self.mode {
+            QuantMode::Mxfp4 if *self == QuantSpec::MXFP4 => Ok(()),
+            QuantMode::Mxfp4 => Err(format!(
+                "mode mxfp4 needs bits 4 and group_size 32, not bits {} and group_size {}",
+                self.bits, self.group_size
+            )),
+            QuantMode::Affine => {
+                if !matches!(self.bits, 2 | 3 | 4 | 5 | 6 | 8) {
+                    return Err(format!("unsupported bit width {}", self.bits));
+                }
+                if !matches!(self.group_size, 32 | 64 | 128) {
+                    return Err(format!("unsupported group size {}", self.group_size));
+                }
+                Ok(())
+            }
         }
-        if !matches!(self.group_size, 32 | 64 | 128) {
-            return Err(format!("unsupported group size {}", self.group_size));
-        }
-        Ok(())
     }
 }
 
@@ -758,22 +809,30 @@ impl ModelConfig {
         // by `convert` from their `weight_scale_inv` tensors; others are refused.
         if let Some(method) = q.get("quant_method") {
             return match method.as_str() {
-                Some("fp8") if !q.contains_key("bits") => Ok(None),
+                // FP8 block weights (DeepSeek-V3) and MXFP4 experts (gpt-oss,
+                // `*_blocks` / `*_scales`) are read from their own tensors.
+                Some("fp8" | "mxfp4") if !q.contains_key("bits") => Ok(None),
                 _ => Err(f.err(
                     "quantization_config.quant_method",
-                    format!("{method} is not supported (supported: fp8 block weights, MLX affine)"),
+                    format!(
+                        "{method} is not supported (supported: fp8 block weights, \
+                         mxfp4 experts, MLX affine and mxfp4)"
+                    ),
                 )),
             };
         }
         let spec_of = |field: &str, m: &Map<String, Value>| -> Result<QuantSpec> {
-            if let Some(mode) = m.get("mode").and_then(Value::as_str) {
-                if mode != "affine" {
+            let mode = match m.get("mode") {
+                None | Some(Value::Null) => QuantMode::Affine,
+                Some(Value::String(s)) if s == "affine" => QuantMode::Affine,
+                Some(Value::String(s)) if s == "mxfp4" => QuantMode::Mxfp4,
+                Some(other) => {
                     return Err(f.err(
-                        field,
-                        format!("quantization mode `{mode}` is not supported (only affine)"),
-                    ));
+                        &format!("{field}.mode"),
+                        format!("quantization mode {other} is not supported (affine, mxfp4)"),
+                    ))
                 }
-            }
+            };
             let bits = m
                 .get("bits")
                 .and_then(Value::as_u64)
@@ -782,8 +841,8 @@ impl ModelConfig {
                 f.err(&format!("{field}.group_size"), "missing or not an integer")
             })?;
             let spec = QuantSpec {
-                bits: bits as u32,
-                group_size: group_size as usize,
+                mode,
+                ..QuantSpec::affine(bits as u32, group_size as usize)
             };
             spec.validate().map_err(|r| f.err(field, r))?;
             Ok(spec)

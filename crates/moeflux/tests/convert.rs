@@ -128,15 +128,27 @@ fn check_model_dir(dst: &Path) -> Manifest {
             assert_eq!((c.name.as_str(), c.rows, c.cols), (name, rows, cols));
             let wb = (rows * affine::words_per_row(cols, c.quant.bits) * 4) as u64;
             let sb = (rows * cols / c.quant.group_size) as u64
-                * if c.scales.dtype == "F32" { 4 } else { 2 };
-            for (r, bytes) in [(&c.weight, wb), (&c.scales, sb), (&c.biases, sb)] {
+                * match c.scales.dtype.as_str() {
+                    "F32" => 4,
+                    "BF16" => 2,
+                    _ => 1,
+                };
+            let mut parts = vec![(&c.weight, wb), (&c.scales, sb)];
+            parts.extend(c.biases.as_ref().map(|b| (b, sb)));
+            for (r, bytes) in parts {
                 assert_eq!(r.offset % COMPONENT_ALIGN as u64, 0);
                 assert!(r.offset >= end, "pieces overlap");
                 assert_eq!(r.bytes, bytes);
                 end = r.offset + r.bytes;
             }
             assert_eq!(c.weight.dtype, "U32");
-            assert_eq!(c.scales.dtype, c.biases.dtype);
+            match &c.biases {
+                Some(b) => assert_eq!(c.scales.dtype, b.dtype),
+                None => {
+                    assert_eq!(c.quant, moeflux::config::QuantSpec::MXFP4);
+                    assert_eq!(c.scales.dtype, "U8");
+                }
+            }
         }
         assert_eq!(end, el.expert_bytes);
         // Padding is zero.
@@ -178,15 +190,18 @@ fn check_experts_equal_source(dst: &Path, m: &Manifest, src_file: &Path, prefix:
     for el in &m.experts {
         let data = std::fs::read(dst.join(&el.file)).unwrap();
         for c in &el.components {
-            for (part, r) in [
-                ("weight", &c.weight),
-                ("scales", &c.scales),
-                ("biases", &c.biases),
-            ] {
+            let mut parts = vec![("weight", &c.weight), ("scales", &c.scales)];
+            parts.extend(c.biases.as_ref().map(|b| ("biases", b)));
+            for (part, r) in parts {
                 let name = format!(
                     "{prefix}model.layers.{}.mlp.switch_mlp.{}.{part}",
                     el.layer, c.name
                 );
+                // gpt-oss's mlx-lm name for the stacked experts.
+                let name = match st.tensor(&name) {
+                    Ok(_) => name,
+                    Err(_) => name.replace(".mlp.switch_mlp.", ".mlp.experts."),
+                };
                 let v = st.tensor(&name).unwrap();
                 assert_eq!(v.shape()[0], el.num_experts);
                 let per = v.data().len() / el.num_experts;
@@ -473,6 +488,42 @@ fn hf_qwen35moe_equals_mlx_convert() {
 }
 
 #[test]
+fn hf_gpt_oss_mxfp4_equals_mlx_convert() {
+    check_hf_equals_mlx("gptoss-hf");
+}
+
+#[test]
+fn mxfp4_experts_are_never_requantized() {
+    for src in ["gptoss-mxfp4/src", "gptoss-hf/src"] {
+        for bits in [2, 4, 8] {
+            let o = ConvertOptions {
+                expert_bits: Some(bits),
+                ..opts()
+            };
+            let e = convert_err(&fixture(src), &o).to_string();
+            assert!(
+                e.contains("MXFP4 experts are kept as released")
+                    && e.contains(&format!("--expert-bits {bits}")),
+                "{src}: {e}"
+            );
+        }
+    }
+}
+
+#[test]
+fn mxfp4_experts_copied_bit_for_bit() {
+    let src = fixture("gptoss-mxfp4/src");
+    let (_t, dst) = convert_fixture(&src, &opts());
+    let m = check_model_dir(&dst);
+    assert!(m
+        .experts
+        .iter()
+        .flat_map(|l| &l.components)
+        .all(|c| c.biases.is_none()));
+    check_experts_equal_source(&dst, &m, &src.join("model.safetensors"), "");
+}
+
+#[test]
 fn hf_qwen3next_equals_mlx_convert() {
     check_hf_equals_mlx("qwen3next-hf");
 }
@@ -529,10 +580,11 @@ fn expert_bits_2_reproduces_flash_moe() {
     let data = std::fs::read(dst.join(&el.file)).unwrap();
     for c in &el.components {
         assert_eq!(c.quant.bits, 2);
+        let biases = c.biases.as_ref().unwrap();
         for (part, r) in [
             ("weight", &c.weight),
             ("scales", &c.scales),
-            ("biases", &c.biases),
+            ("biases", biases),
         ] {
             let v = st.tensor(&format!("{}.{part}", c.name)).unwrap();
             let per = v.data().len() / el.num_experts;
@@ -601,7 +653,7 @@ fn expert_bits_8_from_4() {
     let s4e = &s4.data()[e * rows * g * 2..];
     let b4e = &b4.data()[e * rows * g * 2..];
     let s8e = &ext[c.scales.offset as usize..];
-    let b8e = &ext[c.biases.offset as usize..];
+    let b8e = &ext[c.biases.as_ref().unwrap().offset as usize..];
     for r in 0..rows {
         for j in 0..cols {
             let gi = r * g + j / 64;

@@ -1,5 +1,5 @@
 //! End-to-end agreement with mlx-lm for the GQA families (Qwen3.5, Qwen3-Next,
-//! Qwen3-MoE, GLM-4.5/4.6): every fixture is converted, then
+//! Qwen3-MoE, GLM-4.5/4.6, gpt-oss): every fixture is converted, then
 //! evaluated as one batch and one token at a time, and every position's
 //! logits are compared with mlx-lm's float32 forward on the dequantized
 //! weights (see tools/goldens).
@@ -82,6 +82,16 @@ fn glm4_moe_q4_qkv_bias_qk_norm_partial_rope_noaux_tc() {
 #[test]
 fn gpt_oss_q4_sinks_sliding_window_biases_yarn_clamped_swiglu() {
     run_fixture("gptoss-q4", "gptoss-q4/src", "gptoss-q4", None);
+}
+
+#[test]
+fn gpt_oss_mxfp4_experts_from_mlx_lm() {
+    run_fixture("gptoss-mxfp4", "gptoss-mxfp4/src", "gptoss-mxfp4", None);
+}
+
+#[test]
+fn gpt_oss_from_hugging_face_mxfp4_blocks_interleaved_gate_up() {
+    run_fixture("gptoss-hf", "gptoss-hf/src", "gptoss-hf", None);
 }
 
 #[test]

@@ -118,10 +118,7 @@ fn quantize_matches_mlx_bit_for_bit() {
             (Dtype::BF16, true) => u16s(raw).into_iter().map(bf16_to_f32).collect(),
             _ => panic!("{}: unexpected input dtype {dt:?}", c.key),
         };
-        let spec = QuantSpec {
-            bits: c.bits,
-            group_size: c.gs,
-        };
+        let spec = QuantSpec::affine(c.bits, c.gs);
         let q = affine::quantize(&input, rows, cols, spec);
 
         let (wshape, wdt, wraw) = get(&st, &format!("{}.weight", c.key));
@@ -179,10 +176,7 @@ fn matmul_on_mlx_weights_matches_mlx_dequantize() {
         let qm = QMatrix {
             rows,
             cols,
-            spec: QuantSpec {
-                bits: c.bits,
-                group_size: c.gs,
-            },
+            spec: QuantSpec::affine(c.bits, c.gs),
             packed: &packed,
             scales: scales.view(),
             biases: biases.view(),

@@ -88,8 +88,10 @@ fn verbatim(job: &DenseJob) -> bool {
             src_ty,
             plus_one,
             cast,
+            interleave,
             ..
         } => match src_ty {
+            _ if interleave.is_some() => false,
             None => true,
             Some(t) => !*plus_one && *t != FloatTy::F16 && cast.is_none_or(|c| c == *t),
         },
@@ -134,12 +136,20 @@ pub fn write(
     let mut items = Vec::new();
     for (j, job) in plan.jobs.iter().enumerate() {
         match job {
-            DenseJob::Tensor { raw, src_ty, .. } => {
+            DenseJob::Tensor {
+                raw,
+                src_ty,
+                interleave,
+                ..
+            } => {
                 let t = &src.tensors[raw];
+                let es = dtype::size_of(t.dtype);
                 if verbatim(job) {
                     split(j, t.len, CHUNK_BYTES, &mut items);
+                } else if interleave.is_some() {
+                    // Items count output elements, each two source ones.
+                    split(j, t.len / es / 2, CHUNK_BYTES / es / 2, &mut items);
                 } else {
-                    let es = dtype::size_of(t.dtype);
                     split(j, t.len / es, CHUNK_BYTES / es, &mut items);
                     debug_assert!(src_ty.is_some());
                 }
@@ -229,6 +239,7 @@ fn run_item(
             src_ty,
             plus_one,
             cast,
+            interleave,
         } => {
             let t = &src.tensors[raw];
             let data = src.data(t);
@@ -239,7 +250,14 @@ fn run_item(
             }
             let ty = src_ty.expect("converted tensors are floats");
             let es = dtype::size_of(t.dtype);
-            let mut v = dtype::decode(&data[it.start * es..it.end * es], ty);
+            let mut v = match interleave {
+                None => dtype::decode(&data[it.start * es..it.end * es], ty),
+                Some(phase) => dtype::decode(&data[2 * it.start * es..2 * it.end * es], ty)
+                    .into_iter()
+                    .skip(*phase)
+                    .step_by(2)
+                    .collect(),
+            };
             for x in &mut v {
                 if *plus_one {
                     // mlx adds in the source dtype: exact f32 sum, rounded once.

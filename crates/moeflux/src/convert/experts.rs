@@ -11,7 +11,7 @@ use rayon::prelude::*;
 use safetensors::Dtype;
 
 use crate::error::{Error, Result};
-use crate::format::ExpertTensorRef;
+use crate::format::{ExpertComponent, ExpertTensorRef};
 use crate::quant::affine;
 
 use super::dtype::{self, FloatTy};
@@ -57,6 +57,28 @@ pub fn write_layer(src: &Source, lp: &LayerPlan, path: &Path, ctx: &Ctx) -> Resu
     Ok(())
 }
 
+/// MXFP4 codes and scales of expert `e`, row by row (Hugging Face's fused
+/// `gate_up_proj` interleaves the rows of gate and up).
+fn copy_mxfp4(src: &Source, c: &ComponentPlan, mc: &ExpertComponent, e: usize, buf: &mut [u8]) {
+    let ExpertSrc::Mxfp4 {
+        weight,
+        scales,
+        pick,
+    } = &c.src
+    else {
+        unreachable!("MXFP4 components come from MXFP4 sources")
+    };
+    for (name, r) in [(weight, &mc.weight), (scales, &mc.scales)] {
+        let from = expert_slice(src, name, e);
+        let out = piece(buf, r);
+        let per_row = out.len() / c.rows;
+        for (row, o) in out.chunks_exact_mut(per_row).enumerate() {
+            let s = pick.source_row(row) * per_row;
+            o.copy_from_slice(&from[s..s + per_row]);
+        }
+    }
+}
+
 fn piece<'b>(buf: &'b mut [u8], r: &ExpertTensorRef) -> &'b mut [u8] {
     &mut buf[r.offset as usize..(r.offset + r.bytes) as usize]
 }
@@ -71,7 +93,11 @@ fn expert_slice<'s>(src: &'s Source, raw: &str, e: usize) -> &'s [u8] {
 /// Fills `buf` (zeroed, one extent) with expert `e` of layer `lp`.
 pub fn build_expert(src: &Source, lp: &LayerPlan, e: usize, buf: &mut [u8]) {
     for (c, mc) in lp.components.iter().zip(&lp.manifest.components) {
-        let refs = [&mc.weight, &mc.scales, &mc.biases];
+        let Some(biases) = &mc.biases else {
+            copy_mxfp4(src, c, mc, e, buf);
+            continue;
+        };
+        let refs = [&mc.weight, &mc.scales, biases];
         match c.op {
             ExpertOp::Copy => {
                 let ExpertSrc::Quantized {
@@ -175,7 +201,9 @@ fn float_ty(src: &Source, c: &ComponentPlan, e: usize) -> FloatTy {
     let raw = match &c.src {
         ExpertSrc::PerExpert(raws) => &raws[e],
         ExpertSrc::Stacked { raw, .. } => raw,
-        ExpertSrc::Quantized { .. } => unreachable!("float experts only"),
+        ExpertSrc::Quantized { .. } | ExpertSrc::Mxfp4 { .. } => {
+            unreachable!("float experts only")
+        }
     };
     src.float_ty(raw).expect("checked by the plan")
 }
@@ -198,6 +226,8 @@ fn float_expert(src: &Source, c: &ComponentPlan, e: usize) -> Vec<f32> {
             )
         }
         ExpertSrc::PerExpert(raws) => src.float_rows(&raws[e], 0, c.rows),
-        ExpertSrc::Quantized { .. } => unreachable!("float experts only"),
+        ExpertSrc::Quantized { .. } | ExpertSrc::Mxfp4 { .. } => {
+            unreachable!("float experts only")
+        }
     }
 }

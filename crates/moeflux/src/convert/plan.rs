@@ -21,10 +21,11 @@ use crate::format::{
 };
 use crate::model::schema::{self, WeightKind, EXPERT_COMPONENTS};
 use crate::quant::affine::words_per_row;
+use crate::quant::mxfp4;
 
 use super::dtype::{self, FloatTy};
 use super::kvb::{KvbQuantSrc, KvbSplit};
-use super::sanitize::{mlx_module_path, DenseSrc, ExpertSrc, Sanitized};
+use super::sanitize::{mlx_module_path, DenseSrc, ExpertSrc, RowPick, Sanitized};
 use super::source::Source;
 
 /// mlx-lm's group size and default width for `convert -q`.
@@ -75,6 +76,8 @@ pub enum DenseJob {
         src_ty: Option<FloatTy>,
         plus_one: bool,
         cast: Option<FloatTy>,
+        /// Only every other element of `raw`, from this one (`DenseSrc::interleave`).
+        interleave: Option<usize>,
     },
     /// A float `[rows, cols]` weight quantized into `outs` = weight, scales, biases.
     Quantize {
@@ -148,7 +151,11 @@ pub struct Plan {
 pub struct ConfigQuant {
     /// Write the default `{"group_size", "bits", "mode"}` too (unquantized source).
     pub default: Option<QuantSpec>,
+    /// Written as `{"group_size", "bits"}`, plus `"mode"` when not affine.
     pub overrides: BTreeMap<String, QuantSpec>,
+    /// Written with `"mode"` always (mlx-lm's entries for modules it
+    /// quantized under a default of another mode).
+    pub explicit: BTreeMap<String, QuantSpec>,
 }
 
 struct Planner<'a> {
@@ -165,7 +172,7 @@ struct Planner<'a> {
 }
 
 fn spec(bits: u32, group_size: usize) -> QuantSpec {
-    QuantSpec { bits, group_size }
+    QuantSpec::affine(bits, group_size)
 }
 
 impl<'a> Planner<'a> {
@@ -257,6 +264,7 @@ impl<'a> Planner<'a> {
             src_ty: Some(ty),
             plus_one: d.plus_one,
             cast,
+            interleave: d.interleave,
         });
         Ok(())
     }
@@ -284,17 +292,18 @@ impl<'a> Planner<'a> {
             && cols.is_multiple_of(DEFAULT_GROUP_SIZE)
             && !noaux_router
         {
-            let gate = module.ends_with("mlp.gate") || module.ends_with("shared_expert_gate");
-            // The Qwen quant_predicates make routers 8-bit: qwen3_5's only
-            // for MoE models, qwen3_next's and qwen3_moe's always.
+            let gate = module.ends_with("mlp.gate")
+                || module.ends_with("shared_expert_gate")
+                || module.ends_with("mlp.router");
+            // The Qwen and gpt-oss quant_predicates make routers 8-bit:
+            // qwen3_5's only for MoE models, the others' always.
             let gate_active = match arch {
                 Architecture::Qwen3_5Moe => self.src.config.moe.num_experts > 0,
-                Architecture::Qwen3Next | Architecture::Qwen3Moe => true,
+                Architecture::Qwen3Next | Architecture::Qwen3Moe | Architecture::GptOss => true,
                 Architecture::Glm4Moe
                 | Architecture::DeepseekV3
                 | Architecture::KimiK2
-                | Architecture::KimiK25
-                | Architecture::GptOss => false,
+                | Architecture::KimiK25 => false,
             };
             let bits = if gate && gate_active {
                 self.gate_overrides.insert(
@@ -469,6 +478,7 @@ impl<'a> Planner<'a> {
             src_ty: None,
             plus_one: false,
             cast: None,
+            interleave: None,
         });
         let groups = vec![rows, cols / q.group_size];
         let mut sty = None;
@@ -487,6 +497,7 @@ impl<'a> Planner<'a> {
                 src_ty: Some(ty),
                 plus_one: false,
                 cast: None,
+                interleave: None,
             });
         }
         self.quantized.insert(module.to_string(), q);
@@ -604,6 +615,21 @@ impl<'a> Planner<'a> {
                     }
                 }
             }
+            ExpertSrc::Mxfp4 {
+                weight,
+                scales,
+                pick,
+            } => self.mxfp4_component(
+                &module,
+                weight,
+                scales,
+                *pick,
+                rows,
+                cols,
+                e,
+                target_bits,
+                &mut plan,
+            )?,
             ExpertSrc::Stacked {
                 raw,
                 row_start,
@@ -659,8 +685,104 @@ impl<'a> Planner<'a> {
     }
 }
 
+impl Planner<'_> {
+    /// MXFP4 experts, copied as released: config.json must declare them
+    /// (mlx-lm layout; a Hugging Face release says so by its `_blocks`), and
+    /// no other width is made from them.
+    #[allow(clippy::too_many_arguments)]
+    fn mxfp4_component(
+        &self,
+        module: &str,
+        weight: &str,
+        scales: &str,
+        pick: RowPick,
+        rows: usize,
+        cols: usize,
+        e: usize,
+        target_bits: Option<u32>,
+        plan: &mut ComponentPlan,
+    ) -> Result<()> {
+        let (w, s) = (self.raw(weight), self.raw(scales));
+        let src_rows = pick.source_rows(rows);
+        let groups = cols / mxfp4::GROUP;
+        if !cols.is_multiple_of(mxfp4::GROUP) {
+            return Err(self.err(weight, format!("{cols} input columns not divisible by 32")));
+        }
+        if w.dtype == Dtype::U32 {
+            let q = self
+                .src
+                .config
+                .quantization
+                .as_ref()
+                .and_then(|q| q.for_module(&mlx_module_path(self.src.config.arch, module)));
+            if let Some(q) = q.filter(|q| q.mode.is_affine()) {
+                let biases = weight.strip_suffix(".weight").unwrap_or(weight);
+                return Err(self.err(
+                    weight,
+                    format!(
+                        "`{biases}.biases` is missing from the checkpoint (config.json declares \
+                         {}-bit affine experts, which have biases)",
+                        q.bits
+                    ),
+                ));
+            }
+            if q != Some(QuantSpec::MXFP4) {
+                return Err(self.err(
+                    weight,
+                    format!(
+                        "has scales and no biases, but config.json `quantization` declares it \
+                         {q:?}, not MXFP4 (bits 4, group_size 32, mode mxfp4)"
+                    ),
+                ));
+            }
+            self.check_shape(
+                weight,
+                &w.shape,
+                &[e, src_rows, cols / mxfp4::CODES_PER_WORD],
+                &format!("MXFP4 codes of {e} experts x [{rows}, {cols}]"),
+            )?;
+        } else if w.dtype == Dtype::U8 {
+            self.check_shape(
+                weight,
+                &w.shape,
+                &[e, src_rows, groups, 16],
+                &format!("MXFP4 blocks of {e} experts x [{src_rows}, {cols}]"),
+            )?;
+        } else {
+            return Err(self.err(
+                weight,
+                format!("dtype {:?}, expected U32 or U8 (MXFP4 codes)", w.dtype),
+            ));
+        }
+        if s.dtype != Dtype::U8 {
+            return Err(self.err(
+                scales,
+                format!("dtype {:?}, expected U8 (e8m0 scales)", s.dtype),
+            ));
+        }
+        self.check_shape(
+            scales,
+            &s.shape,
+            &[e, src_rows, groups],
+            "[experts, out, in/32] e8m0 scales",
+        )?;
+        if let Some(b) = target_bits {
+            return Err(self.err(
+                weight,
+                format!(
+                    "MXFP4 experts are kept as released; --expert-bits {b} would re-quantize them"
+                ),
+            ));
+        }
+        plan.op = ExpertOp::Copy;
+        plan.out_spec = QuantSpec::MXFP4;
+        plan.out_scale_dtype = Dtype::U8;
+        Ok(())
+    }
+}
+
 /// One expert projection as stored: name, rows, cols, quantization and
-/// the dtype of its scales and biases.
+/// the dtype of its scales (and, affine only, biases).
 pub type ComponentShape<'a> = (&'a str, usize, usize, QuantSpec, Dtype);
 
 /// Byte layout of one expert extent: each piece at a multiple of 64.
@@ -679,14 +801,17 @@ pub fn layout_layer(layer: usize, num_experts: usize, comps: &[ComponentShape]) 
     for &(name, rows, cols, q, scale_dtype) in comps {
         let wbytes = (rows * words_per_row(cols, q.bits) * 4) as u64;
         let sbytes = (rows * (cols / q.group_size) * dtype::size_of(scale_dtype)) as u64;
+        let weight = place(wbytes, Dtype::U32);
+        let scales = place(sbytes, scale_dtype);
+        let biases = q.mode.is_affine().then(|| place(sbytes, scale_dtype));
         components.push(ExpertComponent {
             name: name.to_string(),
             rows,
             cols,
             quant: q,
-            weight: place(wbytes, Dtype::U32),
-            scales: place(sbytes, scale_dtype),
-            biases: place(sbytes, scale_dtype),
+            weight,
+            scales,
+            biases,
         });
     }
     let expert_bytes = off;
@@ -852,18 +977,42 @@ pub fn plan(src: &Source, san: &Sanitized, expert_bits: Option<u32>) -> Result<P
             }
         }
     }
+    // A Hugging Face MXFP4 release: mlx-lm keeps the experts' mode as the
+    // default and names every module it quantizes (the routers as their
+    // quant_predicate gives them).
+    let hf_mxfp4 = kind == SourceKind::Unquantized
+        && layers
+            .iter()
+            .flat_map(|l| &l.components)
+            .any(|c| c.out_spec.is_mxfp4());
     let config_quant = match kind {
+        SourceKind::Unquantized if hf_mxfp4 => {
+            let overrides = std::mem::take(&mut p.gate_overrides);
+            let explicit = p
+                .quantized
+                .iter()
+                .map(|(m, s)| (mlx_module_path(cfg.arch, m), *s))
+                .filter(|(m, _)| !overrides.contains_key(m))
+                .collect();
+            Some(ConfigQuant {
+                default: Some(QuantSpec::MXFP4),
+                overrides,
+                explicit,
+            })
+        }
         SourceKind::Unquantized => {
             let mut overrides = std::mem::take(&mut p.gate_overrides);
             overrides.extend(expert_overrides);
             Some(ConfigQuant {
                 default: Some(spec(DEFAULT_BITS, DEFAULT_GROUP_SIZE)),
                 overrides,
+                explicit: BTreeMap::new(),
             })
         }
         SourceKind::Mlx if !expert_overrides.is_empty() => Some(ConfigQuant {
             default: None,
             overrides: expert_overrides,
+            explicit: BTreeMap::new(),
         }),
         SourceKind::Mlx => None,
     };
@@ -914,16 +1063,21 @@ pub fn output_config(src_config: &Value, generation: Option<&Value>, cq: &Config
         Some(Value::Object(m)) => m.clone(),
         _ => Map::new(),
     };
-    if let Some(d) = cq.default {
-        q.insert("group_size".into(), json!(d.group_size));
-        q.insert("bits".into(), json!(d.bits));
-        q.insert("mode".into(), json!("affine"));
+    let entry = |s: &QuantSpec, with_mode: bool| {
+        let mut e = json!({"group_size": s.group_size, "bits": s.bits});
+        if with_mode || !s.mode.is_affine() {
+            e["mode"] = json!(s.mode);
+        }
+        e
+    };
+    if let Some(Value::Object(d)) = cq.default.map(|d| entry(&d, true)) {
+        q.extend(d);
     }
     for (k, s) in &cq.overrides {
-        q.insert(
-            k.clone(),
-            json!({"group_size": s.group_size, "bits": s.bits}),
-        );
+        q.insert(k.clone(), entry(s, false));
+    }
+    for (k, s) in &cq.explicit {
+        q.insert(k.clone(), entry(s, true));
     }
     top.insert("quantization".into(), Value::Object(q.clone()));
     top.insert("quantization_config".into(), Value::Object(q));

@@ -61,6 +61,9 @@ pub struct DenseSrc {
     pub kvb: Option<KvbSplit>,
     /// `raw` is a quantized `kv_b_proj` with these scales and biases.
     pub kvb_quant: Option<(String, String)>,
+    /// Only the even (`Some(0)`) or odd (`Some(1)`) entries of `raw`'s last
+    /// axis (gpt-oss's interleaved `gate_up_proj_bias`).
+    pub interleave: Option<usize>,
 }
 
 /// Where one stacked expert projection comes from.
@@ -81,6 +84,43 @@ pub enum ExpertSrc {
     },
     /// One float tensor [rows, cols] per expert (HF `experts.{e}.<proj>.weight`).
     PerExpert(Vec<String>),
+    /// MXFP4 codes and e8m0 scales, copied as they are: mlx-lm's
+    /// `switch_mlp.<proj>.{weight,scales}` (U32 `[E, rows, cols/8]`), or
+    /// Hugging Face's `<proj>_blocks` (U8 `[E, R, cols/32, 16]`, the same
+    /// bytes) and `<proj>_scales`, where a fused `gate_up_proj` interleaves
+    /// gate (even rows) and up (odd rows).
+    Mxfp4 {
+        weight: String,
+        scales: String,
+        pick: RowPick,
+    },
+}
+
+/// Which source rows of a stacked expert tensor make one projection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowPick {
+    All,
+    Even,
+    Odd,
+}
+
+impl RowPick {
+    /// Source row of output row `r`.
+    pub fn source_row(self, r: usize) -> usize {
+        match self {
+            RowPick::All => r,
+            RowPick::Even => 2 * r,
+            RowPick::Odd => 2 * r + 1,
+        }
+    }
+
+    /// Source rows per expert for `rows` output rows.
+    pub fn source_rows(self, rows: usize) -> usize {
+        match self {
+            RowPick::All => rows,
+            RowPick::Even | RowPick::Odd => 2 * rows,
+        }
+    }
 }
 
 impl ExpertSrc {
@@ -94,13 +134,14 @@ impl ExpertSrc {
             } => vec![weight, scales, biases],
             ExpertSrc::Stacked { raw, .. } => vec![raw],
             ExpertSrc::PerExpert(v) => v.iter().map(String::as_str).collect(),
+            ExpertSrc::Mxfp4 { weight, scales, .. } => vec![weight, scales],
         }
     }
 
     /// A checkpoint name to report problems against.
     pub fn first_raw(&self) -> &str {
         match self {
-            ExpertSrc::Quantized { weight, .. } => weight,
+            ExpertSrc::Quantized { weight, .. } | ExpertSrc::Mxfp4 { weight, .. } => weight,
             ExpertSrc::Stacked { raw, .. } => raw,
             ExpertSrc::PerExpert(v) => &v[0],
         }
@@ -335,9 +376,67 @@ pub fn sanitize(src: &Source) -> Result<Sanitized> {
                 }
             }
         }
-        // mlx-lm layout only so far (Hugging Face's MXFP4 `_blocks`/`_scales`
-        // are not read yet).
-        Architecture::GptOss => {}
+        Architecture::GptOss => {
+            for l in 0..cfg.num_layers {
+                let p = format!("model.layers.{l}.mlp.switch_mlp");
+                let gate_up = format!("{p}.gate_up_proj_blocks");
+                let Some(blocks) = take(&mut names, &gate_up) else {
+                    if let Some(raw) = names.get(&format!("{p}.gate_up_proj")) {
+                        return Err(Error::tensor(
+                            src.file_of(raw),
+                            raw,
+                            "unquantized Hugging Face gpt-oss experts are not supported: \
+                             convert the MXFP4 release (`*_blocks` / `*_scales`)",
+                        ));
+                    }
+                    continue;
+                };
+                let why = "mlp.experts.gate_up_proj_blocks is present";
+                let mut need = |suffix: &str| {
+                    let n = format!("{p}.{suffix}");
+                    take(&mut names, &n).ok_or_else(|| missing(&n, why))
+                };
+                let (gu_scales, gu_bias) =
+                    (need("gate_up_proj_scales")?, need("gate_up_proj_bias")?);
+                let (down, down_scales) = (need("down_proj_blocks")?, need("down_proj_scales")?);
+                let down_bias = need("down_proj_bias")?;
+                for (ci, weight, scales, pick) in [
+                    (0, &blocks, &gu_scales, RowPick::Even),
+                    (1, &blocks, &gu_scales, RowPick::Odd),
+                    (2, &down, &down_scales, RowPick::All),
+                ] {
+                    out.experts.insert(
+                        (l, ci),
+                        ExpertSrc::Mxfp4 {
+                            weight: weight.clone(),
+                            scales: scales.clone(),
+                            pick,
+                        },
+                    );
+                }
+                for (c, raw, interleave) in [
+                    ("gate_proj", &gu_bias, Some(0)),
+                    ("up_proj", &gu_bias, Some(1)),
+                    ("down_proj", &down_bias, None),
+                ] {
+                    let mut shape = src.tensors[raw].shape.clone();
+                    if let (Some(_), Some(last)) = (interleave, shape.last_mut()) {
+                        *last /= 2;
+                    }
+                    out.dense.insert(
+                        format!("{p}.{c}.bias"),
+                        DenseSrc {
+                            raw: raw.clone(),
+                            shape,
+                            plus_one: false,
+                            kvb: None,
+                            kvb_quant: None,
+                            interleave,
+                        },
+                    );
+                }
+            }
+        }
     }
 
     type KvbHalfSrc = (String, String, KvbSplit, Option<(String, String)>);
@@ -435,13 +534,18 @@ pub fn sanitize(src: &Source) -> Result<Sanitized> {
             let scales = p
                 .remove("scales")
                 .ok_or_else(|| missing(&format!("{module}.scales"), "quantized experts"))?;
-            let biases = p
-                .remove("biases")
-                .ok_or_else(|| missing(&format!("{module}.biases"), "quantized experts"))?;
-            ExpertSrc::Quantized {
-                weight,
-                scales,
-                biases,
+            match p.remove("biases") {
+                Some(biases) => ExpertSrc::Quantized {
+                    weight,
+                    scales,
+                    biases,
+                },
+                // The plan checks config.json declares them MXFP4.
+                None => ExpertSrc::Mxfp4 {
+                    weight,
+                    scales,
+                    pick: RowPick::All,
+                },
             }
         };
         out.experts.insert((l, ci), es);
@@ -474,6 +578,7 @@ pub fn sanitize(src: &Source) -> Result<Sanitized> {
                 plus_one,
                 kvb: None,
                 kvb_quant: None,
+                interleave: None,
             },
         );
     }
@@ -493,6 +598,7 @@ pub fn sanitize(src: &Source) -> Result<Sanitized> {
                 plus_one: false,
                 kvb: Some(split),
                 kvb_quant,
+                interleave: None,
             },
         );
     }

@@ -326,20 +326,23 @@ fn check_foreign_quantization(v: &Value, path: &Path) -> Result<()> {
     {
         // DeepSeek-V3 / Kimi-K2 releases: e4m3 weights with 128x128 block scales
         // (`weight_scale_inv`), decoded by convert (see `convert::fp8`).
-        let deepseek = v
+        // gpt-oss releases: MXFP4 experts (`*_blocks` / `*_scales`), kept as they are.
+        let arch = v
             .get("model_type")
             .and_then(Value::as_str)
-            .and_then(crate::config::Architecture::from_model_type)
-            .is_some_and(|a| a.is_deepseek());
-        if method == "fp8" && deepseek {
-            return Ok(());
+            .and_then(crate::config::Architecture::from_model_type);
+        match (method, arch) {
+            ("fp8", Some(a)) if a.is_deepseek() => return Ok(()),
+            ("mxfp4", Some(crate::config::Architecture::GptOss)) => return Ok(()),
+            _ => {}
         }
         return Err(Error::Config {
             path: path.to_path_buf(),
             field: "quantization_config.quant_method".into(),
             reason: format!(
-                "`{method}` checkpoints are not supported; convert from the bf16/f16/f32 \
-                 checkpoint or an mlx-lm (affine) one"
+                "`{method}` checkpoints are not supported for this model type (FP8 is read \
+                 for DeepSeek-V3 and Kimi-K2, MXFP4 for gpt-oss); convert from the \
+                 bf16/f16/f32 checkpoint or an mlx-lm one"
             ),
         });
     }

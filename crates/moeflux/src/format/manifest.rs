@@ -75,7 +75,8 @@ pub struct ExpertLayer {
 }
 
 /// One projection of an expert: `[rows, cols]` quantized with `quant`,
-/// weight codes then scales then biases at offsets inside the extent.
+/// weight codes then scales then (affine only) biases at offsets inside the
+/// extent.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ExpertComponent {
     /// `gate_proj`, `up_proj` or `down_proj`.
@@ -85,13 +86,16 @@ pub struct ExpertComponent {
     pub quant: QuantSpec,
     pub weight: ExpertTensorRef,
     pub scales: ExpertTensorRef,
-    pub biases: ExpertTensorRef,
+    /// Affine components only; MXFP4 has none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub biases: Option<ExpertTensorRef>,
 }
 
 /// A byte range inside an expert extent.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ExpertTensorRef {
-    /// `U32` for codes; `BF16` or `F32` for scales and biases.
+    /// `U32` for codes; `BF16` or `F32` for affine scales and biases, `U8`
+    /// for MXFP4 scales.
     pub dtype: String,
     pub offset: u64,
     pub bytes: u64,

@@ -4,11 +4,11 @@
 //! inside an expert's extent), and an optional shared expert (Qwen's scaled
 //! by `sigmoid(shared_expert_gate x)`; DeepSeek's and GLM's added as is).
 
-use crate::config::{ModelConfig, QuantSpec, RouterKind};
+use crate::config::{ModelConfig, QuantMode, QuantSpec, RouterKind};
 use crate::error::{Error, Result};
 use crate::format::ExpertLayer;
 use crate::model::weights::{LinearRef, VectorRef, WeightsLoader};
-use crate::quant::{affine, QMatrix, ScaleData, Weight};
+use crate::quant::{affine, Mxfp4Matrix, QMatrix, ScaleData, Weight};
 
 /// A shared expert: a SwiGLU MLP, scaled by `sigmoid(gate x)` when it has
 /// a gate.
@@ -136,7 +136,8 @@ pub struct ComponentLayout {
     pub spec: QuantSpec,
     pub weight: usize,
     pub scales: usize,
-    pub biases: usize,
+    /// Affine only (MXFP4 has no biases).
+    pub biases: Option<usize>,
     pub scales_f32: bool,
 }
 
@@ -199,20 +200,36 @@ impl ExpertLayout {
             }
             let wbytes = rows * affine::words_per_row(cols, cp.quant.bits) * 4;
             let groups = rows * cols / cp.quant.group_size;
-            let scales_f32 = match cp.scales.dtype.as_str() {
-                "F32" => true,
-                "BF16" => false,
-                other => return Err(err(format!("{name}: scale dtype {other} not supported"))),
+            // Scales: bf16/f32 with as many biases (affine), or e8m0 bytes (MXFP4).
+            let (scale_size, scales_f32) = match (cp.quant.mode, cp.scales.dtype.as_str()) {
+                (QuantMode::Affine, "F32") => (4, true),
+                (QuantMode::Affine, "BF16") => (2, false),
+                (QuantMode::Mxfp4, "U8") => (1, false),
+                (mode, other) => {
+                    return Err(err(format!(
+                        "{name}: scale dtype {other} not supported for mode {mode:?}"
+                    )))
+                }
             };
-            if cp.biases.dtype != cp.scales.dtype {
-                return Err(err(format!("{name}: scales and biases differ in dtype")));
-            }
-            let sbytes = groups * if scales_f32 { 4 } else { 2 };
-            let parts = [
+            let mut parts = vec![
                 (&cp.weight, wbytes, 4usize, "weight"),
-                (&cp.scales, sbytes, if scales_f32 { 4 } else { 2 }, "scales"),
-                (&cp.biases, sbytes, if scales_f32 { 4 } else { 2 }, "biases"),
+                (&cp.scales, groups * scale_size, scale_size, "scales"),
             ];
+            match (&cp.biases, cp.quant.mode) {
+                (Some(b), QuantMode::Affine) => {
+                    if b.dtype != cp.scales.dtype {
+                        return Err(err(format!("{name}: scales and biases differ in dtype")));
+                    }
+                    parts.push((b, groups * scale_size, scale_size, "biases"));
+                }
+                (None, QuantMode::Affine) => {
+                    return Err(err(format!("{name}: affine component without biases")))
+                }
+                (Some(_), QuantMode::Mxfp4) => {
+                    return Err(err(format!("{name}: an mxfp4 component has no biases")))
+                }
+                (None, QuantMode::Mxfp4) => {}
+            }
             for (r, bytes, align, what) in parts {
                 if r.bytes != bytes as u64
                     || r.offset
@@ -240,7 +257,7 @@ impl ExpertLayout {
                 spec: cp.quant,
                 weight: cp.weight.offset as usize,
                 scales: cp.scales.offset as usize,
-                biases: cp.biases.offset as usize,
+                biases: cp.biases.as_ref().map(|b| b.offset as usize),
                 scales_f32,
             })
         };
@@ -274,6 +291,15 @@ impl ComponentLayout {
     pub fn view<'a>(&self, bytes: &'a [u8]) -> Weight<'a> {
         let words = self.rows * affine::words_per_row(self.cols, self.spec.bits);
         let groups = self.rows * self.cols / self.spec.group_size;
+        let packed = cast(&bytes[self.weight..self.weight + 4 * words]);
+        let Some(biases) = self.biases else {
+            return Weight::Mxfp4(Mxfp4Matrix {
+                rows: self.rows,
+                cols: self.cols,
+                codes: packed,
+                scales: &bytes[self.scales..self.scales + groups],
+            });
+        };
         let scales = |off: usize| {
             if self.scales_f32 {
                 ScaleData::F32(cast(&bytes[off..off + 4 * groups]))
@@ -285,9 +311,9 @@ impl ComponentLayout {
             rows: self.rows,
             cols: self.cols,
             spec: self.spec,
-            packed: cast(&bytes[self.weight..self.weight + 4 * words]),
+            packed,
             scales: scales(self.scales),
-            biases: scales(self.biases),
+            biases: scales(biases),
         })
     }
 }

@@ -282,6 +282,12 @@ impl DenseStore {
         match self.quantized.get(module) {
             Some(&spec) => {
                 spec.validate().map_err(|r| self.err(&wname, r))?;
+                if !spec.mode.is_affine() {
+                    return Err(self.err(
+                        &wname,
+                        "mode mxfp4 is read for routed experts only, not for dense modules",
+                    ));
+                }
                 if !cols.is_multiple_of(spec.group_size) {
                     return Err(self.err(
                         &wname,

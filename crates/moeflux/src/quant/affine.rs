@@ -176,15 +176,7 @@ mod tests {
         // oracle.md: linspace(-1, 1, 64) at 4 bits -> word 0 = 0xcddddeee,
         // scale = -0.142857, bias = 1.0.
         let w: Vec<f32> = (0..64).map(|i| -1.0 + 2.0 * i as f32 / 63.0).collect();
-        let q = quantize(
-            &w,
-            1,
-            64,
-            QuantSpec {
-                bits: 4,
-                group_size: 64,
-            },
-        );
+        let q = quantize(&w, 1, 64, QuantSpec::affine(4, 64));
         assert_eq!(q.packed[0], 0xcddd_deee);
         assert_eq!(q.biases[0], 1.0);
         assert!((q.scales[0] + 0.142857).abs() < 1e-6);
@@ -213,10 +205,7 @@ mod tests {
             .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0)
             .collect();
         for bits in [2u32, 4, 8] {
-            let spec = QuantSpec {
-                bits,
-                group_size: 64,
-            };
+            let spec = QuantSpec::affine(bits, 64);
             let q = quantize(&w, 2, 128, spec);
             let mut out = vec![0.0; 128];
             for r in 0..2 {

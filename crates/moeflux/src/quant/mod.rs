@@ -6,41 +6,7 @@ pub mod mxfp4;
 
 pub use mxfp4::Mxfp4Matrix;
 
-pub use crate::config::QuantSpec;
-
-/// How a quantized tensor's codes become weights: the `mode` of a
-/// `moeflux.json` `quantized` entry or expert component `quant` (absent means
-/// affine, so older manifests read unchanged). Not yet read by the manifest
-/// parser: `QuantSpec` has no `mode` field today.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize,
-)]
-#[serde(rename_all = "lowercase")]
-pub enum QuantMode {
-    /// MLX affine: codes, scales and biases, `w = q * scale + bias`.
-    #[default]
-    Affine,
-    /// MXFP4 as released: e2m1 codes and e8m0 scales, no biases.
-    Mxfp4,
-}
-
-impl QuantMode {
-    pub fn is_affine(&self) -> bool {
-        *self == QuantMode::Affine
-    }
-
-    /// Checks `spec` for this mode (MXFP4 is only 4 bits in groups of 32).
-    pub fn validate(self, spec: QuantSpec) -> Result<(), String> {
-        match self {
-            QuantMode::Affine => spec.validate(),
-            QuantMode::Mxfp4 if spec.bits == 4 && spec.group_size == mxfp4::GROUP => Ok(()),
-            QuantMode::Mxfp4 => Err(format!(
-                "mode mxfp4 needs bits 4 and group_size 32, not bits {} and group_size {}",
-                spec.bits, spec.group_size
-            )),
-        }
-    }
-}
+pub use crate::config::{QuantMode, QuantSpec};
 
 /// Per-group scales or biases as stored in the checkpoint.
 #[derive(Debug, Clone, Copy)]
@@ -204,52 +170,33 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_manifest_quant_spec_with_a_mode_is_refused_until_loaded() {
-        let e =
-            serde_json::from_str::<QuantSpec>(r#"{"bits": 4, "group_size": 32, "mode": "mxfp4"}"#)
-                .unwrap_err()
-                .to_string();
-        assert!(e.contains("mode"), "{e}");
-        let ok: QuantSpec = serde_json::from_str(r#"{"bits": 4, "group_size": 64}"#).unwrap();
-        assert_eq!(ok.group_size, 64);
-    }
-
-    #[test]
-    fn quant_mode_parses_and_defaults_to_affine() {
-        #[derive(serde::Deserialize)]
-        struct Entry {
-            bits: u32,
-            group_size: usize,
-            #[serde(default)]
-            mode: QuantMode,
-        }
-        let old: Entry = serde_json::from_str(r#"{"bits": 4, "group_size": 64}"#).unwrap();
-        assert!(old.mode.is_affine());
-        let e: Entry =
-            serde_json::from_str(r#"{"bits": 4, "group_size": 32, "mode": "mxfp4"}"#).unwrap();
-        assert_eq!(e.mode, QuantMode::Mxfp4);
-        let spec = QuantSpec {
-            bits: e.bits,
-            group_size: e.group_size,
-        };
-        assert!(e.mode.validate(spec).is_ok());
-        let bad = QuantSpec {
-            bits: old.bits,
-            group_size: old.group_size,
-        };
-        assert!(QuantMode::Mxfp4.validate(bad).is_err());
-        assert!(QuantMode::Affine.validate(bad).is_ok());
-        let a: Entry =
+    fn quant_spec_mode_parses_defaults_to_affine_and_refuses_unknown() {
+        let old: QuantSpec = serde_json::from_str(r#"{"bits": 4, "group_size": 64}"#).unwrap();
+        assert_eq!(old, QuantSpec::affine(4, 64));
+        let a: QuantSpec =
             serde_json::from_str(r#"{"bits": 8, "group_size": 64, "mode": "affine"}"#).unwrap();
-        assert!(a.mode.is_affine());
+        assert_eq!(a, QuantSpec::affine(8, 64));
+        let m: QuantSpec =
+            serde_json::from_str(r#"{"bits": 4, "group_size": 32, "mode": "mxfp4"}"#).unwrap();
+        assert_eq!(m, QuantSpec::MXFP4);
+        assert!(m.validate().is_ok());
+        let bad = QuantSpec {
+            mode: QuantMode::Mxfp4,
+            ..QuantSpec::affine(4, 64)
+        };
+        assert!(bad.validate().unwrap_err().contains("mxfp4"));
         let err =
-            serde_json::from_str::<Entry>(r#"{"bits": 4, "group_size": 32, "mode": "nvfp4"}"#)
-                .err()
-                .unwrap();
+            serde_json::from_str::<QuantSpec>(r#"{"bits": 4, "group_size": 32, "mode": "nvfp4"}"#)
+                .unwrap_err();
         assert!(err.to_string().contains("unknown variant `nvfp4`"), "{err}");
+        // Affine entries are written as before; MXFP4 ones name their mode.
         assert_eq!(
-            serde_json::to_string(&QuantMode::Mxfp4).unwrap(),
-            r#""mxfp4""#
+            serde_json::to_string(&QuantSpec::affine(4, 64)).unwrap(),
+            r#"{"bits":4,"group_size":64}"#
+        );
+        assert_eq!(
+            serde_json::to_string(&QuantSpec::MXFP4).unwrap(),
+            r#"{"bits":4,"group_size":32,"mode":"mxfp4"}"#
         );
     }
 }

@@ -148,6 +148,16 @@ fn scale_bias(gain: f32, cols: usize, bits: u32) -> (f32, f32) {
     (s, bf16::from_f32(-half_range * s).to_f32())
 }
 
+/// Mean square of the e2m1 values over uniformly random codes.
+const E2M1_MEAN_SQUARE: f32 = 8.5625;
+
+/// The power-of-two MXFP4 scale nearest (in log) to gain `gain` over
+/// `cols` inputs with uniformly random codes.
+fn mxfp4_scale(gain: f32, cols: usize) -> f32 {
+    let s = gain / (cols as f32 * E2M1_MEAN_SQUARE).sqrt();
+    s.log2().round().exp2()
+}
+
 /// Layer index of a `model.layers.N.` tensor name.
 fn layer_of(name: &str) -> Option<usize> {
     name.strip_prefix("model.layers.")?
@@ -219,10 +229,7 @@ impl Init {
             _ => None,
         };
         LinearInit {
-            spec: QuantSpec {
-                bits,
-                group_size: DEFAULT_GROUP_SIZE,
-            },
+            spec: QuantSpec::affine(bits, DEFAULT_GROUP_SIZE),
             key,
             scale,
             bias,
@@ -239,16 +246,17 @@ impl Init {
         expert: usize,
         component: &str,
         cols: usize,
-        bits: u32,
+        spec: QuantSpec,
     ) -> LinearInit {
         let down = component == "down_proj";
         let gain = if down { self.residual_gain() } else { 1.0 };
-        let (scale, bias) = scale_bias(gain, cols, bits);
+        let (scale, bias) = if spec.is_mxfp4() {
+            (mxfp4_scale(gain, cols), 0.0)
+        } else {
+            scale_bias(gain, cols, spec.bits)
+        };
         LinearInit {
-            spec: QuantSpec {
-                bits,
-                group_size: DEFAULT_GROUP_SIZE,
-            },
+            spec,
             key: stream_key(
                 self.seed,
                 &format!("model.layers.{layer}.mlp.switch_mlp.{component}.{expert}"),
@@ -333,6 +341,18 @@ impl LinearInit {
     /// Packed code bytes of one row.
     pub fn row_bytes(&self, cols: usize) -> usize {
         cols * self.spec.bits as usize / 8
+    }
+
+    /// A whole MXFP4 matrix: uniformly random e2m1 codes, one e8m0 scale
+    /// for every group (row 0 all zero codes where `zero_row0`).
+    pub fn fill_mxfp4(&self, cols: usize, codes: &mut [u8], scales: &mut [u8]) {
+        fill_random(self.key, 0, codes);
+        if self.zero_row0 {
+            codes[..cols / 2].fill(0);
+        }
+        // 2^(e - 127) = scale; the scale is a power of two by construction.
+        let e = (self.scale.log2().round() as i32 + 127).clamp(1, 254) as u8;
+        scales.fill(e);
     }
 
     /// Rows `r0..` (as many as `codes` holds): packed codes, and bf16

@@ -39,7 +39,9 @@ use crate::convert::sanitize::mlx_module_path;
 use crate::convert::{json_4_spaces, output, ConvertOptions, ConvertProgress, ConvertStage, Ctx};
 use crate::error::{Error, Result};
 use crate::format::manifest::{SourceInfo, FORMAT_NAME, FORMAT_VERSION};
-use crate::format::{ExpertLayer, Manifest, TensorEntry, DENSE_FILE, EXPERTS_DIR, MANIFEST_FILE};
+use crate::format::{
+    ExpertLayer, ExpertTensorRef, Manifest, TensorEntry, DENSE_FILE, EXPERTS_DIR, MANIFEST_FILE,
+};
 use crate::model::schema::{self, WeightKind, EXPERT_COMPONENTS};
 
 pub use presets::{
@@ -94,8 +96,11 @@ pub struct SynthOptions<'a> {
     pub spec: SynthSpec,
     /// Write only the first `layers` layers (identical to the full model's).
     pub layers: Option<usize>,
-    /// Width of the routed experts: 2, 4 or 8.
+    /// Width of the routed experts: 2, 4 or 8 (affine, group size 64).
     pub expert_bits: u32,
+    /// MXFP4 routed experts instead (4 bits, groups of 32): gpt-oss's own
+    /// format, the default of its presets.
+    pub expert_mxfp4: bool,
     pub seed: u64,
     pub router_skew: Option<RouterSkew>,
     /// A `tokenizer.json` to copy, or a directory whose tokenizer and
@@ -112,6 +117,7 @@ pub struct SynthOptions<'a> {
 impl SynthOptions<'_> {
     pub fn new(name: &str, spec: SynthSpec) -> Self {
         SynthOptions {
+            expert_mxfp4: matches!(spec, SynthSpec::GptOss(_)),
             name: name.to_string(),
             spec,
             layers: None,
@@ -166,6 +172,12 @@ pub fn synth(dst: &Path, opts: &SynthOptions) -> Result<SynthReport> {
     if layers == 0 || layers > depth {
         return Err(Error::Invalid(format!(
             "layers must be between 1 and {depth} (the model's), got {layers}"
+        )));
+    }
+    if opts.expert_mxfp4 && opts.expert_bits != 4 {
+        return Err(Error::Invalid(format!(
+            "MXFP4 experts are 4-bit, not {}",
+            opts.expert_bits
         )));
     }
     if !matches!(opts.expert_bits, 2 | 4 | 8) {
@@ -255,7 +267,7 @@ pub fn synth(dst: &Path, opts: &SynthOptions) -> Result<SynthReport> {
     }
     let lay = layout(&outputs);
 
-    let expert_layers = expert_layouts(&config, opts.expert_bits);
+    let expert_layers = expert_layouts(&config, expert_spec(opts));
     let expert_total: u64 = expert_layers
         .iter()
         .map(|l| l.stride * l.num_experts as u64)
@@ -336,11 +348,22 @@ pub fn synth(dst: &Path, opts: &SynthOptions) -> Result<SynthReport> {
     })
 }
 
-/// The expert files' layouts, as `convert` lays them out (BF16 scales).
-fn expert_layouts(config: &ModelConfig, bits: u32) -> Vec<ExpertLayer> {
-    let spec = QuantSpec {
-        bits,
-        group_size: DEFAULT_GROUP_SIZE,
+/// The routed experts' quantization.
+fn expert_spec(opts: &SynthOptions) -> QuantSpec {
+    if opts.expert_mxfp4 {
+        QuantSpec::MXFP4
+    } else {
+        QuantSpec::affine(opts.expert_bits, DEFAULT_GROUP_SIZE)
+    }
+}
+
+/// The expert files' layouts, as `convert` lays them out (BF16 scales, or
+/// MXFP4's e8m0 bytes).
+fn expert_layouts(config: &ModelConfig, spec: QuantSpec) -> Vec<ExpertLayer> {
+    let scale_dtype = if spec.is_mxfp4() {
+        Dtype::U8
+    } else {
+        Dtype::BF16
     };
     schema::expert_weights(config)
         .iter()
@@ -348,7 +371,7 @@ fn expert_layouts(config: &ModelConfig, bits: u32) -> Vec<ExpertLayer> {
             let shapes: Vec<ComponentShape> = s
                 .projections
                 .iter()
-                .map(|&(name, rows, cols)| (name, rows, cols, spec, Dtype::BF16))
+                .map(|&(name, rows, cols)| (name, rows, cols, spec, scale_dtype))
                 .collect();
             layout_layer(s.layer, s.num_experts, &shapes)
         })
@@ -364,10 +387,7 @@ fn config_json(opts: &SynthOptions, layers: usize) -> Result<serde_json::Value> 
     // router and no experts to declare).
     let shape = ModelConfig::from_json(&base, Path::new("config.json"))?;
     let arch = shape.arch;
-    let spec = |bits| QuantSpec {
-        bits,
-        group_size: DEFAULT_GROUP_SIZE,
-    };
+    let spec = |bits| QuantSpec::affine(bits, DEFAULT_GROUP_SIZE);
     let mut overrides = std::collections::BTreeMap::new();
     for l in (0..layers).filter(|&l| shape.is_moe_layer(l)) {
         let p = format!("model.layers.{l}.mlp.");
@@ -381,16 +401,18 @@ fn config_json(opts: &SynthOptions, layers: usize) -> Result<serde_json::Value> 
         for m in gates {
             overrides.insert(mlx_module_path(arch, &format!("{p}{m}")), spec(8));
         }
-        if opts.expert_bits != DEFAULT_BITS {
+        let experts = expert_spec(opts);
+        if experts != spec(DEFAULT_BITS) {
             for c in EXPERT_COMPONENTS {
                 let m = format!("{p}switch_mlp.{c}");
-                overrides.insert(mlx_module_path(arch, &m), spec(opts.expert_bits));
+                overrides.insert(mlx_module_path(arch, &m), experts);
             }
         }
     }
     let cq = ConfigQuant {
         default: Some(spec(DEFAULT_BITS)),
         overrides,
+        explicit: Default::default(),
     };
     let mut v = output_config(&base, None, &cq);
     v["moeflux_synth"] = json!({
@@ -399,6 +421,7 @@ fn config_json(opts: &SynthOptions, layers: usize) -> Result<serde_json::Value> 
         "layers": layers,
         "preset_layers": opts.spec.num_layers(),
         "expert_bits": opts.expert_bits,
+        "expert_mode": if opts.expert_mxfp4 { "mxfp4" } else { "affine" },
         "router_skew": opts.router_skew.map(|s| s.to_string()),
     });
     Ok(v)
@@ -490,9 +513,14 @@ fn write_experts(init: &Init, el: &ExpertLayer, path: &Path, ctx: &Ctx) -> Resul
         |buf, e| -> Result<()> {
             ctx.check_cancel()?;
             for c in &el.components {
-                let li = init.expert(el.layer, e, &c.name, c.cols, c.quant.bits);
-                let [w, s, b] = [&c.weight, &c.scales, &c.biases]
-                    .map(|r| r.offset as usize..(r.offset + r.bytes) as usize);
+                let li = init.expert(el.layer, e, &c.name, c.cols, c.quant);
+                let range = |r: &ExpertTensorRef| r.offset as usize..(r.offset + r.bytes) as usize;
+                let (w, s) = (range(&c.weight), range(&c.scales));
+                let Some(b) = c.biases.as_ref().map(range) else {
+                    let (head, rest) = buf.split_at_mut(s.start);
+                    li.fill_mxfp4(c.cols, &mut head[w], &mut rest[..s.len()]);
+                    continue;
+                };
                 let (head, rest) = buf.split_at_mut(s.start);
                 let (sc, bi) = rest.split_at_mut(b.start - s.start);
                 li.fill(
@@ -567,7 +595,7 @@ mod tests {
                 .for_module("model.layers.5.mlp.switch_mlp.up_proj")
                 .unwrap();
             assert_eq!(e.bits, bits);
-            let layers = expert_layouts(&c, bits);
+            let layers = expert_layouts(&c, QuantSpec::affine(bits, DEFAULT_GROUP_SIZE));
             assert_eq!(layers.len(), depth);
             assert_eq!(layers[0].expert_bytes, expert_bytes, "{name} {bits}-bit");
             assert_eq!(layers[0].stride, expert_bytes, "already 4096-aligned");
@@ -611,7 +639,7 @@ mod tests {
             let router = mlx_module_path(c.arch, "model.layers.3.mlp.router");
             assert_eq!(q.for_module(&router).unwrap().bits, 8);
             // Each expert: gate, up (2880 x 2880) and down, 4-bit g64.
-            let layers = expert_layouts(&c, 4);
+            let layers = expert_layouts(&c, QuantSpec::affine(4, DEFAULT_GROUP_SIZE));
             assert_eq!(layers[0].expert_bytes, expert_bytes_4bit(2880, 2880));
         }
     }
@@ -672,7 +700,7 @@ mod tests {
                 4
             );
             assert!(!q.overrides.keys().any(|k| k.contains("shared_expert")));
-            let e = expert_layouts(&c, 4);
+            let e = expert_layouts(&c, QuantSpec::affine(4, DEFAULT_GROUP_SIZE));
             assert_eq!(e.len(), layers);
             assert_eq!(e[0].num_experts, 128);
             assert_eq!(e[0].expert_bytes, expert_bytes_4bit(experts_moe, hidden));
@@ -758,7 +786,7 @@ mod tests {
             let router = |l: usize| mlx_module_path(c.arch, &format!("model.layers.{l}.mlp.gate"));
             assert_eq!(q.overrides[&router(dense)], Some(spec8()));
             assert!(!q.overrides.contains_key(&router(dense - 1)), "dense layer");
-            let e = expert_layouts(&c, 4);
+            let e = expert_layouts(&c, QuantSpec::affine(4, DEFAULT_GROUP_SIZE));
             assert_eq!(e.len(), layers - dense);
             assert_eq!(e[0].layer, dense);
             assert_eq!(e[0].num_experts, experts);
@@ -777,7 +805,7 @@ mod tests {
             // Truncated to the dense layers: no router, no experts.
             let t = preset_config(name, Some(dense));
             assert_eq!(t.num_layers, dense);
-            assert!(expert_layouts(&t, 4).is_empty());
+            assert!(expert_layouts(&t, QuantSpec::affine(4, DEFAULT_GROUP_SIZE)).is_empty());
             assert!(t
                 .quantization
                 .unwrap()
@@ -788,9 +816,6 @@ mod tests {
     }
 
     fn spec8() -> QuantSpec {
-        QuantSpec {
-            bits: 8,
-            group_size: DEFAULT_GROUP_SIZE,
-        }
+        QuantSpec::affine(8, DEFAULT_GROUP_SIZE)
     }
 }

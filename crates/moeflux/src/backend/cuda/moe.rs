@@ -554,16 +554,23 @@ fn expert_layout(m: &MoeBlock) -> Result<ExpertLayoutC> {
             m.layer
         )));
     }
+    let (Some(gate_b), Some(up_b), Some(down_b)) = (x.gate.biases, x.up.biases, x.down.biases)
+    else {
+        return Err(unsupported(format!(
+            "layer {}: MXFP4 routed experts (not yet on the GPU)",
+            m.layer
+        )));
+    };
     Ok(ExpertLayoutC {
         gate_w: x.gate.weight as i64,
         gate_s: x.gate.scales as i64,
-        gate_b: x.gate.biases as i64,
+        gate_b: gate_b as i64,
         up_w: x.up.weight as i64,
         up_s: x.up.scales as i64,
-        up_b: x.up.biases as i64,
+        up_b: up_b as i64,
         down_w: x.down.weight as i64,
         down_s: x.down.scales as i64,
-        down_b: x.down.biases as i64,
+        down_b: down_b as i64,
         inter: x.gate.rows as i32,
         hidden: x.gate.cols as i32,
         bits: x.gate.spec.bits as i32,

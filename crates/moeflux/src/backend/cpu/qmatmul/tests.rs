@@ -41,10 +41,7 @@ struct OwnedQ {
 
 impl OwnedQ {
     fn random(rng: &mut Rng, rows: usize, cols: usize, bits: u32, gs: usize, bf16s: bool) -> Self {
-        let spec = QuantSpec {
-            bits,
-            group_size: gs,
-        };
+        let spec = QuantSpec::affine(bits, gs);
         let wpr = affine::words_per_row(cols, bits);
         let mut packed = vec![0u32; rows * wpr];
         for r in 0..rows {
