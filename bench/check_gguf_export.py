@@ -90,7 +90,7 @@ def repack_check(f32_path: Path, q41_path: Path) -> dict:
     b = {t.name: t for t in gguf.GGUFReader(q41_path).tensors}
     if set(a) != set(b):
         fail(f"tensor names differ: only in F32 {sorted(set(a) - set(b))[:5]}, only in Q4_1 {sorted(set(b) - set(a))[:5]}")
-    n_q41, worst, elems = 0, 0.0, 0
+    n_q41, n_mx, worst, elems = 0, 0, 0.0, 0
     for name, ta in a.items():
         tb = b[name]
         if list(ta.shape) != list(tb.shape):
@@ -101,18 +101,23 @@ def repack_check(f32_path: Path, q41_path: Path) -> dict:
         if tb.tensor_type == gguf.GGMLQuantizationType.Q4_1:
             n_q41 += 1
             vb = gguf.quants.dequantize(np.asarray(tb.data), tb.tensor_type)
+        elif tb.tensor_type == gguf.GGMLQuantizationType.MXFP4:
+            n_mx += 1
+            vb = gguf.quants.dequantize(np.asarray(tb.data), tb.tensor_type)
+            # ggml's table has no -0 (moeflux's code 8): compare with -0 read as +0
+            va = va + np.float32(0)
         elif tb.tensor_type == gguf.GGMLQuantizationType.F32:
             vb = np.asarray(tb.data, dtype=np.float32)
         else:
-            fail(f"{name}: unexpected type {tb.tensor_type.name} in the Q4_1 export")
+            fail(f"{name}: unexpected type {tb.tensor_type.name} in the Q4_1/MXFP4 export")
         vb = vb.reshape(va.shape)
         if not np.array_equal(va.view(np.uint32), vb.view(np.uint32)):
             d = float(np.max(np.abs(va - vb)))
-            fail(f"{name}: Q4_1 dequantized != F32 export (max |diff| {d})")
+            fail(f"{name}: {tb.tensor_type.name} dequantized != F32 export (max |diff| {d})")
         worst = max(worst, float(np.max(np.abs(va - vb))) if va.size else 0.0)
         elems += va.size
-    return {"tensors": len(a), "q4_1_tensors": n_q41, "elements": int(elems), "max_abs_diff": worst,
-            "bitwise_equal": True}
+    return {"tensors": len(a), "q4_1_tensors": n_q41, "mxfp4_tensors": n_mx, "elements": int(elems),
+            "max_abs_diff": worst, "bitwise_equal": True}
 
 
 def run_moeflux_logits(moeflux: Path, model: Path, tokens: list[int], out: Path) -> np.ndarray | None:
@@ -184,8 +189,8 @@ def main() -> int:
                 fail(f"moeflux2gguf --type {t} failed: {r.stderr.strip()}")
         res = {"model": str(args.model_dir or args.fixture), "reference": ref_name, "tokens": len(tokens)}
         res["repack"] = rep = repack_check(paths["f32"], paths["q4_1"])
-        print(f"repack: {rep['tensors']} tensors ({rep['q4_1_tensors']} Q4_1), {rep['elements']} values: "
-              f"Q4_1 dequantized == F32 export bit for bit")
+        print(f"repack: {rep['tensors']} tensors ({rep['q4_1_tensors']} Q4_1, {rep['mxfp4_tensors']} MXFP4), "
+              f"{rep['elements']} values: dequantized == F32 export bit for bit")
 
         ml = run_moeflux_logits(args.moeflux, model, tokens, work / "moeflux.npy")
         if ref is None:
