@@ -6,20 +6,30 @@ usage: moeflux2gguf.py MODEL_DIR OUT.gguf [--type q4_1|q4_0|f32] [--tokenizer TO
 
 MODEL_DIR is what `moeflux convert` (or `moeflux synth`) writes: moeflux.json, config.json,
 dense.safetensors and experts/layer_NNN.bin (docs/FORMAT.md). Supported architectures:
-qwen3_5_moe -> llama.cpp `qwen35moe`, and qwen3_next -> `qwen3next` (models whose every layer is
-MoE: llama.cpp's qwen3next has no dense-MLP layers).
+qwen3_5_moe -> llama.cpp `qwen35moe`, qwen3_next -> `qwen3next` (models whose every layer is
+MoE: llama.cpp's qwen3next has no dense-MLP layers), and gpt_oss -> `gpt-oss` (q/k/v/o with
+their biases, attention sinks, router weight and bias, gate/up/down experts with their bias
+tables; sliding window and per-layer pattern from config.json's layer_types; YaRN factor and
+original context; llama.cpp hard-codes gpt-oss's SwiGLU alpha 1.702 / limit 7.0 and YaRN beta
+32 / 1, so other values are refused).
 
---type q4_1 (default): every MLX affine 4-bit tensor whose group size is a multiple of 32 is
-    repacked losslessly into ggml Q4_1: each group splits into 32-element blocks that all carry
+--type q4_1 (default): every MXFP4 tensor (docs/FORMAT.md, `"mode": "mxfp4"`: gpt-oss's experts
+    as released) becomes ggml MXFP4 bit for bit: one 32-element group is one block_mxfp4, its
+    e8m0 byte unchanged and qs[j] = q[j] | q[j+16] << 4 with the e2m1 codes unchanged (ggml's
+    kvalues_mxfp4 are the e2m1 values doubled and GGML_E8M0_TO_FP32_HALF(e) = 2^(e-128), so
+    its weights are exactly moeflux's e2m1(q) * 2^(e-127); moeflux's -0 reads as +0; a scale
+    byte 255, NaN in moeflux and finite in ggml, is refused). Every MLX affine 4-bit tensor whose
+    group size is a multiple of 32 is repacked losslessly into ggml Q4_1: each group splits into 32-element blocks that all carry
     the group's d = scale and m = bias (bf16 -> f16 must be exact, which is checked), with
     qs[j] = q[j] | q[j+16] << 4. Every other quantized tensor (8-bit routers and shared-expert
     gates, other widths) is dequantized exactly to F32 (w = q * scale + bias in f32); float
     tensors are written as F32.
---type f32: every tensor as F32; quantized ones dequantized exactly as above. The dequantized
-    values of a Q4_1 export equal the F32 export bit for bit (bench/check_gguf_export.py).
+--type f32: every tensor as F32; quantized ones dequantized exactly as above (MXFP4: e2m1(q) *
+    2^(s-127) in f32, exact). The dequantized values of a Q4_1 export equal the F32 export bit for
+    bit (bench/check_gguf_export.py, bench/test_moeflux2gguf.py).
 --type q4_0: the Q4_1 export requantized with llama.cpp's own `llama-quantize --allow-requantize
     ... Q4_0` (llama.cpp's standard Q4_0 recipe: it keeps routers and SSM tensors unquantized and
-    gives the output head a higher precision type). Needs --llama-quantize (default: the binary
+    gives the output head a higher precision type; MXFP4 experts become Q4_0 too). Needs --llama-quantize (default: the binary
     bench/setup.sh builds, or $LLAMA_QUANTIZE).
 
 Layout changes (all lossless): Qwen3.5 linear-attention V heads are reordered from grouped to
