@@ -80,6 +80,20 @@ def moeflux_results(path: Path) -> dict:
             "tg": mean_std(samples("decode_tok_s", "decode"))}
 
 
+def mxfp4_experts(manifest: dict) -> bool:
+    return any(c.get("quant", {}).get("mode") == "mxfp4"
+               for e in manifest.get("experts", []) for c in e.get("components", []))
+
+
+def native_label(model: Path) -> str:
+    """The lossless export's ggml types: Q4_1, or MXFP4 experts + Q4_1 (gpt-oss as released)."""
+    try:
+        man = json.loads((model / "moeflux.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return "Q4_1"
+    return "MXFP4+Q4_1" if mxfp4_experts(man) else "Q4_1"
+
+
 def describe(model: Path) -> str:
     try:
         man = json.loads((model / "moeflux.json").read_text())
@@ -88,10 +102,11 @@ def describe(model: Path) -> str:
         return f"{model} (unreadable: {e})"
     tc = cfg.get("text_config", cfg)
     size = sum(f.stat().st_size for f in model.rglob("*") if f.is_file())
-    bits = man.get("source", {}).get("expert_bits")
+    bits = "MXFP4" if mxfp4_experts(man) else f"{man.get('source', {}).get('expert_bits')}-bit"
+    n_exp = tc.get("num_experts", tc.get("num_local_experts", tc.get("n_routed_experts")))
     return (f"{model.name}: {man.get('architecture')}, {tc.get('num_hidden_layers')} layers, hidden "
-            f"{tc.get('hidden_size')}, {tc.get('num_experts')} experts top-{tc.get('num_experts_per_tok')}, "
-            f"vocab {tc.get('vocab_size')}, experts {bits}-bit, "
+            f"{tc.get('hidden_size')}, {n_exp} experts top-{tc.get('num_experts_per_tok')}, "
+            f"vocab {tc.get('vocab_size')}, experts {bits}, "
             + (f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB") + " on disk")
 
 
@@ -146,9 +161,10 @@ def main() -> int:
         if worst[1].get("other_cpus", 0) > 0.1:
             lines.append(f"WARNING: the machine was not idle (up to {worst[1]['other_cpus']:.2f} CPUs used by other "
                          f"processes during {worst[0]}): these numbers are noisy")
+    nat = native_label(a.model)
     lines += [
         "",
-        "| test | moeflux tok/s | llama.cpp Q4_1 tok/s | llama.cpp Q4_0 tok/s | moeflux / Q4_1 | moeflux / Q4_0 |",
+        f"| test | moeflux tok/s | llama.cpp {nat} tok/s | llama.cpp Q4_0 tok/s | moeflux / {nat} | moeflux / Q4_0 |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     rows = []
@@ -159,8 +175,9 @@ def main() -> int:
         lines.append(f"| {name} | {fmt(m)} | {fmt(l1)} | {fmt(l0)} | {r1:.2f} | {r0:.2f} |")
         rows.append({"test": name, "moeflux_tok_s": m, "llama_q4_1_tok_s": l1, "llama_q4_0_tok_s": l0,
                      "ratio_q4_1": r1, "ratio_q4_0": r0})
-    lines += ["", "Q4_1 = moeflux's 4-bit weights repacked losslessly (identical weights); Q4_0 = "
-              "llama-quantize's standard Q4_0 recipe from that Q4_1. Ratios > 1: moeflux is faster."]
+    lines += ["", f"{nat} = moeflux's weights repacked losslessly (identical weights: affine 4-bit as Q4_1, "
+              f"MXFP4 as MXFP4); Q4_0 = llama-quantize's standard Q4_0 recipe from that {nat}. Ratios > 1: "
+              "moeflux is faster."]
     print("\n".join(lines))
     if a.json:
         res = {"model": str(a.model), "description": describe(a.model), "threads": a.threads, "reps": a.reps,

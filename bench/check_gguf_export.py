@@ -6,15 +6,24 @@ usage (after bench/setup.sh and `cargo build --release -p moeflux-cli`):
     target/bench/venv/bin/python bench/check_gguf_export.py [--fixture tests/fixtures/qwen35moe-q4]
     target/bench/venv/bin/python bench/check_gguf_export.py --model-dir DIR [--tokens 1,2,3]
         [--tol 1e-3] [--keep DIR]
+    ... [--mxfp4-experts] [--repack-only]
+
+Fixtures: qwen35moe-q4 (default), qwen3next-q4, gptoss-q4 (llama.cpp arch gpt-oss).
+--mxfp4-experts: after step 1, the model's routed experts are replaced by seeded random MXFP4
+    ones (bench/mxfp4_experts.py, docs/FORMAT.md's layout), so the export writes them as ggml
+    MXFP4 (gpt-oss's experts as released); the reference is then `moeflux logits` (the golden
+    belongs to the original experts).
+--repack-only: steps 1-3 only (no llama.cpp, no logits).
 
 Steps:
   1. `moeflux convert FIXTURE/src TMP/model`. With --model-dir DIR instead, DIR is exported and
      the reference in step 4 is `moeflux logits` on DIR (moeflux itself matches mlx-lm to ~1e-4
      on the fixtures), for models that have no golden, e.g. real-width random ones.
   2. Export TMP/model as --type f32 and as --type q4_1.
-  3. Repack check: every tensor of the Q4_1 export, dequantized with gguf-py's own ggml
-     dequantizer, must equal the F32 export's tensor bit for bit (max |diff| = 0), and every
-     tensor name, shape and count must agree.
+  3. Repack check: every tensor of the Q4_1 export (Q4_1, MXFP4 and F32 tensors), dequantized
+     with gguf-py's own ggml dequantizer, must equal the F32 export's tensor bit for bit (max
+     |diff| = 0; for MXFP4, moeflux's -0 code reads as +0 in ggml and is compared as such), and
+     every tensor name, shape and count must agree.
   4. llama.cpp check: the F32 GGUF runs in llama.cpp (the llama-cpp-python 0.3.36 bindings on the
      bench/setup.sh build) on the fixture's 32 golden tokens, with an f32 KV cache, no flash
      attention and no extra buffer types (use_extra_bufts=False; the repack/AMX buffers crash on
@@ -90,7 +99,7 @@ def repack_check(f32_path: Path, q41_path: Path) -> dict:
     b = {t.name: t for t in gguf.GGUFReader(q41_path).tensors}
     if set(a) != set(b):
         fail(f"tensor names differ: only in F32 {sorted(set(a) - set(b))[:5]}, only in Q4_1 {sorted(set(b) - set(a))[:5]}")
-    n_q41, worst, elems = 0, 0.0, 0
+    n_q41, n_mx, worst, elems = 0, 0, 0.0, 0
     for name, ta in a.items():
         tb = b[name]
         if list(ta.shape) != list(tb.shape):
@@ -101,18 +110,23 @@ def repack_check(f32_path: Path, q41_path: Path) -> dict:
         if tb.tensor_type == gguf.GGMLQuantizationType.Q4_1:
             n_q41 += 1
             vb = gguf.quants.dequantize(np.asarray(tb.data), tb.tensor_type)
+        elif tb.tensor_type == gguf.GGMLQuantizationType.MXFP4:
+            n_mx += 1
+            vb = gguf.quants.dequantize(np.asarray(tb.data), tb.tensor_type)
+            # ggml's table has no -0 (moeflux's code 8): compare with -0 read as +0
+            va = va + np.float32(0)
         elif tb.tensor_type == gguf.GGMLQuantizationType.F32:
             vb = np.asarray(tb.data, dtype=np.float32)
         else:
-            fail(f"{name}: unexpected type {tb.tensor_type.name} in the Q4_1 export")
+            fail(f"{name}: unexpected type {tb.tensor_type.name} in the Q4_1/MXFP4 export")
         vb = vb.reshape(va.shape)
         if not np.array_equal(va.view(np.uint32), vb.view(np.uint32)):
             d = float(np.max(np.abs(va - vb)))
-            fail(f"{name}: Q4_1 dequantized != F32 export (max |diff| {d})")
+            fail(f"{name}: {tb.tensor_type.name} dequantized != F32 export (max |diff| {d})")
         worst = max(worst, float(np.max(np.abs(va - vb))) if va.size else 0.0)
         elems += va.size
-    return {"tensors": len(a), "q4_1_tensors": n_q41, "elements": int(elems), "max_abs_diff": worst,
-            "bitwise_equal": True}
+    return {"tensors": len(a), "q4_1_tensors": n_q41, "mxfp4_tensors": n_mx, "elements": int(elems),
+            "max_abs_diff": worst, "bitwise_equal": True}
 
 
 def run_moeflux_logits(moeflux: Path, model: Path, tokens: list[int], out: Path) -> np.ndarray | None:
@@ -142,12 +156,15 @@ def main() -> int:
     ap.add_argument("--moeflux", type=Path, default=REPO / "target" / "release" / "moeflux")
     ap.add_argument("--tol", type=float, default=1e-3, help="max |logit diff| allowed (default 1e-3)")
     ap.add_argument("--keep", type=Path, help="keep the GGUFs in this directory")
+    ap.add_argument("--mxfp4-experts", action="store_true",
+                    help="replace the routed experts by random MXFP4 ones first (reference: moeflux)")
+    ap.add_argument("--repack-only", action="store_true", help="only the export and repack checks")
     args = ap.parse_args()
 
     if not args.moeflux.is_file():
         fail(f"{args.moeflux} not found; run `cargo build --release -p moeflux-cli`")
     golden = ref = None
-    if args.model_dir is None:
+    if args.model_dir is None and not args.mxfp4_experts:
         golden_json = args.fixture / "golden.json"
         if not golden_json.is_file():
             fail(f"{golden_json} not found")
@@ -156,25 +173,36 @@ def main() -> int:
         ref = np.load(args.fixture / golden.get("logits_file", "golden_logits.npy"))
         ref_name = "golden"
     else:
-        if not (args.model_dir / "moeflux.json").is_file():
+        if args.model_dir is not None and not (args.model_dir / "moeflux.json").is_file():
             fail(f"{args.model_dir} is not a moeflux model directory")
-        cfg = json.loads((args.model_dir / "config.json").read_text())
+        if args.model_dir is not None:
+            cfg = json.loads((args.model_dir / "config.json").read_text())
+        else:
+            src = args.fixture / json.loads((args.fixture / "golden.json").read_text()).get("checkpoint", "src")
+            cfg = json.loads((src / "config.json").read_text())
         vocab = int(cfg.get("text_config", cfg)["vocab_size"])
         tokens = ([int(t) for t in args.tokens.split(",")] if args.tokens
                   else [(i * 7919 + 11) % vocab for i in range(32)])
         ref_name = "moeflux"
 
-    Llama = load_llama_cpp()
+    Llama = None if args.repack_only else load_llama_cpp()
     work = Path(tempfile.mkdtemp(prefix="moeflux-gguf-check."))
     try:
         if args.model_dir:
             model = args.model_dir
         else:
             model = work / "model"
-            r = subprocess.run([str(args.moeflux), "convert", str(args.fixture / golden.get("checkpoint", "src")),
-                                str(model)], capture_output=True, text=True)
+            src = args.fixture / json.loads((args.fixture / "golden.json").read_text()).get("checkpoint", "src")
+            r = subprocess.run([str(args.moeflux), "convert", str(src), str(model)], capture_output=True, text=True)
             if r.returncode:
                 fail(f"moeflux convert failed: {r.stderr.strip()}")
+        if args.mxfp4_experts:
+            mx = work / "model-mxfp4"
+            r = subprocess.run([sys.executable, str(HERE / "mxfp4_experts.py"), str(model), str(mx)],
+                               capture_output=True, text=True)
+            if r.returncode:
+                fail(f"mxfp4_experts.py failed: {r.stderr.strip()}")
+            model = mx
         paths = {}
         for t in ("f32", "q4_1"):
             paths[t] = work / f"model-{t}.gguf"
@@ -182,15 +210,23 @@ def main() -> int:
                                 "--type", t, "--quiet"], capture_output=True, text=True)
             if r.returncode:
                 fail(f"moeflux2gguf --type {t} failed: {r.stderr.strip()}")
-        res = {"model": str(args.model_dir or args.fixture), "reference": ref_name, "tokens": len(tokens)}
+        res = {"model": str(args.model_dir or args.fixture), "reference": ref_name, "tokens": len(tokens),
+               "mxfp4_experts": args.mxfp4_experts}
         res["repack"] = rep = repack_check(paths["f32"], paths["q4_1"])
-        print(f"repack: {rep['tensors']} tensors ({rep['q4_1_tensors']} Q4_1), {rep['elements']} values: "
-              f"Q4_1 dequantized == F32 export bit for bit")
+        print(f"repack: {rep['tensors']} tensors ({rep['q4_1_tensors']} Q4_1, {rep['mxfp4_tensors']} MXFP4), "
+              f"{rep['elements']} values: dequantized == F32 export bit for bit")
+        if args.mxfp4_experts and rep["mxfp4_tensors"] == 0:
+            fail("--mxfp4-experts: the export holds no MXFP4 tensor")
+        if args.repack_only:
+            print(json.dumps(res))
+            print("check_gguf_export: PASS (repack only)")
+            return 0
 
         ml = run_moeflux_logits(args.moeflux, model, tokens, work / "moeflux.npy")
         if ref is None:
             if ml is None:
-                fail("no reference logits (moeflux logits failed)")
+                fail("no reference logits (moeflux logits failed" +
+                     ("; does this moeflux read MXFP4 experts yet?)" if args.mxfp4_experts else ")"))
             ref = ml
         res["max_abs_reference_logit"] = float(np.abs(ref).max())
 

@@ -14,8 +14,8 @@
 #    warm machine rebuilds nothing; a build with the server also serves a call without --server).
 #    One build at a time per WORK (flock on WORK/.build-lock).
 # 2. Export: MODEL_DIR -> GGUF Q4_1 with bench/moeflux2gguf.py (a lossless repack: identical
-#    weights), Python 3 with numpy and the staged gguf-py; cached in WORK/gguf under a key of the
-#    model's files (names, sizes, mtimes) and the exporter.
+#    weights; MXFP4 experts, gpt-oss's, stay MXFP4), Python 3 with numpy and the staged gguf-py;
+#    cached in WORK/gguf under a key of the model's files (names, sizes, mtimes) and the exporter.
 # 3. llama-bench -m GGUF -p 512 -n 128 -ngl 99 -fa on -r R -t T -o json, fully resident, then with
 #    --n-cpu-moe N for each N given (the routed experts of layers 0..N-1 stay in host memory and
 #    run on the CPU; llama.cpp may still copy them to the GPU for large prompt batches). nvidia-smi
@@ -25,6 +25,12 @@
 #
 # options:
 #   --budget-gib G      also run the smallest --n-cpu-moe whose GPU weights (estimate) fit in G GiB
+#   --expert-budget-gib E  also run the smallest --n-cpu-moe whose routed experts left on the GPU
+#                       take at most E GiB (every other weight on top): the VRAM moeflux's
+#                       `--gpu-memory E` gives its expert cache. E.g. gpt-oss-120b on a 24 GB card:
+#                       `moeflux synth --preset gpt-oss-120b DIR` then `--expert-budget-gib 20 DIR`
+#                       (and `moeflux bench --gpu-memory 20G --host-cache ...` on moeflux's side);
+#                       gpt-oss-20b fits: `bash bench/gpu-llama.sh DIR` runs it resident
 #   --reps R            llama-bench -r (default 3; each test also has an untimed warm-up)
 #   --threads T         llama-bench -t (default: nproc)
 #   --fa on|off|auto    flash attention (default on)
@@ -61,6 +67,7 @@ LLAMA_COMMIT=0c1e57098  # the llama.cpp commit vendored in llama-cpp-python 0.3.
 NPROC=$(nproc)
 
 BUDGET=
+EXPERT_BUDGET=
 REPS=3
 THREADS=$NPROC
 FA=on
@@ -93,6 +100,7 @@ posint() { [[ $2 =~ ^[0-9]+$ ]] || die "$1 needs a non-negative integer, not '$2
 while [[ $# -gt 0 ]]; do
   case $1 in
     --budget-gib) BUDGET=${2:?--budget-gib needs a number}; shift 2 ;;
+    --expert-budget-gib) EXPERT_BUDGET=${2:?--expert-budget-gib needs a number}; shift 2 ;;
     --reps|-r) REPS=${2:?}; posint --reps "$REPS"; shift 2 ;;
     --threads|-t) THREADS=${2:?}; posint --threads "$THREADS"; shift 2 ;;
     --fa) FA=${2:?}; shift 2 ;;
@@ -124,6 +132,8 @@ done
 ((REPS >= 1)) || die "--reps must be at least 1"
 ((THREADS >= 1)) || die "--threads must be at least 1"
 [[ -z $BUDGET || $BUDGET =~ ^[0-9]+([.][0-9]+)?$ ]] || die "--budget-gib needs a number, not '$BUDGET'"
+[[ -z $EXPERT_BUDGET || $EXPERT_BUDGET =~ ^[0-9]+([.][0-9]+)?$ ]] || die "--expert-budget-gib needs a number, not '$EXPERT_BUDGET'"
+[[ -z $BUDGET || -z $EXPERT_BUDGET ]] || die "give --budget-gib or --expert-budget-gib, not both"
 if ((!BUILD_ONLY)); then
   [[ -n $MODEL ]] || die "no MODEL_DIR given (see --help)"
   [[ -f $MODEL/moeflux.json ]] || die "$MODEL is not a moeflux model directory (no moeflux.json)"
@@ -356,9 +366,11 @@ trap cleanup EXIT
 
 # --- 4. runs -----------------------------------------------------------------------------------
 REPORT=$REPO/bench/gpu_llama_report.py
-if [[ -n $BUDGET ]]; then
-  "$PY" "$REPORT" plan "$GGUF" --budget-gib "$BUDGET" --n-cpu-moe "${NCMOE[@]}" >"$OUT_DIR/plan.txt" \
-    || die "no --n-cpu-moe fits the budget of $BUDGET GiB"
+if [[ -n $BUDGET || -n $EXPERT_BUDGET ]]; then
+  budget_arg=(--budget-gib "$BUDGET")
+  [[ -n $EXPERT_BUDGET ]] && budget_arg=(--expert-budget-gib "$EXPERT_BUDGET")
+  "$PY" "$REPORT" plan "$GGUF" "${budget_arg[@]}" --n-cpu-moe "${NCMOE[@]}" >"$OUT_DIR/plan.txt" \
+    || die "no --n-cpu-moe fits the budget (${budget_arg[*]})"
   n=$(tail -1 "$OUT_DIR/plan.txt")
   sed '$d' "$OUT_DIR/plan.txt" >&2
   NCMOE+=("$n")

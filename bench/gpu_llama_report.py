@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Helpers of bench/gpu-llama.sh (llama.cpp's CUDA build on a moeflux model exported as GGUF).
 
-  gpu_llama_report.py plan GGUF [--budget-gib G] [--n-cpu-moe N ...]
+  gpu_llama_report.py plan GGUF [--budget-gib G | --expert-budget-gib E] [--n-cpu-moe N ...]
       Prints, for each --n-cpu-moe N (and for the smallest N whose estimate fits in G GiB), the
       bytes of weights llama.cpp keeps on the GPU with -ngl 99. With --budget-gib, the last line
-      of stdout is that N alone (the shell script reads it).
+      of stdout is that N alone (the shell script reads it). --expert-budget-gib E instead picks
+      the smallest N whose routed experts left on the GPU take at most E GiB (the other weights
+      on top), which is what moeflux's `--gpu-memory E` gives its expert cache.
   gpu_llama_report.py report --gguf GGUF --model DIR --out-json FILE RUN...
       RUN is NAME:N_CPU_MOE:BENCH_JSON:VRAM_SAMPLES (VRAM_SAMPLES may be empty: not measured).
       Prints a markdown table on stdout and writes every raw result to FILE.
@@ -36,6 +38,12 @@ GIB = 1024 ** 3
 EXPS = re.compile(r"^blk\.(\d+)\.ffn_(up|down|gate|gate_up)_(ch|)exps\b")
 
 
+def weight_label(path: Path) -> str:
+    """The export's quantized types: Q4_1, or MXFP4 experts + Q4_1 (gpt-oss as released)."""
+    types = {t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors} - {"F32"}
+    return "+".join(sorted(types, key=lambda t: t != "MXFP4")) or "F32"
+
+
 def tensor_bytes(path: Path) -> tuple[dict[str, int], int]:
     r = gguf.GGUFReader(str(path))
     sizes = {t.name: int(t.n_bytes) for t in r.tensors}
@@ -48,13 +56,15 @@ def tensor_bytes(path: Path) -> tuple[dict[str, int], int]:
     return sizes, n_layer
 
 
-def gpu_weight_bytes(sizes: dict[str, int], n_cpu_moe: int) -> int:
+def gpu_weight_bytes(sizes: dict[str, int], n_cpu_moe: int, experts_only: bool = False) -> int:
     total = 0
     for name, b in sizes.items():
         if name == "token_embd.weight":
             continue
         m = EXPS.match(name)
         if m and int(m.group(1)) < n_cpu_moe:
+            continue
+        if experts_only and not m:
             continue
         total += b
     return total
@@ -69,20 +79,26 @@ def cmd_plan(a) -> int:
           f"{sizes.get('token_embd.weight', 0) / GIB:.2f} GiB (stays in host memory)")
     for n in a.n_cpu_moe:
         print(f"  --n-cpu-moe {n}: weights on the GPU {gpu_weight_bytes(sizes, n) / GIB:.2f} GiB (estimate)")
-    if a.budget_gib is not None:
-        budget = a.budget_gib * GIB
+    if a.budget_gib is not None and a.expert_budget_gib is not None:
+        print("gpu_llama_report: error: give --budget-gib or --expert-budget-gib, not both", file=sys.stderr)
+        return 1
+    if a.budget_gib is not None or a.expert_budget_gib is not None:
+        experts_only = a.expert_budget_gib is not None
+        g = a.expert_budget_gib if experts_only else a.budget_gib
+        what = "routed experts" if experts_only else "weights"
         pick = None
         for n in range(0, n_layer + 1):
-            if gpu_weight_bytes(sizes, n) <= budget:
+            if gpu_weight_bytes(sizes, n, experts_only) <= g * GIB:
                 pick = n
                 break
         if pick is None:
             print(f"gpu_llama_report: error: even with every layer's experts on the CPU the weights on "
-                  f"the GPU ({gpu_weight_bytes(sizes, n_layer) / GIB:.2f} GiB) exceed {a.budget_gib} GiB",
+                  f"the GPU ({gpu_weight_bytes(sizes, n_layer) / GIB:.2f} GiB) exceed {g} GiB",
                   file=sys.stderr)
             return 1
-        print(f"  budget {a.budget_gib} GiB -> --n-cpu-moe {pick}: weights on the GPU "
-              f"{gpu_weight_bytes(sizes, pick) / GIB:.2f} GiB (estimate)")
+        print(f"  budget {g} GiB of {what} -> --n-cpu-moe {pick}: weights on the GPU "
+              f"{gpu_weight_bytes(sizes, pick) / GIB:.2f} GiB, of which routed experts "
+              f"{gpu_weight_bytes(sizes, pick, True) / GIB:.2f} GiB (estimate)")
         print(pick)
     return 0
 
@@ -131,7 +147,7 @@ def cmd_report(a) -> int:
           f"-b {first.get('n_batch')} -ub {first.get('n_ubatch')} KV {first.get('type_k')}/{first.get('type_v')}, "
           f"{len(runs[0]['pp']['samples_ts']) if runs[0]['pp'] else '?'} repetitions (mean ± std)")
     print()
-    print(f"| llama.cpp {first.get('backends', '?')}, Q4_1 | --n-cpu-moe | weights on GPU (GiB, est.) | peak VRAM (GiB) | "
+    print(f"| llama.cpp {first.get('backends', '?')}, {weight_label(Path(a.gguf))} | --n-cpu-moe | weights on GPU (GiB, est.) | peak VRAM (GiB) | "
           f"pp{pp_n} tok/s | tg{tg_n} tok/s |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in runs:
@@ -149,6 +165,7 @@ def main(argv=None) -> int:
     p = sub.add_parser("plan")
     p.add_argument("gguf")
     p.add_argument("--budget-gib", type=float)
+    p.add_argument("--expert-budget-gib", type=float)
     p.add_argument("--n-cpu-moe", type=int, nargs="*", default=[])
     r = sub.add_parser("report")
     r.add_argument("--gguf", required=True)

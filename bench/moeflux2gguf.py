@@ -6,20 +6,30 @@ usage: moeflux2gguf.py MODEL_DIR OUT.gguf [--type q4_1|q4_0|f32] [--tokenizer TO
 
 MODEL_DIR is what `moeflux convert` (or `moeflux synth`) writes: moeflux.json, config.json,
 dense.safetensors and experts/layer_NNN.bin (docs/FORMAT.md). Supported architectures:
-qwen3_5_moe -> llama.cpp `qwen35moe`, and qwen3_next -> `qwen3next` (models whose every layer is
-MoE: llama.cpp's qwen3next has no dense-MLP layers).
+qwen3_5_moe -> llama.cpp `qwen35moe`, qwen3_next -> `qwen3next` (models whose every layer is
+MoE: llama.cpp's qwen3next has no dense-MLP layers), and gpt_oss -> `gpt-oss` (q/k/v/o with
+their biases, attention sinks, router weight and bias, gate/up/down experts with their bias
+tables; sliding window and per-layer pattern from config.json's layer_types; YaRN factor and
+original context; llama.cpp hard-codes gpt-oss's SwiGLU alpha 1.702 / limit 7.0 and YaRN beta
+32 / 1, so other values are refused).
 
---type q4_1 (default): every MLX affine 4-bit tensor whose group size is a multiple of 32 is
-    repacked losslessly into ggml Q4_1: each group splits into 32-element blocks that all carry
+--type q4_1 (default): every MXFP4 tensor (docs/FORMAT.md, `"mode": "mxfp4"`: gpt-oss's experts
+    as released) becomes ggml MXFP4 bit for bit: one 32-element group is one block_mxfp4, its
+    e8m0 byte unchanged and qs[j] = q[j] | q[j+16] << 4 with the e2m1 codes unchanged (ggml's
+    kvalues_mxfp4 are the e2m1 values doubled and GGML_E8M0_TO_FP32_HALF(e) = 2^(e-128), so
+    its weights are exactly moeflux's e2m1(q) * 2^(e-127); moeflux's -0 reads as +0; a scale
+    byte 255, NaN in moeflux and finite in ggml, is refused). Every MLX affine 4-bit tensor whose
+    group size is a multiple of 32 is repacked losslessly into ggml Q4_1: each group splits into 32-element blocks that all carry
     the group's d = scale and m = bias (bf16 -> f16 must be exact, which is checked), with
     qs[j] = q[j] | q[j+16] << 4. Every other quantized tensor (8-bit routers and shared-expert
     gates, other widths) is dequantized exactly to F32 (w = q * scale + bias in f32); float
     tensors are written as F32.
---type f32: every tensor as F32; quantized ones dequantized exactly as above. The dequantized
-    values of a Q4_1 export equal the F32 export bit for bit (bench/check_gguf_export.py).
+--type f32: every tensor as F32; quantized ones dequantized exactly as above (MXFP4: e2m1(q) *
+    2^(s-127) in f32, exact). The dequantized values of a Q4_1 export equal the F32 export bit for
+    bit (bench/check_gguf_export.py, bench/test_moeflux2gguf.py).
 --type q4_0: the Q4_1 export requantized with llama.cpp's own `llama-quantize --allow-requantize
     ... Q4_0` (llama.cpp's standard Q4_0 recipe: it keeps routers and SSM tensors unquantized and
-    gives the output head a higher precision type). Needs --llama-quantize (default: the binary
+    gives the output head a higher precision type; MXFP4 experts become Q4_0 too). Needs --llama-quantize (default: the binary
     bench/setup.sh builds, or $LLAMA_QUANTIZE).
 
 Layout changes (all lossless): Qwen3.5 linear-attention V heads are reordered from grouped to
@@ -149,14 +159,30 @@ def read_at(path: Path, offset: int, nbytes: int) -> np.ndarray:
 
 
 class QTensor:
-    """An MLX affine-quantized matrix (or a stack of them): codes as bytes, f32 scales/biases."""
+    """A quantized matrix (or a stack of them) of a moeflux model directory: codes as bytes and,
+    for MLX affine, f32 scales/biases; for MXFP4 (mode "mxfp4"), the raw e8m0 scale bytes
+    (uint8) and no biases."""
 
-    def __init__(self, codes: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int,
-                 group_size: int, cols: int):
-        # codes: uint8 (..., rows, cols*bits/8); scales/biases: f32 (..., rows, cols/group_size)
+    def __init__(self, codes: np.ndarray, scales: np.ndarray, biases: np.ndarray | None, bits: int,
+                 group_size: int, cols: int, mode: str = "affine"):
+        # codes: uint8 (..., rows, cols*bits/8); scales/biases: (..., rows, cols/group_size)
         self.codes, self.scales, self.biases = codes, scales, biases
-        self.bits, self.group_size, self.cols = bits, group_size, cols
+        self.bits, self.group_size, self.cols, self.mode = bits, group_size, cols, mode
         self.shape = tuple(codes.shape[:-1]) + (cols,)
+
+
+def quant_mode(q: dict, what: str) -> str:
+    """The `mode` of a `quantized` entry or an expert component's `quant` (docs/FORMAT.md):
+    absent or "affine" = MLX affine; "mxfp4" = 4-bit e2m1 codes with e8m0 scales per 32."""
+    mode = q.get("mode", "affine")
+    if mode == "affine":
+        return mode
+    if mode == "mxfp4":
+        if int(q["bits"]) != 4 or int(q["group_size"]) != 32:
+            raise ExportError(f"{what}: mxfp4 with bits {q['bits']} group_size {q['group_size']} "
+                              "(MXFP4 is 4 bits in groups of 32)")
+        return mode
+    raise ExportError(f"{what}: unknown quantization mode {mode!r} (affine, mxfp4)")
 
 
 def unpack_codes(codes: np.ndarray, bits: int, cols: int) -> np.ndarray:
@@ -211,14 +237,20 @@ class Model:
     def is_quantized(self, module: str) -> bool:
         return module in self.quant
 
-    def qinfo(self, module: str) -> tuple[int, int]:
+    def qinfo(self, module: str) -> tuple[int, int, str]:
         q = self.quant[module]
-        return int(q["bits"]), int(q["group_size"])
+        return int(q["bits"]), int(q["group_size"]), quant_mode(q, f"quantized[{module}]")
 
     def dense_q(self, module: str) -> QTensor:
-        bits, gs = self.qinfo(module)
+        bits, gs, mode = self.qinfo(module)
         w = self.dense.raw(module + ".weight")  # U32 (rows, cols*bits/32)
         cols = w.shape[-1] * 32 // bits
+        if mode == "mxfp4":
+            s = self.dense.raw(module + ".scales")
+            if self.dense.dtype(module + ".scales") != "U8" or s.shape != (w.shape[0], cols // 32):
+                raise ExportError(f"{module}.scales: {self.dense.dtype(module + '.scales')} "
+                                  f"{list(s.shape)}, expected U8 {[w.shape[0], cols // 32]} (mxfp4)")
+            return QTensor(w.view(np.uint8), s, None, bits, gs, cols, mode)
         return QTensor(w.view(np.uint8), self.dense.f32(module + ".scales"),
                        self.dense.f32(module + ".biases"), bits, gs, cols)
 
@@ -246,6 +278,7 @@ class Model:
             raise ExportError(f"{path} is shorter than {n} experts of stride {stride}")
         rows, cols = int(comp["rows"]), int(comp["cols"])
         bits, gs = int(comp["quant"]["bits"]), int(comp["quant"]["group_size"])
+        mode = quant_mode(comp["quant"], f"layer {layer} {proj}")
 
         def piece(key: str, width: int) -> np.ndarray:
             p = comp[key]
@@ -268,6 +301,11 @@ class Model:
             view, size = fl[dt]
             return to_f32(piece(key, ng * size).view(view), dt)
 
+        if mode == "mxfp4":
+            if comp["scales"].get("dtype") != "U8":
+                raise ExportError(f"layer {layer} {proj}.scales: dtype {comp['scales'].get('dtype')}, "
+                                  "expected U8 (mxfp4 e8m0)")
+            return QTensor(codes, piece("scales", ng), None, bits, gs, cols, mode)
         s, b = floats("scales"), floats("biases")
         return QTensor(codes, s, b, bits, gs, cols)
 
@@ -309,23 +347,69 @@ def q41_rows(codes, scales, biases, gs, cols, what: str) -> np.ndarray:
     return out.reshape(lead + (nblk * 20,))
 
 
+# MXFP4 (docs/FORMAT.md): code bit 3 is the sign, bits 0-2 index the e2m1 magnitudes (code 8 is -0)
+E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+# 2^(s-127) for every e8m0 byte s, exactly: the f32 with exponent field s for s >= 1, the subnormal
+# 2^-127 for s = 0. (255 is NaN in moeflux and is refused before this table is used.)
+E8M0 = np.concatenate([[0x00400000], np.arange(1, 256, dtype=np.uint32) << 23]).astype(np.uint32).view(np.float32)
+MXFP4_BLOCK = 17  # ggml block_mxfp4: 1 e8m0 byte + 16 bytes of codes
+
+
+def check_e8m0(e: np.ndarray, what: str) -> None:
+    """Scale byte 255 makes moeflux's weights NaN (docs/FORMAT.md) but ggml reads it as a finite
+    2^127 (ggml_e8m0_to_fp32_half handles no NaN), so such a tensor has no lossless export."""
+    if (e == 255).any():
+        raise ExportError(f"{what}: an MXFP4 scale byte is 255 (NaN in moeflux, finite in ggml): "
+                          "no ggml type holds the same weights")
+
+
+def mxfp4_dequant_rows(codes, e, cols) -> np.ndarray:
+    """Exact MXFP4 dequantization: e2m1(q) * 2^(s-127) in f32 (exact: every product is a
+    representable f32, 2^-128 at the smallest)."""
+    q = unpack_codes(codes, 4, cols).reshape(codes.shape[:-1] + (cols // 32, 32))
+    out = E2M1[q] * E8M0[e][..., None]
+    return out.reshape(out.shape[:-2] + (cols,))
+
+
+def mxfp4_rows(codes, e, cols) -> np.ndarray:
+    """moeflux MXFP4 -> ggml block_mxfp4, uint8 (..., cols/32*17). A bit-level repack: each
+    32-element group is one block, e = the group's e8m0 byte unchanged, qs[j] = q[j] | q[j+16] << 4
+    with the codes unchanged. ggml's kvalues_mxfp4 table is the e2m1 magnitudes doubled (0, 1, 2,
+    3, 4, 6, 8, 12, sign in bit 3) and GGML_E8M0_TO_FP32_HALF(e) = 2^(e-128), so ggml's value
+    2*v * 2^(e-128) equals moeflux's v * 2^(e-127) exactly (code 8, -0 in moeflux, is +0 in ggml)."""
+    nblk = cols // 32
+    lead = codes.shape[:-1]
+    q = unpack_codes(codes, 4, cols).reshape(lead + (nblk, 32))
+    out = np.empty(lead + (nblk, MXFP4_BLOCK), dtype=np.uint8)
+    out[..., 0] = e
+    out[..., 1:] = q[..., :16] | (q[..., 16:] << 4)
+    return out.reshape(lead + (nblk * MXFP4_BLOCK,))
+
+
 ROW_CHUNK = 8192
 
 
-def convert_q(q: QTensor, as_q41: bool, what: str) -> np.ndarray:
-    """QTensor -> Q4_1 bytes (..., rows, cols/32*20) or f32 (..., rows, cols), in row chunks."""
+def convert_q(q: QTensor, native: bool, what: str) -> np.ndarray:
+    """QTensor -> ggml blocks when `native` (Q4_1 for affine 4-bit, MXFP4 for mxfp4; uint8
+    (..., rows, bytes per row)) or f32 (..., rows, cols), in row chunks."""
+    mx = q.mode == "mxfp4"
+    if mx:
+        check_e8m0(q.scales, what)
     lead = q.codes.shape[:-1]
-    width = q.cols // QK * 20 if as_q41 else q.cols
-    out = np.empty(lead + (width,), dtype=np.uint8 if as_q41 else np.float32)
+    width = (q.cols // QK * (MXFP4_BLOCK if mx else 20)) if native else q.cols
+    out = np.empty(lead + (width,), dtype=np.uint8 if native else np.float32)
     codes = q.codes.reshape((-1,) + q.codes.shape[-2:]) if q.codes.ndim == 3 else q.codes[None]
     sc = q.scales.reshape((-1,) + q.scales.shape[-2:])
-    bi = q.biases.reshape((-1,) + q.biases.shape[-2:])
+    bi = None if mx else q.biases.reshape((-1,) + q.biases.shape[-2:])
     o = out.reshape((-1,) + out.shape[-2:])
     for e in range(codes.shape[0]):
         for r0 in range(0, codes.shape[1], ROW_CHUNK):
             r1 = min(r0 + ROW_CHUNK, codes.shape[1])
             c = np.asarray(codes[e, r0:r1])
-            if as_q41:
+            if mx:
+                o[e, r0:r1] = (mxfp4_rows(c, sc[e, r0:r1], q.cols) if native
+                               else mxfp4_dequant_rows(c, sc[e, r0:r1], q.cols))
+            elif native:
                 o[e, r0:r1] = q41_rows(c, sc[e, r0:r1], bi[e, r0:r1], q.group_size, q.cols, what)
             else:
                 o[e, r0:r1] = dequant_rows(c, sc[e, r0:r1], bi[e, r0:r1], q.bits, q.group_size, q.cols)
@@ -343,6 +427,8 @@ class Out:
         n = int(np.prod(self.shape[:-1], dtype=np.int64)) if len(self.shape) > 1 else 1
         if self.qtype == gguf.GGMLQuantizationType.Q4_1:
             return n * (self.shape[-1] // QK) * 20
+        if self.qtype == gguf.GGMLQuantizationType.MXFP4:
+            return n * (self.shape[-1] // QK) * MXFP4_BLOCK
         return n * self.shape[-1] * 4
 
 
@@ -356,11 +442,17 @@ class Exporter:
         self.want_q41 = want_q41
         self.tc = model.tc
         self.outs: list[Out] = []
-        self.counts = {"Q4_1": 0, "F32": 0}
+        self.counts = {"Q4_1": 0, "MXFP4": 0, "F32": 0}
 
     # generic adders ----------------------------------------------------------------------
     def _type_for(self, q: QTensor | None, col_head: int | None = None):
-        if q is not None and self.want_q41 and q41_ok(q) and (col_head is None or col_head % QK == 0):
+        """The ggml type a quantized tensor is repacked into losslessly (unless --type f32):
+        MXFP4 for mxfp4, Q4_1 for affine 4-bit in groups of a multiple of 32; else F32."""
+        if q is None or not self.want_q41 or (col_head is not None and col_head % QK):
+            return gguf.GGMLQuantizationType.F32
+        if q.mode == "mxfp4" and q.cols % QK == 0:
+            return gguf.GGMLQuantizationType.MXFP4
+        if q.mode == "affine" and q41_ok(q):
             return gguf.GGMLQuantizationType.Q4_1
         return gguf.GGMLQuantizationType.F32
 
@@ -376,31 +468,32 @@ class Exporter:
         if not m.has(module):
             raise ExportError(f"tensor {module} missing from the model directory")
         if m.is_quantized(module):
-            bits, gs = m.qinfo(module)
+            bits, gs, mode = m.qinfo(module)
             w = m.dense.raw(module + ".weight")
             shape = (w.shape[0], w.shape[1] * 32 // bits)
-            probe = QTensor(np.empty((0, 0), np.uint8), None, None, bits, gs, shape[1])
+            probe = QTensor(np.empty((0, 0), np.uint8), None, None, bits, gs, shape[1], mode)
             qtype = (gguf.GGMLQuantizationType.F32 if flatten else
                      self._type_for(probe, col_perm_heads[0] if col_perm_heads else None))
         else:
             shape = m.dense.shape(module + ".weight" if module + ".weight" in m.dense else module)
             qtype = gguf.GGMLQuantizationType.F32
-        as_q41 = qtype == gguf.GGMLQuantizationType.Q4_1
+        native = qtype != gguf.GGMLQuantizationType.F32  # Q4_1 or MXFP4 blocks
         if row_perm is not None:
             shape = (len(row_perm),) + tuple(shape[1:])
 
         def produce():
             if m.is_quantized(module):
-                a = convert_q(m.dense_q(module), as_q41, module)
+                a = convert_q(m.dense_q(module), native, module)
             else:
                 a = m.dense_float(module)
             if row_perm is not None:
                 a = a[row_perm]
             if col_perm_heads is not None:
                 hd, order = col_perm_heads
-                unit = hd // QK * 20 if as_q41 else hd
+                blk = MXFP4_BLOCK if qtype == gguf.GGMLQuantizationType.MXFP4 else 20
+                unit = hd // QK * blk if native else hd
                 a = a.reshape(a.shape[0], len(order), unit)[:, order].reshape(a.shape[0], -1)
-            if as_q41:
+            if native:
                 return np.ascontiguousarray(a)
             a = np.ascontiguousarray(a, dtype=np.float32)
             return a.reshape(-1) if flatten else a
@@ -417,15 +510,16 @@ class Exporter:
         if comp is None:
             raise ExportError(f"layer {layer}: expert component {proj} missing")
         bits, gs = int(comp["quant"]["bits"]), int(comp["quant"]["group_size"])
-        probe = QTensor(np.empty((0, 0), np.uint8), None, None, bits, gs, int(comp["cols"]))
+        mode = quant_mode(comp["quant"], f"layer {layer} {proj}")
+        probe = QTensor(np.empty((0, 0), np.uint8), None, None, bits, gs, int(comp["cols"]), mode)
         qtype = self._type_for(probe)
         shape = (int(e["num_experts"]), int(comp["rows"]), int(comp["cols"]))
-        as_q41 = qtype == gguf.GGMLQuantizationType.Q4_1
-        if not as_q41 and self.want_q41:
+        native = qtype != gguf.GGMLQuantizationType.F32  # Q4_1 or MXFP4 blocks
+        if not native and self.want_q41:
             print(f"moeflux2gguf: note: layer {layer} experts are {bits}-bit g{gs}: no lossless ggml "
                   "type, written as F32", file=sys.stderr)
         self.outs.append(Out(name, shape, qtype,
-                             lambda: convert_q(m.expert_q(layer, proj), as_q41, f"layer {layer} {proj}")))
+                             lambda: convert_q(m.expert_q(layer, proj), native, f"layer {layer} {proj}")))
 
     # qwen3_5_moe / qwen3_next --------------------------------------------------------------
     def v_tiled(self, n: int, unit: int) -> np.ndarray:
@@ -440,6 +534,8 @@ class Exporter:
     def build(self):
         m, tc = self.m, self.tc
         arch = m.arch
+        if arch == "gpt_oss":
+            return self._build_gpt_oss()
         L = int(tc["num_hidden_layers"])
         interval = int(tc.get("full_attention_interval", 4))
         if arch == "qwen3_5_moe":
@@ -455,7 +551,7 @@ class Exporter:
             if not tc.get("norm_topk_prob", True):
                 raise ExportError("norm_topk_prob is false: llama.cpp's qwen3next always renormalizes")
         else:
-            raise ExportError(f"architecture {arch!r} is not supported (qwen3_5_moe, qwen3_next)")
+            raise ExportError(f"architecture {arch!r} is not supported (qwen3_5_moe, qwen3_next, gpt_oss)")
         nk, nv = int(tc["linear_num_key_heads"]), int(tc["linear_num_value_heads"])
         dk, dv = int(tc["linear_key_head_dim"]), int(tc["linear_value_head_dim"])
         if dk != dv:
@@ -495,6 +591,47 @@ class Exporter:
             self.add_module(f"blk.{i}.ffn_gate_shexp.weight", mlp + "shared_expert.gate_proj")
             self.add_module(f"blk.{i}.ffn_up_shexp.weight", mlp + "shared_expert.up_proj")
             self.add_module(f"blk.{i}.ffn_down_shexp.weight", mlp + "shared_expert.down_proj")
+
+    # gpt_oss -------------------------------------------------------------------------------
+    def gpt_oss_layer_swa(self) -> list[bool]:
+        """Per layer: sliding-window attention? (config.json `layer_types`, else sliding/full
+        alternating from layer 0, as moeflux's config parser reads it)."""
+        L = int(self.tc["num_hidden_layers"])
+        types = self.tc.get("layer_types")
+        if types is None:
+            return [i % 2 == 0 for i in range(L)]
+        if len(types) != L or any(t not in ("sliding_attention", "full_attention") for t in types):
+            raise ExportError(f"config.json layer_types {types!r}: expected {L} entries of "
+                              "sliding_attention / full_attention")
+        return [t == "sliding_attention" for t in types]
+
+    def _build_gpt_oss(self):
+        m, tc = self.m, self.tc
+        L = int(tc["num_hidden_layers"])
+        # llama.cpp hard-codes gpt-oss's SwiGLU (alpha 1.702, limit 7.0), as moeflux does.
+        if float(tc.get("swiglu_limit", 7.0)) != 7.0:
+            raise ExportError(f"swiglu_limit {tc['swiglu_limit']}: llama.cpp's gpt-oss uses 7.0")
+        self.gpt_oss_layer_swa()
+        self.add_module("token_embd.weight", "model.embed_tokens")
+        self.add_module("output_norm.weight", "model.norm.weight")
+        # llama.cpp's gpt-oss requires output.weight: tied embeddings are written twice.
+        self.add_module("output.weight", "lm_head" if m.has("lm_head") else "model.embed_tokens")
+        for i in range(L):
+            p = f"model.layers.{i}."
+            a, mlp = p + "self_attn.", p + "mlp."
+            self.add_module(f"blk.{i}.attn_norm.weight", p + "input_layernorm.weight")
+            self.add_module(f"blk.{i}.post_attention_norm.weight", p + "post_attention_layernorm.weight")
+            for x, proj in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("output", "o_proj")):
+                self.add_module(f"blk.{i}.attn_{x}.weight", a + proj)
+                self.add_module(f"blk.{i}.attn_{x}.bias", a + proj + ".bias")
+            self.add_module(f"blk.{i}.attn_sinks.weight", a + "sinks")
+            self.add_module(f"blk.{i}.ffn_gate_inp.weight", mlp + "router")
+            self.add_module(f"blk.{i}.ffn_gate_inp.bias", mlp + "router.bias")
+            # moeflux keeps gate and up apart (mlx-lm's sanitize splits the checkpoint's
+            # interleaved gate_up_proj into [::2] and [1::2]), as llama.cpp's loader wants them.
+            for x in ("gate", "up", "down"):
+                self.add_experts(f"blk.{i}.ffn_{x}_exps.weight", i, f"{x}_proj")
+                self.add_module(f"blk.{i}.ffn_{x}_exps.bias", mlp + f"switch_mlp.{x}_proj.bias")
 
     def _ssm_common(self, i: int, la: str, vperm_heads: np.ndarray | None, conv_perm: np.ndarray | None):
         m = self.m
@@ -552,6 +689,8 @@ class Exporter:
     # metadata ------------------------------------------------------------------------------
     def write_kv(self, w: gguf.GGUFWriter, name: str):
         tc, arch = self.tc, self.m.arch
+        if arch == "gpt_oss":
+            return self._write_kv_gpt_oss(w, name)
         w.add_name(name)
         w.add_block_count(int(tc["num_hidden_layers"]))
         w.add_context_length(int(tc.get("max_position_embeddings", 4096)))
@@ -585,12 +724,66 @@ class Exporter:
         w.add_ssm_inner_size(int(tc["linear_value_head_dim"]) * int(tc["linear_num_value_heads"]))
         w.add_full_attention_interval(int(tc.get("full_attention_interval", 4)))
 
+    def _write_kv_gpt_oss(self, w: gguf.GGUFWriter, name: str):
+        """What llama.cpp's gpt-oss loader (src/models/openai-moe.cpp and the generic hparams)
+        reads, from config.json as moeflux's config parser reads it (config/gpt_oss.rs)."""
+        tc = self.tc
+        hd = int(tc.get("head_dim", tc["hidden_size"] // tc["num_attention_heads"]))
+        width = int(tc["intermediate_size"])
+        w.add_name(name)
+        w.add_block_count(int(tc["num_hidden_layers"]))
+        w.add_context_length(int(tc.get("max_position_embeddings", 131072)))
+        w.add_embedding_length(int(tc["hidden_size"]))
+        w.add_feed_forward_length(width)
+        w.add_head_count(int(tc["num_attention_heads"]))
+        w.add_head_count_kv(int(tc["num_key_value_heads"]))
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+        w.add_layer_norm_rms_eps(float(tc["rms_norm_eps"]))
+        w.add_expert_count(int(tc.get("num_local_experts", 128)))
+        w.add_expert_used_count(int(tc.get("num_experts_per_tok", 4)))
+        w.add_expert_feed_forward_length(width)
+        w.add_sliding_window(int(tc.get("sliding_window", 128)))
+        # the exact per-layer pattern (llama.cpp's default, 2, means the same alternation)
+        w.add_sliding_window_pattern(self.gpt_oss_layer_swa())
+        w.add_rope_freq_base(float(tc.get("rope_theta", 150000)))
+        w.add_rope_dimension_count(hd)  # full rotary; llama.cpp's gpt-oss sizes q/k by n_rot
+        rs = tc.get("rope_scaling") or {}
+        kind = rs.get("rope_type", rs.get("type", "default"))
+        if kind == "yarn":
+            # llama.cpp reads factor and original context from the GGUF; beta_fast/slow keys
+            # exist but its loader ignores them (32 and 1 are built in), and its attention factor
+            # is mlx-lm's (mscale 1) unless yarn_log_multiplier (= mscale_all_dim) is given. Its
+            # correction range is floored/ceiled, as mlx-lm's YarnRoPE and moeflux do (HF's
+            # `truncate: false` is ignored by both).
+            bf, bs = float(rs.get("beta_fast", 32.0)), float(rs.get("beta_slow", 1.0))
+            if (bf, bs) != (32.0, 1.0):
+                raise ExportError(f"rope_scaling beta_fast {bf} / beta_slow {bs}: llama.cpp's loader "
+                                  "always uses 32 / 1")
+            if float(rs.get("mscale", 1.0)) != 1.0:
+                raise ExportError(f"rope_scaling.mscale {rs['mscale']}: llama.cpp assumes 1")
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(float(rs["factor"]))
+            w.add_rope_scaling_orig_ctx_len(int(rs.get("original_max_position_embeddings", 4096)))
+            w.add_rope_scaling_yarn_beta_fast(bf)
+            w.add_rope_scaling_yarn_beta_slow(bs)
+            if float(rs.get("mscale_all_dim", 0.0)):
+                w.add_rope_scaling_yarn_log_mul(float(rs["mscale_all_dim"]))
+        elif kind == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(float(rs["factor"]))
+        elif kind == "default":
+            w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+        else:
+            raise ExportError(f"rope_scaling type {kind!r} is not supported for gpt_oss (yarn, linear)")
+
 
 # ---------------------------------------------------------------------------------------------
 # vocabulary
 
 
 QWEN35_MARK = r"[\p{L}\p{M}]+"
+GPT4O_MARK = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"  # o200k (gpt-oss)
 
 
 def write_vocab(w: gguf.GGUFWriter, model: Model, tokenizer: Path | None) -> str:
@@ -622,7 +815,8 @@ def write_vocab(w: gguf.GGUFWriter, model: Model, tokenizer: Path | None) -> str
                 tokens[i] = f"[PAD{i}]"
                 types[i] = tt.UNUSED
         merges = [" ".join(x) if isinstance(x, list) else x for x in mdl.get("merges", [])]
-        pre = "qwen35" if QWEN35_MARK in json.dumps(tj.get("pre_tokenizer")).replace("\\\\", "\\") else "qwen2"
+        pt = json.dumps(tj.get("pre_tokenizer")).replace("\\\\", "\\")
+        pre = "gpt-4o" if GPT4O_MARK in pt else "qwen35" if QWEN35_MARK in pt else "qwen2"
         desc = f"{tok_path} ({n_real} tokens, {len(merges)} merges, pre-tokenizer {pre})"
         template = None
         tcfg = tok_path.parent / "tokenizer_config.json"
@@ -674,14 +868,19 @@ def default_llama_quantize() -> str | None:
     return str(cand) if cand.is_file() else None
 
 
+GGUF_ARCH = {"qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next", "gpt_oss": "gpt-oss"}
+
+
 def write_gguf(model: Model, out: Path, want_q41: bool, tokenizer: Path | None, quiet: bool) -> dict:
     ex = Exporter(model, want_q41)
     ex.build()
-    w = gguf.GGUFWriter(None, "qwen35moe" if model.arch == "qwen3_5_moe" else "qwen3next")
+    w = gguf.GGUFWriter(None, GGUF_ARCH[model.arch])
     ex.write_kv(w, model.root.name)
     vocab_desc = write_vocab(w, model, tokenizer)
-    any_q41 = any(o.qtype == gguf.GGMLQuantizationType.Q4_1 for o in ex.outs)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1 if any_q41 else gguf.LlamaFileType.ALL_F32)
+    types = {o.qtype for o in ex.outs}
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_MXFP4_MOE if gguf.GGMLQuantizationType.MXFP4 in types
+                    else gguf.LlamaFileType.MOSTLY_Q4_1 if gguf.GGMLQuantizationType.Q4_1 in types
+                    else gguf.LlamaFileType.ALL_F32)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for o in ex.outs:
         w.add_tensor_info(o.name, o.shape, np.dtype(np.float32), o.nbytes, raw_dtype=o.qtype)
@@ -696,7 +895,7 @@ def write_gguf(model: Model, out: Path, want_q41: bool, tokenizer: Path | None, 
         if a.nbytes != o.nbytes:
             raise ExportError(f"{o.name}: produced {a.nbytes} bytes, planned {o.nbytes}")
         w.write_tensor_data(a)
-        ex.counts["Q4_1" if o.qtype == gguf.GGMLQuantizationType.Q4_1 else "F32"] += 1
+        ex.counts[o.qtype.name] += 1
         done += o.nbytes
         del a
         if not quiet and sys.stderr.isatty() and (k % 16 == 15 or k == len(ex.outs) - 1):

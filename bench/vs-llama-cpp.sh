@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
 # moeflux vs llama.cpp, side by side on identical weights (prefill pp512, decode tg128).
 #
-#   bench/vs-llama-cpp.sh [--model DIR] [--threads T] [--reps R] [--warm|--cold] [--repack 0|1]
-#                         [--json FILE] [--rm-gguf]
+#   bench/vs-llama-cpp.sh [--model DIR | --preset NAME [--layers N]] [--threads T] [--reps R]
+#                         [--warm|--cold] [--repack 0|1] [--pp P] [--tg G] [--json FILE] [--rm-gguf]
+#
+# The issue-21 CPU target (gpt-oss-120b, 8 layers): bench/vs-llama-cpp.sh --preset gpt-oss-120b
 #
 # 1. moeflux: target/release/moeflux (built with cargo unless $MOEFLUX names a binary); it must
 #    have the `bench` subcommand.
-# 2. The model: --model DIR (a moeflux model directory), or by default the real-width 8-layer
-#    Qwen3.6-35B-A3B-shaped random model that `moeflux synth --preset qwen3.6-35b-a3b --layers 8`
-#    writes into $CACHE/models/ (made once).
+# 2. The model: --model DIR (a moeflux model directory), or the real-width random model that
+#    `moeflux synth --preset NAME --layers N` writes into $CACHE/models/ (made once; default
+#    qwen3.6-35b-a3b, 8 layers; e.g. gpt-oss-20b, gpt-oss-120b: see `moeflux synth --help`).
 # 3. bench/setup.sh: llama.cpp's llama-bench and llama-quantize from the llama-cpp-python 0.3.36
 #    sdist, no AMX, cached in $CACHE (default target/bench; about 5 minutes the first time).
 # 4. The model as GGUF: Q4_1 by bench/moeflux2gguf.py (a lossless repack of moeflux's 4-bit
-#    weights: identical weights), and Q4_0 by `llama-quantize --allow-requantize` from that Q4_1
+#    weights, and MXFP4 experts, gpt-oss's, as ggml MXFP4: identical weights), and Q4_0 by `llama-quantize --allow-requantize` from that Q4_1
 #    (llama.cpp's standard Q4_0 recipe: what llama.cpp users run). Cached in $CACHE/gguf/, keyed
 #    by the model's moeflux.json and the exporter; --rm-gguf deletes them at the end.
-# 5. llama-bench -p 512 -n 128 -t T -r R --repack 1 -o json on each GGUF, and
+# 5. llama-bench -p P -n G (default 512 / 128) -t T -r R --repack 1 -o json on each GGUF, and
 #    `moeflux bench --model DIR --prompt-len 512 --gen 128 --threads T --json --reps R`. Both
 #    time pp from an empty context and tg as tokens fed one by one from an empty context, after
 #    an untimed warm-up, and report the mean and sample std of the per-repetition tok/s.
@@ -41,6 +43,8 @@ REPS=3
 MODE=warm
 REPACK=1
 MODEL=
+PRESET=qwen3.6-35b-a3b
+LAYERS=8
 JSON_OUT=
 RM_GGUF=0
 PP=512
@@ -48,11 +52,15 @@ TG=128
 
 die() { echo "vs-llama-cpp: error: $*" >&2; exit 1; }
 note() { echo "vs-llama-cpp: $*" >&2; }
-usage() { sed -n '2,28p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,32p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
 while [[ $# -gt 0 ]]; do
   case $1 in
     --model) MODEL=${2:?--model needs a directory}; shift 2 ;;
+    --preset) PRESET=${2:?--preset needs a name}; shift 2 ;;
+    --layers) LAYERS=${2:?--layers needs a number}; shift 2 ;;
+    --pp) PP=${2:?--pp needs a number}; shift 2 ;;
+    --tg) TG=${2:?--tg needs a number}; shift 2 ;;
     --threads|-t) THREADS=${2:?--threads needs a number}; shift 2 ;;
     --reps|-r) REPS=${2:?--reps needs a number}; shift 2 ;;
     --warm) MODE=warm; shift ;;
@@ -67,6 +75,9 @@ done
 [[ $THREADS =~ ^[1-9][0-9]*$ ]] || die "--threads must be a positive integer"
 [[ $REPS =~ ^[1-9][0-9]*$ ]] || die "--reps must be a positive integer"
 [[ $REPACK == 0 || $REPACK == 1 ]] || die "--repack must be 0 or 1"
+[[ $LAYERS =~ ^[1-9][0-9]*$ ]] || die "--layers must be a positive integer"
+[[ $PP =~ ^[0-9]+$ && $TG =~ ^[0-9]+$ ]] || die "--pp and --tg must be non-negative integers"
+[[ $PRESET =~ ^[A-Za-z0-9._-]+$ ]] || die "--preset '$PRESET' is not a preset name"
 
 # --- moeflux, and its bench subcommand (checked first: fail before any long step) -----------
 FAKE_JSON=${MOEFLUX_BENCH_JSON:-}
@@ -89,15 +100,15 @@ fi
 
 # --- the model ---------------------------------------------------------------------------------
 if [[ -z $MODEL ]]; then
-  MODEL=$CACHE/models/synth-qwen3.6-35b-a3b-8L
+  MODEL=$CACHE/models/synth-$PRESET-${LAYERS}L
   if [[ ! -f $MODEL/moeflux.json ]]; then
     if ! "$MOEFLUX" synth --help >/dev/null 2>&1; then
       die "no --model given, and '$MOEFLUX synth' is not available in this build (it is coming on
   branch 'synth'); pass --model DIR with a moeflux model directory (e.g. from 'moeflux convert')"
     fi
-    note "creating the default model: moeflux synth --preset qwen3.6-35b-a3b --layers 8 $MODEL"
+    note "creating the model: moeflux synth --preset $PRESET --layers $LAYERS $MODEL"
     mkdir -p "$CACHE/models"
-    "$MOEFLUX" synth --preset qwen3.6-35b-a3b --layers 8 "$MODEL" >&2 || die "moeflux synth failed"
+    "$MOEFLUX" synth --preset "$PRESET" --layers "$LAYERS" "$MODEL" >&2 || die "moeflux synth failed"
   fi
 fi
 [[ -f $MODEL/moeflux.json ]] || die "$MODEL is not a moeflux model directory (no moeflux.json)"
