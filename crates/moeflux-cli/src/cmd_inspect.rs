@@ -122,10 +122,14 @@ pub fn summary(m: &Manifest, c: &ModelConfig) -> Value {
     }
     for l in &m.experts {
         for comp in &l.components {
-            let desc = format!(
-                "{}-bit g{} ({} scales)",
-                comp.quant.bits, comp.quant.group_size, comp.scales.dtype
-            );
+            let desc = if comp.quant.is_mxfp4() {
+                "MXFP4 (e2m1 g32, e8m0 scales)".to_string()
+            } else {
+                format!(
+                    "{}-bit g{} ({} scales)",
+                    comp.quant.bits, comp.quant.group_size, comp.scales.dtype
+                )
+            };
             *groups
                 .entry("routed experts")
                 .or_default()

@@ -14,16 +14,18 @@ use crate::progress::{human_bytes, ConvertBar};
 pub struct SynthArgs {
     /// Model shape: qwen3.6-35b-a3b, qwen3.5-397b-a17b, qwen3-235b-a22b,
     /// qwen3-30b-a3b, glm-4.6, glm-4.5-air, cogito-v2-671b (DeepSeek-V3
-    /// architecture), or the test fixtures' sizes qwen3.5-tiny,
+    /// architecture), gpt-oss-120b, gpt-oss-20b, or the test fixtures' sizes qwen3.5-tiny,
     /// qwen3-moe-tiny, glm-4.5-tiny.
     #[arg(long, value_name = "NAME")]
     pub preset: String,
     /// Write only the first N layers (identical to the full model's).
     #[arg(long, value_name = "N")]
     pub layers: Option<usize>,
-    /// Width of the routed experts: 2, 4 or 8 bits (group size 64).
-    #[arg(long, value_name = "BITS", default_value_t = 4)]
-    pub expert_bits: u32,
+    /// Routed experts as MLX affine of this width: 2, 4 or 8 bits (group
+    /// size 64). Default: 4-bit affine, but MXFP4 (the release's format)
+    /// for the gpt-oss presets.
+    #[arg(long, value_name = "BITS")]
+    pub expert_bits: Option<u32>,
     /// The same seed gives the same bytes.
     #[arg(long, value_name = "S", default_value_t = 0)]
     pub seed: u64,
@@ -53,16 +55,18 @@ pub fn run(args: SynthArgs) -> Result<()> {
     let cancel = crate::cancel_on_ctrl_c()?;
     let bar = ConvertBar::new();
     let on_progress = |p: &ConvertProgress| bar.update(p);
+    let defaults = SynthOptions::new(preset.name, preset.spec);
     let opts = SynthOptions {
         layers: args.layers,
-        expert_bits: args.expert_bits,
+        expert_bits: args.expert_bits.unwrap_or(defaults.expert_bits),
+        expert_mxfp4: defaults.expert_mxfp4 && args.expert_bits.is_none(),
         seed: args.seed,
         router_skew,
         tokenizer: args.tokenizer.clone(),
         force: args.force,
         progress: Some(&on_progress),
         cancel: Some(&cancel),
-        ..SynthOptions::new(preset.name, preset.spec)
+        ..defaults
     };
     let result = synth(&args.dst, &opts);
     bar.finish();
@@ -70,13 +74,17 @@ pub fn run(args: SynthArgs) -> Result<()> {
 
     let bytes = r.dense_bytes + r.expert_bytes;
     println!(
-        "synthesized {} ({}, {} of {} layers, experts {}-bit, seed {}, router {}): {} tensors, \
+        "synthesized {} ({}, {} of {} layers, experts {}, seed {}, router {}): {} tensors, \
          dense {}, experts {} in {:.2} s ({:.0} MB/s) -> {}",
         args.preset,
         r.architecture,
         r.layers,
         r.preset_layers,
-        args.expert_bits,
+        if opts.expert_mxfp4 {
+            "MXFP4".to_string()
+        } else {
+            format!("{}-bit", opts.expert_bits)
+        },
         args.seed,
         router_skew.map_or("uniform".to_string(), |s| s.to_string()),
         r.tensors,

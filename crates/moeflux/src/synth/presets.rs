@@ -38,8 +38,8 @@ pub enum SynthSpec {
 /// A `gpt_oss` model (gpt-oss-20b/120b): GQA with sinks and biases,
 /// sliding-window (`sliding_window`) and full layers alternating, YaRN
 /// rotary (factor 32 over 4096 positions), every layer MoE with a biased
-/// router and biased experts (clamped SwiGLU). Experts are MLX affine here
-/// (the release's MXFP4 is not a synth format yet).
+/// router and biased experts (clamped SwiGLU). Experts are MXFP4 like the
+/// release's unless `--expert-bits` asks for MLX affine.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GptOssShape {
     pub hidden_size: usize,
