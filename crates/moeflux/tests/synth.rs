@@ -577,3 +577,52 @@ fn glm4_moe_synth_validates() {
         ],
     );
 }
+
+/// gpt-oss at small widths: MXFP4 experts by default (the release's
+/// format), affine when asked; either opens and gives unit-order logits.
+#[test]
+fn gpt_oss_synth_mxfp4_experts_open_with_sane_logits() {
+    let SynthSpec::GptOss(real) = find_preset("gpt-oss-20b").unwrap().spec else {
+        panic!("gpt-oss-20b is a gpt_oss preset")
+    };
+    let spec = SynthSpec::GptOss(moeflux::synth::GptOssShape {
+        hidden_size: 256,
+        num_layers: 4,
+        num_attention_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 64,
+        vocab_size: 512,
+        num_experts: 16,
+        experts_per_token: 4,
+        intermediate_size: 128,
+        sliding_window: 8,
+        ..real
+    });
+    let t = tempfile::tempdir().unwrap();
+    for mxfp4 in [true, false] {
+        let dir = make_spec(&t.path().join(format!("m{mxfp4}")), spec.clone(), |o| {
+            assert!(o.expert_mxfp4, "gpt-oss defaults to MXFP4 experts");
+            o.expert_mxfp4 = mxfp4;
+            o.router_skew = Some(RouterSkew::Zipf(1.0));
+        });
+        let m = Manifest::read(&dir.join("moeflux.json")).unwrap();
+        for c in m.experts.iter().flat_map(|l| &l.components) {
+            assert_eq!(c.quant.is_mxfp4(), mxfp4);
+            assert_eq!(c.biases.is_none(), mxfp4);
+        }
+        let cfg = moeflux::ModelConfig::from_dir(&dir).unwrap();
+        let q = cfg.quantization.as_ref().unwrap();
+        let gate = q
+            .for_module("model.layers.0.mlp.experts.gate_proj")
+            .unwrap();
+        assert_eq!(gate.is_mxfp4(), mxfp4);
+        let mut s = Session::open(&dir, SessionOptions::default()).unwrap();
+        let tokens: Vec<u32> = (0..24).map(|i| (i * 37 + 5) % 512).collect();
+        let logits = s.eval(&tokens, LogitsMode::All).unwrap();
+        assert!(logits.iter().all(|x| x.is_finite()));
+        for row in logits.chunks(512) {
+            let rms = (row.iter().map(|x| x * x).sum::<f32>() / 512.0).sqrt();
+            assert!((0.3..3.0).contains(&rms), "mxfp4 {mxfp4}: logit RMS {rms}");
+        }
+    }
+}

@@ -45,7 +45,8 @@ use crate::format::{
 use crate::model::schema::{self, WeightKind, EXPERT_COMPONENTS};
 
 pub use presets::{
-    find_preset, presets, DeepseekShape, GlmShape, Preset, Qwen3MoeShape, QwenShape, SynthSpec,
+    find_preset, presets, DeepseekShape, GlmShape, GptOssShape, Preset, Qwen3MoeShape, QwenShape,
+    SynthSpec,
 };
 
 use init::{Init, LinearInit};
