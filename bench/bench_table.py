@@ -120,7 +120,7 @@ def main() -> int:
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--moeflux", type=Path, required=True)
     ap.add_argument("--llama-q4_1", type=Path, required=True)
-    ap.add_argument("--llama-q4_0", type=Path, required=True)
+    ap.add_argument("--llama-q4_0", type=Path, help="omitted: no Q4_0 column (MXFP4-expert models)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--mode", default="warm")
@@ -134,7 +134,7 @@ def main() -> int:
 
     mf = moeflux_results(a.moeflux)
     q1 = llama_results(a.llama_q4_1, a.pp, a.tg)
-    q0 = llama_results(a.llama_q4_0, a.pp, a.tg)
+    q0 = llama_results(a.llama_q4_0, a.pp, a.tg) if a.llama_q4_0 else None
     info = q1["raw"][0] if q1["raw"] else {}
     lines = [
         f"model: {describe(a.model)}",
@@ -162,27 +162,32 @@ def main() -> int:
             lines.append(f"WARNING: the machine was not idle (up to {worst[1]['other_cpus']:.2f} CPUs used by other "
                          f"processes during {worst[0]}): these numbers are noisy")
     nat = native_label(a.model)
-    lines += [
-        "",
-        f"| test | moeflux tok/s | llama.cpp {nat} tok/s | llama.cpp Q4_0 tok/s | moeflux / {nat} | moeflux / Q4_0 |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
+    if q0:
+        lines += ["", f"| test | moeflux tok/s | llama.cpp {nat} tok/s | llama.cpp Q4_0 tok/s | moeflux / {nat} "
+                  "| moeflux / Q4_0 |", "|---|---:|---:|---:|---:|---:|"]
+    else:
+        lines += ["", f"| test | moeflux tok/s | llama.cpp {nat} tok/s | moeflux / {nat} |", "|---|---:|---:|---:|"]
     rows = []
     for key, name in (("pp", f"pp{a.pp}"), ("tg", f"tg{a.tg}")):
-        m, l1, l0 = mf[key], q1[key], q0[key]
+        m, l1 = mf[key], q1[key]
         r1 = m[0] / l1[0] if l1[0] else float("nan")
-        r0 = m[0] / l0[0] if l0[0] else float("nan")
-        lines.append(f"| {name} | {fmt(m)} | {fmt(l1)} | {fmt(l0)} | {r1:.2f} | {r0:.2f} |")
-        rows.append({"test": name, "moeflux_tok_s": m, "llama_q4_1_tok_s": l1, "llama_q4_0_tok_s": l0,
-                     "ratio_q4_1": r1, "ratio_q4_0": r0})
+        row = {"test": name, "moeflux_tok_s": m, "llama_q4_1_tok_s": l1, "ratio_q4_1": r1}
+        if q0:
+            l0 = q0[key]
+            r0 = m[0] / l0[0] if l0[0] else float("nan")
+            lines.append(f"| {name} | {fmt(m)} | {fmt(l1)} | {fmt(l0)} | {r1:.2f} | {r0:.2f} |")
+            row.update(llama_q4_0_tok_s=l0, ratio_q4_0=r0)
+        else:
+            lines.append(f"| {name} | {fmt(m)} | {fmt(l1)} | {r1:.2f} |")
+        rows.append(row)
     lines += ["", f"{nat} = moeflux's weights repacked losslessly (identical weights: affine 4-bit as Q4_1, "
-              f"MXFP4 as MXFP4); Q4_0 = llama-quantize's standard Q4_0 recipe from that {nat}. Ratios > 1: "
-              "moeflux is faster."]
+              "MXFP4 as MXFP4)" + (f"; Q4_0 = llama-quantize's standard Q4_0 recipe from that {nat}" if q0 else "")
+              + ". Ratios > 1: moeflux is faster."]
     print("\n".join(lines))
     if a.json:
         res = {"model": str(a.model), "description": describe(a.model), "threads": a.threads, "reps": a.reps,
                "mode": a.mode, "repack": a.repack, "moeflux_fake": a.fake_moeflux, "rows": rows,
-               "moeflux_runs": mf["runs"], "llama_q4_1": q1["raw"], "llama_q4_0": q0["raw"],
+               "moeflux_runs": mf["runs"], "llama_q4_1": q1["raw"], "llama_q4_0": q0["raw"] if q0 else None,
                "other_cpu": stats}
         a.json.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=a.json.name + ".", dir=a.json.parent)

@@ -141,7 +141,11 @@ if [[ ! -f $Q41 ]]; then
   "$PY" "$REPO/bench/moeflux2gguf.py" "$MODEL" "$Q41" --type q4_1 --quiet >&2 || die "moeflux2gguf failed"
   note "Q4_1 export took $((SECONDS - start)) s"
 fi
-if [[ ! -f $Q40 ]]; then
+# gpt-oss's experts are MXFP4 as released, and its MXFP4 GGUF is what llama.cpp users run: a Q4_0
+# requantization of it would be lossy and larger, so MXFP4-expert models get no Q4_0 column.
+WITH_Q40=1
+grep -q '"mode": *"mxfp4"' "$MODEL/moeflux.json" && WITH_Q40=0
+if ((WITH_Q40)) && [[ ! -f $Q40 ]]; then
   need_space $((model_bytes * 12 / 10))
   note "requantizing to Q4_0 with llama-quantize -> $Q40"
   start=$SECONDS
@@ -181,7 +185,8 @@ cleanup() {
 }
 trap cleanup EXIT
 
-for q in q4_1 q4_0; do
+QUANTS=(q4_1); ((WITH_Q40)) && QUANTS+=(q4_0)
+for q in "${QUANTS[@]}"; do
   f=$Q41; [[ $q == q4_0 ]] && f=$Q40
   note "llama-bench $q: -p $PP -n $TG -t $THREADS -r $REPS --repack $REPACK ($MODE)"
   prepare_cache "$f"
@@ -222,7 +227,9 @@ for ((r = 1; r <= MOEFLUX_RUNS; r++)); do
   echo >>"$RUN_DIR/moeflux.jsonl"
 done
 
+LLAMA_RESULTS=()
+for q in "${QUANTS[@]}"; do LLAMA_RESULTS+=("--llama-$q" "$RUN_DIR/llama-$q.json"); done
 "$PY" "$REPO/bench/bench_table.py" --model "$MODEL" --threads "$THREADS" --reps "$REPS" --mode "$MODE" \
   --repack "$REPACK" --pp "$PP" --tg "$TG" --moeflux "$RUN_DIR/moeflux.jsonl" \
-  --llama-q4_1 "$RUN_DIR/llama-q4_1.json" --llama-q4_0 "$RUN_DIR/llama-q4_0.json" --stats-dir "$RUN_DIR" \
+  "${LLAMA_RESULTS[@]}" --stats-dir "$RUN_DIR" \
   ${FAKE_JSON:+--fake-moeflux} ${JSON_OUT:+--json "$JSON_OUT"}
