@@ -182,9 +182,34 @@ fn gpu_goldens_kimi_k25() {
     run_deepseek_fixture("kimik25-hf");
 }
 
+/// gpt-oss: sinks and sliding windows, YaRN, biases (attention, router,
+/// per expert), the clamped SwiGLU; affine 4-bit experts, MXFP4 experts as
+/// mlx-lm lays them out, and the Hugging Face MXFP4 release converted.
+#[test]
+#[ignore]
+fn gpu_goldens_gpt_oss() {
+    run_fixture("gptoss-q4", "gptoss-q4/src", "gptoss-q4", None);
+    run_fixture("gptoss-mxfp4", "gptoss-mxfp4/src", "gptoss-mxfp4", None);
+    run_fixture("gptoss-hf", "gptoss-hf/src", "gptoss-hf", None);
+}
+
+/// gpt-oss's experts (affine and MXFP4) through evicting caches, the
+/// pinned host tier and experts computed by the host (their biases and
+/// activation on the CPU), against the CPU.
+#[test]
+#[ignore]
+fn gpt_oss_gpu_matches_cpu_with_a_small_evicting_cache() {
+    for name in ["gptoss-q4", "gptoss-mxfp4", "gptoss-hf"] {
+        eprintln!("{name}");
+        let (_tmp, dir) = convert_fixture(&format!("{name}/src"), None);
+        gpu_matches_cpu_through_small_caches(&dir);
+    }
+}
+
 /// One fixture per family and flavour (Qwen3.5, Qwen3-Next, Qwen3-MoE, GLM
-/// with and without q/k norms, DeepSeek-V3, Kimi-K2, Kimi-K2.5).
-const EVERY_FAMILY: [&str; 8] = [
+/// with and without q/k norms, DeepSeek-V3, Kimi-K2, Kimi-K2.5, gpt-oss
+/// with affine and MXFP4 experts).
+const EVERY_FAMILY: [&str; 10] = [
     "qwen35moe-q4",
     "qwen3next-q4",
     "qwen3moe-q4",
@@ -193,6 +218,8 @@ const EVERY_FAMILY: [&str; 8] = [
     "deepseekv3-q4",
     "kimik2-q4",
     "kimik25-q4",
+    "gptoss-q4",
+    "gptoss-mxfp4",
 ];
 
 /// Block by block, GPU against CPU (llama.cpp's test-backend-ops, over a

@@ -42,6 +42,13 @@ inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(
 inline unsigned atomicAdd(unsigned* p, unsigned v) { return std::atomic_ref<unsigned>(*p).fetch_add(v); }
 inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
 inline int __ffs(int x) { return __builtin_ffs(x); }
+// Byte n of the result: byte (s >> 4n) & 7 of y:x (the CUDA intrinsic reads three selector bits).
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    unsigned long long v = ((unsigned long long)y << 32) | x;
+    unsigned r = 0;
+    for (int n = 0; n < 4; n++) r |= (unsigned)((v >> (8 * ((s >> (4 * n)) & 7))) & 0xff) << (8 * n);
+    return r;
+}
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }

@@ -8,6 +8,10 @@
 //   moe_gate_up_mma   silu(gate x) * (up x) per expert task over its tokens (gathered
 //   moe_down_mma      through the slot list), then the down product scattered to the
 //                     slots; tasks of 1 to 70 tokens.
+//   gpt-oss experts   MXFP4 (moe_*_mx, moe_*_slots_mx, the mma kernels' MXFP4 tiles) and
+//                     affine experts with per-expert biases and the clamped SwiGLU through
+//                     the grouped, per-slot and tensor-core paths (sums past the limit);
+//                     MXFP4 scale extremes (0, 1, 254, 255 = NaN).
 //   attn_kv_split     causal attention of a batch over the cache (head dims 32 to 256,
 //   attention_mma     2 to 128 query heads per KV group, partial tiles, cache rows
 //                     past the context poisoned) against a double-precision softmax.
@@ -68,7 +72,7 @@ static void test_moe_mma(int hidden, int inter, int bits, int gs, std::vector<in
     auto bytes_of = [](const HostQ& q) {
         return std::array<size_t, 3>{q.w.size() * 4, q.s.size() * 2, q.b.size() * 2};
     };
-    ExpertLayout L;
+    ExpertLayout L{};
     long off = 0;
     long* fields[3][3] = {{&L.gate_w, &L.gate_s, &L.gate_b}, {&L.up_w, &L.up_s, &L.up_b},
                           {&L.down_w, &L.down_s, &L.down_b}};
@@ -157,6 +161,278 @@ static void test_moe_mma(int hidden, int inter, int bits, int gs, std::vector<in
     check(name, got, want, 1e-5);
 }
 
+
+// ---------------------------------------------------------------------------------------
+// gpt-oss's routed experts: MXFP4 or affine codes, per-expert biases, the clamped SwiGLU,
+// through every expert path (grouped by expert, per slot, tensor cores).
+
+static float e2m1(unsigned c) {
+    static const float v[8] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6};
+    return (c & 8 ? -1.0f : 1.0f) * v[c & 7];
+}
+
+// A random MXFP4 matrix (codes LSB first, a scale byte per 32 columns, drawn from
+// [s_lo, s_hi]) and its dequantized weights (in double: extreme scales stay exact).
+struct HostMx {
+    int rows, cols;
+    std::vector<u32> w;
+    std::vector<unsigned char> s;
+    std::vector<double> deq;
+    HostMx(int r, int c, int s_lo = 122, int s_hi = 127) : rows(r), cols(c) {
+        w.assign((size_t)r * c / 8, 0);
+        s.resize((size_t)r * c / 32);
+        deq.resize((size_t)r * c);
+        for (auto& x : s) x = (unsigned char)(s_lo + rng() % (s_hi - s_lo + 1));
+        for (int i = 0; i < r; i++)
+            for (int j = 0; j < c; j++) {
+                unsigned code = rng() & 15;
+                w[((size_t)i * c + j) / 8] |= code << (4 * (j % 8));
+                deq[(size_t)i * c + j] = e2m1(code) * ldexp(1.0, (int)s[(size_t)i * c / 32 + j / 32] - 127);
+            }
+    }
+};
+
+static double oai_ref(double g, double u, double alpha, double limit) {
+    g = std::min(g, limit);
+    u = std::max(-limit, std::min(u, limit));
+    return (u + 1.0) * g / (1.0 + exp(-alpha * g));
+}
+
+enum ExpertPath { GROUPED, SLOTS, MMA };
+
+// ne experts of one layout (mx: MXFP4, else 4-bit affine, groups of 64) with biases and
+// the clamped SwiGLU (alpha 1.702, limit 7; the inputs scaled so that some gate and up
+// sums pass the limit); expert e serves tokens 0 .. counts[e] - 1 (slot t * k + e).
+static void test_gptoss_experts(int hidden, int inter, bool mx, ExpertPath path, std::vector<int> counts,
+                                bool biases = true) {
+    int ne = (int)counts.size(), k = ne, n = 0;
+    for (int c : counts) n = std::max(n, c);
+    int gs = mx ? 32 : 64;
+    // Each expert's extent: gate | up | down, each codes | scales (| biases).
+    struct Part {
+        std::vector<char> w, s, b;
+        std::vector<double> deq;
+    };
+    auto make = [&](int r, int c) {
+        Part p;
+        if (mx) {
+            HostMx m(r, c);
+            p.w.assign((char*)m.w.data(), (char*)m.w.data() + m.w.size() * 4);
+            p.s.assign((char*)m.s.data(), (char*)m.s.data() + m.s.size());
+            p.deq = m.deq;
+        } else {
+            HostQ q(r, c, 4, gs);
+            p.w.assign((char*)q.w.data(), (char*)q.w.data() + q.w.size() * 4);
+            p.s.assign((char*)q.s.data(), (char*)q.s.data() + q.s.size() * 2);
+            p.b.assign((char*)q.b.data(), (char*)q.b.data() + q.b.size() * 2);
+            p.deq.assign(q.deq.begin(), q.deq.end());
+        }
+        return p;
+    };
+    std::vector<std::array<Part, 3>> ex;
+    for (int e = 0; e < ne; e++) ex.push_back({make(inter, hidden), make(inter, hidden), make(hidden, inter)});
+    ExpertLayout L{};
+    memset(&L, 0, sizeof L);
+    long off = 0;
+    long* fields[3][3] = {{&L.gate_w, &L.gate_s, &L.gate_b}, {&L.up_w, &L.up_s, &L.up_b},
+                          {&L.down_w, &L.down_s, &L.down_b}};
+    for (int m = 0; m < 3; m++) {
+        const Part& p = ex[0][m];
+        size_t sz[3] = {p.w.size(), p.s.size(), p.b.size()};
+        for (int f = 0; f < 3; f++) {
+            *fields[m][f] = off;
+            off += (long)((sz[f] + 15) / 16 * 16);
+        }
+    }
+    L.inter = inter, L.hidden = hidden, L.bits = 4, L.gs = gs, L.sf32 = 0, L.mx = mx;
+    L.oai = 1, L.alpha = 1.702f, L.limit = 7.0f;
+    std::vector<std::vector<uint4>> extents(ne, std::vector<uint4>((size_t)(off / 16) + 1));
+    for (int e = 0; e < ne; e++) {
+        char* base = (char*)extents[e].data();
+        for (int m = 0; m < 3; m++) {
+            const Part& p = ex[e][m];
+            memcpy(base + *fields[m][0], p.w.data(), p.w.size());
+            memcpy(base + *fields[m][1], p.s.data(), p.s.size());
+            if (!p.b.empty()) memcpy(base + *fields[m][2], p.b.data(), p.b.size());
+        }
+    }
+    // Bias tables of ne + 2 experts (slot e's expert id is e + 1: the row is the id's).
+    std::vector<float> bg((size_t)(ne + 2) * inter), bu(bg.size()), bd((size_t)(ne + 2) * hidden);
+    for (auto* t : {&bg, &bu, &bd})
+        for (auto& v : *t) v = urand(-3, 3);
+    std::vector<int> ids((size_t)n * k);
+    for (int t = 0; t < n; t++)
+        for (int e = 0; e < ne; e++) ids[(size_t)t * k + e] = e + 1;
+    if (biases) L.bias_g = bg.data(), L.bias_u = bu.data(), L.bias_d = bd.data();
+    L.ids = ids.data();
+    std::vector<ExpertTask> tasks;
+    std::vector<int> slot_list;
+    for (int e = 0; e < ne; e++) {
+        tasks.push_back({(const char*)extents[e].data(), (int)slot_list.size(), counts[e]});
+        for (int t = 0; t < counts[e]; t++) slot_list.push_back(t * k + e);
+    }
+    int used = (int)slot_list.size();
+    // Inputs wide enough that the clamps matter.
+    std::vector<float> x((size_t)n * hidden);
+    for (auto& v : x) v = urand(-1, 1) * (mx ? 0.5f : 2.0f);
+    // act rows: by slot_list position (grouped, mma) or by slot (slots).
+    std::vector<float> act((size_t)n * k * inter, NAN), slot_out((size_t)n * k * hidden, NAN);
+    std::vector<unsigned long long> bases((size_t)n * k, 0);
+    for (int e = 0; e < ne; e++)
+        for (int t = 0; t < counts[e]; t++) bases[(size_t)t * k + e] = (unsigned long long)extents[e].data();
+    int one = path == SLOTS;
+    auto rpb = [&](int cols) {  // rows_per_block in linear.rs
+        int units = cols * 4 / 128;
+        int split = !one ? 1 : units >= 256 ? 8 : units >= 128 ? 4 : units >= 64 ? 2 : 1;
+        return 32 / split;
+    };
+    const ExpertTask* pt = tasks.data();
+    const int* ps = slot_list.data();
+    const char* pname = path == GROUPED ? "grouped" : path == SLOTS ? "slots" : "mma";
+    std::vector<uint4> xp;
+    std::vector<float> xs;
+    {
+        const float* px = x.data();
+        float* pa = act.data();
+        const unsigned long long* pb = bases.data();
+        if (path == MMA) {
+            split(x, n, hidden, gs, xp, xs);
+            const uint4* pxp = xp.data();
+            const float* pxs = xs.data();
+            emu_launch({(unsigned)((inter + 63) / 64), (unsigned)ne, 1}, 128,
+                       [&] { moe_gate_up_mma(pt, L, ps, k, pxp, pxs, pa); });
+        } else if (path == GROUPED) {
+            emu_launch({(unsigned)((inter + rpb(hidden) - 1) / rpb(hidden)), (unsigned)ne, 1}, 256, [&] {
+                if (mx) moe_gate_up_mx(pt, L, ps, k, px, pa);
+                else moe_gate_up_b4(pt, L, ps, k, px, pa);
+            });
+        } else {
+            emu_launch({(unsigned)((inter + rpb(hidden) - 1) / rpb(hidden)), (unsigned)(n * k), 1}, 256, [&] {
+                if (mx) moe_gate_up_slots_mx(pb, L, k, px, pa);
+                else moe_gate_up_slots_b4(pb, L, k, px, pa);
+            });
+        }
+    }
+    auto act_row = [&](int e, int i) {  // the act row of task e's i-th token
+        return path == SLOTS ? (size_t)slot_list[tasks[e].first + i] : (size_t)(tasks[e].first + i);
+    };
+    std::vector<float> got;
+    std::vector<double> want;
+    int clamped = 0;
+    for (int e = 0; e < ne; e++)
+        for (int i = 0; i < counts[e]; i++) {
+            int tok = slot_list[tasks[e].first + i] / k, id = e + 1;
+            for (int r = 0; r < inter; r++) {
+                double g = 0, u = 0;
+                for (int j = 0; j < hidden; j++) {
+                    g += ex[e][0].deq[(size_t)r * hidden + j] * x[(size_t)tok * hidden + j];
+                    u += ex[e][1].deq[(size_t)r * hidden + j] * x[(size_t)tok * hidden + j];
+                }
+                if (biases) g += bg[(size_t)id * inter + r], u += bu[(size_t)id * inter + r];
+                clamped += g > 7 || std::fabs(u) > 7;
+                want.push_back(oai_ref(g, u, 1.702, 7.0));
+                got.push_back(act[act_row(e, i) * inter + r]);
+            }
+        }
+    char name[160];
+    snprintf(name, sizeof name, "%s gate_up %s %s%dx%d, %d tasks, %d clamped", mx ? "mxfp4" : "affine b4", pname,
+             biases ? "biased " : "", inter, hidden, ne, clamped);
+    check(name, got, want, 2e-5);
+    if (clamped == 0) {
+        fails++;
+        printf("  no sum passed the limit: FAIL\n");
+    }
+    std::vector<float> act_in((size_t)used * inter);  // the down's input rows in slot_list order
+    for (int e = 0; e < ne; e++)
+        for (int i = 0; i < counts[e]; i++)
+            memcpy(&act_in[(size_t)(tasks[e].first + i) * inter], &act[act_row(e, i) * inter], 4 * inter);
+    {
+        float* po = slot_out.data();
+        const unsigned long long* pb = bases.data();
+        if (path == MMA) {
+            std::vector<uint4> ap;
+            std::vector<float> as;
+            split(act_in, used, inter, gs, ap, as);
+            const uint4* pap = ap.data();
+            const float* pas = as.data();
+            emu_launch({(unsigned)((hidden + 127) / 128), (unsigned)ne, 1}, 128,
+                       [&] { moe_down_mma(pt, L, ps, pap, pas, po); });
+        } else if (path == GROUPED) {
+            const float* pa = act_in.data();
+            emu_launch({(unsigned)((hidden + rpb(inter) - 1) / rpb(inter)), (unsigned)ne, 1}, 256, [&] {
+                if (mx) moe_down_mx(pt, L, ps, pa, po);
+                else moe_down_b4(pt, L, ps, pa, po);
+            });
+        } else {
+            const float* pa = act.data();
+            emu_launch({(unsigned)((hidden + rpb(inter) - 1) / rpb(inter)), (unsigned)(n * k), 1}, 256, [&] {
+                if (mx) moe_down_slots_mx(pb, L, pa, po);
+                else moe_down_slots_b4(pb, L, pa, po);
+            });
+        }
+    }
+    got.clear();
+    want.clear();
+    for (int e = 0; e < ne; e++)
+        for (int i = 0; i < counts[e]; i++) {
+            int pos = tasks[e].first + i, slot = slot_list[pos];
+            for (int r = 0; r < hidden; r++) {
+                double acc = biases ? bd[(size_t)(e + 1) * hidden + r] : 0.0;
+                for (int j = 0; j < inter; j++) acc += ex[e][2].deq[(size_t)r * inter + j] * act_in[(size_t)pos * inter + j];
+                want.push_back(acc);
+                got.push_back(slot_out[(size_t)slot * hidden + r]);
+            }
+        }
+    snprintf(name, sizeof name, "%s down %s %s%dx%d, %d tasks", mx ? "mxfp4" : "affine b4", pname,
+             biases ? "biased " : "", hidden, inter, ne);
+    check(name, got, want, 2e-5);
+}
+
+// MXFP4 scale extremes through the one-slot down product (no biases): every group's scale
+// drawn from [s_lo, s_hi], the input scaled by 2^x_exp so that the products are normal
+// f32 (scales 0 and 1 are the subnormal 2^-127 and 2^-126 / 2 halves); each output
+// compared on its own. Scale 255 (row 1's first group): that row is NaN, others not.
+static void test_mx_scales(int s_lo, int s_hi, int x_exp, bool nan_row) {
+    int rows = 8, cols = 96;
+    HostMx m(rows, cols, s_lo, s_hi);
+    if (nan_row) m.s[(size_t)1 * cols / 32] = 255;
+    std::vector<char> ext((m.w.size() * 4 + m.s.size() + 64) / 16 * 16 + 16);
+    ExpertLayout L{};
+    memset(&L, 0, sizeof L);
+    L.down_w = 0, L.down_s = (long)m.w.size() * 4, L.inter = cols, L.hidden = rows;
+    L.bits = 4, L.gs = 32, L.mx = 1;
+    std::vector<uint4> ext16(ext.size() / 16);
+    memcpy((char*)ext16.data(), m.w.data(), m.w.size() * 4);
+    memcpy((char*)ext16.data() + L.down_s, m.s.data(), m.s.size());
+    std::vector<float> a(cols), out(rows, 0.0f);
+    for (auto& v : a) v = ldexpf(urand(-1, 1), x_exp);
+    unsigned long long base = (unsigned long long)ext16.data();
+    {
+        const unsigned long long* pb = &base;
+        const float* pa = a.data();
+        float* po = out.data();
+        emu_launch({1, 1, 1}, 256, [&] { moe_down_slots_mx(pb, L, pa, po); });
+    }
+    int bad = 0;
+    double worst = 0;
+    for (int r = 0; r < rows; r++) {
+        double want = 0, mag = 0;
+        for (int j = 0; j < cols; j++) {
+            want += m.deq[(size_t)r * cols + j] * a[j];
+            mag += std::fabs(m.deq[(size_t)r * cols + j] * a[j]);
+        }
+        if (nan_row && r == 1) {
+            bad += !std::isnan(out[r]);
+            continue;
+        }
+        double d = std::fabs(out[r] - want) / std::max(mag, 1e-300);
+        if (!(d <= 1e-6)) bad++;
+        worst = std::max(worst, d == d ? d : 1e30);
+    }
+    if (bad) fails++;
+    printf("mxfp4 scales %d..%d, x 2^%d%s: %d bad rows, worst rel %.2e %s\n", s_lo, s_hi, x_exp,
+           nan_row ? ", a 255" : "", bad, worst, bad ? "FAIL" : "ok");
+}
 
 // attn_kv_split then attention_mma for n new tokens at positions start.. over
 // the cache (rows past start + n poisoned with NaN: never read), against a
@@ -255,6 +531,17 @@ int main() {
     test_qmma(24, 16, 256, 33, 8, 128);
     test_moe_mma(128, 64, 4, 64, {1, 9, 70, 3});
     test_moe_mma(64, 96, 8, 32, {5, 33});
+    // gpt-oss experts: MXFP4 and affine, biases and the clamped SwiGLU, each path
+    for (ExpertPath p : {GROUPED, SLOTS, MMA}) {
+        test_gptoss_experts(128, 64, true, p, {1, 6, 37});
+        test_gptoss_experts(128, 192, false, p, {5, 2});
+    }
+    test_gptoss_experts(2880 / 10, 320, true, SLOTS, {1, 1});   // 9 groups per row, a partial warp
+    test_gptoss_experts(1024, 64, true, SLOTS, {1, 1}, false);  // rows split across warps, no biases
+    test_gptoss_experts(64, 96, true, GROUPED, {3}, false);
+    test_mx_scales(0, 2, 100, false);     // subnormal halves of the smallest scales
+    test_mx_scales(240, 254, -120, true);  // the largest finite scales, and a NaN one
+    test_mx_scales(100, 150, 0, false);
     test_attention_mma(4, 2, 32, 5, 37);     // two heads per block row group, 2 token blocks
     test_attention_mma(8, 1, 64, 40, 20);    // 8 heads per group, several key steps
     test_attention_mma(128, 1, 128, 9, 2);   // 128 heads per group: two head blocks

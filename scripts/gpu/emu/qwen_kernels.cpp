@@ -220,6 +220,7 @@ static void test_add_rows(int n, int cols) {
 // with or without norms.
 struct AttnFlavour {
     bool gated, norms, bias;
+    float mscale = 1.0f;  // YaRN's (gpt-oss: 1.3466)
 };
 
 static void test_attn_prep(int nh, int nkv, int hd, int half_rot, int n, long start, double theta, double ps,
@@ -247,7 +248,7 @@ static void test_attn_prep(int nh, int nkv, int hd, int half_rot, int n, long st
     {
         const float *qp = qg.data(), *kp = k.data(), *vp = v.data();
         AttnParts P{f.bias ? qb.data() : nullptr, f.bias ? kb.data() : nullptr, f.bias ? vb.data() : nullptr,
-                    f.norms ? q_norm.data() : nullptr, f.norms ? k_norm.data() : nullptr, f.gated};
+                    f.norms ? q_norm.data() : nullptr, f.norms ? k_norm.data() : nullptr, f.gated, f.mscale};
         const double* ip = inv.data();
         const long* pp = &pos;
         float *qo = q_out.data(), *go = f.gated ? gate_out.data() : nullptr, *kcp = kc.data(), *vcp = vc.data();
@@ -265,7 +266,8 @@ static void test_attn_prep(int nh, int nkv, int hd, int half_rot, int n, long st
             for (int i = 0; i < hd; i++) dst[i] *= r * w[i];
         }
         for (int i = 0; i < half_rot; i++) {
-            double ang = p * ps * inv[i], c = cos(ang), s = sin(ang), a = dst[i], b = dst[i + half_rot];
+            double ang = p * ps * inv[i], c = cos(ang), s = sin(ang), a = dst[i] * f.mscale,
+                   b = dst[i + half_rot] * f.mscale;
             dst[i] = a * c - b * s;
             dst[i + half_rot] = a * s + b * c;
         }
@@ -402,7 +404,7 @@ static void test_attention_batch(int nh, int nkv, int hd, int half_rot, AttnFlav
     std::vector<unsigned long long> tab(2 * b);
     for (int r = 0; r < b; r++) tab[2 * r] = (unsigned long long)kc[r].data(), tab[2 * r + 1] = (unsigned long long)vc[r].data();
     AttnParts P{f.bias ? qb.data() : nullptr, f.bias ? kb.data() : nullptr, f.bias ? vb.data() : nullptr,
-                f.norms ? q_norm.data() : nullptr, f.norms ? k_norm.data() : nullptr, f.gated};
+                f.norms ? q_norm.data() : nullptr, f.norms ? k_norm.data() : nullptr, f.gated, f.mscale};
     size_t qn = (size_t)b * nh * hd;
     std::vector<float> q(qn, NAN), gate(f.gated ? qn : 0, NAN), out(qn, NAN);
     {
@@ -477,6 +479,7 @@ int main() {
     test_attn_prep(12, 2, 128, 32, 2, 6, 1e6, 1.0, glm);       // GLM-4.6: biases, norms, half rotary
     test_attn_prep(12, 4, 128, 32, 3, 0, 1e6, 1.0, glm_air);   // GLM-4.5-Air: biases, no norms
     test_attn_prep(4, 2, 64, 16, 2, 3, 1e4, 1.0, {true, false, true});  // every part independent
+    test_attn_prep(8, 2, 64, 32, 3, 11, 1.5e5, 1.0, {false, false, true, 1.3466f});  // gpt-oss: YaRN's mscale, biases
     test_deltanet_batch(2, 4, 128, 64, 4, 3);  // dv < dk: two row blocks per head
     test_deltanet_batch(4, 8, 64, 128, 4, 5);  // dk < dv
     test_attention_batch(8, 2, 128, 32, qwen35, {5, 0, 23, 9});  // positions apart, one at 0

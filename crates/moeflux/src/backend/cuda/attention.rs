@@ -24,6 +24,7 @@ struct AttnParts {
     q_norm: u64,
     k_norm: u64,
     gated: i32,
+    mscale: f32,
 }
 
 /// The head widths the kernels take (a warp's lanes over a head's channels).
@@ -104,6 +105,8 @@ pub(super) fn forward(
         q_norm: norm.map_or(0, |n| n.0),
         k_norm: norm.map_or(0, |n| n.1),
         gated: a.output_gate as i32,
+        // gpt-oss's YaRN scales the rotated channels (1.35 at factor 32).
+        mscale: cx.rope_mscale,
     };
     let q_rows = wq.rows();
     let g = cx.gpu;

@@ -183,9 +183,143 @@ __device__ __forceinline__ float load_glu(const float* g, const float* u, float*
 // the activations it loads (float4s, reused by all RW rows) serve every
 // row. Per word: sum_e (q_e s + b) x_e = s (q . x) + b sum(x).
 #define RW 4
+
+// --------------------------------------------------------------------------
+// MXFP4 (gpt-oss's experts): per row, cols / 8 u32 words of 4-bit e2m1 codes
+// (LSB first; bit 3 the sign, bits 0-2 index 0, .5, 1, 1.5, 2, 3, 4, 6) and a
+// scale byte s per group of 32 columns worth 2^(s - 127). As on the CPU
+// (qmatmul/mxfp4.rs) a code enters as twice its value, an exact small
+// integer, and the 1/2 is folded into the power-of-two scale. A group is 16
+// bytes of codes: one uint4 per lane and group.
+#define MXB (-1)  // the BITS of the MXFP4 instantiations
+
+// Twice the code's value plus 12 (0..24) by code, as bytes for
+// __byte_perm: codes 0-3, 4-7 (positive), 8-11, 12-15 (negative).
+#define MX_T0 0x0F0E0D0Cu  // 12 13 14 15  (0 1 2 3)
+#define MX_T1 0x18141210u  // 16 18 20 24  (4 6 8 12)
+#define MX_T2 0x090A0B0Cu  // 12 11 10 9   (-0 -1 -2 -3)
+#define MX_T3 0x00040608u  // 8 6 4 0      (-4 -6 -8 -12)
+
+// The eight codes of a word as biased bytes: codes 0-3 in r0, 4-7 in r1 (byte
+// j of each: code j). Two lookups of the magnitude (three selector bits, the
+// sign masked off), then the sign picks between them.
+__device__ __forceinline__ void mx_bytes(u32 w, u32& r0, u32& r1) {
+    u32 idx = w & 0x77777777u;
+    u32 sel = ((w >> 1) & 0x44444444u) | 0x32103210u;  // byte j of lo, or of hi when negative
+    u32 lo = __byte_perm(MX_T0, MX_T1, idx), hi = __byte_perm(MX_T2, MX_T3, idx);
+    r0 = __byte_perm(lo, hi, sel);
+    lo = __byte_perm(MX_T0, MX_T1, idx >> 16);
+    hi = __byte_perm(MX_T2, MX_T3, idx >> 16);
+    r1 = __byte_perm(lo, hi, sel >> 16);
+}
+
+// Byte j of r (a biased code) as twice the code's value: 2^23 + b, less
+// 2^23 + 12, exact.
+__device__ __forceinline__ float mx_code(u32 r, int j) {
+    return mask_into_2p23(r >> (8 * j), 0x1Fu) - 8388620.0f;
+}
+
+// Half the e8m0 scale s, exactly: 2^(s - 128) (2^-128 and 2^-127 are
+// subnormal), NaN for 255 (the CPU's half_scale_f32).
+__device__ __forceinline__ float mx_half_scale(u32 s) {
+    if (s >= 2u) return s == 255u ? __int_as_float(0x7fc00000) : __uint_as_float((s - 1u) << 23);
+    return __uint_as_float(0x200000u << s);
+}
+
+// The 32 codes of a 16-byte chunk (one group), twice their values, dotted
+// with x[0..32).
+__device__ __forceinline__ float mx_chunk_dot(const uint4& wv, const float* xv) {
+    float d = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        u32 word = kk == 0 ? wv.x : kk == 1 ? wv.y : kk == 2 ? wv.z : wv.w;
+        u32 r0, r1;
+        mx_bytes(word, r0, r1);
+#pragma unroll
+        for (int e = 0; e < 4; e++) d = fmaf(mx_code(r0, e), xv[8 * kk + e], d);
+#pragma unroll
+        for (int e = 0; e < 4; e++) d = fmaf(mx_code(r1, e), xv[8 * kk + 4 + e], d);
+    }
+    return d;
+}
+
+// qrows for an MXFP4 matrix (q.s: the scale bytes; q.b unused): lane l of
+// warp part `part` takes groups part * 32 + l, + parts * 32, ... of each of
+// the RW rows (16-byte loads, a warp reading 512 contiguous bytes of a row),
+// its activations 32 floats per group (16-byte aligned rows: cols is a
+// multiple of 32). Several tokens: each row's codes are decoded once into
+// registers and meet every token.
+template <int TT>
+__device__ __forceinline__ void mx_rows(const QW& q, int r0, const float* const* xp, int nt,
+                                        float (&acc)[RW][TT], int part, int parts) {
+    int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int rr = 0; rr < RW; rr++)
+#pragma unroll
+        for (int t = 0; t < TT; t++) acc[rr][t] = 0.0f;
+    int G = q.cols >> 5;  // groups (16-byte chunks) per row
+    int nr = min(RW, q.rows - r0);
+    const unsigned char* sc = (const unsigned char*)q.s;
+    for (int v = part * WARP + lane; v < G; v += parts * WARP) {
+        uint4 wv[RW];
+        float hs[RW];
+#pragma unroll
+        for (int rr = 0; rr < RW; rr++)
+            wv[rr] = rr < nr ? __ldg((const uint4*)(q.w + (long)(r0 + rr) * G * 4) + v) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int rr = 0; rr < RW; rr++) hs[rr] = rr < nr ? mx_half_scale(__ldg(sc + (long)(r0 + rr) * G + v)) : 0.0f;
+        if constexpr (TT == 1) {
+            float xv[32];
+            load_acts<32>(xp[0] + 32 * v, xv);
+#pragma unroll
+            for (int rr = 0; rr < RW; rr++) acc[rr][0] = fmaf(hs[rr], mx_chunk_dot(wv[rr], xv), acc[rr][0]);
+        } else {
+#pragma unroll
+            for (int rr = 0; rr < RW; rr++) {
+                if (rr >= nr) break;
+                float cf[32];
+#pragma unroll
+                for (int kk = 0; kk < 4; kk++) {
+                    u32 word = kk == 0 ? wv[rr].x : kk == 1 ? wv[rr].y : kk == 2 ? wv[rr].z : wv[rr].w;
+                    u32 b0, b1;
+                    mx_bytes(word, b0, b1);
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        cf[8 * kk + e] = mx_code(b0, e);
+                        cf[8 * kk + 4 + e] = mx_code(b1, e);
+                    }
+                }
+#pragma unroll
+                for (int t = 0; t < TT; t++) {
+                    if (t >= nt) break;
+                    const float4* xt = (const float4*)(xp[t] + 32 * v);
+                    float d = 0.0f;
+#pragma unroll
+                    for (int e4 = 0; e4 < 8; e4++) {
+                        float4 f = xt[e4];
+                        d = fmaf(cf[4 * e4], f.x, d);
+                        d = fmaf(cf[4 * e4 + 1], f.y, d);
+                        d = fmaf(cf[4 * e4 + 2], f.z, d);
+                        d = fmaf(cf[4 * e4 + 3], f.w, d);
+                    }
+                    acc[rr][t] = fmaf(hs[rr], d, acc[rr][t]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int rr = 0; rr < RW; rr++)
+#pragma unroll
+        for (int t = 0; t < TT; t++) acc[rr][t] = warp_sum(acc[rr][t]);
+}
+
 template <int BITS, int TT>
 __device__ __forceinline__ void qrows(const QW& q, int r0, const float* const* xp, int nt,
                                       float (&acc)[RW][TT], int part, int parts) {
+    if constexpr (BITS == MXB) {
+        mx_rows<TT>(q, r0, xp, nt, acc, part, parts);
+        return;
+    }
     int lane = threadIdx.x & 31;
 #pragma unroll
     for (int rr = 0; rr < RW; rr++)
@@ -855,6 +989,7 @@ struct AttnParts {
     const float* q_norm;
     const float* k_norm;
     int gated;
+    float mscale;  // YaRN's magnitude factor of the rotated channels (1 without YaRN)
 };
 
 // Per (token, head): q = rope(rms_norm(qg[.., q] + bias, q_norm)), the gate
@@ -920,7 +1055,7 @@ extern "C" __global__ void attn_prep(const float* qg, const float* k, const floa
         int j = i < half_rot ? i : i - half_rot;
         double ang = (double)(start + tl) * pos_scale * inv_freq[j];
         float c = (float)cos(ang), s = (float)sin(ang);
-        float a = sh[j], b = sh[j + half_rot];
+        float a = sh[j] * P.mscale, b = sh[j + half_rot] * P.mscale;  // as Rope::apply
         o = i < half_rot ? a * c - b * s : a * s + b * c;
     }
     __syncthreads();
@@ -1279,7 +1414,40 @@ struct ExpertTask {
 struct ExpertLayout {
     long gate_w, gate_s, gate_b, up_w, up_s, up_b, down_w, down_s, down_b;
     int inter, hidden, bits, gs, sf32;
+    int mx;   // MXFP4 codes with e8m0 scale bytes (bits 4, gs 32, no biases): the _mx kernels
+    int oai;  // gpt-oss's clamped SwiGLU (alpha, limit) rather than silu(g) * u
+    float alpha, limit;
+    // Per-expert biases (gpt-oss), [experts, inter] for gate and up and
+    // [experts, hidden] for down, or null; row ids[slot] is the slot's expert
+    // (the router's choice).
+    const float* bias_g;
+    const float* bias_u;
+    const float* bias_d;
+    const int* ids;
 };
+
+// The activation of one intermediate row of a slot from its gate and up
+// sums: the biases added, then silu(g) * u, or gpt-oss's
+// (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g'), g' = min(g, limit)
+// (ops::swiglu_oai).
+__device__ __forceinline__ float expert_glu(const ExpertLayout& L, int slot, int r, float g, float u) {
+    if (L.bias_g) {
+        long e = L.ids[slot];
+        g += L.bias_g[e * L.inter + r];
+        u += L.bias_u[e * L.inter + r];
+    }
+    if (L.oai) {
+        g = fminf(g, L.limit);
+        u = fminf(fmaxf(u, -L.limit), L.limit);
+        return (u + 1.0f) * (g * sigmoidf_(L.alpha * g));
+    }
+    return siluf_(g) * u;
+}
+
+// The down bias of hidden row r of a slot's expert (0 without biases).
+__device__ __forceinline__ float expert_down_bias(const ExpertLayout& L, int slot, int r) {
+    return L.bias_d ? L.bias_d[(long)L.ids[slot] * L.hidden + r] : 0.0f;
+}
 
 __device__ __forceinline__ QW expert_qw(const char* base, long wo, long so, long bo, int rows, int cols,
                                         const ExpertLayout& L) {
@@ -1327,7 +1495,8 @@ __device__ void moe_gate_up_body(const ExpertTask* tasks, ExpertLayout L, const 
 #pragma unroll
                 for (int t = 0; t < 4; t++)
                     if (lane == rr * 4 + t && t < nt && r0 + rr < L.inter)
-                        act[(long)(T.first + i0 + t) * L.inter + r0 + rr] = siluf_(ga[rr][t]) * ua[rr][t];
+                        act[(long)(T.first + i0 + t) * L.inter + r0 + rr] =
+                            expert_glu(L, slot_list[T.first + i0 + t], r0 + rr, ga[rr][t], ua[rr][t]);
     }
 }
 
@@ -1349,6 +1518,13 @@ __device__ void moe_down_body(const ExpertTask* tasks, ExpertLayout L, const int
         float acc[RW][4];
         if (active) qrows<BITS, 4>(dq, r0, xp, nt, acc, part, parts);
         reduce_parts<4>(acc, parts);
+        if (active && part == 0 && L.bias_d)
+#pragma unroll
+            for (int rr = 0; rr < RW; rr++)
+#pragma unroll
+                for (int t = 0; t < 4; t++)
+                    if (t < nt && r0 + rr < L.hidden)
+                        acc[rr][t] += expert_down_bias(L, slot_list[T.first + i0 + t], r0 + rr);
         if (active && part == 0)
             store_rows<4>(acc, r0, L.hidden, nt, slot_out, L.hidden, slot_list + T.first + i0, false);
     }
@@ -1362,6 +1538,9 @@ extern "C" __global__ void moe_down_b4(const ExpertTask* t, ExpertLayout L, cons
 extern "C" __global__ void moe_down_b8(const ExpertTask* t, ExpertLayout L, const int* s, const float* a, float* y) { PDL_ENTER(); moe_down_body<8>(t, L, s, a, y); }
 extern "C" __global__ void moe_down_b2(const ExpertTask* t, ExpertLayout L, const int* s, const float* a, float* y) { PDL_ENTER(); moe_down_body<2>(t, L, s, a, y); }
 extern "C" __global__ void moe_down_bx(const ExpertTask* t, ExpertLayout L, const int* s, const float* a, float* y) { PDL_ENTER(); moe_down_body<0>(t, L, s, a, y); }
+// MXFP4 experts (the _mx kernels read L.mx's layout).
+extern "C" __global__ void moe_gate_up_mx(const ExpertTask* t, ExpertLayout L, const int* s, int k, const float* x, float* a) { PDL_ENTER(); moe_gate_up_body<MXB>(t, L, s, k, x, a); }
+extern "C" __global__ void moe_down_mx(const ExpertTask* t, ExpertLayout L, const int* s, const float* a, float* y) { PDL_ENTER(); moe_down_body<MXB>(t, L, s, a, y); }
 
 // out[t] += sum_j w[t,j] * slot_out[t*k+j] (slot order) + g[t] * shared[t]
 // (when `shared` is not null), g = sigmoid(sg[t]) for Qwen's gated shared
@@ -1605,7 +1784,8 @@ __device__ void moe_gate_up_slots_body(const unsigned long long* bases, ExpertLa
     if (active && part == 0)
 #pragma unroll
         for (int rr = 0; rr < RW; rr++)
-            if (lane == rr && r0 + rr < L.inter) act[(long)j * L.inter + r0 + rr] = siluf_(ga[rr][0]) * ua[rr][0];
+            if (lane == rr && r0 + rr < L.inter)
+                act[(long)j * L.inter + r0 + rr] = expert_glu(L, j, r0 + rr, ga[rr][0], ua[rr][0]);
 }
 
 // slot_out[j] = down act[j]; blockIdx.y = slot.
@@ -1622,6 +1802,10 @@ __device__ void moe_down_slots_body(const unsigned long long* bases, ExpertLayou
     float acc[RW][1];
     if (active) qrows<BITS, 1>(dq, r0, xp, 1, acc, part, parts);
     reduce_parts<1>(acc, parts);
+    if (active && part == 0 && L.bias_d)
+#pragma unroll
+        for (int rr = 0; rr < RW; rr++)
+            if (r0 + rr < L.hidden) acc[rr][0] += expert_down_bias(L, j, r0 + rr);
     if (active && part == 0) store_rows<1>(acc, r0, L.hidden, 1, slot_out + (long)j * L.hidden, 0, nullptr, false);
 }
 
@@ -1644,7 +1828,7 @@ __device__ void moe_gate_up_qmv_body(const unsigned long long* bases, ExpertLayo
 #pragma unroll
     for (int i = 0; i < QMV_NC / 2; i++) {
         int r = (rg * (QMV_NC / 2) + i) * G.rpc + lane / G.lpr;
-        if (r < L.inter) act[(long)j * L.inter + r] = siluf_(acc[i]) * acc[i + QMV_NC / 2];
+        if (r < L.inter) act[(long)j * L.inter + r] = expert_glu(L, j, r, acc[i], acc[i + QMV_NC / 2]);
     }
 }
 
@@ -1663,7 +1847,7 @@ __device__ void moe_down_qmv_body(const unsigned long long* bases, ExpertLayout 
 #pragma unroll
     for (int i = 0; i < QMV_NC; i++) {
         int r = (rg * QMV_NC + i) * G.rpc + lane / G.lpr;
-        if (r < L.hidden) slot_out[(long)j * L.hidden + r] = acc[i];
+        if (r < L.hidden) slot_out[(long)j * L.hidden + r] = acc[i] + expert_down_bias(L, j, r);
     }
 }
 
@@ -1699,6 +1883,7 @@ SLOT_KERNELS(4, b4)
 SLOT_KERNELS(8, b8)
 SLOT_KERNELS(2, b2)
 SLOT_KERNELS(0, bx)
+SLOT_KERNELS(MXB, mx)
 
 // --------------------------------------------------------------------------
 // Bandwidth probe: reads n 16-byte words; the sum is written only if it is

@@ -92,6 +92,26 @@ __device__ __forceinline__ u32 mma_code_pair(const u32* w, int i) {
     }
 }
 
+// MXFP4: pair i of an 8-column block (codes i and i + 4, twice their
+// values) from the block's biased bytes (mx_bytes: codes 0-3 in r0, 4-7 in
+// r1): bf16 128 + b in both halves (b <= 24 sits in the mantissa), then
+// 1 * v - 140 = b - 12, exact.
+__device__ __forceinline__ u32 mma_mx_pair(u32 r0, u32 r1, int i) {
+#if defined(__CUDA_ARCH__)
+    u32 v = __byte_perm(r0, r1, (u32)(i | ((4 + i) << 8)));  // bytes 0 and 2: r0's i, r1's i
+    u32 mask = 0x001f001fu, magic = 0x43004300u;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(v) : "r"(v), "r"(mask), "r"(magic));
+#if __CUDA_ARCH__ >= 800
+    u32 one = 0x3f803f80u, m140 = 0xc30cc30cu;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(v) : "r"(v), "r"(one), "r"(m140));
+#endif
+    return v;
+#else
+    float a = (float)((r0 >> (8 * i)) & 0xffu) - 12.0f, b = (float)((r1 >> (8 * i)) & 0xffu) - 12.0f;
+    return bf16_rn(a) | (bf16_rn(b) << 16);
+#endif
+}
+
 // x[n][cols] (f32) into the permuted bf16 hi/lo layout the products read:
 // per token, group and lane chunk, S uint4s {hi pair s, hi pair S+s, lo
 // pair s, lo pair S+s}; and xs[n][cols / gs] = the group sums of x. A
@@ -141,12 +161,16 @@ __device__ __forceinline__ void mma_load_words(const u32* p, u32 (&w)[N]) {
 // at xp_tok[n] / xs_tok[n], and its quad's tokens' group sums at
 // xs_q[n][0..1]), summed over every group into acc (the mma C layout: c0,
 // c1 row g tokens 2t, 2t+1; c2, c3 row g + 8). Tiles n >= nt_live are
-// skipped. BITS 4 or 8, S = gs / 16.
+// skipped. BITS 4 or 8, S = gs / 16; or MXB (MXFP4, S = 2): codes of 4
+// bits looked up as twice their values, half the e8m0 scale, no bias term.
 template <int BITS, int S, int MT, int NT>
 __device__ __forceinline__ void mma_tile(const QW* const (&q)[MT], const int (&row0)[MT],
                                          const uint4* const (&xp_tok)[NT], const float* const (&xs_q)[NT][2],
                                          int nt_live, float (&acc)[MT][NT][4]) {
-    constexpr int C = 4 * S, WPC = C * BITS / 32;  // columns and words of a lane's chunk
+    constexpr bool MX = BITS == MXB;
+    constexpr int CB = MX ? 4 : BITS;  // bits per code
+    static_assert(!MX || S == 2, "MXFP4 groups are 32 columns");
+    constexpr int C = 4 * S, WPC = C * CB / 32;  // columns and words of a lane's chunk
     int lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3;
     const int groups = q[0]->cols / (16 * S);
     const u32* wrow[MT][2];
@@ -156,7 +180,7 @@ __device__ __forceinline__ void mma_tile(const QW* const (&q)[MT], const int (&r
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             int r = min(row0[m] + gq + 8 * h, q[m]->rows - 1);
-            wrow[m][h] = q[m]->w + (long)r * (q[0]->cols * BITS / 32) + t * WPC;
+            wrow[m][h] = q[m]->w + (long)r * (q[0]->cols * CB / 32) + t * WPC;
             prow[m][h] = (long)r * groups;
         }
 #pragma unroll
@@ -171,6 +195,15 @@ __device__ __forceinline__ void mma_tile(const QW* const (&q)[MT], const int (&r
         for (int m = 0; m < MT; m++)
 #pragma unroll
             for (int h = 0; h < 2; h++) mma_load_words<WPC>(wrow[m][h] + (long)g * (4 * WPC), w[m][h]);
+        // MXFP4: each word's codes as biased bytes, once for its four pairs.
+        u32 mb[MT][2][MX ? WPC : 1][2];
+        if constexpr (MX)
+#pragma unroll
+            for (int m = 0; m < MT; m++)
+#pragma unroll
+                for (int h = 0; h < 2; h++)
+#pragma unroll
+                    for (int j = 0; j < WPC; j++) mx_bytes(w[m][h][j], mb[m][h][j][0], mb[m][h][j][1]);
         float tmp[MT][NT][4];
 #pragma unroll
         for (int m = 0; m < MT; m++)
@@ -182,14 +215,21 @@ __device__ __forceinline__ void mma_tile(const QW* const (&q)[MT], const int (&r
         for (int s = 0; s < S; s++) {
             // Pair p of the chunk lives in 8-column block p / 4: word p / 4
             // (4-bit) or words 2 (p / 4), +1 (8-bit).
-            constexpr int WPB = BITS / 4;  // words per 8-column block
+            constexpr int WPB = CB / 4;  // words per 8-column block
             u32 a[MT][4];
 #pragma unroll
             for (int m = 0; m < MT; m++) {
-                a[m][0] = mma_code_pair<BITS>(&w[m][0][(s >> 2) * WPB], s & 3);
-                a[m][1] = mma_code_pair<BITS>(&w[m][1][(s >> 2) * WPB], s & 3);
-                a[m][2] = mma_code_pair<BITS>(&w[m][0][((S + s) >> 2) * WPB], (S + s) & 3);
-                a[m][3] = mma_code_pair<BITS>(&w[m][1][((S + s) >> 2) * WPB], (S + s) & 3);
+                if constexpr (MX) {
+                    a[m][0] = mma_mx_pair(mb[m][0][s >> 2][0], mb[m][0][s >> 2][1], s & 3);
+                    a[m][1] = mma_mx_pair(mb[m][1][s >> 2][0], mb[m][1][s >> 2][1], s & 3);
+                    a[m][2] = mma_mx_pair(mb[m][0][(S + s) >> 2][0], mb[m][0][(S + s) >> 2][1], (S + s) & 3);
+                    a[m][3] = mma_mx_pair(mb[m][1][(S + s) >> 2][0], mb[m][1][(S + s) >> 2][1], (S + s) & 3);
+                } else {
+                    a[m][0] = mma_code_pair<BITS>(&w[m][0][(s >> 2) * WPB], s & 3);
+                    a[m][1] = mma_code_pair<BITS>(&w[m][1][(s >> 2) * WPB], s & 3);
+                    a[m][2] = mma_code_pair<BITS>(&w[m][0][((S + s) >> 2) * WPB], (S + s) & 3);
+                    a[m][3] = mma_code_pair<BITS>(&w[m][1][((S + s) >> 2) * WPB], (S + s) & 3);
+                }
             }
 #pragma unroll
             for (int n = 0; n < NT; n++) {
@@ -207,17 +247,30 @@ __device__ __forceinline__ void mma_tile(const QW* const (&q)[MT], const int (&r
             float sc[2], bi[2];
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                sc[h] = qparam(q[m]->s, prow[m][h] + g, q[m]->sf32);
-                bi[h] = qparam(q[m]->b, prow[m][h] + g, q[m]->sf32);
+                if constexpr (MX) {
+                    sc[h] = mx_half_scale(__ldg((const unsigned char*)q[m]->s + prow[m][h] + g));
+                    bi[h] = 0.0f;
+                } else {
+                    sc[h] = qparam(q[m]->s, prow[m][h] + g, q[m]->sf32);
+                    bi[h] = qparam(q[m]->b, prow[m][h] + g, q[m]->sf32);
+                }
             }
 #pragma unroll
             for (int n = 0; n < NT; n++) {
                 if (n >= nt_live) break;
-                float x0 = xs_q[n][0][g], x1 = xs_q[n][1][g];
-                acc[m][n][0] += sc[0] * tmp[m][n][0] + bi[0] * x0;
-                acc[m][n][1] += sc[0] * tmp[m][n][1] + bi[0] * x1;
-                acc[m][n][2] += sc[1] * tmp[m][n][2] + bi[1] * x0;
-                acc[m][n][3] += sc[1] * tmp[m][n][3] + bi[1] * x1;
+                if constexpr (MX) {
+                    // (no bias term)
+                    acc[m][n][0] += sc[0] * tmp[m][n][0];
+                    acc[m][n][1] += sc[0] * tmp[m][n][1];
+                    acc[m][n][2] += sc[1] * tmp[m][n][2];
+                    acc[m][n][3] += sc[1] * tmp[m][n][3];
+                } else {
+                    float x0 = xs_q[n][0][g], x1 = xs_q[n][1][g];
+                    acc[m][n][0] += sc[0] * tmp[m][n][0] + bi[0] * x0;
+                    acc[m][n][1] += sc[0] * tmp[m][n][1] + bi[0] * x1;
+                    acc[m][n][2] += sc[1] * tmp[m][n][2] + bi[1] * x0;
+                    acc[m][n][3] += sc[1] * tmp[m][n][3] + bi[1] * x1;
+                }
             }
         }
     }
@@ -328,13 +381,16 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_mma(const ExpertTa
         int live = min(MMA_NT, (T.count - tok0 + 7) / 8);
         float acc[2][MMA_NT][4];
 #define MMA_CALL(B, S) mma_tile<B, S, 2, MMA_NT>(qs, row0, xp_tok, xs_q, live, acc)
-        MMA_DISPATCH(L.bits, gs, MMA_CALL);
+        if (L.mx)
+            MMA_CALL(MXB, 2);
+        else
+            MMA_DISPATCH(L.bits, gs, MMA_CALL);
 #undef MMA_CALL
         // Row tile 0 is gate, 1 is up (the same rows).
         const int gate_rows[1] = {r0};
         mma_each<1, MMA_NT>(gate_rows, tok0, [&](int, int nn, int c, int r, int i) {
             if (r < L.inter && i < T.count)
-                act[(long)(T.first + i) * L.inter + r] = siluf_(acc[0][nn][c]) * acc[1][nn][c];
+                act[(long)(T.first + i) * L.inter + r] = expert_glu(L, sl[i], r, acc[0][nn][c], acc[1][nn][c]);
         });
     }
 }
@@ -361,10 +417,16 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_mma(const ExpertTask*
         int live = min(MMA_NT, (T.count - tok0 + 7) / 8);
         float acc[MMA_MT][MMA_NT][4];
 #define MMA_CALL(B, S) mma_tile<B, S, MMA_MT, MMA_NT>(qs, row0, xp_tok, xs_q, live, acc)
-        MMA_DISPATCH(L.bits, gs, MMA_CALL);
+        if (L.mx)
+            MMA_CALL(MXB, 2);
+        else
+            MMA_DISPATCH(L.bits, gs, MMA_CALL);
 #undef MMA_CALL
         mma_each<MMA_MT, MMA_NT>(row0, tok0, [&](int mt, int nn, int c, int r, int i) {
-            if (r < L.hidden && i < T.count) slot_out[(long)slot_list[T.first + i] * L.hidden + r] = acc[mt][nn][c];
+            if (r < L.hidden && i < T.count) {
+                int slot = slot_list[T.first + i];
+                slot_out[(long)slot * L.hidden + r] = acc[mt][nn][c] + expert_down_bias(L, slot, r);
+            }
         });
     }
 }

@@ -94,6 +94,8 @@ pub(super) struct Ctx<'a> {
     pub start: usize,
     /// Device address of the rotary inverse frequencies (f64).
     pub inv_freq: u64,
+    /// YaRN's magnitude factor of the rotated channels (`Rope::mscale`).
+    pub rope_mscale: f32,
     /// Device address of the eval's sequence table: per layer and segment
     /// the two state buffers of the segment's sequence
     /// (`GpuLayerState::buffers`), read by decode batches' kernels.
@@ -110,6 +112,9 @@ pub(super) struct Ctx<'a> {
     /// `CudaOptions::cpu_experts`, and the threads that compute them.
     pub cpu_experts: usize,
     pub pool: &'a rayon::ThreadPool,
+    /// The model's host weights: the per-expert bias tables of experts the
+    /// host computes (gpt-oss).
+    pub host_weights: &'a crate::model::weights::Weights,
     /// Pinned memory for what the host reads back mid-step.
     pub downloads: &'a mut PinnedDownload,
 }
@@ -201,6 +206,7 @@ pub struct CudaModel {
     /// The rotary inverse frequencies (f64): the model's table (YaRN for
     /// the DeepSeek family).
     inv_freq: DevBuf,
+    rope_mscale: f32,
     moe_layers: usize,
     cache: Option<ExpertCache>,
     scratch: Scratch,
@@ -290,6 +296,7 @@ impl CudaModel {
             weights,
             mla,
             inv_freq: DevBuf::from_slice(&gpu, &model.rope.inv_freq)?,
+            rope_mscale: model.rope.mscale,
             moe_layers: model.moe_layers(),
             cache: None,
             scratch: Scratch::default(),
@@ -636,6 +643,7 @@ impl CudaModel {
             pos: first.pos,
             start: first.seg.start,
             inv_freq: self.inv_freq.ptr(),
+            rope_mscale: self.rope_mscale,
             seq_tab: self.seq_tab.ptr(),
             segments: segs.len(),
             cache: self.cache.as_mut(),
@@ -645,6 +653,7 @@ impl CudaModel {
             prefetch: self.prefetch,
             cpu_experts: self.opts.cpu_experts,
             pool,
+            host_weights: &model.weights,
             downloads: &mut self.route_host,
         };
         let ids = cx.scratch.get(g, "ids", 4 * n)?;

@@ -5,8 +5,8 @@
 //! and so do the shared experts (Qwen3.5's scaled by a sigmoid gate,
 //! DeepSeek's and GLM's added as they are); the expert machinery is the same.
 
-use crate::backend::cpu::moe::expert_forward;
-use crate::config::{ModelConfig, RouterKind};
+use crate::backend::cpu::moe::{expert_forward_with, ExpertAct};
+use crate::config::{ExpertActivation, ModelConfig, QuantMode, RouterKind};
 use crate::error::Result;
 use crate::model::moe::{ComponentLayout, DenseMlp, ExpertLayout, MoeBlock};
 use crate::model::timing::{lap, PhaseTimes};
@@ -37,6 +37,18 @@ struct ExpertLayoutC {
     bits: i32,
     gs: i32,
     sf32: i32,
+    /// MXFP4 codes and scale bytes (the `_mx` kernels).
+    mx: i32,
+    /// gpt-oss's clamped SwiGLU with `alpha` and `limit`.
+    oai: i32,
+    alpha: f32,
+    limit: f32,
+    /// Device addresses of the per-expert bias tables (0 for none) and of
+    /// the router's expert id per slot, which picks their rows.
+    bias_g: u64,
+    bias_u: u64,
+    bias_d: u64,
+    ids: u64,
 }
 
 /// One expert of a layer's batch (`struct ExpertTask`).
@@ -128,7 +140,7 @@ pub(super) fn moe(
     let mut clock = std::time::Instant::now();
     let w = cx.weights;
     let i = b.layer;
-    let layout = expert_layout(b)?;
+    let mut layout = expert_layout(b)?;
     let (e, h, k) = (cx.config.moe.num_experts, cx.config.hidden_size, cx.k);
     let (inter, bits) = (layout.inter as usize, layout.bits as usize);
     let g = cx.gpu;
@@ -137,6 +149,15 @@ pub(super) fn moe(
     let d_ids = s.get(g, "route_ids", 4 * n * k)?;
     let d_wts = s.get(g, "wts", 4 * n * k)?;
     let d_bases = s.get(g, "bases", 8 * n * k)?;
+    // gpt-oss: per-expert biases (rows picked by the router's ids) and the
+    // clamped SwiGLU, in the expert kernels' epilogues.
+    if let ExpertActivation::SwigluOai { alpha, limit } = cx.config.moe.activation {
+        (layout.oai, layout.alpha, layout.limit) = (1, alpha, limit);
+    }
+    if let Some([bg, bu, bd]) = b.expert_bias {
+        (layout.bias_g, layout.bias_u, layout.bias_d) = (w.vec(bg), w.vec(bu), w.vec(bd));
+    }
+    layout.ids = d_ids;
     let act = s.get(g, "eact", 4 * n * k * inter)?;
     let slot_out = s.get(g, "slot_out", 4 * n * k * h)?;
 
@@ -197,7 +218,11 @@ pub(super) fn moe(
         }
         _ => None,
     };
-    let sfx = kernel_suffix(layout.bits);
+    let sfx = if layout.mx != 0 {
+        "mx"
+    } else {
+        kernel_suffix(layout.bits)
+    };
     // Per-slot kernels take one token: rows split across warps, or the
     // activation-stationary kernels when the layout fits them.
     let qmv = slot_path.then(|| qmv_slot_grids(&layout)).flatten();
@@ -394,6 +419,7 @@ fn compute_on_host(
     slot_out: u64,
 ) -> Result<()> {
     let (h, k) = (cx.config.hidden_size, cx.k);
+    let act = ExpertAct::of(b, cx.host_weights, cx.config);
     let mut y = vec![0.0f32; h];
     for (e, slots) in users {
         let bytes = cx
@@ -404,7 +430,7 @@ fn compute_on_host(
             let t = j as usize / k;
             let x = &xn[t * h..(t + 1) * h];
             cx.pool
-                .install(|| expert_forward(&b.experts, bytes, x, 1, &mut y));
+                .install(|| expert_forward_with(&b.experts, &act, *e, bytes, x, 1, &mut y));
             cx.arena
                 .upload(cx.gpu, slot_out + 4 * (j as u64) * h as u64, &y)?;
         }
@@ -509,6 +535,9 @@ fn most_chosen_first(ids: &[i32]) -> Vec<usize> {
 /// when the experts' layout fits them (every piece 16-byte aligned; the
 /// cache's slots are).
 fn qmv_slot_grids(l: &ExpertLayoutC) -> Option<(u32, u32)> {
+    if l.mx != 0 {
+        return None; // MXFP4 takes the per-slot `_mx` kernels
+    }
     let offsets = [l.gate_w, l.up_w, l.down_w];
     if offsets.iter().any(|o| o % 16 != 0) {
         return None;
@@ -554,12 +583,36 @@ fn expert_layout(m: &MoeBlock) -> Result<ExpertLayoutC> {
             m.layer
         )));
     }
-    let (Some(gate_b), Some(up_b), Some(down_b)) = (x.gate.biases, x.up.biases, x.down.biases)
-    else {
-        return Err(unsupported(format!(
-            "layer {}: MXFP4 routed experts (not yet on the GPU)",
-            m.layer
-        )));
+    let (inter, hidden) = (x.gate.rows, x.gate.cols);
+    let mx = x.gate.spec.mode == QuantMode::Mxfp4;
+    let (gate_b, up_b, down_b) = if mx {
+        // The MXFP4 kernels read a group's codes as one 16-byte load.
+        let fits = x.gate.spec.group_size == 32
+            && x.gate.spec.bits == 4
+            && hidden.is_multiple_of(32)
+            && inter.is_multiple_of(32)
+            && [x.gate.weight, x.up.weight, x.down.weight]
+                .iter()
+                .all(|o| o.is_multiple_of(16));
+        if !fits {
+            return Err(unsupported(format!(
+                "layer {}: MXFP4 routed experts of {inter} x {hidden} with codes at byte offsets \
+                 {}, {}, {} (the kernels take groups of 32 columns, widths that are multiples of \
+                 32 and 16-byte aligned codes)",
+                m.layer, x.gate.weight, x.up.weight, x.down.weight
+            )));
+        }
+        (0, 0, 0)
+    } else {
+        match (x.gate.biases, x.up.biases, x.down.biases) {
+            (Some(g), Some(u), Some(d)) => (g, u, d),
+            _ => {
+                return Err(unsupported(format!(
+                    "layer {}: affine routed experts without group biases",
+                    m.layer
+                )))
+            }
+        }
     };
     Ok(ExpertLayoutC {
         gate_w: x.gate.weight as i64,
@@ -571,11 +624,19 @@ fn expert_layout(m: &MoeBlock) -> Result<ExpertLayoutC> {
         down_w: x.down.weight as i64,
         down_s: x.down.scales as i64,
         down_b: down_b as i64,
-        inter: x.gate.rows as i32,
-        hidden: x.gate.cols as i32,
+        inter: inter as i32,
+        hidden: hidden as i32,
         bits: x.gate.spec.bits as i32,
         gs: x.gate.spec.group_size as i32,
         sf32: x.gate.scales_f32 as i32,
+        mx: mx as i32,
+        oai: 0,
+        alpha: 0.0,
+        limit: 0.0,
+        bias_g: 0,
+        bias_u: 0,
+        bias_d: 0,
+        ids: 0,
     })
 }
 

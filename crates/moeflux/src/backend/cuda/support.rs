@@ -20,11 +20,6 @@ pub(super) fn unsupported(what: String) -> Error {
 /// they do not (`Error::Unsupported`).
 pub fn check(model: &Model) -> Result<()> {
     let c = &model.config;
-    // gpt-oss's blocks (sinks, sliding windows, biased experts with the
-    // clamped SwiGLU) have CPU bodies only so far.
-    if c.arch == crate::config::Architecture::GptOss {
-        return Err(unsupported("gpt-oss (its attention sinks, sliding windows and biased experts run on the CPU only for now)".into()));
-    }
     if model.embed.quant.is_none() {
         return Err(unsupported("an unquantized embedding".into()));
     }
