@@ -56,8 +56,9 @@ pub enum Error {
     #[error("position {requested} is beyond the current position {current}")]
     PositionBeyondEnd { requested: usize, current: usize },
     #[error(
-        "cannot truncate to {requested}: linear-attention layers need a checkpoint at or \
-         before that position (checkpoints: {available:?})"
+        "cannot truncate to {requested}: linear-attention layers, and sliding-window layers \
+         that dropped the rows it attends to, need a checkpoint at or before that position \
+         (checkpoints: {available:?})"
     )]
     NoCheckpoint {
         requested: usize,

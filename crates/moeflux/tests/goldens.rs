@@ -9,6 +9,7 @@ mod common;
 use common::{
     check_against_golden, convert_fixture, eval_three_ways, fixtures, open, Golden, EVAL_MODES,
 };
+use moeflux::LogitsMode;
 
 fn run_fixture(name: &str, src: &str, golden_dir: &str, expert_bits: Option<u32>) {
     let golden = Golden::load(&fixtures().join(golden_dir));
@@ -82,6 +83,57 @@ fn glm4_moe_q4_qkv_bias_qk_norm_partial_rope_noaux_tc() {
 #[test]
 fn gpt_oss_q4_sinks_sliding_window_biases_yarn_clamped_swiglu() {
     run_fixture("gptoss-q4", "gptoss-q4/src", "gptoss-q4", None);
+}
+
+/// gpt-oss's sliding layers keep only their window (plus slack): decoding
+/// one token at a time far past it (the golden's tokens, then twelve
+/// windows more) gives bit for bit the logits of one batch over the whole
+/// sequence, whose attention holds every row until it is done, and the
+/// golden's where it has them.
+#[test]
+fn gpt_oss_q4_decode_past_many_windows_equals_one_batch() {
+    let golden = Golden::load(&fixtures().join("gptoss-q4"));
+    let (_tmp, dir) = convert_fixture("gptoss-q4/src", None);
+    let window = open(&dir).config().attention_window[0].expect("layer 0 slides");
+    assert!(window < golden.prompt_len, "the prompt outgrows the window");
+    let mut tokens = golden.tokens.clone();
+    tokens.extend((0..12 * window).map(|i| ((i * 37 + 11) % golden.vocab) as u32));
+    let mut s = open(&dir);
+    let mut decoded = Vec::new();
+    for &t in &tokens {
+        decoded.extend(s.eval(&[t], LogitsMode::Last).unwrap());
+    }
+    let batch = open(&dir).eval(&tokens, LogitsMode::All).unwrap();
+    let differ = decoded
+        .iter()
+        .zip(&batch)
+        .position(|(a, b)| a.to_bits() != b.to_bits());
+    assert_eq!(
+        differ.map(|i| i / golden.vocab),
+        None,
+        "first position whose decoded logits differ from the batch's"
+    );
+    check_against_golden(
+        "gptoss-q4 decoded past many windows",
+        &golden,
+        &decoded[..golden.tokens.len() * golden.vocab],
+    );
+    // What the sliding layers hold is bounded: a snapshot here is smaller
+    // than one holding every row (the largest at this position).
+    let full = moeflux::Session::open(
+        &dir,
+        moeflux::SessionOptions {
+            max_context: Some(tokens.len()),
+            ..Default::default()
+        },
+    )
+    .unwrap()
+    .max_snapshot_len();
+    let held = s.state_save().unwrap().len() as u64;
+    assert!(
+        held < full,
+        "snapshot of {held} bytes, all rows take {full}"
+    );
 }
 
 #[test]

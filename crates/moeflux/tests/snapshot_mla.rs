@@ -86,19 +86,25 @@ fn deepseek_auto_backend_follows_the_gpu() {
     }
 }
 
-/// Rewrites a version 2 snapshot of a model without MLA as version 1 (15
-/// shape words, no kv_lora_rank / qk_rope_head_dim), with its checksum.
-fn as_v1(v2: &[u8]) -> Vec<u8> {
-    let words = u32::from_le_bytes(v2[12..16].try_into().unwrap()) as usize;
+/// Rewrites a version 3 snapshot of a model without MLA or sliding windows
+/// as version 1 (15 shape words, no kv_lora_rank / qk_rope_head_dim, no
+/// first-position words), with its checksum.
+fn as_v1(v3: &[u8]) -> Vec<u8> {
+    assert_eq!(u32::from_le_bytes(v3[8..12].try_into().unwrap()), 3);
+    let words = u32::from_le_bytes(v3[12..16].try_into().unwrap()) as usize;
     assert_eq!(words, 17);
-    let tail_words = &v2[16 + 15 * 8..16 + 17 * 8];
+    let tail_words = &v3[16 + 15 * 8..16 + 17 * 8];
     assert!(tail_words.iter().all(|&b| b == 0), "model has MLA words");
+    // Shape word 11: attention layers, one first-position word each.
+    let attention = u64::from_le_bytes(v3[16 + 11 * 8..16 + 12 * 8].try_into().unwrap()) as usize;
+    let starts = 16 + 17 * 8..16 + 17 * 8 + 8 * attention;
+    assert!(v3[starts.clone()].iter().all(|&b| b == 0), "rows dropped");
     let mut out = Vec::new();
-    out.extend_from_slice(&v2[..8]);
+    out.extend_from_slice(&v3[..8]);
     out.extend_from_slice(&1u32.to_le_bytes());
     out.extend_from_slice(&15u32.to_le_bytes());
-    out.extend_from_slice(&v2[16..16 + 15 * 8]);
-    out.extend_from_slice(&v2[16 + 17 * 8..v2.len() - 8]);
+    out.extend_from_slice(&v3[16..16 + 15 * 8]);
+    out.extend_from_slice(&v3[starts.end..v3.len() - 8]);
     let sum = moeflux::hash::fnv1a(&out);
     out.extend_from_slice(&sum.to_le_bytes());
     out

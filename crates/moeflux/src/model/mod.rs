@@ -192,7 +192,9 @@ impl Model {
                 .layers
                 .iter()
                 .map(|l| match &l.mixer {
-                    Mixer::Full(_) => LayerState::Full(KvCache::new(c.num_kv_heads * c.head_dim)),
+                    Mixer::Full(a) => {
+                        LayerState::Full(KvCache::new(c.num_kv_heads * c.head_dim, a.window))
+                    }
                     Mixer::Linear(_) => LayerState::Linear(GatedDeltaNet::new_state(c)),
                     Mixer::Mla(_) => {
                         let m = c.mla.expect("checked at load");

@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::format::MANIFEST_FILE;
 use crate::io::{ExpertStore, ExpertStoreOptions, IoStats};
 use crate::model::forward::{Segment, SegmentOutput};
-use crate::model::state::LinearState;
+use crate::model::state::RewindState;
 use crate::model::timing::PhaseTimes;
 use crate::model::trace::Trace;
 use crate::model::{LogitsMode, Model};
@@ -78,9 +78,10 @@ impl Output {
 struct Sequence {
     state: SeqState,
     tokens: Vec<u32>,
-    /// Linear-layer states by position; `checkpoint_order` keeps use order
+    /// What returning to a position needs (linear-layer states, window
+    /// layers' rows), by position; `checkpoint_order` keeps use order
     /// (last = newest).
-    checkpoints: BTreeMap<usize, Vec<LinearState>>,
+    checkpoints: BTreeMap<usize, RewindState>,
     checkpoint_order: Vec<usize>,
     /// Set when an eval failed midway: the state is then inconsistent until
     /// `clear`, `restore_to`, `truncate` or `state_load`.
@@ -681,18 +682,20 @@ impl Batch {
         Ok(())
     }
 
-    /// Records `id`'s linear-attention state at its current position so
-    /// that `truncate`/`restore_to` can return here. Returns the position.
+    /// Records what returning to `id`'s current position needs (its
+    /// linear-attention states, the rows its sliding-window layers see
+    /// from here) so that `truncate`/`restore_to` can return here. Returns
+    /// the position.
     pub fn checkpoint(&mut self, id: SeqId) -> Result<usize> {
         let max = self.max_checkpoints;
         let seq = self.seqs.get_mut(&id).ok_or_else(|| no_sequence(id))?;
         let pos = seq.tokens.len();
         if !seq.poisoned {
-            let Ok(linear) = self.engine.linear_states(&seq.state) else {
+            let Ok(saved) = self.engine.rewind_state(&seq.state) else {
                 seq.poisoned = true;
                 return Ok(pos);
             };
-            seq.checkpoints.insert(pos, linear);
+            seq.checkpoints.insert(pos, saved);
             seq.touch(pos);
             while seq.checkpoint_order.len() > max {
                 let old = seq.checkpoint_order.remove(0);
@@ -708,7 +711,9 @@ impl Batch {
     }
 
     /// Returns `id` to a checkpointed position (or 0), dropping later
-    /// checkpoints.
+    /// checkpoints. A model without linear-attention layers returns to any
+    /// position whose rows its sliding-window layers still hold (every
+    /// position without such layers) without a checkpoint.
     pub fn restore_to(&mut self, id: SeqId, pos: usize) -> Result<()> {
         let seq = self.seq(id)?;
         if pos > seq.tokens.len() {
@@ -720,16 +725,16 @@ impl Batch {
         if pos == 0 {
             return self.clear(id);
         }
-        if !self.has_linear_layers() {
-            return self.rewind(id, pos, &[]);
+        if !self.has_linear_layers() && self.engine.can_truncate(&seq.state, pos) {
+            return self.rewind(id, pos, None);
         }
-        let Some(linear) = seq.checkpoints.get(&pos).cloned() else {
+        let Some(saved) = seq.checkpoints.get(&pos).cloned() else {
             return Err(Error::NoCheckpoint {
                 requested: pos,
                 available: self.checkpoints(id)?,
             });
         };
-        self.rewind(id, pos, &linear)?;
+        self.rewind(id, pos, Some(&saved))?;
         self.seq_mut(id)?.touch(pos);
         Ok(())
     }
@@ -741,9 +746,9 @@ impl Batch {
             .contains(&LayerKind::LinearAttention)
     }
 
-    fn rewind(&mut self, id: SeqId, pos: usize, linear: &[LinearState]) -> Result<()> {
+    fn rewind(&mut self, id: SeqId, pos: usize, from: Option<&RewindState>) -> Result<()> {
         let seq = self.seqs.get_mut(&id).ok_or_else(|| no_sequence(id))?;
-        if let Err(e) = self.engine.rewind(&mut seq.state, pos, linear) {
+        if let Err(e) = self.engine.rewind(&mut seq.state, pos, from) {
             seq.poisoned = true;
             return Err(e);
         }
@@ -756,7 +761,8 @@ impl Batch {
     }
 
     /// Shortens `id` to `n` tokens. Exact: attention layers drop rows;
-    /// linear-attention layers restart from the nearest checkpoint at or
+    /// linear-attention layers, and sliding-window layers that no longer
+    /// hold the rows `n` needs, restart from the nearest checkpoint at or
     /// before `n` and replay the tokens up to `n`.
     pub fn truncate(&mut self, id: SeqId, n: usize) -> Result<()> {
         let seq = self.seq(id)?;
@@ -770,7 +776,7 @@ impl Batch {
         if n == position && !seq.poisoned {
             return Ok(());
         }
-        if n == 0 || !self.has_linear_layers() {
+        if n == 0 || (!self.has_linear_layers() && self.engine.can_truncate(&seq.state, n)) {
             return self.restore_to(id, n);
         }
         let Some(&c) = seq.checkpoints.range(..=n).next_back().map(|(p, _)| p) else {

@@ -12,7 +12,7 @@ use crate::backend::prefetch::PrefetchStats;
 use crate::error::{Error, Result};
 use crate::io::{ExpertBuf, ExpertStore};
 use crate::model::forward::{self, Segment, SegmentOutput};
-use crate::model::state::{LinearState, ModelState};
+use crate::model::state::{ModelState, RewindState};
 use crate::model::timing::PhaseTimes;
 use crate::model::trace::Trace;
 use crate::model::Model;
@@ -123,28 +123,37 @@ impl Engine {
         }
     }
 
-    /// Copies of the linear-attention states, in layer order.
-    pub fn linear_states(&self, state: &SeqState) -> Result<Vec<LinearState>> {
+    /// What returning to the current position later needs (a checkpoint):
+    /// the linear-attention states and the sliding-window layers' rows.
+    pub fn rewind_state(&self, state: &SeqState) -> Result<RewindState> {
         match (self, state) {
-            (Engine::Cpu { .. }, SeqState::Cpu(s)) => Ok(s.linear_states()),
-            (Engine::Cuda(m), SeqState::Cuda(s)) => m.linear_states(s),
+            (Engine::Cpu { .. }, SeqState::Cpu(s)) => Ok(s.rewind_state()),
+            (Engine::Cuda(m), SeqState::Cuda(s)) => m.rewind_state(s),
             _ => unreachable!("a state on another engine"),
         }
     }
 
-    /// Keeps `pos` positions of the attention layers and installs `linear`.
+    /// Whether the attention caches alone can return to `pos` (a sliding
+    /// window may have dropped rows `pos` needs).
+    pub fn can_truncate(&self, state: &SeqState, pos: usize) -> bool {
+        match state {
+            SeqState::Cpu(s) => s.can_truncate(pos),
+            SeqState::Cuda(s) => s.can_truncate(pos),
+        }
+    }
+
+    /// Returns to `pos`: attention caches keep `pos` positions (window
+    /// layers whose rows are gone take `from`'s), linear layers take
+    /// `from`'s states (see [`ModelState::rewind`]).
     pub fn rewind(
         &mut self,
         state: &mut SeqState,
         pos: usize,
-        linear: &[LinearState],
+        from: Option<&RewindState>,
     ) -> Result<()> {
         match (self, state) {
-            (Engine::Cpu { .. }, SeqState::Cpu(s)) => {
-                s.rewind(pos, linear);
-                Ok(())
-            }
-            (Engine::Cuda(m), SeqState::Cuda(s)) => m.rewind(s, pos, linear),
+            (Engine::Cpu { .. }, SeqState::Cpu(s)) => s.rewind(pos, from),
+            (Engine::Cuda(m), SeqState::Cuda(s)) => m.rewind(s, pos, from),
             _ => unreachable!("a state on another engine"),
         }
     }

@@ -2,8 +2,9 @@
 //!
 //! ```text
 //! b"MFLXSNAP" | u32 version | u32 word count W | W x u64 shape words
+//! | per attention layer (full or MLA): u64 first position held (S)
 //! | n_tokens x u32 token ids
-//! | per layer: full attention: K then V, position x kv_heads*head_dim f32
+//! | per layer: full attention: K then V, (position - S) x kv_heads*head_dim f32
 //! |            MLA: latent rows (position x kv_lora_rank f32) then rotary
 //! |                 key rows (position x qk_rope_head_dim f32)
 //! |            linear: conv state then recurrent state, f32
@@ -12,18 +13,24 @@
 //! Everything is little-endian. Loading validates every word, the exact
 //! length and the checksum before anything is decoded into the session.
 //!
-//! Version 2 added the MLA layer kind and two shape words (`kv_lora_rank`,
-//! `qk_rope_head_dim`, 0 for models without MLA); version 1 snapshots (15
-//! words, Qwen models) still load, the two words read as 0.
+//! Version 3 added the first-position words: a sliding-window layer holds
+//! only the rows its window can still see (S > 0), every other attention
+//! layer all rows (S = 0). Version 2 added the MLA layer kind and two
+//! shape words (`kv_lora_rank`, `qk_rope_head_dim`, 0 for models without
+//! MLA). Versions 1 (15 words, Qwen models) and 2 still load: their
+//! layers hold every row (S = 0), the missing words read as 0; a window
+//! layer's rows are then trimmed to its window.
 
 use crate::config::ModelConfig;
 use crate::hash::fnv1a;
 use crate::model::state::{KvCache, LayerState, LinearState, MlaCache, ModelState};
 
 pub const MAGIC: &[u8; 8] = b"MFLXSNAP";
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 /// Shape words of a version 1 snapshot (before MLA).
 const V1_WORDS: usize = 15;
+/// Index of the `full_attention_layers` (full or MLA) shape word.
+const ATTENTION_LAYERS_WORD: usize = 11;
 
 const WORD_NAMES: [&str; 17] = [
     "architecture",
@@ -84,6 +91,13 @@ pub fn save(c: &ModelConfig, fingerprint: u64, tokens: &[u32], state: &ModelStat
     out.extend_from_slice(&(words.len() as u32).to_le_bytes());
     for w in words {
         out.extend_from_slice(&w.to_le_bytes());
+    }
+    for l in &state.layers {
+        match l {
+            LayerState::Full(kv) => out.extend_from_slice(&(kv.start as u64).to_le_bytes()),
+            LayerState::Mla(_) => out.extend_from_slice(&0u64.to_le_bytes()),
+            LayerState::Linear(_) => {}
+        }
     }
     for t in tokens {
         out.extend_from_slice(&t.to_le_bytes());
@@ -162,10 +176,10 @@ pub fn load(
     let version = r.u32()?;
     let expect_words = match version {
         1 => V1_WORDS,
-        VERSION => WORD_NAMES.len(),
+        2 | VERSION => WORD_NAMES.len(),
         _ => {
             return Err(format!(
-                "version {version} is not supported (this build reads 1 and {VERSION})"
+                "version {version} is not supported (this build reads 1 to {VERSION})"
             ))
         }
     };
@@ -196,6 +210,18 @@ pub fn load(
         }
     }
     let position = position as usize;
+    // Per attention layer, the first position it holds (before version 3:
+    // every row, 0).
+    let attention_layers = words[ATTENTION_LAYERS_WORD] as usize;
+    let mut starts = vec![0usize; attention_layers];
+    if version >= 3 {
+        for s in &mut starts {
+            *s = r
+                .u64()?
+                .try_into()
+                .map_err(|_| "first position overflows")?;
+        }
+    }
     let body_end = bytes.len().checked_sub(8).ok_or("truncated")?;
     let tokens: Vec<u32> = {
         let raw = r.take(position.checked_mul(4).ok_or("length overflow")?)?;
@@ -213,16 +239,39 @@ pub fn load(
             c.vocab_size
         ));
     }
+    let mut starts = starts.into_iter();
     let mut layers = Vec::with_capacity(template.layers.len());
-    for l in &template.layers {
+    for (i, l) in template.layers.iter().enumerate() {
+        let start = match l {
+            LayerState::Linear(_) => 0,
+            LayerState::Full(_) | LayerState::Mla(_) => starts.next().ok_or("layer count")?,
+        };
+        let first_needed = match l {
+            LayerState::Full(kv) => kv.first_needed(position),
+            _ => 0,
+        };
+        // Only a window layer drops rows, and never one its next token sees.
+        if start > first_needed.min(position) {
+            return Err(format!(
+                "layer {i} holds positions from {start}, but position {position} attends to \
+                 positions from {first_needed}"
+            ));
+        }
         layers.push(match l {
             LayerState::Full(kv) => {
-                let n = position * kv.row;
-                LayerState::Full(KvCache {
+                let n = (position - start)
+                    .checked_mul(kv.row)
+                    .ok_or("length overflow")?;
+                let mut kv = KvCache {
                     k: r.f32s(n)?,
                     v: r.f32s(n)?,
                     row: kv.row,
-                })
+                    start,
+                    window: kv.window,
+                };
+                // Rows an older snapshot keeps beyond the window go now.
+                kv.trim();
+                LayerState::Full(kv)
             }
             LayerState::Mla(m) => LayerState::Mla(MlaCache {
                 latent: r.f32s(
@@ -254,13 +303,16 @@ pub fn load(
     Ok((tokens, ModelState { layers }))
 }
 
-/// The byte length of a snapshot at `position` (the layout of [`save`]),
-/// so a reader can refuse a file that no valid snapshot could be before
-/// reading it.
+/// The largest byte length of a snapshot at `position` (the layout of
+/// [`save`], every attention layer holding every row), so a reader can
+/// refuse a file that no valid snapshot could be before reading it.
 pub fn len_at(template: &ModelState, position: usize) -> u64 {
     let p = position as u64;
     let mut n = 8 + 4 + 4 + 8 * WORD_NAMES.len() as u64 + 4 * p + 8;
     for l in &template.layers {
+        if !matches!(l, LayerState::Linear(_)) {
+            n += 8;
+        }
         n += 4 * match l {
             LayerState::Full(kv) => 2 * p * kv.row as u64,
             LayerState::Mla(m) => p * (m.kv_lora_rank + m.rope_dim) as u64,

@@ -38,10 +38,12 @@ pub(super) fn check_shape(c: &ModelConfig) -> Result<()> {
     Ok(())
 }
 
-/// An empty KV cache for a full-attention layer.
-pub(super) fn new_kv(gpu: &Gpu, c: &ModelConfig) -> Result<GpuLayerState> {
+/// An empty KV cache for a full-attention layer with `window`.
+pub(super) fn new_kv(gpu: &Gpu, c: &ModelConfig, window: Option<usize>) -> Result<GpuLayerState> {
     let row = c.num_kv_heads * c.head_dim;
-    Ok(GpuLayerState::Full(RowCache::new(gpu, row, row)?))
+    let mut cache = RowCache::new(gpu, row, row)?;
+    cache.window = window;
+    Ok(GpuLayerState::Full(cache))
 }
 
 fn state_error(i: usize) -> Error {

@@ -20,7 +20,7 @@ use crate::model::forward::{self, Activation, BlockExecutor, Segment, SegmentOut
 use crate::model::layer::Mixer;
 use crate::model::mla::MlaAttention;
 use crate::model::moe::{DenseMlp, MoeBlock};
-use crate::model::state::{LinearState, ModelState};
+use crate::model::state::{ModelState, RewindState};
 use crate::model::timing::{lap, PhaseTimes};
 use crate::model::trace::Trace;
 use crate::model::weights::{LinearRef, VectorRef};
@@ -366,7 +366,7 @@ impl CudaModel {
             .layers
             .iter()
             .map(|l| match &l.mixer {
-                Mixer::Full(_) => attention::new_kv(&self.gpu, c),
+                Mixer::Full(a) => attention::new_kv(&self.gpu, c, a.window),
                 Mixer::Linear(_) => deltanet::new_state(&self.gpu, c),
                 Mixer::Mla(_) => mla::new_cache(&self.gpu, self.mla.as_ref().expect("MLA layers")),
             })
@@ -388,11 +388,12 @@ impl CudaModel {
         state.download()
     }
 
-    /// The linear-attention states only (checkpoints).
-    pub fn linear_states(&self, state: &GpuState) -> Result<Vec<LinearState>> {
+    /// What a checkpoint keeps: the linear-attention states and the window
+    /// layers' visible rows.
+    pub fn rewind_state(&self, state: &GpuState) -> Result<RewindState> {
         self.gpu.bind()?;
         self.gpu.sync()?;
-        state.linear_states()
+        state.rewind_state()
     }
 
     /// Replaces a state with a host copy (from `download_state` or a
@@ -406,17 +407,19 @@ impl CudaModel {
         Ok(())
     }
 
-    /// Keeps the first `pos` rows of the attention caches and puts `linear`
-    /// (one per linear layer, in order) into the linear layers.
+    /// Returns to position `pos` (see `GpuState::rewind`).
     pub fn rewind(
         &mut self,
         state: &mut GpuState,
         pos: usize,
-        linear: &[LinearState],
+        from: Option<&RewindState>,
     ) -> Result<()> {
         self.gpu.bind()?;
         self.gpu.sync()?;
-        state.rewind(pos, linear)
+        if state.rewind(&self.gpu, pos, from)? {
+            self.epoch += 1;
+        }
+        Ok(())
     }
 
     /// Evaluates `tokens` of `model` (the one this was built from), the

@@ -2,9 +2,17 @@
 //! and V, or MLA's latent and rotary-key rows; row = position) or
 //! GatedDeltaNet's conv and recurrent states, with copies to and from the
 //! host layout the CPU backend and snapshots use.
+//!
+//! A sliding-window layer's rows stay at their absolute positions here (the
+//! kernels index rows by position); only the host copy drops the rows its
+//! window no longer sees. A host cache that starts at position `s > 0` is
+//! uploaded to rows `s..`: the rows before are never read (the window
+//! masks them) and marked as not held (`start`).
 
 use crate::error::{Error, Result};
-use crate::model::state::{KvCache, LayerState, LinearState, MlaCache, ModelState};
+use crate::model::state::{
+    first_needed, KvCache, LayerState, LinearState, MlaCache, ModelState, RewindState,
+};
 
 use super::device::{copy_dtod, zero_async, DevBuf, Gpu};
 
@@ -19,7 +27,12 @@ pub(super) struct RowCache {
     pub row_a: usize,
     pub row_b: usize,
     cap: usize,
+    /// Rows held: positions `start..len` (`start > 0` only on a window
+    /// layer uploaded from a host cache that had dropped older rows).
     pub len: usize,
+    pub start: usize,
+    /// The layer's sliding window (`None`: full attention, or MLA).
+    pub window: Option<usize>,
 }
 
 impl RowCache {
@@ -31,7 +44,15 @@ impl RowCache {
             row_b,
             cap: 0,
             len: 0,
+            start: 0,
+            window: None,
         })
+    }
+
+    /// Whether dropping the rows from `n` on keeps what the token at `n`
+    /// attends to.
+    fn can_truncate(&self, n: usize) -> bool {
+        n == 0 || (n <= self.len && self.start <= first_needed(self.window, n))
     }
 
     /// Room for at least `rows` rows, keeping the existing ones; returns
@@ -64,26 +85,60 @@ impl RowCache {
         Ok(true)
     }
 
-    /// The first `len` rows of each buffer.
-    fn download(&self) -> Result<(Vec<f32>, Vec<f32>)> {
-        let mut a = vec![0.0f32; self.len * self.row_a];
-        let mut b = vec![0.0f32; self.len * self.row_b];
-        self.a.download(&mut a)?;
-        self.b.download(&mut b)?;
+    /// Rows `from..len` of each buffer.
+    fn download(&self, from: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+        let rows = self.len - from;
+        let mut a = vec![0.0f32; rows * self.row_a];
+        let mut b = vec![0.0f32; rows * self.row_b];
+        self.a.download_at(4 * from * self.row_a, &mut a)?;
+        self.b.download_at(4 * from * self.row_b, &mut b)?;
         Ok((a, b))
     }
 
-    /// Replaces the rows with `rows` rows from the host; returns whether
-    /// the buffers moved.
-    fn upload(&mut self, gpu: &Gpu, rows: usize, a: &[f32], b: &[f32]) -> Result<bool> {
+    /// Replaces the rows with host rows of positions `start..end`; returns
+    /// whether the buffers moved.
+    fn upload(
+        &mut self,
+        gpu: &Gpu,
+        start: usize,
+        end: usize,
+        a: &[f32],
+        b: &[f32],
+    ) -> Result<bool> {
+        let rows = end - start;
         if a.len() != rows * self.row_a || b.len() != rows * self.row_b {
             return Err(mismatch());
         }
-        let moved = self.reserve(gpu, rows)?;
-        self.a.upload(a)?;
-        self.b.upload(b)?;
-        self.len = rows;
+        let moved = self.reserve(gpu, end)?;
+        self.a.upload_at(4 * start * self.row_a, a)?;
+        self.b.upload_at(4 * start * self.row_b, b)?;
+        self.start = start;
+        self.len = end;
         Ok(moved)
+    }
+
+    /// A host copy of a K/V cache: the rows held, trimmed to the window as
+    /// the CPU keeps them.
+    fn download_kv(&self, from: usize) -> Result<KvCache> {
+        let (k, v) = self.download(from)?;
+        let mut kv = KvCache {
+            k,
+            v,
+            row: self.row_a,
+            start: from,
+            window: self.window,
+        };
+        kv.trim();
+        Ok(kv)
+    }
+
+    /// Takes a host K/V cache (of this layer's window; a full layer's holds
+    /// every row).
+    fn upload_kv(&mut self, gpu: &Gpu, h: &KvCache) -> Result<bool> {
+        if h.window != self.window || (self.window.is_none() && h.start != 0) {
+            return Err(mismatch());
+        }
+        self.upload(gpu, h.start, h.len(), &h.k, &h.v)
     }
 }
 
@@ -163,7 +218,10 @@ impl GpuState {
     pub(super) fn clear(&mut self, gpu: &Gpu) -> Result<()> {
         for s in &mut self.layers {
             match s {
-                GpuLayerState::Full(c) | GpuLayerState::Mla(c) => c.len = 0,
+                GpuLayerState::Full(c) | GpuLayerState::Mla(c) => {
+                    c.len = 0;
+                    c.start = 0;
+                }
                 GpuLayerState::Linear(ls) => {
                     zero_async(&gpu.stream, ls.conv.ptr(), ls.conv.bytes())?;
                     zero_async(&gpu.stream, ls.ssm.ptr(), ls.ssm.bytes())?;
@@ -198,12 +256,9 @@ impl GpuState {
             .iter()
             .map(|s| {
                 Ok(match s {
-                    GpuLayerState::Full(c) => {
-                        let (k, v) = c.download()?;
-                        LayerState::Full(KvCache { k, v, row: c.row_a })
-                    }
+                    GpuLayerState::Full(c) => LayerState::Full(c.download_kv(c.start)?),
                     GpuLayerState::Mla(c) => {
-                        let (latent, rope) = c.download()?;
+                        let (latent, rope) = c.download(0)?;
                         LayerState::Mla(MlaCache {
                             latent,
                             rope,
@@ -218,15 +273,31 @@ impl GpuState {
         Ok(ModelState { layers })
     }
 
-    /// The linear-attention states only (checkpoints).
-    pub(super) fn linear_states(&self) -> Result<Vec<LinearState>> {
-        self.layers
-            .iter()
-            .filter_map(|s| match s {
-                GpuLayerState::Linear(ls) => Some(ls.download()),
-                GpuLayerState::Full(_) | GpuLayerState::Mla(_) => None,
-            })
-            .collect()
+    /// What a checkpoint keeps: the linear-attention states and the rows
+    /// the window layers see from the current position (as the host's
+    /// [`ModelState::rewind_state`]).
+    pub(super) fn rewind_state(&self) -> Result<RewindState> {
+        let mut r = RewindState::default();
+        for s in &self.layers {
+            match s {
+                GpuLayerState::Linear(ls) => r.linear.push(ls.download()?),
+                GpuLayerState::Full(c) if c.window.is_some() => {
+                    let from = first_needed(c.window, c.len).max(c.start);
+                    r.windows.push(c.download_kv(from)?);
+                }
+                GpuLayerState::Full(_) | GpuLayerState::Mla(_) => {}
+            }
+        }
+        Ok(r)
+    }
+
+    /// Whether the row caches alone can return to position `n` (see
+    /// [`ModelState::can_truncate`]).
+    pub fn can_truncate(&self, n: usize) -> bool {
+        self.layers.iter().all(|s| match s {
+            GpuLayerState::Full(c) => c.can_truncate(n),
+            GpuLayerState::Mla(_) | GpuLayerState::Linear(_) => true,
+        })
     }
 
     /// Replaces the state with a host copy (from `download` or a snapshot
@@ -240,10 +311,10 @@ impl GpuState {
         for (dst, src) in self.layers.iter_mut().zip(&s.layers) {
             match (dst, src) {
                 (GpuLayerState::Full(c), LayerState::Full(h)) => {
-                    moved |= c.upload(gpu, h.len(), &h.k, &h.v)?;
+                    moved |= c.upload_kv(gpu, h)?;
                 }
                 (GpuLayerState::Mla(c), LayerState::Mla(h)) => {
-                    moved |= c.upload(gpu, h.len(), &h.latent, &h.rope)?;
+                    moved |= c.upload(gpu, 0, h.len(), &h.latent, &h.rope)?;
                 }
                 (GpuLayerState::Linear(ls), LayerState::Linear(h)) => ls.upload(h)?,
                 _ => return Err(mismatch()),
@@ -252,20 +323,62 @@ impl GpuState {
         Ok(moved)
     }
 
-    /// Keeps the first `pos` rows of every row cache and puts `linear` (one
-    /// per linear layer, in order) into the linear layers.
-    pub(super) fn rewind(&mut self, pos: usize, linear: &[LinearState]) -> Result<()> {
-        let mut lin = linear.iter();
+    /// Returns to position `pos` as the host's [`ModelState::rewind`]: row
+    /// caches keep the first `pos` positions (a window layer whose rows
+    /// `pos` needs are gone takes `from`'s), linear layers take `from`'s
+    /// states. Checked first: on error nothing changed. Returns whether a
+    /// buffer moved.
+    pub(super) fn rewind(
+        &mut self,
+        gpu: &Gpu,
+        pos: usize,
+        from: Option<&RewindState>,
+    ) -> Result<bool> {
+        // Checked before anything changes: a window layer whose rows are
+        // gone needs rows from `from` that end at `pos`.
+        let mut win = from.map(|f| f.windows.iter());
+        for (i, s) in self.layers.iter().enumerate() {
+            let GpuLayerState::Full(c) = s else { continue };
+            if c.window.is_none() {
+                continue;
+            }
+            let saved = win.as_mut().and_then(|w| w.next());
+            if c.can_truncate(pos) {
+                continue;
+            }
+            let fits = saved.is_some_and(|h| {
+                h.len() == pos && h.row == c.row_a && h.start <= first_needed(c.window, pos)
+            });
+            if !fits {
+                return Err(Error::Invalid(format!(
+                    "layer {i}: its sliding window dropped the rows position {pos} needs, \
+                     and no checkpoint at {pos} holds them"
+                )));
+            }
+        }
+        let mut lin = from.map(|f| f.linear.iter());
+        let mut win = from.map(|f| f.windows.iter());
+        let mut moved = false;
         for s in &mut self.layers {
             match s {
-                GpuLayerState::Full(c) | GpuLayerState::Mla(c) => c.len = c.len.min(pos),
+                GpuLayerState::Full(c) => {
+                    let saved = match (c.window, &mut win) {
+                        (Some(_), Some(w)) => w.next(),
+                        _ => None,
+                    };
+                    match saved {
+                        Some(h) if !c.can_truncate(pos) => moved |= c.upload_kv(gpu, h)?,
+                        _ => c.len = c.len.min(pos),
+                    }
+                }
+                GpuLayerState::Mla(c) => c.len = c.len.min(pos),
                 GpuLayerState::Linear(ls) => {
-                    if let Some(h) = lin.next() {
+                    if let Some(h) = lin.as_mut().and_then(|l| l.next()) {
                         ls.upload(h)?;
                     }
                 }
             }
         }
-        Ok(())
+        Ok(moved)
     }
 }
