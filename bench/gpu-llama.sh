@@ -53,6 +53,7 @@
 #   --configure-only    unpack and configure, then stop (checks the toolchain in seconds)
 #   --export-only       export the GGUF, then stop: no build (none needed) unless --build-only,
 #                       no llama-bench runs; prints the GGUF's path on stdout
+#   --no-resident       skip the fully resident run (only the --n-cpu-moe ones)
 #   --jobs J            build jobs (default: nproc)
 #   --rm-gguf           delete the exported GGUF at the end
 # Environment: PYTHON (default python3), CUDA_ARCH (default 90), NVCC (default: nvcc on PATH,
@@ -68,6 +69,7 @@ NPROC=$(nproc)
 
 BUDGET=
 EXPERT_BUDGET=
+NO_RESIDENT=0
 REPS=3
 THREADS=$NPROC
 FA=on
@@ -101,6 +103,7 @@ while [[ $# -gt 0 ]]; do
   case $1 in
     --budget-gib) BUDGET=${2:?--budget-gib needs a number}; shift 2 ;;
     --expert-budget-gib) EXPERT_BUDGET=${2:?--expert-budget-gib needs a number}; shift 2 ;;
+    --no-resident) NO_RESIDENT=1; shift ;;
     --reps|-r) REPS=${2:?}; posint --reps "$REPS"; shift 2 ;;
     --threads|-t) THREADS=${2:?}; posint --threads "$THREADS"; shift 2 ;;
     --fa) FA=${2:?}; shift 2 ;;
@@ -407,7 +410,7 @@ run_bench() {  # name n_cpu_moe
   RUNS+=("$name:$n:$OUT_DIR/llama-$name.json:$vram")
 }
 
-run_bench resident 0
+((NO_RESIDENT)) || run_bench resident 0
 declare -A seen=()
 for n in "${NCMOE[@]}"; do
   ((n > 0)) || continue
