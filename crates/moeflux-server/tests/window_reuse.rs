@@ -9,14 +9,12 @@ use std::path::{Path, PathBuf};
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
-use moeflux::{Session, SessionOptions};
 use moeflux_server::{EngineOptions, PrefixCacheOptions, Server, ServerOptions};
 use serde_json::{json, Value};
 use tower::ServiceExt;
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
+mod common;
+use common::fixtures;
 
 /// The gpt-oss fixture converted (its tokenizer config carries a ChatML
 /// template).
@@ -29,24 +27,12 @@ fn gpt_oss_dir() -> (tempfile::TempDir, PathBuf) {
 }
 
 fn server(dir: &Path, engine: EngineOptions) -> Server {
-    let d = dir.to_path_buf();
-    Server::start(
+    common::open_dir(
         dir,
         ServerOptions {
             engine,
             ..Default::default()
         },
-        Box::new(move || {
-            Session::open(
-                &d,
-                SessionOptions {
-                    threads: Some(2),
-                    max_context: Some(2048),
-                    ..Default::default()
-                },
-            )
-            .map_err(|e| e.to_string())
-        }),
     )
     .unwrap()
 }

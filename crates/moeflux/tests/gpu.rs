@@ -337,14 +337,23 @@ fn gpu_matches_cpu_through_small_caches(dir: &Path) {
     let experts = c.config().moe.num_experts;
     let store = c.expert_store();
     let extent = store.extent_bytes(store.layers().next().unwrap());
+    // Room for one layer's experts plus a few, fewer than all of them (a
+    // cache that holds every expert is preloaded and never misses): every
+    // layer evicts.
+    let total = store.layers().count() * experts;
+    let slots = experts + 8.min(total.saturating_sub(experts + 1));
+    assert!(slots < total, "{total} experts in all: nothing to evict");
     for policy in [CachePolicy::LfuDa, CachePolicy::Lru] {
-        // Room for one layer's experts plus a few: every layer evicts.
-        let budget = ((experts + 8) * extent) as u64;
+        let budget = (slots * extent) as u64;
         let mut g = gpu_with(dir, Some(budget), policy);
         let got = g.eval(&toks, LogitsMode::All).unwrap();
         let d = max_rel_diff(&got, &want);
         assert!(d <= GUARD, "{policy:?}: GPU vs CPU max rel diff {d:e}");
-        assert!(g.gpu_cache_stats().misses > 0);
+        let s = g.gpu_cache_stats();
+        assert!(
+            s.misses > 0,
+            "{policy:?}: a cache of {slots} extents of {extent} bytes never missed: {s:?}"
+        );
         // Decode one at a time through the evicting cache.
         let mut g = gpu_with(dir, Some(budget), policy);
         let mut rows = Vec::new();
@@ -358,7 +367,7 @@ fn gpu_matches_cpu_through_small_caches(dir: &Path) {
     // Misses copied from the pinned host tier (the mapped expert files),
     // without and with uploads of the next layer's predicted experts
     // (which must not change a logit, only where experts come from).
-    let budget = ((experts + 8) * extent) as u64;
+    let budget = (slots * extent) as u64;
     // Also with some missing experts computed by the CPU instead.
     for (prefetch, cpu_experts) in [
         (Prefetch::Off, 0),

@@ -38,10 +38,14 @@ pub fn model_dir() -> PathBuf {
 
 /// A server over [`model_dir`] (2 threads, a 2048-token context).
 pub fn open(opts: ServerOptions) -> Result<Server, String> {
-    let dir = model_dir();
-    let d = dir.clone();
+    open_dir(&model_dir(), opts)
+}
+
+/// A server on the model directory `dir` (2 threads, 2048-token context).
+pub fn open_dir(dir: &std::path::Path, opts: ServerOptions) -> Result<Server, String> {
+    let d = dir.to_path_buf();
     Server::start(
-        &dir,
+        dir,
         opts,
         Box::new(move || {
             Session::open(
