@@ -113,16 +113,23 @@ fn opens_with_sane_logits_at_every_expert_width() {
         });
         let mut s = Session::open(&dir, SessionOptions::default()).unwrap();
         let tokens: Vec<u32> = (0..24).map(|i| (i * 37 + 5) % 512).collect();
-        let logits = s.eval(&tokens, LogitsMode::All).unwrap();
-        assert!(logits.iter().all(|x| x.is_finite()));
-        // Unit-order logits at every position: nothing exploded or vanished.
-        for row in logits.chunks(512) {
-            let rms = (row.iter().map(|x| x * x).sum::<f32>() / 512.0).sqrt();
-            assert!((0.3..3.0).contains(&rms), "{bits}-bit: logit RMS {rms}");
-        }
+        assert_sane_logits(
+            &s.eval(&tokens, LogitsMode::All).unwrap(),
+            &format!("{bits}-bit"),
+        );
         let m = Manifest::read(&dir.join("moeflux.json")).unwrap();
         assert_eq!(m.source.kind, "synthetic");
         assert_eq!(m.experts[0].components[0].quant.bits, bits);
+    }
+}
+
+/// Finite, unit-order logits (vocabulary 512) at every position: nothing
+/// exploded or vanished.
+fn assert_sane_logits(logits: &[f32], what: &str) {
+    assert!(logits.iter().all(|x| x.is_finite()), "{what}");
+    for row in logits.chunks(512) {
+        let rms = (row.iter().map(|x| x * x).sum::<f32>() / 512.0).sqrt();
+        assert!((0.3..3.0).contains(&rms), "{what}: logit RMS {rms}");
     }
 }
 
@@ -618,11 +625,9 @@ fn gpt_oss_synth_mxfp4_experts_open_with_sane_logits() {
         assert_eq!(gate.is_mxfp4(), mxfp4);
         let mut s = Session::open(&dir, SessionOptions::default()).unwrap();
         let tokens: Vec<u32> = (0..24).map(|i| (i * 37 + 5) % 512).collect();
-        let logits = s.eval(&tokens, LogitsMode::All).unwrap();
-        assert!(logits.iter().all(|x| x.is_finite()));
-        for row in logits.chunks(512) {
-            let rms = (row.iter().map(|x| x * x).sum::<f32>() / 512.0).sqrt();
-            assert!((0.3..3.0).contains(&rms), "mxfp4 {mxfp4}: logit RMS {rms}");
-        }
+        assert_sane_logits(
+            &s.eval(&tokens, LogitsMode::All).unwrap(),
+            &format!("mxfp4 {mxfp4}"),
+        );
     }
 }

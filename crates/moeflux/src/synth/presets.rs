@@ -179,6 +179,21 @@ const GPT_OSS_EOS: &[u32] = &[200002, 199999, 200012];
 const GLM_EOS: &[u32] = &[151329, 151336, 151338];
 
 /// Every preset, as listed by `moeflux synth --help`.
+/// gpt-oss-120b's shape; gpt-oss-20b differs only in depth and expert count.
+const GPT_OSS_120B: GptOssShape = GptOssShape {
+    hidden_size: 2880,
+    num_layers: 36,
+    num_attention_heads: 64,
+    num_kv_heads: 8,
+    head_dim: 64,
+    vocab_size: 201_088,
+    num_experts: 128,
+    experts_per_token: 4,
+    intermediate_size: 2880,
+    sliding_window: 128,
+    eos_token_ids: GPT_OSS_EOS,
+};
+
 pub fn presets() -> Vec<Preset> {
     vec![
         Preset {
@@ -294,36 +309,16 @@ pub fn presets() -> Vec<Preset> {
             name: "gpt-oss-120b",
             description: "gpt-oss-120b (117B-A5.1B): hidden 2880, 36 layers (sliding 128 / full), \
                           GQA 64/8 heads of 64 with sinks, 128 experts top-4 of 2880",
-            spec: SynthSpec::GptOss(GptOssShape {
-                hidden_size: 2880,
-                num_layers: 36,
-                num_attention_heads: 64,
-                num_kv_heads: 8,
-                head_dim: 64,
-                vocab_size: 201_088,
-                num_experts: 128,
-                experts_per_token: 4,
-                intermediate_size: 2880,
-                sliding_window: 128,
-                eos_token_ids: GPT_OSS_EOS,
-            }),
+            spec: SynthSpec::GptOss(GPT_OSS_120B),
         },
         Preset {
             name: "gpt-oss-20b",
             description: "gpt-oss-20b (21B-A3.6B): hidden 2880, 24 layers (sliding 128 / full), \
                           GQA 64/8 heads of 64 with sinks, 32 experts top-4 of 2880",
             spec: SynthSpec::GptOss(GptOssShape {
-                hidden_size: 2880,
                 num_layers: 24,
-                num_attention_heads: 64,
-                num_kv_heads: 8,
-                head_dim: 64,
-                vocab_size: 201_088,
                 num_experts: 32,
-                experts_per_token: 4,
-                intermediate_size: 2880,
-                sliding_window: 128,
-                eos_token_ids: GPT_OSS_EOS,
+                ..GPT_OSS_120B
             }),
         },
         Preset {
