@@ -510,6 +510,29 @@ fn mxfp4_experts_are_never_requantized() {
     }
 }
 
+/// Affine experts (with biases) that config.json calls MXFP4: a clear error
+/// naming the biases, not a conversion that cannot hold them.
+#[test]
+fn experts_with_biases_declared_mxfp4_are_refused() {
+    let t = tempfile::tempdir().unwrap();
+    copy_dir(&fixture("gptoss-q4/src"), t.path());
+    let cfg = t.path().join("config.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    let mx = serde_json::json!({"group_size": 32, "bits": 4, "mode": "mxfp4"});
+    for key in ["quantization", "quantization_config"] {
+        if let Some(q) = v.get_mut(key) {
+            q["model.layers.0.mlp.experts.gate_proj"] = mx.clone();
+        }
+    }
+    std::fs::write(&cfg, v.to_string()).unwrap();
+    let e = convert_err(t.path(), &opts()).to_string();
+    assert!(
+        e.contains("model.layers.0.mlp.experts.gate_proj.biases") && e.contains("MXFP4"),
+        "{e}"
+    );
+}
+
 #[test]
 fn mxfp4_experts_copied_bit_for_bit() {
     let src = fixture("gptoss-mxfp4/src");

@@ -539,19 +539,19 @@ impl<'a> Planner<'a> {
                 scales,
                 biases,
             } => {
-                let q = self
-                    .src
-                    .config
-                    .quantization
-                    .as_ref()
-                    .and_then(|q| q.for_module(&mlx_module_path(self.src.config.arch, &module)))
-                    .ok_or_else(|| {
-                        self.err(
-                            weight,
-                            "has scales but config.json `quantization` gives no bits for it",
-                        )
-                    })?;
+                let q = self.expert_quant(&module).ok_or_else(|| {
+                    self.err(
+                        weight,
+                        "has scales but config.json `quantization` gives no bits for it",
+                    )
+                })?;
                 q.validate().map_err(|r| self.err(weight, r))?;
+                if q.is_mxfp4() {
+                    return Err(self.err(
+                        biases,
+                        "config.json declares these experts MXFP4, which have no biases",
+                    ));
+                }
                 if !cols.is_multiple_of(q.group_size) {
                     return Err(self.err(
                         weight,
@@ -686,6 +686,12 @@ impl<'a> Planner<'a> {
 }
 
 impl Planner<'_> {
+    /// What config.json's `quantization` says of the canonical expert module.
+    fn expert_quant(&self, module: &str) -> Option<QuantSpec> {
+        let q = self.src.config.quantization.as_ref()?;
+        q.for_module(&mlx_module_path(self.src.config.arch, module))
+    }
+
     /// MXFP4 experts, copied as released: config.json must declare them
     /// (mlx-lm layout; a Hugging Face release says so by its `_blocks`), and
     /// no other width is made from them.
@@ -709,12 +715,7 @@ impl Planner<'_> {
             return Err(self.err(weight, format!("{cols} input columns not divisible by 32")));
         }
         if w.dtype == Dtype::U32 {
-            let q = self
-                .src
-                .config
-                .quantization
-                .as_ref()
-                .and_then(|q| q.for_module(&mlx_module_path(self.src.config.arch, module)));
+            let q = self.expert_quant(module);
             if let Some(q) = q.filter(|q| q.mode.is_affine()) {
                 let biases = weight.strip_suffix(".weight").unwrap_or(weight);
                 return Err(self.err(
