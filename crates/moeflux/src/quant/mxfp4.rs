@@ -37,7 +37,7 @@ pub const E2M1_X2: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -
 /// The e8m0 scale `2^(s - 127)` in f32 (exact for every `s < 255`; 0 is the
 /// subnormal `2^-127`), NaN for 255.
 #[inline]
-pub fn scale_f32(s: u8) -> f32 {
+pub const fn scale_f32(s: u8) -> f32 {
     match s {
         0 => f32::from_bits(1 << 22),
         255 => f32::NAN,
@@ -48,7 +48,7 @@ pub fn scale_f32(s: u8) -> f32 {
 /// `scale_f32(s) / 2`, exactly (`2^-128` is an f32 subnormal), NaN for 255:
 /// the scale that goes with [`E2M1_X2`].
 #[inline]
-pub fn half_scale_f32(s: u8) -> f32 {
+pub const fn half_scale_f32(s: u8) -> f32 {
     match s {
         0 => f32::from_bits(1 << 21),
         1 => f32::from_bits(1 << 22),

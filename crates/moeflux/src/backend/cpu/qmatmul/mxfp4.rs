@@ -20,7 +20,10 @@
 //! NaN for every token.
 //!
 //! A group is one block at every level (4 x 8 lanes on AVX2 and scalar, 2 x
-//! 16 on AVX-512), unpacked with a 16-entry byte table (`vpshufb` on x86).
+//! 16 on AVX-512). Codes become f32 by table, with no integer conversion:
+//! on AVX-512 a 16-entry f32 table indexed by each lane's nibble
+//! (`vpermps`); on AVX2 two 16-entry byte tables give the two non-zero bytes
+//! of each f32 (`vpshufb`), interleaved with zero bytes into place.
 
 use std::borrow::Cow;
 use std::marker::PhantomData;
@@ -106,12 +109,23 @@ unsafe fn m_chunk_scalar(ctx: &MCtx<'_>, r0: usize, r1: usize, out: OutPtr) {
     m_chunk::<Scalar, ScalarFp4, 4, 4, 2, 2>(ctx, r0, r1, out)
 }
 
+/// [`half_scale_f32`] of every scale byte.
+static HALF_SCALES: [f32; 256] = {
+    let mut t = [0.0f32; 256];
+    let mut s = 0;
+    while s < 256 {
+        t[s] = half_scale_f32(s as u8);
+        s += 1;
+    }
+    t
+};
+
 /// Row `r`'s scales, halved (see the module docs), in f32.
 #[inline(always)]
 fn load_scales(m: &Mxfp4Matrix, r: usize, dst: &mut [f32]) {
     let gpr = m.groups_per_row();
     for (d, &s) in dst.iter_mut().zip(&m.scales[r * gpr..(r + 1) * gpr]) {
-        *d = half_scale_f32(s);
+        *d = HALF_SCALES[s as usize];
     }
 }
 
@@ -318,20 +332,36 @@ mod x86 {
     use crate::backend::cpu::simd::{Avx2, Avx512};
     use std::arch::x86_64::*;
 
-    /// The block's 16 bytes as int8 `2 * e2m1`: even elements (low nibbles),
-    /// then odd elements (high nibbles).
-    #[inline(always)]
-    unsafe fn lookup(p: *const u8) -> (__m128i, __m128i) {
-        let lut = _mm_loadu_si128(E2M1_X2.as_ptr() as *const __m128i);
-        let b = _mm_loadu_si128(p as *const __m128i);
-        let m = _mm_set1_epi8(15);
-        let lo = _mm_shuffle_epi8(lut, _mm_and_si128(b, m));
-        let hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16::<4>(b), m));
-        (lo, hi)
-    }
+    /// `2 * e2m1` by code, in f32.
+    static VALUES: [f32; 16] = {
+        let mut t = [0.0f32; 16];
+        let mut c = 0;
+        while c < 16 {
+            t[c] = E2M1_X2[c] as f32;
+            c += 1;
+        }
+        t
+    };
 
-    /// AVX-512: low nibbles (even elements), then high nibbles (odd
-    /// elements), as `A512U4`.
+    /// Byte `k` of each code's `2 * e2m1` in f32. Bytes 0 and 1 are zero
+    /// for every code (the values have at most two significant bits).
+    const fn f32_byte(k: u32) -> [u8; 16] {
+        let mut t = [0u8; 16];
+        let mut c = 0;
+        while c < 16 {
+            let bits = (E2M1_X2[c] as f32).to_bits();
+            assert!(bits & 0xffff == 0);
+            t[c] = (bits >> (8 * k)) as u8;
+            c += 1;
+        }
+        t
+    }
+    static BYTE2: [u8; 16] = f32_byte(2);
+    static BYTE3: [u8; 16] = f32_byte(3);
+
+    /// AVX-512: the 16 bytes widened to 32-bit lanes, each lane's low nibble
+    /// (even elements) then high nibble (odd elements) looked up in the f32
+    /// table (`vpermps` reads only the index's low 4 bits).
     pub(crate) struct A512Fp4;
     impl Unpack<Avx512, 2> for A512Fp4 {
         const FUSED: bool = true;
@@ -339,10 +369,11 @@ mod x86 {
         const BYTES: usize = 16;
         #[inline(always)]
         unsafe fn unpack(p: *const u8) -> [__m512; 2] {
-            let (lo, hi) = lookup(p);
+            let t = _mm512_loadu_ps(VALUES.as_ptr());
+            let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
             [
-                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)),
-                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)),
+                _mm512_permutexvar_ps(b, t),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(b), t),
             ]
         }
         fn perm(pos: usize) -> usize {
@@ -354,14 +385,11 @@ mod x86 {
         }
     }
 
-    /// The low 8 int8 lanes of `v` as f32 (a function, not a closure: closures
-    /// do not inherit the caller's target features).
-    #[inline(always)]
-    unsafe fn cvt(v: __m128i) -> __m256 {
-        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))
-    }
-
-    /// AVX2: per 8-byte half, even then odd elements, as `A2U4`.
+    /// AVX2: the 16 bytes in both halves, low nibbles (even elements) in the
+    /// low half and high nibbles (odd elements) in the high half; bytes 2
+    /// and 3 of the f32 values looked up, then interleaved with zeros into
+    /// 32-bit lanes. Vector `k` holds elements `8k, 8k+2, 8k+4, 8k+6` in
+    /// lanes 0-3 and `8k+1, .., 8k+7` in lanes 4-7.
     pub(crate) struct A2Fp4;
     impl Unpack<Avx2, 4> for A2Fp4 {
         const FUSED: bool = true;
@@ -369,17 +397,29 @@ mod x86 {
         const BYTES: usize = 16;
         #[inline(always)]
         unsafe fn unpack(p: *const u8) -> [__m256; 4] {
-            let (lo, hi) = lookup(p);
+            let t2 = _mm256_broadcastsi128_si256(_mm_loadu_si128(BYTE2.as_ptr() as *const __m128i));
+            let t3 = _mm256_broadcastsi128_si256(_mm_loadu_si128(BYTE3.as_ptr() as *const __m128i));
+            let b = _mm256_broadcastsi128_si256(_mm_loadu_si128(p as *const __m128i));
+            let nibbles = _mm256_and_si256(
+                _mm256_blend_epi32::<0xF0>(b, _mm256_srli_epi16::<4>(b)),
+                _mm256_set1_epi8(15),
+            );
+            let (b2, b3) = (
+                _mm256_shuffle_epi8(t2, nibbles),
+                _mm256_shuffle_epi8(t3, nibbles),
+            );
+            let (lo, hi) = (_mm256_unpacklo_epi8(b2, b3), _mm256_unpackhi_epi8(b2, b3));
+            let z = _mm256_setzero_si256();
             [
-                cvt(lo),
-                cvt(hi),
-                cvt(_mm_unpackhi_epi64(lo, lo)),
-                cvt(_mm_unpackhi_epi64(hi, hi)),
+                _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, lo)),
+                _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, lo)),
+                _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, hi)),
+                _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, hi)),
             ]
         }
         fn perm(pos: usize) -> usize {
-            let (h, q) = (pos / 16, pos % 16);
-            16 * h + if q < 8 { 2 * q } else { 2 * (q - 8) + 1 }
+            let l = pos % 8;
+            8 * (pos / 8) + if l < 4 { 2 * l } else { 2 * (l - 4) + 1 }
         }
     }
 }
