@@ -255,17 +255,73 @@ fn run_jobs(jobs: &[Job<'_>]) {
         .for_each(|(i, r0, r1)| (jobs[i].run)(r0, r1));
 }
 
+/// A packed quantized matrix as the shared kernels see it: rows of packed
+/// codes in groups, each group with a scale and, for affine formats, a bias
+/// (MLX affine here, MXFP4 in `mxfp4`).
+trait Packed: Sync {
+    /// Whether groups have biases (`dot(biases, xsum)` is added).
+    const BIASED: bool;
+    fn rows(&self) -> usize;
+    fn cols(&self) -> usize;
+    fn group_size(&self) -> usize;
+    fn groups_per_row(&self) -> usize {
+        self.cols() / self.group_size()
+    }
+    /// The first byte of row `r`'s packed codes.
+    fn row_codes(&self, r: usize) -> *const u8;
+    /// Row `r`'s group scales (and biases, when `BIASED`) in f32.
+    fn load_params(&self, r: usize, sc: &mut [f32], bi: &mut [f32]);
+    /// Row `r`'s codes in natural order, for unpackers without a SIMD form.
+    fn unpack_generic(&self, r: usize, out: &mut [f32]);
+}
+
+impl Packed for QMatrix<'_> {
+    const BIASED: bool = true;
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn group_size(&self) -> usize {
+        self.spec.group_size
+    }
+    fn row_codes(&self, r: usize) -> *const u8 {
+        self.packed[r * self.words_per_row()..].as_ptr() as *const u8
+    }
+    #[inline(always)]
+    fn load_params(&self, r: usize, sc: &mut [f32], bi: &mut [f32]) {
+        let gpr = self.groups_per_row();
+        let range = r * gpr..(r + 1) * gpr;
+        for (data, dst) in [(self.scales, &mut sc[..gpr]), (self.biases, &mut bi[..gpr])] {
+            match data {
+                ScaleData::Bf16(s) => {
+                    for (d, &h) in dst.iter_mut().zip(&s[range.clone()]) {
+                        *d = f32::from_bits((h as u32) << 16);
+                    }
+                }
+                ScaleData::F32(s) => dst.copy_from_slice(&s[range.clone()]),
+            }
+        }
+    }
+    fn unpack_generic(&self, r: usize, out: &mut [f32]) {
+        let wpr = self.words_per_row();
+        unpack_row_generic(&self.packed[r * wpr..(r + 1) * wpr], self.spec.bits, out);
+    }
+}
+
 /// Per-call state of a quantized matmul.
-struct QCtx<'a> {
-    q: &'a QMatrix<'a>,
+struct QCtx<'a, P> {
+    q: &'a P,
     n: usize,
     /// Activations in the kernel's stream order, `n * cols`.
     xs: Cow<'a, [f32]>,
-    /// Per token and group, the sum of the activations, `n * groups`.
+    /// Per token and group, the sum of the activations, `n * groups` (empty
+    /// without biases).
     xsum: Vec<f32>,
 }
 
-type QChunkFn = unsafe fn(&QCtx<'_>, usize, usize, OutPtr);
+type QChunkFn<P> = unsafe fn(&QCtx<'_, P>, usize, usize, OutPtr);
 
 fn qmatmul<'a>(
     level: SimdLevel,
@@ -275,31 +331,38 @@ fn qmatmul<'a>(
     out: OutPtr,
 ) -> Job<'a> {
     let (bits, gs) = (q.spec.bits, q.spec.group_size);
+    type Q<'b> = QMatrix<'b>;
     match level {
         #[cfg(target_arch = "x86_64")]
         SimdLevel::Avx512 => match bits {
-            8 => q_run::<Avx512, A512U8, 2>(q, x, n, out, q_chunk_avx512::<A512U8, 2>),
-            4 => q_run::<Avx512, A512U4, 2>(q, x, n, out, q_chunk_avx512::<A512U4, 2>),
+            8 => q_run::<Avx512, A512U8, 2, _>(q, x, n, out, q_chunk_avx512::<Q, A512U8, 2>),
+            4 => q_run::<Avx512, A512U4, 2, _>(q, x, n, out, q_chunk_avx512::<Q, A512U4, 2>),
             2 if gs == 32 => {
-                q_run::<Avx512, A512U2x32, 2>(q, x, n, out, q_chunk_avx512::<A512U2x32, 2>)
+                q_run::<Avx512, A512U2x32, 2, _>(q, x, n, out, q_chunk_avx512::<Q, A512U2x32, 2>)
             }
-            2 => q_run::<Avx512, A512U2x64, 4>(q, x, n, out, q_chunk_avx512::<A512U2x64, 4>),
-            3 => q_run::<Avx512, A512Gen<3>, 2>(q, x, n, out, q_chunk_avx512::<A512Gen<3>, 2>),
-            5 => q_run::<Avx512, A512Gen<5>, 2>(q, x, n, out, q_chunk_avx512::<A512Gen<5>, 2>),
-            6 => q_run::<Avx512, A512Gen<6>, 2>(q, x, n, out, q_chunk_avx512::<A512Gen<6>, 2>),
-            _ => q_run::<Avx512, Generic, 2>(q, x, n, out, q_chunk_avx512::<Generic, 2>),
+            2 => q_run::<Avx512, A512U2x64, 4, _>(q, x, n, out, q_chunk_avx512::<Q, A512U2x64, 4>),
+            3 => {
+                q_run::<Avx512, A512Gen<3>, 2, _>(q, x, n, out, q_chunk_avx512::<Q, A512Gen<3>, 2>)
+            }
+            5 => {
+                q_run::<Avx512, A512Gen<5>, 2, _>(q, x, n, out, q_chunk_avx512::<Q, A512Gen<5>, 2>)
+            }
+            6 => {
+                q_run::<Avx512, A512Gen<6>, 2, _>(q, x, n, out, q_chunk_avx512::<Q, A512Gen<6>, 2>)
+            }
+            _ => q_run::<Avx512, Generic, 2, _>(q, x, n, out, q_chunk_avx512::<Q, Generic, 2>),
         },
         #[cfg(target_arch = "x86_64")]
         SimdLevel::Avx2 => match bits {
-            8 => q_run::<Avx2, A2U8, 4>(q, x, n, out, q_chunk_avx2::<A2U8, 4>),
-            4 => q_run::<Avx2, A2U4, 4>(q, x, n, out, q_chunk_avx2::<A2U4, 4>),
-            2 => q_run::<Avx2, A2U2, 4>(q, x, n, out, q_chunk_avx2::<A2U2, 4>),
-            3 => q_run::<Avx2, A2Gen<3>, 4>(q, x, n, out, q_chunk_avx2::<A2Gen<3>, 4>),
-            5 => q_run::<Avx2, A2Gen<5>, 4>(q, x, n, out, q_chunk_avx2::<A2Gen<5>, 4>),
-            6 => q_run::<Avx2, A2Gen<6>, 4>(q, x, n, out, q_chunk_avx2::<A2Gen<6>, 4>),
-            _ => q_run::<Avx2, Generic, 4>(q, x, n, out, q_chunk_avx2::<Generic, 4>),
+            8 => q_run::<Avx2, A2U8, 4, _>(q, x, n, out, q_chunk_avx2::<Q, A2U8, 4>),
+            4 => q_run::<Avx2, A2U4, 4, _>(q, x, n, out, q_chunk_avx2::<Q, A2U4, 4>),
+            2 => q_run::<Avx2, A2U2, 4, _>(q, x, n, out, q_chunk_avx2::<Q, A2U2, 4>),
+            3 => q_run::<Avx2, A2Gen<3>, 4, _>(q, x, n, out, q_chunk_avx2::<Q, A2Gen<3>, 4>),
+            5 => q_run::<Avx2, A2Gen<5>, 4, _>(q, x, n, out, q_chunk_avx2::<Q, A2Gen<5>, 4>),
+            6 => q_run::<Avx2, A2Gen<6>, 4, _>(q, x, n, out, q_chunk_avx2::<Q, A2Gen<6>, 4>),
+            _ => q_run::<Avx2, Generic, 4, _>(q, x, n, out, q_chunk_avx2::<Q, Generic, 4>),
         },
-        _ => q_run::<Scalar, Generic, 4>(q, x, n, out, q_chunk_scalar),
+        _ => q_run::<Scalar, Generic, 4, _>(q, x, n, out, q_chunk_scalar::<Q, Generic, 4>),
     }
 }
 
@@ -318,14 +381,16 @@ fn group_sum(x: &[f32]) -> f32 {
     ((p[0] + p[4]) + (p[2] + p[6])) + ((p[1] + p[5]) + (p[3] + p[7]))
 }
 
-fn q_run<'a, S: Isa, U: Unpack<S, NV>, const NV: usize>(
-    q: &'a QMatrix<'a>,
+/// Prepares a quantized matmul: the activations permuted into stream order
+/// (and their group sums for biased formats), and the chunk kernel.
+fn q_run<'a, S: Isa, U: Unpack<S, NV>, const NV: usize, P: Packed>(
+    q: &'a P,
     x: &'a [f32],
     n: usize,
     out: OutPtr,
-    chunk: QChunkFn,
+    chunk: QChunkFn<P>,
 ) -> Job<'a> {
-    let gs = q.spec.group_size;
+    let gs = q.group_size();
     let bw = NV * S::LANES;
     assert_eq!(gs % bw, 0, "group size {gs} not a multiple of the block");
     let xs = if U::IDENTITY {
@@ -340,11 +405,15 @@ fn q_run<'a, S: Isa, U: Unpack<S, NV>, const NV: usize>(
         }
         Cow::Owned(v)
     };
-    let xsum: Vec<f32> = x.chunks_exact(gs).map(group_sum).collect();
+    let xsum: Vec<f32> = if P::BIASED {
+        x.chunks_exact(gs).map(group_sum).collect()
+    } else {
+        Vec::new()
+    };
     let ctx = QCtx { q, n, xs, xsum };
     Job {
-        rows: q.rows,
-        work_per_row: q.cols * n,
+        rows: q.rows(),
+        work_per_row: q.cols() * n,
         // SAFETY: `chunk` matches the CPU (the level was clamped) and writes
         // only rows r0..r1 of `out`, which `job` checked to hold them all.
         run: Box::new(move |r0, r1| unsafe { chunk(&ctx, r0, r1, out) }),
@@ -353,28 +422,33 @@ fn q_run<'a, S: Isa, U: Unpack<S, NV>, const NV: usize>(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn q_chunk_avx512<U: Unpack<Avx512, NV>, const NV: usize>(
-    ctx: &QCtx<'_>,
+unsafe fn q_chunk_avx512<P: Packed, U: Unpack<Avx512, NV>, const NV: usize>(
+    ctx: &QCtx<'_, P>,
     r0: usize,
     r1: usize,
     out: OutPtr,
 ) {
-    q_chunk_any::<Avx512, U, NV, 4, 2, 4>(ctx, r0, r1, out)
+    q_chunk_any::<Avx512, P, U, NV, 4, 2, 4>(ctx, r0, r1, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn q_chunk_avx2<U: Unpack<Avx2, NV>, const NV: usize>(
-    ctx: &QCtx<'_>,
+unsafe fn q_chunk_avx2<P: Packed, U: Unpack<Avx2, NV>, const NV: usize>(
+    ctx: &QCtx<'_, P>,
     r0: usize,
     r1: usize,
     out: OutPtr,
 ) {
-    q_chunk_any::<Avx2, U, NV, 4, 2, 4>(ctx, r0, r1, out)
+    q_chunk_any::<Avx2, P, U, NV, 4, 2, 4>(ctx, r0, r1, out)
 }
 
-unsafe fn q_chunk_scalar(ctx: &QCtx<'_>, r0: usize, r1: usize, out: OutPtr) {
-    q_chunk_any::<Scalar, Generic, 4, 4, 2, 2>(ctx, r0, r1, out)
+unsafe fn q_chunk_scalar<P: Packed, U: Unpack<Scalar, NV>, const NV: usize>(
+    ctx: &QCtx<'_, P>,
+    r0: usize,
+    r1: usize,
+    out: OutPtr,
+) {
+    q_chunk_any::<Scalar, P, U, NV, 4, 2, 2>(ctx, r0, r1, out)
 }
 
 // ---------------------------------------------------------------------------
@@ -491,63 +565,47 @@ unsafe fn qtile<
 // ---------------------------------------------------------------------------
 // Quantized chunks
 
-/// Converts row `r`'s scales and biases to f32.
-#[inline(always)]
-fn load_params(q: &QMatrix, r: usize, sc: &mut [f32], bi: &mut [f32]) {
-    let gpr = q.groups_per_row();
-    let range = r * gpr..(r + 1) * gpr;
-    for (data, dst) in [(q.scales, &mut sc[..gpr]), (q.biases, &mut bi[..gpr])] {
-        match data {
-            ScaleData::Bf16(s) => {
-                for (d, &h) in dst.iter_mut().zip(&s[range.clone()]) {
-                    *d = f32::from_bits((h as u32) << 16);
-                }
-            }
-            ScaleData::F32(s) => dst.copy_from_slice(&s[range.clone()]),
-        }
-    }
-}
-
 /// Unpacks row `r`'s codes to f32 in stream order.
 #[inline(always)]
-unsafe fn unpack_row<S: Isa, U: Unpack<S, NV>, const NV: usize>(
-    q: &QMatrix,
+unsafe fn unpack_row<S: Isa, P: Packed, U: Unpack<S, NV>, const NV: usize>(
+    q: &P,
     r: usize,
     out: &mut [f32],
 ) {
-    let wpr = q.words_per_row();
-    let packed = &q.packed[r * wpr..(r + 1) * wpr];
     if U::FUSED {
         let bw = NV * S::LANES;
-        let p = packed.as_ptr() as *const u8;
+        let p = q.row_codes(r);
         let o = out.as_mut_ptr();
-        for b in 0..q.cols / bw {
+        for b in 0..q.cols() / bw {
             let v = U::unpack(p.add(b * U::BYTES));
             for (j, &vj) in v.iter().enumerate() {
                 S::store(o.add(b * bw + j * S::LANES), vj);
             }
         }
     } else {
-        unpack_row_generic(packed, q.spec.bits, out);
+        q.unpack_generic(r, out);
     }
 }
 
-/// Writes `hsum(y) + dot(biases, xsum)` for a tile.
+/// Writes `hsum(y)` (plus `dot(biases, xsum)` for biased formats) for a tile.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
-unsafe fn q_finish<S: Isa, const R: usize, const T: usize>(
-    ctx: &QCtx<'_>,
+unsafe fn q_finish<S: Isa, P: Packed, const R: usize, const T: usize>(
+    ctx: &QCtx<'_, P>,
     y: [[S::V; T]; R],
     biases: [*const f32; R],
     r0: usize,
     t0: usize,
     out: OutPtr,
 ) {
-    let (rows, gpr) = (ctx.q.rows, ctx.q.groups_per_row());
+    let (rows, gpr) = (ctx.q.rows(), ctx.q.groups_per_row());
     for r in 0..R {
         for t in 0..T {
-            let xsum = ctx.xsum.as_ptr().add((t0 + t) * gpr);
-            let v = S::hsum(y[r][t]) + S::dot(biases[r], xsum, gpr);
+            let mut v = S::hsum(y[r][t]);
+            if P::BIASED {
+                let xsum = ctx.xsum.as_ptr().add((t0 + t) * gpr);
+                v += S::dot(biases[r], xsum, gpr);
+            }
             *out.0.add((t0 + t) * rows + r0 + r) = v;
         }
     }
@@ -557,28 +615,33 @@ unsafe fn q_finish<S: Isa, const R: usize, const T: usize>(
 #[inline(always)]
 unsafe fn q_chunk_any<
     S: Isa,
+    P: Packed,
     U: Unpack<S, NV>,
     const NV: usize,
     const RF: usize,
     const RB: usize,
     const TB: usize,
 >(
-    ctx: &QCtx<'_>,
+    ctx: &QCtx<'_, P>,
     r0: usize,
     r1: usize,
     out: OutPtr,
 ) {
-    match ctx.q.spec.group_size / (NV * S::LANES) {
-        1 => q_chunk::<S, U, NV, RF, RB, TB, 1>(ctx, r0, r1, out),
-        2 => q_chunk::<S, U, NV, RF, RB, TB, 2>(ctx, r0, r1, out),
-        4 => q_chunk::<S, U, NV, RF, RB, TB, 4>(ctx, r0, r1, out),
-        _ => q_chunk::<S, U, NV, RF, RB, TB, 0>(ctx, r0, r1, out),
+    match ctx.q.group_size() / (NV * S::LANES) {
+        1 => q_chunk::<S, P, U, NV, RF, RB, TB, 1>(ctx, r0, r1, out),
+        2 => q_chunk::<S, P, U, NV, RF, RB, TB, 2>(ctx, r0, r1, out),
+        4 => q_chunk::<S, P, U, NV, RF, RB, TB, 4>(ctx, r0, r1, out),
+        _ => q_chunk::<S, P, U, NV, RF, RB, TB, 0>(ctx, r0, r1, out),
     }
 }
 
+/// Few tokens: `RF` rows at a time, codes unpacked in registers per token
+/// pass. More: blocks of rows unpacked once into a buffer, then `RB` x `TB`
+/// tiles, token tiles outermost.
 #[inline(always)]
 unsafe fn q_chunk<
     S: Isa,
+    P: Packed,
     U: Unpack<S, NV>,
     const NV: usize,
     const RF: usize,
@@ -586,25 +649,25 @@ unsafe fn q_chunk<
     const TB: usize,
     const BPG: usize,
 >(
-    ctx: &QCtx<'_>,
+    ctx: &QCtx<'_, P>,
     r0: usize,
     r1: usize,
     out: OutPtr,
 ) {
     let q = ctx.q;
-    let (cols, gpr) = (q.cols, q.groups_per_row());
-    let bpg = q.spec.group_size / (NV * S::LANES);
+    let (cols, gpr) = (q.cols(), q.groups_per_row());
+    let bpg = q.group_size() / (NV * S::LANES);
     if ctx.n < BATCH_MIN_TOKENS {
         let mut sc = vec![0.0f32; RF * gpr];
         let mut bi = vec![0.0f32; RF * gpr];
         let mut buf = vec![0.0f32; if U::FUSED { 0 } else { RF * cols }];
         let mut r = r0;
         while r + RF <= r1 {
-            q_rows_direct::<S, U, NV, RF, BPG>(ctx, r, bpg, &mut sc, &mut bi, &mut buf, out);
+            q_rows_direct::<S, P, U, NV, RF, BPG>(ctx, r, bpg, &mut sc, &mut bi, &mut buf, out);
             r += RF;
         }
         while r < r1 {
-            q_rows_direct::<S, U, NV, 1, BPG>(ctx, r, bpg, &mut sc, &mut bi, &mut buf, out);
+            q_rows_direct::<S, P, U, NV, 1, BPG>(ctx, r, bpg, &mut sc, &mut bi, &mut buf, out);
             r += 1;
         }
     } else {
@@ -616,8 +679,8 @@ unsafe fn q_chunk<
         while a < r1 {
             let m = sub.min(r1 - a);
             for i in 0..m {
-                unpack_row::<S, U, NV>(q, a + i, &mut buf[i * cols..(i + 1) * cols]);
-                load_params(q, a + i, &mut sc[i * gpr..], &mut bi[i * gpr..]);
+                unpack_row::<S, P, U, NV>(q, a + i, &mut buf[i * cols..(i + 1) * cols]);
+                q.load_params(a + i, &mut sc[i * gpr..], &mut bi[i * gpr..]);
             }
             let blk = QBlock {
                 a,
@@ -629,11 +692,11 @@ unsafe fn q_chunk<
             };
             let mut t = 0;
             while t + TB <= ctx.n {
-                q_buf_rows::<S, NV, RB, TB, BPG>(ctx, &blk, t, out);
+                q_buf_rows::<S, P, NV, RB, TB, BPG>(ctx, &blk, t, out);
                 t += TB;
             }
             while t < ctx.n {
-                q_buf_rows::<S, NV, RB, 1, BPG>(ctx, &blk, t, out);
+                q_buf_rows::<S, P, NV, RB, 1, BPG>(ctx, &blk, t, out);
                 t += 1;
             }
             a += m;
@@ -645,12 +708,13 @@ unsafe fn q_chunk<
 #[inline(always)]
 unsafe fn q_rows_direct<
     S: Isa,
+    P: Packed,
     U: Unpack<S, NV>,
     const NV: usize,
     const R: usize,
     const BPG: usize,
 >(
-    ctx: &QCtx<'_>,
+    ctx: &QCtx<'_, P>,
     r: usize,
     bpg: usize,
     sc: &mut [f32],
@@ -659,26 +723,26 @@ unsafe fn q_rows_direct<
     out: OutPtr,
 ) {
     let q = ctx.q;
-    let (cols, gpr, wpr) = (q.cols, q.groups_per_row(), q.words_per_row());
+    let (cols, gpr) = (q.cols(), q.groups_per_row());
     for k in 0..R {
-        load_params(q, r + k, &mut sc[k * gpr..], &mut bi[k * gpr..]);
+        q.load_params(r + k, &mut sc[k * gpr..], &mut bi[k * gpr..]);
     }
     let scales: [*const f32; R] = std::array::from_fn(|k| sc.as_ptr().add(k * gpr));
     let biases: [*const f32; R] = std::array::from_fn(|k| bi.as_ptr().add(k * gpr));
     if U::FUSED {
         let src = Fused::<U, R> {
-            p: std::array::from_fn(|k| q.packed.as_ptr().add((r + k) * wpr) as *const u8),
+            p: std::array::from_fn(|k| q.row_codes(r + k)),
             pf: PREFETCH_BYTES,
             _u: PhantomData,
         };
         for t in 0..ctx.n {
             let xs = [ctx.xs.as_ptr().add(t * cols)];
             let y = qtile::<S, _, NV, R, 1, BPG>(&src, scales, xs, gpr, bpg);
-            q_finish::<S, R, 1>(ctx, y, biases, r, t, out);
+            q_finish::<S, P, R, 1>(ctx, y, biases, r, t, out);
         }
     } else {
         for k in 0..R {
-            unpack_row::<S, U, NV>(q, r + k, &mut buf[k * cols..(k + 1) * cols]);
+            unpack_row::<S, P, U, NV>(q, r + k, &mut buf[k * cols..(k + 1) * cols]);
         }
         let src = Buf::<R> {
             p: std::array::from_fn(|k| buf.as_ptr().add(k * cols)),
@@ -686,7 +750,7 @@ unsafe fn q_rows_direct<
         for t in 0..ctx.n {
             let xs = [ctx.xs.as_ptr().add(t * cols)];
             let y = qtile::<S, _, NV, R, 1, BPG>(&src, scales, xs, gpr, bpg);
-            q_finish::<S, R, 1>(ctx, y, biases, r, t, out);
+            q_finish::<S, P, R, 1>(ctx, y, biases, r, t, out);
         }
     }
 }
@@ -705,32 +769,46 @@ struct QBlock<'a> {
 
 /// Tokens `t0..t0+T` for every row of the block, `R` rows at a time.
 #[inline(always)]
-unsafe fn q_buf_rows<S: Isa, const NV: usize, const R: usize, const T: usize, const BPG: usize>(
-    ctx: &QCtx<'_>,
+unsafe fn q_buf_rows<
+    S: Isa,
+    P: Packed,
+    const NV: usize,
+    const R: usize,
+    const T: usize,
+    const BPG: usize,
+>(
+    ctx: &QCtx<'_, P>,
     blk: &QBlock<'_>,
     t0: usize,
     out: OutPtr,
 ) {
     let mut i = 0;
     while i + R <= blk.m {
-        q_buf_tile::<S, NV, R, T, BPG>(ctx, blk, i, t0, out);
+        q_buf_tile::<S, P, NV, R, T, BPG>(ctx, blk, i, t0, out);
         i += R;
     }
     while i < blk.m {
-        q_buf_tile::<S, NV, 1, T, BPG>(ctx, blk, i, t0, out);
+        q_buf_tile::<S, P, NV, 1, T, BPG>(ctx, blk, i, t0, out);
         i += 1;
     }
 }
 
 #[inline(always)]
-unsafe fn q_buf_tile<S: Isa, const NV: usize, const R: usize, const T: usize, const BPG: usize>(
-    ctx: &QCtx<'_>,
+unsafe fn q_buf_tile<
+    S: Isa,
+    P: Packed,
+    const NV: usize,
+    const R: usize,
+    const T: usize,
+    const BPG: usize,
+>(
+    ctx: &QCtx<'_, P>,
     blk: &QBlock<'_>,
     i: usize,
     t0: usize,
     out: OutPtr,
 ) {
-    let (cols, gpr) = (ctx.q.cols, ctx.q.groups_per_row());
+    let (cols, gpr) = (ctx.q.cols(), ctx.q.groups_per_row());
     let src = Buf::<R> {
         p: std::array::from_fn(|k| blk.buf.as_ptr().add((i + k) * cols)),
     };
@@ -738,7 +816,7 @@ unsafe fn q_buf_tile<S: Isa, const NV: usize, const R: usize, const T: usize, co
     let biases: [*const f32; R] = std::array::from_fn(|k| blk.bi.as_ptr().add((i + k) * gpr));
     let xs: [*const f32; T] = std::array::from_fn(|t| ctx.xs.as_ptr().add((t0 + t) * cols));
     let y = qtile::<S, _, NV, R, T, BPG>(&src, scales, xs, gpr, blk.bpg);
-    q_finish::<S, R, T>(ctx, y, biases, blk.a + i, t0, out);
+    q_finish::<S, P, R, T>(ctx, y, biases, blk.a + i, t0, out);
 }
 
 // ---------------------------------------------------------------------------

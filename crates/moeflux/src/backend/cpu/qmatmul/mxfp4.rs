@@ -25,26 +25,10 @@
 //! (`vpermps`); on AVX2 two 16-entry byte tables give the two non-zero bytes
 //! of each f32 (`vpshufb`), interleaved with zero bytes into place.
 
-use std::borrow::Cow;
-use std::marker::PhantomData;
-
-use super::{
-    qtile, Buf, Fused, Isa, Job, OutPtr, Scalar, SimdLevel, Unpack, BATCH_MIN_TOKENS, BUF_FLOATS,
-    PREFETCH_BYTES,
-};
 #[cfg(target_arch = "x86_64")]
-use super::{Avx2, Avx512};
+use super::{q_chunk_avx2, q_chunk_avx512, Avx2, Avx512};
+use super::{q_chunk_scalar, q_run, Job, OutPtr, Packed, Scalar, SimdLevel, Unpack};
 use crate::quant::mxfp4::{half_scale_f32, Mxfp4Matrix, E2M1_X2, GROUP};
-
-/// Per-call state of an MXFP4 matmul.
-struct MCtx<'a> {
-    m: &'a Mxfp4Matrix<'a>,
-    n: usize,
-    /// Activations in the kernel's stream order, `n * cols`.
-    xs: Cow<'a, [f32]>,
-}
-
-type MChunkFn = unsafe fn(&MCtx<'_>, usize, usize, OutPtr);
 
 /// Prepares `out = W x` for an MXFP4 `W` (shapes checked by the caller).
 pub(super) fn mxmatmul<'a>(
@@ -54,59 +38,16 @@ pub(super) fn mxmatmul<'a>(
     n: usize,
     out: OutPtr,
 ) -> Job<'a> {
+    type M<'b> = Mxfp4Matrix<'b>;
     match level {
         #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx512 => m_run::<Avx512, A512Fp4, 2>(m, x, n, out, m_chunk_avx512),
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => m_run::<Avx2, A2Fp4, 4>(m, x, n, out, m_chunk_avx2),
-        _ => m_run::<Scalar, ScalarFp4, 4>(m, x, n, out, m_chunk_scalar),
-    }
-}
-
-fn m_run<'a, S: Isa, U: Unpack<S, NV>, const NV: usize>(
-    m: &'a Mxfp4Matrix<'a>,
-    x: &'a [f32],
-    n: usize,
-    out: OutPtr,
-    chunk: MChunkFn,
-) -> Job<'a> {
-    const { assert!(NV * S::LANES == GROUP) };
-    let xs = if U::IDENTITY {
-        Cow::Borrowed(x)
-    } else {
-        let perm: Vec<usize> = (0..GROUP).map(U::perm).collect();
-        let mut v = vec![0.0f32; x.len()];
-        for (d, s) in v.chunks_exact_mut(GROUP).zip(x.chunks_exact(GROUP)) {
-            for (o, &p) in d.iter_mut().zip(&perm) {
-                *o = s[p];
-            }
+        SimdLevel::Avx512 => {
+            q_run::<Avx512, A512Fp4, 2, _>(m, x, n, out, q_chunk_avx512::<M, A512Fp4, 2>)
         }
-        Cow::Owned(v)
-    };
-    let ctx = MCtx { m, n, xs };
-    Job {
-        rows: m.rows,
-        work_per_row: m.cols * n,
-        // SAFETY: `chunk` matches the CPU (the level was clamped) and writes
-        // only rows r0..r1 of `out`, which `job` checked to hold them all.
-        run: Box::new(move |r0, r1| unsafe { chunk(&ctx, r0, r1, out) }),
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx2 => q_run::<Avx2, A2Fp4, 4, _>(m, x, n, out, q_chunk_avx2::<M, A2Fp4, 4>),
+        _ => q_run::<Scalar, ScalarFp4, 4, _>(m, x, n, out, q_chunk_scalar::<M, ScalarFp4, 4>),
     }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn m_chunk_avx512(ctx: &MCtx<'_>, r0: usize, r1: usize, out: OutPtr) {
-    m_chunk::<Avx512, A512Fp4, 2, 4, 2, 4>(ctx, r0, r1, out)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn m_chunk_avx2(ctx: &MCtx<'_>, r0: usize, r1: usize, out: OutPtr) {
-    m_chunk::<Avx2, A2Fp4, 4, 4, 2, 4>(ctx, r0, r1, out)
-}
-
-unsafe fn m_chunk_scalar(ctx: &MCtx<'_>, r0: usize, r1: usize, out: OutPtr) {
-    m_chunk::<Scalar, ScalarFp4, 4, 4, 2, 2>(ctx, r0, r1, out)
 }
 
 /// [`half_scale_f32`] of every scale byte.
@@ -120,181 +61,31 @@ static HALF_SCALES: [f32; 256] = {
     t
 };
 
-/// Row `r`'s scales, halved (see the module docs), in f32.
-#[inline(always)]
-fn load_scales(m: &Mxfp4Matrix, r: usize, dst: &mut [f32]) {
-    let gpr = m.groups_per_row();
-    for (d, &s) in dst.iter_mut().zip(&m.scales[r * gpr..(r + 1) * gpr]) {
-        *d = HALF_SCALES[s as usize];
+impl Packed for Mxfp4Matrix<'_> {
+    const BIASED: bool = false;
+    fn rows(&self) -> usize {
+        self.rows
     }
-}
-
-/// Unpacks row `r`'s codes (times 2) to f32 in stream order.
-#[inline(always)]
-unsafe fn unpack_row<S: Isa, U: Unpack<S, NV>, const NV: usize>(
-    m: &Mxfp4Matrix,
-    r: usize,
-    out: &mut [f32],
-) {
-    let p = m.codes.as_ptr().add(r * m.words_per_row()) as *const u8;
-    let o = out.as_mut_ptr();
-    for b in 0..m.groups_per_row() {
-        let v = U::unpack(p.add(b * U::BYTES));
-        for (j, &vj) in v.iter().enumerate() {
-            S::store(o.add(b * GROUP + j * S::LANES), vj);
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn group_size(&self) -> usize {
+        GROUP
+    }
+    fn row_codes(&self, r: usize) -> *const u8 {
+        self.codes[r * self.words_per_row()..].as_ptr() as *const u8
+    }
+    /// The scales halved (see the module docs).
+    #[inline(always)]
+    fn load_params(&self, r: usize, sc: &mut [f32], _bi: &mut [f32]) {
+        let gpr = self.groups_per_row();
+        for (d, &s) in sc.iter_mut().zip(&self.scales[r * gpr..(r + 1) * gpr]) {
+            *d = HALF_SCALES[s as usize];
         }
     }
-}
-
-/// Writes `hsum(y)` for a tile.
-#[allow(clippy::needless_range_loop)]
-#[inline(always)]
-unsafe fn m_finish<S: Isa, const R: usize, const T: usize>(
-    ctx: &MCtx<'_>,
-    y: [[S::V; T]; R],
-    r0: usize,
-    t0: usize,
-    out: OutPtr,
-) {
-    let rows = ctx.m.rows;
-    for r in 0..R {
-        for t in 0..T {
-            *out.0.add((t0 + t) * rows + r0 + r) = S::hsum(y[r][t]);
-        }
+    fn unpack_generic(&self, _r: usize, _out: &mut [f32]) {
+        unreachable!("every level has an MXFP4 unpacker")
     }
-}
-
-/// Few tokens: `RF` rows at a time, codes unpacked in registers per token
-/// pass. More: blocks of rows unpacked once into a buffer, then `RB` x `TB`
-/// tiles, token tiles outermost.
-#[inline(always)]
-unsafe fn m_chunk<
-    S: Isa,
-    U: Unpack<S, NV>,
-    const NV: usize,
-    const RF: usize,
-    const RB: usize,
-    const TB: usize,
->(
-    ctx: &MCtx<'_>,
-    r0: usize,
-    r1: usize,
-    out: OutPtr,
-) {
-    let m = ctx.m;
-    let (cols, gpr) = (m.cols, m.groups_per_row());
-    if ctx.n < BATCH_MIN_TOKENS {
-        let mut sc = vec![0.0f32; RF * gpr];
-        let mut r = r0;
-        while r + RF <= r1 {
-            m_rows_direct::<S, U, NV, RF>(ctx, r, &mut sc, out);
-            r += RF;
-        }
-        while r < r1 {
-            m_rows_direct::<S, U, NV, 1>(ctx, r, &mut sc, out);
-            r += 1;
-        }
-    } else {
-        let sub = (BUF_FLOATS / cols / RB * RB).max(RB).min(r1 - r0);
-        let mut buf = vec![0.0f32; sub * cols];
-        let mut sc = vec![0.0f32; sub * gpr];
-        let mut a = r0;
-        while a < r1 {
-            let rows = sub.min(r1 - a);
-            for i in 0..rows {
-                unpack_row::<S, U, NV>(m, a + i, &mut buf[i * cols..(i + 1) * cols]);
-                load_scales(m, a + i, &mut sc[i * gpr..(i + 1) * gpr]);
-            }
-            let blk = MBlock {
-                a,
-                rows,
-                buf: &buf,
-                sc: &sc,
-            };
-            let mut t = 0;
-            while t + TB <= ctx.n {
-                m_buf_rows::<S, NV, RB, TB>(ctx, &blk, t, out);
-                t += TB;
-            }
-            while t < ctx.n {
-                m_buf_rows::<S, NV, RB, 1>(ctx, &blk, t, out);
-                t += 1;
-            }
-            a += rows;
-        }
-    }
-}
-
-/// `R` rows for every token (few tokens), codes unpacked in registers.
-#[inline(always)]
-unsafe fn m_rows_direct<S: Isa, U: Unpack<S, NV>, const NV: usize, const R: usize>(
-    ctx: &MCtx<'_>,
-    r: usize,
-    sc: &mut [f32],
-    out: OutPtr,
-) {
-    let m = ctx.m;
-    let (cols, gpr, wpr) = (m.cols, m.groups_per_row(), m.words_per_row());
-    for k in 0..R {
-        load_scales(m, r + k, &mut sc[k * gpr..(k + 1) * gpr]);
-    }
-    let scales: [*const f32; R] = std::array::from_fn(|k| sc.as_ptr().add(k * gpr));
-    let src = Fused::<U, R> {
-        p: std::array::from_fn(|k| m.codes.as_ptr().add((r + k) * wpr) as *const u8),
-        pf: PREFETCH_BYTES,
-        _u: PhantomData,
-    };
-    for t in 0..ctx.n {
-        let xs = [ctx.xs.as_ptr().add(t * cols)];
-        let y = qtile::<S, _, NV, R, 1, 1>(&src, scales, xs, gpr, 1);
-        m_finish::<S, R, 1>(ctx, y, r, t, out);
-    }
-}
-
-/// A block of rows unpacked into a buffer.
-struct MBlock<'a> {
-    /// First row.
-    a: usize,
-    rows: usize,
-    buf: &'a [f32],
-    sc: &'a [f32],
-}
-
-/// Tokens `t0..t0+T` for every row of the block, `R` rows at a time.
-#[inline(always)]
-unsafe fn m_buf_rows<S: Isa, const NV: usize, const R: usize, const T: usize>(
-    ctx: &MCtx<'_>,
-    blk: &MBlock<'_>,
-    t0: usize,
-    out: OutPtr,
-) {
-    let mut i = 0;
-    while i + R <= blk.rows {
-        m_buf_tile::<S, NV, R, T>(ctx, blk, i, t0, out);
-        i += R;
-    }
-    while i < blk.rows {
-        m_buf_tile::<S, NV, 1, T>(ctx, blk, i, t0, out);
-        i += 1;
-    }
-}
-
-#[inline(always)]
-unsafe fn m_buf_tile<S: Isa, const NV: usize, const R: usize, const T: usize>(
-    ctx: &MCtx<'_>,
-    blk: &MBlock<'_>,
-    i: usize,
-    t0: usize,
-    out: OutPtr,
-) {
-    let (cols, gpr) = (ctx.m.cols, ctx.m.groups_per_row());
-    let src = Buf::<R> {
-        p: std::array::from_fn(|k| blk.buf.as_ptr().add((i + k) * cols)),
-    };
-    let scales: [*const f32; R] = std::array::from_fn(|k| blk.sc.as_ptr().add((i + k) * gpr));
-    let xs: [*const f32; T] = std::array::from_fn(|t| ctx.xs.as_ptr().add((t0 + t) * cols));
-    let y = qtile::<S, _, NV, R, T, 1>(&src, scales, xs, gpr, 1);
-    m_finish::<S, R, T>(ctx, y, blk.a + i, t0, out);
 }
 
 // ---------------------------------------------------------------------------

@@ -459,11 +459,11 @@ fn stream_row(level: SimdLevel, q: &QMatrix) -> (Vec<f32>, usize, fn(usize) -> u
     {
         #[target_feature(enable = "avx512f,avx2,fma")]
         unsafe fn r512<U: Unpack<Avx512, NV>, const NV: usize>(q: &QMatrix, o: &mut [f32]) {
-            unpack_row::<Avx512, U, NV>(q, 0, o)
+            unpack_row::<Avx512, _, U, NV>(q, 0, o)
         }
         #[target_feature(enable = "avx2,fma")]
         unsafe fn r256<U: Unpack<Avx2, NV>, const NV: usize>(q: &QMatrix, o: &mut [f32]) {
-            unpack_row::<Avx2, U, NV>(q, 0, o)
+            unpack_row::<Avx2, _, U, NV>(q, 0, o)
         }
         let gs = q.spec.group_size;
         match (level, q.spec.bits) {
@@ -486,7 +486,7 @@ fn stream_row(level: SimdLevel, q: &QMatrix) -> (Vec<f32>, usize, fn(usize) -> u
         }
     }
     unsafe fn rs(q: &QMatrix, o: &mut [f32]) {
-        unpack_row::<Scalar, Generic, 4>(q, 0, o)
+        unpack_row::<Scalar, _, Generic, 4>(q, 0, o)
     }
     go::<Scalar, Generic, 4>(q, rs)
 }

@@ -1,5 +1,5 @@
 use super::super::tests::{bitwise_eq, per_token, run, Rng};
-use super::super::{dequantize_row, matmul_group, simd_level};
+use super::super::{dequantize_row, matmul_group, simd_level, unpack_row};
 use super::*;
 use crate::backend::cpu::simd::supported_levels;
 use crate::quant::mxfp4::{self, E2M1};
@@ -357,11 +357,11 @@ fn stream_row(level: SimdLevel, m: &Mxfp4Matrix) -> (Vec<f32>, fn(usize) -> usiz
     {
         #[target_feature(enable = "avx512f,avx2,fma")]
         unsafe fn r512(m: &Mxfp4Matrix, o: &mut [f32]) {
-            unpack_row::<Avx512, A512Fp4, 2>(m, 0, o)
+            unpack_row::<Avx512, _, A512Fp4, 2>(m, 0, o)
         }
         #[target_feature(enable = "avx2,fma")]
         unsafe fn r256(m: &Mxfp4Matrix, o: &mut [f32]) {
-            unpack_row::<Avx2, A2Fp4, 4>(m, 0, o)
+            unpack_row::<Avx2, _, A2Fp4, 4>(m, 0, o)
         }
         match level {
             SimdLevel::Avx512 => {
@@ -375,6 +375,6 @@ fn stream_row(level: SimdLevel, m: &Mxfp4Matrix) -> (Vec<f32>, fn(usize) -> usiz
             _ => {}
         }
     }
-    unsafe { unpack_row::<Scalar, ScalarFp4, 4>(m, 0, &mut out) };
+    unsafe { unpack_row::<Scalar, _, ScalarFp4, 4>(m, 0, &mut out) };
     (out, <ScalarFp4 as Unpack<Scalar, 4>>::perm)
 }
