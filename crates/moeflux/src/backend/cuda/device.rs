@@ -238,7 +238,7 @@ impl Gpu {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(|e| gpu_err("GPU stream", e))?;
         let copy = ctx.new_stream().map_err(|e| gpu_err("GPU stream", e))?;
-        let ptx = load_or_compile(info.cc)?;
+        let ptx = load_or_compile(&info)?;
         let module = ctx
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
             .map_err(|e| gpu_err("loading the compiled kernels", e))?;
@@ -476,28 +476,84 @@ pub fn ptx_cache_dir() -> Option<PathBuf> {
     Some(base.join("moeflux").join("cuda"))
 }
 
-fn arch_name(cc: (i32, i32)) -> &'static str {
-    // NVRTC wants a static string; the architectures moeflux knows.
-    match cc {
-        (9, 0) => "sm_90",
-        (8, 9) => "sm_89",
-        (8, 6) => "sm_86",
-        (8, 0) => "sm_80",
-        (10, 0) => "sm_100",
-        (12, 0) => "sm_120",
-        (7, 5) => "sm_75",
-        (7, 0) => "sm_70",
-        _ => "compute_70",
+/// The oldest architecture the kernels are written for (`sm_75`, Turing).
+const MIN_ARCH: i32 = 75;
+
+/// Architectures NVRTC 12 and 13 compile for, when the library cannot list
+/// its own (`nvrtcGetSupportedArchs`).
+const KNOWN_ARCHS: &[i32] = &[75, 80, 86, 87, 89, 90, 100, 120];
+
+/// The architecture (major x 10 + minor) the kernels are compiled for on a
+/// device of compute capability `cc`, among `supported` (what this NVRTC
+/// compiles for): the newest one that is neither newer than the device nor
+/// older than [`MIN_ARCH`]. The driver compiles PTX of an older
+/// architecture for a newer device, so a card missing from every table
+/// (8.7 Orin, 10.3, 12.1 GB10, the next one) gets its family's base (or an
+/// earlier family's) instead of a failure. `Err` says why none fits.
+pub(crate) fn pick_arch(cc: (i32, i32), supported: &[i32]) -> std::result::Result<i32, String> {
+    let device = cc.0 * 10 + cc.1;
+    if device < MIN_ARCH {
+        return Err(format!(
+            "compute capability {}.{} is older than sm_{MIN_ARCH}, the oldest architecture \
+             moeflux's GPU kernels are written for",
+            cc.0, cc.1
+        ));
+    }
+    supported
+        .iter()
+        .copied()
+        .filter(|&a| (MIN_ARCH..=device).contains(&a))
+        .max()
+        .ok_or_else(|| {
+            let list: Vec<String> = supported.iter().map(|a| format!("sm_{a}")).collect();
+            format!(
+                "this NVRTC compiles for {}, none of them between sm_{MIN_ARCH} and the \
+                 device's compute capability {}.{}",
+                if list.is_empty() {
+                    "no architecture".to_string()
+                } else {
+                    list.join(", ")
+                },
+                cc.0,
+                cc.1
+            )
+        })
+}
+
+/// The architectures this NVRTC compiles for (major x 10 + minor).
+fn nvrtc_archs() -> Vec<i32> {
+    use cudarc::nvrtc::sys;
+    // SAFETY: only called once the library was found; the array is sized
+    // by the count NVRTC reports.
+    unsafe {
+        if !sys::is_culib_present() {
+            return KNOWN_ARCHS.to_vec();
+        }
+        let mut n = 0;
+        if sys::nvrtcGetNumSupportedArchs(&mut n).result().is_err() || n <= 0 {
+            return KNOWN_ARCHS.to_vec();
+        }
+        let mut archs = vec![0; n as usize];
+        match sys::nvrtcGetSupportedArchs(archs.as_mut_ptr()).result() {
+            Ok(()) => archs,
+            Err(_) => KNOWN_ARCHS.to_vec(),
+        }
     }
 }
 
-/// PTX of the kernels for `cc`, from the disk cache or compiled now (and
-/// cached; a cache that cannot be written only costs the compile next time).
-fn load_or_compile(cc: (i32, i32)) -> Result<String> {
-    let arch = arch_name(cc);
+/// PTX of the kernels for `info`'s device, from the disk cache or compiled
+/// now (and cached; a cache that cannot be written only costs the compile
+/// next time).
+fn load_or_compile(info: &GpuInfo) -> Result<String> {
+    let arch = pick_arch(info.cc, &nvrtc_archs()).map_err(|why| {
+        Error::Gpu(format!(
+            "GPU {} ({}): {why}; run on the CPU with --backend cpu",
+            info.ordinal, info.name
+        ))
+    })?;
     let key = format!(
-        "{:016x}-{arch}.ptx",
-        crate::hash::fnv1a(format!("{KERNELS}\0{arch}\0{:?}", nvrtc_version()).as_bytes())
+        "{:016x}-sm_{arch}.ptx",
+        crate::hash::fnv1a(format!("{KERNELS}\0sm_{arch}\0{:?}", nvrtc_version()).as_bytes())
     );
     let cached = ptx_cache_dir().map(|d| d.join(&key));
     if let Some(text) = cached
@@ -530,8 +586,9 @@ fn nvrtc_version() -> Option<(i32, i32)> {
         .map(|()| (major, minor))
 }
 
-/// Compiles the kernels for `arch` with NVRTC.
-pub fn compile(arch: &'static str) -> Result<String> {
+/// Compiles the kernels for architecture `arch` (major x 10 + minor) with
+/// NVRTC.
+pub fn compile(arch: i32) -> Result<String> {
     // SAFETY: only tries to load the library.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(Error::Gpu(
@@ -539,12 +596,11 @@ pub fn compile(arch: &'static str) -> Result<String> {
         ));
     }
     let opts = cudarc::nvrtc::CompileOptions {
-        arch: Some(arch),
-        options: vec!["-std=c++17".into()],
+        options: vec![format!("--gpu-architecture=sm_{arch}"), "-std=c++17".into()],
         ..Default::default()
     };
     let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts)
-        .map_err(|e| Error::Gpu(format!("compiling the GPU kernels: {e}")))?;
+        .map_err(|e| Error::Gpu(format!("compiling the GPU kernels for sm_{arch}: {e}")))?;
     Ok(ptx.to_src())
 }
 
@@ -908,15 +964,52 @@ mod tests {
     #[test]
     #[ignore]
     fn kernels_compile_with_nvrtc() {
-        for arch in ["sm_90", "sm_80"] {
-            let ptx = compile(arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        for arch in [90, 80, MIN_ARCH] {
+            let ptx = compile(arch).unwrap_or_else(|e| panic!("sm_{arch}: {e}"));
             for name in KERNEL_NAMES {
                 assert!(
                     ptx.contains(&format!(".entry {name}(")),
-                    "{arch}: kernel {name} missing from the PTX"
+                    "sm_{arch}: kernel {name} missing from the PTX"
                 );
             }
         }
+        // Every architecture `pick_arch` can choose is one NVRTC lists.
+        let listed = nvrtc_archs();
+        assert!(
+            listed.contains(&90) && listed.contains(&MIN_ARCH),
+            "{listed:?}"
+        );
+    }
+
+    #[test]
+    fn unlisted_gpus_get_the_nearest_older_architecture() {
+        // NVRTC 13.0's list, and an older NVRTC's without 8.7 and Blackwell.
+        let cuda13 = [75, 80, 86, 87, 88, 89, 90, 100, 103, 110, 120, 121];
+        let older = [75, 80, 86, 89, 90];
+        for (cc, list, want) in [
+            ((9, 0), &cuda13[..], 90),
+            ((8, 7), &cuda13, 87),
+            ((8, 7), &older, 86),
+            ((10, 3), &cuda13, 103),
+            ((10, 3), &[75, 80, 90, 100, 120], 100),
+            ((12, 1), &cuda13, 121),
+            ((12, 1), &older, 90),
+            ((13, 0), &cuda13, 121),
+            ((7, 5), &older, 75),
+            ((8, 0), KNOWN_ARCHS, 80),
+        ] {
+            assert_eq!(pick_arch(cc, list), Ok(want), "cc {cc:?} with {list:?}");
+        }
+        // Older than the kernels: named, whatever NVRTC supports.
+        let e = pick_arch((6, 1), &cuda13).unwrap_err();
+        assert!(e.contains("6.1") && e.contains("sm_75"), "{e}");
+        let e = pick_arch((7, 0), &[70, 75]).unwrap_err();
+        assert!(e.contains("7.0"), "{e}");
+        // An NVRTC that compiles for nothing the device can run.
+        let e = pick_arch((8, 0), &[86, 90]).unwrap_err();
+        assert!(e.contains("sm_86, sm_90") && e.contains("8.0"), "{e}");
+        let e = pick_arch((8, 0), &[]).unwrap_err();
+        assert!(e.contains("no architecture"), "{e}");
     }
 
     #[test]
