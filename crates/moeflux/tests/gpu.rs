@@ -9,6 +9,7 @@
 //! `cargo test --release -p moeflux --test gpu -- --ignored`.
 
 mod common;
+mod gpu_window;
 
 use std::path::Path;
 

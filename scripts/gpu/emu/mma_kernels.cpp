@@ -441,9 +441,11 @@ static void test_mx_scales(int s_lo, int s_hi, int x_exp, bool nan_row) {
 // the cache itself instead, against the same reference.
 // With `sinks` (one-token kernel only), `attention_sinks`: a random logit
 // per head joins each softmax, and with window > 0 a token sees only the
-// last `window` positions.
+// last `window` positions; with `ring` > 0 (a power of two, at least window - 1 + n) the
+// kernel reads a sliding-window layer's ring instead: position p at row p & (ring - 1),
+// the ring holding the last `ring` positions (older ones overwritten), poisoned elsewhere.
 static void test_attention_mma(int nh, int nkv, int hd, int start, int n, bool gated = true, bool mma = true,
-                               bool sinks = false, int window = 0) {
+                               bool sinks = false, int window = 0, int ring = 0) {
     int ctx = start + n, cap = ctx + 40, row = nkv * hd;
     std::vector<float> q((size_t)n * nh * hd), gate(q.size()), kc((size_t)cap * row, NAN), vc(kc.size(), NAN);
     for (auto& v : q) v = urand(-1.5f, 1.5f);
@@ -467,8 +469,19 @@ static void test_attention_mma(int nh, int nkv, int hd, int start, int n, bool g
         const float *pq = q.data(), *pk = kc.data(), *pv = vc.data(), *ps = sink.data();
         float* po = out.data();
         const long* pp = &start_l;
-        emu_launch({(unsigned)nh, (unsigned)n, 1}, 256,
-                   [&] { attention_sinks(pq, pk, pv, ps, nh, nkv, hd, pp, scale, po, nullptr, window); });
+        std::vector<float> rk, rv;
+        long mask = -1;
+        if (ring) {
+            rk.assign((size_t)ring * row, NAN), rv.assign(rk.size(), NAN);
+            for (int p = std::max(0, ctx - ring); p < ctx; p++) {
+                std::copy_n(&kc[(size_t)p * row], row, &rk[(size_t)(p & (ring - 1)) * row]);
+                std::copy_n(&vc[(size_t)p * row], row, &rv[(size_t)(p & (ring - 1)) * row]);
+            }
+            pk = rk.data(), pv = rv.data(), mask = ring - 1;
+        }
+        emu_launch({(unsigned)nh, (unsigned)n, 1}, 256, [&] {
+            attention_sinks(pq, pk, pv, ps, nh, nkv, hd, pp, scale, po, nullptr, window, mask, nullptr);
+        });
     } else if (!mma) {
         const float *pq = q.data(), *pk = kc.data(), *pv = vc.data(), *pg = gated ? gate.data() : nullptr;
         float* po = out.data();
@@ -516,9 +529,9 @@ static void test_attention_mma(int nh, int nkv, int hd, int start, int n, bool g
             }
         }
     char name[128];
-    snprintf(name, sizeof name, "%s nh%d nkv%d hd%d start%d n%d%s window%d",
+    snprintf(name, sizeof name, "%s nh%d nkv%d hd%d start%d n%d%s window%d ring%d",
              sinks ? "attention_sinks" : mma ? "attention_mma" : "attention", nh, nkv, hd, start, n,
-             gated ? "" : " no gate", window);
+             gated ? "" : " no gate", window, ring);
     check(name, out, want, 2e-5);
 }
 
@@ -555,6 +568,11 @@ int main() {
     test_attention_mma(8, 2, 64, 37, 3, false, false, true, 5);
     test_attention_mma(8, 2, 64, 3, 4, false, false, true, 128);
     test_attention_mma(4, 1, 32, 20, 2, false, false, true, 0);
+    // gpt-oss's window layers read a ring: decode after several wraps, and a chunk that
+    // wraps within itself (its first query's keys still held)
+    test_attention_mma(8, 2, 64, 70, 1, false, false, true, 8, 16);
+    test_attention_mma(8, 2, 64, 45, 9, false, false, true, 8, 16);
+    test_attention_mma(4, 1, 32, 100, 3, false, false, true, 128, 256);
     if (fails) {
         printf("%d FAILED\n", fails);
         return 1;

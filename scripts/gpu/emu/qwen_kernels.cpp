@@ -223,8 +223,10 @@ struct AttnFlavour {
     float mscale = 1.0f;  // YaRN's (gpt-oss: 1.3466)
 };
 
+// With `ring` > 0 (a power of two) the caches are a sliding-window layer's ring of that many
+// rows: position p goes to row p & (ring - 1).
 static void test_attn_prep(int nh, int nkv, int hd, int half_rot, int n, long start, double theta, double ps,
-                           AttnFlavour f) {
+                           AttnFlavour f, long ring = 0) {
     float eps = 1e-6f;
     int qs = f.gated ? 2 * hd : hd;  // q_proj floats per head
     std::vector<float> qg((size_t)n * nh * qs), k((size_t)n * nkv * hd), v((size_t)n * nkv * hd), q_norm(hd),
@@ -238,7 +240,7 @@ static void test_attn_prep(int nh, int nkv, int hd, int half_rot, int n, long st
         for (auto& x : *b) x = urand(-1, 1);
     std::vector<double> inv(half_rot);  // model Rope::new over 2 * half_rot channels
     for (int i = 0; i < half_rot; i++) inv[i] = pow(theta, -2.0 * i / (2.0 * half_rot));
-    long row = (long)nkv * hd, rows = start + n + 3;
+    long row = (long)nkv * hd, rows = ring ? ring : start + n + 3, mask = ring ? ring - 1 : -1;
     std::vector<float> kc((size_t)(rows * row)), vc((size_t)(rows * row));
     for (auto& x : kc) x = urand();
     for (auto& x : vc) x = urand();
@@ -253,7 +255,8 @@ static void test_attn_prep(int nh, int nkv, int hd, int half_rot, int n, long st
         const long* pp = &pos;
         float *qo = q_out.data(), *go = f.gated ? gate_out.data() : nullptr, *kcp = kc.data(), *vcp = vc.data();
         emu_launch({(unsigned)(nh + nkv), (unsigned)n, 1}, (unsigned)hd, [&] {
-            attn_prep(qp, kp, vp, P, ip, half_rot, nh, nkv, hd, eps, pp, ps, qo, go, kcp, vcp, nullptr);
+            attn_prep(qp, kp, vp, P, ip, half_rot, nh, nkv, hd, eps, pp, ps, qo, go, kcp, vcp, nullptr, mask,
+                      nullptr);
         });
     }
     // (src + bias), rms_norm with w (when norms), then Rope::apply at position p * ps.
@@ -290,11 +293,17 @@ static void test_attn_prep(int nh, int nkv, int hd, int half_rot, int n, long st
                     (double)v[((size_t)t * nkv + g) * hd + i] + (f.bias ? vb[(size_t)g * hd + i] : 0.0);
         }
     }
-    std::vector<float> gk(kc.begin() + start * row, kc.begin() + (start + n) * row),
-        gv(vc.begin() + start * row, vc.begin() + (start + n) * row);
+    std::vector<float> gk, gv;
+    std::vector<bool> written(rows, false);
+    for (long p = start; p < start + n; p++) {
+        long r = p & mask;
+        written[r] = true;
+        gk.insert(gk.end(), kc.begin() + r * row, kc.begin() + (r + 1) * row);
+        gv.insert(gv.end(), vc.begin() + r * row, vc.begin() + (r + 1) * row);
+    }
     char name[160], tag[96];
-    snprintf(tag, sizeof tag, "nh%d nkv%d hd%d rot%d n%d pos%ld%s%s%s", nh, nkv, hd, 2 * half_rot, n, start,
-             f.gated ? " gated" : "", f.norms ? " norms" : "", f.bias ? " bias" : "");
+    snprintf(tag, sizeof tag, "nh%d nkv%d hd%d rot%d n%d pos%ld%s%s%s ring%ld", nh, nkv, hd, 2 * half_rot, n, start,
+             f.gated ? " gated" : "", f.norms ? " norms" : "", f.bias ? " bias" : "", ring);
     snprintf(name, sizeof name, "attn_prep %s q", tag);
     check(name, q_out, rq, 1e-5);
     if (f.gated) {
@@ -307,7 +316,7 @@ static void test_attn_prep(int nh, int nkv, int hd, int half_rot, int n, long st
     check(name, gv, rv, f.bias ? 1e-6 : 0.0);
     long changed = 0;
     for (long p = 0; p < rows; p++) {
-        if (p >= start && p < start + n) continue;
+        if (written[p]) continue;
         changed += memcmp(&kc[p * row], &kc0[p * row], 4 * row) != 0;
         changed += memcmp(&vc[p * row], &vc0[p * row], 4 * row) != 0;
     }
@@ -401,6 +410,7 @@ static void test_attention_batch(int nh, int nkv, int hd, int half_rot, AttnFlav
         for (auto& x : vc[r]) x = urand(-2, 2);
     }
     auto kc1 = kc, vc1 = vc;
+    std::vector<long> masks(b, -1);  // rows at their positions (a full layer)
     std::vector<unsigned long long> tab(2 * b);
     for (int r = 0; r < b; r++) tab[2 * r] = (unsigned long long)kc[r].data(), tab[2 * r + 1] = (unsigned long long)vc[r].data();
     AttnParts P{f.bias ? qb.data() : nullptr, f.bias ? kb.data() : nullptr, f.bias ? vb.data() : nullptr,
@@ -412,9 +422,10 @@ static void test_attention_batch(int nh, int nkv, int hd, int half_rot, AttnFlav
         const double* ip = inv.data();
         const long* pp = pos.data();
         const unsigned long long* tp = tab.data();
+        const long* mp = masks.data();
         float *qo = q.data(), *go = f.gated ? gate.data() : nullptr, *op = out.data();
         emu_launch({(unsigned)(nh + nkv), (unsigned)b, 1}, (unsigned)hd, [&] {
-            attn_prep(qp, kp, vp, P, ip, half_rot, nh, nkv, hd, eps, pp, 1.0, qo, go, nullptr, nullptr, tp);
+            attn_prep(qp, kp, vp, P, ip, half_rot, nh, nkv, hd, eps, pp, 1.0, qo, go, nullptr, nullptr, tp, 0, mp);
         });
         emu_launch({(unsigned)nh, (unsigned)b, 1}, 256, [&] {
             if (f.gated) attention(qo, nullptr, nullptr, go, nh, nkv, hd, pp, scale, op, tp);
@@ -429,7 +440,8 @@ static void test_attention_batch(int nh, int nkv, int hd, int half_rot, AttnFlav
         float *qo = &q1[(size_t)r * nh * hd], *go = f.gated ? &gate1[(size_t)r * nh * hd] : nullptr,
               *op = &out1[(size_t)r * nh * hd], *kcp = kc1[r].data(), *vcp = vc1[r].data();
         emu_launch({(unsigned)(nh + nkv), 1, 1}, (unsigned)hd, [&] {
-            attn_prep(qp, kp, vp, P, ip, half_rot, nh, nkv, hd, eps, pp, 1.0, qo, go, kcp, vcp, nullptr);
+            attn_prep(qp, kp, vp, P, ip, half_rot, nh, nkv, hd, eps, pp, 1.0, qo, go, kcp, vcp, nullptr, -1,
+                      nullptr);
         });
         emu_launch({(unsigned)nh, 1, 1}, 256, [&] {
             if (f.gated) attention(qo, kcp, vcp, go, nh, nkv, hd, pp, scale, op, nullptr);
@@ -480,6 +492,8 @@ int main() {
     test_attn_prep(12, 4, 128, 32, 3, 0, 1e6, 1.0, glm_air);   // GLM-4.5-Air: biases, no norms
     test_attn_prep(4, 2, 64, 16, 2, 3, 1e4, 1.0, {true, false, true});  // every part independent
     test_attn_prep(8, 2, 64, 32, 3, 11, 1.5e5, 1.0, {false, false, true, 1.3466f});  // gpt-oss: YaRN's mscale, biases
+    test_attn_prep(8, 2, 64, 32, 5, 30, 1.5e5, 1.0, {false, false, true, 1.3466f}, 16);  // a window's ring, wrapping
+    test_attn_prep(8, 2, 64, 32, 1, 47, 1.5e5, 1.0, {false, false, true, 1.3466f}, 16);  // its last row
     test_deltanet_batch(2, 4, 128, 64, 4, 3);  // dv < dk: two row blocks per head
     test_deltanet_batch(4, 8, 64, 128, 4, 5);  // dk < dv
     test_attention_batch(8, 2, 128, 32, qwen35, {5, 0, 23, 9});  // positions apart, one at 0

@@ -69,7 +69,12 @@ impl KvCache {
     /// of `n` tokens adds `n` more until its attention is done. `None` for
     /// a full layer.
     pub fn max_held(&self) -> Option<usize> {
-        self.window.map(|w| w + 2 * Self::slack(w) - 2)
+        self.window.map(Self::max_held_of)
+    }
+
+    /// [`KvCache::max_held`] of a window of `w`.
+    pub fn max_held_of(w: usize) -> usize {
+        w + 2 * Self::slack(w) - 2
     }
 
     /// Whether `truncate(n)` keeps what the next token at `n` attends to.
@@ -99,10 +104,8 @@ impl KvCache {
     /// full layer. Run after a chunk's attention, never within it: a
     /// chunk's first query may need rows its last one does not.
     pub fn trim(&mut self) {
-        let Some(w) = self.window else { return };
-        let r = Self::slack(w);
-        let keep_from = first_needed(self.window, self.len().saturating_sub(r));
-        if keep_from >= self.start + r {
+        let keep_from = trimmed_start(self.window, self.start, self.len());
+        if keep_from > self.start {
             self.drop_before(keep_from);
         }
     }
@@ -127,6 +130,20 @@ impl KvCache {
             start: from,
             window: self.window,
         }
+    }
+}
+
+/// The first position a cache of `window` holding positions `start..len`
+/// keeps after [`KvCache::trim`] (the GPU's ring follows the same rule, so
+/// both backends can return to the same positions).
+pub fn trimmed_start(window: Option<usize>, start: usize, len: usize) -> usize {
+    let Some(w) = window else { return start };
+    let r = KvCache::slack(w);
+    let keep_from = first_needed(window, len.saturating_sub(r));
+    if keep_from >= start + r {
+        keep_from.min(len)
+    } else {
+        start
     }
 }
 

@@ -372,7 +372,8 @@ impl Batch {
     }
 
     /// A new, empty sequence (position 0). On the GPU its state takes VRAM
-    /// as it grows.
+    /// as it grows (a sliding-window layer's only up to its ring: see
+    /// [`Batch::cache_rows`]).
     pub fn add_sequence(&mut self) -> Result<SeqId> {
         let state = self.engine.new_state(&self.model)?;
         let id = SeqId(self.next_id);
@@ -414,6 +415,12 @@ impl Batch {
     /// Tokens evaluated so far in `id` (its next token's position).
     pub fn position(&self, id: SeqId) -> Result<usize> {
         Ok(self.seq(id)?.tokens.len())
+    }
+
+    /// Per layer, the rows its attention cache takes in memory (see
+    /// [`Engine::cache_rows`]).
+    pub fn cache_rows(&self, id: SeqId) -> Result<Vec<Option<usize>>> {
+        Ok(self.engine.cache_rows(&self.seq(id)?.state))
     }
 
     /// The tokens evaluated so far in `id`.

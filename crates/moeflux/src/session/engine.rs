@@ -12,7 +12,7 @@ use crate::backend::prefetch::PrefetchStats;
 use crate::error::{Error, Result};
 use crate::io::{ExpertBuf, ExpertStore};
 use crate::model::forward::{self, Segment, SegmentOutput};
-use crate::model::state::{ModelState, RewindState};
+use crate::model::state::{LayerState, ModelState, RewindState};
 use crate::model::timing::PhaseTimes;
 use crate::model::trace::Trace;
 use crate::model::Model;
@@ -155,6 +155,24 @@ impl Engine {
             (Engine::Cpu { .. }, SeqState::Cpu(s)) => s.rewind(pos, from),
             (Engine::Cuda(m), SeqState::Cuda(s)) => m.rewind(s, pos, from),
             _ => unreachable!("a state on another engine"),
+        }
+    }
+
+    /// Per layer, the rows its attention cache takes: allocated in VRAM
+    /// (`GpuState::row_capacity`) or held in host memory; `None` for a
+    /// linear layer.
+    pub fn cache_rows(&self, state: &SeqState) -> Vec<Option<usize>> {
+        match state {
+            SeqState::Cpu(s) => s
+                .layers
+                .iter()
+                .map(|l| match l {
+                    LayerState::Full(kv) => Some(kv.held()),
+                    LayerState::Mla(m) => Some(m.len()),
+                    LayerState::Linear(_) => None,
+                })
+                .collect(),
+            SeqState::Cuda(s) => s.row_capacity(),
         }
     }
 

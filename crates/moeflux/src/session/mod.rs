@@ -151,6 +151,16 @@ impl Session {
         self.tokens().len()
     }
 
+    /// Per layer, the rows its attention cache takes in memory: on the GPU
+    /// the rows allocated (a sliding-window layer's ring: bounded by its
+    /// window and the largest chunk evaluated), on the CPU the rows held;
+    /// `None` for a linear-attention layer.
+    pub fn cache_rows(&self) -> Vec<Option<usize>> {
+        self.batch
+            .cache_rows(self.id)
+            .expect("the session's own sequence")
+    }
+
     /// The longest sequence this session accepts (`SessionOptions::max_context`).
     pub fn max_context(&self) -> usize {
         self.batch.max_context()

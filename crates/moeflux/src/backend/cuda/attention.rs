@@ -99,6 +99,12 @@ pub(super) fn forward(
     // batches (the tensor-core kernel has neither).
     let sinks = a.sinks.map(|v| w.vec(v));
     let window = a.window.unwrap_or(0) as i32;
+    // Only `attention_sinks` reads a window layer's ring (`ring.rs`).
+    if a.window.is_some() && sinks.is_none() {
+        return Err(unsupported(format!(
+            "layer {i}: a sliding window without attention sinks"
+        )));
+    }
     let norm = a.qk_norm.map(|(q, k)| (w.vec(q), w.vec(k)));
     let parts = AttnParts {
         q_bias: bias.map_or(0, |b| b[0]),
@@ -144,10 +150,11 @@ pub(super) fn forward(
                 let (q, attn) = (q + r0 * hs, attn + r0 * hs);
                 let gate = if a.output_gate { gate + r0 * hs } else { 0 };
                 let (pos, none) = (first.pos, 0u64);
+                let (mask, masks) = (-1i64, cx.decode_masks(i, run));
                 // SAFETY: `attn_prep` and `attention` in kernels.cu, a row
                 // per sequence: the table holds each one's K and V cache
-                // (grown for its token before the eval), `pos` its
-                // position; the scratch buffers hold n rows.
+                // (grown for its token before the eval) and its row mask,
+                // `pos` its position; the scratch buffers hold n rows.
                 unsafe {
                     g.launch(
                         "attn_prep",
@@ -156,7 +163,7 @@ pub(super) fn forward(
                         (4 * hd) as u32,
                         &mut args!(
                             qg, k, v, parts, inv_freq, half, nh_i, nkv_i, hd_i, eps, pos, ps, q,
-                            gate, none, none, tab
+                            gate, none, none, tab, mask, masks
                         ),
                     )?;
                     match sinks {
@@ -166,7 +173,8 @@ pub(super) fn forward(
                             256,
                             0,
                             &mut args!(
-                                q, none, none, sk, nh_i, nkv_i, hd_i, pos, scale, attn, tab, window
+                                q, none, none, sk, nh_i, nkv_i, hd_i, pos, scale, attn, tab,
+                                window, mask, masks
                             ),
                         )?,
                         None => g.launch(
@@ -191,7 +199,7 @@ pub(super) fn forward(
         let Some(GpuLayerState::Full(kv)) = sq.state.layers.get(i) else {
             return Err(state_error(i));
         };
-        let (kc, vc) = (kv.a.ptr(), kv.b.ptr());
+        let (kc, vc, mask) = (kv.a.ptr(), kv.b.ptr(), kv.mask());
         let (pos, none) = (sq.pos, 0u64);
         let n = sq.seg.rows.len();
         let r0 = sq.seg.rows.start as u64;
@@ -215,7 +223,7 @@ pub(super) fn forward(
                 (4 * hd) as u32,
                 &mut args!(
                     qg, k, v, parts, inv_freq, half, nh_i, nkv_i, hd_i, eps, pos, ps, q, gate, kc,
-                    vc, none
+                    vc, none, mask, none
                 ),
             )?
         };
@@ -229,7 +237,10 @@ pub(super) fn forward(
                     (nh as u32, n as u32, 1),
                     256,
                     0,
-                    &mut args!(q, kc, vc, sk, nh_i, nkv_i, hd_i, pos, scale, attn, none, window),
+                    &mut args!(
+                        q, kc, vc, sk, nh_i, nkv_i, hd_i, pos, scale, attn, none, window, mask,
+                        none
+                    ),
                 )?
             };
         } else if let Some(smem) = mma_smem {

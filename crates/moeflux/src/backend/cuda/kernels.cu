@@ -994,24 +994,28 @@ struct AttnParts {
 
 // Per (token, head): q = rope(rms_norm(qg[.., q] + bias, q_norm)), the gate
 // half (when gated) copied out; per (token, kv head): rope(rms_norm(k + bias,
-// k_norm)) and v + bias appended to the caches kc and vc at row *pos + token
-// (a row: nkv * hd floats); no norm where its weight is null. A block of
+// k_norm)) and v + bias appended to the caches kc and vc at row
+// (*pos + token) & mask (a row: nkv * hd floats; mask: all ones, or a
+// sliding-window layer's ring capacity - 1); no norm where its weight is null. A block of
 // `hd` threads (a power of two, <= 1024) per (token, head); blockIdx.y is
 // the token, heads nh then nkv along blockIdx.x.
 extern "C" __global__ void attn_prep(const float* qg, const float* k, const float* v, AttnParts P,
                                      const double* inv_freq, int half_rot, int nh, int nkv, int hd,
                                      float eps, const long* pos, double pos_scale, float* q_out,
                                      float* gate_out, float* kc, float* vc,
-                                     const unsigned long long* seqs) { PDL_ENTER();
+                                     const unsigned long long* seqs, long mask,
+                                     const long* masks) { PDL_ENTER();
     extern __shared__ float sh[];
     int t = blockIdx.y, h = blockIdx.x, i = threadIdx.x;
     // `seqs`: a decode batch, row t its own sequence's token (its KV cache
-    // seqs[2t], seqs[2t+1], its position pos[t]); else one sequence's rows.
+    // seqs[2t], seqs[2t+1], its row mask masks[t], its position pos[t]);
+    // else one sequence's rows.
     long start = seqs ? pos[t] : *pos;
     long tl = seqs ? 0 : t;
     if (seqs) {
         kc = (float*)seqs[2 * t];
         vc = (float*)seqs[2 * t + 1];
+        mask = masks[t];
     }
     int q_stride = P.gated ? 2 * hd : hd;
     const float* src;
@@ -1032,7 +1036,7 @@ extern "C" __global__ void attn_prep(const float* qg, const float* k, const floa
     } else {
         long kv_row = (long)(h - nh) * hd;
         long in = (long)t * nkv * hd + kv_row;
-        long at = (start + tl) * nkv * hd + kv_row;
+        long at = ((start + tl) & mask) * nkv * hd + kv_row;
         src = k + in;
         bias = P.k_bias ? P.k_bias + kv_row : nullptr;
         dst = kc + at;
@@ -1063,7 +1067,8 @@ extern "C" __global__ void attn_prep(const float* qg, const float* k, const floa
 }
 
 // Causal attention of n new tokens (positions start..start+n) over the KV
-// cache rows 0..start+t, output times sigmoid(gate) when GATED. A block of 8 warps per
+// cache's positions 0..start+t (position p at row p & mask, as attn_prep
+// wrote it), output times sigmoid(gate) when GATED. A block of 8 warps per
 // (head, token) with an online softmax per warp over positions p = warp,
 // warp+8, ...; each lane holds hd/32 output channels (hd <= 256). Two
 // kernels rather than a test of gate at run time, which made the gated one
@@ -1075,7 +1080,8 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
                                                const float* gate, int nh, int nkv, int hd,
                                                const long* pos, float scale, float* out,
                                                const unsigned long long* seqs,
-                                               const float* sinks, int window) {
+                                               const float* sinks, int window, long mask,
+                                               const long* masks) {
     const int NW = 8;
     int h = blockIdx.x, t = blockIdx.y;
     // `seqs`: a decode batch, as in attn_prep.
@@ -1084,6 +1090,7 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
     if (seqs) {
         kc = (const float*)seqs[2 * t];
         vc = (const float*)seqs[2 * t + 1];
+        if (masks) mask = masks[t];
     }
     int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int g = h / (nh / nkv);
@@ -1100,7 +1107,7 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
     long ctx = start + tl + 1;
     long first = SINKS && window > 0 && ctx > window ? ctx - window : 0;
     for (long p = first + w; p < ctx; p += NW) {
-        const float* kr = kc + p * row + (long)g * hd;
+        const float* kr = kc + (p & mask) * row + (long)g * hd;
         float d = 0.0f;
 #pragma unroll
         for (int c = 0; c < 8; c++)
@@ -1109,7 +1116,7 @@ __device__ __forceinline__ void attention_body(const float* q, const float* kc, 
         float mn = fmaxf(m, d);
         float corr = expf(m - mn), e = expf(d - mn);
         l = l * corr + e;
-        const float* vr = vc + p * row + (long)g * hd;
+        const float* vr = vc + (p & mask) * row + (long)g * hd;
 #pragma unroll
         for (int c = 0; c < 8; c++)
             if (c < per) acc[c] = fmaf(e, vr[lane + c * WARP], acc[c] * corr);
@@ -1149,7 +1156,8 @@ extern "C" __global__ void attention(const float* q, const float* kc, const floa
                                      const float* gate, int nh, int nkv, int hd, const long* pos,
                                      float scale, float* out, const unsigned long long* seqs) {
     PDL_ENTER();
-    attention_body<true, false>(q, kc, vc, gate, nh, nkv, hd, pos, scale, out, seqs, nullptr, 0);
+    attention_body<true, false>(q, kc, vc, gate, nh, nkv, hd, pos, scale, out, seqs, nullptr, 0, -1,
+                                nullptr);
 }
 
 extern "C" __global__ void attention_plain(const float* q, const float* kc, const float* vc,
@@ -1157,18 +1165,21 @@ extern "C" __global__ void attention_plain(const float* q, const float* kc, cons
                                            const long* pos, float scale, float* out,
                                            const unsigned long long* seqs) {
     PDL_ENTER();
-    attention_body<false, false>(q, kc, vc, gate, nh, nkv, hd, pos, scale, out, seqs, nullptr, 0);
+    attention_body<false, false>(q, kc, vc, gate, nh, nkv, hd, pos, scale, out, seqs, nullptr, 0, -1,
+                                 nullptr);
 }
 
 // Ungated attention with a sink logit per head and an optional sliding
-// window (gpt-oss); otherwise as `attention_plain`.
+// window (gpt-oss), whose rows are in a ring (row of p: p & mask; a decode
+// batch's masks[t]); otherwise as `attention_plain`.
 extern "C" __global__ void attention_sinks(const float* q, const float* kc, const float* vc,
                                            const float* sinks, int nh, int nkv, int hd,
                                            const long* pos, float scale, float* out,
-                                           const unsigned long long* seqs, int window) {
+                                           const unsigned long long* seqs, int window, long mask,
+                                           const long* masks) {
     PDL_ENTER();
     attention_body<false, true>(q, kc, vc, nullptr, nh, nkv, hd, pos, scale, out, seqs, sinks,
-                                window);
+                                window, mask, masks);
 }
 
 

@@ -17,6 +17,7 @@ mod linear;
 mod mla;
 pub mod model;
 mod moe;
+mod ring;
 pub mod state;
 pub mod support;
 

@@ -100,6 +100,9 @@ pub(super) struct Ctx<'a> {
     /// the two state buffers of the segment's sequence
     /// (`GpuLayerState::buffers`), read by decode batches' kernels.
     pub seq_tab: u64,
+    /// Device address of the row masks (`RowCache::mask`) per layer and
+    /// segment, after the buffers in the same table.
+    pub ring_tab: u64,
     /// Segments in the eval (the table's row length).
     pub segments: usize,
     pub cache: Option<&'a mut ExpertCache>,
@@ -217,7 +220,8 @@ pub struct CudaModel {
     /// Per segment of the eval, the position of its first token, on the
     /// device.
     pos: DevBuf,
-    /// Per layer and segment, the segment's state buffers (`Ctx::seq_tab`).
+    /// Per layer and segment, the segment's state buffers (`Ctx::seq_tab`),
+    /// then the row masks of its attention caches (`Ctx::ring_tab`).
     seq_tab: DevBuf,
     /// Bumped whenever a buffer a graph may have captured moves.
     epoch: u64,
@@ -304,7 +308,7 @@ impl CudaModel {
             logits_host: PinnedDownload::default(),
             route_host: PinnedDownload::default(),
             pos: DevBuf::zeros(&gpu, 8 * POS_SLOTS)?,
-            seq_tab: DevBuf::zeros(&gpu, 16 * POS_SLOTS * model.layers.len())?,
+            seq_tab: DevBuf::zeros(&gpu, 24 * POS_SLOTS * model.layers.len())?,
             epoch: 0,
             stable_epoch: None,
             graph: None,
@@ -455,7 +459,7 @@ impl CudaModel {
         if segs.len() > self.pos.bytes() / 8 {
             let slots = segs.len().next_power_of_two();
             self.pos = DevBuf::zeros(&self.gpu, 8 * slots)?;
-            self.seq_tab = DevBuf::zeros(&self.gpu, 16 * slots * layers)?;
+            self.seq_tab = DevBuf::zeros(&self.gpu, 24 * slots * layers)?;
             self.epoch += 1;
         }
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
@@ -465,11 +469,13 @@ impl CudaModel {
         let starts: Vec<i64> = segs.iter().map(|s| s.seg.start as i64).collect();
         self.arena.upload(&self.gpu, self.pos.ptr(), &starts)?;
         if segs.len() > 1 {
-            let mut table = vec![0u64; 2 * layers * segs.len()];
+            let mut table = vec![0u64; 3 * layers * segs.len()];
+            let (bufs, masks) = table.split_at_mut(2 * layers * segs.len());
             for (j, s) in segs.iter().enumerate() {
                 for (i, l) in s.state.layers.iter().enumerate() {
-                    let at = 2 * (i * segs.len() + j);
-                    table[at..at + 2].copy_from_slice(&l.buffers());
+                    let at = i * segs.len() + j;
+                    bufs[2 * at..2 * at + 2].copy_from_slice(&l.buffers());
+                    masks[at] = l.row_mask() as u64;
                 }
             }
             self.arena.upload(&self.gpu, self.seq_tab.ptr(), &table)?;
@@ -648,6 +654,7 @@ impl CudaModel {
             inv_freq: self.inv_freq.ptr(),
             rope_mscale: self.rope_mscale,
             seq_tab: self.seq_tab.ptr(),
+            ring_tab: self.seq_tab.ptr() + (16 * model.layers.len() * segs.len()) as u64,
             segments: segs.len(),
             cache: self.cache.as_mut(),
             arena: &mut self.arena,
@@ -737,6 +744,13 @@ impl Ctx<'_> {
             .all(|sq| sq.state.layers.get(layer).is_some_and(&fits));
         let first = run.first()?;
         ok.then(|| self.seq_tab + 16 * (layer * self.segments + first.index) as u64)
+    }
+
+    /// Device address of layer `layer`'s row masks for the decode batch
+    /// `run` (the entries beside `decode_table`'s).
+    pub fn decode_masks(&self, layer: usize, run: &[SeqRows]) -> u64 {
+        let first = run.first().map_or(0, |s| s.index);
+        self.ring_tab + 8 * (layer * self.segments + first) as u64
     }
 }
 

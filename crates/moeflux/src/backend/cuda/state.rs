@@ -1,25 +1,26 @@
 //! The sequence state in VRAM: per layer a row cache (full attention's K
-//! and V, or MLA's latent and rotary-key rows; row = position) or
-//! GatedDeltaNet's conv and recurrent states, with copies to and from the
-//! host layout the CPU backend and snapshots use.
+//! and V, or MLA's latent and rotary-key rows) or GatedDeltaNet's conv and
+//! recurrent states, with copies to and from the host layout the CPU
+//! backend and snapshots use.
 //!
-//! A sliding-window layer's rows stay at their absolute positions here (the
-//! kernels index rows by position); only the host copy drops the rows its
-//! window no longer sees. A host cache that starts at position `s > 0` is
-//! uploaded to rows `s..`: the rows before are never read (the window
-//! masks them) and marked as not held (`start`).
+//! A full or MLA layer's row of position `p` is row `p`; a sliding-window
+//! layer keeps its rows in a ring (`ring.rs`) bounded by its window plus
+//! the largest chunk a step wrote, and drops rows by the host cache's rule
+//! ([`trimmed_start`]), so both backends hold, download and can return to
+//! the same positions.
 
 use crate::error::{Error, Result};
 use crate::model::state::{
-    first_needed, KvCache, LayerState, LinearState, MlaCache, ModelState, RewindState,
+    first_needed, trimmed_start, KvCache, LayerState, LinearState, MlaCache, ModelState,
+    RewindState,
 };
 
 use super::device::{copy_dtod, zero_async, DevBuf, Gpu};
+use super::ring;
 
-/// Two buffers of position-indexed rows that grow together by doubling:
-/// K and V (`a` and `b` rows of `kv_heads * head_dim` floats), or MLA's
-/// normed latents (`kv_lora_rank`) and rotated shared keys
-/// (`qk_rope_head_dim`).
+/// Two buffers of rows that grow together: K and V (`a` and `b` rows of
+/// `kv_heads * head_dim` floats), or MLA's normed latents (`kv_lora_rank`)
+/// and rotated shared keys (`qk_rope_head_dim`).
 pub(super) struct RowCache {
     pub a: DevBuf,
     pub b: DevBuf,
@@ -28,7 +29,7 @@ pub(super) struct RowCache {
     pub row_b: usize,
     cap: usize,
     /// Rows held: positions `start..len` (`start > 0` only on a window
-    /// layer uploaded from a host cache that had dropped older rows).
+    /// layer, which drops the rows its window no longer sees).
     pub len: usize,
     pub start: usize,
     /// The layer's sliding window (`None`: full attention, or MLA).
@@ -49,35 +50,59 @@ impl RowCache {
         })
     }
 
+    /// The ring's capacity on a window layer (`None`: row = position).
+    fn ring(&self) -> Option<usize> {
+        self.window.map(|_| self.cap)
+    }
+
+    /// What the kernels mask a position with to find its row.
+    pub fn mask(&self) -> i64 {
+        ring::mask(self.ring())
+    }
+
+    /// Rows allocated in each buffer.
+    pub fn capacity(&self) -> usize {
+        self.cap
+    }
+
     /// Whether dropping the rows from `n` on keeps what the token at `n`
     /// attends to.
     fn can_truncate(&self, n: usize) -> bool {
         n == 0 || (n <= self.len && self.start <= first_needed(self.window, n))
     }
 
-    /// Room for at least `rows` rows, keeping the existing ones; returns
-    /// whether the buffers moved.
-    pub fn reserve(&mut self, gpu: &Gpu, rows: usize) -> Result<bool> {
-        if rows <= self.cap {
-            return Ok(false);
+    /// Keeps positions `..n` (checked by the caller, as `KvCache::truncate`).
+    fn truncate(&mut self, n: usize) {
+        if n == 0 {
+            self.start = 0;
         }
-        let cap = rows.next_power_of_two().max(256);
+        self.len = self.len.min(n);
+    }
+
+    /// Room for positions `start..end` (a window layer: in a ring; else
+    /// rows `0..end`), keeping the rows held when `keep`; returns whether
+    /// the buffers moved.
+    fn make_room(&mut self, gpu: &Gpu, start: usize, end: usize, keep: bool) -> Result<bool> {
+        let Some(cap) = ring::room(self.window, start, end, self.cap) else {
+            return Ok(false);
+        };
         let (a, b) = (
             DevBuf::zeros(gpu, 4 * cap * self.row_a)?,
             DevBuf::zeros(gpu, 4 * cap * self.row_b)?,
         );
-        copy_dtod(
-            &gpu.stream,
-            a.ptr(),
-            self.a.ptr(),
-            4 * self.len * self.row_a,
-        )?;
-        copy_dtod(
-            &gpu.stream,
-            b.ptr(),
-            self.b.ptr(),
-            4 * self.len * self.row_b,
-        )?;
+        let new = self.window.map(|_| cap);
+        if keep {
+            for (from, to, rows) in ring::moves(self.start, self.len, self.ring(), new) {
+                for (dst, src, row) in [(&a, &self.a, self.row_a), (&b, &self.b, self.row_b)] {
+                    copy_dtod(
+                        &gpu.stream,
+                        dst.ptr() + (4 * to * row) as u64,
+                        src.ptr() + (4 * from * row) as u64,
+                        4 * rows * row,
+                    )?;
+                }
+            }
+        }
         gpu.sync()?;
         self.a = a;
         self.b = b;
@@ -85,13 +110,33 @@ impl RowCache {
         Ok(true)
     }
 
+    /// Takes `n` more rows after the `len` held (room made now, before any
+    /// graph replay writes them) and then drops, on a window layer, the
+    /// rows the host cache would drop after this step: the ring keeps them
+    /// until the step's writes wrap onto them, after its attention read
+    /// them. Returns whether the buffers moved.
+    fn grow(&mut self, gpu: &Gpu, n: usize) -> Result<bool> {
+        let end = self.len + n;
+        let moved = self.make_room(gpu, self.start, end, true)?;
+        self.len = end;
+        self.start = trimmed_start(self.window, self.start, end);
+        Ok(moved)
+    }
+
     /// Rows `from..len` of each buffer.
     fn download(&self, from: usize) -> Result<(Vec<f32>, Vec<f32>)> {
         let rows = self.len - from;
         let mut a = vec![0.0f32; rows * self.row_a];
         let mut b = vec![0.0f32; rows * self.row_b];
-        self.a.download_at(4 * from * self.row_a, &mut a)?;
-        self.b.download_at(4 * from * self.row_b, &mut b)?;
+        for r in ring::runs(from, self.len, self.ring()) {
+            let i = r.pos - from;
+            let (ha, hb) = (
+                &mut a[i * self.row_a..(i + r.rows) * self.row_a],
+                &mut b[i * self.row_b..(i + r.rows) * self.row_b],
+            );
+            self.a.download_at(4 * r.slot * self.row_a, ha)?;
+            self.b.download_at(4 * r.slot * self.row_b, hb)?;
+        }
         Ok((a, b))
     }
 
@@ -109,9 +154,18 @@ impl RowCache {
         if a.len() != rows * self.row_a || b.len() != rows * self.row_b {
             return Err(mismatch());
         }
-        let moved = self.reserve(gpu, end)?;
-        self.a.upload_at(4 * start * self.row_a, a)?;
-        self.b.upload_at(4 * start * self.row_b, b)?;
+        let moved = self.make_room(gpu, start, end, false)?;
+        for r in ring::runs(start, end, self.ring()) {
+            let i = r.pos - start;
+            self.a.upload_at(
+                4 * r.slot * self.row_a,
+                &a[i * self.row_a..(i + r.rows) * self.row_a],
+            )?;
+            self.b.upload_at(
+                4 * r.slot * self.row_b,
+                &b[i * self.row_b..(i + r.rows) * self.row_b],
+            )?;
+        }
         self.start = start;
         self.len = end;
         Ok(moved)
@@ -184,6 +238,15 @@ impl GpuLayerState {
         }
     }
 
+    /// The mask a kernel applies to a position to find its row in this
+    /// layer's cache (`RowCache::mask`; all ones where there is none).
+    pub fn row_mask(&self) -> i64 {
+        match self {
+            GpuLayerState::Full(c) | GpuLayerState::Mla(c) => c.mask(),
+            GpuLayerState::Linear(_) => -1,
+        }
+    }
+
     /// The row cache of an attention layer.
     pub fn rows_mut(&mut self) -> Option<&mut RowCache> {
         match self {
@@ -243,10 +306,21 @@ impl GpuState {
                     c.len
                 )));
             }
-            moved |= c.reserve(gpu, start + n)?;
-            c.len = start + n;
+            moved |= c.grow(gpu, n)?;
         }
         Ok(moved)
+    }
+
+    /// Rows allocated per layer for its attention cache (`None`: a linear
+    /// layer): what a window layer's ring bounds.
+    pub fn row_capacity(&self) -> Vec<Option<usize>> {
+        self.layers
+            .iter()
+            .map(|s| match s {
+                GpuLayerState::Full(c) | GpuLayerState::Mla(c) => Some(c.capacity()),
+                GpuLayerState::Linear(_) => None,
+            })
+            .collect()
     }
 
     /// A host copy (the CPU backend's layout). The caller synchronises.
@@ -368,10 +442,10 @@ impl GpuState {
                     };
                     match saved {
                         Some(h) if !c.can_truncate(pos) => moved |= c.upload_kv(gpu, h)?,
-                        _ => c.len = c.len.min(pos),
+                        _ => c.truncate(pos),
                     }
                 }
-                GpuLayerState::Mla(c) => c.len = c.len.min(pos),
+                GpuLayerState::Mla(c) => c.truncate(pos),
                 GpuLayerState::Linear(ls) => {
                     if let Some(h) = lin.as_mut().and_then(|l| l.next()) {
                         ls.upload(h)?;
