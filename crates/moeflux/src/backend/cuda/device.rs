@@ -964,15 +964,21 @@ mod tests {
     #[test]
     #[ignore]
     fn kernels_compile_with_nvrtc() {
-        for arch in [90, 80, MIN_ARCH] {
-            let ptx = compile(arch).unwrap_or_else(|e| panic!("sm_{arch}: {e}"));
-            for name in KERNEL_NAMES {
-                assert!(
-                    ptx.contains(&format!(".entry {name}(")),
-                    "sm_{arch}: kernel {name} missing from the PTX"
-                );
+        // One thread per architecture: NVRTC compiles separate programs
+        // concurrently, and this is one of CI's longer steps.
+        std::thread::scope(|s| {
+            for arch in [90, 80, MIN_ARCH] {
+                s.spawn(move || {
+                    let ptx = compile(arch).unwrap_or_else(|e| panic!("sm_{arch}: {e}"));
+                    for name in KERNEL_NAMES {
+                        assert!(
+                            ptx.contains(&format!(".entry {name}(")),
+                            "sm_{arch}: kernel {name} missing from the PTX"
+                        );
+                    }
+                });
             }
-        }
+        });
         // Every architecture `pick_arch` can choose is one NVRTC lists.
         let listed = nvrtc_archs();
         assert!(
