@@ -423,3 +423,81 @@ fn full_disk_during_download_is_a_clear_error() {
         .join(format!("org--m--{COMMIT}"))
         .exists());
 }
+
+/// Every entry of a cache folder (not `.locks`): path -> link target, or
+/// the file's bytes.
+fn tree(dir: &Path) -> std::collections::BTreeMap<String, String> {
+    let mut out = std::collections::BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            let rel = p.strip_prefix(dir).unwrap().display().to_string();
+            let m = std::fs::symlink_metadata(&p).unwrap();
+            if m.file_type().is_symlink() {
+                out.insert(
+                    rel,
+                    format!("-> {}", std::fs::read_link(&p).unwrap().display()),
+                );
+            } else if m.is_dir() {
+                stack.push(p);
+            } else {
+                out.insert(rel, hub_server::sha256_hex(&std::fs::read(&p).unwrap()));
+            }
+        }
+    }
+    out
+}
+
+/// Python's `huggingface_hub` downloading the same files from the same
+/// server writes the same cache, entry for entry. Run by hand:
+/// `MOEFLUX_HF_PYTHON=/path/to/python cargo test -p moeflux --features hub
+/// --test hub -- --ignored` (a Python with `huggingface_hub` installed).
+#[test]
+#[ignore = "needs MOEFLUX_HF_PYTHON, a Python with huggingface_hub"]
+fn huggingface_hub_writes_the_same_cache() {
+    let python = std::env::var("MOEFLUX_HF_PYTHON").expect("MOEFLUX_HF_PYTHON");
+    let server = HubServer::start();
+    server.add_dir(
+        "org/m",
+        COMMIT,
+        &fixture("qwen35moe-q4"),
+        &[("README.md", b"# card")],
+    );
+    let root = tempfile::tempdir().unwrap();
+    let p = pull(
+        &spec("org/m"),
+        &cfg(&server, root.path()),
+        &PullOptions::default(),
+    )
+    .unwrap();
+    let files: Vec<String> = std::fs::read_dir(&p.snapshot)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    let py_cache = root.path().join("py");
+    let script = format!(
+        "from huggingface_hub import hf_hub_download\n\
+         for f in {:?}: hf_hub_download('org/m', f, cache_dir={:?})\n",
+        files,
+        py_cache.to_str().unwrap(),
+    );
+    let out = std::process::Command::new(python)
+        .args(["-c", &script])
+        .env("HF_ENDPOINT", server.endpoint())
+        .env("HF_HUB_DISABLE_XET", "1")
+        .env_remove("HF_TOKEN")
+        .env_remove("HF_HUB_OFFLINE")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ours = tree(&root.path().join("hf/models--org--m"));
+    let theirs = tree(&py_cache.join("models--org--m"));
+    // 5 blobs, 5 snapshot links, refs/main.
+    assert_eq!(ours.len(), 11, "{ours:?}");
+    assert_eq!(ours, theirs);
+}
