@@ -1,7 +1,6 @@
 //! `moeflux inspect DIR`: what a model directory holds.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Args;
@@ -9,10 +8,14 @@ use moeflux::config::{LayerKind, MlpKind, ModelConfig, RouterKind};
 use moeflux::format::Manifest;
 use serde_json::{json, Value};
 
+use crate::model_ref::ModelRef;
+
 #[derive(Debug, Args)]
 pub struct InspectArgs {
-    /// Model directory written by `moeflux convert`.
-    pub dir: PathBuf,
+    /// Model directory written by `moeflux convert`, or `hf:ORG/NAME[@REV]`
+    /// (see `moeflux pull`).
+    #[arg(value_name = "DIR", value_parser = crate::model_ref::parse)]
+    pub dir: ModelRef,
     /// Print the summary as JSON.
     #[arg(long)]
     pub json: bool,
@@ -353,8 +356,9 @@ pub fn run(args: InspectArgs) -> Result<()> {
     // Describes only a directory that loads: every file, size, extent and
     // dtype it would describe is checked first, and a model that cannot
     // load is an error (non-zero exit) naming the file and field at fault.
-    let (m, c) = moeflux::model::Model::check_dir(&args.dir)
-        .with_context(|| format!("{} cannot be loaded", args.dir.display()))?;
+    let dir = args.dir.dir()?;
+    let (m, c) = moeflux::model::Model::check_dir(dir)
+        .with_context(|| format!("{} cannot be loaded", dir.display()))?;
     let s = summary(&m, &c);
     if args.json {
         println!(

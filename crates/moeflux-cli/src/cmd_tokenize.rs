@@ -2,18 +2,20 @@
 //! tokenizer. Reads only the tokenizer files, never the weights.
 
 use std::io::{Read, Write};
-use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use moeflux::text::tokenizer::Tokenizer;
 
+use crate::model_ref::ModelRef;
+
 #[derive(Debug, Args)]
 pub struct TokenizeArgs {
     /// Model directory (only tokenizer.json is needed; generation_config.json,
-    /// config.json and tokenizer_config.json are read when present).
-    #[arg(long)]
-    pub model: PathBuf,
+    /// config.json and tokenizer_config.json are read when present), or
+    /// `hf:ORG/NAME[@REV]` (see `moeflux pull`).
+    #[arg(long, value_parser = crate::model_ref::parse)]
+    pub model: ModelRef,
     /// Text to encode (`-` reads standard input). Special tokens such as
     /// <|im_start|> written in it become their ids.
     #[arg(required_unless_present = "decode", conflicts_with = "decode")]
@@ -52,8 +54,9 @@ pub fn parse_ids(s: &str) -> Result<Vec<u32>> {
 }
 
 pub fn run(args: TokenizeArgs) -> Result<()> {
-    let tokenizer = Tokenizer::from_model_dir(&args.model)
-        .with_context(|| format!("loading the tokenizer of {}", args.model.display()))?;
+    let dir = args.model.dir()?;
+    let tokenizer = Tokenizer::from_model_dir(dir)
+        .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
     let mut stdout = std::io::stdout().lock();
     if let Some(list) = &args.decode {
         let ids = parse_ids(list)?;

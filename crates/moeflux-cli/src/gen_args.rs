@@ -15,12 +15,15 @@ use moeflux::text::chat::ChatTemplate;
 use moeflux::text::tokenizer::Tokenizer;
 use moeflux::{Session, SessionOptions};
 
+use crate::model_ref::ModelRef;
+
 #[derive(Debug, Clone, Args)]
 pub struct ModelArgs {
-    /// Model directory written by `moeflux convert` (default: the demo model
-    /// in the source tree's `models/demo`).
-    #[arg(long)]
-    pub model: Option<PathBuf>,
+    /// Model directory written by `moeflux convert`, or `hf:ORG/NAME[@REV]`
+    /// to pull one from the Hugging Face Hub (see `moeflux pull`; default:
+    /// the demo model in the source tree's `models/demo`).
+    #[arg(long, value_parser = crate::model_ref::parse)]
+    pub model: Option<ModelRef>,
     /// Compute threads, 1 to 4 times the cores (default: all cores).
     #[arg(long, value_parser = parse_threads)]
     pub threads: Option<usize>,
@@ -166,13 +169,19 @@ impl ModelArgs {
     /// The model directory: `--model`, else the demo model.
     pub fn dir(&self) -> Result<PathBuf> {
         match &self.model {
-            // A file given as the model: say so, not that some file inside
-            // it cannot be read.
-            Some(dir) if dir.metadata().is_ok_and(|m| !m.is_dir()) => anyhow::bail!(
-                "--model {}: not a directory (give the model directory `moeflux convert` wrote)",
-                dir.display()
-            ),
-            Some(dir) => Ok(dir.clone()),
+            Some(m) => {
+                let dir = m.dir()?;
+                // A file given as the model: say so, not that some file
+                // inside it cannot be read.
+                if dir.metadata().is_ok_and(|m| !m.is_dir()) {
+                    anyhow::bail!(
+                        "--model {}: not a directory (give the model directory `moeflux convert` \
+                         wrote)",
+                        dir.display()
+                    );
+                }
+                Ok(dir.to_path_buf())
+            }
             None => crate::demo::model_dir(),
         }
     }

@@ -7,12 +7,14 @@ mod cmd_convert;
 mod cmd_inspect;
 mod cmd_logits;
 mod cmd_perplexity;
+mod cmd_pull;
 mod cmd_run;
 mod cmd_serve;
 mod cmd_synth;
 mod cmd_tokenize;
 mod demo;
 mod gen_args;
+mod model_ref;
 mod output;
 mod progress;
 
@@ -32,6 +34,10 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Where models pulled from the Hugging Face Hub are converted to
+    /// (default: $MOEFLUX_HOME/models, else ~/.cache/moeflux/models).
+    #[arg(long, global = true, value_name = "DIR")]
+    models_dir: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -44,6 +50,8 @@ enum Command {
     Serve(cmd_serve::ServeArgs),
     /// Measure prompt-processing and generation speed on a model.
     Bench(cmd_bench::BenchArgs),
+    /// Download a model from the Hugging Face Hub and convert it once (prints its directory).
+    Pull(cmd_pull::PullArgs),
     /// Convert an mlx-lm or Hugging Face checkpoint into a moeflux model directory.
     Convert(cmd_convert::ConvertArgs),
     /// Write a model directory with random weights at a real model's shapes (benchmarks, tests).
@@ -56,6 +64,23 @@ enum Command {
     Perplexity(cmd_perplexity::PerplexityArgs),
     /// Encode text to token ids, or decode ids to text, with a model's tokenizer.
     Tokenize(cmd_tokenize::TokenizeArgs),
+}
+
+impl Command {
+    /// The command's model argument, when it takes one.
+    fn model_mut(&mut self) -> Option<&mut model_ref::ModelRef> {
+        match self {
+            Command::Run(a) => a.model.model.as_mut(),
+            Command::Chat(a) => a.model.model.as_mut(),
+            Command::Serve(a) => a.model.model.as_mut(),
+            Command::Bench(a) => a.model.model.as_mut(),
+            Command::Logits(a) => a.model.model.as_mut(),
+            Command::Perplexity(a) => a.model.model.as_mut(),
+            Command::Tokenize(a) => Some(&mut a.model),
+            Command::Inspect(a) => Some(&mut a.dir),
+            Command::Pull(_) | Command::Convert(_) | Command::Synth(_) => None,
+        }
+    }
 }
 
 /// Exit status after Ctrl-C (128 + SIGINT).
@@ -125,7 +150,7 @@ fn cancel_on_ctrl_c() -> anyhow::Result<Arc<AtomicBool>> {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let mut cli = Cli::parse();
     if !matches!(cli.command, Command::Serve(_)) {
         // `moeflux inspect | head`: end quietly when the reader goes away,
         // like other Unix tools, instead of failing (or panicking in
@@ -136,7 +161,14 @@ fn main() -> ExitCode {
             libc::signal(libc::SIGPIPE, libc::SIG_DFL);
         }
     }
-    let result = match cli.command {
+    let models_dir = cli.models_dir.clone();
+    // `--model hf:...`: pulled here, once, so every command gets a directory.
+    let resolved = match cli.command.model_mut() {
+        Some(m) => m.resolve(models_dir.as_deref()),
+        None => Ok(()),
+    };
+    let result = resolved.and_then(|()| match cli.command {
+        Command::Pull(a) => cmd_pull::run(a, models_dir.as_deref()),
         Command::Run(a) => cmd_run::run(a),
         Command::Chat(a) => cmd_chat::run(a),
         Command::Serve(a) => cmd_serve::run(a),
@@ -147,7 +179,7 @@ fn main() -> ExitCode {
         Command::Logits(a) => cmd_logits::run(a),
         Command::Perplexity(a) => cmd_perplexity::run(a),
         Command::Tokenize(a) => cmd_tokenize::run(a),
-    };
+    });
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) if cancelled(&e) => match TERMINATED_BY.load(Ordering::SeqCst) {

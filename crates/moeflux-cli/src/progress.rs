@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use moeflux::convert::{ConvertProgress, ConvertStage};
+use moeflux::hub::PullProgress;
 
 /// Sizes for people: GB from 1 GB up, else MB or KB (decimal units).
 pub fn human_bytes(b: u64) -> String {
@@ -30,18 +31,7 @@ pub struct ConvertBar {
 impl ConvertBar {
     /// A visible bar when stderr is a terminal, else a silent one.
     pub fn new() -> Self {
-        let bar = std::io::stderr().is_terminal().then(|| {
-            let style = ProgressStyle::with_template(
-                "{spinner} [{elapsed_precise}] {wide_bar} {decimal_bytes}/{decimal_total_bytes} \
-                 {decimal_bytes_per_sec} ETA {eta} {msg}",
-            )
-            .expect("valid template")
-            .progress_chars("=> ");
-            let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr())
-                .with_style(style);
-            bar.enable_steady_tick(Duration::from_millis(200));
-            bar
-        });
+        let bar = std::io::stderr().is_terminal().then(byte_bar);
         ConvertBar {
             bar,
             shown: AtomicU64::new(u64::MAX),
@@ -54,16 +44,7 @@ impl ConvertBar {
         bar.set_position(p.bytes_done);
         let key = ((p.stage as u64) << 32) | p.layer.map_or(0xffff_ffff, |l| l as u64);
         if self.shown.swap(key, Ordering::Relaxed) != key {
-            bar.set_message(match p.stage {
-                ConvertStage::Dense => "dense tensors".to_string(),
-                ConvertStage::Experts => format!(
-                    "experts: layer {} ({}/{})",
-                    p.layer.unwrap_or(0),
-                    p.moe_layers_done + 1,
-                    p.moe_layers_total
-                ),
-                ConvertStage::Finishing => "finishing".to_string(),
-            });
+            bar.set_message(stage_message(p));
         }
     }
 
@@ -72,6 +53,91 @@ impl ConvertBar {
         if let Some(bar) = &self.bar {
             bar.finish_and_clear();
         }
+    }
+}
+
+fn stage_message(p: &ConvertProgress) -> String {
+    match p.stage {
+        ConvertStage::Dense => "dense tensors".to_string(),
+        ConvertStage::Experts => format!(
+            "experts: layer {} ({}/{})",
+            p.layer.unwrap_or(0),
+            p.moe_layers_done + 1,
+            p.moe_layers_total
+        ),
+        ConvertStage::Finishing => "finishing".to_string(),
+    }
+}
+
+fn byte_bar() -> ProgressBar {
+    let style = ProgressStyle::with_template(
+        "{spinner} [{elapsed_precise}] {wide_bar} {decimal_bytes}/{decimal_total_bytes} \
+         {decimal_bytes_per_sec} ETA {eta} {msg}",
+    )
+    .expect("valid template")
+    .progress_chars("=> ");
+    let bar =
+        ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr()).with_style(style);
+    bar.enable_steady_tick(Duration::from_millis(200));
+    bar
+}
+
+/// `moeflux pull`: one byte bar for the downloads (all files together),
+/// then for the conversion.
+pub struct PullBar {
+    bar: Option<ProgressBar>,
+    converting: std::sync::atomic::AtomicBool,
+}
+
+impl PullBar {
+    /// A visible bar when stderr is a terminal, else a silent one.
+    pub fn new() -> Self {
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let b = byte_bar();
+            b.set_message("listing");
+            b
+        });
+        PullBar {
+            bar,
+            converting: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    pub fn update(&self, p: &PullProgress) {
+        let Some(bar) = &self.bar else { return };
+        match p {
+            PullProgress::Resolved { commit } => {
+                bar.set_message(format!("commit {}", &commit[..commit.len().min(12)]))
+            }
+            PullProgress::Download {
+                bytes_done,
+                bytes_total,
+            } => {
+                bar.set_length(*bytes_total);
+                bar.set_position(*bytes_done);
+                bar.set_message("downloading");
+            }
+            PullProgress::Convert(c) => {
+                if !self.converting.swap(true, Ordering::Relaxed) {
+                    bar.reset();
+                }
+                bar.set_length(c.bytes_total);
+                bar.set_position(c.bytes_done);
+                bar.set_message(format!("converting: {}", stage_message(c)));
+            }
+        }
+    }
+
+    pub fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+impl Drop for PullBar {
+    fn drop(&mut self) {
+        self.finish();
     }
 }
 

@@ -72,6 +72,10 @@ pub enum Error {
     DestinationExists { path: PathBuf },
     #[error("cancelled")]
     Cancelled,
+    /// Getting a model from the Hugging Face Hub: names the repo, and the
+    /// file, status or setting at fault.
+    #[error("{repo}: {reason}")]
+    Hub { repo: String, reason: String },
     /// The GPU backend: no GPU or driver, or a failed CUDA call.
     #[error("{0}")]
     Gpu(String),

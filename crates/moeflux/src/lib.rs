@@ -10,6 +10,8 @@ pub mod format;
 pub mod fsutil;
 pub mod generate;
 pub mod hash;
+#[cfg(feature = "hub")]
+pub mod hub;
 pub mod io;
 pub mod model;
 pub mod perplexity;

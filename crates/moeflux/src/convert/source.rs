@@ -315,7 +315,7 @@ fn page_size() -> usize {
 
 /// Refuses Hugging Face quantization formats (fp8, gptq, awq, ...): their
 /// tensors are not MLX affine codes.
-fn check_foreign_quantization(v: &Value, path: &Path) -> Result<()> {
+pub(crate) fn check_foreign_quantization(v: &Value, path: &Path) -> Result<()> {
     if v.get("quantization").is_some() {
         return Ok(());
     }
@@ -350,7 +350,7 @@ fn check_foreign_quantization(v: &Value, path: &Path) -> Result<()> {
 }
 
 /// Shard file names (sorted, unique) and the tensor -> shard map.
-fn read_index(path: &Path) -> Result<(Vec<String>, BTreeMap<String, String>)> {
+pub(crate) fn read_index(path: &Path) -> Result<(Vec<String>, BTreeMap<String, String>)> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
     let v: Value = serde_json::from_str(&text).map_err(|source| Error::Json {
         path: path.to_path_buf(),
