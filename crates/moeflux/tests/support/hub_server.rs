@@ -197,6 +197,29 @@ fn error(w: &mut TcpStream, status: &str, code: &str, head: bool) -> std::io::Re
     respond(w, status, &h, code.as_bytes(), head)
 }
 
+/// The repository a request names, if it exists, the request may see it
+/// (token) and `rev` is one it has; else the Hub's status and error code.
+fn visible<'a>(
+    s: &'a State,
+    repo_id: &str,
+    rev: &str,
+    auth: Option<&str>,
+) -> Result<&'a Repo, (&'static str, &'static str)> {
+    let repo = s
+        .repos
+        .get(repo_id)
+        .ok_or(("404 Not Found", "RepositoryNotFound"))?;
+    if let Some(t) = &repo.token {
+        if auth != Some(&format!("Bearer {t}")) {
+            return Err(("401 Unauthorized", "GatedRepo"));
+        }
+    }
+    if rev != "main" && rev != repo.commit {
+        return Err(("404 Not Found", "RevisionNotFound"));
+    }
+    Ok(repo)
+}
+
 fn serve(mut conn: TcpStream, st: &Mutex<State>) -> std::io::Result<()> {
     let mut reader = BufReader::new(conn.try_clone()?);
     let mut line = String::new();
@@ -233,18 +256,10 @@ fn serve(mut conn: TcpStream, st: &Mutex<State>) -> std::io::Result<()> {
             return error(&mut conn, "404 Not Found", "RepositoryNotFound", head);
         }
         let repo_id = format!("{}/{}", seg[0], seg[1]);
-        let rev = decode(seg[3]);
-        let Some(repo) = s.repos.get(&repo_id) else {
-            return error(&mut conn, "404 Not Found", "RepositoryNotFound", head);
+        let repo = match visible(&s, &repo_id, &decode(seg[3]), auth.as_deref()) {
+            Ok(r) => r,
+            Err((status, code)) => return error(&mut conn, status, code, head),
         };
-        if let Some(t) = &repo.token {
-            if auth.as_deref() != Some(&format!("Bearer {t}")) {
-                return error(&mut conn, "401 Unauthorized", "GatedRepo", head);
-            }
-        }
-        if rev != "main" && rev != repo.commit {
-            return error(&mut conn, "404 Not Found", "RevisionNotFound", head);
-        }
         let siblings: Vec<serde_json::Value> = repo
             .files
             .keys()
@@ -261,19 +276,11 @@ fn serve(mut conn: TcpStream, st: &Mutex<State>) -> std::io::Result<()> {
         return error(&mut conn, "404 Not Found", "RepositoryNotFound", head);
     }
     let repo_id = format!("{}/{}", seg[0], seg[1]);
-    let rev = decode(seg[3]);
     let file = decode(seg[4]);
-    let Some(repo) = s.repos.get(&repo_id) else {
-        return error(&mut conn, "404 Not Found", "RepositoryNotFound", head);
+    let repo = match visible(&s, &repo_id, &decode(seg[3]), auth.as_deref()) {
+        Ok(r) => r,
+        Err((status, code)) => return error(&mut conn, status, code, head),
     };
-    if let Some(t) = &repo.token {
-        if auth.as_deref() != Some(&format!("Bearer {t}")) {
-            return error(&mut conn, "401 Unauthorized", "GatedRepo", head);
-        }
-    }
-    if rev != "main" && rev != repo.commit {
-        return error(&mut conn, "404 Not Found", "RevisionNotFound", head);
-    }
     let Some(bytes) = repo.files.get(&file).cloned() else {
         return error(&mut conn, "404 Not Found", "EntryNotFound", head);
     };
