@@ -302,6 +302,21 @@ fn synth_model(dst: &Path) {
     synth(dst, &o).unwrap();
 }
 
+/// gpt-oss at widths 512 bytes do not divide (see
+/// [`common::small_gpt_oss_spec`]): its MXFP4 experts and dense products
+/// through the one-token kernels' uneven slices, against the CPU.
+#[test]
+#[ignore]
+fn gpt_oss_uneven_rows_match_the_cpu() {
+    use moeflux::synth::{synth, SynthOptions};
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("synth-oss");
+    let mut o = SynthOptions::new("gpu-test-oss", common::small_gpt_oss_spec());
+    o.seed = 13;
+    synth(&dir, &o).unwrap();
+    gpu_matches_cpu_through_small_caches(&dir);
+}
+
 /// The DeepSeek-V3 counterpart of [`synth_model`] (uniform routing).
 fn synth_deepseek(dst: &Path) {
     use moeflux::synth::{synth, SynthOptions};

@@ -195,6 +195,26 @@ pub fn small_moe_spec() -> moeflux::synth::SynthSpec {
     })
 }
 
+/// A small gpt-oss-shaped synthetic model (MXFP4 experts) whose width,
+/// 1088 = 17 x 64 like gpt-oss's 2880 = 45 x 64, gives rows that 512 bytes
+/// do not divide (544 bytes of 4-bit codes): the one-token kernels' uneven
+/// slices. The window (8) is shorter than the tests' prompts.
+pub fn small_gpt_oss_spec() -> moeflux::synth::SynthSpec {
+    moeflux::synth::SynthSpec::GptOss(moeflux::synth::GptOssShape {
+        hidden_size: 1088,
+        num_layers: 2,
+        num_attention_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 64,
+        vocab_size: 512,
+        num_experts: 16,
+        experts_per_token: 4,
+        intermediate_size: 1088,
+        sliding_window: 8,
+        eos_token_ids: &[2],
+    })
+}
+
 /// A small DeepSeek-V3-shaped synthetic model (MLA with a query LoRA and
 /// value heads narrower than the key heads, one dense layer, grouped
 /// `noaux_tc` routing over a real expert count); every quantized width a

@@ -298,24 +298,6 @@ pub(super) fn forward(
             };
         }
     }
-    matmuls(g, &[mm_add(wo, x)], attn, n)?;
-    match a.o_bias {
-        Some(b) => add_rows(g, x, w.vec(b), n, c.hidden_size),
-        None => Ok(()),
-    }
-}
-
-/// `x[t] += b` for `n` rows of `cols` floats (a projection's bias).
-pub(super) fn add_rows(g: &Gpu, x: u64, b: u64, n: usize, cols: usize) -> Result<()> {
-    let cols_i = cols as i32;
-    // SAFETY: `add_rows` in kernels.cu; x holds n rows of cols floats, b cols.
-    unsafe {
-        g.launch(
-            "add_rows",
-            (n as u32, cols.div_ceil(256) as u32, 1),
-            256,
-            0,
-            &mut args!(x, b, cols_i),
-        )
-    }
+    let o_bias = a.o_bias.map(|b| w.vec(b));
+    matmuls(g, &[mm_add(wo, x).with_bias(o_bias)], attn, n)
 }

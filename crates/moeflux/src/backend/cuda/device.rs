@@ -92,6 +92,8 @@ const KERNEL_NAMES: &[&str] = &[
     "moe_down_qmv_b4",
     "moe_down_qmv_b8",
     "moe_down_qmv_b2",
+    "moe_gate_up_qmv_mx",
+    "moe_down_qmv_mx",
     "read_probe",
     "moe_route_noaux",
     "qmatmul_heads",

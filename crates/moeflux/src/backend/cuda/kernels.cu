@@ -517,6 +517,9 @@ __device__ __forceinline__ void store_rows(const float (&acc)[RW][TT], int r0, i
 struct MultiMatmul {
     QW q[4];
     float* out[4];
+    // A bias per output row added after the product, or null; only the
+    // one-token qmv kernels take one (the host adds it after the others).
+    const float* bias[4];
     int first_block[5];  // blocks of matrix m: first_block[m] .. first_block[m+1]
     int count;
     int accumulate;
@@ -554,44 +557,108 @@ extern "C" __global__ void __launch_bounds__(256, 4) qmatmul1(MultiMatmul mm, co
 // --------------------------------------------------------------------------
 // One-token products with the activations held in registers.
 //
-// A warp reads a matrix in 512-byte chunks, lane l taking bytes 16l..16l+15
-// of each, always at the same columns: rows of at least 512 bytes are cut
-// into 512-byte slices (the slices of a row go to `parts` warps of a block,
-// summed in shared memory); shorter rows (a power of two of bytes) fill a
+// A warp reads a matrix in slices of up to 512 bytes, lane l taking bytes
+// 16l..16l+15 of each, always at the same columns: rows of at least 512
+// bytes are cut into `slices` slices of `sb` bytes (512, or as evenly as
+// 16-byte units allow when 512 does not divide the row: the lanes past a
+// slice's end idle), the slices of a row going to `parts` warps of a block
+// (summed in shared memory); shorter rows (a power of two of bytes) fill a
 // chunk with 512/rb rows. So a lane loads its activations once and reuses
 // them for every row it meets, and it issues the loads of NC chunks before
 // using any (NC * 16 bytes in flight per lane). A chunk lies inside one
-// quantization group (gs * bits >= 128, checked by the host), so it needs
-// one scale and one bias.
+// quantization group (gs * bits >= 128, checked by the host; an MXFP4 chunk
+// is one group), so it needs one scale and one bias.
 struct QmvGeom {
     int rb;      // bytes per row
-    int slices;  // 512-byte slices per row (1 for short rows)
+    int slices;  // slices per row (1 for short rows)
+    int sb;      // bytes per slice (512 for short rows)
     int rpc;     // rows per chunk (1 for long rows)
     int lpr;     // lanes per row in a chunk
-    int parts;   // warps sharing a row group (power of two <= min(8, slices))
+    int parts;   // warps sharing a row group (<= min(8, slices); a power of two when 512 divides rb)
+    int wpb;     // row groups per block of 8 warps: warps from wpb * parts on idle
 };
+
+// Bits of a code: the BITS of an instantiation, 4 for MXFP4.
+__host__ __device__ constexpr int code_bits(int bits) { return bits == -1 ? 4 : bits; }
 
 __device__ __forceinline__ QmvGeom qmv_geom(int cols, int bits) {
     QmvGeom g;
-    g.rb = cols * bits / 8;
+    g.rb = cols * code_bits(bits) / 8;
     if (g.rb >= 512) {
-        g.slices = g.rb / 512;
+        g.slices = (g.rb + 511) / 512;
         g.rpc = 1;
         g.lpr = 32;
-        g.parts = g.slices >= 8 ? 8 : g.slices >= 4 ? 4 : g.slices >= 2 ? 2 : 1;
+        if (g.rb % 512 == 0) {
+            g.sb = 512;
+            g.parts = g.slices >= 8 ? 8 : g.slices >= 4 ? 4 : g.slices >= 2 ? 2 : 1;
+        } else {
+            g.sb = 16 * ((g.rb / 16 + g.slices - 1) / g.slices);
+            g.parts = min(g.slices, 8);
+        }
     } else {
         g.slices = 1;
+        g.sb = 512;
         g.rpc = 512 / g.rb;
         g.lpr = g.rb / 16;
         g.parts = 1;
     }
+    g.wpb = 8 / g.parts;
     return g;
+}
+
+// Byte offset in its row of the chunk lane `lane` takes in slice s, or -1
+// when the lane has none (past the slice's or the row's end).
+__device__ __forceinline__ int qmv_chunk_byte(const QmvGeom& G, int s, int lane) {
+    if (G.rb < 512) return (16 * lane) % G.rb;
+    int cb = s * G.sb + 16 * lane;
+    return 16 * lane < G.sb && cb < G.rb ? cb : -1;
+}
+
+// A chunk's scale and bias (MXFP4: half the e8m0 scale, no bias).
+template <int BITS>
+__device__ __forceinline__ void chunk_params(const QW& q, long pi, float& s, float& b) {
+    if constexpr (BITS == MXB) {
+        s = mx_half_scale(__ldg((const unsigned char*)q.s + pi));
+        b = 0.0f;
+    } else {
+        s = qparam(q.s, pi, q.sf32);
+        b = qparam(q.b, pi, q.sf32);
+    }
+}
+
+// A chunk's codes dotted with the lane's activations (as chunk_dot; MXFP4
+// codes as twice their values, plain activations).
+template <int BITS>
+__device__ __forceinline__ float chunk_dot_any(const uint4& wv, const float* xv) {
+    if constexpr (BITS == MXB) return mx_chunk_dot(wv, xv);
+    else return chunk_dot<BITS>(wv, xv);
+}
+
+// A lane's activations for the chunk at column c0 (zeros when it has none:
+// on < 0), pre-scaled for chunk_dot; returns their sum.
+template <int BITS, bool GLU>
+__device__ __forceinline__ float qmv_load_acts(const float* x, int cols, int c0, bool on, float* xv) {
+    constexpr int EPL = 128 / code_bits(BITS);
+    float xs = 0.0f;
+    if (on) {
+        xs = GLU ? load_glu<EPL>(x + c0, x + cols + c0, xv) : load_acts<EPL>(x + c0, xv);
+    } else {
+#pragma unroll
+        for (int e = 0; e < EPL; e++) xv[e] = 0.0f;
+    }
+    if constexpr (BITS != MXB) {
+        constexpr int EPW = 32 / BITS;
+#pragma unroll
+        for (int e = 0; e < EPL; e++) xv[e] *= code_prescale<BITS>(e % EPW);
+    }
+    return xs;
 }
 
 // A warp's chunks: chunk i < na is row group `rg` of matrix a, chunk i >= na
 // the same rows of matrix b (gate and up of an expert); acc[i] ends up
 // reduced over the lanes of its row (every lane of those lanes holds it)
 // and over the warps of the row group (warp `part` 0 of the group holds it).
+// Warps past G.wpb * G.parts (idle) load nothing but join the barrier.
 // LATE_WAIT: the caller has not waited for the previous kernel yet (see
 // PDL_WAIT): wait once the first slice's weights are requested. GLU: x
 // holds [g | u] (a.cols each) and the input is silu(g) * u.
@@ -599,17 +666,18 @@ template <int BITS, int NC, bool LATE_WAIT = false, bool GLU = false>
 __device__ __forceinline__ void qmv_chunks(const QW& a, const QW& b, int na, const QmvGeom& G, int rg, int part,
                                            const float* x, float (&acc)[NC]) {
     bool waited = !LATE_WAIT;
-    constexpr int EPL = 128 / BITS;  // elements per lane per chunk
-    constexpr int EPW = 32 / BITS;
+    constexpr int EPL = 128 / code_bits(BITS);
     int lane = threadIdx.x & 31;
+    bool idle = (int)(threadIdx.x >> 5) >= G.wpb * G.parts;
     long wpr = G.rb >> 2;
     int gpr = a.cols / a.gs;
     int rsub = G.rb >= 512 ? 0 : (16 * lane) / G.rb;
 #pragma unroll
     for (int i = 0; i < NC; i++) acc[i] = 0.0f;
-    for (int s = part; s < G.slices; s += G.parts) {
-        int cb = G.rb >= 512 ? s * 512 + 16 * lane : (16 * lane) % G.rb;
-        int c0 = cb * 8 / BITS;
+    for (int s = part; s < G.slices && !idle; s += G.parts) {
+        int cb = qmv_chunk_byte(G, s, lane);
+        bool on = cb >= 0;
+        int c0 = max(cb, 0) * 8 / code_bits(BITS);
         int g = c0 / a.gs;
         uint4 wv[NC];
         float sc[NC], bi[NC];
@@ -617,27 +685,23 @@ __device__ __forceinline__ void qmv_chunks(const QW& a, const QW& b, int na, con
         for (int i = 0; i < NC; i++) {
             const QW& q = i < na ? a : b;
             int r = (rg * (i < na ? na : NC - na) + (i < na ? i : i - na)) * G.rpc + rsub;
-            wv[i] = r < q.rows ? __ldg((const uint4*)(q.w + (long)r * wpr) + (cb >> 4)) : make_uint4(0, 0, 0, 0);
+            wv[i] = on && r < q.rows ? __ldg((const uint4*)(q.w + (long)r * wpr) + (cb >> 4)) : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
         for (int i = 0; i < NC; i++) {
             const QW& q = i < na ? a : b;
             int r = (rg * (i < na ? na : NC - na) + (i < na ? i : i - na)) * G.rpc + rsub;
-            long pi = (long)min(r, q.rows - 1) * gpr + g;
-            sc[i] = qparam(q.s, pi, q.sf32);
-            bi[i] = qparam(q.b, pi, q.sf32);
+            chunk_params<BITS>(q, (long)min(r, q.rows - 1) * gpr + g, sc[i], bi[i]);
         }
         if (!waited) {
             PDL_WAIT();
             waited = true;
         }
         float xv[EPL];
-        float xs = GLU ? load_glu<EPL>(x + c0, x + a.cols + c0, xv) : load_acts<EPL>(x + c0, xv);
-#pragma unroll
-        for (int e = 0; e < EPL; e++) xv[e] *= code_prescale<BITS>(e % EPW);
+        float xs = qmv_load_acts<BITS, GLU>(x, a.cols, c0, on, xv);
 #pragma unroll
         for (int i = 0; i < NC; i++)
-            acc[i] = fmaf(sc[i], chunk_dot<BITS>(wv[i], xv), fmaf(bi[i], xs, acc[i]));
+            acc[i] = fmaf(sc[i], chunk_dot_any<BITS>(wv[i], xv), BITS == MXB ? acc[i] : fmaf(bi[i], xs, acc[i]));
     }
     if (!waited) PDL_WAIT();
     // Over the lanes of a row: all 32 for long rows, lpr for short ones.
@@ -647,11 +711,11 @@ __device__ __forceinline__ void qmv_chunks(const QW& a, const QW& b, int na, con
     if (G.parts > 1) {
         __shared__ float red[8][NC];
         int w = threadIdx.x >> 5;
-        if (lane == 0)
+        if (lane == 0 && !idle)
 #pragma unroll
             for (int i = 0; i < NC; i++) red[w][i] = acc[i];
         __syncthreads();
-        if (part == 0)
+        if (part == 0 && !idle)
 #pragma unroll
             for (int i = 0; i < NC; i++) {
                 float v = 0.0f;
@@ -659,6 +723,13 @@ __device__ __forceinline__ void qmv_chunks(const QW& a, const QW& b, int na, con
                 acc[i] = v;
             }
     }
+}
+
+// Whether this lane stores its row's sums after qmv_chunks: lane 0 of its
+// row in warp part 0 of a row group that is not idle.
+__device__ __forceinline__ bool qmv_holds_sums(const QmvGeom& G) {
+    int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    return w < G.wpb * G.parts && w % G.parts == 0 && lane % G.lpr == 0;
 }
 
 // The matrix of a MultiMatmul that set `set` (a block's share of the rows:
@@ -677,16 +748,20 @@ __device__ __forceinline__ void qmv_body(const MultiMatmul& mm, int m, int set, 
     QmvGeom G = qmv_geom(q.cols, q.bits);
     int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int part = w % G.parts;
-    int rg = (set - mm.first_block[m]) * (8 / G.parts) + w / G.parts;
+    int rg = (set - mm.first_block[m]) * G.wpb + w / G.parts;
     float acc[NC];
     qmv_chunks<BITS, NC, true, GLU>(q, q, NC, G, rg, part, x, acc);
-    if (part != 0 || lane % G.lpr != 0) return;
+    if (!qmv_holds_sums(G)) return;
     bool add = (mm.accumulate >> m) & 1;
     float* out = mm.out[m];
+    const float* bias = mm.bias[m];
 #pragma unroll
     for (int i = 0; i < NC; i++) {
         int r = (rg * NC + i) * G.rpc + lane / G.lpr;
-        if (r < q.rows) out[r] = add ? out[r] + acc[i] : acc[i];
+        if (r < q.rows) {
+            float v = add ? out[r] + acc[i] : acc[i];
+            out[r] = bias ? v + bias[r] : v;
+        }
     }
 }
 
@@ -703,9 +778,9 @@ struct QmvFetch {
 // weights and parameters before it computes the current one, so the loads
 // of one set overlap the arithmetic of the other. The matrices of a group
 // share their input, so every set has the same geometry and a warp always
-// the same 512-byte slice of its rows: its activations are loaded once.
-// Rows with more slices than a row group has warps (over 8, or not a
-// power of two) take the sets one by one (qmv_body).
+// the same slice of its rows: its activations are loaded once. Rows with
+// more slices than a row group has warps take the sets one by one
+// (qmv_body).
 // T > 1: tokens T * blockIdx.y .. of the n in x, each with its activations
 // in registers (the host sends only the streaming layout, plain inputs),
 // every token's sums computed as the one-token kernel computes them.
@@ -713,7 +788,6 @@ template <int BITS, int NC, bool GLU, int T = 1>
 __device__ __forceinline__ void qmv_stream_body(const MultiMatmul& mm, const float* x, int n = 1) {
     static_assert(T == 1 || !GLU, "SwiGLU inputs are one token's");
     constexpr int EPL = 128 / BITS;
-    constexpr int EPW = 32 / BITS;
     const int nsets = mm.first_block[mm.count];
     QmvGeom G = qmv_geom(mm.q[0].cols, BITS);
     if (G.slices > G.parts) {
@@ -728,11 +802,13 @@ __device__ __forceinline__ void qmv_stream_body(const MultiMatmul& mm, const flo
     const int t0 = blockIdx.y * T, nt = min(T, n - t0);
     int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int part = w % G.parts;
-    int wpb = 8 / G.parts;
+    int wpb = G.wpb;
     long wpr = G.rb >> 2;
     int rsub = G.rb >= 512 ? 0 : (16 * lane) / G.rb;
-    int cb = G.rb >= 512 ? part * 512 + 16 * lane : (16 * lane) % G.rb;
-    int c0 = cb * 8 / BITS;
+    // Idle warps and lanes past their slice load nothing (zero codes).
+    int cb = w < wpb * G.parts ? qmv_chunk_byte(G, part, lane) : -1;
+    bool on = cb >= 0;
+    int c0 = max(cb, 0) * 8 / BITS;
     auto fetch = [&](int set, QmvFetch<NC>& f) {
         int m = set_matrix(mm, set);
         const QW& q = mm.q[m];
@@ -741,7 +817,7 @@ __device__ __forceinline__ void qmv_stream_body(const MultiMatmul& mm, const flo
 #pragma unroll
         for (int i = 0; i < NC; i++) {
             long r = (rg * NC + i) * G.rpc + rsub;
-            f.w[i] = r < q.rows ? __ldg((const uint4*)(q.w + r * wpr) + (cb >> 4)) : make_uint4(0, 0, 0, 0);
+            f.w[i] = on && r < q.rows ? __ldg((const uint4*)(q.w + r * wpr) + (cb >> 4)) : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
         for (int i = 0; i < NC; i++) {
@@ -761,10 +837,9 @@ __device__ __forceinline__ void qmv_stream_body(const MultiMatmul& mm, const flo
     for (int t = 0; t < T; t++) {
         // (tokens past n repeat the last one; their sums are not stored)
         const float* xt = x + (long)(t0 + min(t, nt - 1)) * cols;
-        xs[t] = GLU ? load_glu<EPL>(xt + c0, xt + cols + c0, xv[t]) : load_acts<EPL>(xt + c0, xv[t]);
-#pragma unroll
-        for (int e = 0; e < EPL; e++) xv[t][e] *= code_prescale<BITS>(e % EPW);
+        xs[t] = qmv_load_acts<BITS, GLU>(xt, cols, c0, on, xv[t]);
     }
+    bool holds = qmv_holds_sums(G);
     __shared__ float red[2][8][T][NC];  // two, so one barrier per set suffices
     for (int it = 0; set < nsets; set += gridDim.x, it ^= 1) {
         if (set + (int)gridDim.x < nsets) fetch(set + gridDim.x, next);
@@ -781,13 +856,13 @@ __device__ __forceinline__ void qmv_stream_body(const MultiMatmul& mm, const flo
                 for (int o = 16; o > 0; o >>= 1)
                     if (o < G.lpr) acc[t][i] += __shfl_xor_sync(0xffffffffu, acc[t][i], o);
         if (G.parts > 1) {
-            if (lane == 0)
+            if (lane == 0 && w < wpb * G.parts)
 #pragma unroll
                 for (int t = 0; t < T; t++)
 #pragma unroll
                     for (int i = 0; i < NC; i++) red[it][w][t][i] = acc[t][i];
             __syncthreads();
-            if (part == 0)
+            if (holds)
 #pragma unroll
                 for (int t = 0; t < T; t++)
 #pragma unroll
@@ -797,10 +872,11 @@ __device__ __forceinline__ void qmv_stream_body(const MultiMatmul& mm, const flo
                         acc[t][i] = v;
                     }
         }
-        if (part == 0 && lane % G.lpr == 0) {
+        if (holds) {
             int m = set_matrix(mm, set);
             int rows = mm.q[m].rows;
             bool add = (mm.accumulate >> m) & 1;
+            const float* bias = mm.bias[m];
             long rg = (long)(set - mm.first_block[m]) * wpb + w / G.parts;
 #pragma unroll
             for (int t = 0; t < T; t++) {
@@ -809,7 +885,10 @@ __device__ __forceinline__ void qmv_stream_body(const MultiMatmul& mm, const flo
 #pragma unroll
                 for (int i = 0; i < NC; i++) {
                     long r = (rg * NC + i) * G.rpc + lane / G.lpr;
-                    if (r < rows) out[r] = add ? out[r] + acc[t][i] : acc[t][i];
+                    if (r < rows) {
+                        float v = add ? out[r] + acc[t][i] : acc[t][i];
+                        out[r] = bias ? v + bias[r] : v;
+                    }
                 }
             }
         }
@@ -1832,10 +1911,10 @@ __device__ void moe_gate_up_qmv_body(const unsigned long long* bases, ExpertLayo
     QmvGeom G = qmv_geom(L.hidden, BITS);
     int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int part = w % G.parts;
-    int rg = blockIdx.x * (8 / G.parts) + w / G.parts;
+    int rg = blockIdx.x * G.wpb + w / G.parts;
     float acc[QMV_NC];
     qmv_chunks<BITS, QMV_NC>(gq, uq, QMV_NC / 2, G, rg, part, x + (long)(j / k) * L.hidden, acc);
-    if (part != 0 || lane % G.lpr != 0) return;
+    if (!qmv_holds_sums(G)) return;
 #pragma unroll
     for (int i = 0; i < QMV_NC / 2; i++) {
         int r = (rg * (QMV_NC / 2) + i) * G.rpc + lane / G.lpr;
@@ -1851,10 +1930,10 @@ __device__ void moe_down_qmv_body(const unsigned long long* bases, ExpertLayout 
     QmvGeom G = qmv_geom(L.inter, BITS);
     int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int part = w % G.parts;
-    int rg = blockIdx.x * (8 / G.parts) + w / G.parts;
+    int rg = blockIdx.x * G.wpb + w / G.parts;
     float acc[QMV_NC];
     qmv_chunks<BITS, QMV_NC>(dq, dq, QMV_NC, G, rg, part, act + (long)j * L.inter, acc);
-    if (part != 0 || lane % G.lpr != 0) return;
+    if (!qmv_holds_sums(G)) return;
 #pragma unroll
     for (int i = 0; i < QMV_NC; i++) {
         int r = (rg * QMV_NC + i) * G.rpc + lane / G.lpr;
@@ -1862,22 +1941,23 @@ __device__ void moe_down_qmv_body(const unsigned long long* bases, ExpertLayout 
     }
 }
 
-#define QMV_SLOT_KERNELS(B)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(256) moe_gate_up_qmv_b##B(                                \
+#define QMV_SLOT_KERNELS(B, SFX)                                                                            \
+    extern "C" __global__ void __launch_bounds__(256) moe_gate_up_qmv_##SFX(                               \
         const unsigned long long* bs, ExpertLayout L, int k, const float* x, float* a) {                   \
         PDL_ENTER();                                                                                        \
         if (bs[blockIdx.y] == 0) return; /* a slot the host computes */                                    \
         moe_gate_up_qmv_body<B>(bs, L, k, x, a);                                                            \
     }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(256) moe_down_qmv_b##B(                                   \
+    extern "C" __global__ void __launch_bounds__(256) moe_down_qmv_##SFX(                                  \
         const unsigned long long* bs, ExpertLayout L, const float* a, float* y) {                          \
         PDL_ENTER();                                                                                        \
         if (bs[blockIdx.y] == 0) return;                                                                    \
         moe_down_qmv_body<B>(bs, L, a, y);                                                                  \
     }
-QMV_SLOT_KERNELS(4)
-QMV_SLOT_KERNELS(8)
-QMV_SLOT_KERNELS(2)
+QMV_SLOT_KERNELS(4, b4)
+QMV_SLOT_KERNELS(8, b8)
+QMV_SLOT_KERNELS(2, b2)
+QMV_SLOT_KERNELS(MXB, mx)
 
 #define SLOT_KERNELS(B, SFX)                                                                          \
     extern "C" __global__ void moe_gate_up_slots_##SFX(const unsigned long long* bs, ExpertLayout L,  \

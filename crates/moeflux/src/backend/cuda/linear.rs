@@ -121,11 +121,36 @@ const QMV_NC2_BLOCKS_PER_SM: u32 = 4;
 /// `scripts/gpu/kbench`).
 const QMV_SMALL_BYTES: usize = 2 << 20;
 
+/// Slices of a row of `rb` >= 512 bytes in the activation-stationary
+/// one-token kernels and the warps of a block that share them (`qmv_geom`
+/// in kernels.cu): 512-byte slices, shared by a power of two of warps,
+/// when 512 divides the row; else `ceil(rb / 512)` even slices of 16-byte
+/// units, one warp each up to eight.
+pub(super) fn qmv_slices(rb: usize) -> (usize, usize) {
+    let slices = rb.div_ceil(512);
+    let parts = if rb.is_multiple_of(512) {
+        1 << slices.min(8).ilog2()
+    } else {
+        slices.min(8)
+    };
+    (slices, parts)
+}
+
+/// Threads per block of the activation-stationary kernels for rows of
+/// `cols` codes of `bits` bits: 8 warps, less those a row group of an
+/// uneven split leaves idle (3 slices: 6 warps).
+pub(super) fn qmv_threads(cols: usize, bits: usize) -> u32 {
+    let rb = cols * bits / 8;
+    let parts = if rb >= 512 { qmv_slices(rb).1 } else { 1 };
+    (32 * (8 / parts) * parts) as u32
+}
+
 /// Output rows per block of the activation-stationary one-token kernels
 /// (`qmv_geom` in kernels.cu) for rows of `cols` codes of `bits` bits and
 /// `chunks` chunks per warp, or `None` when the matrix does not fit their
 /// layout: 2/4/8-bit codes, a 16-byte lane chunk inside one quantization
-/// group, rows of a multiple of 512 bytes or a power of two of bytes below.
+/// group, rows of at least 512 bytes in whole 16-byte units or a power of
+/// two of bytes below.
 pub(super) fn qmv_rows_per_block(
     cols: usize,
     bits: usize,
@@ -140,11 +165,10 @@ pub(super) fn qmv_rows_per_block(
     }
     let rb = cols * bits / 8;
     if rb >= 512 {
-        if !rb.is_multiple_of(512) {
+        if !rb.is_multiple_of(16) {
             return None;
         }
-        let parts = (rb / 512).min(8);
-        let parts = 1 << parts.ilog2();
+        let (_, parts) = qmv_slices(rb);
         Some(8 / parts * chunks)
     } else if rb >= 16 && rb.is_power_of_two() {
         Some(8 * chunks * (512 / rb))
@@ -207,14 +231,16 @@ fn qmv_fit(q: &Qw) -> Option<usize> {
 const QMV_TOKENS: usize = 4;
 
 /// Whether the few-token kernels take `q`: the one-token kernels' layout
-/// in its streaming form (rows of at most eight 512-byte slices, a power
-/// of two of them), 4- or 8-bit codes (2-bit ones would need twice the
-/// registers).
+/// in its streaming form (a warp for every slice of a row), 4- or 8-bit
+/// codes (2-bit ones would need twice the registers).
 fn qmv_multi_fit(q: &Qw) -> bool {
     let rb = q.cols as usize * q.bits as usize / 8;
     matches!(q.bits, 4 | 8)
         && qmv_fit(q).is_some()
-        && (rb < 512 || (rb / 512).is_power_of_two() && rb / 512 <= 8)
+        && (rb < 512 || {
+            let (slices, parts) = qmv_slices(rb);
+            slices == parts
+        })
 }
 
 /// Products of a few tokens (2 to [`MMA_MIN_TOKENS`] - 1: the decode steps
@@ -235,18 +261,20 @@ fn qmv_multi_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
             })
             .collect();
         for group in same.chunks(4) {
-            let (p, sets) = multi_matmul(group, |q| {
+            let rows_per_block = |q: &Qw| {
                 qmv_rows_per_block(q.cols as usize, q.bits as usize, q.gs as usize, CHUNKS)
                     .expect("qmv_multi_fit accepted the layout")
-            });
+            };
+            let (p, sets) = multi_matmul(group, rows_per_block, true);
             let grid = ((sets as u32).min(gpu.sms), n.div_ceil(QMV_TOKENS) as u32, 1);
+            let threads = qmv_threads(group[0].0.cols as usize, bits as usize);
             // SAFETY: `qmv_b*_t4` in kernels.cu; qmv_multi_fit checked the
             // layouts, the caller sized x and every output for n tokens.
             unsafe {
                 gpu.launch(
                     &format!("qmv_{}_t4", kernel_suffix(bits)),
                     grid,
-                    256,
+                    threads,
                     0,
                     &mut args!(p, x, nn),
                 )?
@@ -260,12 +288,15 @@ fn qmv_multi_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
 /// kernels) and each matrix.
 type LaunchGroup<'a> = (Option<i32>, Vec<(Qw, &'a Mm)>);
 
-/// A matrix product of a [`matmuls`] group: `out (+)= x W^T`.
+/// A matrix product of a [`matmuls`] group: `out (+)= x W^T (+ bias)`.
 #[derive(Clone, Copy)]
 pub(super) struct Mm {
     pub w: DevLinear,
     pub out: u64,
     pub accumulate: bool,
+    /// A vector added to every output row after the product (0: none):
+    /// inside the one-token kernels, by an `add_rows` launch after others.
+    pub bias: u64,
 }
 
 /// `out = x W^T`.
@@ -274,15 +305,57 @@ pub(super) fn mm(w: DevLinear, out: u64) -> Mm {
         w,
         out,
         accumulate: false,
+        bias: 0,
     }
 }
 
 /// `out += x W^T` (a residual connection).
 pub(super) fn mm_add(w: DevLinear, out: u64) -> Mm {
     Mm {
-        w,
-        out,
         accumulate: true,
+        ..mm(w, out)
+    }
+}
+
+impl Mm {
+    /// The product with `bias` (a device vector of one float per output
+    /// row) added, when there is one.
+    pub(super) fn with_bias(self, bias: Option<u64>) -> Mm {
+        Mm {
+            bias: bias.unwrap_or(0),
+            ..self
+        }
+    }
+
+    fn rows(&self) -> usize {
+        match self.w {
+            DevLinear::Quant(q) => q.rows as usize,
+            DevLinear::Dense { rows, .. } => rows as usize,
+        }
+    }
+}
+
+/// The biases of products whose kernels did not add them, one `add_rows`
+/// launch each.
+fn add_biases<'a>(gpu: &Gpu, ops: impl IntoIterator<Item = &'a Mm>, n: usize) -> Result<()> {
+    for o in ops.into_iter().filter(|o| o.bias != 0) {
+        add_rows(gpu, o.out, o.bias, n, o.rows())?;
+    }
+    Ok(())
+}
+
+/// `x[t] += b` for `n` rows of `cols` floats (a projection's bias).
+pub(super) fn add_rows(g: &Gpu, x: u64, b: u64, n: usize, cols: usize) -> Result<()> {
+    let cols_i = cols as i32;
+    // SAFETY: `add_rows` in kernels.cu; x holds n rows of cols floats, b cols.
+    unsafe {
+        g.launch(
+            "add_rows",
+            (n as u32, cols.div_ceil(256) as u32, 1),
+            256,
+            0,
+            &mut args!(x, b, cols_i),
+        )
     }
 }
 
@@ -292,6 +365,7 @@ pub(super) fn mm_add(w: DevLinear, out: u64) -> Mm {
 struct MultiMatmul {
     q: [Qw; 4],
     out: [u64; 4],
+    bias: [u64; 4],
     first_block: [i32; 5],
     count: i32,
     accumulate: i32,
@@ -331,11 +405,18 @@ fn one_width(group: &[(Qw, &Mm)]) -> Option<i32> {
 }
 
 /// The launch parameters of `group` (at most four matrices) and its blocks
-/// in all, `rows_per_block(q)` output rows per block of matrix `q`.
-fn multi_matmul(group: &[(Qw, &Mm)], rows_per_block: impl Fn(&Qw) -> usize) -> (MultiMatmul, i32) {
+/// in all, `rows_per_block(q)` output rows per block of matrix `q`;
+/// `biases`: the kernel adds the products' biases (the one-token qmv
+/// kernels), else the caller does ([`add_biases`]).
+fn multi_matmul(
+    group: &[(Qw, &Mm)],
+    rows_per_block: impl Fn(&Qw) -> usize,
+    biases: bool,
+) -> (MultiMatmul, i32) {
     let mut p = MultiMatmul {
         q: [group[0].0; 4],
         out: [0; 4],
+        bias: [0; 4],
         first_block: [0; 5],
         count: group.len() as i32,
         accumulate: 0,
@@ -344,6 +425,9 @@ fn multi_matmul(group: &[(Qw, &Mm)], rows_per_block: impl Fn(&Qw) -> usize) -> (
     for (j, (q, o)) in group.iter().enumerate() {
         p.q[j] = *q;
         p.out[j] = o.out;
+        if biases {
+            p.bias[j] = o.bias;
+        }
         p.first_block[j] = blocks;
         p.accumulate |= (o.accumulate as i32) << j;
         blocks += (q.rows as usize).div_ceil(rows_per_block(q)) as i32;
@@ -424,7 +508,7 @@ fn mma_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
         let same: Vec<(Qw, &Mm)> = quant.iter().filter(|(q, _)| q.gs == gs).copied().collect();
         let (xp, xs) = mma_split(gpu, x, n, same[0].0.cols as usize, gs as usize)?;
         for group in same.chunks(4) {
-            let (p, blocks) = multi_matmul(group, |_| MMA_BLOCK_ROWS);
+            let (p, blocks) = multi_matmul(group, |_| MMA_BLOCK_ROWS, false);
             // SAFETY: `qmma` in mma.cu; xp / xs were split from x (n tokens)
             // with this group size, every output holds n rows.
             unsafe {
@@ -436,6 +520,7 @@ fn mma_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
                     &mut args!(p, xp, xs, nn),
                 )?
             };
+            add_biases(gpu, group.iter().map(|(_, o)| *o), n)?;
         }
     }
     Ok(())
@@ -493,7 +578,7 @@ fn launch_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize, input: Input) -> Res
                 .expect("qmv_fit accepted the layout"),
             None => rows_per_block(q.cols as usize, q.bits as usize, n == 1),
         };
-        let (p, blocks) = multi_matmul(group, rows_per_block);
+        let (p, blocks) = multi_matmul(group, rows_per_block, key.is_some());
         // SAFETY: arguments match the kernels in kernels.cu; the caller
         // sized x and every output for n tokens.
         unsafe {
@@ -505,21 +590,26 @@ fn launch_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize, input: Input) -> Res
                         2 => QMV_NC2_BLOCKS_PER_SM,
                         _ => QMV_STREAM_BLOCKS_PER_SM,
                     };
-                    let grid = match width {
-                        Some(_) => (blocks as u32).min(per_sm * gpu.sms),
-                        None => blocks as u32,
+                    // Mixed widths (`None`) give each block its own split.
+                    let (grid, threads) = match width {
+                        Some(b) => (
+                            (blocks as u32).min(per_sm * gpu.sms),
+                            qmv_threads(group[0].0.cols as usize, b as usize),
+                        ),
+                        None => (blocks as u32, 256),
                     };
                     gpu.launch(
                         &qmv_kernel(width, chunks, input),
                         (grid, 1, 1),
-                        256,
+                        threads,
                         0,
                         &mut args!(p, x),
                     )?
                 }
                 None => {
                     let kernel = if n == 1 { "qmatmul1" } else { "qmatmul" };
-                    gpu.launch(kernel, (blocks as u32, ty, 1), 256, 0, &mut args!(p, x, nn))?
+                    gpu.launch(kernel, (blocks as u32, ty, 1), 256, 0, &mut args!(p, x, nn))?;
+                    add_biases(gpu, group.iter().map(|(_, o)| *o), n)?
                 }
             }
         };
@@ -538,6 +628,7 @@ fn launch_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize, input: Input) -> Res
                     &mut args!(w, f32, rows, cols, x, nn, acc, out),
                 )?
             };
+            add_biases(gpu, [o], n)?;
         }
     }
     Ok(())
@@ -652,7 +743,7 @@ pub(super) fn swiglu(gpu: &Gpu, gate: u64, up: u64, out: u64, n: usize) -> Resul
 
 #[cfg(test)]
 mod tests {
-    use super::qmv_rows_per_block;
+    use super::{qmv_rows_per_block, qmv_slices};
 
     #[test]
     fn qmv_geometry_matches_the_kernel_layout() {
@@ -666,8 +757,16 @@ mod tests {
         // Short rows: 512 / row bytes rows per chunk.
         assert_eq!(qmv_rows_per_block(512, 4, 64, 8), Some(128));
         assert_eq!(qmv_rows_per_block(64, 4, 64, 4), Some(32 * 16));
-        // Not the layout: odd row bytes, a chunk across groups, other widths.
-        assert_eq!(qmv_rows_per_block(2560, 4, 64, 8), None); // 1280 bytes
+        // Rows 512 does not divide: ceil(rb / 512) slices, a warp each.
+        assert_eq!(qmv_rows_per_block(2560, 4, 64, 8), Some(16)); // 1280 bytes: 3 slices
+        assert_eq!(qmv_rows_per_block(2880, 4, 64, 8), Some(16)); // gpt-oss: 1440 bytes
+        assert_eq!(qmv_rows_per_block(2880, 8, 64, 4), Some(4)); // 2880 bytes: 6 slices
+        assert_eq!(qmv_rows_per_block(2880, 4, 32, 4), Some(8)); // MXFP4 codes
+        assert_eq!(qmv_rows_per_block(9000, 8, 64, 8), None); // 9000 bytes: not 16-byte units
+        assert_eq!(qmv_slices(1440), (3, 3));
+        assert_eq!(qmv_slices(20 * 512 + 16), (21, 8));
+        assert_eq!(qmv_slices(3 * 512), (3, 2));
+        // Not the layout: odd short rows, a chunk across groups, other widths.
         assert_eq!(qmv_rows_per_block(768, 4, 64, 8), None); // 384 bytes
         assert_eq!(qmv_rows_per_block(2048, 2, 32, 8), None); // 64 codes > gs
         assert_eq!(qmv_rows_per_block(2048, 3, 64, 8), None);

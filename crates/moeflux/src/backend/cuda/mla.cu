@@ -57,12 +57,12 @@ __device__ __forceinline__ void qmv_heads_body(const QW& q, const float* x, long
     QmvGeom G = qmv_geom(q.cols, BITS);
     int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int part = w % G.parts;
-    int rg = blockIdx.x * (8 / G.parts) + w / G.parts;
+    int rg = blockIdx.x * G.wpb + w / G.parts;
     // Row groups past the last row still load activations: keep them in range.
     int head = min(rg * QMV_NC * G.rpc / rph, q.rows / rph - 1);
     float acc[QMV_NC];
     qmv_chunks<BITS, QMV_NC>(q, q, QMV_NC, G, rg, part, x + (long)head * x_head, acc);
-    if (part != 0 || lane % G.lpr != 0) return;
+    if (!qmv_holds_sums(G)) return;
 #pragma unroll
     for (int i = 0; i < QMV_NC; i++) {
         int r = (rg * QMV_NC + i) * G.rpc + lane / G.lpr;

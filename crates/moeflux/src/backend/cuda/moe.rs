@@ -14,7 +14,7 @@ use crate::model::timing::{lap, PhaseTimes};
 use super::device::{args, Gpu};
 use super::linear::{
     kernel_suffix, matmuls, mm, mm_add, mma_layout_fits, mma_split, qmv_rows_per_block,
-    rows_per_block, swiglu_matmul, MMA_MIN_TOKENS, QMV_CHUNKS,
+    qmv_threads, rows_per_block, swiglu_matmul, MMA_MIN_TOKENS, QMV_CHUNKS,
 };
 use super::model::{Ctx, DevWeights};
 use super::support::unsupported;
@@ -162,7 +162,8 @@ pub(super) fn moe(
     let slot_out = s.get(g, "slot_out", 4 * n * k * h)?;
 
     // Router and shared expert: one launch for the products of xn.
-    let mut ops = vec![mm(w.lin(&b.router), logits_d)];
+    let router_bias = b.router_bias.map(|v| w.vec(v));
+    let mut ops = vec![mm(w.lin(&b.router), logits_d).with_bias(router_bias)];
     let (mut sy, mut sg) = (0u64, 0u64);
     if let Some(sh) = &b.shared {
         let (sgate, sup, sdown) = (w.lin(&sh.mlp.gate), w.lin(&sh.mlp.up), w.lin(&sh.mlp.down));
@@ -211,7 +212,8 @@ pub(super) fn moe(
             let p_ids = s.get(g, "p_ids", 4 * n * k)?;
             let p_wts = s.get(g, "p_wts", 4 * n * k)?;
             let p_bases = s.get(g, "p_bases", 8 * n * k)?;
-            matmuls(g, &[mm(w.lin(&nx.router), p_logits)], xn, n)?;
+            let bias = nx.router_bias.map(|v| w.vec(v));
+            matmuls(g, &[mm(w.lin(&nx.router), p_logits).with_bias(bias)], xn, n)?;
             let bufs = [p_ids, p_wts, p_bases];
             route(g, w, cx.config, nx, p_logits, n, k, 0, bufs)?;
             Some((nx.layer, p_ids))
@@ -358,25 +360,29 @@ pub(super) fn moe(
     if slot_path {
         let slots = (n * k) as u32;
         let (gate_up, down) = match qmv {
-            Some(_) => qmv_slot_kernels(layout.bits),
+            Some(_) => qmv_slot_kernels(sfx),
             None => (
                 format!("moe_gate_up_slots_{sfx}"),
                 format!("moe_down_slots_{sfx}"),
             ),
+        };
+        let (gate_up_threads, down_threads) = match qmv {
+            Some(_) => (qmv_threads(h, bits), qmv_threads(inter, bits)),
+            None => (256, 256),
         };
         // SAFETY (both launches): as above; bases hold resident experts.
         unsafe {
             g.launch(
                 &gate_up,
                 (gate_up_blocks, slots, 1),
-                256,
+                gate_up_threads,
                 0,
                 &mut args!(d_bases, layout, k_i, xn, act),
             )?;
             g.launch(
                 &down,
                 (down_blocks, slots, 1),
-                256,
+                down_threads,
                 0,
                 &mut args!(d_bases, layout, act, slot_out),
             )?;
@@ -460,9 +466,6 @@ fn route(
     let [ids, wts, bases] = out;
     let (nn, e_i, k_i) = (n as i32, c.moe.num_experts as i32, k as i32);
     let grid = (n.div_ceil(4) as u32, 1, 1);
-    if let Some(bias) = b.router_bias {
-        super::attention::add_rows(g, logits, w.vec(bias), n, c.moe.num_experts)?;
-    }
     match (c.moe.router, b.score_bias) {
         (RouterKind::Softmax | RouterKind::TopKSoftmax, _) | (RouterKind::NoauxTc { .. }, None) => {
             // gpt-oss's softmax over the top-K logits is the softmax over all
@@ -535,9 +538,6 @@ fn most_chosen_first(ids: &[i32]) -> Vec<usize> {
 /// when the experts' layout fits them (every piece 16-byte aligned; the
 /// cache's slots are).
 fn qmv_slot_grids(l: &ExpertLayoutC) -> Option<(u32, u32)> {
-    if l.mx != 0 {
-        return None; // MXFP4 takes the per-slot `_mx` kernels
-    }
     let offsets = [l.gate_w, l.up_w, l.down_w];
     if offsets.iter().any(|o| o % 16 != 0) {
         return None;
@@ -564,13 +564,13 @@ fn mma_experts_fit(l: &ExpertLayoutC) -> bool {
         && mma_layout_fits(l.bits, l.gs, l.inter, 0)
 }
 
-fn qmv_slot_kernels(bits: i32) -> (String, String) {
-    let b = match bits {
-        4 => "b4",
-        8 => "b8",
-        _ => "b2",
-    };
-    (format!("moe_gate_up_qmv_{b}"), format!("moe_down_qmv_{b}"))
+/// The activation-stationary per-slot kernels for the experts' codes
+/// (`sfx`: `mx` or the affine width's suffix).
+fn qmv_slot_kernels(sfx: &str) -> (String, String) {
+    (
+        format!("moe_gate_up_qmv_{sfx}"),
+        format!("moe_down_qmv_{sfx}"),
+    )
 }
 
 fn expert_layout(m: &MoeBlock) -> Result<ExpertLayoutC> {
