@@ -195,10 +195,12 @@ pub fn small_moe_spec() -> moeflux::synth::SynthSpec {
     })
 }
 
-/// A small gpt-oss-shaped synthetic model (MXFP4 experts) whose width,
-/// 1088 = 17 x 64 like gpt-oss's 2880 = 45 x 64, gives rows that 512 bytes
-/// do not divide (544 bytes of 4-bit codes): the one-token kernels' uneven
-/// slices. The window (8) is shorter than the tests' prompts.
+/// A small gpt-oss-shaped synthetic model (MXFP4 experts) whose widths,
+/// 1088 = 17 x 64 and 5440 = 85 x 64 like gpt-oss's 2880 = 45 x 64, give
+/// rows that 512 bytes do not divide (544 and 2720 bytes of 4-bit codes):
+/// the one-token kernels' uneven slices; the experts are wide enough that
+/// decode takes the streaming per-slot kernels. The window (8) is shorter
+/// than the tests' prompts.
 pub fn small_gpt_oss_spec() -> moeflux::synth::SynthSpec {
     moeflux::synth::SynthSpec::GptOss(moeflux::synth::GptOssShape {
         hidden_size: 1088,
@@ -209,7 +211,7 @@ pub fn small_gpt_oss_spec() -> moeflux::synth::SynthSpec {
         vocab_size: 512,
         num_experts: 16,
         experts_per_token: 4,
-        intermediate_size: 1088,
+        intermediate_size: 5440,
         sliding_window: 8,
         eos_token_ids: &[2],
     })

@@ -94,6 +94,12 @@ const KERNEL_NAMES: &[&str] = &[
     "moe_down_qmv_b2",
     "moe_gate_up_qmv_mx",
     "moe_down_qmv_mx",
+    "moe_gate_up_stream_b4",
+    "moe_down_stream_b4",
+    "moe_gate_up_stream_b8",
+    "moe_down_stream_b8",
+    "moe_gate_up_stream_mx",
+    "moe_down_stream_mx",
     "read_probe",
     "moe_route_noaux",
     "qmatmul_heads",
@@ -207,6 +213,8 @@ pub struct Gpu {
     /// Device memory the products use between two launches of one call
     /// (the tensor-core kernels' split activations), grown on demand.
     workspace: std::sync::Mutex<Option<DevBuf>>,
+    /// [`Gpu::blocks_per_sm`]'s answers by kernel and block size.
+    occupancy: std::sync::Mutex<HashMap<(String, u32), u32>>,
 }
 
 impl Drop for Gpu {
@@ -276,6 +284,7 @@ impl Gpu {
             stream,
             copy,
             funcs,
+            occupancy: Default::default(),
             profile,
             pdl,
             sms,
@@ -311,6 +320,18 @@ impl Gpu {
         self.ctx
             .bind_to_thread()
             .map_err(|e| gpu_err("GPU context", e))
+    }
+
+    /// Blocks of `threads` threads of kernel `name` that one SM holds at
+    /// once (its registers and shared memory decide), at least 1.
+    pub fn blocks_per_sm(&self, name: &str, threads: u32) -> u32 {
+        let mut known = self.occupancy.lock().unwrap_or_else(|e| e.into_inner());
+        *known.entry((name.to_string(), threads)).or_insert_with(|| {
+            let f = self.funcs.get(name).expect("kernel listed in KERNEL_NAMES");
+            f.occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
+                .unwrap_or(1)
+                .max(1)
+        })
     }
 
     /// Launches kernel `name` on the compute stream. `params` point at the

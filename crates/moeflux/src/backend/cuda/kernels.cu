@@ -192,6 +192,8 @@ __device__ __forceinline__ float load_glu(const float* g, const float* u, float*
 // integer, and the 1/2 is folded into the power-of-two scale. A group is 16
 // bytes of codes: one uint4 per lane and group.
 #define MXB (-1)  // the BITS of the MXFP4 instantiations
+#define MXI (-2)  // MXFP4 dotted in integers (mx_int_dot): the streaming expert kernels
+__host__ __device__ constexpr bool is_mx(int bits) { return bits == MXB || bits == MXI; }
 
 // Twice the code's value plus 12 (0..24) by code, as bytes for
 // __byte_perm: codes 0-3, 4-7 (positive), 8-11, 12-15 (negative).
@@ -579,7 +581,7 @@ struct QmvGeom {
 };
 
 // Bits of a code: the BITS of an instantiation, 4 for MXFP4.
-__host__ __device__ constexpr int code_bits(int bits) { return bits == -1 ? 4 : bits; }
+__host__ __device__ constexpr int code_bits(int bits) { return is_mx(bits) ? 4 : bits; }
 
 __device__ __forceinline__ QmvGeom qmv_geom(int cols, int bits) {
     QmvGeom g;
@@ -617,7 +619,7 @@ __device__ __forceinline__ int qmv_chunk_byte(const QmvGeom& G, int s, int lane)
 // A chunk's scale and bias (MXFP4: half the e8m0 scale, no bias).
 template <int BITS>
 __device__ __forceinline__ void chunk_params(const QW& q, long pi, float& s, float& b) {
-    if constexpr (BITS == MXB) {
+    if constexpr (is_mx(BITS)) {
         s = mx_half_scale(__ldg((const unsigned char*)q.s + pi));
         b = 0.0f;
     } else {
@@ -626,11 +628,91 @@ __device__ __forceinline__ void chunk_params(const QW& q, long pi, float& s, flo
     }
 }
 
+// MXFP4 in integers. A lane's 32 activations (one group's columns, the same
+// for every row it meets) become 23-bit fixed point relative to their
+// largest power of two, X = rint(x 2^(23 - e)) with |x| < 2^e (clamped to
+// 24-bit two's complement), held as three byte digits X = d0 + 2^8 d1 +
+// 2^16 d2 (d2 signed), four columns to a register (mx_bytes' order), in
+// place of the floats: digit k of columns 4q.. in xv[8k + q], sum(X) in
+// xv[24], 2^(e - 23) in xv[25]. A group's codes (mx_bytes: 2v + 12 as
+// bytes) then meet them in 24 dp4a; the integer sum less 12 sum(X) is
+// exact in 64 bits and rounds once to float. Against the float dot the
+// only error is each activation's rounding to 23 bits of the group's
+// largest (2^-24 of it, as an f32 rounding of that largest), and no
+// rounding along the sum; groups whose largest is below 2^-100 count as 0.
+// A NaN or infinite activation makes the dot NaN, as a float dot would.
+__device__ __forceinline__ void mx_int_prep(float* xv) {
+    float m = 0.0f, bad = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 32; i++) {
+        m = fmaxf(m, fabsf(xv[i]));
+        bad += xv[i] * 0.0f;  // NaN for a NaN or an infinity
+    }
+    int e = 0;
+    frexpf(m, &e);  // m < 2^e (0 for m = 0: every X is 0)
+    e = max(e, -100);
+    float up = ldexpf(1.0f, 23 - e);
+    u32 d[3][8];
+    int sumx = 0;
+#pragma unroll
+    for (int q = 0; q < 8; q++) {
+        d[0][q] = d[1][q] = d[2][q] = 0u;
+#pragma unroll
+        for (int b = 0; b < 4; b++) {
+            int X = max(min(__float2int_rn(xv[4 * q + b] * up), 0x7FFFFF), -0x800000);
+            sumx += X;
+            d[0][q] |= (u32)(X & 0xFF) << (8 * b);
+            d[1][q] |= (u32)((X >> 8) & 0xFF) << (8 * b);
+            d[2][q] |= (u32)((X >> 16) & 0xFF) << (8 * b);
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < 3; k++)
+#pragma unroll
+        for (int q = 0; q < 8; q++) xv[8 * k + q] = __uint_as_float(d[k][q]);
+    xv[24] = __int_as_float(sumx);
+    xv[25] = ldexpf(1.0f, e - 23) + bad;
+}
+
+__device__ __forceinline__ u32 dp4a_uu(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("dp4a.u32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+__device__ __forceinline__ int dp4a_us(u32 a, u32 b, int c) {
+    int d;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// A group's codes (twice their values) dotted with mx_int_prep's digits.
+__device__ __forceinline__ float mx_int_dot(const uint4& wv, const float* xv) {
+    u32 s0 = 0u, s1 = 0u;
+    int s2 = 0;
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        u32 word = kk == 0 ? wv.x : kk == 1 ? wv.y : kk == 2 ? wv.z : wv.w;
+        u32 r[2];
+        mx_bytes(word, r[0], r[1]);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int q = 2 * kk + h;
+            s0 = dp4a_uu(r[h], __float_as_uint(xv[q]), s0);
+            s1 = dp4a_uu(r[h], __float_as_uint(xv[8 + q]), s1);
+            s2 = dp4a_us(r[h], __float_as_uint(xv[16 + q]), s2);
+        }
+    }
+    long long t = (long long)s2 * 65536 + (long long)s1 * 256 + (long long)s0 -
+                  12LL * __float_as_int(xv[24]);
+    return (float)t * xv[25];
+}
+
 // A chunk's codes dotted with the lane's activations (as chunk_dot; MXFP4
-// codes as twice their values, plain activations).
+// codes as twice their values, plain activations or mx_int_prep's digits).
 template <int BITS>
 __device__ __forceinline__ float chunk_dot_any(const uint4& wv, const float* xv) {
     if constexpr (BITS == MXB) return mx_chunk_dot(wv, xv);
+    else if constexpr (BITS == MXI) return mx_int_dot(wv, xv);
     else return chunk_dot<BITS>(wv, xv);
 }
 
@@ -646,7 +728,9 @@ __device__ __forceinline__ float qmv_load_acts(const float* x, int cols, int c0,
 #pragma unroll
         for (int e = 0; e < EPL; e++) xv[e] = 0.0f;
     }
-    if constexpr (BITS != MXB) {
+    if constexpr (BITS == MXI) {
+        mx_int_prep(xv);
+    } else if constexpr (BITS != MXB) {
         constexpr int EPW = 32 / BITS;
 #pragma unroll
         for (int e = 0; e < EPL; e++) xv[e] *= code_prescale<BITS>(e % EPW);
@@ -701,7 +785,7 @@ __device__ __forceinline__ void qmv_chunks(const QW& a, const QW& b, int na, con
         float xs = qmv_load_acts<BITS, GLU>(x, a.cols, c0, on, xv);
 #pragma unroll
         for (int i = 0; i < NC; i++)
-            acc[i] = fmaf(sc[i], chunk_dot_any<BITS>(wv[i], xv), BITS == MXB ? acc[i] : fmaf(bi[i], xs, acc[i]));
+            acc[i] = fmaf(sc[i], chunk_dot_any<BITS>(wv[i], xv), is_mx(BITS) ? acc[i] : fmaf(bi[i], xs, acc[i]));
     }
     if (!waited) PDL_WAIT();
     // Over the lanes of a row: all 32 for long rows, lpr for short ones.
@@ -772,15 +856,100 @@ struct QmvFetch {
     float s[NC], b[NC];
 };
 
+// Where a warp and lane of a streaming kernel read: the warp's part of its
+// row group, the row within a short-row chunk, and the byte (cb, -1 for
+// none: idle warps and lanes past their slice) and column c0 of its chunk.
+struct QmvLane {
+    int w, lane, part, rsub, cb, c0;
+};
+
+template <int BITS>
+__device__ __forceinline__ QmvLane qmv_lane(const QmvGeom& G) {
+    QmvLane l;
+    l.w = threadIdx.x >> 5;
+    l.lane = threadIdx.x & 31;
+    l.part = l.w % G.parts;
+    l.rsub = G.rb >= 512 ? 0 : (16 * l.lane) / G.rb;
+    l.cb = l.w < G.wpb * G.parts ? qmv_chunk_byte(G, l.part, l.lane) : -1;
+    l.c0 = max(l.cb, 0) * 8 / code_bits(BITS);
+    return l;
+}
+
+// Chunk i of a warp's set: row r of q (zero codes past its rows or where
+// the lane has no chunk), with its scale and bias.
+template <int BITS, int NC>
+__device__ __forceinline__ void qmv_fetch_chunk(const QW& q, long r, const QmvLane& l, const QmvGeom& G,
+                                                QmvFetch<NC>& f, int i) {
+    long wpr = G.rb >> 2;
+    f.w[i] = l.cb >= 0 && r < q.rows ? __ldg((const uint4*)(q.w + r * wpr) + (l.cb >> 4)) : make_uint4(0, 0, 0, 0);
+    chunk_params<BITS>(q, (r < q.rows ? r : q.rows - 1) * (q.cols / q.gs) + l.c0 / q.gs, f.s[i], f.b[i]);
+}
+
+// The streaming loop of the one-token kernels: block b computes sets b,
+// b + gridDim.x, ... of nsets and requests the next set's weights and
+// parameters (fetch(set, f)) before it computes the current one, so the
+// loads of one set overlap the arithmetic of the other; every warp always
+// reads the same slice of its rows, so the activations (load(xv, xs), T
+// tokens) are loaded once, after the first fetch and the wait for the
+// previous kernel. store(set, acc) runs in the lanes that hold a row's
+// sums (qmv_holds_sums).
+template <int BITS, int NC, int T, class Fetch, class Load, class Store>
+__device__ __forceinline__ void qmv_stream_sets(const QmvGeom& G, int nsets, Fetch fetch, Load load,
+                                                Store store) {
+    constexpr int EPL = 128 / code_bits(BITS);
+    int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    bool active = w < G.wpb * G.parts, holds = qmv_holds_sums(G);
+    QmvFetch<NC> cur, next;
+    int set = blockIdx.x;
+    if (set < nsets) fetch(set, cur);
+    PDL_WAIT();
+    float xv[T][EPL], xs[T];
+    load(xv, xs);
+    __shared__ float red[2][8][T][NC];  // two, so one barrier per set suffices
+    for (int it = 0; set < nsets; set += gridDim.x, it ^= 1) {
+        if (set + (int)gridDim.x < nsets) fetch(set + gridDim.x, next);
+        float acc[T][NC];
+#pragma unroll
+        for (int t = 0; t < T; t++)
+#pragma unroll
+            for (int i = 0; i < NC; i++) {
+                float d = chunk_dot_any<BITS>(cur.w[i], xv[t]);
+                acc[t][i] = is_mx(BITS) ? cur.s[i] * d : fmaf(cur.s[i], d, cur.b[i] * xs[t]);
+            }
+#pragma unroll
+        for (int t = 0; t < T; t++)
+#pragma unroll
+            for (int i = 0; i < NC; i++)
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1)
+                    if (o < G.lpr) acc[t][i] += __shfl_xor_sync(0xffffffffu, acc[t][i], o);
+        if (G.parts > 1) {
+            if (lane == 0 && active)
+#pragma unroll
+                for (int t = 0; t < T; t++)
+#pragma unroll
+                    for (int i = 0; i < NC; i++) red[it][w][t][i] = acc[t][i];
+            __syncthreads();
+            if (holds)
+#pragma unroll
+                for (int t = 0; t < T; t++)
+#pragma unroll
+                    for (int i = 0; i < NC; i++) {
+                        float v = 0.0f;
+                        for (int c = 0; c < G.parts; c++) v += red[it][w + c][t][i];
+                        acc[t][i] = v;
+                    }
+        }
+        if (holds) store(set, acc);
+        cur = next;
+    }
+}
+
 // One token, every matrix of the group of width BITS (the host checks the
-// layout; else qmatmul1), streamed through a grid of a few blocks per SM:
-// block b computes sets b, b + gridDim.x, ... and requests the next set's
-// weights and parameters before it computes the current one, so the loads
-// of one set overlap the arithmetic of the other. The matrices of a group
-// share their input, so every set has the same geometry and a warp always
-// the same slice of its rows: its activations are loaded once. Rows with
-// more slices than a row group has warps take the sets one by one
-// (qmv_body).
+// layout; else qmatmul1), streamed through a grid of a few blocks per SM
+// (qmv_stream_sets). The matrices of a group share their input, so every
+// set has the same geometry. Rows with more slices than a row group has
+// warps take the sets one by one (qmv_body).
 // T > 1: tokens T * blockIdx.y .. of the n in x, each with its activations
 // in registers (the host sends only the streaming layout, plain inputs),
 // every token's sums computed as the one-token kernel computes them.
@@ -800,100 +969,44 @@ __device__ __forceinline__ void qmv_stream_body(const MultiMatmul& mm, const flo
         return;
     }
     const int t0 = blockIdx.y * T, nt = min(T, n - t0);
-    int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int part = w % G.parts;
-    int wpb = G.wpb;
-    long wpr = G.rb >> 2;
-    int rsub = G.rb >= 512 ? 0 : (16 * lane) / G.rb;
-    // Idle warps and lanes past their slice load nothing (zero codes).
-    int cb = w < wpb * G.parts ? qmv_chunk_byte(G, part, lane) : -1;
-    bool on = cb >= 0;
-    int c0 = max(cb, 0) * 8 / BITS;
+    const QmvLane l = qmv_lane<BITS>(G);
+    auto row_group = [&](int set, int m) { return (long)(set - mm.first_block[m]) * G.wpb + l.w / G.parts; };
     auto fetch = [&](int set, QmvFetch<NC>& f) {
         int m = set_matrix(mm, set);
-        const QW& q = mm.q[m];
-        long rg = (long)(set - mm.first_block[m]) * wpb + w / G.parts;
-        int gpr = q.cols / q.gs, g = c0 / q.gs;
+        long rg = row_group(set, m);
 #pragma unroll
-        for (int i = 0; i < NC; i++) {
-            long r = (rg * NC + i) * G.rpc + rsub;
-            f.w[i] = on && r < q.rows ? __ldg((const uint4*)(q.w + r * wpr) + (cb >> 4)) : make_uint4(0, 0, 0, 0);
-        }
+        for (int i = 0; i < NC; i++) qmv_fetch_chunk<BITS, NC>(mm.q[m], (rg * NC + i) * G.rpc + l.rsub, l, G, f, i);
+    };
+    const int cols = mm.q[0].cols;
+    auto load = [&](float (&xv)[T][EPL], float (&xs)[T]) {
 #pragma unroll
-        for (int i = 0; i < NC; i++) {
-            long r = (rg * NC + i) * G.rpc + rsub;
-            long pi = (r < q.rows ? r : q.rows - 1) * gpr + g;
-            f.s[i] = qparam(q.s, pi, q.sf32);
-            f.b[i] = qparam(q.b, pi, q.sf32);
+        for (int t = 0; t < T; t++) {
+            // (tokens past n repeat the last one; their sums are not stored)
+            const float* xt = x + (long)(t0 + min(t, nt - 1)) * cols;
+            xs[t] = qmv_load_acts<BITS, GLU>(xt, cols, l.c0, l.cb >= 0, xv[t]);
         }
     };
-    QmvFetch<NC> cur, next;
-    int set = blockIdx.x;
-    if (set < nsets) fetch(set, cur);
-    PDL_WAIT();
-    const int cols = mm.q[0].cols;
-    float xv[T][EPL], xs[T];
+    auto store = [&](int set, float (&acc)[T][NC]) {
+        int m = set_matrix(mm, set);
+        int rows = mm.q[m].rows;
+        bool add = (mm.accumulate >> m) & 1;
+        const float* bias = mm.bias[m];
+        long rg = row_group(set, m);
 #pragma unroll
-    for (int t = 0; t < T; t++) {
-        // (tokens past n repeat the last one; their sums are not stored)
-        const float* xt = x + (long)(t0 + min(t, nt - 1)) * cols;
-        xs[t] = qmv_load_acts<BITS, GLU>(xt, cols, c0, on, xv[t]);
-    }
-    bool holds = qmv_holds_sums(G);
-    __shared__ float red[2][8][T][NC];  // two, so one barrier per set suffices
-    for (int it = 0; set < nsets; set += gridDim.x, it ^= 1) {
-        if (set + (int)gridDim.x < nsets) fetch(set + gridDim.x, next);
-        float acc[T][NC];
+        for (int t = 0; t < T; t++) {
+            if (t >= nt) break;
+            float* out = mm.out[m] + (long)(t0 + t) * rows;
 #pragma unroll
-        for (int t = 0; t < T; t++)
-#pragma unroll
-            for (int i = 0; i < NC; i++) acc[t][i] = fmaf(cur.s[i], chunk_dot<BITS>(cur.w[i], xv[t]), cur.b[i] * xs[t]);
-#pragma unroll
-        for (int t = 0; t < T; t++)
-#pragma unroll
-            for (int i = 0; i < NC; i++)
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1)
-                    if (o < G.lpr) acc[t][i] += __shfl_xor_sync(0xffffffffu, acc[t][i], o);
-        if (G.parts > 1) {
-            if (lane == 0 && w < wpb * G.parts)
-#pragma unroll
-                for (int t = 0; t < T; t++)
-#pragma unroll
-                    for (int i = 0; i < NC; i++) red[it][w][t][i] = acc[t][i];
-            __syncthreads();
-            if (holds)
-#pragma unroll
-                for (int t = 0; t < T; t++)
-#pragma unroll
-                    for (int i = 0; i < NC; i++) {
-                        float v = 0.0f;
-                        for (int c = 0; c < G.parts; c++) v += red[it][w + c][t][i];
-                        acc[t][i] = v;
-                    }
-        }
-        if (holds) {
-            int m = set_matrix(mm, set);
-            int rows = mm.q[m].rows;
-            bool add = (mm.accumulate >> m) & 1;
-            const float* bias = mm.bias[m];
-            long rg = (long)(set - mm.first_block[m]) * wpb + w / G.parts;
-#pragma unroll
-            for (int t = 0; t < T; t++) {
-                if (t >= nt) break;
-                float* out = mm.out[m] + (long)(t0 + t) * rows;
-#pragma unroll
-                for (int i = 0; i < NC; i++) {
-                    long r = (rg * NC + i) * G.rpc + lane / G.lpr;
-                    if (r < rows) {
-                        float v = add ? out[r] + acc[t][i] : acc[t][i];
-                        out[r] = bias ? v + bias[r] : v;
-                    }
+            for (int i = 0; i < NC; i++) {
+                long r = (rg * NC + i) * G.rpc + l.lane / G.lpr;
+                if (r < rows) {
+                    float v = add ? out[r] + acc[t][i] : acc[t][i];
+                    out[r] = bias ? v + bias[r] : v;
                 }
             }
         }
-        cur = next;
-    }
+    };
+    qmv_stream_sets<BITS, NC, T>(G, nsets, fetch, load, store);
 }
 
 #ifndef QMV_NC
@@ -1940,6 +2053,92 @@ __device__ void moe_down_qmv_body(const unsigned long long* bases, ExpertLayout 
         if (r < L.hidden) slot_out[(long)j * L.hidden + r] = acc[i] + expert_down_bias(L, j, r);
     }
 }
+
+// The per-slot products streamed (qmv_stream_sets): grid (blocks, slots),
+// the blocks of a slot taking its row groups in turn, each group's weights
+// requested while the previous group is computed. Rows with more slices
+// than a row group has warps are not taken (the host checks: the _qmv
+// kernels above take them). Gate and up: NC/2 intermediate rows of each
+// per warp and set; down: NC hidden rows.
+template <int BITS, int NC>
+__device__ void moe_gate_up_stream_body(const unsigned long long* bases, ExpertLayout L, int k, const float* x,
+                                        float* act) {
+    constexpr int NA = NC / 2, EPL = 128 / code_bits(BITS);
+    int j = blockIdx.y;
+    const char* base = (const char*)bases[j];
+    QW gq = expert_qw(base, L.gate_w, L.gate_s, L.gate_b, L.inter, L.hidden, L);
+    QW uq = expert_qw(base, L.up_w, L.up_s, L.up_b, L.inter, L.hidden, L);
+    QmvGeom G = qmv_geom(L.hidden, BITS);
+    const QmvLane l = qmv_lane<BITS>(G);
+    int per_set = NA * G.rpc * G.wpb;
+    int nsets = (L.inter + per_set - 1) / per_set;
+    auto row_group = [&](int set) { return (long)set * G.wpb + l.w / G.parts; };
+    auto fetch = [&](int set, QmvFetch<NC>& f) {
+        long rg = row_group(set);
+#pragma unroll
+        for (int i = 0; i < NC; i++)
+            qmv_fetch_chunk<BITS, NC>(i < NA ? gq : uq, (rg * NA + i % NA) * G.rpc + l.rsub, l, G, f, i);
+    };
+    auto load = [&](float (&xv)[1][EPL], float (&xs)[1]) {
+        xs[0] = qmv_load_acts<BITS, false>(x + (long)(j / k) * L.hidden, L.hidden, l.c0, l.cb >= 0, xv[0]);
+    };
+    auto store = [&](int set, float (&acc)[1][NC]) {
+        long rg = row_group(set);
+#pragma unroll
+        for (int i = 0; i < NA; i++) {
+            int r = (int)((rg * NA + i) * G.rpc + l.lane / G.lpr);
+            if (r < L.inter) act[(long)j * L.inter + r] = expert_glu(L, j, r, acc[0][i], acc[0][i + NA]);
+        }
+    };
+    qmv_stream_sets<BITS, NC, 1>(G, nsets, fetch, load, store);
+}
+
+template <int BITS, int NC>
+__device__ void moe_down_stream_body(const unsigned long long* bases, ExpertLayout L, const float* act,
+                                     float* slot_out) {
+    constexpr int EPL = 128 / code_bits(BITS);
+    int j = blockIdx.y;
+    QW dq = expert_qw((const char*)bases[j], L.down_w, L.down_s, L.down_b, L.hidden, L.inter, L);
+    QmvGeom G = qmv_geom(L.inter, BITS);
+    const QmvLane l = qmv_lane<BITS>(G);
+    int per_set = NC * G.rpc * G.wpb;
+    int nsets = (L.hidden + per_set - 1) / per_set;
+    auto row_group = [&](int set) { return (long)set * G.wpb + l.w / G.parts; };
+    auto fetch = [&](int set, QmvFetch<NC>& f) {
+        long rg = row_group(set);
+#pragma unroll
+        for (int i = 0; i < NC; i++) qmv_fetch_chunk<BITS, NC>(dq, (rg * NC + i) * G.rpc + l.rsub, l, G, f, i);
+    };
+    auto load = [&](float (&xv)[1][EPL], float (&xs)[1]) {
+        xs[0] = qmv_load_acts<BITS, false>(act + (long)j * L.inter, L.inter, l.c0, l.cb >= 0, xv[0]);
+    };
+    auto store = [&](int set, float (&acc)[1][NC]) {
+        long rg = row_group(set);
+#pragma unroll
+        for (int i = 0; i < NC; i++) {
+            int r = (int)((rg * NC + i) * G.rpc + l.lane / G.lpr);
+            if (r < L.hidden) slot_out[(long)j * L.hidden + r] = acc[0][i] + expert_down_bias(L, j, r);
+        }
+    };
+    qmv_stream_sets<BITS, NC, 1>(G, nsets, fetch, load, store);
+}
+
+#define STREAM_SLOT_KERNELS(B, SFX)                                                                         \
+    extern "C" __global__ void __launch_bounds__(256) moe_gate_up_stream_##SFX(                            \
+        const unsigned long long* bs, ExpertLayout L, int k, const float* x, float* a) {                   \
+        PDL_ENTER(); /* the bases are the router's: wait before any read */                                \
+        if (bs[blockIdx.y] == 0) return; /* a slot the host computes */                                    \
+        moe_gate_up_stream_body<B, QMV_STREAM_NC>(bs, L, k, x, a);                                         \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256) moe_down_stream_##SFX(                               \
+        const unsigned long long* bs, ExpertLayout L, const float* a, float* y) {                          \
+        PDL_ENTER();                                                                                        \
+        if (bs[blockIdx.y] == 0) return;                                                                    \
+        moe_down_stream_body<B, QMV_STREAM_NC>(bs, L, a, y);                                               \
+    }
+STREAM_SLOT_KERNELS(4, b4)
+STREAM_SLOT_KERNELS(8, b8)
+STREAM_SLOT_KERNELS(MXI, mx)
 
 #define QMV_SLOT_KERNELS(B, SFX)                                                                            \
     extern "C" __global__ void __launch_bounds__(256) moe_gate_up_qmv_##SFX(                               \

@@ -104,7 +104,7 @@ pub(super) const QMV_CHUNKS: usize = 8;
 /// Chunks of a warp per set in the streaming one-token kernels of one code
 /// width (`QMV_STREAM_NC` in kernels.cu: `qmv_b2`/`b4`/`b8`), which hold
 /// the next set's chunks while they compute the current one's.
-const QMV_STREAM_CHUNKS: usize = 4;
+pub(super) const QMV_STREAM_CHUNKS: usize = 4;
 
 /// Blocks per SM of the streaming kernels with [`QMV_STREAM_CHUNKS`]
 /// chunks: two fit the registers, and on the H100 two beat one, three,
