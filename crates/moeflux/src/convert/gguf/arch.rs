@@ -1,0 +1,315 @@
+//! llama.cpp architectures -> moeflux's families: `config.json` from the
+//! GGUF hyperparameters and mlx-lm tensor names from llama.cpp's
+//! (`gguf-py/gguf/tensor_mapping.py`, `constants.py`).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+use serde_json::{json, Map, Value as Json};
+
+use crate::error::{Error, Result};
+
+use super::file::{TensorInfo, Value};
+
+/// A llama.cpp architecture moeflux converts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GgufArch {
+    Qwen3Moe,
+    GptOss,
+}
+
+impl GgufArch {
+    pub fn from_name(s: &str) -> Option<Self> {
+        match s {
+            "qwen3moe" => Some(GgufArch::Qwen3Moe),
+            "gpt-oss" => Some(GgufArch::GptOss),
+            _ => None,
+        }
+    }
+}
+
+/// llama.cpp architectures of moeflux's other families, not mapped yet.
+pub const NOT_YET: [&str; 5] = ["qwen35moe", "qwen3next", "deepseek2", "glm4moe", "kimi-k2"];
+
+pub struct Meta<'a> {
+    pub kv: &'a BTreeMap<String, Value>,
+    pub arch: &'a str,
+    pub path: &'a Path,
+}
+
+impl Meta<'_> {
+    fn get(&self, k: &str) -> Option<&Value> {
+        self.kv.get(&format!("{}.{k}", self.arch))
+    }
+    fn err(&self, k: &str, why: impl std::fmt::Display) -> Error {
+        Error::Config {
+            path: self.path.to_path_buf(),
+            field: format!("{}.{k}", self.arch),
+            reason: why.to_string(),
+        }
+    }
+    fn usize(&self, k: &str) -> Result<usize> {
+        self.usize_opt(k)?
+            .ok_or_else(|| self.err(k, "missing from the GGUF metadata"))
+    }
+    fn usize_opt(&self, k: &str) -> Result<Option<usize>> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .and_then(|n| usize::try_from(n).ok())
+                .map(Some)
+                .ok_or_else(|| {
+                    self.err(
+                        k,
+                        format!("expected an unsigned integer (one for all layers), got {v:?}"),
+                    )
+                }),
+        }
+    }
+    fn f64_opt(&self, k: &str) -> Result<Option<f64>> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| self.err(k, format!("expected a number, got {v:?}"))),
+        }
+    }
+}
+
+/// `rope_scaling` from `ARCH.rope.scaling.*` (none, linear or YaRN).
+fn rope_scaling(m: &Meta) -> Result<Json> {
+    let kind = match m.get("rope.scaling.type") {
+        None => "none",
+        Some(v) => v
+            .as_str()
+            .ok_or_else(|| m.err("rope.scaling.type", "expected a string"))?,
+    };
+    let factor = m.f64_opt("rope.scaling.factor")?;
+    Ok(match kind {
+        "none" => Json::Null,
+        "linear" => json!({"rope_type": "linear", "factor": factor.unwrap_or(1.0)}),
+        "yarn" => {
+            let mut o = json!({
+                "rope_type": "yarn",
+                "factor": factor.ok_or_else(|| m.err("rope.scaling.factor", "missing for YaRN"))?,
+                "original_max_position_embeddings": m.usize("rope.scaling.original_context_length")?,
+                "beta_fast": m.f64_opt("rope.scaling.yarn_beta_fast")?.unwrap_or(32.0),
+                "beta_slow": m.f64_opt("rope.scaling.yarn_beta_slow")?.unwrap_or(1.0),
+            });
+            if let Some(l) = m.f64_opt("rope.scaling.yarn_log_multiplier")? {
+                o["mscale_all_dim"] = json!(l);
+            }
+            o
+        }
+        k => {
+            return Err(m.err(
+                "rope.scaling.type",
+                format!("`{k}` is not supported (none, linear, yarn)"),
+            ))
+        }
+    })
+}
+
+/// The checkpoint's `config.json` (without `quantization`, added by the caller).
+pub fn config(a: GgufArch, m: &Meta, tensors: &BTreeMap<String, TensorInfo>) -> Result<Json> {
+    let layers = m.usize("block_count")?;
+    let hidden = m.usize("embedding_length")?;
+    let heads = m.usize("attention.head_count")?;
+    let kv_heads = m.usize_opt("attention.head_count_kv")?.unwrap_or(heads);
+    let head_dim = match m.usize_opt("attention.key_length")? {
+        Some(d) => d,
+        None => hidden.checked_div(heads).unwrap_or(0),
+    };
+    if let Some(v) = m.usize_opt("attention.value_length")? {
+        if v != head_dim {
+            return Err(m.err(
+                "attention.value_length",
+                format!("{v} differs from key_length {head_dim}"),
+            ));
+        }
+    }
+    let vocab = tensors
+        .get("token_embd.weight")
+        .map(|t| t.dims.get(1).copied().unwrap_or(0))
+        .ok_or_else(|| Error::tensor(m.path, "token_embd.weight", "missing from the GGUF"))?;
+    let tied = !tensors.contains_key("output.weight");
+    let eps = m
+        .f64_opt("attention.layer_norm_rms_epsilon")?
+        .ok_or_else(|| m.err("attention.layer_norm_rms_epsilon", "missing"))?;
+    let experts = m.usize("expert_count")?;
+    let topk = m.usize("expert_used_count")?;
+    let ctx = m.usize_opt("context_length")?.unwrap_or(4096);
+    let theta = m.f64_opt("rope.freq_base")?.unwrap_or(10_000.0);
+    if let Some(n) = m.usize_opt("rope.dimension_count")? {
+        if n != head_dim {
+            return Err(m.err(
+                "rope.dimension_count",
+                format!("{n}: only full rotary ({head_dim}) is supported for this architecture"),
+            ));
+        }
+    }
+    let mut c = Map::new();
+    let kv = m.kv;
+    for (key, field) in [
+        ("tokenizer.ggml.bos_token_id", "bos_token_id"),
+        ("tokenizer.ggml.eos_token_id", "eos_token_id"),
+        ("tokenizer.ggml.padding_token_id", "pad_token_id"),
+    ] {
+        if let Some(id) = kv.get(key).and_then(Value::as_u64) {
+            c.insert(field.into(), json!(id));
+        }
+    }
+    let common = json!({
+        "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim, "rms_norm_eps": eps,
+        "vocab_size": vocab, "max_position_embeddings": ctx, "rope_theta": theta,
+        "num_experts_per_tok": topk, "tie_word_embeddings": tied,
+        "rope_scaling": rope_scaling(m)?,
+    });
+    c.extend(common.as_object().expect("object").clone());
+    match a {
+        GgufArch::Qwen3Moe => {
+            // llama.cpp's qwen3moe has no dense layers; the tensors say
+            // which blocks are (`blk.N.ffn_gate` without `ffn_gate_inp`).
+            let dense: Vec<usize> = (0..layers)
+                .filter(|l| !tensors.contains_key(&format!("blk.{l}.ffn_gate_inp.weight")))
+                .collect();
+            let inter = match m.usize_opt("feed_forward_length")? {
+                Some(n) => n,
+                None if dense.is_empty() => 0,
+                None => {
+                    return Err(m.err(
+                        "feed_forward_length",
+                        "missing (the model has dense layers)",
+                    ))
+                }
+            };
+            c.extend(
+                json!({
+                    "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+                    "intermediate_size": inter,
+                    "moe_intermediate_size": m.usize("expert_feed_forward_length")?,
+                    "num_experts": experts, "decoder_sparse_step": 1, "mlp_only_layers": dense,
+                    "norm_topk_prob": m.get("expert_weights_norm").and_then(Value::as_bool).unwrap_or(true),
+                })
+                .as_object()
+                .expect("object")
+                .clone(),
+            );
+        }
+        GgufArch::GptOss => {
+            let window = m.usize_opt("attention.sliding_window")?.unwrap_or(128);
+            // llama.cpp: an explicit per-layer pattern, else every even layer slides.
+            let swa: Vec<bool> = match m.get("attention.sliding_window_pattern") {
+                Some(Value::Arr(v)) if v.len() == layers => v
+                    .iter()
+                    .map(|b| {
+                        b.as_bool().ok_or_else(|| {
+                            m.err("attention.sliding_window_pattern", "expected booleans")
+                        })
+                    })
+                    .collect::<Result<_>>()?,
+                Some(v) => {
+                    return Err(m.err(
+                        "attention.sliding_window_pattern",
+                        format!("expected {layers} booleans, got {v:?}"),
+                    ))
+                }
+                None => (0..layers).map(|l| l % 2 == 0).collect(),
+            };
+            let types: Vec<&str> = swa
+                .iter()
+                .map(|&s| {
+                    if s {
+                        "sliding_attention"
+                    } else {
+                        "full_attention"
+                    }
+                })
+                .collect();
+            c.extend(
+                json!({
+                    "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
+                    "intermediate_size": m.usize("expert_feed_forward_length")?,
+                    "num_local_experts": experts, "sliding_window": window, "layer_types": types,
+                    // llama.cpp hard-codes gpt-oss's SwiGLU (alpha 1.702, limit 7).
+                    "swiglu_limit": 7.0,
+                })
+                .as_object()
+                .expect("object")
+                .clone(),
+            );
+        }
+    }
+    Ok(Json::Object(c))
+}
+
+/// The mlx-lm module name (without `.weight`/`.bias`) and suffix of a
+/// llama.cpp tensor name; `None` for a name this architecture does not have.
+pub fn mlx_name(a: GgufArch, gguf: &str) -> Option<String> {
+    let (base, suffix) = gguf.rsplit_once('.')?;
+    if !matches!(suffix, "weight" | "bias") {
+        return None;
+    }
+    let top = match base {
+        "token_embd" => Some("model.embed_tokens"),
+        "output_norm" => Some("model.norm"),
+        "output" => Some("lm_head"),
+        _ => None,
+    };
+    if let Some(t) = top {
+        return (suffix == "weight").then(|| format!("{t}.weight"));
+    }
+    let rest = base.strip_prefix("blk.")?;
+    let (l, part) = rest.split_once('.')?;
+    let l: usize = l.parse().ok()?;
+    let experts = match a {
+        GgufArch::Qwen3Moe => "mlp.switch_mlp",
+        GgufArch::GptOss => "mlp.experts",
+    };
+    let m = match (a, part) {
+        (_, "attn_norm") => "input_layernorm".to_string(),
+        (GgufArch::Qwen3Moe, "ffn_norm") | (GgufArch::GptOss, "post_attention_norm") => {
+            "post_attention_layernorm".into()
+        }
+        (_, "attn_q") => "self_attn.q_proj".into(),
+        (_, "attn_k") => "self_attn.k_proj".into(),
+        (_, "attn_v") => "self_attn.v_proj".into(),
+        (_, "attn_output") => "self_attn.o_proj".into(),
+        (GgufArch::Qwen3Moe, "attn_q_norm") => "self_attn.q_norm".into(),
+        (GgufArch::Qwen3Moe, "attn_k_norm") => "self_attn.k_norm".into(),
+        (GgufArch::GptOss, "attn_sinks") if suffix == "weight" => {
+            return Some(format!("model.layers.{l}.self_attn.sinks"))
+        }
+        (GgufArch::Qwen3Moe, "ffn_gate_inp") => "mlp.gate".into(),
+        (GgufArch::GptOss, "ffn_gate_inp") => "mlp.router".into(),
+        (_, "ffn_gate_exps") => format!("{experts}.gate_proj"),
+        (_, "ffn_up_exps") => format!("{experts}.up_proj"),
+        (_, "ffn_down_exps") => format!("{experts}.down_proj"),
+        (GgufArch::Qwen3Moe, "ffn_gate") => "mlp.gate_proj".into(),
+        (GgufArch::Qwen3Moe, "ffn_up") => "mlp.up_proj".into(),
+        (GgufArch::Qwen3Moe, "ffn_down") => "mlp.down_proj".into(),
+        _ => return None,
+    };
+    Some(format!("model.layers.{l}.{m}.{suffix}"))
+}
+
+/// Tensors llama.cpp writes that moeflux does not use (computed tables).
+pub fn ignorable(gguf: &str) -> bool {
+    matches!(gguf, "rope_freqs.weight")
+}
+
+/// Layers whose experts are present (for messages).
+pub fn moe_layers(tensors: &BTreeMap<String, TensorInfo>) -> BTreeSet<usize> {
+    tensors
+        .keys()
+        .filter_map(|k| {
+            k.strip_prefix("blk.")?
+                .strip_suffix(".ffn_gate_exps.weight")?
+                .parse()
+                .ok()
+        })
+        .collect()
+}
