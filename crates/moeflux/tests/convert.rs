@@ -1667,7 +1667,7 @@ mod gguf_source {
         };
         let dense = std::fs::read(dst.join(&m.dense_file)).unwrap();
         let st = SafeTensors::deserialize(&dense).unwrap();
-        for (name, _) in &m.tensors {
+        for name in m.tensors.keys() {
             let t = &src.tensors[&mlx(name)];
             let got = st.tensor(name).unwrap();
             let want = src.bytes(t);
@@ -1829,6 +1829,12 @@ mod gguf_source {
     fn gpt_oss_gguf_mxfp4_tensors_exact_and_logits_match_golden() {
         check_tensors("gptoss.gguf");
         golden_logits("gptoss.gguf", "gptoss-hf");
+    }
+
+    #[test]
+    fn glm4moe_gguf_tensors_exact_and_logits_match_golden() {
+        check_tensors("glm4moe.gguf");
+        golden_logits("glm4moe.gguf", "glm4moe-hf");
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! GGUF hyperparameters and mlx-lm tensor names from llama.cpp's
 //! (`gguf-py/gguf/tensor_mapping.py`, `constants.py`).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use serde_json::{json, Map, Value as Json};
@@ -16,6 +16,7 @@ use super::file::{TensorInfo, Value};
 pub enum GgufArch {
     Qwen3Moe,
     GptOss,
+    Glm4Moe,
 }
 
 impl GgufArch {
@@ -23,13 +24,14 @@ impl GgufArch {
         match s {
             "qwen3moe" => Some(GgufArch::Qwen3Moe),
             "gpt-oss" => Some(GgufArch::GptOss),
+            "glm4moe" => Some(GgufArch::Glm4Moe),
             _ => None,
         }
     }
 }
 
 /// llama.cpp architectures of moeflux's other families, not mapped yet.
-pub const NOT_YET: [&str; 5] = ["qwen35moe", "qwen3next", "deepseek2", "glm4moe", "kimi-k2"];
+pub const NOT_YET: [&str; 4] = ["qwen35moe", "qwen3next", "deepseek2", "kimi-k2"];
 
 pub struct Meta<'a> {
     pub kv: &'a BTreeMap<String, Value>,
@@ -114,7 +116,15 @@ fn rope_scaling(m: &Meta) -> Result<Json> {
 
 /// The checkpoint's `config.json` (without `quantization`, added by the caller).
 pub fn config(a: GgufArch, m: &Meta, tensors: &BTreeMap<String, TensorInfo>) -> Result<Json> {
-    let layers = m.usize("block_count")?;
+    // GLM's multi-token-prediction layers are counted in block_count.
+    let blocks = m.usize("block_count")?;
+    let nextn = m.usize_opt("nextn_predict_layers")?.unwrap_or(0);
+    let layers = blocks.checked_sub(nextn).ok_or_else(|| {
+        m.err(
+            "nextn_predict_layers",
+            format!("{nextn} exceeds block_count {blocks}"),
+        )
+    })?;
     let hidden = m.usize("embedding_length")?;
     let heads = m.usize("attention.head_count")?;
     let kv_heads = m.usize_opt("attention.head_count_kv")?.unwrap_or(heads);
@@ -142,7 +152,8 @@ pub fn config(a: GgufArch, m: &Meta, tensors: &BTreeMap<String, TensorInfo>) -> 
     let topk = m.usize("expert_used_count")?;
     let ctx = m.usize_opt("context_length")?.unwrap_or(4096);
     let theta = m.f64_opt("rope.freq_base")?.unwrap_or(10_000.0);
-    if let Some(n) = m.usize_opt("rope.dimension_count")? {
+    let rope_dims = m.usize_opt("rope.dimension_count")?;
+    if let Some(n) = rope_dims.filter(|_| a != GgufArch::Glm4Moe) {
         if n != head_dim {
             return Err(m.err(
                 "rope.dimension_count",
@@ -193,6 +204,39 @@ pub fn config(a: GgufArch, m: &Meta, tensors: &BTreeMap<String, TensorInfo>) -> 
                     "moe_intermediate_size": m.usize("expert_feed_forward_length")?,
                     "num_experts": experts, "decoder_sparse_step": 1, "mlp_only_layers": dense,
                     "norm_topk_prob": m.get("expert_weights_norm").and_then(Value::as_bool).unwrap_or(true),
+                })
+                .as_object()
+                .expect("object")
+                .clone(),
+            );
+        }
+        GgufArch::Glm4Moe => {
+            if let Some(f) = m.get("expert_gating_func") {
+                // llama.cpp: 1 softmax, 2 sigmoid (GLM-4.5's noaux_tc router).
+                if f.as_u64() != Some(2) {
+                    return Err(m.err(
+                        "expert_gating_func",
+                        format!("{f:?}; GLM's router is sigmoid (2)"),
+                    ));
+                }
+            }
+            let rot = rope_dims.unwrap_or(head_dim / 2);
+            c.extend(
+                json!({
+                    "model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"],
+                    "intermediate_size": m.usize_opt("feed_forward_length")?.unwrap_or(0),
+                    "moe_intermediate_size": m.usize("expert_feed_forward_length")?,
+                    "n_routed_experts": experts,
+                    "n_shared_experts": m.usize_opt("expert_shared_count")?.unwrap_or(0),
+                    "first_k_dense_replace": m.usize_opt("leading_dense_block_count")?.unwrap_or(0),
+                    "routed_scaling_factor": m.f64_opt("expert_weights_scale")?.unwrap_or(1.0),
+                    "norm_topk_prob": m.get("expert_weights_norm").and_then(Value::as_bool).unwrap_or(true),
+                    "n_group": m.usize_opt("expert_group_count")?.unwrap_or(1),
+                    "topk_group": m.usize_opt("expert_group_used_count")?.unwrap_or(1),
+                    "partial_rotary_factor": rot as f64 / head_dim.max(1) as f64,
+                    "attention_bias": true,
+                    "use_qk_norm": tensors.contains_key("blk.0.attn_q_norm.weight"),
+                    "num_nextn_predict_layers": nextn,
                 })
                 .as_object()
                 .expect("object")
@@ -266,31 +310,46 @@ pub fn mlx_name(a: GgufArch, gguf: &str) -> Option<String> {
     let (l, part) = rest.split_once('.')?;
     let l: usize = l.parse().ok()?;
     let experts = match a {
-        GgufArch::Qwen3Moe => "mlp.switch_mlp",
+        GgufArch::Qwen3Moe | GgufArch::Glm4Moe => "mlp.switch_mlp",
         GgufArch::GptOss => "mlp.experts",
     };
+    // GLM's multi-token-prediction block: kept under its layer number, which
+    // sanitize drops as mlx-lm does (layers from num_hidden_layers on).
+    if let Some(rest) = part
+        .strip_prefix("nextn.")
+        .filter(|_| a == GgufArch::Glm4Moe)
+    {
+        return Some(format!("model.layers.{l}.nextn.{rest}.{suffix}"));
+    }
     let m = match (a, part) {
         (_, "attn_norm") => "input_layernorm".to_string(),
-        (GgufArch::Qwen3Moe, "ffn_norm") | (GgufArch::GptOss, "post_attention_norm") => {
+        (GgufArch::Qwen3Moe, "ffn_norm")
+        | (GgufArch::GptOss | GgufArch::Glm4Moe, "post_attention_norm") => {
             "post_attention_layernorm".into()
         }
         (_, "attn_q") => "self_attn.q_proj".into(),
         (_, "attn_k") => "self_attn.k_proj".into(),
         (_, "attn_v") => "self_attn.v_proj".into(),
         (_, "attn_output") => "self_attn.o_proj".into(),
-        (GgufArch::Qwen3Moe, "attn_q_norm") => "self_attn.q_norm".into(),
-        (GgufArch::Qwen3Moe, "attn_k_norm") => "self_attn.k_norm".into(),
+        (GgufArch::Qwen3Moe | GgufArch::Glm4Moe, "attn_q_norm") => "self_attn.q_norm".into(),
+        (GgufArch::Qwen3Moe | GgufArch::Glm4Moe, "attn_k_norm") => "self_attn.k_norm".into(),
         (GgufArch::GptOss, "attn_sinks") if suffix == "weight" => {
             return Some(format!("model.layers.{l}.self_attn.sinks"))
         }
-        (GgufArch::Qwen3Moe, "ffn_gate_inp") => "mlp.gate".into(),
+        (GgufArch::Qwen3Moe | GgufArch::Glm4Moe, "ffn_gate_inp") => "mlp.gate".into(),
+        (GgufArch::Glm4Moe, "exp_probs_b") if suffix == "bias" => {
+            return Some(format!("model.layers.{l}.mlp.gate.e_score_correction_bias"))
+        }
+        (GgufArch::Glm4Moe, "ffn_gate_shexp") => "mlp.shared_experts.gate_proj".into(),
+        (GgufArch::Glm4Moe, "ffn_up_shexp") => "mlp.shared_experts.up_proj".into(),
+        (GgufArch::Glm4Moe, "ffn_down_shexp") => "mlp.shared_experts.down_proj".into(),
         (GgufArch::GptOss, "ffn_gate_inp") => "mlp.router".into(),
         (_, "ffn_gate_exps") => format!("{experts}.gate_proj"),
         (_, "ffn_up_exps") => format!("{experts}.up_proj"),
         (_, "ffn_down_exps") => format!("{experts}.down_proj"),
-        (GgufArch::Qwen3Moe, "ffn_gate") => "mlp.gate_proj".into(),
-        (GgufArch::Qwen3Moe, "ffn_up") => "mlp.up_proj".into(),
-        (GgufArch::Qwen3Moe, "ffn_down") => "mlp.down_proj".into(),
+        (GgufArch::Qwen3Moe | GgufArch::Glm4Moe, "ffn_gate") => "mlp.gate_proj".into(),
+        (GgufArch::Qwen3Moe | GgufArch::Glm4Moe, "ffn_up") => "mlp.up_proj".into(),
+        (GgufArch::Qwen3Moe | GgufArch::Glm4Moe, "ffn_down") => "mlp.down_proj".into(),
         _ => return None,
     };
     Some(format!("model.layers.{l}.{m}.{suffix}"))
@@ -299,17 +358,4 @@ pub fn mlx_name(a: GgufArch, gguf: &str) -> Option<String> {
 /// Tensors llama.cpp writes that moeflux does not use (computed tables).
 pub fn ignorable(gguf: &str) -> bool {
     matches!(gguf, "rope_freqs.weight")
-}
-
-/// Layers whose experts are present (for messages).
-pub fn moe_layers(tensors: &BTreeMap<String, TensorInfo>) -> BTreeSet<usize> {
-    tensors
-        .keys()
-        .filter_map(|k| {
-            k.strip_prefix("blk.")?
-                .strip_suffix(".ffn_gate_exps.weight")?
-                .parse()
-                .ok()
-        })
-        .collect()
 }

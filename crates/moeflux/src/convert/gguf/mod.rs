@@ -240,9 +240,9 @@ pub fn open(path: &Path) -> Result<Source> {
         path: path.to_path_buf(),
         model_type: format!("GGUF architecture `{arch_name}`"),
         supported: if arch::NOT_YET.contains(&arch_name.as_str()) {
-            "for GGUF files: qwen3moe, gpt-oss (this family converts from its Hugging Face or mlx-lm checkpoint)".into()
+            "for GGUF files: qwen3moe, gpt-oss, glm4moe (this family converts from its Hugging Face or mlx-lm checkpoint)".into()
         } else {
-            "for GGUF files: qwen3moe, gpt-oss".into()
+            "for GGUF files: qwen3moe, gpt-oss, glm4moe".into()
         },
     })?;
 
