@@ -359,3 +359,104 @@ pub fn mlx_name(a: GgufArch, gguf: &str) -> Option<String> {
 pub fn ignorable(gguf: &str) -> bool {
     matches!(gguf, "rope_freqs.weight")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_per_family() {
+        let q = GgufArch::Qwen3Moe;
+        assert_eq!(
+            mlx_name(q, "blk.3.ffn_down_exps.weight").unwrap(),
+            "model.layers.3.mlp.switch_mlp.down_proj.weight"
+        );
+        assert_eq!(
+            mlx_name(q, "blk.0.ffn_norm.weight").unwrap(),
+            "model.layers.0.post_attention_layernorm.weight"
+        );
+        assert_eq!(mlx_name(q, "blk.0.attn_sinks.weight"), None);
+        assert_eq!(mlx_name(q, "output.bias"), None);
+        let g = GgufArch::GptOss;
+        assert_eq!(
+            mlx_name(g, "blk.1.ffn_up_exps.bias").unwrap(),
+            "model.layers.1.mlp.experts.up_proj.bias"
+        );
+        assert_eq!(
+            mlx_name(g, "blk.1.attn_sinks.weight").unwrap(),
+            "model.layers.1.self_attn.sinks"
+        );
+        let z = GgufArch::Glm4Moe;
+        assert_eq!(
+            mlx_name(z, "blk.2.exp_probs_b.bias").unwrap(),
+            "model.layers.2.mlp.gate.e_score_correction_bias"
+        );
+        assert_eq!(
+            mlx_name(z, "blk.46.nextn.eh_proj.weight").unwrap(),
+            "model.layers.46.nextn.eh_proj.weight"
+        );
+        assert_eq!(mlx_name(z, "blk.x.attn_q.weight"), None);
+    }
+
+    #[test]
+    fn glm_nextn_layers_are_not_model_layers() {
+        let mut kv = BTreeMap::new();
+        for (k, v) in [
+            ("block_count", 4u64),
+            ("nextn_predict_layers", 1),
+            ("embedding_length", 64),
+            ("attention.head_count", 4),
+            ("attention.head_count_kv", 2),
+            ("attention.key_length", 32),
+            ("rope.dimension_count", 16),
+            ("expert_count", 8),
+            ("expert_used_count", 2),
+            ("expert_feed_forward_length", 64),
+            ("expert_gating_func", 2),
+        ] {
+            kv.insert(format!("glm4moe.{k}"), Value::U(v));
+        }
+        kv.insert(
+            "glm4moe.attention.layer_norm_rms_epsilon".into(),
+            Value::F(1e-5),
+        );
+        let t = |name: &str, dims: Vec<usize>| {
+            let ty = super::super::ggml::GgmlType::from_id(0).unwrap();
+            (
+                name.to_string(),
+                TensorInfo {
+                    name: name.into(),
+                    dims,
+                    ty,
+                    start: 0,
+                    len: 0,
+                },
+            )
+        };
+        let tensors: BTreeMap<_, _> = [t("token_embd.weight", vec![64, 1024])]
+            .into_iter()
+            .collect();
+        let m = Meta {
+            kv: &kv,
+            arch: "glm4moe",
+            path: Path::new("g.gguf"),
+        };
+        let c = config(GgufArch::Glm4Moe, &m, &tensors).unwrap();
+        assert_eq!(c["num_hidden_layers"], 3);
+        assert_eq!(c["partial_rotary_factor"], 0.5);
+        assert_eq!(c["tie_word_embeddings"], true);
+        kv.insert("glm4moe.expert_gating_func".into(), Value::U(1));
+        let m = Meta {
+            kv: &kv,
+            arch: "glm4moe",
+            path: Path::new("g.gguf"),
+        };
+        let e = config(GgufArch::Glm4Moe, &m, &tensors)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("glm4moe.expert_gating_func") && e.contains("g.gguf"),
+            "{e}"
+        );
+    }
+}

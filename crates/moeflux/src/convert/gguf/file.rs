@@ -272,7 +272,9 @@ pub fn parse(b: &[u8], path: &Path) -> Result<Parsed> {
                 ty.name, dims[0], ty.block
             )));
         }
-        let bytes = elems / ty.block as u64 * ty.bytes as u64;
+        let bytes = (elems / ty.block as u64)
+            .checked_mul(ty.bytes as u64)
+            .ok_or_else(|| terr(format!("dimensions {dims:?} overflow")))?;
         if offset % alignment != 0 {
             return Err(terr(format!(
                 "data offset {offset} is not a multiple of the alignment {alignment}"
@@ -369,6 +371,21 @@ mod tests {
         let e = parse(&h, p).unwrap_err().to_string();
         assert!(e.contains("array of") && e.contains("t.gguf"), "{e}");
         assert!(parse(b"GGUF", p).is_err());
+        // A tensor whose byte size overflows u64.
+        let mut h = b"GGUF".to_vec();
+        h.extend(3u32.to_le_bytes());
+        h.extend(1u64.to_le_bytes());
+        h.extend(0u64.to_le_bytes());
+        h.extend(1u64.to_le_bytes());
+        h.push(b't');
+        h.extend(2u32.to_le_bytes());
+        h.extend(32u64.to_le_bytes());
+        h.extend((1u64 << 58).to_le_bytes());
+        h.extend(0u32.to_le_bytes());
+        h.extend(0u64.to_le_bytes());
+        h.extend([0u8; 64]);
+        let e = parse(&h, p).unwrap_err().to_string();
+        assert!(e.contains("`t`") && e.contains("overflow"), "{e}");
         assert!(parse(b"GGML0000", p).is_err());
     }
 }
