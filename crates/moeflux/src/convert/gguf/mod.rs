@@ -260,7 +260,7 @@ pub fn open(path: &Path) -> Result<Source> {
     let mut tensors = BTreeMap::new();
     let mut quant = Map::new();
     let mut info = GgufInfo {
-        kv: kv.clone(),
+        kv,
         requantized: Vec::new(),
         types: BTreeMap::new(),
     };
@@ -377,10 +377,4 @@ pub fn open(path: &Path) -> Result<Source> {
         fp8_scales: BTreeMap::new(),
         gguf: Some(info),
     })
-}
-
-/// `tokenizer.json` and `tokenizer_config.json` from the GGUF metadata,
-/// when the source has no tokenizer.json beside it.
-pub fn tokenizer_files(info: &GgufInfo, src: &Path) -> Result<Vec<(&'static str, Vec<u8>)>> {
-    tokenizer::files(&info.kv, src)
 }
