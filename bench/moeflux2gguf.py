@@ -7,7 +7,9 @@ usage: moeflux2gguf.py MODEL_DIR OUT.gguf [--type q4_1|q4_0|f32] [--tokenizer TO
 MODEL_DIR is what `moeflux convert` (or `moeflux synth`) writes: moeflux.json, config.json,
 dense.safetensors and experts/layer_NNN.bin (docs/FORMAT.md). Supported architectures:
 qwen3_5_moe -> llama.cpp `qwen35moe`, qwen3_next -> `qwen3next` (models whose every layer is
-MoE: llama.cpp's qwen3next has no dense-MLP layers), and gpt_oss -> `gpt-oss` (q/k/v/o with
+MoE: llama.cpp's qwen3next has no dense-MLP layers), qwen3_moe -> `qwen3moe` (dense-MLP layers as
+blk.N.ffn_{gate,up,down}, which moeflux reads and llama.cpp does not), glm4_moe -> `glm4moe` (n_group
+1, no multi-token-prediction block), and gpt_oss -> `gpt-oss` (q/k/v/o with
 their biases, attention sinks, router weight and bias, gate/up/down experts with their bias
 tables; sliding window and per-layer pattern from config.json's layer_types; YaRN factor and
 original context; llama.cpp hard-codes gpt-oss's SwiGLU alpha 1.702 / limit 7.0 and YaRN beta
@@ -536,6 +538,10 @@ class Exporter:
         arch = m.arch
         if arch == "gpt_oss":
             return self._build_gpt_oss()
+        if arch == "qwen3_moe":
+            return self._build_qwen3_moe()
+        if arch == "glm4_moe":
+            return self._build_glm4_moe()
         L = int(tc["num_hidden_layers"])
         interval = int(tc.get("full_attention_interval", 4))
         if arch == "qwen3_5_moe":
@@ -633,6 +639,67 @@ class Exporter:
                 self.add_experts(f"blk.{i}.ffn_{x}_exps.weight", i, f"{x}_proj")
                 self.add_module(f"blk.{i}.ffn_{x}_exps.bias", mlp + f"switch_mlp.{x}_proj.bias")
 
+    # qwen3_moe ----------------------------------------------------------------------------
+    def _build_qwen3_moe(self):
+        """llama.cpp's qwen3moe names. Dense-MLP layers (mlp_only_layers / decoder_sparse_step)
+        are written as blk.N.ffn_{gate,up,down}: llama.cpp's own qwen3moe has none and will not
+        load such a file, but its tensor names are the ones llama.cpp's converter uses, and
+        moeflux reads them (tests/fixtures/gguf)."""
+        m, tc = self.m, self.tc
+        L = int(tc["num_hidden_layers"])
+        self.add_module("token_embd.weight", "model.embed_tokens")
+        self.add_module("output_norm.weight", "model.norm.weight")
+        if m.has("lm_head"):
+            self.add_module("output.weight", "lm_head")
+        for i in range(L):
+            p = f"model.layers.{i}."
+            a, mlp = p + "self_attn.", p + "mlp."
+            self.add_module(f"blk.{i}.attn_norm.weight", p + "input_layernorm.weight")
+            self.add_module(f"blk.{i}.ffn_norm.weight", p + "post_attention_layernorm.weight")
+            for x, proj in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("output", "o_proj")):
+                self.add_module(f"blk.{i}.attn_{x}.weight", a + proj)
+            self.add_module(f"blk.{i}.attn_q_norm.weight", a + "q_norm.weight")
+            self.add_module(f"blk.{i}.attn_k_norm.weight", a + "k_norm.weight")
+            if m.has(mlp + "gate"):
+                self.add_module(f"blk.{i}.ffn_gate_inp.weight", mlp + "gate")
+                for x in ("gate", "up", "down"):
+                    self.add_experts(f"blk.{i}.ffn_{x}_exps.weight", i, f"{x}_proj")
+            else:
+                for x in ("gate", "up", "down"):
+                    self.add_module(f"blk.{i}.ffn_{x}.weight", mlp + f"{x}_proj")
+
+    # glm4_moe -----------------------------------------------------------------------------
+    def _build_glm4_moe(self):
+        """llama.cpp's glm4moe names (conversion/glm.py); no multi-token-prediction block (moeflux
+        drops it on convert), so nextn_predict_layers is 0."""
+        m, tc = self.m, self.tc
+        L = int(tc["num_hidden_layers"])
+        self.add_module("token_embd.weight", "model.embed_tokens")
+        self.add_module("output_norm.weight", "model.norm.weight")
+        if m.has("lm_head"):
+            self.add_module("output.weight", "lm_head")
+        for i in range(L):
+            p = f"model.layers.{i}."
+            a, mlp = p + "self_attn.", p + "mlp."
+            self.add_module(f"blk.{i}.attn_norm.weight", p + "input_layernorm.weight")
+            self.add_module(f"blk.{i}.post_attention_norm.weight", p + "post_attention_layernorm.weight")
+            for x, proj in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj")):
+                self.add_module(f"blk.{i}.attn_{x}.weight", a + proj)
+                self.add_module(f"blk.{i}.attn_{x}.bias", a + proj + ".bias")
+            self.add_module(f"blk.{i}.attn_output.weight", a + "o_proj")
+            if m.has(a + "q_norm.weight"):
+                self.add_module(f"blk.{i}.attn_q_norm.weight", a + "q_norm.weight")
+                self.add_module(f"blk.{i}.attn_k_norm.weight", a + "k_norm.weight")
+            if m.has(mlp + "gate"):
+                self.add_module(f"blk.{i}.ffn_gate_inp.weight", mlp + "gate")
+                self.add_module(f"blk.{i}.exp_probs_b.bias", mlp + "gate.e_score_correction_bias")
+                for x in ("gate", "up", "down"):
+                    self.add_experts(f"blk.{i}.ffn_{x}_exps.weight", i, f"{x}_proj")
+                    self.add_module(f"blk.{i}.ffn_{x}_shexp.weight", mlp + f"shared_experts.{x}_proj")
+            else:
+                for x in ("gate", "up", "down"):
+                    self.add_module(f"blk.{i}.ffn_{x}.weight", mlp + f"{x}_proj")
+
     def _ssm_common(self, i: int, la: str, vperm_heads: np.ndarray | None, conv_perm: np.ndarray | None):
         m = self.m
 
@@ -691,6 +758,10 @@ class Exporter:
         tc, arch = self.tc, self.m.arch
         if arch == "gpt_oss":
             return self._write_kv_gpt_oss(w, name)
+        if arch == "qwen3_moe":
+            return self._write_kv_qwen3_moe(w, name)
+        if arch == "glm4_moe":
+            return self._write_kv_glm4_moe(w, name)
         w.add_name(name)
         w.add_block_count(int(tc["num_hidden_layers"]))
         w.add_context_length(int(tc.get("max_position_embeddings", 4096)))
@@ -723,6 +794,57 @@ class Exporter:
         w.add_ssm_time_step_rank(int(tc["linear_num_value_heads"]))
         w.add_ssm_inner_size(int(tc["linear_value_head_dim"]) * int(tc["linear_num_value_heads"]))
         w.add_full_attention_interval(int(tc.get("full_attention_interval", 4)))
+
+    def _write_kv_qwen3_moe(self, w: gguf.GGUFWriter, name: str):
+        """What llama.cpp's convert_hf_to_gguf.py writes for Qwen3MoeForCausalLM."""
+        tc = self.tc
+        hd = int(tc.get("head_dim", tc["hidden_size"] // tc["num_attention_heads"]))
+        w.add_name(name)
+        w.add_block_count(int(tc["num_hidden_layers"]))
+        w.add_context_length(int(tc.get("max_position_embeddings", 4096)))
+        w.add_embedding_length(int(tc["hidden_size"]))
+        w.add_feed_forward_length(int(tc["intermediate_size"]))
+        w.add_head_count(int(tc["num_attention_heads"]))
+        w.add_head_count_kv(int(tc["num_key_value_heads"]))
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+        w.add_layer_norm_rms_eps(float(tc["rms_norm_eps"]))
+        w.add_expert_count(int(tc["num_experts"]))
+        w.add_expert_used_count(int(tc["num_experts_per_tok"]))
+        w.add_expert_feed_forward_length(int(tc["moe_intermediate_size"]))
+        w.add_expert_weights_norm(bool(tc.get("norm_topk_prob", False)))
+        w.add_rope_freq_base(float(tc.get("rope_theta", 1000000.0)))
+        if tc.get("rope_scaling"):
+            raise ExportError(f"rope_scaling {tc['rope_scaling']!r} is not exported for qwen3_moe")
+
+    def _write_kv_glm4_moe(self, w: gguf.GGUFWriter, name: str):
+        """What llama.cpp's conversion/glm.py writes for Glm4MoeForCausalLM (without MTP)."""
+        tc = self.tc
+        hd = int(tc.get("head_dim", tc["hidden_size"] // tc["num_attention_heads"]))
+        if int(tc.get("n_group", 1)) != 1 or int(tc.get("topk_group", 1)) != 1:
+            raise ExportError("n_group/topk_group other than 1 are not exported for glm4_moe")
+        w.add_name(name)
+        w.add_block_count(int(tc["num_hidden_layers"]))
+        w.add_context_length(int(tc.get("max_position_embeddings", 4096)))
+        w.add_embedding_length(int(tc["hidden_size"]))
+        w.add_feed_forward_length(int(tc["intermediate_size"]))
+        w.add_head_count(int(tc["num_attention_heads"]))
+        w.add_head_count_kv(int(tc["num_key_value_heads"]))
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+        w.add_layer_norm_rms_eps(float(tc["rms_norm_eps"]))
+        w.add_rope_dimension_count(int(hd * float(tc.get("partial_rotary_factor", 0.5))))
+        w.add_rope_freq_base(float(tc.get("rope_theta", 1000000.0)))
+        w.add_expert_count(int(tc["n_routed_experts"]))
+        w.add_expert_used_count(int(tc["num_experts_per_tok"]))
+        w.add_expert_feed_forward_length(int(tc["moe_intermediate_size"]))
+        w.add_expert_shared_count(int(tc.get("n_shared_experts", 0)))
+        w.add_leading_dense_block_count(int(tc.get("first_k_dense_replace", 0)))
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(float(tc.get("routed_scaling_factor", 1.0)))
+        w.add_expert_weights_norm(bool(tc.get("norm_topk_prob", True)))
+        if tc.get("rope_scaling"):
+            raise ExportError(f"rope_scaling {tc['rope_scaling']!r} is not exported for glm4_moe")
 
     def _write_kv_gpt_oss(self, w: gguf.GGUFWriter, name: str):
         """What llama.cpp's gpt-oss loader (src/models/openai-moe.cpp and the generic hparams)
@@ -868,7 +990,8 @@ def default_llama_quantize() -> str | None:
     return str(cand) if cand.is_file() else None
 
 
-GGUF_ARCH = {"qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next", "gpt_oss": "gpt-oss"}
+GGUF_ARCH = {"qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next", "gpt_oss": "gpt-oss",
+             "qwen3_moe": "qwen3moe", "glm4_moe": "glm4moe"}
 
 
 def write_gguf(model: Model, out: Path, want_q41: bool, tokenizer: Path | None, quiet: bool) -> dict:

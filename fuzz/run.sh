@@ -16,7 +16,7 @@ seconds=${1:-60}
 shift || true
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-  targets=(model_files safetensors_header snapshot chat_template server_request tool_calls)
+  targets=(model_files safetensors_header snapshot chat_template server_request tool_calls gguf)
 fi
 
 export RUSTFLAGS="${RUSTFLAGS:-} --cfg fuzzing -Cpasses=sancov-module \

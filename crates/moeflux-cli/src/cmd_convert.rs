@@ -1,5 +1,5 @@
-//! `moeflux convert SRC DST`: an mlx-lm or Hugging Face checkpoint -> a
-//! moeflux model directory.
+//! `moeflux convert SRC DST`: an mlx-lm or Hugging Face checkpoint, or a
+//! GGUF file -> a moeflux model directory.
 
 use std::path::PathBuf;
 
@@ -13,7 +13,8 @@ use crate::progress::{human_bytes, ConvertBar};
 pub struct ConvertArgs {
     /// Source checkpoint directory: mlx-lm quantized (`mlx_lm.convert -q`), or
     /// unquantized bf16/f16/f32 (Hugging Face or mlx layout; quantized here
-    /// exactly as `mlx_lm.convert -q --q-bits 4 --q-group-size 64` would).
+    /// exactly as `mlx_lm.convert -q --q-bits 4 --q-group-size 64` would);
+    /// or a GGUF file (any part of a split `NAME-00001-of-0000N.gguf`).
     pub src: PathBuf,
     /// Model directory to create.
     pub dst: PathBuf,
@@ -76,6 +77,17 @@ pub fn run(args: ConvertArgs) -> Result<()> {
     // vision parts, a tied lm_head), so nothing disappears silently.
     if let Some(line) = r.dropped_summary() {
         eprintln!("{line}");
+    }
+    if !r.gguf_types.is_empty() {
+        let t: Vec<String> = r
+            .gguf_types
+            .iter()
+            .map(|(k, n)| format!("{k} {n}"))
+            .collect();
+        eprintln!("GGUF tensor types: {}", t.join(", "));
+    }
+    for w in &r.warnings {
+        eprintln!("warning: {w}");
     }
     Ok(())
 }

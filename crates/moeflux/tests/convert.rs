@@ -1540,3 +1540,382 @@ fn hf_kimik25_equals_mlx_convert() {
         "skipped 23 tensors: vision tower (17), vision projector (6)"
     );
 }
+
+// ---------------------------------------------------------------------------
+// GGUF sources: tests/fixtures/gguf, written by llama.cpp's gguf-py
+// (make_gguf_fixtures.py there); goldens are gguf-py's dequantization.
+
+mod common;
+
+mod gguf_source {
+    use super::*;
+    use moeflux::convert::dtype::{self, FloatTy};
+    use moeflux::convert::gguf::arch::{self, GgufArch};
+    use moeflux::convert::gguf::ggml::{self, Mapping};
+    use moeflux::convert::gguf::{self, file, Part, View};
+    use moeflux::convert::source::Source;
+    use moeflux::quant::mxfp4;
+
+    fn dir() -> PathBuf {
+        fixtures().join("gguf")
+    }
+
+    /// FNV-1a 64 of the values as f32 little-endian bytes, -0 read as +0
+    /// (an affine `code * scale + bias` that is zero is +0 where gguf-py's
+    /// `d * 0` may be -0; the two are equal in every product and sum).
+    fn fnv(v: &[f32]) -> String {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in v.iter().flat_map(|x| (x + 0.0).to_le_bytes()) {
+            h = (h ^ b as u64).wrapping_mul(0x100_0000_01b3);
+        }
+        format!("{h:016x}")
+    }
+
+    fn goldens() -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(dir().join("goldens.json")).unwrap()).unwrap()
+    }
+
+    /// Every value a presented (mlx-named) tensor stands for, row-major f32.
+    fn dequant_presented(src: &Source, weight: &str) -> Vec<f32> {
+        let t = &src.tensors[weight];
+        if t.view.is_none() {
+            let ty = FloatTy::from_dtype(t.dtype).expect("float");
+            return dtype::decode(&src.bytes(t), ty);
+        }
+        let module = weight.strip_suffix(".weight").unwrap();
+        let spec = src
+            .config
+            .quantization
+            .as_ref()
+            .and_then(|q| q.for_module(module))
+            .unwrap_or_else(|| panic!("{module}: no quantization entry"));
+        let words = dtype::decode_u32(&src.bytes(t));
+        let wpr = *t.shape.last().unwrap();
+        let cols = wpr * 32 / spec.bits as usize;
+        let rows = words.len() / wpr;
+        let mut out = vec![0f32; rows * cols];
+        let sc = &src.tensors[&format!("{module}.scales")];
+        let g = cols / spec.group_size;
+        if spec.is_mxfp4() {
+            let s = src.bytes(sc);
+            for (r, o) in out.chunks_exact_mut(cols).enumerate() {
+                mxfp4::dequantize_row(&words[r * wpr..(r + 1) * wpr], &s[r * g..(r + 1) * g], o);
+            }
+        } else {
+            let s = dtype::decode(&src.bytes(sc), FloatTy::F32);
+            let b = dtype::decode(
+                &src.bytes(&src.tensors[&format!("{module}.biases")]),
+                FloatTy::F32,
+            );
+            for (r, o) in out.chunks_exact_mut(cols).enumerate() {
+                affine::dequantize_row(
+                    &words[r * wpr..(r + 1) * wpr],
+                    &s[r * g..(r + 1) * g],
+                    &b[r * g..(r + 1) * g],
+                    spec,
+                    o,
+                );
+            }
+        }
+        out
+    }
+
+    /// Every tensor of `file`, as the converter presents it, dequantizes to
+    /// gguf-py's values bit for bit (exact types) — checked by hash.
+    fn check_tensors(file: &str) -> Source {
+        let src = gguf::open(&dir().join(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
+        let info = src.gguf.as_ref().unwrap();
+        let a = GgufArch::from_name(info.kv["general.architecture"].as_str().unwrap()).unwrap();
+        assert!(
+            info.requantized.is_empty(),
+            "{file}: {:?}",
+            info.requantized
+        );
+        let g = goldens();
+        let mut parts: Vec<String> = vec![file.to_string()];
+        if file.contains("-00001-of-") {
+            parts.push(file.replace("-00001-of-", "-00002-of-"));
+        }
+        let mut n = 0;
+        for part in parts {
+            for (name, want) in g[&part].as_object().unwrap() {
+                let mlx = arch::mlx_name(a, name).unwrap_or_else(|| panic!("{name}"));
+                let got = fnv(&dequant_presented(&src, &mlx));
+                assert_eq!(
+                    got,
+                    want["fnv1a64"].as_str().unwrap(),
+                    "{part}: {name} ({})",
+                    want["type"]
+                );
+                n += 1;
+            }
+        }
+        assert!(n > 20, "{file}: only {n} tensors checked");
+        src
+    }
+
+    /// The converted directory holds exactly the presented tensors: every
+    /// dense tensor and every expert's pieces, byte for byte (F16 widened).
+    fn check_dir_equals_views(src: &Source, dst: &Path, m: &Manifest) {
+        // Canonical -> presented name (gpt-oss's experts are `mlp.experts` in mlx-lm).
+        let mlx = |canon: &str| -> String {
+            if src.tensors.contains_key(canon) {
+                canon.to_string()
+            } else {
+                canon.replacen(".mlp.switch_mlp.", ".mlp.experts.", 1)
+            }
+        };
+        let dense = std::fs::read(dst.join(&m.dense_file)).unwrap();
+        let st = SafeTensors::deserialize(&dense).unwrap();
+        for name in m.tensors.keys() {
+            let t = &src.tensors[&mlx(name)];
+            let got = st.tensor(name).unwrap();
+            let want = src.bytes(t);
+            if t.dtype == safetensors::Dtype::F16 {
+                let w = dtype::decode(&want, FloatTy::F16);
+                assert_eq!(dtype::decode(got.data(), FloatTy::F32), w, "{name}");
+            } else {
+                assert_eq!(got.data(), &want[..], "{name}");
+            }
+        }
+        for l in &m.experts {
+            let bytes = std::fs::read(dst.join(&l.file)).unwrap();
+            for c in &l.components {
+                let module = format!("model.layers.{}.mlp.switch_mlp.{}", l.layer, c.name);
+                let mut pieces = vec![("weight", &c.weight), ("scales", &c.scales)];
+                if let Some(b) = &c.biases {
+                    pieces.push(("biases", b));
+                }
+                for (part, r) in pieces {
+                    let t = &src.tensors[&mlx(&format!("{module}.{part}"))];
+                    let per = t.bytes_per_leading();
+                    for e in 0..l.num_experts {
+                        let at = e * l.stride as usize + r.offset as usize;
+                        assert_eq!(
+                            &bytes[at..at + r.bytes as usize],
+                            &src.byte_range(t, e * per..(e + 1) * per)[..],
+                            "{module}.{part} expert {e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    fn golden_logits(gguf_file: &str, fixture: &str) {
+        let src = dir().join(gguf_file);
+        let tmp = tempfile::tempdir().unwrap();
+        let dst = tmp.path().join("m");
+        let r = convert(&src, &dst, &ConvertOptions::default()).unwrap();
+        assert!(r.warnings.is_empty(), "{:?}", r.warnings);
+        let m = check_model_dir(&dst);
+        assert_eq!(m.source.kind, "gguf");
+        check_dir_equals_views(&gguf::open(&src).unwrap(), &dst, &m);
+        let golden = common::Golden::load(&fixtures().join(fixture));
+        let rows = common::eval_three_ways(&golden, || common::open(&dst));
+        for (mode, got) in common::EVAL_MODES.iter().zip(&rows) {
+            common::check_against_golden(&format!("{gguf_file} {mode}"), &golden, got);
+        }
+        // The vocabulary came from the GGUF metadata: it encodes like the fixture's.
+        let ours =
+            moeflux::text::tokenizer::Tokenizer::from_file(dst.join("tokenizer.json")).unwrap();
+        let theirs = moeflux::text::tokenizer::Tokenizer::from_file(
+            fixtures().join(fixture).join("expected_mlx/tokenizer.json"),
+        )
+        .unwrap();
+        let text = "Hello world, it's 2024!\n  <|im_end|> ok";
+        assert_eq!(
+            ours.encode(text, false).unwrap(),
+            theirs.encode(text, false).unwrap()
+        );
+    }
+
+    #[test]
+    fn every_ggml_type_dequantizes_as_gguf_py() {
+        let path = dir().join("types.gguf");
+        let bytes = std::fs::read(&path).unwrap();
+        let p = file::parse(&bytes, &path).unwrap();
+        let npy = std::fs::read(dir().join("types_dequant.npy")).unwrap();
+        let want: Vec<f32> = npyz::NpyFile::new(&npy[..]).unwrap().into_vec().unwrap();
+        let per = 2 * 512;
+        assert_eq!(want.len(), p.tensors.len() * per);
+        let order = [
+            "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+            "IQ4_NL", "IQ4_XS", "MXFP4", "F16", "BF16", "F32",
+        ];
+        let mut exact = Vec::new();
+        for (i, ty) in order.iter().enumerate() {
+            let t = p
+                .tensors
+                .iter()
+                .find(|t| t.name == format!("t.{ty}"))
+                .unwrap();
+            assert_eq!(t.ty.name, *ty);
+            let want = &want[i * per..(i + 1) * per];
+            let mut got = vec![0f32; per];
+            ggml::dequant_rows(&t.ty, &bytes[t.start..t.start + t.len], &mut got);
+            let exact_bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                exact_bits(&got),
+                exact_bits(want),
+                "{ty}: dequantization differs from gguf-py"
+            );
+            // The stored forms: bit for bit, -0 read as +0 (see `fnv`).
+            let bits = |v: &[f32]| v.iter().map(|x| (x + 0.0).to_bits()).collect::<Vec<_>>();
+            let view = |part| View {
+                ty: t.ty,
+                part,
+                cols: 512,
+                src_start: t.start,
+                src_len: t.len,
+            };
+            let f32s = |part| dtype::decode(&view(part).rows(&bytes, 0, 2), FloatTy::F32);
+            match t.ty.mapping.unwrap() {
+                Mapping::Float => {}
+                Mapping::Mxfp4 => {
+                    let codes = dtype::decode_u32(&view(Part::Codes).rows(&bytes, 0, 2));
+                    let scales = view(Part::Scales).rows(&bytes, 0, 2);
+                    let mut v = vec![0f32; per];
+                    for r in 0..2 {
+                        mxfp4::dequantize_row(
+                            &codes[r * 64..(r + 1) * 64],
+                            &scales[r * 16..(r + 1) * 16],
+                            &mut v[r * 512..(r + 1) * 512],
+                        );
+                    }
+                    assert_eq!(bits(&v), bits(want), "{ty} as moeflux MXFP4");
+                    exact.push(*ty);
+                }
+                Mapping::Affine { bits: b } | Mapping::Requant { bits: b } => {
+                    let spec = moeflux::config::QuantSpec::affine(b, 32);
+                    let codes = dtype::decode_u32(&view(Part::Codes).rows(&bytes, 0, 2));
+                    let (s, bi) = (f32s(Part::Scales), f32s(Part::Biases));
+                    let wpr = affine::words_per_row(512, b);
+                    let mut v = vec![0f32; per];
+                    for r in 0..2 {
+                        affine::dequantize_row(
+                            &codes[r * wpr..(r + 1) * wpr],
+                            &s[r * 16..(r + 1) * 16],
+                            &bi[r * 16..(r + 1) * 16],
+                            spec,
+                            &mut v[r * 512..(r + 1) * 512],
+                        );
+                    }
+                    if t.ty.exact() {
+                        assert_eq!(bits(&v), bits(want), "{ty} as {b}-bit affine g32");
+                        exact.push(*ty);
+                    } else {
+                        // Re-quantized: MLX's quantization of gguf-py's values.
+                        let q = affine::quantize(want, 2, 512, spec);
+                        assert_eq!(codes, q.packed, "{ty}: re-quantized codes");
+                        assert_eq!((s, bi), (q.scales, q.biases), "{ty}: scales, biases");
+                    }
+                }
+            }
+        }
+        assert_eq!(
+            exact,
+            ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "IQ4_NL", "MXFP4"]
+        );
+    }
+
+    #[test]
+    fn qwen3moe_gguf_tensors_exact_and_logits_match_golden() {
+        check_tensors("qwen3moe.gguf");
+        golden_logits("qwen3moe.gguf", "qwen3moe-hf");
+    }
+
+    #[test]
+    fn gpt_oss_gguf_mxfp4_tensors_exact_and_logits_match_golden() {
+        check_tensors("gptoss.gguf");
+        golden_logits("gptoss.gguf", "gptoss-hf");
+    }
+
+    #[test]
+    fn glm4moe_gguf_tensors_exact_and_logits_match_golden() {
+        check_tensors("glm4moe.gguf");
+        golden_logits("glm4moe.gguf", "glm4moe-hf");
+    }
+
+    #[test]
+    fn mixed_type_split_gguf_converts_exactly() {
+        let first = "qwen3moe-mixed-00001-of-00002.gguf";
+        let src = check_tensors(first);
+        let types = &src.gguf.as_ref().unwrap().types;
+        for t in [
+            "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4", "F16", "BF16", "F32",
+        ] {
+            assert!(types.contains_key(t), "{t} missing from {types:?}");
+        }
+        // Either part names the whole file; the converted model runs.
+        let tmp = tempfile::tempdir().unwrap();
+        let dst = tmp.path().join("m");
+        let second = dir().join(first.replace("-00001-", "-00002-"));
+        convert(&second, &dst, &ConvertOptions::default()).unwrap();
+        let m = check_model_dir(&dst);
+        check_dir_equals_views(&src, &dst, &m);
+        let q = |k: &str| m.quantized[k];
+        assert_eq!(
+            q("model.layers.0.self_attn.q_proj"),
+            moeflux::config::QuantSpec::affine(8, 32)
+        );
+        assert_eq!(
+            q("model.layers.0.self_attn.k_proj"),
+            moeflux::config::QuantSpec::affine(4, 32)
+        );
+        let l1 = m.experts.iter().find(|e| e.layer == 1).unwrap();
+        assert!(l1.components[0].quant.is_mxfp4());
+        assert_eq!(
+            l1.components[1].quant,
+            moeflux::config::QuantSpec::affine(8, 32)
+        );
+        assert_eq!(
+            l1.components[2].quant,
+            moeflux::config::QuantSpec::affine(4, 32)
+        );
+        let golden = common::Golden::load(&fixtures().join("qwen3moe-hf"));
+        let logits = common::open(&dst)
+            .eval(&golden.tokens, moeflux::LogitsMode::All)
+            .unwrap();
+        assert!(logits.iter().all(|x| x.is_finite()));
+    }
+
+    fn gguf_err(path: &Path) -> String {
+        let tmp = tempfile::tempdir().unwrap();
+        let e = convert(path, &tmp.path().join("m"), &ConvertOptions::default()).unwrap_err();
+        assert!(!tmp.path().join("m").exists());
+        e.to_string()
+    }
+
+    #[test]
+    fn bad_gguf_files_are_clear_errors() {
+        let tmp = tempfile::tempdir().unwrap();
+        let bytes = std::fs::read(dir().join("qwen3moe.gguf")).unwrap();
+        // Truncated in the tensor data, and in the header.
+        for (cut, what) in [(bytes.len() - 100, "run past"), (200, "cannot fit")] {
+            let p = tmp.path().join(format!("cut{cut}.gguf"));
+            std::fs::write(&p, &bytes[..cut]).unwrap();
+            let e = gguf_err(&p);
+            assert!(
+                e.contains(&p.display().to_string()) && e.contains(what),
+                "{e}"
+            );
+        }
+        // Another architecture.
+        let at = bytes.windows(8).position(|w| w == b"qwen3moe").unwrap();
+        let mut other = bytes.clone();
+        other[at..at + 8].copy_from_slice(b"qwen3xyz");
+        let p = tmp.path().join("other.gguf");
+        std::fs::write(&p, &other).unwrap();
+        let e = gguf_err(&p);
+        assert!(e.contains("qwen3xyz"), "{e}");
+        // A missing part of a split file.
+        let p = tmp.path().join("x-00001-of-00002.gguf");
+        std::fs::copy(dir().join("qwen3moe-mixed-00001-of-00002.gguf"), &p).unwrap();
+        let e = gguf_err(&p);
+        assert!(
+            e.contains("x-00002-of-00002.gguf") && e.contains("missing"),
+            "{e}"
+        );
+    }
+}

@@ -203,9 +203,9 @@ pub fn write(
 /// A whole quantized `kv_b_proj`, dequantized as `mx.dequantize` does in
 /// its scales' type.
 fn dequantized_kvb(src: &Source, raw: &str, q: &KvbQuantSrc, k: &KvbSplit) -> Vec<f32> {
-    let words = dtype::decode_u32(src.data(&src.tensors[raw]));
-    let s = dtype::decode(src.data(&src.tensors[&q.scales]), q.scale_ty);
-    let b = dtype::decode(src.data(&src.tensors[&q.biases]), q.scale_ty);
+    let words = dtype::decode_u32(&src.bytes(&src.tensors[raw]));
+    let s = dtype::decode(&src.bytes(&src.tensors[&q.scales]), q.scale_ty);
+    let b = dtype::decode(&src.bytes(&src.tensors[&q.biases]), q.scale_ty);
     let (kvl, rows) = (k.kv_lora, k.source_rows());
     let wpr = affine::words_per_row(kvl, q.spec.bits);
     let g = kvl / q.spec.group_size;
@@ -242,21 +242,22 @@ fn run_item(
             interleave,
         } => {
             let t = &src.tensors[raw];
-            let data = src.data(t);
             if verbatim(job) {
-                let bytes = &data[it.start..it.end];
-                file.write_all_at(bytes, lay.offsets[*out] + it.start as u64)?;
+                let bytes = src.byte_range(t, it.start..it.end);
+                file.write_all_at(&bytes, lay.offsets[*out] + it.start as u64)?;
                 return Ok(bytes.len() as u64);
             }
             let ty = src_ty.expect("converted tensors are floats");
             let es = dtype::size_of(t.dtype);
             let mut v = match interleave {
-                None => dtype::decode(&data[it.start * es..it.end * es], ty),
-                Some(phase) => dtype::decode(&data[2 * it.start * es..2 * it.end * es], ty)
-                    .into_iter()
-                    .skip(*phase)
-                    .step_by(2)
-                    .collect(),
+                None => dtype::decode(&src.byte_range(t, it.start * es..it.end * es), ty),
+                Some(phase) => {
+                    dtype::decode(&src.byte_range(t, 2 * it.start * es..2 * it.end * es), ty)
+                        .into_iter()
+                        .skip(*phase)
+                        .step_by(2)
+                        .collect()
+                }
             };
             for x in &mut v {
                 if *plus_one {

@@ -3,6 +3,7 @@
 //! the stacked source tensors, copied or re-quantized) and written with one
 //! positional write, so memory stays at a few extents per thread.
 
+use std::borrow::Cow;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
@@ -84,10 +85,10 @@ fn piece<'b>(buf: &'b mut [u8], r: &ExpertTensorRef) -> &'b mut [u8] {
 }
 
 /// Slice `e` of a tensor stacked along its leading dimension.
-fn expert_slice<'s>(src: &'s Source, raw: &str, e: usize) -> &'s [u8] {
+fn expert_slice<'s>(src: &'s Source, raw: &str, e: usize) -> Cow<'s, [u8]> {
     let t = &src.tensors[raw];
     let per = t.bytes_per_leading();
-    &src.data(t)[e * per..(e + 1) * per]
+    src.byte_range(t, e * per..(e + 1) * per)
 }
 
 /// Fills `buf` (zeroed, one extent) with expert `e` of layer `lp`.
@@ -113,9 +114,9 @@ pub fn build_expert(src: &Source, lp: &LayerPlan, e: usize, buf: &mut [u8]) {
                     let bytes = expert_slice(src, name, e);
                     let out = piece(buf, refs[k]);
                     if k > 0 && sty == FloatTy::F16 {
-                        dtype::encode_into(&dtype::decode(bytes, sty), Dtype::F32, out);
+                        dtype::encode_into(&dtype::decode(&bytes, sty), Dtype::F32, out);
                     } else {
-                        out.copy_from_slice(bytes);
+                        out.copy_from_slice(&bytes);
                     }
                 }
             }
@@ -178,9 +179,9 @@ fn dequantize_expert(src: &Source, c: &ComponentPlan, e: usize) -> Vec<f32> {
         unreachable!("dequantize quantized experts only")
     };
     let (spec, sty) = c.src_quant.expect("quantized source");
-    let words = dtype::decode_u32(expert_slice(src, weight, e));
-    let s = dtype::decode(expert_slice(src, scales, e), sty);
-    let b = dtype::decode(expert_slice(src, biases, e), sty);
+    let words = dtype::decode_u32(&expert_slice(src, weight, e));
+    let s = dtype::decode(&expert_slice(src, scales, e), sty);
+    let b = dtype::decode(&expert_slice(src, biases, e), sty);
     let wpr = affine::words_per_row(c.cols, spec.bits);
     let g = c.cols / spec.group_size;
     let mut out = vec![0f32; c.rows * c.cols];

@@ -1,5 +1,6 @@
 //! `convert`: an mlx-lm (quantized) or Hugging Face / mlx unquantized
-//! checkpoint -> a moeflux model directory (format v1, see `crate::format`).
+//! checkpoint, or a GGUF file ([`gguf`]) -> a moeflux model directory
+//! (format v1, see `crate::format`).
 //!
 //! Pipeline: [`source`] maps the shards and reads config.json; [`sanitize`]
 //! maps tensor names to canonical ones the way mlx-lm's `sanitize()` does;
@@ -14,6 +15,7 @@ pub mod dropped;
 pub mod dtype;
 pub mod experts;
 pub mod fp8;
+pub mod gguf;
 pub mod kvb;
 pub mod output;
 pub mod plan;
@@ -102,6 +104,10 @@ pub struct ConvertReport {
     /// Checkpoint tensors intentionally left out (vision tower, MTP head, tied lm_head),
     /// sorted; [`ConvertReport::dropped_groups`] says what they are.
     pub dropped: Vec<String>,
+    /// GGUF tensors without an exact form, re-quantized (one line per type).
+    pub warnings: Vec<String>,
+    /// GGUF sources: tensors per ggml type.
+    pub gguf_types: Vec<(String, usize)>,
     pub elapsed: Duration,
 }
 
@@ -206,7 +212,16 @@ pub(crate) fn json_4_spaces(v: &serde_json::Value) -> Vec<u8> {
 pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions) -> Result<ConvertReport> {
     let t0 = Instant::now();
     output::check_destination(dst, opts.force, Some(src))?;
-    let source = source::Source::open(src)?;
+    let source = if gguf::is_gguf(src) {
+        gguf::open(src)?
+    } else {
+        source::Source::open(src)?
+    };
+    // Tokenizer, template and generation files sit beside a GGUF file.
+    let aux_dir = match &source.gguf {
+        Some(_) => src.parent().unwrap_or(Path::new(".")),
+        None => src,
+    };
     let san = sanitize::sanitize(&source)?;
     let plan = plan::plan(&source, &san, opts.expert_bits)?;
     let layout = dense::layout(&plan.outputs);
@@ -238,19 +253,31 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions) -> Result<ConvertR
     let cfg_out = tmp.path.join("config.json");
     match &plan.config_quant {
         Some(cq) => {
-            let gen_path = src.join("generation_config.json");
+            let gen_path = aux_dir.join("generation_config.json");
             let generation: Option<serde_json::Value> = std::fs::read_to_string(&gen_path)
                 .ok()
                 .and_then(|t| serde_json::from_str(&t).ok());
             let v = plan::output_config(&source.config_json, generation.as_ref(), cq);
             output::write_file(&cfg_out, &json_4_spaces(&v))?;
         }
+        None if source.gguf.is_some() => {
+            output::write_file(&cfg_out, &json_4_spaces(&source.config_json))?
+        }
         None => output::copy_file(&source.config_path, &cfg_out)?,
     }
-    for f in AUX_FILES {
-        let p = src.join(f);
-        if p.is_file() {
-            output::copy_file(&p, &tmp.path.join(f))?;
+    match &source.gguf {
+        Some(g) if !aux_dir.join("tokenizer.json").is_file() => {
+            for (name, bytes) in gguf::tokenizer::files(&g.kv, src)? {
+                output::write_file(&tmp.path.join(name), &bytes)?;
+            }
+        }
+        _ => {
+            for f in AUX_FILES {
+                let p = aux_dir.join(f);
+                if p.is_file() {
+                    output::copy_file(&p, &tmp.path.join(f))?;
+                }
+            }
         }
     }
 
@@ -261,7 +288,11 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions) -> Result<ConvertR
         architecture: source.config.arch.model_type().into(),
         source: SourceInfo {
             path: src.display().to_string(),
-            kind: plan.kind.as_str().into(),
+            kind: if source.gguf.is_some() {
+                "gguf".into()
+            } else {
+                plan.kind.as_str().into()
+            },
             expert_bits: plan.source_expert_bits,
             expert_requantization: plan.expert_requantization.clone(),
         },
@@ -289,6 +320,16 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions) -> Result<ConvertR
         expert_bits,
         expert_requantization: plan.expert_requantization,
         dropped: san.dropped,
+        warnings: source
+            .gguf
+            .as_ref()
+            .map(|g| g.warnings())
+            .unwrap_or_default(),
+        gguf_types: source
+            .gguf
+            .as_ref()
+            .map(|g| g.types.iter().map(|(k, v)| (k.to_string(), *v)).collect())
+            .unwrap_or_default(),
         elapsed: t0.elapsed(),
     })
 }

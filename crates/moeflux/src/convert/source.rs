@@ -2,8 +2,10 @@
 //! (`model.safetensors.index.json` + shards, a single `model.safetensors`, or
 //! every `*.safetensors` of the directory).
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
@@ -22,7 +24,7 @@ pub const SINGLE_FILE: &str = "model.safetensors";
 /// One mapped shard.
 pub struct Shard {
     pub path: PathBuf,
-    map: Mmap,
+    pub(crate) map: Mmap,
 }
 
 /// Where a source tensor's bytes are.
@@ -31,9 +33,12 @@ pub struct RawTensor {
     pub shard: usize,
     pub dtype: Dtype,
     pub shape: Vec<usize>,
-    /// Byte range in the shard's map.
+    /// Byte range in the shard's map; for a GGUF view, its start and the
+    /// presented length (the source range is the view's).
     pub start: usize,
     pub len: usize,
+    /// Produced from ggml blocks on read (GGUF sources).
+    pub view: Option<super::gguf::View>,
 }
 
 impl RawTensor {
@@ -58,6 +63,8 @@ pub struct Source {
     pub tensors: BTreeMap<String, RawTensor>,
     /// FP8 (`F8_E4M3`) weight -> its `<name>_scale_inv` block scales.
     pub fp8_scales: BTreeMap<String, String>,
+    /// Set for a GGUF file (`convert::gguf`).
+    pub gguf: Option<super::gguf::GgufInfo>,
 }
 
 impl Source {
@@ -129,6 +136,7 @@ impl Source {
                     shape: view.shape().to_vec(),
                     start: data.as_ptr() as usize - base,
                     len: data.len(),
+                    view: None,
                 };
                 if let Some(prev) = tensors.insert(name.to_string(), raw) {
                     return Err(Error::tensor(
@@ -217,6 +225,7 @@ impl Source {
             shards,
             tensors,
             fp8_scales,
+            gguf: None,
         })
     }
 
@@ -234,18 +243,17 @@ impl Source {
     pub fn float_rows(&self, raw: &str, r0: usize, r1: usize) -> Vec<f32> {
         let t = &self.tensors[raw];
         let cols = t.shape.get(1).copied().unwrap_or(1);
-        let data = self.data(t);
         match self.fp8_scales.get(raw) {
             Some(sname) => {
                 let st = &self.tensors[sname];
                 let sty = FloatTy::from_dtype(st.dtype).expect("checked at open");
-                let scales = dtype::decode(self.data(st), sty);
-                fp8::decode_rows(data, &scales, cols, r0, r1)
+                let scales = dtype::decode(&self.bytes(st), sty);
+                fp8::decode_rows(&self.bytes(t), &scales, cols, r0, r1)
             }
             None => {
                 let ty = FloatTy::from_dtype(t.dtype).expect("float tensor");
                 let es = dtype::size_of(t.dtype);
-                dtype::decode(&data[r0 * cols * es..r1 * cols * es], ty)
+                dtype::decode(&self.byte_range(t, r0 * cols * es..r1 * cols * es), ty)
             }
         }
     }
@@ -254,8 +262,24 @@ impl Source {
         self.tensors.get(name)
     }
 
-    pub fn data(&self, t: &RawTensor) -> &[u8] {
-        &self.shards[t.shard].map[t.start..t.start + t.len]
+    /// A tensor's bytes (produced from ggml blocks for a GGUF view).
+    pub fn bytes(&self, t: &RawTensor) -> Cow<'_, [u8]> {
+        self.byte_range(t, 0..t.len)
+    }
+
+    /// Bytes `r` of a tensor; a GGUF view produces only the rows covering them.
+    pub fn byte_range(&self, t: &RawTensor, r: Range<usize>) -> Cow<'_, [u8]> {
+        let map = &self.shards[t.shard].map;
+        match &t.view {
+            None => Cow::Borrowed(&map[t.start + r.start..t.start + r.end]),
+            Some(v) => {
+                let rb = v.out_row_bytes();
+                let (r0, r1) = (r.start / rb, r.end.div_ceil(rb));
+                let rows = v.rows(map, r0, r1);
+                let at = r.start - r0 * rb;
+                Cow::Owned(rows[at..at + r.len()].to_vec())
+            }
+        }
     }
 
     /// Drops `name`'s pages from this process's mapping once it has been
@@ -267,8 +291,9 @@ impl Source {
         };
         let map = &self.shards[t.shard].map;
         let page = page_size();
+        let len = t.view.map_or(t.len, |v| v.src_len);
         let start = t.start / page * page;
-        let end = (t.start + t.len).next_multiple_of(page).min(map.len());
+        let end = (t.start + len).next_multiple_of(page).min(map.len());
         if end > start {
             // SAFETY: the map is a read-only shared file mapping: after
             // MADV_DONTNEED the next access faults the same file bytes back
