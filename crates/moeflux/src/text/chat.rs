@@ -41,6 +41,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value as Json};
 
 use crate::error::{Error, Result};
+use crate::text::template_budget::{self, TemplateBudget};
 use crate::text::tokenizer::{Tokenizer, TOOL_CALL_MARKUP};
 
 /// The template used when a model ships none: ChatML, as Qwen models use.
@@ -282,9 +283,17 @@ impl From<String> for Prompt {
 }
 
 /// A model's chat template, compiled.
+///
+/// It renders on a [`TemplateBudget`] (fuel and bytes; see
+/// [`crate::text::template_budget`]): by default that of a 128K-token
+/// context; [`with_context_window`](Self::with_context_window) sets the
+/// session's.
 pub struct ChatTemplate {
     env: Environment<'static>,
     source: String,
+    /// `source` as compiled (`{% generation %}` tags rewritten).
+    compiled_source: String,
+    budget: TemplateBudget,
     origin: PathBuf,
     builtin: bool,
     special_tokens: Vec<(String, String)>,
@@ -455,33 +464,46 @@ impl ChatTemplate {
         self
     }
 
+    /// Renders within `budget` from now on.
+    pub fn with_budget(mut self, budget: TemplateBudget) -> Self {
+        template_budget::install(&mut self.env, budget);
+        self.budget = budget;
+        self
+    }
+
+    /// Renders within the budget of a context of `tokens` tokens
+    /// ([`TemplateBudget::for_context`]).
+    pub fn with_context_window(self, tokens: usize) -> Self {
+        self.with_budget(TemplateBudget::for_context(tokens))
+    }
+
+    /// The budget each render runs on.
+    pub fn budget(&self) -> TemplateBudget {
+        self.budget
+    }
+
     fn compile(source: String, origin: PathBuf, builtin: bool) -> Result<Self> {
         let mut env = Environment::new();
-        env.set_syntax(
-            minijinja::syntax::SyntaxConfig::builder()
-                .trim_blocks(true)
-                .lstrip_blocks(true)
-                .keep_trailing_newline(false)
-                .build()
-                .expect("default delimiters are valid"),
-        );
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_filter("tojson", tojson);
         env.add_function("raise_exception", raise_exception);
         env.add_function("namespace", namespace);
         env.add_function("strftime_now", strftime_now);
         env.add_test("sequence", is_sequence);
         env.add_test("iterable", is_iterable);
-        env.add_template_owned(TEMPLATE_NAME, rewrite_generation_tags(&source))
-            .map_err(|e| {
-                format_err(
-                    &origin,
-                    format!("chat template syntax error: {}", describe(&e)),
-                )
-            })?;
+        let budget = TemplateBudget::default();
+        template_budget::install(&mut env, budget);
+        let compiled_source = rewrite_generation_tags(&source);
+        template_budget::compile(TEMPLATE_NAME, &compiled_source, syntax()).map_err(|e| {
+            format_err(
+                &origin,
+                format!("chat template syntax error: {}", describe(&e)),
+            )
+        })?;
         Ok(ChatTemplate {
             env,
             source,
+            compiled_source,
+            budget,
             origin,
             builtin,
             special_tokens: Vec::new(),
@@ -685,19 +707,45 @@ impl ChatTemplate {
         let ctx = Value::from_pairs(ctx);
 
         RAISED.with(|r| r.borrow_mut().take());
-        let result = self
-            .env
-            .get_template(TEMPLATE_NAME)
-            .and_then(|t| t.render(ctx));
+        let meter = template_budget::Render::start(self.budget);
+        let result = template_budget::compile(TEMPLATE_NAME, &self.compiled_source, syntax())
+            .and_then(|t| template_budget::eval(&self.env, &t, ctx));
+        let over = meter.finish();
         let raised = RAISED.with(|r| r.borrow_mut().take());
-        result.map_err(|e| match raised {
-            Some(msg) => Error::Invalid(format!("chat template: {msg}")),
-            None => format_err(
+        result.map_err(|e| match (raised, over) {
+            (Some(msg), _) => Error::Invalid(format!("chat template: {msg}")),
+            (None, Some(why)) => format_err(
+                &self.origin,
+                format!(
+                    "chat template goes over its budget: {why} ({}); the context window sets it",
+                    describe(&e)
+                ),
+            ),
+            (None, None) if e.kind() == ErrorKind::OutOfFuel => format_err(
+                &self.origin,
+                format!(
+                    "chat template ran out of fuel: more than {} instructions ({})",
+                    self.budget.fuel,
+                    describe(&e)
+                ),
+            ),
+            (None, None) => format_err(
                 &self.origin,
                 format!("chat template render error: {}", describe(&e)),
             ),
         })
     }
+}
+
+/// transformers' sandbox settings: `trim_blocks`, `lstrip_blocks`, one
+/// trailing newline dropped.
+fn syntax() -> minijinja::syntax::SyntaxConfig {
+    minijinja::syntax::SyntaxConfig::builder()
+        .trim_blocks(true)
+        .lstrip_blocks(true)
+        .keep_trailing_newline(false)
+        .build()
+        .expect("default delimiters are valid")
 }
 
 /// The texts of a message that [`ChatTemplate::render_prompt`] escapes.
@@ -854,10 +902,18 @@ impl Object for NsList {
             Ok(if i < 0 { i + len as i64 } else { i })
         };
         match (method, args) {
-            ("append", [x]) => items.push(x.clone()),
-            ("extend", [xs]) => items.extend(xs.try_iter()?),
+            ("append", [x]) => {
+                template_budget::check_items(items.len() + 1)?;
+                items.push(x.clone());
+            }
+            ("extend", [xs]) => {
+                template_budget::check_items(items.len().saturating_add(xs.len().unwrap_or(0)))?;
+                items.extend(xs.try_iter()?);
+                template_budget::check_items(items.len())?;
+            }
             ("insert", [i, x]) => {
                 let at = index(i, items.len())?.clamp(0, items.len() as i64) as usize;
+                template_budget::check_items(items.len() + 1)?;
                 items.insert(at, x.clone());
             }
             ("pop", [] | [_]) => {
@@ -970,7 +1026,14 @@ fn tojson(value: &Value, kwargs: Kwargs) -> std::result::Result<Value, minijinja
                         "tojson: indent must be an integer, a string or none",
                     )
                 })?;
-                Some(" ".repeat(n.max(0) as usize))
+                let n = n.max(0) as usize;
+                if n > template_budget::max_bytes() {
+                    return Err(minijinja::Error::new(
+                        ErrorKind::InvalidOperation,
+                        format!("tojson: indent {n} is more than the template's byte budget"),
+                    ));
+                }
+                Some(" ".repeat(n))
             }
         },
     };
@@ -1001,6 +1064,19 @@ fn tojson(value: &Value, kwargs: Kwargs) -> std::result::Result<Value, minijinja
     let mut out = String::new();
     dump(value, &opts, 0, &mut out)?;
     Ok(Value::from(out))
+}
+
+/// `dump`'s output so far within the template's byte budget (a list may
+/// hold one long string many times).
+fn dump_within_budget(out: &str) -> std::result::Result<(), minijinja::Error> {
+    let max = template_budget::max_bytes();
+    if out.len() > max {
+        return Err(minijinja::Error::new(
+            ErrorKind::InvalidOperation,
+            format!("tojson: the JSON is longer than the template's budget of {max} bytes"),
+        ));
+    }
+    Ok(())
 }
 
 struct JsonOpts {
@@ -1052,6 +1128,7 @@ fn dump(
                 }
                 newline_indent(opts, level + 1, out);
                 dump(item, opts, level + 1, out)?;
+                dump_within_budget(out)?;
             }
             newline_indent(opts, level, out);
             out.push(']');
@@ -1094,6 +1171,7 @@ fn dump(
                 dump_str(k, opts.ensure_ascii, out);
                 out.push_str(&opts.key_sep);
                 dump(val, opts, level + 1, out)?;
+                dump_within_budget(out)?;
             }
             newline_indent(opts, level, out);
             out.push('}');
