@@ -403,10 +403,13 @@ pub struct Loaded {
 pub fn load(m: &ModelArgs) -> Result<Loaded> {
     let t0 = Instant::now();
     let spinner = crate::progress::spinner("loading model");
-    let session = m.open_session()?;
+    // The small files first: a broken template or tokenizer is reported
+    // before any weights are read.
     let dir = m.dir()?;
     let tokenizer = Tokenizer::from_model_dir(&dir)?;
     let template = ChatTemplate::from_model_dir(&dir)?;
+    let session = m.open_session()?;
+    let template = template.with_context_window(session.max_context());
     spinner.finish_and_clear();
     m.report(&session);
     Ok(Loaded {

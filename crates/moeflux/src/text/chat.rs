@@ -894,6 +894,14 @@ impl Object for NsList {
         method: &str,
         args: &[Value],
     ) -> std::result::Result<Value, minijinja::Error> {
+        // Read before the lock: `ns.l.extend(ns.l)` iterates this list.
+        let extension: Option<Vec<Value>> = match (method, args) {
+            ("extend", [xs]) => {
+                template_budget::check_items(xs.len().unwrap_or(0))?;
+                Some(xs.try_iter()?.collect())
+            }
+            _ => None,
+        };
         let mut items = self.items();
         let index = |v: &Value, len: usize| -> std::result::Result<i64, minijinja::Error> {
             let i = v
@@ -906,10 +914,10 @@ impl Object for NsList {
                 template_budget::check_items(items.len() + 1)?;
                 items.push(x.clone());
             }
-            ("extend", [xs]) => {
-                template_budget::check_items(items.len().saturating_add(xs.len().unwrap_or(0)))?;
-                items.extend(xs.try_iter()?);
-                template_budget::check_items(items.len())?;
+            ("extend", [_]) => {
+                let xs = extension.unwrap_or_default();
+                template_budget::check_items(items.len().saturating_add(xs.len()))?;
+                items.extend(xs);
             }
             ("insert", [i, x]) => {
                 let at = index(i, items.len())?.clamp(0, items.len() as i64) as usize;
