@@ -42,7 +42,7 @@ use serde_json::{Map, Value as Json};
 
 use crate::error::{Error, Result};
 use crate::text::template_budget::{self, TemplateBudget};
-use crate::text::tokenizer::{Tokenizer, TOOL_CALL_MARKUP};
+use crate::text::tokenizer::{Tokenizer, MAX_TEXT_CONFIG_BYTES, TOOL_CALL_MARKUP};
 
 /// The template used when a model ships none: ChatML, as Qwen models use.
 pub const CHATML_TEMPLATE: &str = "{%- for message in messages %}\
@@ -320,7 +320,7 @@ const SPECIAL_TOKEN_KEYS: [&str; 7] = [
 ];
 
 fn read_json(path: &Path) -> Result<Json> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let text = crate::format::read_small_text(path, MAX_TEXT_CONFIG_BYTES)?;
     serde_json::from_str(&text).map_err(|source| Error::Json {
         path: path.to_path_buf(),
         source,
@@ -409,7 +409,7 @@ impl ChatTemplate {
         let jinja_path = dir.join("chat_template.jinja");
         let json_path = dir.join("chat_template.json");
         let (source, origin) = if jinja_path.is_file() {
-            let s = std::fs::read_to_string(&jinja_path).map_err(|e| Error::io(&jinja_path, e))?;
+            let s = crate::format::read_small_text(&jinja_path, MAX_TEXT_CONFIG_BYTES)?;
             (Some(s), jinja_path)
         } else if let Some(t) = config
             .as_ref()
