@@ -355,8 +355,8 @@ impl Defaults {
             moeflux::text::tokenizer::MAX_TEXT_CONFIG_BYTES,
         )
         .ok()
-            .and_then(|t| serde_json::from_str(&t).ok())
-            .unwrap_or(Json::Null);
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or(Json::Null);
         let num = |k: &str| gc.get(k).and_then(Json::as_f64);
         let d = Defaults::default();
         let greedy = gc.get("do_sample").and_then(Json::as_bool) == Some(false);

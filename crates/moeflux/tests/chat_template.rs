@@ -554,7 +554,10 @@ fn real_templates_fit_the_budget() {
                 fuel: u64::MAX / 2,
                 max_bytes: usize::MAX / 1024,
             });
-        match (budgeted.render(&messages, &opts), unbounded.render(&messages, &opts)) {
+        match (
+            budgeted.render(&messages, &opts),
+            unbounded.render(&messages, &opts),
+        ) {
             (Ok(a), Ok(b)) => assert_eq!(same_date(a, &b), b, "{name}"),
             (Err(Error::Invalid(a)), Err(Error::Invalid(b))) => assert_eq!(a, b, "{name}"),
             (a, b) => panic!("{name}: {a:?} vs {b:?}"),
@@ -574,7 +577,9 @@ fn real_templates_fit_the_budget() {
             max_bytes: TemplateBudget::MIN_BYTES,
         });
         assert!(len > 100_000, "{d}: {len}");
-        tight.render(&msgs, &opts).unwrap_or_else(|e| panic!("{d}: {e}"));
+        tight
+            .render(&msgs, &opts)
+            .unwrap_or_else(|e| panic!("{d}: {e}"));
     }
 }
 
@@ -644,7 +649,8 @@ fn hostile_templates_are_stopped() {
         ),
     ];
     for (name, src, why) in cases {
-        let t = ChatTemplate::from_source(src.as_str(), "/models/evil/chat_template.jinja").unwrap();
+        let t =
+            ChatTemplate::from_source(src.as_str(), "/models/evil/chat_template.jinja").unwrap();
         let start = std::time::Instant::now();
         let err = t
             .render(&[ChatMessage::user("hi")], &RenderOptions::default())
@@ -676,7 +682,10 @@ fn checked_operators_keep_their_meaning() {
         .render(&[], &RenderOptions::default())
         .unwrap_err()
         .to_string();
-    assert!(err.contains("t.jinja") && err.contains("render error"), "{err}");
+    assert!(
+        err.contains("t.jinja") && err.contains("render error"),
+        "{err}"
+    );
 }
 
 /// A smaller context gives a smaller byte cap, with a floor.

@@ -237,7 +237,11 @@ fn megabyte_long_tokens_are_refused() {
     let added = tokenizer_with(|v| {
         v["added_tokens"][0]["content"] = long.clone().into();
     });
-    refused(added.path(), "tokenizer.json", "an added token of 1048576 bytes");
+    refused(
+        added.path(),
+        "tokenizer.json",
+        "an added token of 1048576 bytes",
+    );
     let vocab = tokenizer_with(|v| {
         v["model"]["vocab"][long.as_str()] = 5000.into();
     });
@@ -256,9 +260,11 @@ fn deeply_nested_pre_tokenizer_is_refused() {
         "]}".repeat(depth)
     );
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let with = serde_json::to_string(&v)
-        .unwrap()
-        .replacen("\"pre_tokenizer\":", &format!("\"pre_tokenizer\":{nested},\"_old\":"), 1);
+    let with = serde_json::to_string(&v).unwrap().replacen(
+        "\"pre_tokenizer\":",
+        &format!("\"pre_tokenizer\":{nested},\"_old\":"),
+        1,
+    );
     std::fs::write(&p, with).unwrap();
     refused(tmp.path(), "tokenizer.json", "recursion limit");
 }

@@ -331,7 +331,11 @@ fn check_add(a: Value, b: Value) -> JResult<Value> {
 }
 
 fn check_mul(a: Value, b: Value) -> JResult<Value> {
-    let (v, n) = if a.as_i64().is_some() { (&b, &a) } else { (&a, &b) };
+    let (v, n) = if a.as_i64().is_some() {
+        (&b, &a)
+    } else {
+        (&a, &b)
+    };
     let times = n.as_i64().map_or(0, |n| n.max(0) as u64) as usize;
     if let Some(s) = v.as_str() {
         built(s.len().saturating_mul(times))?;
@@ -379,7 +383,10 @@ fn format_counted(out: &mut Output, _state: &mut State, value: &Value) -> JResul
         Err(_) if w.over => Err(exceeded(format!(
             "the prompt (with what the template captures) is longer than {max} bytes"
         ))),
-        Err(e) => Err(minijinja::Error::new(ErrorKind::WriteFailure, e.to_string())),
+        Err(e) => Err(minijinja::Error::new(
+            ErrorKind::WriteFailure,
+            e.to_string(),
+        )),
     }
 }
 
@@ -473,7 +480,12 @@ fn positional(args: &[Value], i: usize) -> Option<&Value> {
 
 /// The string methods (Python's, from `minijinja_contrib::pycompat`) with
 /// the growing ones checked first.
-fn method_callback(state: &mut State, value: &Value, method: &str, args: &[Value]) -> JResult<Value> {
+fn method_callback(
+    state: &mut State,
+    value: &Value,
+    method: &str,
+    args: &[Value],
+) -> JResult<Value> {
     if value.as_str().is_some() {
         match (method, args) {
             ("join", [seq]) => precheck_join(seq, value.as_str().unwrap_or_default())?,
@@ -500,7 +512,7 @@ pub(crate) fn install(env: &mut Environment<'static>, budget: TemplateBudget) {
         "join",
         guarded(Value::from_function(filters::join), |args| {
             let joiner = positional(args, 1).and_then(Value::as_str).unwrap_or("");
-            precheck_join(&args[0], joiner)
+            precheck_join(args.first().unwrap_or(&Value::UNDEFINED), joiner)
         }),
     );
     env.add_filter(
@@ -517,7 +529,10 @@ pub(crate) fn install(env: &mut Environment<'static>, budget: TemplateBudget) {
         guarded(Value::from_function(filters::indent), |args| {
             let s = args.first().and_then(Value::as_str).unwrap_or_default();
             let lines = s.bytes().filter(|&b| b == b'\n').count() + 1;
-            built(s.len().saturating_add(lines.saturating_mul(widths(&args[1..]))))
+            built(
+                s.len()
+                    .saturating_add(lines.saturating_mul(widths(&args[1..]))),
+            )
         }),
     );
     env.add_filter(
@@ -530,7 +545,12 @@ pub(crate) fn install(env: &mut Environment<'static>, budget: TemplateBudget) {
     env.add_filter(
         "slice",
         guarded(Value::from_function(filters::slice), |args| {
-            items(positional(args, 1).and_then(Value::as_i64).unwrap_or(0).max(0) as usize)
+            items(
+                positional(args, 1)
+                    .and_then(Value::as_i64)
+                    .unwrap_or(0)
+                    .max(0) as usize,
+            )
         }),
     );
     env.add_filter("string", |v: &Value| -> JResult<Value> {

@@ -463,7 +463,9 @@ fn check_sizes(json: &Value) -> std::result::Result<(), String> {
     let model = json.get("model");
     // BPE and WordPiece: {token: id}; Unigram: [[piece, score], ...].
     match model.and_then(|m| m.get("vocab")) {
-        Some(Value::Object(v)) => v.keys().try_for_each(|k| long("a token", k).map_or(Ok(()), Err))?,
+        Some(Value::Object(v)) => v
+            .keys()
+            .try_for_each(|k| long("a token", k).map_or(Ok(()), Err))?,
         Some(Value::Array(v)) => v
             .iter()
             .filter_map(|e| e.get(0).and_then(Value::as_str))
@@ -471,7 +473,10 @@ fn check_sizes(json: &Value) -> std::result::Result<(), String> {
         _ => {}
     }
     // Merges: "a b" strings or [a, b] pairs.
-    if let Some(merges) = model.and_then(|m| m.get("merges")).and_then(Value::as_array) {
+    if let Some(merges) = model
+        .and_then(|m| m.get("merges"))
+        .and_then(Value::as_array)
+    {
         for m in merges {
             let sides: Vec<&str> = match m {
                 Value::String(s) => vec![s.as_str()],
