@@ -700,6 +700,27 @@ fn the_budget_follows_the_context() {
     let t = ChatTemplate::from_source(src, "t.jinja").unwrap();
     let opts = RenderOptions::default();
     assert!(t.render(&[], &opts).is_ok());
-    let err = t.with_context_window(16).render(&[], &opts).unwrap_err();
+    let t = t.with_context_window(16);
+    let err = t.render(&[], &opts).unwrap_err();
     assert!(err.to_string().contains("budget"), "{err}");
+    // The prompt carries its conversation: a long message renders, to be
+    // refused for its length by whoever knows the context.
+    let t = ChatTemplate::from_source("{{ messages[0].content }}", "t.jinja")
+        .unwrap()
+        .with_context_window(16);
+    let long = "word ".repeat(600_000);
+    assert_eq!(
+        t.render(&[ChatMessage::user(long.as_str())], &opts)
+            .unwrap(),
+        long
+    );
+    // Qwen3.5's template passes content through a macro before printing it.
+    let qwen = ChatTemplate::from_model_dir(fixtures().join("qwen3.5"))
+        .unwrap()
+        .with_context_window(16);
+    let msgs = [
+        ChatMessage::user(long.as_str()),
+        ChatMessage::assistant(long.as_str()),
+    ];
+    assert!(qwen.render(&msgs, &opts).unwrap().len() > 2 * long.len());
 }

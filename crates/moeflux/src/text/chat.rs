@@ -706,8 +706,11 @@ impl ChatTemplate {
         );
         let ctx = Value::from_pairs(ctx);
 
+        let budget = self
+            .budget
+            .for_input(input_bytes(messages, opts), messages.len());
         RAISED.with(|r| r.borrow_mut().take());
-        let meter = template_budget::Render::start(self.budget);
+        let meter = template_budget::Render::start(budget);
         let result = template_budget::compile(TEMPLATE_NAME, &self.compiled_source, syntax())
             .and_then(|t| template_budget::eval(&self.env, &t, ctx));
         let over = meter.finish();
@@ -725,7 +728,7 @@ impl ChatTemplate {
                 &self.origin,
                 format!(
                     "chat template ran out of fuel: more than {} instructions ({})",
-                    self.budget.fuel,
+                    budget.fuel,
                     describe(&e)
                 ),
             ),
@@ -735,6 +738,25 @@ impl ChatTemplate {
             ),
         })
     }
+}
+
+/// The size of a render's input as JSON (what its prompt may carry).
+fn input_bytes(messages: &[ChatMessage], opts: &RenderOptions) -> usize {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0 += b.len();
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut n = Count(0);
+    let _ = serde_json::to_writer(&mut n, messages);
+    let _ = serde_json::to_writer(&mut n, &opts.tools);
+    let _ = serde_json::to_writer(&mut n, &opts.extra);
+    n.0
 }
 
 /// transformers' sandbox settings: `trim_blocks`, `lstrip_blocks`, one

@@ -82,6 +82,31 @@ impl TemplateBudget {
         }
     }
 
+    /// Instructions per message rendered, on top of the context's fuel:
+    /// the real templates spend under 100 per plain message (a request
+    /// may hold one message per token of context).
+    pub const FUEL_PER_MESSAGE: u64 = 1024;
+
+    /// How many times its input a render may write: templates pass a
+    /// message's content through a macro or a `{% set %}` block before
+    /// printing it (Qwen3.5's writes it about three times in all).
+    pub const INPUT_FACTOR: usize = 8;
+
+    /// This budget widened for one render's input: the prompt carries its
+    /// conversation, so the byte cap is never below
+    /// [`INPUT_FACTOR`](Self::INPUT_FACTOR) times the input's size (its
+    /// messages, tools and variables as JSON), and the fuel grows with the
+    /// message count. An input too long for the context is then refused
+    /// for its length, not blamed on the template.
+    pub fn for_input(self, bytes: usize, messages: usize) -> Self {
+        TemplateBudget {
+            fuel: self
+                .fuel
+                .saturating_add((messages as u64).saturating_mul(Self::FUEL_PER_MESSAGE)),
+            max_bytes: self.max_bytes.max(bytes.saturating_mul(Self::INPUT_FACTOR)),
+        }
+    }
+
     /// The most items of a sequence a template may build.
     pub fn max_items(&self) -> usize {
         self.max_bytes / 16
