@@ -77,13 +77,14 @@ pub fn tokenizer() -> &'static moeflux::text::tokenizer::Tokenizer {
 /// crash reproduces from its input alone).
 pub struct Swapped {
     path: PathBuf,
-    original: Vec<u8>,
+    original: Option<Vec<u8>>,
 }
 
 impl Swapped {
     pub fn new(name: &str, bytes: &[u8]) -> Swapped {
         let path = model_dir().join(name);
-        let original = std::fs::read(&path).expect("model file");
+        // A file the directory lacks is removed again afterwards.
+        let original = std::fs::read(&path).ok();
         // A new inode each time: a map of the old file stays valid.
         let tmp = path.with_extension("fuzz-tmp");
         std::fs::write(&tmp, bytes).expect("write");
@@ -92,14 +93,18 @@ impl Swapped {
     }
 
     pub fn original(&self) -> &[u8] {
-        &self.original
+        self.original.as_deref().unwrap_or_default()
     }
 }
 
 impl Drop for Swapped {
     fn drop(&mut self) {
+        let Some(original) = &self.original else {
+            let _ = std::fs::remove_file(&self.path);
+            return;
+        };
         let tmp = self.path.with_extension("fuzz-tmp");
-        let _ = std::fs::write(&tmp, &self.original);
+        let _ = std::fs::write(&tmp, original);
         let _ = std::fs::rename(&tmp, &self.path);
     }
 }

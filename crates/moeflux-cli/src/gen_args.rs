@@ -341,13 +341,19 @@ impl SamplingArgs {
     /// Flags first, then the model's generation_config.json, then defaults.
     pub fn sampler(&self, model_dir: &Path) -> Result<SamplerConfig> {
         let gc_path = model_dir.join("generation_config.json");
-        let gc: serde_json::Value = match std::fs::read_to_string(&gc_path) {
+        let text = moeflux::format::read_small_text(
+            &gc_path,
+            moeflux::text::tokenizer::MAX_TEXT_CONFIG_BYTES,
+        );
+        let gc: serde_json::Value = match text {
             Ok(t) => serde_json::from_str(&t)
                 .with_context(|| format!("{}: invalid JSON", gc_path.display()))?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => serde_json::Value::Null,
-            Err(e) => {
-                return Err(e).with_context(|| format!("reading {}", gc_path.display()));
+            Err(moeflux::Error::Io { source, .. })
+                if source.kind() == std::io::ErrorKind::NotFound =>
+            {
+                serde_json::Value::Null
             }
+            Err(e) => return Err(e.into()),
         };
         let num = |k: &str| gc.get(k).and_then(|v| v.as_f64());
         let sample = gc.get("do_sample").and_then(|v| v.as_bool()) != Some(false);
@@ -403,10 +409,13 @@ pub struct Loaded {
 pub fn load(m: &ModelArgs) -> Result<Loaded> {
     let t0 = Instant::now();
     let spinner = crate::progress::spinner("loading model");
-    let session = m.open_session()?;
+    // The small files first: a broken template or tokenizer is reported
+    // before any weights are read.
     let dir = m.dir()?;
     let tokenizer = Tokenizer::from_model_dir(&dir)?;
     let template = ChatTemplate::from_model_dir(&dir)?;
+    let session = m.open_session()?;
+    let template = template.with_context_window(session.max_context());
     spinner.finish_and_clear();
     m.report(&session);
     Ok(Loaded {

@@ -407,3 +407,20 @@ fn a_closed_stdout_ends_quietly() {
         );
     }
 }
+
+/// A template with a syntax error is reported before the weights are
+/// read: with the dense weights broken too, the error names the template.
+#[test]
+fn a_broken_template_is_reported_before_the_weights() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = convert("qwen35moe-q4", tmp.path());
+    std::fs::write(model.join("dense.safetensors"), b"not safetensors").unwrap();
+    let e = one_line_error(&moeflux(&["run", "--model", s(&model), "-p", "x"]));
+    assert!(e.contains("dense.safetensors"), "{e}");
+    std::fs::write(model.join("chat_template.jinja"), "{% if %}").unwrap();
+    let e = one_line_error(&moeflux(&["run", "--model", s(&model), "-p", "x"]));
+    assert!(
+        e.contains("chat_template.jinja") && e.contains("syntax error"),
+        "{e}"
+    );
+}

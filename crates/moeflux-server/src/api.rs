@@ -350,10 +350,13 @@ impl Default for Defaults {
 
 impl Defaults {
     pub fn from_model_dir(dir: &Path) -> Defaults {
-        let gc: Json = std::fs::read_to_string(dir.join("generation_config.json"))
-            .ok()
-            .and_then(|t| serde_json::from_str(&t).ok())
-            .unwrap_or(Json::Null);
+        let gc: Json = moeflux::format::read_small_text(
+            &dir.join("generation_config.json"),
+            moeflux::text::tokenizer::MAX_TEXT_CONFIG_BYTES,
+        )
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or(Json::Null);
         let num = |k: &str| gc.get(k).and_then(Json::as_f64);
         let d = Defaults::default();
         let greedy = gc.get("do_sample").and_then(Json::as_bool) == Some(false);

@@ -164,6 +164,8 @@ impl Server {
             n => n,
         };
         let metrics = Arc::new(Metrics::default());
+        // The template was compiled (a syntax error reported) before the
+        // session opens; it renders within the budget of the context.
         let (engine, info) = EngineHandle::start(
             open,
             tokenizer.clone(),
@@ -181,7 +183,7 @@ impl Server {
             state: Arc::new(AppState {
                 engine,
                 tokenizer,
-                template: Arc::new(template),
+                template: Arc::new(template.with_context_window(info.max_context)),
                 tool_format,
                 defaults: Defaults::from_model_dir(model_dir),
                 model_name,

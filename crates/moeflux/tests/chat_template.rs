@@ -8,6 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use moeflux::text::chat::{ChatMessage, ChatTemplate, Content, RenderOptions};
+use moeflux::text::template_budget::TemplateBudget;
 use moeflux::Error;
 use serde_json::{json, Value};
 
@@ -509,4 +510,217 @@ fn special_tokens_in_message_text_stay_text() {
     };
     let p = q35.render_prompt(&[parts], &opts, &tok).unwrap();
     assert_eq!(p.literal_spans().len(), 3, "{}", p.text());
+}
+
+/// A long conversation: `turns` user/assistant pairs of ordinary text.
+fn long_conversation(turns: usize) -> Vec<ChatMessage> {
+    let mut msgs = vec![ChatMessage::system("You are a helpful assistant.")];
+    for i in 0..turns {
+        msgs.push(ChatMessage::user(format!(
+            "Question {i}: what is the weather like in the city today, and should I take an umbrella?"
+        )));
+        msgs.push(ChatMessage::assistant(format!(
+            "Answer {i}: it is cloudy with a chance of rain in the afternoon, so an umbrella is wise."
+        )));
+    }
+    msgs.push(ChatMessage::user("Thanks!"));
+    msgs
+}
+
+/// Every real template renders its cases and a 500-turn conversation
+/// untouched on the smallest budget, and spends less than one instruction
+/// per byte of prompt (TemplateBudget::FUEL_PER_TOKEN's margin rests on it).
+#[test]
+fn real_templates_fit_the_budget() {
+    let dir = fixtures();
+    let cases: Vec<Value> =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("cases.json")).unwrap()).unwrap();
+    let smallest = TemplateBudget::for_context(0);
+    let mut dirs: Vec<&str> = Vec::new();
+    for case in &cases {
+        let name = case["name"].as_str().unwrap();
+        let d = case["dir"].as_str().unwrap();
+        if !dirs.contains(&d) {
+            dirs.push(d);
+        }
+        let messages: Vec<ChatMessage> = serde_json::from_value(case["messages"].clone()).unwrap();
+        let opts = case_options(case);
+        let budgeted = ChatTemplate::from_model_dir(dir.join(d))
+            .unwrap()
+            .with_budget(smallest);
+        let unbounded = ChatTemplate::from_model_dir(dir.join(d))
+            .unwrap()
+            .with_budget(TemplateBudget {
+                fuel: u64::MAX / 2,
+                max_bytes: usize::MAX / 1024,
+            });
+        match (
+            budgeted.render(&messages, &opts),
+            unbounded.render(&messages, &opts),
+        ) {
+            (Ok(a), Ok(b)) => assert_eq!(same_date(a, &b), b, "{name}"),
+            (Err(Error::Invalid(a)), Err(Error::Invalid(b))) => assert_eq!(a, b, "{name}"),
+            (a, b) => panic!("{name}: {a:?} vs {b:?}"),
+        }
+    }
+    assert_eq!(dirs.len(), 10, "{dirs:?}");
+    let msgs = long_conversation(500);
+    let opts = RenderOptions {
+        add_generation_prompt: true,
+        ..Default::default()
+    };
+    for d in dirs {
+        let t = ChatTemplate::from_model_dir(dir.join(d)).unwrap();
+        let len = t.render(&msgs, &opts).unwrap().len();
+        let tight = t.with_budget(TemplateBudget {
+            fuel: len as u64,
+            max_bytes: TemplateBudget::MIN_BYTES,
+        });
+        assert!(len > 100_000, "{d}: {len}");
+        tight
+            .render(&msgs, &opts)
+            .unwrap_or_else(|e| panic!("{d}: {e}"));
+    }
+}
+
+/// Templates that try to exhaust memory or time are stopped at once, with
+/// an error naming the template file.
+#[test]
+fn hostile_templates_are_stopped() {
+    let doubling = |op: &str| {
+        format!(
+            "{{% set s = 'ab' %}}{}{{{{ s|length }}}}",
+            format!("{{% set s = s {op} s %}}").repeat(40)
+        )
+    };
+    let list_doubling = format!(
+        "{{% set l = [1] %}}{}{{{{ l|length }}}}",
+        "{% set l = l + l %}".repeat(40)
+    );
+    let capture = format!(
+        "{{% set x %}}{{% for i in range(100000) %}}{}{{% endfor %}}{{% endset %}}{{{{ x|length }}}}",
+        "raw text ".repeat(100)
+    );
+    let big = "{% set s = 'a' * 1000000 %}";
+    let shared = "{% set s = 'a' * 1000000 %}{% set l = [s] * 100000 %}";
+    let cases: Vec<(&str, String, &str)> = vec![
+        ("print in a loop", format!("{big}{{% for i in range(100000) %}}{{{{ s }}}}{{% endfor %}}"), "budget"),
+        ("~ doubling", doubling("~"), "budget"),
+        ("+ doubling", doubling("+"), "budget"),
+        (
+            "~ doubling in a namespace",
+            "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}".into(),
+            "budget",
+        ),
+        ("list doubling", list_doubling, "budget"),
+        // (A variable, not a literal: MiniJinja folds constant expressions
+        // when it compiles, where no check runs.)
+        ("list repetition", "{% set n = 100000000 %}{{ ([0] * n)|length }}".into(), "budget"),
+        ("string repetition", "{% set n = 50000000 %}{{ ('a' * n)|length }}".into(), "budget"),
+        ("replace", format!("{big}{{{{ s|replace('a', s)|length }}}}"), "budget"),
+        ("replace method", format!("{big}{{{{ s.replace('a', s)|length }}}}"), "budget"),
+        ("indent", "{{ 'x\ny'|indent(10000000000) }}".into(), "budget"),
+        ("format", "{{ '%999999999999d'|format(1) }}".into(), "budget"),
+        ("format method", "{{ '{:>999999999999}'.format(1) }}".into(), "budget"),
+        ("join", format!("{shared}{{{{ l|join|length }}}}"), "budget"),
+        ("join method", format!("{shared}{{{{ ''.join(l)|length }}}}"), "budget"),
+        ("string", format!("{shared}{{{{ l|string|length }}}}"), "budget"),
+        ("pprint", format!("{shared}{{{{ l|pprint|length }}}}"), "budget"),
+        ("tojson", format!("{shared}{{{{ l|tojson|length }}}}"), "budget"),
+        ("tojson indent", "{{ [1]|tojson(indent=100000000000) }}".into(), "budget"),
+        ("concatenated list", format!("{shared}{{{{ ('' ~ l)|length }}}}"), "budget"),
+        ("printed list", format!("{shared}{{{{ l }}}}"), "budget"),
+        ("slice", "{{ [1, 2]|slice(1000000000000)|length }}".into(), "budget"),
+        (
+            "namespace list",
+            "{% set ns = namespace(l=[1]) %}{% for i in range(40) %}{% set _ = ns.l.extend(ns.l) %}{% endfor %}".into(),
+            "budget",
+        ),
+        ("capture", capture, "budget"),
+        (
+            "copies",
+            format!("{}{{% for i in range(100000) %}}{{% set t = s ~ '' %}}{{% endfor %}}", "{% set s = 'a' * 3000000 %}"),
+            "budget",
+        ),
+        (
+            "loop",
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}".into(),
+            "fuel",
+        ),
+    ];
+    for (name, src, why) in cases {
+        let t =
+            ChatTemplate::from_source(src.as_str(), "/models/evil/chat_template.jinja").unwrap();
+        let start = std::time::Instant::now();
+        let err = t
+            .render(&[ChatMessage::user("hi")], &RenderOptions::default())
+            .expect_err(name);
+        let took = start.elapsed();
+        let msg = err.to_string();
+        assert!(
+            matches!(&err, Error::Format { path, .. } if path.ends_with("evil/chat_template.jinja")),
+            "{name}: {msg}"
+        );
+        assert!(msg.contains(why), "{name}: {msg}");
+        assert!(took.as_secs_f64() < 5.0, "{name}: {took:?}");
+    }
+}
+
+/// The checks hand the operands back in order: the operators keep
+/// MiniJinja's meaning (numbers, strings, lists, tuples, none).
+#[test]
+fn checked_operators_keep_their_meaning() {
+    let src = "{{ 'x' ~ 'y' }}|{{ 1 ~ 2 }}|{{ none ~ 'x' }}|{{ [1] + [2] }}|{{ 'a' + 'b' }}|\
+{{ 'a' * 3 }}|{{ 3 * 'a' }}|{{ 2 * 3 }}|{{ 1.5 + 1 }}|{{ 7 - 2 }}|{{ [1, 2] * 2 }}|\
+{{ (1, 2) + (3,) }}|{{ 9223372036854775807 + 1 }}|{{ -2 * 2.5 }}";
+    assert_eq!(
+        render_source(src),
+        "xy|12|Nonex|[1, 2]|ab|aaa|aaa|6|2.5|5|[1, 2, 1, 2]|(1, 2, 3)|9223372036854775808|-5.0"
+    );
+    let err = ChatTemplate::from_source("{{ 'a' + 1 }}", "t.jinja")
+        .unwrap()
+        .render(&[], &RenderOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("t.jinja") && err.contains("render error"),
+        "{err}"
+    );
+}
+
+/// A smaller context gives a smaller byte cap, with a floor.
+#[test]
+fn the_budget_follows_the_context() {
+    let small = TemplateBudget::for_context(16);
+    assert_eq!(small.max_bytes, TemplateBudget::MIN_BYTES);
+    assert_eq!(small.fuel, TemplateBudget::MIN_FUEL);
+    let big = TemplateBudget::for_context(1 << 18);
+    assert_eq!(big.max_bytes, (1 << 18) * TemplateBudget::BYTES_PER_TOKEN);
+    let src = "{{ 'a' * 2000000 }}";
+    let t = ChatTemplate::from_source(src, "t.jinja").unwrap();
+    let opts = RenderOptions::default();
+    assert!(t.render(&[], &opts).is_ok());
+    let t = t.with_context_window(16);
+    let err = t.render(&[], &opts).unwrap_err();
+    assert!(err.to_string().contains("budget"), "{err}");
+    // The prompt carries its conversation: a long message renders, to be
+    // refused for its length by whoever knows the context.
+    let t = ChatTemplate::from_source("{{ messages[0].content }}", "t.jinja")
+        .unwrap()
+        .with_context_window(16);
+    let long = "word ".repeat(600_000);
+    assert_eq!(
+        t.render(&[ChatMessage::user(long.as_str())], &opts)
+            .unwrap(),
+        long
+    );
+    // Qwen3.5's template passes content through a macro before printing it.
+    let qwen = ChatTemplate::from_model_dir(fixtures().join("qwen3.5"))
+        .unwrap()
+        .with_context_window(16);
+    let msgs = [
+        ChatMessage::user(long.as_str()),
+        ChatMessage::assistant(long.as_str()),
+    ];
+    assert!(qwen.render(&msgs, &opts).unwrap().len() > 2 * long.len());
 }

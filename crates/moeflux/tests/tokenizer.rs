@@ -180,3 +180,103 @@ fn tokenizer_is_send_and_sync() {
     fn check<T: Send + Sync>() {}
     check::<Tokenizer>();
 }
+
+// ---- Hostile files: refused with the file named, before anything large is
+// built (issue 27) ----
+
+/// The fixture's tokenizer.json as JSON, changed by `edit`, in a directory.
+fn tokenizer_with(edit: impl FnOnce(&mut serde_json::Value)) -> tempfile::TempDir {
+    let tmp = dir_with(&[]);
+    let p = tmp.path().join("tokenizer.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    edit(&mut v);
+    std::fs::write(&p, serde_json::to_vec(&v).unwrap()).unwrap();
+    tmp
+}
+
+/// Loading fails quickly with an error naming `file` and holding `want`.
+fn refused(dir: &Path, file: &str, want: &str) {
+    let start = std::time::Instant::now();
+    let e = Tokenizer::from_model_dir(dir).unwrap_err().to_string();
+    assert!(e.contains(file) && e.contains(want), "{e}");
+    assert!(start.elapsed().as_secs_f64() < 2.0, "{:?}", start.elapsed());
+}
+
+#[test]
+fn oversized_tokenizer_json_is_refused_unread() {
+    let tmp = dir_with(&[]);
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(tmp.path().join("tokenizer.json"))
+        .unwrap();
+    // Sparse: nothing is written, and nothing may be read.
+    f.set_len(moeflux::text::tokenizer::MAX_TOKENIZER_BYTES + 1)
+        .unwrap();
+    refused(tmp.path(), "tokenizer.json", "larger than");
+}
+
+#[test]
+fn too_many_added_tokens_are_refused() {
+    let n = moeflux::text::tokenizer::MAX_ADDED_TOKENS + 1;
+    let tmp = tokenizer_with(|v| {
+        v["added_tokens"] = (0..n)
+            .map(|i| {
+                serde_json::json!({"id": 1024 + i, "content": format!("<x{i}>"),
+                    "single_word": false, "lstrip": false, "rstrip": false,
+                    "normalized": false, "special": true})
+            })
+            .collect();
+    });
+    refused(tmp.path(), "tokenizer.json", &format!("{n} added tokens"));
+}
+
+#[test]
+fn megabyte_long_tokens_are_refused() {
+    let long = "a".repeat(1 << 20);
+    let added = tokenizer_with(|v| {
+        v["added_tokens"][0]["content"] = long.clone().into();
+    });
+    refused(
+        added.path(),
+        "tokenizer.json",
+        "an added token of 1048576 bytes",
+    );
+    let vocab = tokenizer_with(|v| {
+        v["model"]["vocab"][long.as_str()] = 5000.into();
+    });
+    refused(vocab.path(), "tokenizer.json", "a token of 1048576 bytes");
+}
+
+#[test]
+fn deeply_nested_pre_tokenizer_is_refused() {
+    let depth = 100_000;
+    let tmp = dir_with(&[]);
+    let p = tmp.path().join("tokenizer.json");
+    let text = std::fs::read_to_string(&p).unwrap();
+    let nested = format!(
+        "{}{{\"type\": \"Whitespace\"}}{}",
+        "{\"type\": \"Sequence\", \"pretokenizers\": [".repeat(depth),
+        "]}".repeat(depth)
+    );
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let with = serde_json::to_string(&v).unwrap().replacen(
+        "\"pre_tokenizer\":",
+        &format!("\"pre_tokenizer\":{nested},\"_old\":"),
+        1,
+    );
+    std::fs::write(&p, with).unwrap();
+    refused(tmp.path(), "tokenizer.json", "recursion limit");
+}
+
+#[test]
+fn huge_generation_config_is_refused() {
+    let ids = vec!["1"; 9 << 20].join(",");
+    let tmp = dir_with(&[(
+        "generation_config.json",
+        &format!("{{\"eos_token_id\": [{ids}]}}"),
+    )]);
+    refused(tmp.path(), "generation_config.json", "larger than");
+    let tmp = dir_with(&[("generation_config.json", "{\"eos_token_id\": 1e999}")]);
+    refused(tmp.path(), "generation_config.json", "number out of range");
+}

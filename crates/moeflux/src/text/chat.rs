@@ -41,7 +41,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value as Json};
 
 use crate::error::{Error, Result};
-use crate::text::tokenizer::{Tokenizer, TOOL_CALL_MARKUP};
+use crate::text::template_budget::{self, TemplateBudget};
+use crate::text::tokenizer::{Tokenizer, MAX_TEXT_CONFIG_BYTES, TOOL_CALL_MARKUP};
 
 /// The template used when a model ships none: ChatML, as Qwen models use.
 pub const CHATML_TEMPLATE: &str = "{%- for message in messages %}\
@@ -282,9 +283,17 @@ impl From<String> for Prompt {
 }
 
 /// A model's chat template, compiled.
+///
+/// It renders on a [`TemplateBudget`] (fuel and bytes; see
+/// [`crate::text::template_budget`]): by default that of a 128K-token
+/// context; [`with_context_window`](Self::with_context_window) sets the
+/// session's.
 pub struct ChatTemplate {
     env: Environment<'static>,
     source: String,
+    /// `source` as compiled (`{% generation %}` tags rewritten).
+    compiled_source: String,
+    budget: TemplateBudget,
     origin: PathBuf,
     builtin: bool,
     special_tokens: Vec<(String, String)>,
@@ -311,7 +320,7 @@ const SPECIAL_TOKEN_KEYS: [&str; 7] = [
 ];
 
 fn read_json(path: &Path) -> Result<Json> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let text = crate::format::read_small_text(path, MAX_TEXT_CONFIG_BYTES)?;
     serde_json::from_str(&text).map_err(|source| Error::Json {
         path: path.to_path_buf(),
         source,
@@ -400,7 +409,7 @@ impl ChatTemplate {
         let jinja_path = dir.join("chat_template.jinja");
         let json_path = dir.join("chat_template.json");
         let (source, origin) = if jinja_path.is_file() {
-            let s = std::fs::read_to_string(&jinja_path).map_err(|e| Error::io(&jinja_path, e))?;
+            let s = crate::format::read_small_text(&jinja_path, MAX_TEXT_CONFIG_BYTES)?;
             (Some(s), jinja_path)
         } else if let Some(t) = config
             .as_ref()
@@ -455,33 +464,46 @@ impl ChatTemplate {
         self
     }
 
+    /// Renders within `budget` from now on.
+    pub fn with_budget(mut self, budget: TemplateBudget) -> Self {
+        template_budget::install(&mut self.env, budget);
+        self.budget = budget;
+        self
+    }
+
+    /// Renders within the budget of a context of `tokens` tokens
+    /// ([`TemplateBudget::for_context`]).
+    pub fn with_context_window(self, tokens: usize) -> Self {
+        self.with_budget(TemplateBudget::for_context(tokens))
+    }
+
+    /// The budget each render runs on.
+    pub fn budget(&self) -> TemplateBudget {
+        self.budget
+    }
+
     fn compile(source: String, origin: PathBuf, builtin: bool) -> Result<Self> {
         let mut env = Environment::new();
-        env.set_syntax(
-            minijinja::syntax::SyntaxConfig::builder()
-                .trim_blocks(true)
-                .lstrip_blocks(true)
-                .keep_trailing_newline(false)
-                .build()
-                .expect("default delimiters are valid"),
-        );
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_filter("tojson", tojson);
         env.add_function("raise_exception", raise_exception);
         env.add_function("namespace", namespace);
         env.add_function("strftime_now", strftime_now);
         env.add_test("sequence", is_sequence);
         env.add_test("iterable", is_iterable);
-        env.add_template_owned(TEMPLATE_NAME, rewrite_generation_tags(&source))
-            .map_err(|e| {
-                format_err(
-                    &origin,
-                    format!("chat template syntax error: {}", describe(&e)),
-                )
-            })?;
+        let budget = TemplateBudget::default();
+        template_budget::install(&mut env, budget);
+        let compiled_source = rewrite_generation_tags(&source);
+        template_budget::compile(TEMPLATE_NAME, &compiled_source, syntax()).map_err(|e| {
+            format_err(
+                &origin,
+                format!("chat template syntax error: {}", describe(&e)),
+            )
+        })?;
         Ok(ChatTemplate {
             env,
             source,
+            compiled_source,
+            budget,
             origin,
             builtin,
             special_tokens: Vec::new(),
@@ -684,20 +706,68 @@ impl ChatTemplate {
         );
         let ctx = Value::from_pairs(ctx);
 
+        let budget = self
+            .budget
+            .for_input(input_bytes(messages, opts), messages.len());
         RAISED.with(|r| r.borrow_mut().take());
-        let result = self
-            .env
-            .get_template(TEMPLATE_NAME)
-            .and_then(|t| t.render(ctx));
+        let meter = template_budget::Render::start(budget);
+        let result = template_budget::compile(TEMPLATE_NAME, &self.compiled_source, syntax())
+            .and_then(|t| template_budget::eval(&self.env, &t, ctx));
+        let over = meter.finish();
         let raised = RAISED.with(|r| r.borrow_mut().take());
-        result.map_err(|e| match raised {
-            Some(msg) => Error::Invalid(format!("chat template: {msg}")),
-            None => format_err(
+        result.map_err(|e| match (raised, over) {
+            (Some(msg), _) => Error::Invalid(format!("chat template: {msg}")),
+            (None, Some(why)) => format_err(
+                &self.origin,
+                format!(
+                    "chat template goes over its budget: {why} ({}); the context window sets it",
+                    describe(&e)
+                ),
+            ),
+            (None, None) if e.kind() == ErrorKind::OutOfFuel => format_err(
+                &self.origin,
+                format!(
+                    "chat template ran out of fuel: more than {} instructions ({})",
+                    budget.fuel,
+                    describe(&e)
+                ),
+            ),
+            (None, None) => format_err(
                 &self.origin,
                 format!("chat template render error: {}", describe(&e)),
             ),
         })
     }
+}
+
+/// The size of a render's input as JSON (what its prompt may carry).
+fn input_bytes(messages: &[ChatMessage], opts: &RenderOptions) -> usize {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0 += b.len();
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut n = Count(0);
+    let _ = serde_json::to_writer(&mut n, messages);
+    let _ = serde_json::to_writer(&mut n, &opts.tools);
+    let _ = serde_json::to_writer(&mut n, &opts.extra);
+    n.0
+}
+
+/// transformers' sandbox settings: `trim_blocks`, `lstrip_blocks`, one
+/// trailing newline dropped.
+fn syntax() -> minijinja::syntax::SyntaxConfig {
+    minijinja::syntax::SyntaxConfig::builder()
+        .trim_blocks(true)
+        .lstrip_blocks(true)
+        .keep_trailing_newline(false)
+        .build()
+        .expect("default delimiters are valid")
 }
 
 /// The texts of a message that [`ChatTemplate::render_prompt`] escapes.
@@ -846,6 +916,14 @@ impl Object for NsList {
         method: &str,
         args: &[Value],
     ) -> std::result::Result<Value, minijinja::Error> {
+        // Read before the lock: `ns.l.extend(ns.l)` iterates this list.
+        let extension: Option<Vec<Value>> = match (method, args) {
+            ("extend", [xs]) => {
+                template_budget::check_items(xs.len().unwrap_or(0))?;
+                Some(xs.try_iter()?.collect())
+            }
+            _ => None,
+        };
         let mut items = self.items();
         let index = |v: &Value, len: usize| -> std::result::Result<i64, minijinja::Error> {
             let i = v
@@ -854,10 +932,18 @@ impl Object for NsList {
             Ok(if i < 0 { i + len as i64 } else { i })
         };
         match (method, args) {
-            ("append", [x]) => items.push(x.clone()),
-            ("extend", [xs]) => items.extend(xs.try_iter()?),
+            ("append", [x]) => {
+                template_budget::check_items(items.len() + 1)?;
+                items.push(x.clone());
+            }
+            ("extend", [_]) => {
+                let xs = extension.unwrap_or_default();
+                template_budget::check_items(items.len().saturating_add(xs.len()))?;
+                items.extend(xs);
+            }
             ("insert", [i, x]) => {
                 let at = index(i, items.len())?.clamp(0, items.len() as i64) as usize;
+                template_budget::check_items(items.len() + 1)?;
                 items.insert(at, x.clone());
             }
             ("pop", [] | [_]) => {
@@ -970,7 +1056,14 @@ fn tojson(value: &Value, kwargs: Kwargs) -> std::result::Result<Value, minijinja
                         "tojson: indent must be an integer, a string or none",
                     )
                 })?;
-                Some(" ".repeat(n.max(0) as usize))
+                let n = n.max(0) as usize;
+                if n > template_budget::max_bytes() {
+                    return Err(minijinja::Error::new(
+                        ErrorKind::InvalidOperation,
+                        format!("tojson: indent {n} is more than the template's byte budget"),
+                    ));
+                }
+                Some(" ".repeat(n))
             }
         },
     };
@@ -1001,6 +1094,19 @@ fn tojson(value: &Value, kwargs: Kwargs) -> std::result::Result<Value, minijinja
     let mut out = String::new();
     dump(value, &opts, 0, &mut out)?;
     Ok(Value::from(out))
+}
+
+/// `dump`'s output so far within the template's byte budget (a list may
+/// hold one long string many times).
+fn dump_within_budget(out: &str) -> std::result::Result<(), minijinja::Error> {
+    let max = template_budget::max_bytes();
+    if out.len() > max {
+        return Err(minijinja::Error::new(
+            ErrorKind::InvalidOperation,
+            format!("tojson: the JSON is longer than the template's budget of {max} bytes"),
+        ));
+    }
+    Ok(())
 }
 
 struct JsonOpts {
@@ -1052,6 +1158,7 @@ fn dump(
                 }
                 newline_indent(opts, level + 1, out);
                 dump(item, opts, level + 1, out)?;
+                dump_within_budget(out)?;
             }
             newline_indent(opts, level, out);
             out.push(']');
@@ -1094,6 +1201,7 @@ fn dump(
                 dump_str(k, opts.ensure_ascii, out);
                 out.push_str(&opts.key_sep);
                 dump(val, opts, level + 1, out)?;
+                dump_within_budget(out)?;
             }
             newline_indent(opts, level, out);
             out.push('}');

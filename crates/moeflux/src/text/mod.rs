@@ -1,4 +1,5 @@
 pub mod chat;
 pub mod harmony;
 pub mod stream;
+pub mod template_budget;
 pub mod tokenizer;

@@ -38,6 +38,19 @@ pub const CONFIG_FILE: &str = "config.json";
 /// transformers' tokenizer settings (`eos_token`, `bos_token`).
 pub const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
 
+/// Largest `tokenizer.json` read (real ones are under 50 MB).
+pub const MAX_TOKENIZER_BYTES: u64 = 64 << 20;
+/// Largest of the small JSON files beside it (`tokenizer_config.json`,
+/// `generation_config.json`, `special_tokens_map.json`, chat templates):
+/// real ones are at most a few hundred KB.
+pub const MAX_TEXT_CONFIG_BYTES: u64 = 16 << 20;
+/// Most added tokens in a `tokenizer.json` (real ones have a few thousand
+/// at most); each is matched in every text encoded.
+pub const MAX_ADDED_TOKENS: usize = 1 << 16;
+/// Longest token (vocabulary entry, merge side or added token), in bytes;
+/// real ones are under 300.
+pub const MAX_TOKEN_BYTES: usize = 4096;
+
 /// Tokens that spell tool calls: decoded as text even when special tokens
 /// are skipped (see the module docs).
 pub const TOOL_CALL_MARKUP: [&str; 11] = [
@@ -138,8 +151,8 @@ impl Tokenizer {
     /// them), but specials and `<think>` are found.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
-        Self::parse(&bytes, path)
+        let text = crate::format::read_small_text(path, MAX_TOKENIZER_BYTES)?;
+        Self::parse(text.as_bytes(), path)
     }
 
     /// Loads the contents of a `tokenizer.json` (like [`Tokenizer::from_file`]).
@@ -148,10 +161,16 @@ impl Tokenizer {
     }
 
     fn parse(json: &[u8], source: &Path) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_bytes(json).map_err(|e| Error::Tokenizer {
+        let bad = |reason: String| Error::Tokenizer {
             path: source.to_path_buf(),
-            reason: e.to_string(),
-        })?;
+            reason,
+        };
+        // serde_json refuses nesting deeper than 128 levels, so a deeply
+        // nested pre-tokenizer is an error here, not a stack overflow.
+        let value: Value = serde_json::from_slice(json).map_err(|e| bad(e.to_string()))?;
+        check_sizes(&value).map_err(bad)?;
+        let inner: tokenizers::Tokenizer =
+            serde_json::from_value(value).map_err(|e| bad(e.to_string()))?;
         let vocab_size = inner
             .get_vocab(true)
             .values()
@@ -410,12 +429,76 @@ fn int_ids(obj: Option<&Value>, key: &str) -> Vec<u32> {
     }
 }
 
+/// Refuses a `tokenizer.json` whose added tokens or token lengths are
+/// beyond any real tokenizer's, before the tokenizers crate builds its
+/// tables from them.
+fn check_sizes(json: &Value) -> std::result::Result<(), String> {
+    let long = |what: &str, s: &str| {
+        (s.len() > MAX_TOKEN_BYTES).then(|| {
+            format!(
+                "{what} of {} bytes, more than the {MAX_TOKEN_BYTES} accepted",
+                s.len()
+            )
+        })
+    };
+    let added = json
+        .get("added_tokens")
+        .and_then(Value::as_array)
+        .map_or(&[][..], Vec::as_slice);
+    if added.len() > MAX_ADDED_TOKENS {
+        return Err(format!(
+            "{} added tokens, more than the {MAX_ADDED_TOKENS} accepted",
+            added.len()
+        ));
+    }
+    for t in added {
+        if let Some(e) = t
+            .get("content")
+            .and_then(Value::as_str)
+            .and_then(|c| long("an added token", c))
+        {
+            return Err(e);
+        }
+    }
+    let model = json.get("model");
+    // BPE and WordPiece: {token: id}; Unigram: [[piece, score], ...].
+    match model.and_then(|m| m.get("vocab")) {
+        Some(Value::Object(v)) => v
+            .keys()
+            .try_for_each(|k| long("a token", k).map_or(Ok(()), Err))?,
+        Some(Value::Array(v)) => v
+            .iter()
+            .filter_map(|e| e.get(0).and_then(Value::as_str))
+            .try_for_each(|k| long("a token", k).map_or(Ok(()), Err))?,
+        _ => {}
+    }
+    // Merges: "a b" strings or [a, b] pairs.
+    if let Some(merges) = model
+        .and_then(|m| m.get("merges"))
+        .and_then(Value::as_array)
+    {
+        for m in merges {
+            let sides: Vec<&str> = match m {
+                Value::String(s) => vec![s.as_str()],
+                Value::Array(p) => p.iter().filter_map(Value::as_str).collect(),
+                _ => Vec::new(),
+            };
+            if let Some(e) = sides.into_iter().find_map(|s| long("a merge", s)) {
+                return Err(e);
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The JSON in `path`, `None` when the file does not exist.
 fn read_json_opt(path: &Path) -> Result<Option<Value>> {
-    let text = match std::fs::read_to_string(path) {
+    let text = match crate::format::read_small_text(path, MAX_TEXT_CONFIG_BYTES) {
         Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(Error::io(path, e)),
+        Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+            return Ok(None)
+        }
+        Err(e) => return Err(e),
     };
     serde_json::from_str(&text)
         .map(Some)
