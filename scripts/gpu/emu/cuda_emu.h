@@ -26,6 +26,7 @@ inline std::vector<float> g_dyn_smem(1 << 20);
 
 #define __global__
 #define __device__
+#define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __shared__ static
@@ -33,6 +34,14 @@ inline std::vector<float> g_dyn_smem(1 << 20);
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
+inline int __float_as_int(float f) { int u; memcpy(&u, &f, 4); return u; }
+// Round to nearest even (the default rounding mode), saturating like the device.
+inline int __float2int_rn(float f) {
+    if (std::isnan(f)) return 0;
+    if (f >= 2147483648.0f) return 0x7fffffff;
+    if (f <= -2147483648.0f) return (int)0x80000000;
+    return (int)std::nearbyint(f);
+}
 template <class T> T __ldg(const T* p) { return *p; }
 template <class T> T __ldcg(const T* p) { return *p; }
 // Blocks run one after another, so a fence only has to order the threads of a

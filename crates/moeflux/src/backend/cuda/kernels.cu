@@ -674,6 +674,8 @@ __device__ __forceinline__ void mx_int_prep(float* xv) {
     xv[25] = ldexpf(1.0f, e - 23) + bad;
 }
 
+// c plus the dot of a's unsigned bytes with b's (unsigned / signed) bytes.
+#ifdef __CUDA_ARCH__
 __device__ __forceinline__ u32 dp4a_uu(u32 a, u32 b, u32 c) {
     u32 d;
     asm("dp4a.u32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
@@ -684,6 +686,16 @@ __device__ __forceinline__ int dp4a_us(u32 a, u32 b, int c) {
     asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     return d;
 }
+#else  // the CPU emulation (scripts/gpu/emu)
+__device__ __forceinline__ u32 dp4a_uu(u32 a, u32 b, u32 c) {
+    for (int i = 0; i < 32; i += 8) c += ((a >> i) & 0xFFu) * ((b >> i) & 0xFFu);
+    return c;
+}
+__device__ __forceinline__ int dp4a_us(u32 a, u32 b, int c) {
+    for (int i = 0; i < 32; i += 8) c += (int)((a >> i) & 0xFFu) * (int)(signed char)((b >> i) & 0xFFu);
+    return c;
+}
+#endif
 
 // A group's codes (twice their values) dotted with mx_int_prep's digits.
 __device__ __forceinline__ float mx_int_dot(const uint4& wv, const float* xv) {
