@@ -10,7 +10,9 @@
 //                     slots; tasks of 1 to 70 tokens.
 //   gpt-oss experts   MXFP4 (moe_*_mx, moe_*_slots_mx, the mma kernels' MXFP4 tiles) and
 //                     affine experts with per-expert biases and the clamped SwiGLU through
-//                     the grouped, per-slot and tensor-core paths (sums past the limit);
+//                     the grouped, per-slot (moe_*_slots, the activation-stationary
+//                     moe_*_qmv and moe_*_stream, rows of uneven slices) and tensor-core
+//                     paths (sums past the limit);
 //                     MXFP4 scale extremes (0, 1, 254, 255 = NaN).
 //   attn_kv_split     causal attention of a batch over the cache (head dims 32 to 256,
 //   attention_mma     2 to 128 query heads per KV group, partial tiles, cache rows
@@ -198,7 +200,24 @@ static double oai_ref(double g, double u, double alpha, double limit) {
     return (u + 1.0) * g / (1.0 + exp(-alpha * g));
 }
 
-enum ExpertPath { GROUPED, SLOTS, MMA };
+enum ExpertPath { GROUPED, SLOTS, MMA, QMV, STREAM };
+
+// The geometry of the activation-stationary kernels (qmv_slices, qmv_threads and
+// qmv_rows_per_block in linear.rs) for rows of cols 4-bit codes.
+static int qmv_parts(int cols) {
+    int rb = cols / 2;
+    if (rb < 512) return 1;
+    int slices = (rb + 511) / 512;
+    if (rb % 512) return std::min(slices, 8);
+    int p = 1;
+    while (p * 2 <= std::min(slices, 8)) p *= 2;
+    return p;
+}
+static int qmv_threads(int cols) { return 32 * (8 / qmv_parts(cols)) * qmv_parts(cols); }
+static int qmv_rows_per_block(int cols, int chunks) {
+    int rb = cols / 2;
+    return rb >= 512 ? 8 / qmv_parts(cols) * chunks : 8 * chunks * (512 / rb);
+}
 
 // ne experts of one layout (mx: MXFP4, else 4-bit affine, groups of 64) with biases and
 // the clamped SwiGLU (alpha 1.702, limit 7; the inputs scaled so that some gate and up
@@ -280,6 +299,7 @@ static void test_gptoss_experts(int hidden, int inter, bool mx, ExpertPath path,
     std::vector<unsigned long long> bases((size_t)n * k, 0);
     for (int e = 0; e < ne; e++)
         for (int t = 0; t < counts[e]; t++) bases[(size_t)t * k + e] = (unsigned long long)extents[e].data();
+    bool per_slot = path == SLOTS || path == QMV || path == STREAM;
     int one = path == SLOTS;
     auto rpb = [&](int cols) {  // rows_per_block in linear.rs
         int units = cols * 4 / 128;
@@ -288,7 +308,17 @@ static void test_gptoss_experts(int hidden, int inter, bool mx, ExpertPath path,
     };
     const ExpertTask* pt = tasks.data();
     const int* ps = slot_list.data();
-    const char* pname = path == GROUPED ? "grouped" : path == SLOTS ? "slots" : "mma";
+    const char* pname = path == GROUPED  ? "grouped"
+                        : path == SLOTS  ? "slots"
+                        : path == QMV    ? "slots qmv"
+                        : path == STREAM ? "slots streamed"
+                                         : "mma";
+    // The streaming kernels: 2 blocks per slot, so that each loops over several row
+    // groups; the one-pass ones: a block per row group (QMV_CHUNKS = 8 chunks per warp).
+    auto qmv_grid = [&](int rows, int cols, int chunks) {
+        int per = qmv_rows_per_block(cols, chunks);
+        return path == STREAM ? 2u : (unsigned)((rows + per - 1) / per);
+    };
     std::vector<uint4> xp;
     std::vector<float> xs;
     {
@@ -306,6 +336,14 @@ static void test_gptoss_experts(int hidden, int inter, bool mx, ExpertPath path,
                 if (mx) moe_gate_up_mx(pt, L, ps, k, px, pa);
                 else moe_gate_up_b4(pt, L, ps, k, px, pa);
             });
+        } else if (path == QMV || path == STREAM) {
+            emu_launch({qmv_grid(inter, hidden, path == STREAM ? 2 : 4), (unsigned)(n * k), 1}, qmv_threads(hidden),
+                       [&] {
+                           if (path == QMV && mx) moe_gate_up_qmv_mx(pb, L, k, px, pa);
+                           else if (path == QMV) moe_gate_up_qmv_b4(pb, L, k, px, pa);
+                           else if (mx) moe_gate_up_stream_mx(pb, L, k, px, pa);
+                           else moe_gate_up_stream_b4(pb, L, k, px, pa);
+                       });
         } else {
             emu_launch({(unsigned)((inter + rpb(hidden) - 1) / rpb(hidden)), (unsigned)(n * k), 1}, 256, [&] {
                 if (mx) moe_gate_up_slots_mx(pb, L, k, px, pa);
@@ -314,7 +352,7 @@ static void test_gptoss_experts(int hidden, int inter, bool mx, ExpertPath path,
         }
     }
     auto act_row = [&](int e, int i) {  // the act row of task e's i-th token
-        return path == SLOTS ? (size_t)slot_list[tasks[e].first + i] : (size_t)(tasks[e].first + i);
+        return per_slot ? (size_t)slot_list[tasks[e].first + i] : (size_t)(tasks[e].first + i);
     };
     std::vector<float> got;
     std::vector<double> want;
@@ -363,6 +401,15 @@ static void test_gptoss_experts(int hidden, int inter, bool mx, ExpertPath path,
                 if (mx) moe_down_mx(pt, L, ps, pa, po);
                 else moe_down_b4(pt, L, ps, pa, po);
             });
+        } else if (path == QMV || path == STREAM) {
+            const float* pa = act.data();
+            emu_launch({qmv_grid(hidden, inter, path == STREAM ? 4 : 8), (unsigned)(n * k), 1}, qmv_threads(inter),
+                       [&] {
+                           if (path == QMV && mx) moe_down_qmv_mx(pb, L, pa, po);
+                           else if (path == QMV) moe_down_qmv_b4(pb, L, pa, po);
+                           else if (mx) moe_down_stream_mx(pb, L, pa, po);
+                           else moe_down_stream_b4(pb, L, pa, po);
+                       });
         } else {
             const float* pa = act.data();
             emu_launch({(unsigned)((hidden + rpb(inter) - 1) / rpb(inter)), (unsigned)(n * k), 1}, 256, [&] {
@@ -552,6 +599,15 @@ int main() {
     test_gptoss_experts(2880 / 10, 320, true, SLOTS, {1, 1});   // 9 groups per row, a partial warp
     test_gptoss_experts(1024, 64, true, SLOTS, {1, 1}, false);  // rows split across warps, no biases
     test_gptoss_experts(64, 96, true, GROUPED, {3}, false);
+    // The activation-stationary per-slot kernels, one pass and streamed (MXFP4 dotted in
+    // integers there): rows of 64 bytes, of 544 (two uneven slices)
+    // and of 1,440 (gpt-oss's 2,880 columns: three slices, 6 warps).
+    for (ExpertPath p : {QMV, STREAM}) {
+        test_gptoss_experts(128, 256, true, p, {1, 1, 1});
+        test_gptoss_experts(1088, 512, true, p, {1, 1});
+        test_gptoss_experts(2880, 128, true, p, {1}, false);
+        test_gptoss_experts(1088, 256, false, p, {1, 1});
+    }
     test_mx_scales(0, 2, 100, false);     // subnormal halves of the smallest scales
     test_mx_scales(240, 254, -120, true);  // the largest finite scales, and a NaN one
     test_mx_scales(100, 150, 0, false);

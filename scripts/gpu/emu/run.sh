@@ -17,7 +17,8 @@
 #                     moe_down_mma, attn_kv_split, attention_mma)
 #                     through an emulated mma.sync; gpt-oss's experts (MXFP4 and affine,
 #                     per-expert biases, the clamped SwiGLU) through the grouped, per-slot
-#                     and tensor-core paths, MXFP4 scale extremes
+#                     (one-pass and streamed, MXFP4 dotted in integers) and tensor-core
+#                     paths, MXFP4 scale extremes
 #   deltanet_kernels.cpp  the chunked delta rule of a prefill (gdn_chunk_prep,
 #                     gdn_chunk_scan) against the recurrence and against delta_rule
 # Each program ends with "all ok"; the script fails if any fails. Needs g++ with
