@@ -666,6 +666,44 @@ fn hostile_templates_are_stopped() {
     }
 }
 
+/// Constant expressions that MiniJinja folds when it compiles are sized
+/// first: a template that would build a huge constant is refused when it
+/// loads, naming the file, in bounded time; one whose constants fit the
+/// default budget but not a small context's is refused when it renders.
+#[test]
+fn folded_constants_are_bounded() {
+    for src in [
+        "{{ [0] * 10000 * 10000 }}",
+        "{{ ('ab' * 10000) * 10000 }}",
+        "{% if false %}{{ 10 ** 8 * 'x' }}{% endif %}",
+        "{% macro m(a=[1, 2] * 50000000) %}{% endmacro %}",
+    ] {
+        let start = std::time::Instant::now();
+        let err = ChatTemplate::from_source(src, "/models/evil/chat_template.jinja")
+            .map(|_| ())
+            .expect_err(src);
+        let msg = err.to_string();
+        assert!(
+            matches!(&err, Error::Format { path, .. } if path.ends_with("evil/chat_template.jinja")),
+            "{src}: {msg}"
+        );
+        assert!(
+            msg.contains("budget") && msg.contains("constant"),
+            "{src}: {msg}"
+        );
+        assert!(start.elapsed().as_secs_f64() < 1.0, "{src}");
+    }
+    let t = ChatTemplate::from_source("{{ ('ab' * 750000)|length }}", "t.jinja").unwrap();
+    let opts = RenderOptions::default();
+    assert_eq!(t.render(&[], &opts).unwrap(), "1500000");
+    let err = t
+        .with_context_window(16)
+        .render(&[], &opts)
+        .map(|_| ())
+        .expect_err("1 MiB budget");
+    assert!(err.to_string().contains("budget"), "{err}");
+}
+
 /// The checks hand the operands back in order: the operators keep
 /// MiniJinja's meaning (numbers, strings, lists, tuples, none).
 #[test]

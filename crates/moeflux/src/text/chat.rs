@@ -493,11 +493,15 @@ impl ChatTemplate {
         let budget = TemplateBudget::default();
         template_budget::install(&mut env, budget);
         let compiled_source = rewrite_generation_tags(&source);
-        template_budget::compile(TEMPLATE_NAME, &compiled_source, syntax()).map_err(|e| {
-            format_err(
-                &origin,
-                format!("chat template syntax error: {}", describe(&e)),
-            )
+        let meter = template_budget::Render::start(budget);
+        let compiled = template_budget::compile(TEMPLATE_NAME, &compiled_source, syntax());
+        let over = meter.finish();
+        compiled.map_err(|e| {
+            let what = match over {
+                Some(why) => format!("chat template goes over its budget: {why}"),
+                None => format!("chat template syntax error: {}", describe(&e)),
+            };
+            format_err(&origin, what)
         })?;
         Ok(ChatTemplate {
             env,

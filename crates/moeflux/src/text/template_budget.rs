@@ -14,10 +14,10 @@
 //!   these build add up to at most [`TemplateBudget::max_built`], which
 //!   bounds the time a render spends copying.
 //!
-//! Not covered: MiniJinja folds constant expressions when it compiles
-//! (`{{ [0] * 10000 * 10000 }}`), before any check can run; its own caps
-//! (100 MB per repeated string, 10^8 items per repeated list) bound each
-//! such expression.
+//! MiniJinja folds constant expressions when it compiles
+//! (`{{ [0] * 10000 * 10000 }}`), before any of these checks can run: the
+//! repetitions it would fold are sized first
+//! ([`template_consts`](super::template_consts)).
 //!
 //! Fuel alone does not bound memory: it counts instructions, and one
 //! instruction (`{% set s = s ~ s %}`) can double a string. MiniJinja has no
@@ -273,6 +273,7 @@ pub(crate) fn compile<'s>(
     source: &'s str,
     syntax: minijinja::syntax::SyntaxConfig,
 ) -> JResult<CompiledTemplate<'s>> {
+    super::template_consts::check(name, source, syntax.clone(), max_bytes()).map_err(exceeded)?;
     let config = TemplateConfig {
         syntax_config: syntax,
         default_auto_escape: Arc::new(|_: &str| AutoEscape::None),
