@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The server's end-to-end tests: the official `openai` client (PyPI) against
+# The server's end-to-end tests: the official `openai` and `anthropic` clients (PyPI) against
 # `moeflux serve` on 127.0.0.1. Needs the `moeflux` binary (default
 # target/debug/moeflux, as `cargo test --workspace` builds it; set
 # MOEFLUX_BIN to use another) and python3. The packages of

@@ -123,6 +123,19 @@ pub struct CompletionRequest {
     pub logit_bias: Option<Map<String, Json>>,
 }
 
+/// A chat request validated, in the server's terms, whichever API it came
+/// through (OpenAI's chat completions or Anthropic's messages): what the
+/// prompt is rendered from and what generation runs with.
+#[derive(Debug, Clone)]
+pub struct ChatSpec {
+    pub messages: Vec<ChatMessage>,
+    /// OpenAI-form tools (`{"type": "function", "function": {..}}`).
+    pub tools: Option<Vec<Json>>,
+    pub choice: ToolChoice,
+    pub template_kwargs: Option<Map<String, Json>>,
+    pub params: GenParams,
+}
+
 impl ChatRequest {
     pub fn sampling(&self) -> SamplingFields {
         SamplingFields {
@@ -165,6 +178,23 @@ impl ChatRequest {
             }
         }
         Ok(kw)
+    }
+
+    /// The request checked and in the server's terms (`ctx`: the context
+    /// size; `random_seed`: the seed when none is given).
+    pub fn spec(&self, d: &Defaults, ctx: usize, random_seed: u64) -> Result<ChatSpec, ApiError> {
+        self.check_unsupported()?;
+        let template_kwargs = self.template_kwargs()?;
+        let messages = self.checked_messages()?;
+        let choice = tool_choice(self.tools.as_deref(), self.tool_choice.as_ref())?;
+        let params = gen_params(&self.sampling(), d, ctx, random_seed)?;
+        Ok(ChatSpec {
+            messages,
+            tools: self.tools.clone(),
+            choice,
+            template_kwargs,
+            params,
+        })
     }
 
     /// Options this server does not implement: refused rather than ignored.

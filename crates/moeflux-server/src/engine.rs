@@ -69,6 +69,8 @@ pub struct Outcome {
     pub cached_tokens: usize,
     pub completion_tokens: usize,
     pub finish: FinishReason,
+    /// The stop string that ended it (`finish` is `Stop`).
+    pub stop_sequence: Option<String>,
     /// From the start of the job to the first generated token.
     pub ttft: Duration,
     pub prefill: Duration,

@@ -1,5 +1,6 @@
 //! OpenAI-style error responses:
-//! `{"error": {"message", "type", "param", "code"}}` with the HTTP status.
+//! `{"error": {"message", "type", "param", "code"}}` with the HTTP status
+//! (Anthropic's shape of the same error: [`crate::anthropic::error_response`]).
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -51,7 +52,7 @@ impl ApiError {
         Self::new(
             StatusCode::UNAUTHORIZED,
             "authentication_error",
-            "missing or invalid API key: send `Authorization: Bearer <key>`",
+            "missing or invalid API key: send `Authorization: Bearer <key>` (or `x-api-key: <key>`)",
         )
         .with_code("invalid_api_key")
     }
@@ -129,9 +130,10 @@ impl std::fmt::Display for ApiError {
     }
 }
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let mut resp = (self.status, axum::Json(self.body())).into_response();
+impl ApiError {
+    /// The headers that go with this error's status: `Retry-After`,
+    /// `Connection: close` after a body timeout, `WWW-Authenticate`.
+    pub fn add_headers(&self, resp: &mut Response) {
         if let Some(s) = self.retry_after {
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(s));
@@ -144,6 +146,16 @@ impl IntoResponse for ApiError {
             resp.headers_mut()
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut resp = (self.status, axum::Json(self.body())).into_response();
+        self.add_headers(&mut resp);
+        // Kept on the response, so that a layer can answer in another API's
+        // shape (Anthropic's, under `/v1/messages`).
+        resp.extensions_mut().insert(self);
         resp
     }
 }

@@ -1,5 +1,6 @@
 //! `moeflux-server`: an OpenAI-compatible HTTP server over one moeflux
-//! model, the engine behind `moeflux serve`, embeddable in other programs.
+//! model (with Anthropic's Messages API beside it), the engine behind
+//! `moeflux serve`, embeddable in other programs.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -20,9 +21,13 @@
 //! parsing), [`prompt`] (template, forced calls, message boundaries),
 //! [`engine`] (the session's thread and its bounded FIFO queue),
 //! [`prefix_cache`] (snapshots at message boundaries), [`metrics`],
-//! [`error`] (OpenAI error objects), [`conn`] (the accept loop: connection
-//! cap and timeouts).
+//! [`error`] (OpenAI error objects), [`anthropic`] (Anthropic's Messages
+//! API onto the chat requests, its errors), [`anthropic_respond`] (its
+//! answers and SSE stream), [`conn`] (the accept loop: connection cap and
+//! timeouts).
 
+pub mod anthropic;
+pub mod anthropic_respond;
 pub mod api;
 pub mod conn;
 pub mod engine;
@@ -59,8 +64,8 @@ use tools::ToolFormat;
 
 #[derive(Debug, Clone)]
 pub struct ServerOptions {
-    /// Required as `Authorization: Bearer KEY` on every endpoint but
-    /// `/health`. An empty (or whitespace) key is refused by
+    /// Required as `Authorization: Bearer KEY` (or `x-api-key: KEY`) on
+    /// every endpoint but `/health`. An empty (or whitespace) key is refused by
     /// [`Server::start`], never read as "no key".
     pub api_key: Option<String>,
     /// The model id in responses and `/v1/models` (default: the model

@@ -95,10 +95,14 @@ impl Ids {
 }
 
 fn parser(a: &Answer) -> Option<ToolCallParser> {
-    a.tools.as_ref().map(|t| {
-        let tools = Json_::Array(t.clone());
-        ToolCallParser::new(Some(&tools), Box::new(|| random_id("call_")))
-    })
+    a.tools.as_deref().map(|t| tool_parser(t, "call_"))
+}
+
+/// The tool-call parser for a request's `tools`, naming calls
+/// `id_prefix` + random digits (or the model's own id, Kimi).
+pub(crate) fn tool_parser(tools: &[Json_], id_prefix: &'static str) -> ToolCallParser {
+    let tools = Json_::Array(tools.to_vec());
+    ToolCallParser::new(Some(&tools), Box::new(move || random_id(id_prefix)))
 }
 
 fn finish_reason(o: &Outcome, tool_calls: bool) -> &'static str {
@@ -151,20 +155,17 @@ async fn collect(
     if let (Some(p), Some(f)) = (parser.as_mut(), &a.forced) {
         take(p.push(f), &mut content);
     }
-    let outcome = loop {
-        match rx.recv().await {
-            Some(EngineEvent::Text {
-                text,
-                reasoning: true,
-            }) if a.chat => reasoning.push_str(&text),
-            Some(EngineEvent::Text { text, .. }) => match parser.as_mut() {
+    let outcome = drain(&mut rx, |text, is_reasoning| {
+        if is_reasoning && a.chat {
+            reasoning.push_str(&text);
+        } else {
+            match parser.as_mut() {
                 Some(p) => take(p.push(&text), &mut content),
                 None => content.push_str(&text),
-            },
-            Some(EngineEvent::Done(r)) => break r?,
-            None => return Err(ApiError::internal("the engine stopped")),
+            }
         }
-    };
+    })
+    .await?;
     let calls: Vec<Json_> = match parser.as_mut() {
         Some(p) => {
             take(p.finish(), &mut content);
@@ -234,29 +235,44 @@ fn data(v: &Json_) -> Event {
     Event::default().data(v.to_string())
 }
 
-fn stream(
-    st: Arc<AppState>,
-    a: Answer,
+/// A job's engine events until it is done: text to `on_text` (with
+/// whether it is reasoning), then its outcome.
+pub(crate) async fn drain(
+    rx: &mut UnboundedReceiver<EngineEvent>,
+    mut on_text: impl FnMut(String, bool),
+) -> Result<Outcome, ApiError> {
+    loop {
+        match rx.recv().await {
+            Some(EngineEvent::Text { text, reasoning }) => on_text(text, reasoning),
+            Some(EngineEvent::Done(r)) => return r,
+            None => return Err(ApiError::internal("the engine stopped")),
+        }
+    }
+}
+
+/// One API's SSE events for a job's engine events.
+pub(crate) trait SseShape: Send + 'static {
+    /// The events before any text.
+    fn start(&mut self) -> Vec<Event>;
+    fn text(&mut self, text: String, reasoning: bool) -> Vec<Event>;
+    /// The job ended (its outcome, or its error): the last events.
+    fn done(&mut self, result: Result<Outcome, ApiError>) -> Vec<Event>;
+}
+
+/// Streams `shape`'s events for the job behind `rx`, with `keep_alive`
+/// every 2 s of silence. The job is cancelled when the client goes away.
+pub(crate) fn sse(
+    mut shape: impl SseShape,
     mut rx: UnboundedReceiver<EngineEvent>,
     cancel: CancelOnDrop,
+    keep_alive: KeepAlive,
 ) -> Response {
     let (tx, out) = mpsc::channel::<Event>(64);
     tokio::spawn(async move {
         // Dropped when this task ends: early (client gone) cancels the job.
         let _cancel = cancel;
-        let c = Chunks {
-            ids: Ids::new(&st, a.chat),
-        };
-        let mut parser = parser(&a);
-        let mut first: Vec<Json_> = Vec::new();
-        if a.chat {
-            first.push(c.delta(json!({"role": "assistant", "content": ""}), None));
-        }
-        if let (Some(p), Some(f)) = (parser.as_mut(), &a.forced) {
-            first.extend(c.parsed(p.push(f)));
-        }
-        for v in first {
-            if tx.send(data(&v)).await.is_err() {
+        for e in shape.start() {
+            if tx.send(e).await.is_err() {
                 return;
             }
         }
@@ -265,64 +281,103 @@ fn stream(
                 ev = rx.recv() => ev,
                 _ = tx.closed() => return,
             };
-            let chunks = match ev {
-                Some(EngineEvent::Text {
-                    text,
-                    reasoning: true,
-                }) if a.chat => {
-                    vec![c.delta(json!({"reasoning_content": text}), None)]
-                }
-                Some(EngineEvent::Text { text, .. }) => match parser.as_mut() {
-                    Some(p) => c.parsed(p.push(&text)),
-                    None => vec![c.delta(json!({"content": text}), None)],
-                },
-                Some(EngineEvent::Done(Ok(o))) => {
-                    let mut v = match parser.as_mut() {
-                        Some(p) => c.parsed(p.finish()),
-                        None => Vec::new(),
-                    };
-                    let calls = parser.as_ref().is_some_and(|p| !p.calls().is_empty());
-                    let mut last = c.delta(json!({}), Some(finish_reason(&o, calls)));
-                    // Usage on the final chunk always (clients that did not
-                    // ask ignore it), and OpenAI's usage-only chunk on request.
-                    last["usage"] = usage(&o);
-                    last["timings"] = timings(&o);
-                    v.push(last);
-                    if a.include_usage {
-                        let mut u = c.ids.object(json!([]), true);
-                        u["usage"] = usage(&o);
-                        v.push(u);
-                    }
-                    for x in v {
-                        if tx.send(data(&x)).await.is_err() {
-                            return;
-                        }
-                    }
-                    break;
-                }
-                Some(EngineEvent::Done(Err(e))) => {
-                    let _ = tx.send(data(&e.body())).await;
-                    break;
-                }
-                None => {
-                    let _ = tx
-                        .send(data(&ApiError::internal("the engine stopped").body()))
-                        .await;
-                    break;
-                }
+            let (events, last) = match ev {
+                Some(EngineEvent::Text { text, reasoning }) => (shape.text(text, reasoning), false),
+                Some(EngineEvent::Done(r)) => (shape.done(r), true),
+                None => (shape.done(Err(ApiError::internal("the engine stopped"))), true),
             };
-            for v in chunks {
-                if tx.send(data(&v)).await.is_err() {
+            for e in events {
+                if tx.send(e).await.is_err() {
                     return;
                 }
             }
+            if last {
+                return;
+            }
         }
-        let _ = tx.send(Event::default().data("[DONE]")).await;
     });
     let events = ReceiverStream::new(out).map(Ok::<_, Infallible>);
-    // Keep-alive comments during a long prefill also reveal a client that
-    // has gone (the write fails), which cancels the job.
+    // Keep-alives during a long prefill also reveal a client that has gone
+    // (the write fails), which cancels the job.
     Sse::new(events)
-        .keep_alive(KeepAlive::new().interval(Duration::from_secs(2)))
+        .keep_alive(keep_alive.interval(Duration::from_secs(2)))
         .into_response()
+}
+
+/// OpenAI's chunks, ending with `data: [DONE]`.
+struct OpenAiStream {
+    chunks: Chunks,
+    answer: Answer,
+    parser: Option<ToolCallParser>,
+}
+
+impl SseShape for OpenAiStream {
+    fn start(&mut self) -> Vec<Event> {
+        let c = &self.chunks;
+        let mut first: Vec<Json_> = Vec::new();
+        if self.answer.chat {
+            first.push(c.delta(json!({"role": "assistant", "content": ""}), None));
+        }
+        if let (Some(p), Some(f)) = (self.parser.as_mut(), &self.answer.forced) {
+            first.extend(c.parsed(p.push(f)));
+        }
+        first.iter().map(data).collect()
+    }
+
+    fn text(&mut self, text: String, reasoning: bool) -> Vec<Event> {
+        let c = &self.chunks;
+        let chunks = if reasoning && self.answer.chat {
+            vec![c.delta(json!({"reasoning_content": text}), None)]
+        } else {
+            match self.parser.as_mut() {
+                Some(p) => c.parsed(p.push(&text)),
+                None => vec![c.delta(json!({"content": text}), None)],
+            }
+        };
+        chunks.iter().map(data).collect()
+    }
+
+    fn done(&mut self, result: Result<Outcome, ApiError>) -> Vec<Event> {
+        let c = &self.chunks;
+        let mut v = Vec::new();
+        match result {
+            Ok(o) => {
+                if let Some(p) = self.parser.as_mut() {
+                    v = c.parsed(p.finish());
+                }
+                let calls = self.parser.as_ref().is_some_and(|p| !p.calls().is_empty());
+                let mut last = c.delta(json!({}), Some(finish_reason(&o, calls)));
+                // Usage on the final chunk always (clients that did not
+                // ask ignore it), and OpenAI's usage-only chunk on request.
+                last["usage"] = usage(&o);
+                last["timings"] = timings(&o);
+                v.push(last);
+                if self.answer.include_usage {
+                    let mut u = c.ids.object(json!([]), true);
+                    u["usage"] = usage(&o);
+                    v.push(u);
+                }
+            }
+            Err(e) => v.push(e.body()),
+        }
+        let mut events: Vec<Event> = v.iter().map(data).collect();
+        events.push(Event::default().data("[DONE]"));
+        events
+    }
+}
+
+fn stream(
+    st: Arc<AppState>,
+    a: Answer,
+    rx: UnboundedReceiver<EngineEvent>,
+    cancel: CancelOnDrop,
+) -> Response {
+    let shape = OpenAiStream {
+        chunks: Chunks {
+            ids: Ids::new(&st, a.chat),
+        },
+        parser: parser(&a),
+        answer: a,
+    };
+    sse(shape, rx, cancel, KeepAlive::new())
 }

@@ -20,10 +20,12 @@ use serde_json::json;
 use tokio::sync::mpsc::unbounded_channel;
 use tower_http::catch_panic::CatchPanicLayer;
 
-use crate::api::{self, ChatRequest, CompletionRequest, Prompt};
-use crate::engine::{Admission, Job};
+use crate::anthropic::{self, MessagesRequest};
+use crate::anthropic_respond::{self, MessageAnswer};
+use crate::api::{self, ChatRequest, ChatSpec, CompletionRequest, Prompt};
+use crate::engine::{Admission, EngineEvent, Job};
 use crate::error::ApiError;
-use crate::prompt::{self, ChatInput};
+use crate::prompt::{self, ChatInput, ChatPrompt};
 use crate::respond::{self, Answer, CancelOnDrop};
 use crate::{random_u64, AppState};
 
@@ -31,6 +33,8 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/messages", post(messages))
+        .route("/v1/messages/count_tokens", post(count_tokens))
         .route("/v1/models", get(models))
         .route("/v1/models/{*id}", get(model))
         .route("/metrics", get(metrics))
@@ -46,6 +50,7 @@ pub fn router(state: Arc<AppState>) -> Router {
                 ApiError::internal("internal error: the request handler panicked").into_response()
             },
         ))
+        .layer(middleware::from_fn(anthropic_errors))
         .with_state(state)
 }
 
@@ -57,22 +62,38 @@ pub fn over_limit_router(state: Arc<AppState>) -> Router {
         .fallback(|| async {
             ApiError::unavailable("the server has too many open connections; retry later")
         })
+        .layer(middleware::from_fn(anthropic_errors))
         .with_state(state)
 }
 
-/// `Authorization: Bearer KEY` on everything but `/health`, when a key is
-/// set. The scheme is case-insensitive (RFC 9110); the key is compared in
-/// constant time.
+/// Errors under `/v1/messages` in Anthropic's shape, wherever they arose
+/// (the key check, the body limit, a panic, an unknown path or method):
+/// every [`ApiError`] response carries its error.
+async fn anthropic_errors(req: Request, next: Next) -> Response {
+    let dialect = anthropic::is_path(req.uri().path());
+    let mut resp = next.run(req).await;
+    if dialect {
+        if let Some(e) = resp.extensions_mut().remove::<ApiError>() {
+            return anthropic::error_response(e);
+        }
+    }
+    resp
+}
+
+/// `Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY`
+/// (Anthropic's) on everything but `/health`, when a key is set. The
+/// scheme is case-insensitive (RFC 9110); the key is compared in constant
+/// time.
 async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     if let Some(key) = &st.api_key {
         if req.uri().path() != "/health" {
-            let given = req
-                .headers()
-                .get(header::AUTHORIZATION)
-                .and_then(|v| v.to_str().ok())
-                .and_then(bearer_token)
-                .unwrap_or("");
-            let ok: bool = subtle::ConstantTimeEq::ct_eq(given.as_bytes(), key.as_bytes()).into();
+            let h = req.headers();
+            let value = |name: header::HeaderName| h.get(name).and_then(|v| v.to_str().ok());
+            let bearer = value(header::AUTHORIZATION).and_then(bearer_token);
+            let x_api_key = value(header::HeaderName::from_static("x-api-key")).map(str::trim);
+            let ok = [bearer, x_api_key].into_iter().flatten().any(|given| {
+                subtle::ConstantTimeEq::ct_eq(given.as_bytes(), key.as_bytes()).into()
+            });
             if !ok {
                 st.metrics.request("auth", 401);
                 return ApiError::unauthorized().into_response();
@@ -90,7 +111,7 @@ fn bearer_token(value: &str) -> Option<&str> {
 }
 
 async fn not_found() -> ApiError {
-    ApiError::not_found("no such endpoint; see /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics")
+    ApiError::not_found("no such endpoint; see /v1/chat/completions, /v1/completions, /v1/messages, /v1/messages/count_tokens, /v1/models, /health, /metrics")
 }
 
 /// The request body, read within `body_timeout` (a client trickling it
@@ -129,47 +150,8 @@ async fn chat_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiErr
     let body = read_body(st, req).await?;
     let req: ChatRequest = api::parse_body(&body)?;
     drop(body);
-    req.check_unsupported()?;
-    let kwargs = req.template_kwargs()?;
-    let messages = req.checked_messages()?;
-    let choice = api::tool_choice(req.tools.as_deref(), req.tool_choice.as_ref())?;
-    let params = api::gen_params(
-        &req.sampling(),
-        &st.defaults,
-        st.info.max_context,
-        random_u64(),
-    )?;
-    // Every message renders to at least one token.
-    if messages.len() > st.info.max_context {
-        return Err(ApiError::invalid(
-            "messages",
-            format!(
-                "{} messages cannot fit in the context of {} tokens",
-                messages.len(),
-                st.info.max_context
-            ),
-        )
-        .with_code("context_length_exceeded"));
-    }
-    let admission = st.engine.admit()?;
-    let (st2, tools, choice2) = (st.clone(), req.tools.clone(), choice.clone());
-    let max_tokens = params.max_tokens;
-    let prepared = prepare(st, move || {
-        prompt::chat_prompt_checked(
-            &st2.template,
-            &st2.tokenizer,
-            st2.tool_format,
-            &ChatInput {
-                messages: &messages,
-                tools: tools.as_deref(),
-                choice: &choice2,
-                template_kwargs: kwargs.as_ref(),
-            },
-            &|text| before_tokenizing(&st2, text, max_tokens, "messages"),
-        )
-    })
-    .await?;
-    check_length(st, prepared.tokens.len(), params.max_tokens, "messages")?;
+    let spec = req.spec(&st.defaults, st.info.max_context, random_u64())?;
+    let job = start_chat(st, spec).await?;
     let answer = Answer {
         chat: true,
         stream: req.stream.unwrap_or(false),
@@ -178,24 +160,132 @@ async fn chat_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiErr
             .as_ref()
             .and_then(|o| o.include_usage)
             .unwrap_or(false),
-        tools: prepared
-            .parse_tools
-            .then(|| req.tools.clone().unwrap_or_default()),
-        forced: prepared.forced.clone(),
+        tools: job.tools,
+        forced: job.forced,
     };
-    let (cancel, rx) = submit(
+    Ok(respond::answer(st.clone(), answer, job.events, job.cancel).await)
+}
+
+/// Anthropic's `POST /v1/messages`: the request in the server's terms,
+/// the same chat job, the answer in Anthropic's shapes.
+async fn messages(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    let r = messages_inner(&st, req).await;
+    counted(&st, "messages", Ok(r.unwrap_or_else(anthropic::error_response)))
+}
+
+async fn messages_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiError> {
+    let body = read_body(st, req).await?;
+    let req: MessagesRequest = api::parse_body(&body)?;
+    drop(body);
+    let spec = req.spec(&st.defaults, st.info.max_context, random_u64())?;
+    let job = start_chat(st, spec).await?;
+    let answer = MessageAnswer {
+        stream: req.stream.unwrap_or(false),
+        prompt_tokens: job.prompt_tokens,
+        tools: job.tools,
+        forced: job.forced,
+    };
+    Ok(anthropic_respond::answer(st.clone(), answer, job.events, job.cancel).await)
+}
+
+/// Anthropic's `POST /v1/messages/count_tokens`: the prompt's tokens, as
+/// `/v1/messages` would render them (`usage.input_tokens`).
+async fn count_tokens(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    let r = count_tokens_inner(&st, req).await;
+    counted(
+        &st,
+        "count_tokens",
+        Ok(r.unwrap_or_else(anthropic::error_response)),
+    )
+}
+
+async fn count_tokens_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiError> {
+    let body = read_body(st, req).await?;
+    let req: MessagesRequest = api::parse_body(&body)?;
+    drop(body);
+    let spec = req.count_spec(&st.defaults, st.info.max_context)?;
+    let (_admission, _, prompt) = prepare_chat(st, spec).await?;
+    Ok(Json(json!({"input_tokens": prompt.tokens.len()})).into_response())
+}
+
+/// A chat job queued: what its answer needs.
+struct ChatJob {
+    prompt_tokens: usize,
+    /// The request's tools when calls are parsed out of the answer.
+    tools: Option<Vec<serde_json::Value>>,
+    /// A forced call's opening, appended to the prompt.
+    forced: Option<String>,
+    cancel: CancelOnDrop,
+    events: tokio::sync::mpsc::UnboundedReceiver<EngineEvent>,
+}
+
+/// Renders and tokenizes a chat request's prompt (see [`prepare_chat`])
+/// and queues its job.
+async fn start_chat(st: &Arc<AppState>, spec: ChatSpec) -> Result<ChatJob, ApiError> {
+    let (admission, spec, prepared) = prepare_chat(st, spec).await?;
+    check_length(st, prepared.tokens.len(), spec.params.max_tokens, "messages")?;
+    let prompt_tokens = prepared.tokens.len();
+    let (cancel, events) = submit(
         st,
         admission,
         Job {
             prompt: prepared.tokens,
             boundaries: prepared.boundaries,
-            params,
+            params: spec.params,
             starts_in_reasoning: prepared.starts_in_reasoning,
             cancel: Arc::new(AtomicBool::new(false)),
             events: unbounded_channel().0,
         },
     )?;
-    Ok(respond::answer(st.clone(), answer, rx, cancel).await)
+    Ok(ChatJob {
+        prompt_tokens,
+        tools: prepared
+            .parse_tools
+            .then(|| spec.tools.unwrap_or_default()),
+        forced: prepared.forced,
+        cancel,
+        events,
+    })
+}
+
+/// Takes a place in the queue (a refused request is never tokenized), then
+/// renders and tokenizes the chat prompt off the async threads.
+async fn prepare_chat(
+    st: &Arc<AppState>,
+    spec: ChatSpec,
+) -> Result<(Admission, ChatSpec, ChatPrompt), ApiError> {
+    // Every message renders to at least one token.
+    if spec.messages.len() > st.info.max_context {
+        return Err(ApiError::invalid(
+            "messages",
+            format!(
+                "{} messages cannot fit in the context of {} tokens",
+                spec.messages.len(),
+                st.info.max_context
+            ),
+        )
+        .with_code("context_length_exceeded"));
+    }
+    let admission = st.engine.admit()?;
+    let st2 = st.clone();
+    let (spec, prepared) = prepare(st, move || {
+        let max_tokens = spec.params.max_tokens;
+        let prepared = prompt::chat_prompt_checked(
+            &st2.template,
+            &st2.tokenizer,
+            st2.tool_format,
+            &ChatInput {
+                messages: &spec.messages,
+                tools: spec.tools.as_deref(),
+                choice: &spec.choice,
+                template_kwargs: spec.template_kwargs.as_ref(),
+            },
+            &|text| before_tokenizing(&st2, text, max_tokens, "messages"),
+        )?;
+        Ok((spec, prepared))
+    })
+    .await?;
+    Ok((admission, spec, prepared))
 }
 
 async fn completions(State(st): State<Arc<AppState>>, req: Request) -> Response {

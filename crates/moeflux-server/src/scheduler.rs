@@ -580,6 +580,7 @@ impl<'t> Scheduler<'t> {
                     cached_tokens: r.cached,
                     completion_tokens: r.generated,
                     finish,
+                    stop_sequence: r.decoder.stop_string().map(str::to_string),
                     ttft: prefill,
                     prefill,
                     decode: now - first,

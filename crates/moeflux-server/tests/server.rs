@@ -709,6 +709,96 @@ async fn api_key_is_required_when_set() {
     assert_eq!(call(&s, health).await.0, StatusCode::OK);
 }
 
+/// Anthropic's Messages API: errors in its shape wherever they arise (the
+/// key, the body limit, an unknown path or method, validation), the key as
+/// `x-api-key`, and a stream whose SSE event names are its data's types.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropic_messages_errors_and_stream_events() {
+    let s = server(ServerOptions {
+        api_key: Some("sekrit".into()),
+        max_body_bytes: 4096,
+        ..Default::default()
+    });
+    let req = |method: &str, path: &str, key: Option<&str>, body: String| {
+        let mut r = Request::builder()
+            .method(method)
+            .uri(path)
+            .header("content-type", "application/json");
+        if let Some(k) = key {
+            r = r.header("x-api-key", k);
+        }
+        r.body(Body::from(body)).unwrap()
+    };
+    let ok = json!({"max_tokens": 6, "temperature": 0, "thinking": {"type": "disabled"},
+                    "messages": [{"role": "user", "content": "Hello"}]});
+    let cases = [
+        ("POST", "/v1/messages", None, ok.to_string(), 401, "authentication_error"),
+        ("POST", "/v1/messages", Some("wrong"), ok.to_string(), 401, "authentication_error"),
+        ("POST", "/v1/messages", Some("sekrit"), "x".repeat(5000), 413, "request_too_large"),
+        ("GET", "/v1/messages", Some("sekrit"), String::new(), 405, "invalid_request_error"),
+        ("POST", "/v1/messages/nothing", Some("sekrit"), "{}".into(), 404, "not_found_error"),
+        ("POST", "/v1/messages", Some("sekrit"), "{\"messages\": [".into(), 400, "invalid_request_error"),
+        (
+            "POST",
+            "/v1/messages/count_tokens",
+            Some("sekrit"),
+            json!({"messages": [{"role": "tool", "content": "x"}]}).to_string(),
+            400,
+            "invalid_request_error",
+        ),
+    ];
+    for (method, path, key, body, status, kind) in cases {
+        let (st, v) = call(&s, req(method, path, key, body)).await;
+        assert_eq!(st.as_u16(), status, "{method} {path}: {v}");
+        assert_eq!(v["type"], "error", "{v}");
+        assert_eq!(v["error"]["type"], kind, "{v}");
+        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()));
+    }
+    // x-api-key on the OpenAI routes too; their errors keep OpenAI's shape.
+    let bad = json!({"messages": [{"role": "user", "content": "x"}], "temperature": 9});
+    let (st, v) = call(&s, req("POST", "/v1/chat/completions", Some("sekrit"), bad.to_string())).await;
+    assert_eq!(st, StatusCode::BAD_REQUEST);
+    assert_eq!(v["error"]["param"], "temperature", "{v}");
+
+    let (st, v) = call(&s, req("POST", "/v1/messages", Some("sekrit"), ok.to_string())).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let mut body = ok.clone();
+    body["stream"] = json!(true);
+    let resp = s
+        .router()
+        .oneshot(req("POST", "/v1/messages", Some("sekrit"), body.to_string()))
+        .await
+        .unwrap();
+    assert_eq!(resp.headers()["content-type"], "text/event-stream");
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    let text = String::from_utf8(bytes.to_vec()).unwrap();
+    let mut names = Vec::new();
+    let mut streamed = String::new();
+    for ev in text.split("\n\n").filter(|e| !e.trim().is_empty()) {
+        let name = ev.lines().find_map(|l| l.strip_prefix("event: ")).unwrap();
+        let data: Value = serde_json::from_str(
+            ev.lines().find_map(|l| l.strip_prefix("data: ")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(data["type"], name, "{ev}");
+        if let Some(t) = data["delta"]["text"].as_str() {
+            streamed.push_str(t);
+        }
+        if name == "message_delta" {
+            assert_eq!(data["delta"]["stop_reason"], v["stop_reason"]);
+            assert_eq!(data["usage"]["output_tokens"], v["usage"]["output_tokens"]);
+        }
+        names.push(name.to_string());
+    }
+    assert_eq!(names.first().unwrap(), "message_start");
+    assert_eq!(&names[names.len() - 2..], ["message_delta", "message_stop"]);
+    assert_eq!(streamed, v["content"][0]["text"].as_str().unwrap());
+    let (_, m) = call(&s, Request::get("/metrics").header("x-api-key", "sekrit").body(Body::empty()).unwrap()).await;
+    let m = m.as_str().unwrap();
+    assert!(m.contains("moeflux_requests_total{endpoint=\"messages\",status=\"200\"} 2"), "{m}");
+    assert!(m.contains("moeflux_requests_total{endpoint=\"count_tokens\",status=\"400\"} 1"), "{m}");
+}
+
 /// With no room in the queue, a second request while one runs gets 429
 /// with Retry-After; dropping the running stream cancels its generation.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

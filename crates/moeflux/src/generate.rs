@@ -408,6 +408,11 @@ impl<'t> Decoder<'t> {
         }))
     }
 
+    /// The stop string that ended generation ([`FinishReason::Stop`]).
+    pub fn stop_string(&self) -> Option<&str> {
+        self.stops.matched()
+    }
+
     /// Flushes the text held back, unless generation ended on a stop string.
     pub fn finish(
         &mut self,

@@ -553,6 +553,8 @@ pub struct StopStrings {
     stops: Vec<String>,
     held: String,
     hit: bool,
+    /// Which stop string was hit (an index into `stops`).
+    matched: Option<usize>,
 }
 
 impl StopStrings {
@@ -562,6 +564,7 @@ impl StopStrings {
             stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
             held: String::new(),
             hit: false,
+            matched: None,
         }
     }
 
@@ -573,6 +576,12 @@ impl StopStrings {
     /// Whether a stop string has been hit.
     pub fn is_hit(&self) -> bool {
         self.hit
+    }
+
+    /// The stop string that was hit (the earliest in the text; of two at
+    /// the same place, the shorter, which completed first).
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.map(|i| self.stops[i].as_str())
     }
 
     /// The text held back so far (a possible start of a stop string).
@@ -593,8 +602,9 @@ impl StopStrings {
         let full = self.first_match(&buf);
         let partial = self.first_partial(&buf);
         match (full, partial) {
-            (Some(p), q) if q.is_none_or(|q| p <= q) => {
+            (Some((p, i)), q) if q.is_none_or(|q| p <= q) => {
                 self.hit = true;
+                self.matched = Some(i);
                 let mut buf = buf;
                 buf.truncate(p);
                 (buf, true)
@@ -617,16 +627,23 @@ impl StopStrings {
             return String::new();
         }
         let mut buf = std::mem::take(&mut self.held);
-        if let Some(p) = self.first_match(&buf) {
+        if let Some((p, i)) = self.first_match(&buf) {
             self.hit = true;
+            self.matched = Some(i);
             buf.truncate(p);
         }
         buf
     }
 
-    /// Start of the earliest complete stop string in `buf`.
-    fn first_match(&self, buf: &str) -> Option<usize> {
-        self.stops.iter().filter_map(|s| buf.find(s.as_str())).min()
+    /// Start of the earliest complete stop string in `buf`, and its index
+    /// (the shorter of two that start there).
+    fn first_match(&self, buf: &str) -> Option<(usize, usize)> {
+        self.stops
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| buf.find(s.as_str()).map(|p| (p, s.len(), i)))
+            .min()
+            .map(|(p, _, i)| (p, i))
     }
 
     /// Earliest position whose tail is a proper prefix of a stop string.

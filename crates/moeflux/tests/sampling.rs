@@ -512,6 +512,27 @@ fn stop_split_across_chunks() {
 }
 
 #[test]
+fn the_stop_string_hit_is_named() {
+    let mut s = StopStrings::new(vec!["".into(), "abcd".into(), "bc".into(), "xy".into()]);
+    assert_eq!(s.matched(), None);
+    // "bc" completes inside "abcd", which starts earlier: "abcd" is hit.
+    for c in ["a", "b", "c"] {
+        assert_eq!(s.push(c), (String::new(), false));
+    }
+    assert_eq!(s.push("d"), (String::new(), true));
+    assert_eq!(s.matched(), Some("abcd"));
+    // Of two at one place, the shorter (it completed first).
+    let mut s = StopStrings::new(vec!["xyz".into(), "xy".into()]);
+    assert_eq!(s.push("1 xyz"), ("1 ".into(), true));
+    assert_eq!(s.matched(), Some("xy"));
+    // Found when the held text is flushed at the end.
+    let mut s = StopStrings::new(vec!["ab".into(), "q".into()]);
+    assert_eq!(s.push("a"), (String::new(), false));
+    assert_eq!(s.finish(), "a");
+    assert_eq!(s.matched(), None);
+}
+
+#[test]
 fn held_text_released_when_it_diverges() {
     let mut s = StopStrings::new(vec!["STOP".into()]);
     assert_eq!(s.push("abc ST"), ("abc ".into(), false));
