@@ -1,11 +1,13 @@
 //! A request body as the server parses it: JSON into the request types,
 //! field validation, sampling parameters, tool choice, then the prompt
 //! (chat template and tokenizer) that would be queued. Every refusal is an
-//! OpenAI error, never a panic.
+//! error object, never a panic. A chat body is also read as an Anthropic
+//! Messages request.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use moeflux_server::api::{self, ChatRequest, CompletionRequest, Defaults};
+use moeflux_server::anthropic::MessagesRequest;
+use moeflux_server::api::{self, ChatRequest, ChatSpec, CompletionRequest, Defaults};
 use moeflux_server::prompt::{self, ChatInput};
 use moeflux_server::tools::ToolFormat;
 
@@ -25,31 +27,28 @@ fuzz_target!(|data: &[u8]| {
         let _ = api::gen_params(&req.sampling(), &defaults, 256, 7);
         return;
     }
-    let Ok(req) = api::parse_body::<ChatRequest>(body) else {
-        return;
-    };
-    if req.check_unsupported().is_err() {
-        return;
-    }
-    let Ok(messages) = req.checked_messages() else {
-        return;
-    };
-    if api::gen_params(&req.sampling(), &defaults, 256, 7).is_err() {
-        return;
-    }
-    let Ok(choice) = api::tool_choice(req.tools.as_deref(), req.tool_choice.as_ref()) else {
-        return;
-    };
     let template = common::template(which >> 1);
-    let _ = prompt::chat_prompt(
-        template,
-        common::tokenizer(),
-        ToolFormat::detect(template.source()),
-        &ChatInput {
-            messages: &messages,
-            tools: req.tools.as_deref(),
-            choice: &choice,
-            template_kwargs: req.chat_template_kwargs.as_ref(),
-        },
-    );
+    let render = |spec: &ChatSpec| {
+        let _ = prompt::chat_prompt(
+            template,
+            common::tokenizer(),
+            ToolFormat::detect(template.source()),
+            &ChatInput {
+                messages: &spec.messages,
+                tools: spec.tools.as_deref(),
+                choice: &spec.choice,
+                template_kwargs: spec.template_kwargs.as_ref(),
+            },
+        );
+    };
+    if let Ok(req) = api::parse_body::<MessagesRequest>(body) {
+        if let Ok(spec) = req.spec(&defaults, 256, 7) {
+            render(&spec);
+        }
+    }
+    if let Ok(spec) =
+        api::parse_body::<ChatRequest>(body).and_then(|req| req.spec(&defaults, 256, 7))
+    {
+        render(&spec);
+    }
 });

@@ -24,7 +24,7 @@ use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{json, Map, Value as Json};
 
-use crate::api::{self, ChatSpec, Defaults, SamplingFields, Stop, ToolChoice};
+use crate::api::{self, ChatSpec, Defaults, SamplingFields, Stop};
 use crate::error::ApiError;
 
 /// Joins the text blocks of one message (or of `system`).
@@ -55,6 +55,8 @@ pub struct MessagesRequest {
     pub tools: Option<Vec<Json>>,
     pub tool_choice: Option<Json>,
     pub thinking: Option<Json>,
+    /// `effort` (the template's `reasoning_effort`); `format` is refused.
+    pub output_config: Option<Json>,
     /// Anthropic-hosted features: refused when given.
     pub container: Option<Json>,
     pub mcp_servers: Option<Vec<Json>>,
@@ -127,9 +129,14 @@ impl MessagesRequest {
         let messages = self.chat_messages()?;
         let tools = self.openai_tools()?;
         let choice = api::tool_choice(tools.as_deref(), self.openai_tool_choice()?.as_ref())?;
-        let template_kwargs = self
-            .enable_thinking()?
-            .map(|on| Map::from_iter([("enable_thinking".to_string(), Json::Bool(on))]));
+        let mut template_kwargs = Map::new();
+        if let Some(on) = self.enable_thinking()? {
+            template_kwargs.insert("enable_thinking".into(), on.into());
+        }
+        if let Some(effort) = self.reasoning_effort()? {
+            template_kwargs.insert("reasoning_effort".into(), effort.into());
+        }
+        let template_kwargs = (!template_kwargs.is_empty()).then_some(template_kwargs);
         let params = api::gen_params(&self.sampling(), d, ctx, random_seed).map_err(|mut e| {
             if e.param.as_deref() == Some("stop") {
                 e.param = Some("stop_sequences".into());
@@ -289,12 +296,45 @@ impl MessagesRequest {
                     "`budget_tokens` must be a positive integer",
                 )),
             },
+            Some("between_tools") => Ok(Some(true)),
             Some("disabled") => Ok(Some(false)),
             // The model decides: what its template does by default.
             Some("adaptive") => Ok(None),
             _ => Err(ApiError::invalid(
                 "thinking.type",
-                "`thinking.type` must be \"enabled\", \"disabled\" or \"adaptive\"",
+                "`thinking.type` must be \"enabled\", \"adaptive\", \"between_tools\" or \"disabled\"",
+            )),
+        }
+    }
+
+    /// `output_config.effort` as the template variable `reasoning_effort`
+    /// (what OpenAI's `reasoning_effort` sets; gpt-oss's template reads it):
+    /// `xhigh` and `max` are `high`. A JSON `format` needs constrained
+    /// decoding, which this server does not do.
+    fn reasoning_effort(&self) -> Result<Option<&'static str>, ApiError> {
+        let Some(c) = self.output_config.as_ref().filter(|c| !c.is_null()) else {
+            return Ok(None);
+        };
+        if c.get("format").is_some_and(|f| !f.is_null()) {
+            return Err(ApiError::invalid(
+                "output_config.format",
+                "structured output (`output_config.format`) is not supported",
+            ));
+        }
+        match c.get("effort") {
+            None | Some(Json::Null) => Ok(None),
+            Some(Json::String(e)) => match e.as_str() {
+                "low" => Ok(Some("low")),
+                "medium" => Ok(Some("medium")),
+                "high" | "xhigh" | "max" => Ok(Some("high")),
+                _ => Err(ApiError::invalid(
+                    "output_config.effort",
+                    "`effort` must be low, medium, high, xhigh or max",
+                )),
+            },
+            Some(_) => Err(ApiError::invalid(
+                "output_config.effort",
+                "`effort` must be a string",
             )),
         }
     }
@@ -480,6 +520,7 @@ pub fn error_response(e: ApiError) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::ToolChoice;
 
     fn req(body: Json) -> MessagesRequest {
         api::parse_body(body.to_string().as_bytes()).unwrap()
@@ -588,7 +629,14 @@ mod tests {
         }
         let kw = |t: Json| base(json!({"thinking": t})).unwrap().template_kwargs;
         assert_eq!(kw(json!({"type": "disabled"})).unwrap()["enable_thinking"], false);
+        assert_eq!(kw(json!({"type": "between_tools"})).unwrap()["enable_thinking"], true);
         assert_eq!(kw(json!({"type": "adaptive"})), None);
+        let effort = |c: Json| base(json!({"output_config": c}));
+        let k = effort(json!({"effort": "max"})).unwrap().template_kwargs.unwrap();
+        assert_eq!(k["reasoning_effort"], "high");
+        assert_eq!(param(effort(json!({"effort": "huge"}))), "output_config.effort");
+        let format = json!({"format": {"type": "json_schema", "schema": {}}});
+        assert_eq!(param(effort(format)), "output_config.format");
     }
 
     #[test]

@@ -204,8 +204,8 @@ async fn count_tokens_inner(st: &Arc<AppState>, req: Request) -> Result<Response
     let req: MessagesRequest = api::parse_body(&body)?;
     drop(body);
     let spec = req.count_spec(&st.defaults, st.info.max_context)?;
-    let (_admission, _, prompt) = prepare_chat(st, spec).await?;
-    Ok(Json(json!({"input_tokens": prompt.tokens.len()})).into_response())
+    let (_admission, _, prepared) = prepare_chat(st, spec).await?;
+    Ok(Json(json!({"input_tokens": prepared.tokens.len()})).into_response())
 }
 
 /// A chat job queued: what its answer needs.
