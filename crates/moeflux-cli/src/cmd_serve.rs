@@ -1,4 +1,4 @@
-//! `moeflux serve`: the OpenAI-compatible HTTP server of `moeflux-server`
+//! `moeflux serve`: the OpenAI- and Anthropic-compatible HTTP server of `moeflux-server`
 //! on one model.
 
 use std::path::PathBuf;
@@ -20,7 +20,7 @@ pub struct ServeArgs {
     /// Port to listen on (0: any free port, printed at start).
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
-    /// Require `Authorization: Bearer KEY` (every endpoint but /health).
+    /// Require `Authorization: Bearer KEY` or `x-api-key: KEY` (every endpoint but /health).
     /// Visible to other users in `ps`: prefer --api-key-file or the
     /// MOEFLUX_API_KEY environment variable.
     #[arg(long, conflicts_with = "api_key_file")]

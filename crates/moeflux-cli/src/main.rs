@@ -46,7 +46,7 @@ enum Command {
     Run(cmd_run::RunArgs),
     /// Interactive multi-turn chat with the model's chat template.
     Chat(cmd_chat::ChatArgs),
-    /// OpenAI-compatible HTTP server (chat, completions, tools, streaming).
+    /// OpenAI- and Anthropic-compatible HTTP server (chat, completions, messages, tools, streaming).
     Serve(cmd_serve::ServeArgs),
     /// Measure prompt-processing and generation speed on a model.
     Bench(cmd_bench::BenchArgs),

@@ -11,9 +11,10 @@
 //! `tool_calls`. Text blocks of one message are joined with a blank line.
 //! `tools` become OpenAI function tools, `tool_choice` `auto`/`any`/`tool`/
 //! `none` OpenAI's `auto`/`required`/named/`none`, `thinking` the template's
-//! `enable_thinking`. What a text-only local model cannot do (images,
-//! documents, server tools, a final assistant message to continue) is
-//! refused with a 400 naming the field.
+//! `enable_thinking`, `output_config.effort` its `reasoning_effort`. What
+//! this server cannot do (images, documents, server tools, structured
+//! output, a final assistant message to continue) is refused with a 400
+//! naming the field.
 
 use std::collections::HashMap;
 
@@ -118,7 +119,10 @@ impl MessagesRequest {
 
     fn build(&self, d: &Defaults, ctx: usize, random_seed: u64) -> Result<ChatSpec, ApiError> {
         if self.container.as_ref().is_some_and(|c| !c.is_null()) {
-            return Err(ApiError::invalid("container", "containers are not supported"));
+            return Err(ApiError::invalid(
+                "container",
+                "containers are not supported",
+            ));
         }
         if self.mcp_servers.as_ref().is_some_and(|m| !m.is_empty()) {
             return Err(ApiError::invalid(
@@ -582,9 +586,11 @@ mod tests {
         assert_eq!(text(5).as_deref(), Some("And tomorrow?"));
         assert_eq!(
             s.tools.unwrap(),
-            vec![json!({"type": "function", "function": {"name": "get_weather",
+            vec![
+                json!({"type": "function", "function": {"name": "get_weather",
                 "description": "Weather of a city",
-                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}})]
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}})
+            ]
         );
         assert_eq!(s.choice, ToolChoice::Named("get_weather".into()));
         assert_eq!(s.template_kwargs.unwrap()["enable_thinking"], true);
@@ -614,13 +620,25 @@ mod tests {
         }
         for (extra, p) in [
             (json!({"tool_choice": {"type": "tool"}}), "tool_choice.name"),
-            (json!({"tool_choice": {"type": "tool", "name": "g"}}), "tool_choice"),
+            (
+                json!({"tool_choice": {"type": "tool", "name": "g"}}),
+                "tool_choice",
+            ),
             (json!({"tool_choice": "auto"}), "tool_choice"),
             (json!({"thinking": {"type": "on"}}), "thinking.type"),
-            (json!({"thinking": {"type": "enabled", "budget_tokens": -1}}), "thinking.budget_tokens"),
-            (json!({"tools": [{"name": "web_search", "type": "web_search_20250305"}]}), "tools[0].type"),
+            (
+                json!({"thinking": {"type": "enabled", "budget_tokens": -1}}),
+                "thinking.budget_tokens",
+            ),
+            (
+                json!({"tools": [{"name": "web_search", "type": "web_search_20250305"}]}),
+                "tools[0].type",
+            ),
             (json!({"tools": [{"name": "f"}]}), "tools[0]"),
-            (json!({"tools": [{"name": "f", "input_schema": 3}]}), "tools[0].input_schema"),
+            (
+                json!({"tools": [{"name": "f", "input_schema": 3}]}),
+                "tools[0].input_schema",
+            ),
             (json!({"mcp_servers": [{"url": "x"}]}), "mcp_servers"),
             (json!({"stop_sequences": [""]}), "stop_sequences"),
             (json!({"temperature": 3}), "temperature"),
@@ -628,13 +646,25 @@ mod tests {
             assert_eq!(param(base(extra.clone())), p, "{extra}");
         }
         let kw = |t: Json| base(json!({"thinking": t})).unwrap().template_kwargs;
-        assert_eq!(kw(json!({"type": "disabled"})).unwrap()["enable_thinking"], false);
-        assert_eq!(kw(json!({"type": "between_tools"})).unwrap()["enable_thinking"], true);
+        assert_eq!(
+            kw(json!({"type": "disabled"})).unwrap()["enable_thinking"],
+            false
+        );
+        assert_eq!(
+            kw(json!({"type": "between_tools"})).unwrap()["enable_thinking"],
+            true
+        );
         assert_eq!(kw(json!({"type": "adaptive"})), None);
         let effort = |c: Json| base(json!({"output_config": c}));
-        let k = effort(json!({"effort": "max"})).unwrap().template_kwargs.unwrap();
+        let k = effort(json!({"effort": "max"}))
+            .unwrap()
+            .template_kwargs
+            .unwrap();
         assert_eq!(k["reasoning_effort"], "high");
-        assert_eq!(param(effort(json!({"effort": "huge"}))), "output_config.effort");
+        assert_eq!(
+            param(effort(json!({"effort": "huge"}))),
+            "output_config.effort"
+        );
         let format = json!({"format": {"type": "json_schema", "schema": {}}});
         assert_eq!(param(effort(format)), "output_config.format");
     }
@@ -643,7 +673,9 @@ mod tests {
     fn what_cannot_be_served_is_refused_by_field() {
         let m = |messages: Json| spec(json!({"max_tokens": 5, "messages": messages}));
         assert_eq!(
-            param(spec(json!({"messages": [{"role": "user", "content": "x"}]}))),
+            param(spec(
+                json!({"messages": [{"role": "user", "content": "x"}]})
+            )),
             "max_tokens"
         );
         // count_tokens needs no max_tokens.
@@ -653,22 +685,50 @@ mod tests {
         assert_eq!(param(m(json!([]))), "messages");
         assert_eq!(param(spec(json!({"max_tokens": 5}))), "messages");
         for (messages, p) in [
-            (json!([{"role": "system", "content": "x"}]), "messages[0].role"),
-            (json!([{"role": "user", "content": "x"}, {"role": "assistant", "content": "Sure"}]), "messages[1]"),
-            (json!([{"role": "user", "content": []}]), "messages[0].content"),
-            (json!([{"role": "user", "content": [{"type": "image", "source": {}}]}]), "messages[0].content[0]"),
-            (json!([{"role": "user", "content": [{"text": "no type"}]}]), "messages[0].content[0].type"),
-            (json!([{"role": "user", "content": [{"type": "text", "text": 5}]}]), "messages[0].content[0].text"),
-            (json!([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
-                "content": [{"type": "image"}]}]}]), "messages[0].content[0].content[0]"),
-            (json!([{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": "x"}]},
-                    {"role": "user", "content": "x"}]), "messages[0].content[0].input"),
-            (json!([{"role": "assistant", "content": [{"type": "document"}]},
-                    {"role": "user", "content": "x"}]), "messages[0].content[0]"),
+            (
+                json!([{"role": "system", "content": "x"}]),
+                "messages[0].role",
+            ),
+            (
+                json!([{"role": "user", "content": "x"}, {"role": "assistant", "content": "Sure"}]),
+                "messages[1]",
+            ),
+            (
+                json!([{"role": "user", "content": []}]),
+                "messages[0].content",
+            ),
+            (
+                json!([{"role": "user", "content": [{"type": "image", "source": {}}]}]),
+                "messages[0].content[0]",
+            ),
+            (
+                json!([{"role": "user", "content": [{"text": "no type"}]}]),
+                "messages[0].content[0].type",
+            ),
+            (
+                json!([{"role": "user", "content": [{"type": "text", "text": 5}]}]),
+                "messages[0].content[0].text",
+            ),
+            (
+                json!([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                "content": [{"type": "image"}]}]}]),
+                "messages[0].content[0].content[0]",
+            ),
+            (
+                json!([{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": "x"}]},
+                    {"role": "user", "content": "x"}]),
+                "messages[0].content[0].input",
+            ),
+            (
+                json!([{"role": "assistant", "content": [{"type": "document"}]},
+                    {"role": "user", "content": "x"}]),
+                "messages[0].content[0]",
+            ),
         ] {
             assert_eq!(param(m(messages.clone())), p, "{messages}");
         }
-        let e = m(json!([{"role": "user", "content": [{"type": "image", "source": {}}]}])).unwrap_err();
+        let e =
+            m(json!([{"role": "user", "content": [{"type": "image", "source": {}}]}])).unwrap_err();
         assert!(e.message.contains("`image`"), "{}", e.message);
     }
 

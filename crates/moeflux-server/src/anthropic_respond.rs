@@ -380,8 +380,10 @@ mod tests {
     use super::*;
 
     fn tools() -> Vec<Json_> {
-        vec![json!({"type": "function", "function": {"name": "get_weather",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}})]
+        vec![
+            json!({"type": "function", "function": {"name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}),
+        ]
     }
 
     /// Feeds `pieces` ((text, reasoning)), returns the events and the
@@ -413,7 +415,13 @@ mod tests {
     fn reasoning_then_text_are_two_blocks() {
         let (events, content) = run(
             &answer(None, None),
-            &[("Let me ", true), ("think.", true), ("", false), ("Hi", false), ("!", false)],
+            &[
+                ("Let me ", true),
+                ("think.", true),
+                ("", false),
+                ("Hi", false),
+                ("!", false),
+            ],
         );
         assert_eq!(
             content,
@@ -433,7 +441,16 @@ mod tests {
             .collect();
         assert_eq!(
             kinds,
-            [('s', 0), ('d', 0), ('d', 0), ('e', 0), ('s', 1), ('d', 1), ('d', 1), ('e', 1)]
+            [
+                ('s', 0),
+                ('d', 0),
+                ('d', 0),
+                ('e', 0),
+                ('s', 1),
+                ('d', 1),
+                ('d', 1),
+                ('e', 1)
+            ]
         );
         // Nothing generated: no block.
         assert_eq!(run(&answer(None, None), &[]).1, Vec::<Json_>::new());
@@ -445,7 +462,10 @@ mod tests {
         let (events, content) = run(
             &a,
             &[
-                ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nPa", false),
+                (
+                    "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nPa",
+                    false,
+                ),
                 ("ris\n</parameter>\n</function>\n</tool_call>", false),
             ],
         );
@@ -503,8 +523,14 @@ mod tests {
             decode: Default::default(),
             queued: Default::default(),
         };
-        assert_eq!(stop_reason(&o(FinishReason::Eos, None), false), ("end_turn", None));
-        assert_eq!(stop_reason(&o(FinishReason::Eos, None), true), ("tool_use", None));
+        assert_eq!(
+            stop_reason(&o(FinishReason::Eos, None), false),
+            ("end_turn", None)
+        );
+        assert_eq!(
+            stop_reason(&o(FinishReason::Eos, None), true),
+            ("tool_use", None)
+        );
         assert_eq!(
             stop_reason(&o(FinishReason::Length, None), true),
             ("max_tokens", None)

@@ -284,7 +284,10 @@ pub(crate) fn sse(
             let (events, last) = match ev {
                 Some(EngineEvent::Text { text, reasoning }) => (shape.text(text, reasoning), false),
                 Some(EngineEvent::Done(r)) => (shape.done(r), true),
-                None => (shape.done(Err(ApiError::internal("the engine stopped"))), true),
+                None => (
+                    shape.done(Err(ApiError::internal("the engine stopped"))),
+                    true,
+                ),
             };
             for e in events {
                 if tx.send(e).await.is_err() {

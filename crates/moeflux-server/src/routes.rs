@@ -170,7 +170,11 @@ async fn chat_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiErr
 /// the same chat job, the answer in Anthropic's shapes.
 async fn messages(State(st): State<Arc<AppState>>, req: Request) -> Response {
     let r = messages_inner(&st, req).await;
-    counted(&st, "messages", Ok(r.unwrap_or_else(anthropic::error_response)))
+    counted(
+        &st,
+        "messages",
+        Ok(r.unwrap_or_else(anthropic::error_response)),
+    )
 }
 
 async fn messages_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiError> {
@@ -223,7 +227,12 @@ struct ChatJob {
 /// and queues its job.
 async fn start_chat(st: &Arc<AppState>, spec: ChatSpec) -> Result<ChatJob, ApiError> {
     let (admission, spec, prepared) = prepare_chat(st, spec).await?;
-    check_length(st, prepared.tokens.len(), spec.params.max_tokens, "messages")?;
+    check_length(
+        st,
+        prepared.tokens.len(),
+        spec.params.max_tokens,
+        "messages",
+    )?;
     let prompt_tokens = prepared.tokens.len();
     let (cancel, events) = submit(
         st,
@@ -239,9 +248,7 @@ async fn start_chat(st: &Arc<AppState>, spec: ChatSpec) -> Result<ChatJob, ApiEr
     )?;
     Ok(ChatJob {
         prompt_tokens,
-        tools: prepared
-            .parse_tools
-            .then(|| spec.tools.unwrap_or_default()),
+        tools: prepared.parse_tools.then(|| spec.tools.unwrap_or_default()),
         forced: prepared.forced,
         cancel,
         events,

@@ -732,12 +732,54 @@ async fn anthropic_messages_errors_and_stream_events() {
     let ok = json!({"max_tokens": 6, "temperature": 0, "thinking": {"type": "disabled"},
                     "messages": [{"role": "user", "content": "Hello"}]});
     let cases = [
-        ("POST", "/v1/messages", None, ok.to_string(), 401, "authentication_error"),
-        ("POST", "/v1/messages", Some("wrong"), ok.to_string(), 401, "authentication_error"),
-        ("POST", "/v1/messages", Some("sekrit"), "x".repeat(5000), 413, "request_too_large"),
-        ("GET", "/v1/messages", Some("sekrit"), String::new(), 405, "invalid_request_error"),
-        ("POST", "/v1/messages/nothing", Some("sekrit"), "{}".into(), 404, "not_found_error"),
-        ("POST", "/v1/messages", Some("sekrit"), "{\"messages\": [".into(), 400, "invalid_request_error"),
+        (
+            "POST",
+            "/v1/messages",
+            None,
+            ok.to_string(),
+            401,
+            "authentication_error",
+        ),
+        (
+            "POST",
+            "/v1/messages",
+            Some("wrong"),
+            ok.to_string(),
+            401,
+            "authentication_error",
+        ),
+        (
+            "POST",
+            "/v1/messages",
+            Some("sekrit"),
+            "x".repeat(5000),
+            413,
+            "request_too_large",
+        ),
+        (
+            "GET",
+            "/v1/messages",
+            Some("sekrit"),
+            String::new(),
+            405,
+            "invalid_request_error",
+        ),
+        (
+            "POST",
+            "/v1/messages/nothing",
+            Some("sekrit"),
+            "{}".into(),
+            404,
+            "not_found_error",
+        ),
+        (
+            "POST",
+            "/v1/messages",
+            Some("sekrit"),
+            "{\"messages\": [".into(),
+            400,
+            "invalid_request_error",
+        ),
         (
             "POST",
             "/v1/messages/count_tokens",
@@ -752,21 +794,41 @@ async fn anthropic_messages_errors_and_stream_events() {
         assert_eq!(st.as_u16(), status, "{method} {path}: {v}");
         assert_eq!(v["type"], "error", "{v}");
         assert_eq!(v["error"]["type"], kind, "{v}");
-        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()));
+        assert!(v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()));
     }
     // x-api-key on the OpenAI routes too; their errors keep OpenAI's shape.
     let bad = json!({"messages": [{"role": "user", "content": "x"}], "temperature": 9});
-    let (st, v) = call(&s, req("POST", "/v1/chat/completions", Some("sekrit"), bad.to_string())).await;
+    let (st, v) = call(
+        &s,
+        req(
+            "POST",
+            "/v1/chat/completions",
+            Some("sekrit"),
+            bad.to_string(),
+        ),
+    )
+    .await;
     assert_eq!(st, StatusCode::BAD_REQUEST);
     assert_eq!(v["error"]["param"], "temperature", "{v}");
 
-    let (st, v) = call(&s, req("POST", "/v1/messages", Some("sekrit"), ok.to_string())).await;
+    let (st, v) = call(
+        &s,
+        req("POST", "/v1/messages", Some("sekrit"), ok.to_string()),
+    )
+    .await;
     assert_eq!(st, StatusCode::OK, "{v}");
     let mut body = ok.clone();
     body["stream"] = json!(true);
     let resp = s
         .router()
-        .oneshot(req("POST", "/v1/messages", Some("sekrit"), body.to_string()))
+        .oneshot(req(
+            "POST",
+            "/v1/messages",
+            Some("sekrit"),
+            body.to_string(),
+        ))
         .await
         .unwrap();
     assert_eq!(resp.headers()["content-type"], "text/event-stream");
@@ -776,10 +838,9 @@ async fn anthropic_messages_errors_and_stream_events() {
     let mut streamed = String::new();
     for ev in text.split("\n\n").filter(|e| !e.trim().is_empty()) {
         let name = ev.lines().find_map(|l| l.strip_prefix("event: ")).unwrap();
-        let data: Value = serde_json::from_str(
-            ev.lines().find_map(|l| l.strip_prefix("data: ")).unwrap(),
-        )
-        .unwrap();
+        let data: Value =
+            serde_json::from_str(ev.lines().find_map(|l| l.strip_prefix("data: ")).unwrap())
+                .unwrap();
         assert_eq!(data["type"], name, "{ev}");
         if let Some(t) = data["delta"]["text"].as_str() {
             streamed.push_str(t);
@@ -793,10 +854,23 @@ async fn anthropic_messages_errors_and_stream_events() {
     assert_eq!(names.first().unwrap(), "message_start");
     assert_eq!(&names[names.len() - 2..], ["message_delta", "message_stop"]);
     assert_eq!(streamed, v["content"][0]["text"].as_str().unwrap());
-    let (_, m) = call(&s, Request::get("/metrics").header("x-api-key", "sekrit").body(Body::empty()).unwrap()).await;
+    let (_, m) = call(
+        &s,
+        Request::get("/metrics")
+            .header("x-api-key", "sekrit")
+            .body(Body::empty())
+            .unwrap(),
+    )
+    .await;
     let m = m.as_str().unwrap();
-    assert!(m.contains("moeflux_requests_total{endpoint=\"messages\",status=\"200\"} 2"), "{m}");
-    assert!(m.contains("moeflux_requests_total{endpoint=\"count_tokens\",status=\"400\"} 1"), "{m}");
+    assert!(
+        m.contains("moeflux_requests_total{endpoint=\"messages\",status=\"200\"} 2"),
+        "{m}"
+    );
+    assert!(
+        m.contains("moeflux_requests_total{endpoint=\"count_tokens\",status=\"400\"} 1"),
+        "{m}"
+    );
 }
 
 /// With no room in the queue, a second request while one runs gets 429
