@@ -1,6 +1,8 @@
 //! Turning a job's engine events into the OpenAI response: one JSON object,
 //! or an SSE stream of chunks ending with `data: [DONE]`. Content goes
-//! through the tool-call parser when tools are in play.
+//! through the tool-call parser when tools are in play. The SSE pump
+//! ([`sse`], over an API's [`SseShape`]) and [`drain`] serve Anthropic's
+//! answers too ([`crate::anthropic_respond`]).
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, Ordering};
