@@ -585,6 +585,14 @@ impl SlotLaunch {
 /// Qwen3.6-35B-A3B's (256 blocks, one wave) are 1% slower.
 const STREAM_MIN_WAVES: usize = 2;
 
+/// Chunks per warp and set of the MXFP4 streaming per-slot kernels
+/// (`MX_STREAM_NC` in kernels.cu; the 4- and 8-bit ones take
+/// [`QMV_STREAM_CHUNKS`]). Measured on an H200 with gpt-oss's experts, four
+/// slots of 2880 x 2880 (`scripts/gpu/kbench`, "gpt-oss-20b experts"):
+/// gate/up 38.6 and down 22.6 µs with four chunks (two blocks per SM fit),
+/// 33.0 and 20.3 µs with two (four blocks per SM).
+const MX_STREAM_CHUNKS: usize = 2;
+
 /// Whether the streaming per-slot kernels are used where they fit
 /// (`MOEFLUX_CUDA_SLOT_STREAM=0`: the one-pass `_qmv` kernels instead, to
 /// compare the two).
@@ -639,6 +647,11 @@ fn slot_launches(
         ];
     }
     let gs = l.gs as usize;
+    let chunks = if sfx == "mx" {
+        MX_STREAM_CHUNKS
+    } else {
+        QMV_STREAM_CHUNKS
+    };
     let launch = |kernel: String, threads: u32, rows: usize, rows_per_set: Option<usize>| {
         let sets = rows.div_ceil(rows_per_set.expect("qmv_slot_grids accepted the layout"));
         let resident = (g.blocks_per_sm(&kernel, threads) * g.sms) as usize;
@@ -654,13 +667,13 @@ fn slot_launches(
             format!("moe_gate_up_stream_{sfx}"),
             gate_up_threads,
             inter,
-            qmv_rows_per_block(h, bits, gs, QMV_STREAM_CHUNKS / 2),
+            qmv_rows_per_block(h, bits, gs, chunks / 2),
         ),
         launch(
             format!("moe_down_stream_{sfx}"),
             down_threads,
             h,
-            qmv_rows_per_block(inter, bits, gs, QMV_STREAM_CHUNKS),
+            qmv_rows_per_block(inter, bits, gs, chunks),
         ),
     ]
 }
