@@ -18,7 +18,7 @@
 //   attention_mma     2 to 128 query heads per KV group, partial tiles, cache rows
 //                     past the context poisoned) against a double-precision softmax.
 #include "cuda_emu.h"
-#include KERNELS_SOURCE  // kernels.cu + mla.cu + mma.cu + attn_mma.cu, made by run.sh
+#include KERNELS_SOURCE  // the kernel parts of all.cuh, made by run.sh
 #include "emu_check.h"
 
 // mma_split of x[n][cols] into xp / xs (sized by the caller's vectors).

@@ -1,5 +1,5 @@
 // Kernel micro-benchmark for the one-token (decode) products: the kernels of
-// moeflux's kernels.cu on synthetic weights of real model widths, each
+// moeflux's kernels (kernels/all.cuh) on synthetic weights of real model widths, each
 // timed as a CUDA graph of back-to-back launches over rotating weight
 // copies (so the reads come from device memory, not L2), and checked
 // against each other. Built and run on the GPU machine by run.sh here.
@@ -12,7 +12,7 @@
 #include <algorithm>
 #include <cuda_runtime.h>
 
-#include "../../../crates/moeflux/src/backend/cuda/kernels.cu"
+#include "../../../crates/moeflux/src/backend/cuda/kernels/all.cuh"
 
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); exit(1); } } while (0)
 
