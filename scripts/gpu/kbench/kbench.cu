@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include "../../../crates/moeflux/src/backend/cuda/kernels/all.cuh"
+#include "../qmv_geometry.h"
 
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); exit(1); } } while (0)
 
@@ -49,12 +50,6 @@ static size_t qw_bytes(const QW& q) { return (size_t)q.rows * q.cols * q.bits / 
 static int old_rows_per_block(int cols, int bits) {
     int units = cols * bits / 128; int split = units >= 256 ? 8 : units >= 128 ? 4 : units >= 64 ? 2 : 1; return 32 / split;
 }
-static int qmv_rows_per_block(int cols, int bits, int nc) {
-    int rb = cols * bits / 8;
-    if (rb >= 512) { int sl = rb / 512; int parts = sl >= 8 ? 8 : sl >= 4 ? 4 : sl >= 2 ? 2 : 1; return (8 / parts) * nc; }
-    return 8 * nc * (512 / rb);
-}
-
 template <class F>
 static double time_graph(F launch_i, int n) {
     cudaStream_t s; CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -198,18 +193,7 @@ static void bench_slots(const char* name, int n_exp, int k, int hidden, int inte
 // group biases, per-expert bias tables, the clamped SwiGLU): the one-pass
 // per-slot kernels (a block per row group) against the streaming ones over
 // grids of 1-8 blocks per SM shared by the slots, and a plain read of the
-// same bytes. Geometry as linear.rs's qmv_slices / qmv_threads /
-// qmv_rows_per_block for rows of whole 16-byte units.
-static int mx_parts(int cols) {
-    int rb = cols / 2; if (rb < 512) return 1;
-    int sl = (rb + 511) / 512;
-    if (rb % 512) return std::min(sl, 8);
-    int p = 1; while (p * 2 <= std::min(sl, 8)) p *= 2; return p;
-}
-static int mx_threads(int cols) { return 32 * (8 / mx_parts(cols)) * mx_parts(cols); }
-static int mx_rows_per_block(int cols, int nc) {
-    int rb = cols / 2; return rb >= 512 ? 8 / mx_parts(cols) * nc : 8 * nc * (512 / rb);
-}
+// same bytes.
 static void bench_slots_mx(const char* name, int n_exp, int k, int hidden, int inter) {
     ExpertLayout L; memset(&L, 0, sizeof L); long off = 0;
     auto seg = [&](long n) { long o = off; off += (n + 255) / 256 * 256; return o; };
@@ -248,11 +232,11 @@ static void bench_slots_mx(const char* name, int n_exp, int k, int hidden, int i
     float *a1, *a2, *y1, *y2; CK(cudaMalloc(&a1, k * inter * 4)); CK(cudaMalloc(&a2, k * inter * 4)); CK(cudaMalloc(&y1, k * hidden * 4)); CK(cudaMalloc(&y2, k * hidden * 4));
     size_t gu_bytes = (size_t)k * 2 * ((size_t)inter * hidden / 2 + (size_t)inter * (hidden / 32));
     size_t dn_bytes = (size_t)k * ((size_t)hidden * inter / 2 + (size_t)hidden * (inter / 32));
-    int gth = mx_threads(hidden), dth = mx_threads(inter);
-    int gu_one = (inter + mx_rows_per_block(hidden, QMV_NC / 2) - 1) / mx_rows_per_block(hidden, QMV_NC / 2);
-    int dn_one = (hidden + mx_rows_per_block(inter, QMV_NC) - 1) / mx_rows_per_block(inter, QMV_NC);
-    int gu_sets = (inter + mx_rows_per_block(hidden, MX_STREAM_NC / 2) - 1) / mx_rows_per_block(hidden, MX_STREAM_NC / 2);
-    int dn_sets = (hidden + mx_rows_per_block(inter, MX_STREAM_NC) - 1) / mx_rows_per_block(inter, MX_STREAM_NC);
+    int gth = qmv_threads(hidden, 4), dth = qmv_threads(inter, 4);
+    int gu_one = (inter + qmv_rows_per_block(hidden, 4, QMV_NC / 2) - 1) / qmv_rows_per_block(hidden, 4, QMV_NC / 2);
+    int dn_one = (hidden + qmv_rows_per_block(inter, 4, QMV_NC) - 1) / qmv_rows_per_block(inter, 4, QMV_NC);
+    int gu_sets = (inter + qmv_rows_per_block(hidden, 4, MX_STREAM_NC / 2) - 1) / qmv_rows_per_block(hidden, 4, MX_STREAM_NC / 2);
+    int dn_sets = (hidden + qmv_rows_per_block(inter, 4, MX_STREAM_NC) - 1) / qmv_rows_per_block(inter, 4, MX_STREAM_NC);
     int n = 200;
     auto Lt = [&](int i) { ExpertLayout l = L; l.ids = dids + (i % T) * k; return l; };
     double g1 = time_graph([&](cudaStream_t s, int i) { launch_pdl(moe_gate_up_qmv_mx, dim3(gu_one, k), gth, s, (const unsigned long long*)(bases + (i % T) * k), Lt(i), k, (const float*)x, a1); }, n);
