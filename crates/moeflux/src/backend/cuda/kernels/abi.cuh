@@ -1,6 +1,9 @@
 // The structs the kernels take by value. Generated from
 // crates/moeflux/src/backend/cuda/abi.rs (the Rust side's #[repr(C)] types):
 // edit that file, then `MOEFLUX_WRITE_ABI=1 cargo test -p moeflux --lib abi`.
+#ifndef __CUDACC_RTC__
+#include <cstddef>
+#endif
 
 // A quantized matrix: affine codes with scales and biases, or MXFP4
 // codes with scale bytes (`s`; `b` unused).
@@ -18,14 +21,16 @@ struct QW {
     int sf32;
 };
 static_assert(sizeof(QW) == 48, "QW as Rust lays it out");
-static_assert(__builtin_offsetof(QW, w) == 0, "QW.w");
-static_assert(__builtin_offsetof(QW, s) == 8, "QW.s");
-static_assert(__builtin_offsetof(QW, b) == 16, "QW.b");
-static_assert(__builtin_offsetof(QW, rows) == 24, "QW.rows");
-static_assert(__builtin_offsetof(QW, cols) == 28, "QW.cols");
-static_assert(__builtin_offsetof(QW, bits) == 32, "QW.bits");
-static_assert(__builtin_offsetof(QW, gs) == 36, "QW.gs");
-static_assert(__builtin_offsetof(QW, sf32) == 40, "QW.sf32");
+#ifndef __CUDACC_RTC__
+static_assert(offsetof(QW, w) == 0, "QW.w");
+static_assert(offsetof(QW, s) == 8, "QW.s");
+static_assert(offsetof(QW, b) == 16, "QW.b");
+static_assert(offsetof(QW, rows) == 24, "QW.rows");
+static_assert(offsetof(QW, cols) == 28, "QW.cols");
+static_assert(offsetof(QW, bits) == 32, "QW.bits");
+static_assert(offsetof(QW, gs) == 36, "QW.gs");
+static_assert(offsetof(QW, sf32) == 40, "QW.sf32");
+#endif
 
 // Up to four products of one input in one launch (`qmatmul_body` in
 // kernels/qmatmul.cu).
@@ -42,12 +47,14 @@ struct MultiMatmul {
     int accumulate;
 };
 static_assert(sizeof(MultiMatmul) == 288, "MultiMatmul as Rust lays it out");
-static_assert(__builtin_offsetof(MultiMatmul, q) == 0, "MultiMatmul.q");
-static_assert(__builtin_offsetof(MultiMatmul, out) == 192, "MultiMatmul.out");
-static_assert(__builtin_offsetof(MultiMatmul, bias) == 224, "MultiMatmul.bias");
-static_assert(__builtin_offsetof(MultiMatmul, first_block) == 256, "MultiMatmul.first_block");
-static_assert(__builtin_offsetof(MultiMatmul, count) == 276, "MultiMatmul.count");
-static_assert(__builtin_offsetof(MultiMatmul, accumulate) == 280, "MultiMatmul.accumulate");
+#ifndef __CUDACC_RTC__
+static_assert(offsetof(MultiMatmul, q) == 0, "MultiMatmul.q");
+static_assert(offsetof(MultiMatmul, out) == 192, "MultiMatmul.out");
+static_assert(offsetof(MultiMatmul, bias) == 224, "MultiMatmul.bias");
+static_assert(offsetof(MultiMatmul, first_block) == 256, "MultiMatmul.first_block");
+static_assert(offsetof(MultiMatmul, count) == 276, "MultiMatmul.count");
+static_assert(offsetof(MultiMatmul, accumulate) == 280, "MultiMatmul.accumulate");
+#endif
 
 // The biases, norms and output gate of a grouped-query attention layer
 // (each pointer null where the family has none): q/k/v biases (rows of
@@ -65,13 +72,15 @@ struct AttnParts {
     float mscale;
 };
 static_assert(sizeof(AttnParts) == 48, "AttnParts as Rust lays it out");
-static_assert(__builtin_offsetof(AttnParts, q_bias) == 0, "AttnParts.q_bias");
-static_assert(__builtin_offsetof(AttnParts, k_bias) == 8, "AttnParts.k_bias");
-static_assert(__builtin_offsetof(AttnParts, v_bias) == 16, "AttnParts.v_bias");
-static_assert(__builtin_offsetof(AttnParts, q_norm) == 24, "AttnParts.q_norm");
-static_assert(__builtin_offsetof(AttnParts, k_norm) == 32, "AttnParts.k_norm");
-static_assert(__builtin_offsetof(AttnParts, gated) == 40, "AttnParts.gated");
-static_assert(__builtin_offsetof(AttnParts, mscale) == 44, "AttnParts.mscale");
+#ifndef __CUDACC_RTC__
+static_assert(offsetof(AttnParts, q_bias) == 0, "AttnParts.q_bias");
+static_assert(offsetof(AttnParts, k_bias) == 8, "AttnParts.k_bias");
+static_assert(offsetof(AttnParts, v_bias) == 16, "AttnParts.v_bias");
+static_assert(offsetof(AttnParts, q_norm) == 24, "AttnParts.q_norm");
+static_assert(offsetof(AttnParts, k_norm) == 32, "AttnParts.k_norm");
+static_assert(offsetof(AttnParts, gated) == 40, "AttnParts.gated");
+static_assert(offsetof(AttnParts, mscale) == 44, "AttnParts.mscale");
+#endif
 
 // One routed expert of a batch: where its projections live and which
 // (token, slot)s it serves.
@@ -83,9 +92,11 @@ struct ExpertTask {
     int count;
 };
 static_assert(sizeof(ExpertTask) == 16, "ExpertTask as Rust lays it out");
-static_assert(__builtin_offsetof(ExpertTask, base) == 0, "ExpertTask.base");
-static_assert(__builtin_offsetof(ExpertTask, first) == 8, "ExpertTask.first");
-static_assert(__builtin_offsetof(ExpertTask, count) == 12, "ExpertTask.count");
+#ifndef __CUDACC_RTC__
+static_assert(offsetof(ExpertTask, base) == 0, "ExpertTask.base");
+static_assert(offsetof(ExpertTask, first) == 8, "ExpertTask.first");
+static_assert(offsetof(ExpertTask, count) == 12, "ExpertTask.count");
+#endif
 
 // Where an expert extent holds each projection's codes, scales and
 // biases (byte offsets), and how the expert computes.
@@ -120,25 +131,27 @@ struct ExpertLayout {
     const int* ids;
 };
 static_assert(sizeof(ExpertLayout) == 144, "ExpertLayout as Rust lays it out");
-static_assert(__builtin_offsetof(ExpertLayout, gate_w) == 0, "ExpertLayout.gate_w");
-static_assert(__builtin_offsetof(ExpertLayout, gate_s) == 8, "ExpertLayout.gate_s");
-static_assert(__builtin_offsetof(ExpertLayout, gate_b) == 16, "ExpertLayout.gate_b");
-static_assert(__builtin_offsetof(ExpertLayout, up_w) == 24, "ExpertLayout.up_w");
-static_assert(__builtin_offsetof(ExpertLayout, up_s) == 32, "ExpertLayout.up_s");
-static_assert(__builtin_offsetof(ExpertLayout, up_b) == 40, "ExpertLayout.up_b");
-static_assert(__builtin_offsetof(ExpertLayout, down_w) == 48, "ExpertLayout.down_w");
-static_assert(__builtin_offsetof(ExpertLayout, down_s) == 56, "ExpertLayout.down_s");
-static_assert(__builtin_offsetof(ExpertLayout, down_b) == 64, "ExpertLayout.down_b");
-static_assert(__builtin_offsetof(ExpertLayout, inter) == 72, "ExpertLayout.inter");
-static_assert(__builtin_offsetof(ExpertLayout, hidden) == 76, "ExpertLayout.hidden");
-static_assert(__builtin_offsetof(ExpertLayout, bits) == 80, "ExpertLayout.bits");
-static_assert(__builtin_offsetof(ExpertLayout, gs) == 84, "ExpertLayout.gs");
-static_assert(__builtin_offsetof(ExpertLayout, sf32) == 88, "ExpertLayout.sf32");
-static_assert(__builtin_offsetof(ExpertLayout, mx) == 92, "ExpertLayout.mx");
-static_assert(__builtin_offsetof(ExpertLayout, oai) == 96, "ExpertLayout.oai");
-static_assert(__builtin_offsetof(ExpertLayout, alpha) == 100, "ExpertLayout.alpha");
-static_assert(__builtin_offsetof(ExpertLayout, limit) == 104, "ExpertLayout.limit");
-static_assert(__builtin_offsetof(ExpertLayout, bias_g) == 112, "ExpertLayout.bias_g");
-static_assert(__builtin_offsetof(ExpertLayout, bias_u) == 120, "ExpertLayout.bias_u");
-static_assert(__builtin_offsetof(ExpertLayout, bias_d) == 128, "ExpertLayout.bias_d");
-static_assert(__builtin_offsetof(ExpertLayout, ids) == 136, "ExpertLayout.ids");
+#ifndef __CUDACC_RTC__
+static_assert(offsetof(ExpertLayout, gate_w) == 0, "ExpertLayout.gate_w");
+static_assert(offsetof(ExpertLayout, gate_s) == 8, "ExpertLayout.gate_s");
+static_assert(offsetof(ExpertLayout, gate_b) == 16, "ExpertLayout.gate_b");
+static_assert(offsetof(ExpertLayout, up_w) == 24, "ExpertLayout.up_w");
+static_assert(offsetof(ExpertLayout, up_s) == 32, "ExpertLayout.up_s");
+static_assert(offsetof(ExpertLayout, up_b) == 40, "ExpertLayout.up_b");
+static_assert(offsetof(ExpertLayout, down_w) == 48, "ExpertLayout.down_w");
+static_assert(offsetof(ExpertLayout, down_s) == 56, "ExpertLayout.down_s");
+static_assert(offsetof(ExpertLayout, down_b) == 64, "ExpertLayout.down_b");
+static_assert(offsetof(ExpertLayout, inter) == 72, "ExpertLayout.inter");
+static_assert(offsetof(ExpertLayout, hidden) == 76, "ExpertLayout.hidden");
+static_assert(offsetof(ExpertLayout, bits) == 80, "ExpertLayout.bits");
+static_assert(offsetof(ExpertLayout, gs) == 84, "ExpertLayout.gs");
+static_assert(offsetof(ExpertLayout, sf32) == 88, "ExpertLayout.sf32");
+static_assert(offsetof(ExpertLayout, mx) == 92, "ExpertLayout.mx");
+static_assert(offsetof(ExpertLayout, oai) == 96, "ExpertLayout.oai");
+static_assert(offsetof(ExpertLayout, alpha) == 100, "ExpertLayout.alpha");
+static_assert(offsetof(ExpertLayout, limit) == 104, "ExpertLayout.limit");
+static_assert(offsetof(ExpertLayout, bias_g) == 112, "ExpertLayout.bias_g");
+static_assert(offsetof(ExpertLayout, bias_u) == 120, "ExpertLayout.bias_u");
+static_assert(offsetof(ExpertLayout, bias_d) == 128, "ExpertLayout.bias_d");
+static_assert(offsetof(ExpertLayout, ids) == 136, "ExpertLayout.ids");
+#endif
