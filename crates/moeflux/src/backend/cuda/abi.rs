@@ -186,7 +186,7 @@ mod tests {
     fn abi_header_is_generated() {
         for (field, decl) in declared_fields() {
             let name = decl
-                .rsplit(|c: char| c == ' ' || c == '*')
+                .rsplit([' ', '*'])
                 .next()
                 .and_then(|n| n.split('[').next());
             assert_eq!(name, Some(field), "{decl}");
