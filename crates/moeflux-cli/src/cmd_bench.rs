@@ -164,7 +164,17 @@ impl Report<'_> {
             "gpu_prefetched": t.gpu_cache.prefetched,
             "gpu_prefetch_used": t.gpu_cache.prefetch_hits,
             "gpu_cpu_computed": t.gpu_cache.cpu_computed,
+            "gpu_expert_uses_per_rep": t.expert_uses_per_rep(),
         })
+    }
+
+    /// Whether the VRAM cache is partial and a repetition of `t` did not
+    /// use more experts than it holds (its hit rate then flatters).
+    fn cache_outlasts(&self, t: &TestResult) -> bool {
+        let slots = self.session.gpu_cache_slots();
+        let store = self.session.expert_store();
+        let experts: usize = store.layers().filter_map(|l| store.num_experts(l)).sum();
+        slots > 0 && slots < experts && !t.outgrows_cache(slots)
     }
 
     fn json(&self) -> Value {
@@ -179,7 +189,9 @@ impl Report<'_> {
             "experts_per_token": self.session.experts_per_token(),
             "threads": self.threads,
             "backend": self.session.backend(),
-            "gpu_cache_hit_rate": self.session.gpu_cache_stats().hit_rate(),
+            // The timed decode's (the warm-up's uses are not counted).
+            "gpu_cache_hit_rate": r.decode.as_ref().and_then(|t| t.gpu_cache.hit_rate()),
+            "gpu_cache_outlasts_decode": r.decode.as_ref().map(|t| self.cache_outlasts(t)),
             "simd": simd_level().to_string(),
             "io": self.io(),
             "mode": self.mode(),
@@ -292,6 +304,17 @@ impl Report<'_> {
                     pct(t.gpu_cache.hit_rate()),
                     human_bytes(t.uploaded_bytes_per_token() as u64)
                 ));
+                if self.cache_outlasts(t) {
+                    let per_token = t.expert_uses_per_rep() / t.tokens.max(1) as u64;
+                    let enough =
+                        (self.session.gpu_cache_slots() as u64 * 2).div_ceil(per_token.max(1));
+                    out.push_str(&format!(
+                        " (a repetition used {} experts, fewer than the {} slots: the rate \
+                         flatters; run at least {enough} tokens)",
+                        t.expert_uses_per_rep(),
+                        self.session.gpu_cache_slots()
+                    ));
+                }
                 if name.starts_with("tg") {
                     if let Some(c) = self.pcie_ceiling_tok_s(t) {
                         out.push_str(&format!(

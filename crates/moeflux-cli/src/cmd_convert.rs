@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use moeflux::convert::{convert, ConvertOptions, ConvertProgress};
+use moeflux::convert::{convert, ConvertOptions, ConvertProgress, ConvertReport};
 
 use crate::progress::{human_bytes, ConvertBar};
 
@@ -73,8 +73,14 @@ pub fn run(args: ConvertArgs) -> Result<()> {
         r.elapsed.as_secs_f64(),
         r.dst.display()
     );
-    // What the checkpoint had that the model does not use (MTP layers,
-    // vision parts, a tied lm_head), so nothing disappears silently.
+    print_notes(&r);
+    Ok(())
+}
+
+/// What a conversion left out or re-quantized, on stderr, so nothing
+/// disappears silently: dropped tensors (MTP layers, vision parts, a tied
+/// lm_head), a GGUF's tensor types and its re-quantized tensors.
+pub fn print_notes(r: &ConvertReport) {
     if let Some(line) = r.dropped_summary() {
         eprintln!("{line}");
     }
@@ -89,7 +95,6 @@ pub fn run(args: ConvertArgs) -> Result<()> {
     for w in &r.warnings {
         eprintln!("warning: {w}");
     }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -12,7 +12,7 @@ use crate::model_ref::ModelRef;
 
 #[derive(Debug, Args)]
 pub struct InspectArgs {
-    /// Model directory written by `moeflux convert`, or `hf:ORG/NAME[@REV]`
+    /// Model directory written by `moeflux convert`, or `hf:ORG/NAME[@REV][:QUANT]`
     /// (see `moeflux pull`).
     #[arg(value_name = "DIR", value_parser = crate::model_ref::parse)]
     pub dir: ModelRef,

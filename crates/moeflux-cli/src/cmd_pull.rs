@@ -46,14 +46,17 @@ pub fn pull_model(
     let short = &p.commit[..12];
     match &p.converted {
         None => eprintln!("{spec} ({short}): {}", p.dir.display()),
-        Some(r) => eprintln!(
-            "{spec} ({short}): downloaded {} files ({}), converted {} in {:.1} s -> {}",
-            p.fetched.files,
-            human_bytes(p.fetched.bytes),
-            r.architecture,
-            r.elapsed.as_secs_f64(),
-            p.dir.display()
-        ),
+        Some(r) => {
+            eprintln!(
+                "{spec} ({short}): downloaded {} files ({}), converted {} in {:.1} s -> {}",
+                p.fetched.files,
+                human_bytes(p.fetched.bytes),
+                r.architecture,
+                r.elapsed.as_secs_f64(),
+                p.dir.display()
+            );
+            crate::cmd_convert::print_notes(r);
+        }
     }
     Ok(p)
 }

@@ -13,7 +13,7 @@ use crate::model_ref::ModelRef;
 pub struct TokenizeArgs {
     /// Model directory (only tokenizer.json is needed; generation_config.json,
     /// config.json and tokenizer_config.json are read when present), or
-    /// `hf:ORG/NAME[@REV]` (see `moeflux pull`).
+    /// `hf:ORG/NAME[@REV][:QUANT]` (see `moeflux pull`).
     #[arg(long, value_parser = crate::model_ref::parse)]
     pub model: ModelRef,
     /// Text to encode (`-` reads standard input). Special tokens such as

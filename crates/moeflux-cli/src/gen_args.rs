@@ -19,7 +19,7 @@ use crate::model_ref::ModelRef;
 
 #[derive(Debug, Clone, Args)]
 pub struct ModelArgs {
-    /// Model directory written by `moeflux convert`, or `hf:ORG/NAME[@REV]`
+    /// Model directory written by `moeflux convert`, or `hf:ORG/NAME[@REV][:QUANT]`
     /// to pull one from the Hugging Face Hub (see `moeflux pull`; default:
     /// the demo model in the source tree's `models/demo`).
     #[arg(long, value_parser = crate::model_ref::parse)]

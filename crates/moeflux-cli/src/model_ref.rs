@@ -1,4 +1,4 @@
-//! `--model DIR` or `--model hf:ORG/NAME[@REV]`: a model directory, or a
+//! `--model DIR` or `--model hf:ORG/NAME[@REV][:QUANT]`: a model directory, or a
 //! Hub model pulled (downloaded and converted once, see `moeflux pull`)
 //! before the command runs. Resolved in one place, `main`, so a command
 //! only ever sees a directory.

@@ -15,45 +15,78 @@ fn read_npy(p: &Path) -> (Vec<u64>, Vec<f32>) {
     (shape, npy.into_vec().unwrap())
 }
 
-#[test]
-fn logits_batch_and_incremental_match_the_golden() {
+/// `logits` of `model` in both modes agree with fixture `name`'s golden.
+fn check_logits_match_the_golden(model: &Path, name: &str) {
     let tmp = tempfile::tempdir().unwrap();
-    let model = convert("qwen35moe-q4", tmp.path());
-    let meta = golden("qwen35moe-q4");
-    let tokens: Vec<String> = meta["tokens"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.to_string())
-        .collect();
-    let (gshape, golden) = read_npy(&fixtures().join("qwen35moe-q4/golden_logits.npy"));
+    let tokens = id_list(&ids(&golden(name)["tokens"]));
+    let (gshape, golden) = read_npy(&fixture(name).join("golden_logits.npy"));
     let tol = 1e-3 * golden.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     for mode in ["batch", "incremental"] {
         let out_path = tmp.path().join(format!("{mode}.npy"));
         let out = moeflux(&[
             "logits",
             "--model",
-            model.to_str().unwrap(),
+            s(model),
             "--tokens",
-            &tokens.join(","),
+            &tokens,
             "--output",
-            out_path.to_str().unwrap(),
+            s(&out_path),
             "--mode",
             mode,
         ]);
-        assert!(
-            out.status.success(),
-            "{mode}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert!(out.status.success(), "{mode}: {}", text(&out.stderr));
         let (shape, got) = read_npy(&out_path);
         assert_eq!(shape, gshape, "{mode}");
         let worst = got
             .iter()
             .zip(&golden)
             .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-        assert!(worst <= tol, "{mode}: max diff {worst} > {tol}");
+        assert!(worst <= tol, "{name} {mode}: max diff {worst} > {tol}");
     }
+}
+
+#[test]
+fn logits_batch_and_incremental_match_the_golden() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = convert("qwen35moe-q4", tmp.path());
+    check_logits_match_the_golden(&model, "qwen35moe-q4");
+}
+
+/// A GGUF through the binary: `convert` names its tensor types; `logits`
+/// match the golden of the weights it was exported from; `run` continues
+/// greedily as mlx-lm does, with the tokenizer and template its metadata
+/// carried.
+#[test]
+fn gguf_convert_then_logits_and_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("m");
+    let out = moeflux(&["convert", s(&fixture("gguf/qwen3moe.gguf")), s(&model)]);
+    assert!(ok(&out).contains("converted qwen3_moe"));
+    let err = text(&out.stderr);
+    assert!(err.contains("GGUF tensor types: F32 "), "{err}");
+    assert!(err.contains("Q4_1 "), "{err}");
+    assert!(!err.contains("warning"), "{err}");
+    check_logits_match_the_golden(&model, "qwen3moe-hf");
+
+    let g = golden("qwen3moe-hf");
+    let continuation = ids(&g["continuation"]);
+    let out = moeflux(&[
+        "run",
+        "--model",
+        s(&model),
+        "--prompt-ids",
+        &id_list(&ids(&g["prompt"])),
+        "--temp",
+        "0",
+        "-n",
+        &continuation.len().to_string(),
+        "--ignore-eos",
+    ]);
+    let tok = moeflux::text::tokenizer::Tokenizer::from_model_dir(&model).unwrap();
+    let want = tok.decode(&continuation, true).unwrap();
+    assert_eq!(ok(&out), format!("{want}\n"));
+    let out = moeflux(&["run", "--model", s(&model), "-p", "Hello", "-n", "3"]);
+    assert!(!ok(&out).is_empty());
 }
 
 #[test]

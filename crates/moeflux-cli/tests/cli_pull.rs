@@ -101,3 +101,55 @@ fn pull_errors_exit_non_zero_with_one_line() {
         text(&out.stderr)
     );
 }
+
+#[test]
+fn gguf_quant_by_name_pulls_converts_and_runs() {
+    let server = HubServer::start();
+    let read = |n: &str| std::fs::read(fixture("gguf").join(n)).unwrap();
+    server.add_repo(
+        "org/g-GGUF",
+        COMMIT,
+        vec![
+            ("G-Q4_1.gguf".into(), read("qwen3moe.gguf")),
+            (
+                "G-Q8_0-00001-of-00002.gguf".into(),
+                read("qwen3moe-mixed-00001-of-00002.gguf"),
+            ),
+            (
+                "G-Q8_0-00002-of-00002.gguf".into(),
+                read("qwen3moe-mixed-00002-of-00002.gguf"),
+            ),
+        ],
+        None,
+    );
+    let home = tempfile::tempdir().unwrap();
+    let models = home.path().join("moeflux/models");
+    let out = hub_cmd(
+        &server,
+        home.path(),
+        &[
+            "run",
+            "--model",
+            "hf:org/g-GGUF:Q4_1",
+            "-p",
+            "Hello",
+            "-n",
+            "2",
+        ],
+    );
+    assert!(!ok(&out).is_empty());
+    let err = text(&out.stderr);
+    assert!(err.contains("GGUF tensor types: "), "{err}");
+    assert!(models
+        .join(format!("org--g-GGUF--{COMMIT}--G-Q4_1"))
+        .join("moeflux.json")
+        .is_file());
+
+    let out = ok(&hub_cmd(&server, home.path(), &["pull", "org/g-GGUF:Q8_0"]));
+    assert_eq!(
+        out.trim_end(),
+        s(&models.join(format!("org--g-GGUF--{COMMIT}--G-Q8_0")))
+    );
+    let line = one_line_error(&hub_cmd(&server, home.path(), &["pull", "org/g-GGUF"]));
+    assert!(line.contains("choose one with org/g-GGUF:QUANT"), "{line}");
+}

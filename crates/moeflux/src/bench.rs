@@ -3,6 +3,12 @@
 //! tokens in one batch from an empty context) and text generation (`tg`:
 //! `gen` random tokens fed one at a time from an empty context), repeated,
 //! with the time split by phase and the expert bytes each test read.
+//!
+//! The warm-up and every repetition draw their own tokens: a repetition
+//! that replayed the warm-up's tokens would find exactly the experts it
+//! needs already cached (in VRAM, or in the page cache), and its hit rates
+//! would describe the replay, not the model serving new text. Cache
+//! counters cover the timed repetitions only.
 
 use std::time::{Duration, Instant};
 
@@ -109,6 +115,19 @@ impl TestResult {
         self.uploaded_bytes_per_token() * (c.misses + c.prefetch_hits) as f64 / uploads as f64
     }
 
+    /// Experts the layers used per repetition, resident or not (GPU expert
+    /// cache; 0 on the CPU).
+    pub fn expert_uses_per_rep(&self) -> u64 {
+        (self.gpu_cache.hits + self.gpu_cache.misses) / self.tok_s.len().max(1) as u64
+    }
+
+    /// Whether one repetition used more experts than a cache of `slots`
+    /// holds: only then does its hit rate say what the cache does for a
+    /// long run rather than how much of one short run fits.
+    pub fn outgrows_cache(&self, slots: usize) -> bool {
+        self.expert_uses_per_rep() > slots as u64
+    }
+
     /// Expert bytes per second of wall time (the bandwidth the test
     /// achieved, I/O overlapped with compute or not).
     pub fn expert_gb_s(&self) -> f64 {
@@ -183,20 +202,17 @@ pub fn run(
             limit: session.max_context(),
         });
     }
-    let vocab = session.vocab_size();
-    let prompt = random_tokens(opts.prompt_len, vocab, opts.seed);
-    let gen = random_tokens(opts.gen, vocab, opts.seed ^ 0x5EED);
     let prefill = (opts.prompt_len > 0)
         .then(|| {
-            test(session, opts, "pp", on_progress, |s| {
-                s.eval(&prompt, LogitsMode::Last).map(|_| ())
+            test(session, opts, "pp", on_progress, |s, tokens| {
+                s.eval(tokens, LogitsMode::Last).map(|_| ())
             })
         })
         .transpose()?;
     let decode = (opts.gen > 0)
         .then(|| {
-            test(session, opts, "tg", on_progress, |s| {
-                for &t in &gen {
+            test(session, opts, "tg", on_progress, |s, tokens| {
+                for &t in tokens {
                     s.eval(&[t], LogitsMode::Last)?;
                 }
                 Ok(())
@@ -206,21 +222,34 @@ pub fn run(
     Ok(BenchResult { prefill, decode })
 }
 
+/// The tokens of one run of test `name`: run 0 is the warm-up, run `i`
+/// repetition `i`; each run's are its own draw.
+pub fn run_tokens(name: &str, run: u64, n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let stream = crate::hash::fnv1a(name.as_bytes());
+    random_tokens(
+        n,
+        vocab,
+        seed ^ stream ^ run.wrapping_mul(0xD1B5_4A32_D192_ED03),
+    )
+}
+
 fn test(
     session: &mut Session,
     opts: &BenchOptions,
     name: &str,
     on_progress: &mut dyn FnMut(&str),
-    body: impl Fn(&mut Session) -> Result<()>,
+    body: impl Fn(&mut Session, &[u32]) -> Result<()>,
 ) -> Result<TestResult> {
     let tokens = if name == "pp" {
         opts.prompt_len
     } else {
         opts.gen
     };
+    let vocab = session.vocab_size();
+    let draw = |run: u64| run_tokens(name, run, tokens, vocab, opts.seed);
     if opts.warmup {
         session.clear();
-        body(session)?;
+        body(session, &draw(0))?;
     }
     let mut r = TestResult {
         tokens,
@@ -234,6 +263,7 @@ fn test(
         gpu_cache: CacheStats::default(),
     };
     for rep in 0..opts.reps {
+        let input = draw(rep as u64 + 1);
         session.clear();
         if opts.cold {
             session.evict_expert_cache()?;
@@ -246,7 +276,7 @@ fn test(
         let pf0 = session.prefetch_stats();
         let gc0 = session.gpu_cache_stats();
         let t0 = Instant::now();
-        body(session)?;
+        body(session, &input)?;
         let wall = t0.elapsed();
         let disk = procfs::disk_read_bytes()
             .zip(disk0)
@@ -307,6 +337,20 @@ mod tests {
         let mut seen = [false; 37];
         a.iter().for_each(|&t| seen[t as usize] = true);
         assert!(seen.iter().all(|&s| s));
+    }
+
+    #[test]
+    fn every_run_draws_its_own_tokens() {
+        let runs: Vec<Vec<u32>> = (0..4).map(|r| run_tokens("tg", r, 64, 1000, 1)).collect();
+        for i in 0..runs.len() {
+            for j in 0..i {
+                let same = runs[i].iter().zip(&runs[j]).filter(|(a, b)| a == b).count();
+                assert!(same < 8, "runs {j} and {i} share {same} of 64 tokens");
+            }
+        }
+        assert_eq!(runs[2], run_tokens("tg", 2, 64, 1000, 1));
+        assert_ne!(run_tokens("pp", 1, 64, 1000, 1), runs[1]);
+        assert_ne!(run_tokens("tg", 1, 64, 1000, 2), runs[1]);
     }
 
     #[test]

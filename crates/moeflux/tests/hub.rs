@@ -360,37 +360,186 @@ fn unsupported_model_is_refused_before_any_weight_is_fetched() {
     );
 }
 
-#[test]
-fn gguf_repo_is_recognised_and_refused_until_gguf_import_lands() {
-    let server = HubServer::start();
+fn gguf_fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/gguf")
+        .join(name)
+}
+
+/// A GGUF repo as quantizers publish them: one quant as a single file, one
+/// split in a folder, a vision projector and a card beside them.
+fn add_gguf_repo(server: &HubServer, repo: &str) {
+    let read = |n: &str| std::fs::read(gguf_fixture(n)).unwrap();
     server.add_repo(
-        "org/m-GGUF",
+        repo,
         COMMIT,
         vec![
-            ("README.md".into(), b"card".to_vec()),
-            ("M-Q4_K_M.gguf".into(), b"GGUF....".to_vec()),
-            ("Q8_0/M-Q8_0-00001-of-00002.gguf".into(), b"GGUF".to_vec()),
-            ("Q8_0/M-Q8_0-00002-of-00002.gguf".into(), b"GGUF".to_vec()),
+            ("README.md".into(), b"# card".to_vec()),
+            ("Qwen3-Q4_1.gguf".into(), read("qwen3moe.gguf")),
+            (
+                "Q8_0/Qwen3-Q8_0-00001-of-00002.gguf".into(),
+                read("qwen3moe-mixed-00001-of-00002.gguf"),
+            ),
+            (
+                "Q8_0/Qwen3-Q8_0-00002-of-00002.gguf".into(),
+                read("qwen3moe-mixed-00002-of-00002.gguf"),
+            ),
+            ("mmproj-F16.gguf".into(), b"GGUF not a model".to_vec()),
+        ],
+        None,
+    );
+}
+
+#[test]
+fn gguf_repo_pulls_the_chosen_quant_and_converts_it_once() {
+    let server = HubServer::start();
+    add_gguf_repo(&server, "org/qwen3-GGUF");
+    let root = tempfile::tempdir().unwrap();
+    let c = cfg(&server, root.path());
+    let models = root.path().join("models");
+
+    // The split Q8_0: its first 64 KiB (the architecture), then both parts.
+    let p = pull(&spec("org/qwen3-GGUF:q8_0"), &c, &PullOptions::default()).unwrap();
+    assert_eq!(
+        p.dir,
+        models.join(format!("org--qwen3-GGUF--{COMMIT}--Qwen3-Q8_0"))
+    );
+    let r = p.converted.as_ref().expect("converted");
+    assert_eq!(r.architecture, "qwen3_moe");
+    assert!(r.gguf_types.iter().any(|(t, _)| t == "MXFP4"), "{r:?}");
+    assert_same_model(&p.dir, &gguf_fixture("qwen3moe-mixed-00001-of-00002.gguf"));
+    let gets: Vec<_> = server
+        .requests()
+        .into_iter()
+        .filter(|r| r.method == "GET" && r.path.contains("/resolve/"))
+        .map(|r| (r.path.rsplit('/').next().unwrap().to_string(), r.range))
+        .collect();
+    let part = |i| format!("Qwen3-Q8_0-0000{i}-of-00002.gguf");
+    assert_eq!(
+        gets.iter()
+            .filter(|g| g.1.is_some())
+            .cloned()
+            .collect::<Vec<_>>(),
+        [(part(1), Some("bytes=0-65535".into()))]
+    );
+    let mut whole: Vec<String> = gets
+        .into_iter()
+        .filter(|g| g.1.is_none())
+        .map(|g| g.0)
+        .collect();
+    whole.sort();
+    assert_eq!(whole, [part(1), part(2)], "only the chosen quant's parts");
+    let snap = root
+        .path()
+        .join("hf/models--org--qwen3-GGUF/snapshots")
+        .join(COMMIT);
+    assert!(snap.join("Q8_0").join(part(2)).is_file());
+    assert!(!snap.join("Qwen3-Q4_1.gguf").exists());
+
+    // The other quant converts beside it; again: reused, the listing only.
+    let q4 = pull(&spec("org/qwen3-GGUF:Q4_1"), &c, &PullOptions::default()).unwrap();
+    assert_eq!(
+        q4.dir,
+        models.join(format!("org--qwen3-GGUF--{COMMIT}--Qwen3-Q4_1"))
+    );
+    assert_same_model(&q4.dir, &gguf_fixture("qwen3moe.gguf"));
+    assert!(p.dir.join("moeflux.json").is_file());
+    server.clear_requests();
+    let again = pull(&spec("org/qwen3-GGUF:Q8_0"), &c, &PullOptions::default()).unwrap();
+    assert_eq!(again.dir, p.dir);
+    assert!(again.converted.is_none());
+    assert_eq!(server.requests().len(), 1, "{:?}", server.requests());
+
+    // Without a quant, the choice is the user's.
+    let e = err(pull(&spec("org/qwen3-GGUF"), &c, &PullOptions::default()));
+    assert!(e.contains("choose one with org/qwen3-GGUF:QUANT"), "{e}");
+    assert!(
+        e.contains("Qwen3-Q4_1.gguf") && !e.contains("mmproj"),
+        "{e}"
+    );
+
+    // Offline: from the snapshot alone, no request; a quant never pulled
+    // is named with what the cache has.
+    server.clear_requests();
+    let off = HubConfig {
+        offline: true,
+        endpoint: "http://127.0.0.1:9".into(),
+        models_dir: root.path().join("models-offline"),
+        ..c.clone()
+    };
+    let o = pull(&spec("org/qwen3-GGUF:Q8_0"), &off, &PullOptions::default()).unwrap();
+    assert!(o.converted.is_some());
+    assert_same_model(&o.dir, &gguf_fixture("qwen3moe-mixed-00001-of-00002.gguf"));
+    let e = err(pull(
+        &spec("org/qwen3-GGUF:Q4_K_M"),
+        &off,
+        &PullOptions::default(),
+    ));
+    assert!(e.contains("offline (HF_HUB_OFFLINE is set)"), "{e}");
+    assert!(
+        e.contains("no GGUF file of quantization `Q4_K_M`") && e.contains("Qwen3-Q4_1.gguf"),
+        "{e}"
+    );
+    assert!(server.requests().is_empty());
+}
+
+/// A GGUF header: version 3, no tensors, `general.architecture` = `arch`,
+/// then `pad` bytes (the weights a pull must not fetch).
+fn gguf_header(arch: &str, pad: usize) -> Vec<u8> {
+    let mut b = b"GGUF".to_vec();
+    b.extend(3u32.to_le_bytes());
+    b.extend(0u64.to_le_bytes());
+    b.extend(1u64.to_le_bytes());
+    let key = "general.architecture";
+    b.extend((key.len() as u64).to_le_bytes());
+    b.extend(key.as_bytes());
+    b.extend(8u32.to_le_bytes());
+    b.extend((arch.len() as u64).to_le_bytes());
+    b.extend(arch.as_bytes());
+    b.resize(b.len() + pad, 0);
+    b
+}
+
+#[test]
+fn gguf_of_an_unsupported_architecture_is_refused_before_its_weights() {
+    let server = HubServer::start();
+    server.add_repo(
+        "org/llama-GGUF",
+        COMMIT,
+        vec![
+            ("L-Q4_0.gguf".into(), gguf_header("llama", 200_000)),
+            ("N-Q4_0.gguf".into(), gguf_header("qwen35moe", 200_000)),
+            ("X-Q4_0.gguf".into(), vec![b'x'; 200_000]),
         ],
         None,
     );
     let root = tempfile::tempdir().unwrap();
     let c = cfg(&server, root.path());
-    let e = err(pull(
-        &spec("org/m-GGUF:Q4_K_M"),
-        &c,
-        &PullOptions::default(),
-    ));
-    assert!(e.contains("GGUF import is not supported yet"), "{e}");
-    assert!(e.contains("would fetch M-Q4_K_M.gguf"), "{e}");
-    let e = err(pull(&spec("org/m-GGUF:q8_0"), &c, &PullOptions::default()));
+    let e = err(pull(&spec("org/llama-GGUF:L"), &c, &PullOptions::default()));
+    assert!(e.contains("not a model moeflux can run"), "{e}");
+    assert!(e.contains("GGUF architecture `llama`"), "{e}");
+    assert!(e.contains("qwen3moe, gpt-oss, glm4moe"), "{e}");
+    let e = err(pull(&spec("org/llama-GGUF:N"), &c, &PullOptions::default()));
     assert!(
-        e.contains("Q8_0/M-Q8_0-00001-of-00002.gguf, Q8_0/M-Q8_0-00002-of-00002.gguf"),
+        e.contains("`qwen35moe`") && e.contains("Hugging Face or mlx-lm"),
         "{e}"
     );
-    let e = err(pull(&spec("org/m-GGUF"), &c, &PullOptions::default()));
-    assert!(e.contains("choose one with org/m-GGUF:QUANT"), "{e}");
-    assert!(server.file_requests().is_empty());
+    let e = err(pull(&spec("org/llama-GGUF:X"), &c, &PullOptions::default()));
+    assert!(
+        e.contains("X-Q4_0.gguf") && e.contains("not a GGUF file"),
+        "{e}"
+    );
+    // Only first ranges were fetched; nothing was cached or converted.
+    for r in server.requests() {
+        if r.method == "GET" && r.path.contains("/resolve/") {
+            assert_eq!(r.range.as_deref(), Some("bytes=0-65535"), "{}", r.path);
+        }
+    }
+    assert!(!root
+        .path()
+        .join("hf/models--org--llama-GGUF/blobs")
+        .exists());
+    assert!(!root.path().join("models").exists());
 }
 
 #[test]

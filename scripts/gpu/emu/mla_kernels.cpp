@@ -6,7 +6,7 @@
 // [gate | up] to their input) against dequantized dot products. The Qwen (GatedDeltaNet,
 // attention, MoE combine) kernels are checked by qwen_kernels.cpp.
 #include "cuda_emu.h"
-#include KERNELS_SOURCE  // kernels.cu + mla.cu, made by run.sh
+#include KERNELS_SOURCE  // the kernel parts of all.cuh, made by run.sh
 #include "emu_check.h"
 
 // rows per block as the host computes it (linear.rs rows_per_block)

@@ -18,8 +18,9 @@
 //   attention_mma     2 to 128 query heads per KV group, partial tiles, cache rows
 //                     past the context poisoned) against a double-precision softmax.
 #include "cuda_emu.h"
-#include KERNELS_SOURCE  // kernels.cu + mla.cu + mma.cu + attn_mma.cu, made by run.sh
+#include KERNELS_SOURCE  // the kernel parts of all.cuh, made by run.sh
 #include "emu_check.h"
+#include "../qmv_geometry.h"
 
 // mma_split of x[n][cols] into xp / xs (sized by the caller's vectors).
 static void split(const std::vector<float>& x, int n, int cols, int gs, std::vector<uint4>& xp,
@@ -202,23 +203,6 @@ static double oai_ref(double g, double u, double alpha, double limit) {
 
 enum ExpertPath { GROUPED, SLOTS, MMA, QMV, STREAM };
 
-// The geometry of the activation-stationary kernels (qmv_slices, qmv_threads and
-// qmv_rows_per_block in linear.rs) for rows of cols 4-bit codes.
-static int qmv_parts(int cols) {
-    int rb = cols / 2;
-    if (rb < 512) return 1;
-    int slices = (rb + 511) / 512;
-    if (rb % 512) return std::min(slices, 8);
-    int p = 1;
-    while (p * 2 <= std::min(slices, 8)) p *= 2;
-    return p;
-}
-static int qmv_threads(int cols) { return 32 * (8 / qmv_parts(cols)) * qmv_parts(cols); }
-static int qmv_rows_per_block(int cols, int chunks) {
-    int rb = cols / 2;
-    return rb >= 512 ? 8 / qmv_parts(cols) * chunks : 8 * chunks * (512 / rb);
-}
-
 // ne experts of one layout (mx: MXFP4, else 4-bit affine, groups of 64) with biases and
 // the clamped SwiGLU (alpha 1.702, limit 7; the inputs scaled so that some gate and up
 // sums pass the limit); expert e serves tokens 0 .. counts[e] - 1 (slot t * k + e).
@@ -316,7 +300,7 @@ static void test_gptoss_experts(int hidden, int inter, bool mx, ExpertPath path,
     // The streaming kernels: 2 blocks per slot, so that each loops over several row
     // groups; the one-pass ones: a block per row group (QMV_CHUNKS = 8 chunks per warp).
     auto qmv_grid = [&](int rows, int cols, int chunks) {
-        int per = qmv_rows_per_block(cols, chunks);
+        int per = qmv_rows_per_block(cols, 4, chunks);
         return path == STREAM ? 2u : (unsigned)((rows + per - 1) / per);
     };
     std::vector<uint4> xp;
@@ -337,7 +321,7 @@ static void test_gptoss_experts(int hidden, int inter, bool mx, ExpertPath path,
                 else moe_gate_up_b4(pt, L, ps, k, px, pa);
             });
         } else if (path == QMV || path == STREAM) {
-            emu_launch({qmv_grid(inter, hidden, path == STREAM ? 2 : 4), (unsigned)(n * k), 1}, qmv_threads(hidden),
+            emu_launch({qmv_grid(inter, hidden, path == STREAM ? 2 : 4), (unsigned)(n * k), 1}, qmv_threads(hidden, 4),
                        [&] {
                            if (path == QMV && mx) moe_gate_up_qmv_mx(pb, L, k, px, pa);
                            else if (path == QMV) moe_gate_up_qmv_b4(pb, L, k, px, pa);
@@ -403,7 +387,7 @@ static void test_gptoss_experts(int hidden, int inter, bool mx, ExpertPath path,
             });
         } else if (path == QMV || path == STREAM) {
             const float* pa = act.data();
-            emu_launch({qmv_grid(hidden, inter, path == STREAM ? 4 : 8), (unsigned)(n * k), 1}, qmv_threads(inter),
+            emu_launch({qmv_grid(hidden, inter, path == STREAM ? 4 : 8), (unsigned)(n * k), 1}, qmv_threads(inter, 4),
                        [&] {
                            if (path == QMV && mx) moe_down_qmv_mx(pb, L, pa, po);
                            else if (path == QMV) moe_down_qmv_b4(pb, L, pa, po);

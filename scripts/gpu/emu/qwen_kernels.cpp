@@ -11,7 +11,7 @@
 //                 half-split rope (partial or full), the gate copied when gated, k and v
 //                 appended to the caches at rows pos..pos+n, the other cache rows untouched.
 #include "cuda_emu.h"
-#include KERNELS_SOURCE  // kernels.cu + mla.cu, made by run.sh
+#include KERNELS_SOURCE  // the kernel parts of all.cuh, made by run.sh
 #include "emu_check.h"
 
 static double sigmoid_d(double x) { return 1.0 / (1.0 + exp(-x)); }

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs moeflux's CUDA kernels (crates/moeflux/src/backend/cuda/*.cu) on the CPU
+# Runs moeflux's CUDA kernels (crates/moeflux/src/backend/cuda/kernels/) on the CPU
 # under a small CUDA emulation (cuda_emu.h: a thread per CUDA thread, blocks one after
 # another, barriers for __syncthreads, __syncwarp and warp shuffles) against naive
 # double-precision references (emu_check.h), so their indexing and logic can be checked
@@ -27,11 +27,13 @@
 #   scripts/gpu/emu/run.sh
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-src=$here/../../../crates/moeflux/src/backend/cuda
+src=$here/../../../crates/moeflux/src/backend/cuda/kernels
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-# Dynamic shared memory becomes one host buffer.
-cat "$src/kernels.cu" "$src/mla.cu" "$src/mma.cu" "$src/attn_mma.cu" "$src/deltanet_chunk.cu" |
+# The parts in all.cuh's order, as NVRTC gets them; dynamic shared memory
+# becomes one host buffer.
+parts=$(sed -nE 's/^#include "(.+)"$/\1/p' "$src/all.cuh")
+(cd "$src" && cat $parts) |
   sed -E 's/extern __shared__ float (\w+)\[\];/float* \1 = g_dyn_smem.data();/' >"$tmp/kernels.inc"
 for t in mla_kernels qwen_kernels mma_kernels deltanet_kernels; do
   g++ -std=c++20 -O1 -pthread -w -I"$here" -DKERNELS_SOURCE="\"$tmp/kernels.inc\"" \

@@ -1,5 +1,5 @@
 // Kernel micro-benchmark for the one-token (decode) products: the kernels of
-// moeflux's kernels.cu on synthetic weights of real model widths, each
+// moeflux's kernels (kernels/all.cuh) on synthetic weights of real model widths, each
 // timed as a CUDA graph of back-to-back launches over rotating weight
 // copies (so the reads come from device memory, not L2), and checked
 // against each other. Built and run on the GPU machine by run.sh here.
@@ -12,7 +12,8 @@
 #include <algorithm>
 #include <cuda_runtime.h>
 
-#include "../../../crates/moeflux/src/backend/cuda/kernels.cu"
+#include "../../../crates/moeflux/src/backend/cuda/kernels/all.cuh"
+#include "../qmv_geometry.h"
 
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); exit(1); } } while (0)
 
@@ -49,12 +50,6 @@ static size_t qw_bytes(const QW& q) { return (size_t)q.rows * q.cols * q.bits / 
 static int old_rows_per_block(int cols, int bits) {
     int units = cols * bits / 128; int split = units >= 256 ? 8 : units >= 128 ? 4 : units >= 64 ? 2 : 1; return 32 / split;
 }
-static int qmv_rows_per_block(int cols, int bits, int nc) {
-    int rb = cols * bits / 8;
-    if (rb >= 512) { int sl = rb / 512; int parts = sl >= 8 ? 8 : sl >= 4 ? 4 : sl >= 2 ? 2 : 1; return (8 / parts) * nc; }
-    return 8 * nc * (512 / rb);
-}
-
 template <class F>
 static double time_graph(F launch_i, int n) {
     cudaStream_t s; CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -194,6 +189,90 @@ static void bench_slots(const char* name, int n_exp, int k, int hidden, int inte
     compare("down", y1, y2, (size_t)k * hidden);
 }
 
+// gpt-oss's MXFP4 experts (codes, then e8m0 scale bytes per projection; no
+// group biases, per-expert bias tables, the clamped SwiGLU): the one-pass
+// per-slot kernels (a block per row group) against the streaming ones over
+// grids of 1-8 blocks per SM shared by the slots, and a plain read of the
+// same bytes.
+static void bench_slots_mx(const char* name, int n_exp, int k, int hidden, int inter) {
+    ExpertLayout L; memset(&L, 0, sizeof L); long off = 0;
+    auto seg = [&](long n) { long o = off; off += (n + 255) / 256 * 256; return o; };
+    L.gate_w = seg((long)inter * hidden / 2); L.gate_s = seg((long)inter * (hidden / 32));
+    L.up_w = seg((long)inter * hidden / 2); L.up_s = seg((long)inter * (hidden / 32));
+    L.down_w = seg((long)hidden * inter / 2); L.down_s = seg((long)hidden * (inter / 32));
+    L.inter = inter; L.hidden = hidden; L.bits = 4; L.gs = 32; L.sf32 = 0; L.mx = 1;
+    L.oai = 1; L.alpha = 1.702f; L.limit = 7.0f;
+    long ext = off;
+    char* all = (char*)dev_random((size_t)ext * n_exp);
+    {
+        // Scale bytes near 2^-7 so sums stay in range.
+        std::vector<unsigned char> sg((size_t)inter * (hidden / 32)), sd((size_t)hidden * (inter / 32));
+        for (int e = 0; e < n_exp; e++) {
+            for (auto& v : sg) v = 118 + rng() % 4;
+            for (auto& v : sd) v = 118 + rng() % 4;
+            CK(cudaMemcpy(all + e * ext + L.gate_s, sg.data(), sg.size(), cudaMemcpyHostToDevice));
+            CK(cudaMemcpy(all + e * ext + L.up_s, sg.data(), sg.size(), cudaMemcpyHostToDevice));
+            CK(cudaMemcpy(all + e * ext + L.down_s, sd.data(), sd.size(), cudaMemcpyHostToDevice));
+        }
+    }
+    float* bg = dev_floats((size_t)n_exp * inter, -0.5f, 0.5f);
+    float* bu = dev_floats((size_t)n_exp * inter, -0.5f, 0.5f);
+    float* bd = dev_floats((size_t)n_exp * hidden, -0.5f, 0.5f);
+    L.bias_g = bg; L.bias_u = bu; L.bias_d = bd;
+    const int T = 64;
+    std::vector<unsigned long long> hb(T * k);
+    std::vector<int> hid(T * k);
+    for (int t = 0; t < T; t++) {
+        std::vector<int> ids(n_exp); for (int e = 0; e < n_exp; e++) ids[e] = e; std::shuffle(ids.begin(), ids.end(), rng);
+        for (int j = 0; j < k; j++) { hb[t * k + j] = (unsigned long long)(all + (long)ids[j] * ext); hid[t * k + j] = ids[j]; }
+    }
+    unsigned long long* bases; CK(cudaMalloc(&bases, hb.size() * 8)); CK(cudaMemcpy(bases, hb.data(), hb.size() * 8, cudaMemcpyHostToDevice));
+    int* dids; CK(cudaMalloc(&dids, hid.size() * 4)); CK(cudaMemcpy(dids, hid.data(), hid.size() * 4, cudaMemcpyHostToDevice));
+    float* x = dev_floats(hidden, -1, 1);
+    float *a1, *a2, *y1, *y2; CK(cudaMalloc(&a1, k * inter * 4)); CK(cudaMalloc(&a2, k * inter * 4)); CK(cudaMalloc(&y1, k * hidden * 4)); CK(cudaMalloc(&y2, k * hidden * 4));
+    size_t gu_bytes = (size_t)k * 2 * ((size_t)inter * hidden / 2 + (size_t)inter * (hidden / 32));
+    size_t dn_bytes = (size_t)k * ((size_t)hidden * inter / 2 + (size_t)hidden * (inter / 32));
+    int gth = qmv_threads(hidden, 4), dth = qmv_threads(inter, 4);
+    int gu_one = (inter + qmv_rows_per_block(hidden, 4, QMV_NC / 2) - 1) / qmv_rows_per_block(hidden, 4, QMV_NC / 2);
+    int dn_one = (hidden + qmv_rows_per_block(inter, 4, QMV_NC) - 1) / qmv_rows_per_block(inter, 4, QMV_NC);
+    int gu_sets = (inter + qmv_rows_per_block(hidden, 4, MX_STREAM_NC / 2) - 1) / qmv_rows_per_block(hidden, 4, MX_STREAM_NC / 2);
+    int dn_sets = (hidden + qmv_rows_per_block(inter, 4, MX_STREAM_NC) - 1) / qmv_rows_per_block(inter, 4, MX_STREAM_NC);
+    int n = 200;
+    auto Lt = [&](int i) { ExpertLayout l = L; l.ids = dids + (i % T) * k; return l; };
+    double g1 = time_graph([&](cudaStream_t s, int i) { launch_pdl(moe_gate_up_qmv_mx, dim3(gu_one, k), gth, s, (const unsigned long long*)(bases + (i % T) * k), Lt(i), k, (const float*)x, a1); }, n);
+    double d1 = time_graph([&](cudaStream_t s, int i) { launch_pdl(moe_down_qmv_mx, dim3(dn_one, k), dth, s, (const unsigned long long*)(bases + (i % T) * k), Lt(i), (const float*)a1, y1); }, n);
+    printf("%-26s one-pass  gate/up %6.1f MB %7.2f us %5.0f GB/s (%dx%d, %d thr) | down %6.1f MB %7.2f us %5.0f GB/s (%dx%d, %d thr)\n",
+           name, gu_bytes / 1e6, g1, gu_bytes / g1 / 1e3, gu_one, k, gth, dn_bytes / 1e6, d1, dn_bytes / d1 / 1e3, dn_one, k, dth);
+    int occ_g = 0, occ_d = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_g, moe_gate_up_stream_mx, gth, 0));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_d, moe_down_stream_mx, dth, 0));
+    printf("    stream occupancy: gate/up %d blocks/SM, down %d blocks/SM; sets per slot %d, %d\n", occ_g, occ_d, gu_sets, dn_sets);
+    for (int bps = 1; bps <= 8; bps *= 2) {
+        int gb = std::max(1, std::min(gu_sets, bps * g_sms / k)), db = std::max(1, std::min(dn_sets, bps * g_sms / k));
+        double g2 = time_graph([&](cudaStream_t s, int i) { launch_pdl(moe_gate_up_stream_mx, dim3(gb, k), gth, s, (const unsigned long long*)(bases + (i % T) * k), Lt(i), k, (const float*)x, a2); }, n);
+        double d2 = time_graph([&](cudaStream_t s, int i) { launch_pdl(moe_down_stream_mx, dim3(db, k), dth, s, (const unsigned long long*)(bases + (i % T) * k), Lt(i), (const float*)a1, y2); }, n);
+        printf("    stream %d/SM: gate/up %7.2f us %5.0f GB/s (%dx%d) | down %7.2f us %5.0f GB/s (%dx%d)\n", bps, g2, gu_bytes / g2 / 1e3, gb, k, d2, dn_bytes / d2 / 1e3, db, k);
+    }
+    launch_pdl(moe_gate_up_qmv_mx, dim3(gu_one, k), gth, 0, (const unsigned long long*)bases, Lt(0), k, (const float*)x, a1);
+    launch_pdl(moe_gate_up_stream_mx, dim3(std::min(gu_sets, 2 * g_sms / k), k), gth, 0, (const unsigned long long*)bases, Lt(0), k, (const float*)x, a2);
+    launch_pdl(moe_down_qmv_mx, dim3(dn_one, k), dth, 0, (const unsigned long long*)bases, Lt(0), (const float*)a1, y1);
+    launch_pdl(moe_down_stream_mx, dim3(std::min(dn_sets, 2 * g_sms / k), k), dth, 0, (const unsigned long long*)bases, Lt(0), (const float*)a1, y2);
+    CK(cudaDeviceSynchronize());
+    compare("gate/up", a1, a2, (size_t)k * inter);
+    compare("down", y1, y2, (size_t)k * hidden);
+    // The same bytes read plainly (one contiguous buffer per kernel's share).
+    u32* sink; CK(cudaMalloc(&sink, 4));
+    for (size_t bytes : {gu_bytes, dn_bytes}) {
+        const int copies = 8;
+        std::vector<void*> bufs; for (int c = 0; c < copies; c++) bufs.push_back(dev_random(bytes));
+        for (int bps = 2; bps <= 8; bps *= 2) {
+            double t = time_graph([&](cudaStream_t s, int i) { read_probe<<<g_sms * bps, 256, 0, s>>>((const uint4*)bufs[i % copies], (long)(bytes / 16), sink); }, n);
+            printf("    read_probe %d/SM (%.1f MB) %7.2f us %5.0f GB/s\n", bps, bytes / 1e6, t, bytes / t / 1e3);
+        }
+        for (void* b : bufs) CK(cudaFree(b));
+    }
+}
+
 extern "C" __global__ void null_kernel(int* p) { PDL_ENTER(); if (p) *p = 1; }
 
 // Per-launch floor of a graph of dependent launches, with and without PDL,
@@ -216,7 +295,7 @@ int main(int argc, char** argv) {
     const char* only = argc > 1 ? argv[1] : "";
     cudaDeviceProp p; CK(cudaGetDeviceProperties(&p, 0));
     g_sms = p.multiProcessorCount;
-    printf("%s, %d SMs, L2 %d MB, QMV_NC %d, QMV_STREAM_NC %d\n", p.name, p.multiProcessorCount, p.l2CacheSize >> 20, QMV_NC, QMV_STREAM_NC);
+    printf("%s, %d SMs, L2 %d MB, QMV_NC %d, QMV_STREAM_NC %d, MX_STREAM_NC %d\n", p.name, p.multiProcessorCount, p.l2CacheSize >> 20, QMV_NC, QMV_STREAM_NC, MX_STREAM_NC);
     if (!*only) bench_floor();
     if (strstr("A3B deltanet in (12288x2048)", only)) bench_product("A3B deltanet in (12288x2048)", 12288, 2048, 4, 64);
     if (strstr("A3B out proj (2048x4096)", only)) bench_product("A3B out proj (2048x4096)", 2048, 4096, 4, 64);
@@ -226,6 +305,8 @@ int main(int argc, char** argv) {
     if (strstr("397B deltanet in (16384x4096)", only)) bench_product("397B deltanet in (16384x4096)", 16384, 4096, 4, 64);
     if (strstr("A3B LM head (248320x2048)", only)) bench_product("A3B LM head (248320x2048)", 248320, 2048, 4, 64);
     if (strstr("A3B experts (256, top-8)", only)) bench_slots("A3B experts (256, top-8)", 256, 8, 2048, 512, 4, 64);
+    if (strstr("gpt-oss-20b experts (32, top-4)", only)) bench_slots_mx("gpt-oss-20b experts (32, top-4)", 32, 4, 2880, 2880);
+    if (strstr("gpt-oss-120b experts (128, top-4)", only)) bench_slots_mx("gpt-oss-120b experts (128, top-4)", 128, 4, 2880, 2880);
     if (strstr("397B experts (512, top-10)", only)) bench_slots("397B experts (512, top-10)", 256, 10, 4096, 1024, 4, 64);
     return 0;
 }

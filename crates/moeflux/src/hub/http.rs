@@ -6,7 +6,7 @@
 //! one file at a time, names partial files differently from
 //! `huggingface_hub` (so neither resumes the other's), and reports HTTP
 //! failures as transport errors. What is needed is four requests (revision
-//! listing, `HEAD` and ranged `GET` of a file, relative redirects), so they
+//! listing, `HEAD` and ranged `GET`s of a file, relative redirects), so they
 //! are written here on `ureq` (blocking, rustls), following
 //! `huggingface_hub`'s `file_download.py` step for step.
 
@@ -225,6 +225,31 @@ impl Client {
                 &resp,
             )))
         }
+    }
+
+    /// The first `n` bytes of a file (fewer when it is shorter): a
+    /// `bytes=0-{n-1}` request, cut at `n` should the server send it all.
+    pub fn get_prefix(&self, repo: &str, file: &str, url: &str, n: u64) -> Result<Vec<u8>> {
+        use std::io::Read;
+        let mut resp = self
+            .auth(self.files.get(url))
+            .header("Range", format!("bytes=0-{}", n.saturating_sub(1)))
+            .call()
+            .map_err(|e| self.transport(repo, url, e))?;
+        if !resp.status().is_success() {
+            return Err(self.status_error(repo, "", Some(file), &resp));
+        }
+        let mut out = Vec::new();
+        resp.body_mut()
+            .with_config()
+            .reader()
+            .take(n)
+            .read_to_end(&mut out)
+            .map_err(|e| Error::Hub {
+                repo: repo.into(),
+                reason: format!("{url}: reading the first {n} bytes: {e}"),
+            })?;
+        Ok(out)
     }
 
     fn transport(&self, repo: &str, url: &str, e: ureq::Error) -> Error {

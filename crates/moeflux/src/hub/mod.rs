@@ -8,10 +8,12 @@
 //! embedders can open `hf:` models the way `moeflux` does.
 //!
 //! Order of work: the revision's listing (commit and files) -> the repo's
-//! kind ([`select`]: safetensors, or GGUF, which is refused until GGUF
-//! import lands) -> config.json and the tokenizer files -> the
-//! architecture check (a model moeflux cannot run is refused before any
-//! weight is fetched) -> the weights, several at once -> `convert`.
+//! kind ([`select`]: safetensors, or one GGUF quantization) -> for
+//! safetensors, config.json and the tokenizer files; for GGUF, the first
+//! 64 KiB of the file -> the architecture check (a model moeflux cannot
+//! run is refused before any weight is fetched) -> the weights, several at
+//! once -> `convert` (a GGUF through its GGUF source, the tokenizer from
+//! its metadata).
 
 pub mod cache;
 pub mod config;
@@ -71,10 +73,24 @@ pub struct Pulled {
     pub converted: Option<ConvertReport>,
 }
 
-/// Where `spec` at `commit` is converted to.
-pub fn model_dir(cfg: &HubConfig, spec: &RepoSpec, commit: &str) -> PathBuf {
-    cfg.models_dir
-        .join(format!("{}--{commit}", spec.repo.replace('/', "--")))
+/// Where `spec` at `commit` is converted to:
+/// `<models_dir>/<org>--<name>--<commit>`, with `--<GGUF file stem>` for a
+/// GGUF repo ([`RepoKind::variant`]).
+pub fn model_dir(cfg: &HubConfig, spec: &RepoSpec, commit: &str, kind: &RepoKind) -> PathBuf {
+    let mut name = format!("{}--{commit}", spec.repo.replace('/', "--"));
+    if let Some(v) = kind.variant() {
+        name = format!("{name}--{v}");
+    }
+    cfg.models_dir.join(name)
+}
+
+/// What `convert` reads in the snapshot: the directory, or the GGUF file
+/// (its first part; the others are found beside it).
+fn convert_source(snapshot: &Path, kind: &RepoKind) -> PathBuf {
+    match kind {
+        RepoKind::Safetensors => snapshot.to_path_buf(),
+        RepoKind::Gguf { files } => snapshot.join(&files[0]),
+    }
 }
 
 fn is_model(dir: &Path) -> bool {
@@ -98,11 +114,9 @@ pub fn pull(spec: &RepoSpec, cfg: &HubConfig, opts: &PullOptions) -> Result<Pull
     let listing = Listing::from_json(&spec.repo, &info)?;
     let commit = listing.commit.clone();
     report(PullProgress::Resolved { commit: &commit });
-    if let RepoKind::Gguf { files } = listing.kind(&spec.repo, spec.quant.as_deref())? {
-        return Err(gguf_unsupported(spec, &files));
-    }
+    let kind = listing.kind(&spec.repo, spec.quant.as_deref())?;
     cache.write_ref(&spec.revision, &commit)?;
-    let dir = model_dir(cfg, spec, &commit);
+    let dir = model_dir(cfg, spec, &commit, &kind);
     let snapshot = cache.snapshot(&commit);
     if is_model(&dir) {
         return Ok(Pulled {
@@ -130,14 +144,24 @@ pub fn pull(spec: &RepoSpec, cfg: &HubConfig, opts: &PullOptions) -> Result<Pull
         cancel: opts.cancel,
         progress: &on_bytes,
     };
-    let small = fetcher.fetch(&listing.small_files())?;
-    check_model(spec, &snapshot)?;
-    let weights = fetcher.fetch(&listing.weight_files(&spec.repo, &snapshot)?)?;
-    let fetched = Fetched {
-        files: small.files + weights.files,
-        bytes: small.bytes + weights.bytes,
+    let fetched = match &kind {
+        RepoKind::Safetensors => {
+            let small = fetcher.fetch(&listing.small_files())?;
+            check_model(spec, &snapshot)?;
+            let weights = fetcher.fetch(&listing.weight_files(&spec.repo, &snapshot)?)?;
+            Fetched {
+                files: small.files + weights.files,
+                bytes: small.bytes + weights.bytes,
+            }
+        }
+        RepoKind::Gguf { files } => {
+            if !snapshot.join(&files[0]).is_file() {
+                check_gguf_model(spec, &client, &commit, &files[0])?;
+            }
+            fetcher.fetch(files)?
+        }
     };
-    let converted = convert_once(spec, &snapshot, &dir, opts)?;
+    let converted = convert_once(spec, &convert_source(&snapshot, &kind), &dir, opts)?;
     Ok(Pulled {
         dir,
         commit,
@@ -169,23 +193,42 @@ fn pull_offline(
     if let Some(opts) = opts.progress {
         opts(&PullProgress::Resolved { commit: &commit });
     }
-    if spec.quant.is_some() {
-        return Err(gguf_unsupported(spec, &[]));
-    }
-    let dir = model_dir(cfg, spec, &commit);
     let snapshot = cache.snapshot(&commit);
+    // The kind from the files the snapshot holds (those a pull fetched).
+    let listing = Listing::from_snapshot(&commit, &snapshot)?;
+    let kind = match listing.kind(&spec.repo, spec.quant.as_deref()) {
+        Ok(k) => k,
+        // Converted earlier, its snapshot since removed from the cache.
+        Err(_)
+            if spec.quant.is_none()
+                && is_model(&model_dir(cfg, spec, &commit, &RepoKind::Safetensors)) =>
+        {
+            RepoKind::Safetensors
+        }
+        Err(e) => {
+            let why = match e {
+                Error::Hub { reason, .. } => reason,
+                e => e.to_string(),
+            };
+            return Err(Error::Hub {
+                repo: spec.repo.clone(),
+                reason: format!(
+                    "offline (HF_HUB_OFFLINE is set) and the Hub cache's snapshot {} of {spec} \
+                     cannot be used ({why}): pull it once with the network, or unset \
+                     HF_HUB_OFFLINE",
+                    snapshot.display()
+                ),
+            });
+        }
+    };
+    let dir = model_dir(cfg, spec, &commit, &kind);
     let converted = if is_model(&dir) {
         None
     } else {
-        if !snapshot.join("config.json").is_file() {
-            return Err(missing(format!(
-                "{} is not (no config.json in {})",
-                spec,
-                snapshot.display()
-            )));
+        if kind == RepoKind::Safetensors {
+            check_model(spec, &snapshot)?;
         }
-        check_model(spec, &snapshot)?;
-        convert_once(spec, &snapshot, &dir, opts)?
+        convert_once(spec, &convert_source(&snapshot, &kind), &dir, opts)?
     };
     Ok(Pulled {
         dir,
@@ -209,6 +252,33 @@ fn check_model(spec: &RepoSpec, snapshot: &Path) -> Result<()> {
         })?;
         crate::convert::source::check_foreign_quantization(&v, &path)?;
         crate::config::ModelConfig::from_json(&v, &path)?;
+        Ok(())
+    };
+    check().map_err(|e| Error::Hub {
+        repo: spec.repo.clone(),
+        reason: format!("not a model moeflux can run (no weights were downloaded): {e}"),
+    })
+}
+
+/// How much of a GGUF file is fetched to read its architecture.
+const GGUF_PREFIX: u64 = 64 << 10;
+
+/// Refuses a GGUF repo moeflux cannot run from the first bytes of its
+/// (first) file, before the weights are fetched. An architecture the prefix
+/// does not reach is left to `convert`.
+fn check_gguf_model(
+    spec: &RepoSpec,
+    client: &http::Client,
+    commit: &str,
+    file: &str,
+) -> Result<()> {
+    let meta = client.file_meta(&spec.repo, commit, file)?;
+    let head = client.get_prefix(&spec.repo, file, &meta.url, GGUF_PREFIX)?;
+    let path = Path::new(file);
+    let check = || -> Result<()> {
+        if let Some(arch) = crate::convert::gguf::file::architecture_in_prefix(&head, path)? {
+            crate::convert::gguf::architecture(&arch, path)?;
+        }
         Ok(())
     };
     check().map_err(|e| Error::Hub {
@@ -248,20 +318,5 @@ fn convert_once(
                 dir.display()
             ),
         }),
-    }
-}
-
-fn gguf_unsupported(spec: &RepoSpec, files: &[String]) -> Error {
-    let chosen = if files.is_empty() {
-        String::new()
-    } else {
-        format!(" (the pull would fetch {})", files.join(", "))
-    };
-    Error::Hub {
-        repo: spec.repo.clone(),
-        reason: format!(
-            "GGUF import is not supported yet{chosen}: pull a safetensors repo of this model \
-             (mlx-lm or Hugging Face) instead"
-        ),
     }
 }

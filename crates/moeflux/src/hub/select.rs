@@ -28,6 +28,25 @@ pub enum RepoKind {
     Gguf { files: Vec<String> },
 }
 
+impl RepoKind {
+    /// What tells this pull's model directory apart from others of the
+    /// same commit: the GGUF file's name without `.gguf` and part suffix
+    /// (`Model-Q8_0` for `Q8_0/Model-Q8_0-00001-of-00002.gguf`), so two
+    /// quantizations of a repo convert side by side.
+    pub fn variant(&self) -> Option<String> {
+        let RepoKind::Gguf { files } = self else {
+            return None;
+        };
+        let first = files.first()?;
+        let name = first.rsplit('/').next().unwrap_or(first);
+        let stem = &name[..name.len() - ".gguf".len()];
+        Some(match split_part(stem) {
+            Some((base, _, _)) => base.to_string(),
+            None => stem.to_string(),
+        })
+    }
+}
+
 impl Listing {
     /// From `GET /api/models/{repo}/revision/{rev}`'s answer.
     pub fn from_json(repo: &str, v: &serde_json::Value) -> Result<Self> {
@@ -52,6 +71,36 @@ impl Listing {
             .map(str::to_string)
             .collect();
         Ok(Listing { commit, files })
+    }
+
+    /// The files of a snapshot already in the cache (offline mode), found
+    /// by walking it; an absent snapshot has none.
+    pub fn from_snapshot(commit: &str, snapshot: &Path) -> Result<Self> {
+        let mut files = Vec::new();
+        let mut stack = vec![snapshot.to_path_buf()];
+        while let Some(dir) = stack.pop() {
+            let entries = match std::fs::read_dir(&dir) {
+                Ok(e) => e,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(Error::io(&dir, e)),
+            };
+            for e in entries {
+                let p = e.map_err(|e| Error::io(&dir, e))?.path();
+                if p.is_dir() {
+                    stack.push(p);
+                } else if p.is_file() {
+                    let rel = p.strip_prefix(snapshot).expect("under the snapshot");
+                    if let Some(f) = rel.to_str().filter(|f| is_safe_path(f)) {
+                        files.push(f.to_string());
+                    }
+                }
+            }
+        }
+        files.sort();
+        Ok(Listing {
+            commit: commit.to_string(),
+            files,
+        })
     }
 
     fn has(&self, f: &str) -> bool {
@@ -324,6 +373,18 @@ mod tests {
     }
 
     #[test]
+    fn snapshot_listing_walks_the_folders() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(d.path().join("Q8_0")).unwrap();
+        std::fs::write(d.path().join("Q8_0/m-Q8_0.gguf"), "x").unwrap();
+        std::fs::write(d.path().join("config.json"), "{}").unwrap();
+        let l = Listing::from_snapshot("c", d.path()).unwrap();
+        assert_eq!(l.files, ["Q8_0/m-Q8_0.gguf", "config.json"]);
+        let none = Listing::from_snapshot("c", &d.path().join("absent")).unwrap();
+        assert!(none.files.is_empty());
+    }
+
+    #[test]
     fn index_names_the_shards() {
         let d = tempfile::tempdir().unwrap();
         std::fs::write(
@@ -365,6 +426,10 @@ mod tests {
             Err(e) => Err(e.to_string()),
         };
         assert_eq!(files("Q4_K_M").unwrap(), ["Model-Q4_K_M.gguf"]);
+        let variant = |q: &str| l.kind("o/n", Some(q)).unwrap().variant();
+        assert_eq!(variant("Q4_K_M").as_deref(), Some("Model-Q4_K_M"));
+        assert_eq!(variant("Q8_0").as_deref(), Some("Model-Q8_0"));
+        assert_eq!(RepoKind::Safetensors.variant(), None);
         assert_eq!(files("q4_k_s").unwrap(), ["Model-Q4_K_S.gguf"]);
         assert_eq!(files("UD-Q4_K_XL").unwrap(), ["Model-UD-Q4_K_XL.gguf"]);
         assert_eq!(

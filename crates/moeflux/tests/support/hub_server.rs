@@ -298,11 +298,15 @@ fn serve(mut conn: TcpStream, st: &Mutex<State>) -> std::io::Result<()> {
         // The Hub sends small files' ETags weak.
         h.push(("ETag".into(), format!("W/\"{etag}\"")));
     }
-    let start = range
+    // `bytes=START-` or `bytes=START-END` (END inclusive).
+    let (start, end) = match range
         .as_deref()
         .and_then(|r| r.strip_prefix("bytes="))
-        .and_then(|r| r.strip_suffix('-'))
-        .and_then(|n| n.parse::<usize>().ok());
+        .and_then(|r| r.split_once('-'))
+    {
+        Some((a, b)) => (a.parse::<usize>().ok(), b.parse::<usize>().ok()),
+        None => (None, None),
+    };
     let cut = !head && s.drop_once.remove(&format!("{repo_id}/{file}"));
     drop(s);
     match start {
@@ -311,11 +315,18 @@ fn serve(mut conn: TcpStream, st: &Mutex<State>) -> std::io::Result<()> {
             respond(&mut conn, "416 Range Not Satisfiable", &h, b"", head)
         }
         Some(n) => {
+            let last = end.map_or(bytes.len() - 1, |e| e.min(bytes.len() - 1));
             h.push((
                 "Content-Range".into(),
-                format!("bytes {n}-{}/{}", bytes.len() - 1, bytes.len()),
+                format!("bytes {n}-{last}/{}", bytes.len()),
             ));
-            respond(&mut conn, "206 Partial Content", &h, &bytes[n..], head)
+            respond(
+                &mut conn,
+                "206 Partial Content",
+                &h,
+                &bytes[n..=last.max(n)],
+                head,
+            )
         }
         None if cut => {
             // Announce the whole file, send half, hang up.

@@ -8,24 +8,12 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::model::attention::FullAttention;
 
+use super::abi::AttnParts;
 use super::device::{args, Gpu};
 use super::linear::{matmuls, mm, mm_add, MMA_MIN_TOKENS};
 use super::model::{Ctx, MixerRun, SeqRows};
 use super::state::{GpuLayerState, RowCache};
 use super::support::unsupported;
-
-/// `struct AttnParts` of kernels.cu: device addresses, 0 for none.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-struct AttnParts {
-    q_bias: u64,
-    k_bias: u64,
-    v_bias: u64,
-    q_norm: u64,
-    k_norm: u64,
-    gated: i32,
-    mscale: f32,
-}
 
 /// The head widths the kernels take (a warp's lanes over a head's channels).
 pub(super) fn check_shape(c: &ModelConfig) -> Result<()> {
@@ -151,7 +139,7 @@ pub(super) fn forward(
                 let gate = if a.output_gate { gate + r0 * hs } else { 0 };
                 let (pos, none) = (first.pos, 0u64);
                 let (mask, masks) = (-1i64, cx.decode_masks(i, run));
-                // SAFETY: `attn_prep` and `attention` in kernels.cu, a row
+                // SAFETY: `attn_prep` and `attention` in kernels/attention.cu, a row
                 // per sequence: the table holds each one's K and V cache
                 // (grown for its token before the eval) and its row mask,
                 // `pos` its position; the scratch buffers hold n rows.
@@ -211,7 +199,7 @@ pub(super) fn forward(
         let at = 4 * r0 * (nh * hd) as u64;
         let (q, attn) = (q + at, attn + at);
         let gate = if a.output_gate { gate + at } else { 0 };
-        // SAFETY: `attn_prep` in kernels.cu; the scratch buffers are sized
+        // SAFETY: `attn_prep` in kernels/attention.cu; the scratch buffers are sized
         // for n tokens and the cache for its rows (grown before the eval); the
         // parts' vectors hold a projection row's floats, gate is allocated
         // exactly when gated.
@@ -229,7 +217,7 @@ pub(super) fn forward(
         };
         let mma_smem = attention_mma_smem(g, nh, nkv, hd, n).filter(|_| sinks.is_none());
         if let Some(sk) = sinks {
-            // SAFETY: `attention_sinks` in kernels.cu; buffers as below,
+            // SAFETY: `attention_sinks` in kernels/attention.cu; buffers as below,
             // sinks hold a float per head.
             unsafe {
                 g.launch(
@@ -282,7 +270,7 @@ pub(super) fn forward(
                 )?;
             }
         } else {
-            // SAFETY: `attention` in kernels.cu; buffers as above.
+            // SAFETY: `attention` in kernels/attention.cu; buffers as above.
             unsafe {
                 g.launch(
                     if a.output_gate {

@@ -50,7 +50,7 @@ fn state_error(i: usize) -> Error {
     Error::Invalid(format!("layer {i}: GPU state is not a GatedDeltaNet state"))
 }
 
-/// Tokens per block of `conv_qk_norm_batch` (kernels.cu's `CONV_TILE`).
+/// Tokens per block of `conv_qk_norm_batch` (kernels/deltanet.cu's `CONV_TILE`).
 const CONV_TILE: usize = 16;
 
 /// GatedDeltaNet of layer `i` for the `n` normed tokens `xn` of `seqs`
@@ -110,7 +110,7 @@ pub(super) fn forward(
             matmuls(g, &[mm(qkvz, fused), mm(ba, fba)], xn, n)?;
             let r = (nv / nk) as i32;
             let (nk_i, dk_i, dv_i) = (nk as i32, dk as i32, dv as i32);
-            // SAFETY: `deltanet_split` in kernels.cu, buffers sized above.
+            // SAFETY: `deltanet_split` in kernels/deltanet.cu, buffers sized above.
             unsafe {
                 g.launch(
                     "deltanet_split",
@@ -147,7 +147,7 @@ pub(super) fn forward(
                     y + 4 * r0 * vd as u64,
                 );
                 let (one, none) = (1i32, 0u64);
-                // SAFETY: `conv_qk_norm` and `delta_rule` in kernels.cu, a
+                // SAFETY: `conv_qk_norm` and `delta_rule` in kernels/deltanet.cu, a
                 // row per sequence: the table holds each one's conv and
                 // recurrent state, the scratch buffers n rows.
                 unsafe {
@@ -187,7 +187,7 @@ pub(super) fn forward(
             y + 4 * r0 * vd as u64,
         );
         // SAFETY (every launch below): arguments match the kernels in
-        // kernels.cu; buffers sized above for n rows, this sequence's m
+        // kernels/deltanet.cu; buffers sized above for n rows, this sequence's m
         // of them from r0; states at model load.
         unsafe {
             // A batch's projections went to `raw` (the batch conv is not in
@@ -220,7 +220,7 @@ pub(super) fn forward(
             launch_delta_rule(g, l, m, [mixed, a, b, a_log, dt_bias, ssm, y])?;
         }
     }
-    // SAFETY: `gated_norm` in kernels.cu, over every row of the batch.
+    // SAFETY: `gated_norm` in kernels/deltanet.cu, over every row of the batch.
     unsafe {
         g.launch(
             "gated_norm",

@@ -15,17 +15,33 @@ use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaStream};
 
 use crate::error::{Error, Result};
 
-/// The kernels, compiled at run time as one source: the common ones, then
-/// multi-head latent attention's, the tensor-core prefill products, the
-/// tensor-core prefill attention and the chunked delta rule of a prefill
-/// (each uses the helpers before it).
-const KERNELS: &str = concat!(
-    include_str!("kernels.cu"),
-    include_str!("mla.cu"),
-    include_str!("mma.cu"),
-    include_str!("attn_mma.cu"),
-    include_str!("deltanet_chunk.cu")
-);
+/// The parts of the kernel source in `kernels/all.cuh`'s order (a test
+/// checks the two agree).
+const KERNEL_PARTS: [(&str, &str); 15] = [
+    ("common.cuh", include_str!("kernels/common.cuh")),
+    ("abi.cuh", include_str!("kernels/abi.cuh")),
+    ("quant.cuh", include_str!("kernels/quant.cuh")),
+    ("qmatmul.cu", include_str!("kernels/qmatmul.cu")),
+    ("qmv.cu", include_str!("kernels/qmv.cu")),
+    ("elementwise.cu", include_str!("kernels/elementwise.cu")),
+    ("attention.cu", include_str!("kernels/attention.cu")),
+    ("deltanet.cu", include_str!("kernels/deltanet.cu")),
+    ("moe.cu", include_str!("kernels/moe.cu")),
+    ("moe_route.cu", include_str!("kernels/moe_route.cu")),
+    ("probe.cu", include_str!("kernels/probe.cu")),
+    ("mla.cu", include_str!("kernels/mla.cu")),
+    ("mma.cu", include_str!("kernels/mma.cu")),
+    ("attn_mma.cu", include_str!("kernels/attn_mma.cu")),
+    (
+        "deltanet_chunk.cu",
+        include_str!("kernels/deltanet_chunk.cu"),
+    ),
+];
+
+/// The kernels, compiled at run time as one source (NVRTC gets no include
+/// paths: the parts are concatenated).
+static KERNELS: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| KERNEL_PARTS.iter().map(|(_, text)| *text).collect());
 
 /// Every kernel the backend launches (looked up once at start).
 const KERNEL_NAMES: &[&str] = &[
@@ -384,7 +400,7 @@ impl Gpu {
     /// Launches on the compute stream; on Hopper and later with
     /// programmatic stream serialisation, so a kernel's launch overlaps the
     /// end of the previous one (every kernel waits for its predecessor
-    /// first: `PDL_ENTER` in kernels.cu).
+    /// first: `PDL_ENTER` in kernels/common.cuh).
     unsafe fn raw_launch(
         &self,
         f: &CudaFunction,
@@ -576,7 +592,7 @@ fn load_or_compile(info: &GpuInfo) -> Result<String> {
     })?;
     let key = format!(
         "{:016x}-sm_{arch}.ptx",
-        crate::hash::fnv1a(format!("{KERNELS}\0sm_{arch}\0{:?}", nvrtc_version()).as_bytes())
+        crate::hash::fnv1a(format!("{}\0sm_{arch}\0{:?}", *KERNELS, nvrtc_version()).as_bytes())
     );
     let cached = ptx_cache_dir().map(|d| d.join(&key));
     if let Some(text) = cached
@@ -622,7 +638,7 @@ pub fn compile(arch: i32) -> Result<String> {
         options: vec![format!("--gpu-architecture=sm_{arch}"), "-std=c++17".into()],
         ..Default::default()
     };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts)
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNELS.as_str(), opts)
         .map_err(|e| Error::Gpu(format!("compiling the GPU kernels for sm_{arch}: {e}")))?;
     Ok(ptx.to_src())
 }
@@ -980,6 +996,27 @@ pub fn stream_wait(waiter: &CudaStream, after: &CudaStream) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The parts NVRTC compiles are `kernels/all.cuh`'s, in its order (the
+    /// emulation and the micro-benchmark read that file), and each part
+    /// ends its last line.
+    #[test]
+    fn kernel_parts_follow_all_cuh() {
+        let listed: Vec<&str> = include_str!("kernels/all.cuh")
+            .lines()
+            .filter_map(|l| l.strip_prefix("#include \""))
+            .map(|l| l.trim_end_matches('"'))
+            .collect();
+        let parts: Vec<&str> = KERNEL_PARTS.iter().map(|(name, _)| *name).collect();
+        assert_eq!(parts, listed);
+        for (name, text) in KERNEL_PARTS {
+            assert!(text.ends_with('\n'), "{name}");
+            assert!(
+                !text.contains("#include \""),
+                "{name}: NVRTC gets no include paths"
+            );
+        }
+    }
 
     /// The kernels compile for the GPU architectures moeflux targets. Needs
     /// NVRTC only (no GPU): CI installs it from PyPI (`nvidia-cuda-nvrtc`)

@@ -8,21 +8,8 @@
 use crate::error::Result;
 use crate::model::weights::{DType, LinearRef};
 
+use super::abi::{MultiMatmul, Qw};
 use super::device::{args, Gpu};
-
-/// A quantized matrix as the kernels take it (`struct QW`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Qw {
-    pub w: u64,
-    pub s: u64,
-    pub b: u64,
-    pub rows: i32,
-    pub cols: i32,
-    pub bits: i32,
-    pub gs: i32,
-    pub sf32: i32,
-}
 
 /// A linear layer on the device.
 #[derive(Clone, Copy, Debug)]
@@ -80,7 +67,7 @@ pub(super) fn kernel_suffix(bits: i32) -> &'static str {
 
 /// Output rows per block of the quantized product kernels for rows of
 /// `cols` codes of `bits` bits: 8 warps in groups of 4 rows; for one token
-/// the warps of a group split the row (`col_split` in kernels.cu).
+/// the warps of a group split the row (`col_split` in kernels/qmatmul.cu).
 pub(super) fn rows_per_block(cols: usize, bits: usize, one_token: bool) -> usize {
     let units = cols * bits / 128;
     let split = match units {
@@ -93,16 +80,16 @@ pub(super) fn rows_per_block(cols: usize, bits: usize, one_token: bool) -> usize
     4 * 8 / split
 }
 
-/// Rows of one warp in the quantized product kernels (`RW` in kernels.cu).
+/// Rows of one warp in the quantized product kernels (`RW` in kernels/quant.cuh).
 pub(super) const ROWS_PER_WARP: usize = 4;
 
 /// Chunks of a warp in the activation-stationary one-token kernels that
-/// take one block's rows (`QMV_NC` in kernels.cu: `qmv_b48`, the MLA
+/// take one block's rows (`QMV_NC` in kernels/qmv.cu: `qmv_b48`, the MLA
 /// per-head products).
 pub(super) const QMV_CHUNKS: usize = 8;
 
 /// Chunks of a warp per set in the streaming one-token kernels of one code
-/// width (`QMV_STREAM_NC` in kernels.cu: `qmv_b2`/`b4`/`b8`), which hold
+/// width (`QMV_STREAM_NC` in kernels/qmv.cu: `qmv_b2`/`b4`/`b8`), which hold
 /// the next set's chunks while they compute the current one's.
 pub(super) const QMV_STREAM_CHUNKS: usize = 4;
 
@@ -123,7 +110,7 @@ const QMV_SMALL_BYTES: usize = 2 << 20;
 
 /// Slices of a row of `rb` >= 512 bytes in the activation-stationary
 /// one-token kernels and the warps of a block that share them (`qmv_geom`
-/// in kernels.cu): 512-byte slices, shared by a power of two of warps,
+/// in kernels/qmv.cu): 512-byte slices, shared by a power of two of warps,
 /// when 512 divides the row; else `ceil(rb / 512)` even slices of 16-byte
 /// units, one warp each up to eight.
 pub(super) fn qmv_slices(rb: usize) -> (usize, usize) {
@@ -146,7 +133,7 @@ pub(super) fn qmv_threads(cols: usize, bits: usize) -> u32 {
 }
 
 /// Output rows per block of the activation-stationary one-token kernels
-/// (`qmv_geom` in kernels.cu) for rows of `cols` codes of `bits` bits and
+/// (`qmv_geom` in kernels/qmv.cu) for rows of `cols` codes of `bits` bits and
 /// `chunks` chunks per warp, or `None` when the matrix does not fit their
 /// layout: 2/4/8-bit codes, a 16-byte lane chunk inside one quantization
 /// group, rows of at least 512 bytes in whole 16-byte units or a power of
@@ -227,7 +214,7 @@ fn qmv_fit(q: &Qw) -> Option<usize> {
 }
 
 /// Tokens per block row of the few-token activation-stationary kernels
-/// (`QMV_TOKENS` in kernels.cu: `qmv_b4_t4`, `qmv_b8_t4`).
+/// (`QMV_TOKENS` in kernels/qmv.cu: `qmv_b4_t4`, `qmv_b8_t4`).
 const QMV_TOKENS: usize = 4;
 
 /// Whether the few-token kernels take `q`: the one-token kernels' layout
@@ -268,7 +255,7 @@ fn qmv_multi_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
             let (p, sets) = multi_matmul(group, rows_per_block, true);
             let grid = ((sets as u32).min(gpu.sms), n.div_ceil(QMV_TOKENS) as u32, 1);
             let threads = qmv_threads(group[0].0.cols as usize, bits as usize);
-            // SAFETY: `qmv_b*_t4` in kernels.cu; qmv_multi_fit checked the
+            // SAFETY: `qmv_b*_t4` in kernels/qmv.cu; qmv_multi_fit checked the
             // layouts, the caller sized x and every output for n tokens.
             unsafe {
                 gpu.launch(
@@ -347,7 +334,7 @@ fn add_biases<'a>(gpu: &Gpu, ops: impl IntoIterator<Item = &'a Mm>, n: usize) ->
 /// `x[t] += b` for `n` rows of `cols` floats (a projection's bias).
 pub(super) fn add_rows(g: &Gpu, x: u64, b: u64, n: usize, cols: usize) -> Result<()> {
     let cols_i = cols as i32;
-    // SAFETY: `add_rows` in kernels.cu; x holds n rows of cols floats, b cols.
+    // SAFETY: `add_rows` in kernels/elementwise.cu; x holds n rows of cols floats, b cols.
     unsafe {
         g.launch(
             "add_rows",
@@ -357,18 +344,6 @@ pub(super) fn add_rows(g: &Gpu, x: u64, b: u64, n: usize, cols: usize) -> Result
             &mut args!(x, b, cols_i),
         )
     }
-}
-
-/// `struct MultiMatmul` of the kernels.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct MultiMatmul {
-    q: [Qw; 4],
-    out: [u64; 4],
-    bias: [u64; 4],
-    first_block: [i32; 5],
-    count: i32,
-    accumulate: i32,
 }
 
 /// Several products of the same input `x[n, cols]`: quantized ones four
@@ -579,7 +554,7 @@ fn launch_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize, input: Input) -> Res
             None => rows_per_block(q.cols as usize, q.bits as usize, n == 1),
         };
         let (p, blocks) = multi_matmul(group, rows_per_block, key.is_some());
-        // SAFETY: arguments match the kernels in kernels.cu; the caller
+        // SAFETY: arguments match the kernels in kernels/ (qmatmul.cu, qmv.cu); the caller
         // sized x and every output for n tokens.
         unsafe {
             match key {
@@ -713,7 +688,7 @@ pub(super) fn rms_norm(
     out: u64,
 ) -> Result<()> {
     let wd = width as i32;
-    // SAFETY: `rms_norm` in kernels.cu; x and out hold rows x width floats.
+    // SAFETY: `rms_norm` in kernels/elementwise.cu; x and out hold rows x width floats.
     unsafe {
         gpu.launch(
             "rms_norm",
@@ -729,7 +704,7 @@ pub(super) fn rms_norm(
 pub(super) fn swiglu(gpu: &Gpu, gate: u64, up: u64, out: u64, n: usize) -> Result<()> {
     let nn = n as i64;
     let blocks = n.div_ceil(256).min(4096) as u32;
-    // SAFETY: `swiglu` in kernels.cu; every buffer holds n floats.
+    // SAFETY: `swiglu` in kernels/elementwise.cu; every buffer holds n floats.
     unsafe {
         gpu.launch(
             "swiglu",

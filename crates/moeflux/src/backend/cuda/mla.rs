@@ -15,9 +15,10 @@ use crate::error::{Error, Result};
 use crate::model::mla::{mla_of, MlaAttention, QueryProj, LORA_NORM_EPS};
 use crate::model::rope::{softmax_scale, Rope};
 
+use super::abi::Qw;
 use super::device::{args, Gpu};
 use super::linear::{
-    head_matmul, matmuls, mm, mm_add, rms_norm, DevLinear, PerHead, Qw, ROWS_PER_WARP,
+    head_matmul, matmuls, mm, mm_add, rms_norm, DevLinear, PerHead, ROWS_PER_WARP,
 };
 use super::model::Ctx;
 use super::state::{GpuLayerState, RowCache};

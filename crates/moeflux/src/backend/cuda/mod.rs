@@ -1,5 +1,5 @@
 //! The NVIDIA GPU backend (CUDA through cudarc, loaded at run time; kernels
-//! in `kernels.cu` and its siblings, compiled by NVRTC for the device found).
+//! in `kernels/` (`all.cuh` lists the parts), compiled by NVRTC for the device found).
 //!
 //! The whole dense model and the sequence state live in VRAM; routed
 //! experts go through a VRAM cache with a byte budget, filled from the
@@ -9,6 +9,7 @@
 //! `mla.rs` (multi-head latent attention) and `moe.rs` (dense MLP, MoE);
 //! `support.rs` says which models it can run, without a GPU.
 
+mod abi;
 mod attention;
 mod deltanet;
 pub mod device;

@@ -26,9 +26,10 @@ use crate::model::trace::Trace;
 use crate::model::weights::{LinearRef, VectorRef};
 use crate::model::{LogitsMode, Model};
 
+use super::abi::Qw;
 use super::device::{args, begin_capture, end_capture, DevBuf, Gpu, PinnedArena, PinnedDownload};
 use super::experts::{CachePolicy, CacheStats, ExpertCache};
-use super::linear::{dev_linear, matmuls, mm, rms_norm, DevLinear, Qw};
+use super::linear::{dev_linear, matmuls, mm, rms_norm, DevLinear};
 use super::mla::MlaParams;
 use super::state::{GpuLayerState, GpuState};
 use super::{attention, deltanet, mla, moe, support};
@@ -803,7 +804,7 @@ impl BlockExecutor for GpuStep<'_, '_> {
             }
         };
         let (ids, x) = (self.ids, self.x);
-        // SAFETY: `qgather_rows` in kernels.cu; ids and x hold n tokens.
+        // SAFETY: `qgather_rows` in kernels/qmv.cu; ids and x hold n tokens.
         unsafe {
             self.cx.gpu.launch(
                 "qgather_rows",
@@ -883,7 +884,7 @@ impl BlockExecutor for GpuStep<'_, '_> {
         if picks_tokens(self.seqs.iter().map(|s| &s.seg)) {
             let picks = cx.scratch.get(g, "picks", 4 * m)?;
             let vv = v as i32;
-            // SAFETY: `argmax_rows` in kernels.cu; logits hold m rows of v
+            // SAFETY: `argmax_rows` in kernels/elementwise.cu; logits hold m rows of v
             // floats, picks m ints.
             unsafe {
                 g.launch(

@@ -11,6 +11,7 @@ use crate::error::Result;
 use crate::model::moe::{ComponentLayout, DenseMlp, ExpertLayout, MoeBlock};
 use crate::model::timing::{lap, PhaseTimes};
 
+use super::abi::{ExpertLayoutC, ExpertTask};
 use super::device::{args, Gpu};
 use super::linear::{
     kernel_suffix, matmuls, mm, mm_add, mma_layout_fits, mma_split, qmv_rows_per_block, qmv_slices,
@@ -18,47 +19,6 @@ use super::linear::{
 };
 use super::model::{Ctx, DevWeights};
 use super::support::unsupported;
-
-/// Where an expert's projections are inside its extent (`struct ExpertLayout`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-struct ExpertLayoutC {
-    gate_w: i64,
-    gate_s: i64,
-    gate_b: i64,
-    up_w: i64,
-    up_s: i64,
-    up_b: i64,
-    down_w: i64,
-    down_s: i64,
-    down_b: i64,
-    inter: i32,
-    hidden: i32,
-    bits: i32,
-    gs: i32,
-    sf32: i32,
-    /// MXFP4 codes and scale bytes (the `_mx` kernels).
-    mx: i32,
-    /// gpt-oss's clamped SwiGLU with `alpha` and `limit`.
-    oai: i32,
-    alpha: f32,
-    limit: f32,
-    /// Device addresses of the per-expert bias tables (0 for none) and of
-    /// the router's expert id per slot, which picks their rows.
-    bias_g: u64,
-    bias_u: u64,
-    bias_d: u64,
-    ids: u64,
-}
-
-/// One expert of a layer's batch (`struct ExpertTask`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-struct ExpertTask {
-    base: u64,
-    first: i32,
-    count: i32,
-}
 
 /// Up to this many tokens, the routed experts run per (token, slot) with
 /// the router's choice read on the device; longer batches group tokens by
@@ -336,7 +296,7 @@ pub(super) fn moe(
                 };
             } else {
                 // SAFETY (both launches): arguments match the kernels in
-                // kernels.cu; tasks point at resident experts, buffers are
+                // kernels/moe.cu; tasks point at resident experts, buffers are
                 // sized for n * k slots.
                 unsafe {
                     g.launch(
@@ -394,7 +354,7 @@ pub(super) fn moe(
         compute_on_host(cx, b, &cpu_users, &host_xn, slot_out)?;
     }
     let h_i = h as i32;
-    // SAFETY: `moe_combine` in kernels.cu; sy and sg are null or hold n
+    // SAFETY: `moe_combine` in kernels/moe.cu; sy and sg are null or hold n
     // rows (shared output, gate logit).
     unsafe {
         g.launch(
@@ -473,7 +433,7 @@ fn route(
                 .into_iter()
                 .find(|&per| 32 * per >= c.moe.num_experts)
                 .unwrap_or(32);
-            // SAFETY: `moe_route_c*` in kernels.cu (4 tokens per block
+            // SAFETY: `moe_route_c*` in kernels/moe_route.cu (4 tokens per block
             // of 128, e <= 32 C: MAX_EXPERTS is checked at load); logits
             // hold n rows, outputs n * k slots.
             unsafe {
@@ -502,7 +462,7 @@ fn route(
                 topk_group as i32,
                 routed_scaling_factor,
             );
-            // SAFETY: `moe_route_noaux` in kernels.cu, as above; bias
+            // SAFETY: `moe_route_noaux` in kernels/moe_route.cu, as above; bias
             // holds one float per expert.
             unsafe {
                 g.launch(
@@ -585,6 +545,14 @@ impl SlotLaunch {
 /// Qwen3.6-35B-A3B's (256 blocks, one wave) are 1% slower.
 const STREAM_MIN_WAVES: usize = 2;
 
+/// Chunks per warp and set of the MXFP4 streaming per-slot kernels
+/// (`MX_STREAM_NC` in kernels/moe.cu; the 4- and 8-bit ones take
+/// [`QMV_STREAM_CHUNKS`]). Measured on an H200 with gpt-oss's experts, four
+/// slots of 2880 x 2880 (`scripts/gpu/kbench`, "gpt-oss-20b experts"):
+/// gate/up 38.6 and down 22.6 µs with four chunks (two blocks per SM fit),
+/// 33.0 and 20.3 µs with two (four blocks per SM).
+const MX_STREAM_CHUNKS: usize = 2;
+
 /// Whether the streaming per-slot kernels are used where they fit
 /// (`MOEFLUX_CUDA_SLOT_STREAM=0`: the one-pass `_qmv` kernels instead, to
 /// compare the two).
@@ -639,6 +607,11 @@ fn slot_launches(
         ];
     }
     let gs = l.gs as usize;
+    let chunks = if sfx == "mx" {
+        MX_STREAM_CHUNKS
+    } else {
+        QMV_STREAM_CHUNKS
+    };
     let launch = |kernel: String, threads: u32, rows: usize, rows_per_set: Option<usize>| {
         let sets = rows.div_ceil(rows_per_set.expect("qmv_slot_grids accepted the layout"));
         let resident = (g.blocks_per_sm(&kernel, threads) * g.sms) as usize;
@@ -654,13 +627,13 @@ fn slot_launches(
             format!("moe_gate_up_stream_{sfx}"),
             gate_up_threads,
             inter,
-            qmv_rows_per_block(h, bits, gs, QMV_STREAM_CHUNKS / 2),
+            qmv_rows_per_block(h, bits, gs, chunks / 2),
         ),
         launch(
             format!("moe_down_stream_{sfx}"),
             down_threads,
             h,
-            qmv_rows_per_block(inter, bits, gs, QMV_STREAM_CHUNKS),
+            qmv_rows_per_block(inter, bits, gs, chunks),
         ),
     ]
 }

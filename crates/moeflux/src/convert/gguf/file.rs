@@ -183,6 +183,53 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// Magic and version; returns (version, tensor count, metadata count).
+fn header(r: &mut Reader) -> Result<(u32, u64, u64)> {
+    if r.take(4, "magic")? != MAGIC {
+        return Err(Error::format(r.path, "not a GGUF file (no `GGUF` magic)"));
+    }
+    let version = r.u32("version")?;
+    if !matches!(version, 2 | 3) {
+        return Err(Error::format(
+            r.path,
+            format!("GGUF version {version}; versions 2 and 3 are supported"),
+        ));
+    }
+    Ok((version, r.u64("tensor count")?, r.u64("metadata count")?))
+}
+
+/// `general.architecture` from the first bytes of a GGUF file (a download's
+/// first range). Writers put it first, so a few KiB suffice. The header
+/// must be sound; a key or value the prefix cuts (or garbles: [`parse`]
+/// of the whole file reports that) gives `None`, not known.
+pub fn architecture_in_prefix(b: &[u8], path: &Path) -> Result<Option<String>> {
+    let mut r = Reader {
+        b,
+        pos: 0,
+        path,
+        items: 0,
+    };
+    let (_, _, n_kv) = header(&mut r)?;
+    for _ in 0..n_kv {
+        let Ok(key) = r.string("metadata key") else {
+            return Ok(None);
+        };
+        let Ok(v) = r.u32(&key).and_then(|ty| r.value(ty, &key, 0)) else {
+            return Ok(None);
+        };
+        if key == "general.architecture" {
+            return match v {
+                Value::Str(s) => Ok(Some(s)),
+                _ => Err(Error::format(
+                    path,
+                    "GGUF: `general.architecture` is not a string",
+                )),
+            };
+        }
+    }
+    Ok(None)
+}
+
 /// Parses a whole GGUF file held in `b` (`path` for messages).
 pub fn parse(b: &[u8], path: &Path) -> Result<Parsed> {
     let mut r = Reader {
@@ -191,18 +238,7 @@ pub fn parse(b: &[u8], path: &Path) -> Result<Parsed> {
         path,
         items: 0,
     };
-    if r.take(4, "magic")? != MAGIC {
-        return Err(Error::format(path, "not a GGUF file (no `GGUF` magic)"));
-    }
-    let version = r.u32("version")?;
-    if !matches!(version, 2 | 3) {
-        return Err(Error::format(
-            path,
-            format!("GGUF version {version}; versions 2 and 3 are supported"),
-        ));
-    }
-    let n_tensors = r.u64("tensor count")?;
-    let n_kv = r.u64("metadata count")?;
+    let (version, n_tensors, n_kv) = header(&mut r)?;
     // A key/value takes at least 12 bytes, a tensor info at least 24.
     let left = (b.len() - r.pos) as u64;
     if n_kv > left / 12 || n_tensors > left / 24 {
@@ -347,6 +383,39 @@ mod tests {
             split_parts(Path::new("/m/a-1-of-2.gguf")).unwrap(),
             vec![PathBuf::from("/m/a-1-of-2.gguf")]
         );
+    }
+
+    #[test]
+    fn architecture_from_a_prefix() {
+        let p = Path::new("t.gguf");
+        let mut b = b"GGUF".to_vec();
+        b.extend(3u32.to_le_bytes());
+        b.extend(5u64.to_le_bytes());
+        b.extend(2u64.to_le_bytes());
+        for (k, v) in [("general.name", "m"), ("general.architecture", "qwen3moe")] {
+            b.extend((k.len() as u64).to_le_bytes());
+            b.extend(k.as_bytes());
+            b.extend(8u32.to_le_bytes());
+            b.extend((v.len() as u64).to_le_bytes());
+            b.extend(v.as_bytes());
+        }
+        assert_eq!(
+            architecture_in_prefix(&b, p).unwrap().as_deref(),
+            Some("qwen3moe")
+        );
+        // Cut anywhere after the header: not known yet, never an error.
+        for cut in 24..b.len() {
+            assert_eq!(architecture_in_prefix(&b[..cut], p).unwrap(), None, "{cut}");
+        }
+        let mut bad = b.clone();
+        bad[0] = b'X';
+        assert!(architecture_in_prefix(&bad, p)
+            .unwrap_err()
+            .to_string()
+            .contains("not a GGUF file"));
+        let mut v1 = b.clone();
+        v1[4] = 1;
+        assert!(architecture_in_prefix(&v1, p).is_err());
     }
 
     #[test]

@@ -184,6 +184,20 @@ fn map_file(path: &Path) -> Result<Mmap> {
     unsafe { Mmap::map(&f) }.map_err(|e| Error::io(path, e))
 }
 
+/// The llama.cpp architecture `name` (`general.architecture` of `path`),
+/// or why it cannot be converted.
+pub fn architecture(name: &str, path: &Path) -> Result<GgufArch> {
+    GgufArch::from_name(name).ok_or_else(|| Error::UnsupportedModel {
+        path: path.to_path_buf(),
+        model_type: format!("GGUF architecture `{name}`"),
+        supported: if arch::NOT_YET.contains(&name) {
+            "for GGUF files: qwen3moe, gpt-oss, glm4moe (this family converts from its Hugging Face or mlx-lm checkpoint)".into()
+        } else {
+            "for GGUF files: qwen3moe, gpt-oss, glm4moe".into()
+        },
+    })
+}
+
 /// Opens a GGUF file (all parts of a split one) as a convert [`Source`].
 pub fn open(path: &Path) -> Result<Source> {
     let parts = file::split_parts(path)?;
@@ -236,15 +250,7 @@ pub fn open(path: &Path) -> Result<Source> {
         .and_then(Value::as_str)
         .ok_or_else(|| Error::format(path, "GGUF metadata has no `general.architecture`"))?
         .to_string();
-    let a = GgufArch::from_name(&arch_name).ok_or_else(|| Error::UnsupportedModel {
-        path: path.to_path_buf(),
-        model_type: format!("GGUF architecture `{arch_name}`"),
-        supported: if arch::NOT_YET.contains(&arch_name.as_str()) {
-            "for GGUF files: qwen3moe, gpt-oss, glm4moe (this family converts from its Hugging Face or mlx-lm checkpoint)".into()
-        } else {
-            "for GGUF files: qwen3moe, gpt-oss, glm4moe".into()
-        },
-    })?;
+    let a = architecture(&arch_name, path)?;
 
     let by_name: BTreeMap<String, TensorInfo> = infos
         .iter()

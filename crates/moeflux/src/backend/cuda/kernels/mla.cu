@@ -1,5 +1,5 @@
 // moeflux CUDA kernels of multi-head latent attention (DeepSeek-V3 family),
-// appended to kernels.cu before NVRTC compiles them (they use its helpers).
+// after the common parts in all.cuh (they use their helpers).
 // The absorbed form of model/mla.rs, launched by backend/cuda/mla.rs:
 //
 //   mla_prep        latent norm + rotary key into the cache, rotary queries
@@ -48,7 +48,7 @@ extern "C" __global__ void __launch_bounds__(256, 4) qmatmul_heads1(QW q, const 
     qmatmul_heads_body<1>(q, x, x_tok, x_head, rph, n, out);
 }
 
-// One token with the activations in registers (qmv_chunks of kernels.cu):
+// One token with the activations in registers (qmv_chunks of qmv.cu):
 // a warp's row group (QMV_NC chunks of G.rpc rows) lies inside one head, as
 // the host checks (rph a multiple of its rows), so the warp reads that
 // head's input x + h * x_head for all of them.

@@ -1,8 +1,6 @@
-
-// --------------------------------------------------------------------------
 // Causal attention of many tokens (prefill) on the tensor cores, sm_80+
 //
-// The function of `attention` (kernels.cu) for n new tokens: per query head,
+// The function of `attention` (attention.cu) for n new tokens: per query head,
 // softmax(q k^T * scale) v over the cache rows 0..pos+t, times
 // sigmoid(gate) (not in attention_mma_plain). Both products are bf16
 // mma.sync with every f32 operand as a hi + lo pair of bf16 (as mma.cu's

@@ -1,8 +1,6 @@
-
-// --------------------------------------------------------------------------
 // GatedDeltaNet's delta rule over many tokens (prefill), in chunks
 //
-// delta_rule (kernels.cu) walks the tokens one after another: exact, but a
+// delta_rule (deltanet.cu) walks the tokens one after another: exact, but a
 // chain of dependent steps (warp reductions) per row block of the state.
 // The chunked form (flash-linear-attention's, HF transformers'
 // torch_chunk_gated_delta_rule) turns most of it into products. Per value

@@ -1,5 +1,3 @@
-
-// --------------------------------------------------------------------------
 // Tensor-core products of many tokens (prefill), sm_80 and later
 //
 // y[t][r] = sum_g scale[r][g] * (q[r][g] . x[t][g]) + bias[r][g] * sum(x[t][g])

@@ -1,0 +1,75 @@
+// Elementwise kernels and norms.
+
+// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, a block per row.
+extern "C" __global__ void rms_norm(const float* x, const float* w, int width, float eps, float* out) { PDL_ENTER();
+    const float* xr = x + (long)blockIdx.x * width;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = block_sum(ss);
+    float inv = rsqrtf(ss / width + eps);
+    for (int i = threadIdx.x; i < width; i += blockDim.x)
+        out[(long)blockIdx.x * width + i] = xr[i] * inv * w[i];
+}
+
+// The most likely token of each logits row (blockIdx.x, `v` floats): the
+// index of the first of its largest values, what greedy sampling on the
+// host picks; -1 when the row holds a NaN or an infinity (the host then
+// reports non-finite logits, as for logits it reads itself). Any block
+// size that is a multiple of 32, up to 1024.
+extern "C" __global__ void argmax_rows(const float* x, int v, int* out) { PDL_ENTER();
+    const float* r = x + (long)blockIdx.x * v;
+    float best = NEG_INF;
+    int at = 0x7fffffff, bad = 0;
+    // Each thread's indices ascend, so `>` keeps its first maximum.
+    for (int i = threadIdx.x; i < v; i += blockDim.x) {
+        float a = r[i];
+        if (!(fabsf(a) <= 3.402823466e38f)) bad = 1;  // NaN or an infinity
+        else if (a > best) {
+            best = a;
+            at = i;
+        }
+    }
+    __shared__ float sb[32];
+    __shared__ int si[32], sbad[32];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    for (int round = 0; round < 2; round++) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            int oi = __shfl_xor_sync(0xffffffffu, at, o);
+            bad |= __shfl_xor_sync(0xffffffffu, bad, o);
+            if (ob > best || (ob == best && oi < at)) {
+                best = ob;
+                at = oi;
+            }
+        }
+        if (round == 1) break;
+        __syncthreads();
+        if (lane == 0) {
+            sb[w] = best;
+            si[w] = at;
+            sbad[w] = bad;
+        }
+        __syncthreads();
+        int nw = blockDim.x >> 5;
+        best = lane < nw ? sb[lane] : NEG_INF;
+        at = lane < nw ? si[lane] : 0x7fffffff;
+        bad = lane < nw ? sbad[lane] : 0;
+    }
+    if (threadIdx.x == 0) out[blockIdx.x] = bad ? -1 : at;
+}
+
+extern "C" __global__ void swiglu(const float* g, const float* u, float* out, long n) { PDL_ENTER();
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        out[i] = siluf_(g[i]) * u[i];
+}
+
+
+// x[t, i] += b[i] for n rows of `cols` (a bias on a product's output: gpt-oss's
+// o_proj and router). Grid (rows, column blocks).
+extern "C" __global__ void add_rows(float* x, const float* b, int cols) {
+    PDL_ENTER();
+    long t = blockIdx.x;
+    for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < cols; i += gridDim.y * blockDim.x)
+        x[t * cols + i] += b[i];
+}

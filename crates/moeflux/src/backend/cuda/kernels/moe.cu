@@ -1,0 +1,354 @@
+// Mixture of experts: expert layouts, the grouped and per-slot expert
+// products, the combine.
+
+// The activation of one intermediate row of a slot from its gate and up
+// sums: the biases added, then silu(g) * u, or gpt-oss's
+// (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g'), g' = min(g, limit)
+// (ops::swiglu_oai).
+__device__ __forceinline__ float expert_glu(const ExpertLayout& L, int slot, int r, float g, float u) {
+    if (L.bias_g) {
+        long e = L.ids[slot];
+        g += L.bias_g[e * L.inter + r];
+        u += L.bias_u[e * L.inter + r];
+    }
+    if (L.oai) {
+        g = fminf(g, L.limit);
+        u = fminf(fmaxf(u, -L.limit), L.limit);
+        return (u + 1.0f) * (g * sigmoidf_(L.alpha * g));
+    }
+    return siluf_(g) * u;
+}
+
+// The down bias of hidden row r of a slot's expert (0 without biases).
+__device__ __forceinline__ float expert_down_bias(const ExpertLayout& L, int slot, int r) {
+    return L.bias_d ? L.bias_d[(long)L.ids[slot] * L.hidden + r] : 0.0f;
+}
+
+__device__ __forceinline__ QW expert_qw(const char* base, long wo, long so, long bo, int rows, int cols,
+                                        const ExpertLayout& L) {
+    QW q;
+    q.w = (const u32*)(base + wo);
+    q.s = base + so;
+    q.b = base + bo;
+    q.rows = rows;
+    q.cols = cols;
+    q.bits = L.bits;
+    q.gs = L.gs;
+    q.sf32 = L.sf32;
+    return q;
+}
+
+// act[e] = silu(gate_e x) * (up_e x) for every (expert task, its tokens);
+// blockIdx.y = task, a warp per RW intermediate rows, the task's tokens four
+// at a time. `slot_list` holds slot = token * k + j; act rows are indexed by
+// the position in slot_list.
+template <int BITS>
+__device__ void moe_gate_up_body(const ExpertTask* tasks, ExpertLayout L, const int* slot_list, int k,
+                                 const float* x, float* act) {
+    ExpertTask T = tasks[blockIdx.y];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    QW gq = expert_qw(T.base, L.gate_w, L.gate_s, L.gate_b, L.inter, L.hidden, L);
+    QW uq = expert_qw(T.base, L.up_w, L.up_s, L.up_b, L.inter, L.hidden, L);
+    int parts = col_split(gq, 4), part = w % parts;
+    int r0 = (blockIdx.x * (8 / parts) + w / parts) * RW;
+    bool active = r0 < L.inter;
+    for (int i0 = 0; i0 < T.count; i0 += 4) {
+        int nt = min(4, T.count - i0);
+        const float* xp[4];
+#pragma unroll
+        for (int t = 0; t < 4; t++) xp[t] = x + (long)(slot_list[T.first + i0 + min(t, nt - 1)] / k) * L.hidden;
+        float ga[RW][4], ua[RW][4];
+        if (active) {
+            qrows<BITS, 4>(gq, r0, xp, nt, ga, part, parts);
+            qrows<BITS, 4>(uq, r0, xp, nt, ua, part, parts);
+        }
+        reduce_parts<4>(ga, parts);
+        reduce_parts<4>(ua, parts);
+        if (active && part == 0)
+#pragma unroll
+            for (int rr = 0; rr < RW; rr++)
+#pragma unroll
+                for (int t = 0; t < 4; t++)
+                    if (lane == rr * 4 + t && t < nt && r0 + rr < L.inter)
+                        act[(long)(T.first + i0 + t) * L.inter + r0 + rr] =
+                            expert_glu(L, slot_list[T.first + i0 + t], r0 + rr, ga[rr][t], ua[rr][t]);
+    }
+}
+
+// y[slot] = down_e act for every (task, its tokens).
+template <int BITS>
+__device__ void moe_down_body(const ExpertTask* tasks, ExpertLayout L, const int* slot_list,
+                              const float* act, float* slot_out) {
+    ExpertTask T = tasks[blockIdx.y];
+    int w = threadIdx.x >> 5;
+    QW dq = expert_qw(T.base, L.down_w, L.down_s, L.down_b, L.hidden, L.inter, L);
+    int parts = col_split(dq, 4), part = w % parts;
+    int r0 = (blockIdx.x * (8 / parts) + w / parts) * RW;
+    bool active = r0 < L.hidden;
+    for (int i0 = 0; i0 < T.count; i0 += 4) {
+        int nt = min(4, T.count - i0);
+        const float* xp[4];
+#pragma unroll
+        for (int t = 0; t < 4; t++) xp[t] = act + (long)(T.first + i0 + min(t, nt - 1)) * L.inter;
+        float acc[RW][4];
+        if (active) qrows<BITS, 4>(dq, r0, xp, nt, acc, part, parts);
+        reduce_parts<4>(acc, parts);
+        if (active && part == 0 && L.bias_d)
+#pragma unroll
+            for (int rr = 0; rr < RW; rr++)
+#pragma unroll
+                for (int t = 0; t < 4; t++)
+                    if (t < nt && r0 + rr < L.hidden)
+                        acc[rr][t] += expert_down_bias(L, slot_list[T.first + i0 + t], r0 + rr);
+        if (active && part == 0)
+            store_rows<4>(acc, r0, L.hidden, nt, slot_out, L.hidden, slot_list + T.first + i0, false);
+    }
+}
+
+extern "C" __global__ void moe_gate_up_b4(const ExpertTask* t, ExpertLayout L, const int* s, int k, const float* x, float* a) { PDL_ENTER(); moe_gate_up_body<4>(t, L, s, k, x, a); }
+extern "C" __global__ void moe_gate_up_b8(const ExpertTask* t, ExpertLayout L, const int* s, int k, const float* x, float* a) { PDL_ENTER(); moe_gate_up_body<8>(t, L, s, k, x, a); }
+extern "C" __global__ void moe_gate_up_b2(const ExpertTask* t, ExpertLayout L, const int* s, int k, const float* x, float* a) { PDL_ENTER(); moe_gate_up_body<2>(t, L, s, k, x, a); }
+extern "C" __global__ void moe_gate_up_bx(const ExpertTask* t, ExpertLayout L, const int* s, int k, const float* x, float* a) { PDL_ENTER(); moe_gate_up_body<0>(t, L, s, k, x, a); }
+extern "C" __global__ void moe_down_b4(const ExpertTask* t, ExpertLayout L, const int* s, const float* a, float* y) { PDL_ENTER(); moe_down_body<4>(t, L, s, a, y); }
+extern "C" __global__ void moe_down_b8(const ExpertTask* t, ExpertLayout L, const int* s, const float* a, float* y) { PDL_ENTER(); moe_down_body<8>(t, L, s, a, y); }
+extern "C" __global__ void moe_down_b2(const ExpertTask* t, ExpertLayout L, const int* s, const float* a, float* y) { PDL_ENTER(); moe_down_body<2>(t, L, s, a, y); }
+extern "C" __global__ void moe_down_bx(const ExpertTask* t, ExpertLayout L, const int* s, const float* a, float* y) { PDL_ENTER(); moe_down_body<0>(t, L, s, a, y); }
+// MXFP4 experts (the _mx kernels read L.mx's layout).
+extern "C" __global__ void moe_gate_up_mx(const ExpertTask* t, ExpertLayout L, const int* s, int k, const float* x, float* a) { PDL_ENTER(); moe_gate_up_body<MXB>(t, L, s, k, x, a); }
+extern "C" __global__ void moe_down_mx(const ExpertTask* t, ExpertLayout L, const int* s, const float* a, float* y) { PDL_ENTER(); moe_down_body<MXB>(t, L, s, a, y); }
+
+// out[t] += sum_j w[t,j] * slot_out[t*k+j] (slot order) + g[t] * shared[t]
+// (when `shared` is not null), g = sigmoid(sg[t]) for Qwen's gated shared
+// expert, 1 for DeepSeek's ungated ones (`sg` null): the MoE block's output
+// added to the residual stream. Grid (token, column blocks).
+extern "C" __global__ void moe_combine(const float* slot_out, const float* wts, int k, int h,
+                                       const float* shared, const float* sg, float* out) { PDL_ENTER();
+    int t = blockIdx.x;
+    float s = shared ? (sg ? sigmoidf_(sg[t]) : 1.0f) : 0.0f;
+    for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < h; i += gridDim.y * blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < k; j++) acc += wts[t * k + j] * slot_out[((long)t * k + j) * h + i];
+        if (shared) acc += s * shared[(long)t * h + i];
+        out[(long)t * h + i] += acc;
+    }
+}
+
+
+// Per (token, slot) expert work, for decode: slot j = token * k + jj uses
+// the expert at bases[j]. act[j] = silu(gate x) * (up x); a warp per RW
+// intermediate rows, blockIdx.y = slot.
+template <int BITS>
+__device__ void moe_gate_up_slots_body(const unsigned long long* bases, ExpertLayout L, int k,
+                                       const float* x, float* act) {
+    int j = blockIdx.y;
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const char* base = (const char*)bases[j];
+    QW gq = expert_qw(base, L.gate_w, L.gate_s, L.gate_b, L.inter, L.hidden, L);
+    QW uq = expert_qw(base, L.up_w, L.up_s, L.up_b, L.inter, L.hidden, L);
+    int parts = col_split(gq, 1), part = w % parts;
+    int r0 = (blockIdx.x * (8 / parts) + w / parts) * RW;
+    bool active = r0 < L.inter;
+    const float* xp[1] = {x + (long)(j / k) * L.hidden};
+    float ga[RW][1], ua[RW][1];
+    if (active) {
+        qrows<BITS, 1>(gq, r0, xp, 1, ga, part, parts);
+        qrows<BITS, 1>(uq, r0, xp, 1, ua, part, parts);
+    }
+    reduce_parts<1>(ga, parts);
+    reduce_parts<1>(ua, parts);
+    if (active && part == 0)
+#pragma unroll
+        for (int rr = 0; rr < RW; rr++)
+            if (lane == rr && r0 + rr < L.inter)
+                act[(long)j * L.inter + r0 + rr] = expert_glu(L, j, r0 + rr, ga[rr][0], ua[rr][0]);
+}
+
+// slot_out[j] = down act[j]; blockIdx.y = slot.
+template <int BITS>
+__device__ void moe_down_slots_body(const unsigned long long* bases, ExpertLayout L, const float* act,
+                                    float* slot_out) {
+    int j = blockIdx.y;
+    int w = threadIdx.x >> 5;
+    QW dq = expert_qw((const char*)bases[j], L.down_w, L.down_s, L.down_b, L.hidden, L.inter, L);
+    int parts = col_split(dq, 1), part = w % parts;
+    int r0 = (blockIdx.x * (8 / parts) + w / parts) * RW;
+    bool active = r0 < L.hidden;
+    const float* xp[1] = {act + (long)j * L.inter};
+    float acc[RW][1];
+    if (active) qrows<BITS, 1>(dq, r0, xp, 1, acc, part, parts);
+    reduce_parts<1>(acc, parts);
+    if (active && part == 0 && L.bias_d)
+#pragma unroll
+        for (int rr = 0; rr < RW; rr++)
+            if (r0 + rr < L.hidden) acc[rr][0] += expert_down_bias(L, j, r0 + rr);
+    if (active && part == 0) store_rows<1>(acc, r0, L.hidden, 1, slot_out + (long)j * L.hidden, 0, nullptr, false);
+}
+
+// The same per-slot products with activations in registers (qmv_chunks):
+// a warp takes NC/2 intermediate rows of gate and the same rows of up.
+template <int BITS>
+__device__ void moe_gate_up_qmv_body(const unsigned long long* bases, ExpertLayout L, int k, const float* x,
+                                     float* act) {
+    int j = blockIdx.y;
+    const char* base = (const char*)bases[j];
+    QW gq = expert_qw(base, L.gate_w, L.gate_s, L.gate_b, L.inter, L.hidden, L);
+    QW uq = expert_qw(base, L.up_w, L.up_s, L.up_b, L.inter, L.hidden, L);
+    QmvGeom G = qmv_geom(L.hidden, BITS);
+    int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int part = w % G.parts;
+    int rg = blockIdx.x * G.wpb + w / G.parts;
+    float acc[QMV_NC];
+    qmv_chunks<BITS, QMV_NC>(gq, uq, QMV_NC / 2, G, rg, part, x + (long)(j / k) * L.hidden, acc);
+    if (!qmv_holds_sums(G)) return;
+#pragma unroll
+    for (int i = 0; i < QMV_NC / 2; i++) {
+        int r = (rg * (QMV_NC / 2) + i) * G.rpc + lane / G.lpr;
+        if (r < L.inter) act[(long)j * L.inter + r] = expert_glu(L, j, r, acc[i], acc[i + QMV_NC / 2]);
+    }
+}
+
+template <int BITS>
+__device__ void moe_down_qmv_body(const unsigned long long* bases, ExpertLayout L, const float* act,
+                                  float* slot_out) {
+    int j = blockIdx.y;
+    QW dq = expert_qw((const char*)bases[j], L.down_w, L.down_s, L.down_b, L.hidden, L.inter, L);
+    QmvGeom G = qmv_geom(L.inter, BITS);
+    int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int part = w % G.parts;
+    int rg = blockIdx.x * G.wpb + w / G.parts;
+    float acc[QMV_NC];
+    qmv_chunks<BITS, QMV_NC>(dq, dq, QMV_NC, G, rg, part, act + (long)j * L.inter, acc);
+    if (!qmv_holds_sums(G)) return;
+#pragma unroll
+    for (int i = 0; i < QMV_NC; i++) {
+        int r = (rg * QMV_NC + i) * G.rpc + lane / G.lpr;
+        if (r < L.hidden) slot_out[(long)j * L.hidden + r] = acc[i] + expert_down_bias(L, j, r);
+    }
+}
+
+// The per-slot products streamed (qmv_stream_sets): grid (blocks, slots),
+// the blocks of a slot taking its row groups in turn, each group's weights
+// requested while the previous group is computed. Rows with more slices
+// than a row group has warps are not taken (the host checks: the _qmv
+// kernels above take them). Gate and up: NC/2 intermediate rows of each
+// per warp and set; down: NC hidden rows.
+template <int BITS, int NC>
+__device__ void moe_gate_up_stream_body(const unsigned long long* bases, ExpertLayout L, int k, const float* x,
+                                        float* act) {
+    constexpr int NA = NC / 2, EPL = 128 / code_bits(BITS);
+    int j = blockIdx.y;
+    const char* base = (const char*)bases[j];
+    QW gq = expert_qw(base, L.gate_w, L.gate_s, L.gate_b, L.inter, L.hidden, L);
+    QW uq = expert_qw(base, L.up_w, L.up_s, L.up_b, L.inter, L.hidden, L);
+    QmvGeom G = qmv_geom(L.hidden, BITS);
+    const QmvLane l = qmv_lane<BITS>(G);
+    int per_set = NA * G.rpc * G.wpb;
+    int nsets = (L.inter + per_set - 1) / per_set;
+    auto row_group = [&](int set) { return (long)set * G.wpb + l.w / G.parts; };
+    auto fetch = [&](int set, QmvFetch<NC>& f) {
+        long rg = row_group(set);
+#pragma unroll
+        for (int i = 0; i < NC; i++)
+            qmv_fetch_chunk<BITS, NC>(i < NA ? gq : uq, (rg * NA + i % NA) * G.rpc + l.rsub, l, G, f, i);
+    };
+    auto load = [&](float (&xv)[1][EPL], float (&xs)[1]) {
+        xs[0] = qmv_load_acts<BITS, false>(x + (long)(j / k) * L.hidden, L.hidden, l.c0, l.cb >= 0, xv[0]);
+    };
+    auto store = [&](int set, float (&acc)[1][NC]) {
+        long rg = row_group(set);
+#pragma unroll
+        for (int i = 0; i < NA; i++) {
+            int r = (int)((rg * NA + i) * G.rpc + l.lane / G.lpr);
+            if (r < L.inter) act[(long)j * L.inter + r] = expert_glu(L, j, r, acc[0][i], acc[0][i + NA]);
+        }
+    };
+    qmv_stream_sets<BITS, NC, 1>(G, nsets, fetch, load, store);
+}
+
+template <int BITS, int NC>
+__device__ void moe_down_stream_body(const unsigned long long* bases, ExpertLayout L, const float* act,
+                                     float* slot_out) {
+    constexpr int EPL = 128 / code_bits(BITS);
+    int j = blockIdx.y;
+    QW dq = expert_qw((const char*)bases[j], L.down_w, L.down_s, L.down_b, L.hidden, L.inter, L);
+    QmvGeom G = qmv_geom(L.inter, BITS);
+    const QmvLane l = qmv_lane<BITS>(G);
+    int per_set = NC * G.rpc * G.wpb;
+    int nsets = (L.hidden + per_set - 1) / per_set;
+    auto row_group = [&](int set) { return (long)set * G.wpb + l.w / G.parts; };
+    auto fetch = [&](int set, QmvFetch<NC>& f) {
+        long rg = row_group(set);
+#pragma unroll
+        for (int i = 0; i < NC; i++) qmv_fetch_chunk<BITS, NC>(dq, (rg * NC + i) * G.rpc + l.rsub, l, G, f, i);
+    };
+    auto load = [&](float (&xv)[1][EPL], float (&xs)[1]) {
+        xs[0] = qmv_load_acts<BITS, false>(act + (long)j * L.inter, L.inter, l.c0, l.cb >= 0, xv[0]);
+    };
+    auto store = [&](int set, float (&acc)[1][NC]) {
+        long rg = row_group(set);
+#pragma unroll
+        for (int i = 0; i < NC; i++) {
+            int r = (int)((rg * NC + i) * G.rpc + l.lane / G.lpr);
+            if (r < L.hidden) slot_out[(long)j * L.hidden + r] = acc[0][i] + expert_down_bias(L, j, r);
+        }
+    };
+    qmv_stream_sets<BITS, NC, 1>(G, nsets, fetch, load, store);
+}
+
+#define STREAM_SLOT_KERNELS(B, SFX, NC)                                                                     \
+    extern "C" __global__ void __launch_bounds__(256) moe_gate_up_stream_##SFX(                            \
+        const unsigned long long* bs, ExpertLayout L, int k, const float* x, float* a) {                   \
+        PDL_ENTER(); /* the bases are the router's: wait before any read */                                \
+        if (bs[blockIdx.y] == 0) return; /* a slot the host computes */                                    \
+        moe_gate_up_stream_body<B, NC>(bs, L, k, x, a);                                                     \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256) moe_down_stream_##SFX(                               \
+        const unsigned long long* bs, ExpertLayout L, const float* a, float* y) {                          \
+        PDL_ENTER();                                                                                        \
+        if (bs[blockIdx.y] == 0) return;                                                                    \
+        moe_down_stream_body<B, NC>(bs, L, a, y);                                                           \
+    }
+#ifndef MX_STREAM_NC
+// Chunks per warp and set of the MXFP4 ones (MX_STREAM_CHUNKS in moe.rs): with
+// two, twice the blocks fit an SM (the integer dot's registers), and on the
+// H200 gpt-oss's experts read 15% faster than with four.
+#define MX_STREAM_NC 2
+#endif
+STREAM_SLOT_KERNELS(4, b4, QMV_STREAM_NC)
+STREAM_SLOT_KERNELS(8, b8, QMV_STREAM_NC)
+STREAM_SLOT_KERNELS(MXI, mx, MX_STREAM_NC)
+
+#define QMV_SLOT_KERNELS(B, SFX)                                                                            \
+    extern "C" __global__ void __launch_bounds__(256) moe_gate_up_qmv_##SFX(                               \
+        const unsigned long long* bs, ExpertLayout L, int k, const float* x, float* a) {                   \
+        PDL_ENTER();                                                                                        \
+        if (bs[blockIdx.y] == 0) return; /* a slot the host computes */                                    \
+        moe_gate_up_qmv_body<B>(bs, L, k, x, a);                                                            \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256) moe_down_qmv_##SFX(                                  \
+        const unsigned long long* bs, ExpertLayout L, const float* a, float* y) {                          \
+        PDL_ENTER();                                                                                        \
+        if (bs[blockIdx.y] == 0) return;                                                                    \
+        moe_down_qmv_body<B>(bs, L, a, y);                                                                  \
+    }
+QMV_SLOT_KERNELS(4, b4)
+QMV_SLOT_KERNELS(8, b8)
+QMV_SLOT_KERNELS(2, b2)
+QMV_SLOT_KERNELS(MXB, mx)
+
+#define SLOT_KERNELS(B, SFX)                                                                          \
+    extern "C" __global__ void moe_gate_up_slots_##SFX(const unsigned long long* bs, ExpertLayout L,  \
+                                                       int k, const float* x, float* a) { PDL_ENTER();             \
+        if (bs[blockIdx.y] == 0) return; /* a slot the host computes */                               \
+        moe_gate_up_slots_body<B>(bs, L, k, x, a);                                                    \
+    }                                                                                                 \
+    extern "C" __global__ void moe_down_slots_##SFX(const unsigned long long* bs, ExpertLayout L,     \
+                                                    const float* a, float* y) { PDL_ENTER();                       \
+        if (bs[blockIdx.y] == 0) return;                                                              \
+        moe_down_slots_body<B>(bs, L, a, y);                                                          \
+    }
+SLOT_KERNELS(4, b4)
+SLOT_KERNELS(8, b8)
+SLOT_KERNELS(2, b2)
+SLOT_KERNELS(0, bx)
+SLOT_KERNELS(MXB, mx)

@@ -1,0 +1,193 @@
+// Mixture of experts: the routers.
+
+// Router: per token, softmax over the e logits, the k largest (ties to the
+// lower index, like the CPU), their probabilities (renormalised to sum 1
+// when `norm`), and, when `table` is not null, each chosen expert's address
+// table[expert] into bases. A warp per token; a lane holds C logits
+// (expert lane + 32c), so e <= 32 C: moe_route_c{4,8,16,32} for up to 128,
+// 256, 512 and 1024 experts (the loops are the whole cost of this kernel).
+template <int C>
+__device__ void moe_route_body(const float* logits, int n, int e, int k, int norm,
+                               const unsigned long long* table, int* ids, float* wts,
+                               unsigned long long* bases) {
+    int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (t >= n) return;
+    int lane = threadIdx.x & 31;
+    const float* l = logits + (long)t * e;
+    float v[C];
+    float m = NEG_INF;
+#pragma unroll
+    for (int c = 0; c < C; c++) {
+        int i = lane + c * WARP;
+        v[c] = i < e ? l[i] : NEG_INF;
+        m = fmaxf(m, v[c]);
+    }
+    m = warp_max(m);
+    float sum = 0.0f;
+#pragma unroll
+    for (int c = 0; c < C; c++) {
+        int i = lane + c * WARP;
+        v[c] = i < e ? expf(v[c] - m) : -1.0f;
+        sum += i < e ? v[c] : 0.0f;
+    }
+    sum = warp_sum(sum);
+    float inv = 1.0f / sum;
+    float chosen = 0.0f, myw = 0.0f;
+    int myid = 0;
+    for (int j = 0; j < k; j++) {
+        // Lane-local best (largest value, lowest index), then across lanes.
+        float bv = -2.0f;
+        int bi = 0x7fffffff;
+#pragma unroll
+        for (int c = 0; c < C; c++) {
+            int i = lane + c * WARP;
+            if (v[c] > bv) { bv = v[c]; bi = i; }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        }
+        float p = bv * inv;
+        if (lane == j) { myw = p; myid = bi; }
+        chosen += p;
+#pragma unroll
+        for (int c = 0; c < C; c++)
+            if (lane + c * WARP == bi) v[c] = -2.0f;
+    }
+    if (lane < k) {
+        float w = norm ? myw / chosen : myw;
+        ids[(long)t * k + lane] = myid;
+        wts[(long)t * k + lane] = w;
+        if (table) bases[(long)t * k + lane] = table[myid];
+    }
+}
+
+#define ROUTE_KERNEL(C)                                                                                      \
+    extern "C" __global__ void moe_route_c##C(const float* logits, int n, int e, int k, int norm,            \
+                                              const unsigned long long* table, int* ids, float* wts,         \
+                                              unsigned long long* bases) {                                   \
+        PDL_ENTER();                                                                                         \
+        moe_route_body<C>(logits, n, e, k, norm, table, ids, wts, bases);                                    \
+    }
+ROUTE_KERNEL(4)
+ROUTE_KERNEL(8)
+ROUTE_KERNEL(16)
+ROUTE_KERNEL(32)
+
+// Lane-local best of a warp's values v[c] (expert lane + 32c, c < 32) not
+// yet taken (NEG_INF), then across the warp: the largest value, ties to the
+// lower index; every lane ends with the same (value, index, payload).
+__device__ __forceinline__ void warp_argmax(const float (&v)[32], const float (&pay)[32], float& bv, int& bi,
+                                           float& bp) {
+    int lane = threadIdx.x & 31;
+    bv = NEG_INF;
+    bi = 0x7fffffff;
+    bp = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 32; c++)
+        if (v[c] > bv) {
+            bv = v[c];
+            bi = lane + c * WARP;
+            bp = pay[c];
+        }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        float op = __shfl_xor_sync(0xffffffffu, bp, o);
+        if (ov > bv || (ov == bv && oi < bi)) {
+            bv = ov;
+            bi = oi;
+            bp = op;
+        }
+    }
+}
+
+// DeepSeek-V3 `noaux_tc` router, as model/router.rs: per token s =
+// sigmoid(logit), b = s + bias (for the choice only); with n_group > 1 a
+// group's score is the sum of its two largest b, the topk_group best groups
+// are kept (ties to the lower index) and every b of the others becomes 0.0
+// (as mlx-lm); the k largest b (ties to the lower index) are the experts,
+// weighted by their s, divided by the sum of those in choice order when
+// `norm`, times `scaling`; with `table`, each expert's address into bases.
+// A warp per token, 4 warps per block; e <= 1024, n_group <= 32 (a lane per
+// group), k <= 32. Valid b are finite, so NEG_INF marks taken or absent.
+extern "C" __global__ void moe_route_noaux(const float* logits, const float* bias, int n, int e, int k,
+                                           int n_group, int topk_group, int norm, float scaling,
+                                           const unsigned long long* table, int* ids, float* wts,
+                                           unsigned long long* bases) { PDL_ENTER();
+    __shared__ float sb[4][1024];
+    int wi = threadIdx.x >> 5;
+    int t = blockIdx.x * (blockDim.x >> 5) + wi;
+    if (t >= n) return;
+    int lane = threadIdx.x & 31;
+    const float* l = logits + (long)t * e;
+    float s[32], b[32];
+#pragma unroll
+    for (int c = 0; c < 32; c++) {
+        int i = lane + c * WARP;
+        s[c] = i < e ? sigmoidf_(l[i]) : 0.0f;
+        b[c] = i < e ? s[c] + bias[i] : NEG_INF;
+    }
+    if (n_group > 1) {
+        int per = e / n_group;
+        float* sw = sb[wi];
+#pragma unroll
+        for (int c = 0; c < 32; c++)
+            if (lane + c * WARP < e) sw[lane + c * WARP] = b[c];
+        __syncwarp();
+        // Lane g: group g's two largest (the second may equal the first).
+        float gv[32], none[32];
+#pragma unroll
+        for (int c = 0; c < 32; c++) gv[c] = none[c] = NEG_INF;
+        if (lane < n_group) {
+            float m1 = NEG_INF, m2 = NEG_INF;
+            for (int j = 0; j < per; j++) {
+                float x = sw[lane * per + j];
+                if (x > m1) {
+                    m2 = m1;
+                    m1 = x;
+                } else if (x > m2) {
+                    m2 = x;
+                }
+            }
+            gv[0] = m1 + m2;
+        }
+        unsigned keep = 0;
+        for (int j = 0; j < topk_group; j++) {
+            float bv, bp;
+            int bi;
+            warp_argmax(gv, none, bv, bi, bp);
+            if (bi < 32) keep |= 1u << bi;
+            if (lane == bi) gv[0] = NEG_INF;
+        }
+#pragma unroll
+        for (int c = 0; c < 32; c++) {
+            int i = lane + c * WARP;
+            if (i < e && !((keep >> (i / per)) & 1u)) b[c] = 0.0f;
+        }
+    }
+    float chosen = 0.0f, myw = 0.0f;
+    int myid = 0;
+    for (int j = 0; j < k; j++) {
+        float bv, bs;
+        int bi;
+        warp_argmax(b, s, bv, bi, bs);
+        if (lane == j) {
+            myw = bs;
+            myid = bi < e ? bi : 0;  // only NaN logits leave nothing to pick
+        }
+        chosen += bs;
+#pragma unroll
+        for (int c = 0; c < 32; c++)
+            if (lane + c * WARP == bi) b[c] = NEG_INF;
+    }
+    if (lane < k) {
+        float w = norm ? myw / chosen : myw;
+        ids[(long)t * k + lane] = myid;
+        wts[(long)t * k + lane] = w * scaling;
+        if (table) bases[(long)t * k + lane] = table[myid];
+    }
+}
