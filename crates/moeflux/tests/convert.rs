@@ -2010,23 +2010,27 @@ mod gguf_source {
     }
 
     /// llama.cpp's logits on an F32 GGUF of gguf-py's dequantization of
-    /// llama-quantize's Q4_K file (an exact type): the converted Q4_K file
-    /// agrees within the goldens' bounds, batch and one token at a time.
+    /// llama-quantize's files of exact types (golden-TYPE/): each converted
+    /// file agrees within the goldens' bounds, batch and one token at a time.
     #[test]
-    fn llama_quantize_q4_k_logits_match_llama_cpp() {
-        let golden_dir = quants().join("golden");
-        let meta: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(golden_dir.join("golden.json")).unwrap())
-                .unwrap();
-        let file = meta["source"].as_str().unwrap();
-        let tmp = tempfile::tempdir().unwrap();
-        let dst = tmp.path().join("m");
-        let r = convert(&quants().join(file), &dst, &ConvertOptions::default()).unwrap();
-        assert!(r.warnings.is_empty(), "{:?}", r.warnings);
-        let golden = common::Golden::load(&golden_dir);
-        let rows = common::eval_three_ways(&golden, || common::open(&dst));
-        for (mode, got) in common::EVAL_MODES.iter().zip(&rows) {
-            common::check_against_golden(&format!("{file} {mode}"), &golden, got);
+    fn llama_quantize_logits_match_llama_cpp() {
+        for ty in ["Q4_K", "Q5_K", "MXFP4_MOE"] {
+            let golden_dir = quants().join(format!("golden-{ty}"));
+            let meta: serde_json::Value = serde_json::from_str(
+                &std::fs::read_to_string(golden_dir.join("golden.json")).unwrap(),
+            )
+            .unwrap();
+            let file = meta["source"].as_str().unwrap();
+            assert_eq!(file, format!("qwen3moe-{ty}.gguf"));
+            let tmp = tempfile::tempdir().unwrap();
+            let dst = tmp.path().join("m");
+            let r = convert(&quants().join(file), &dst, &ConvertOptions::default()).unwrap();
+            assert!(r.warnings.is_empty(), "{:?}", r.warnings);
+            let golden = common::Golden::load(&golden_dir);
+            let rows = common::eval_three_ways(&golden, || common::open(&dst));
+            for (mode, got) in common::EVAL_MODES.iter().zip(&rows) {
+                common::check_against_golden(&format!("{file} {mode}"), &golden, got);
+            }
         }
     }
 
