@@ -1976,7 +1976,7 @@ mod gguf_source {
                 inexact.push(ty);
             }
             // Informational: MLX's rounding of the zero point can shrink the
-            // step, so the clamped far end of a group errs by up to a step.
+            // step, so the clamped far end of a group errs by more than half.
             eprintln!("{file}: exact {exact}, worst re-quantization error {worst:.4} steps");
             // The whole file converts; the directory holds what was checked above.
             let tmp = tempfile::tempdir().unwrap();
