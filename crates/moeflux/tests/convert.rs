@@ -1880,6 +1880,160 @@ mod gguf_source {
         assert!(logits.iter().all(|x| x.is_finite()));
     }
 
+    // llama-quantize's own files (tests/fixtures/gguf/quants, make_gguf_quants.py
+    // there): one 256-wide qwen3moe, `--pure` to each type moeflux reads.
+
+    fn quants() -> PathBuf {
+        dir().join("quants")
+    }
+
+    /// Every tensor of the quantized file `file` as the converter presents it,
+    /// against gguf-py's dequantization `want` of the source tensor (its hash
+    /// in goldens.json): exact types bit for bit; the others are MLX's
+    /// affine re-quantization of exactly gguf-py's values (codes, scales and
+    /// biases equal). Returns whether every tensor's type is exact, and the
+    /// worst re-quantization error in steps of its group's scale.
+    fn check_quantized_file(file: &str, tensors: &serde_json::Value) -> (bool, f32) {
+        let path = quants().join(file);
+        let bytes = std::fs::read(&path).unwrap();
+        let parsed = file::parse(&bytes, &path).unwrap();
+        let src = gguf::open(&path).unwrap_or_else(|e| panic!("{file}: {e}"));
+        let a = GgufArch::Qwen3Moe;
+        let tensors = tensors.as_object().unwrap();
+        assert_eq!(tensors.len(), parsed.tensors.len(), "{file}: tensor count");
+        let mut worst_steps = 0f32;
+        let mut exact = true;
+        for t in &parsed.tensors {
+            let want = &tensors[&t.name];
+            assert_eq!(want["type"], t.ty.name, "{file}: {}", t.name);
+            let shape = t.shape();
+            let cols = *shape.last().unwrap();
+            let mut vals = vec![0f32; shape.iter().product()];
+            ggml::dequant_rows(&t.ty, &bytes[t.start..t.start + t.len], &mut vals);
+            // moeflux's dequantization of the source is gguf-py's.
+            assert_eq!(
+                fnv(&vals),
+                want["fnv1a64"].as_str().unwrap(),
+                "{file}: {}",
+                t.name
+            );
+            let mlx = arch::mlx_name(a, &t.name).unwrap_or_else(|| panic!("{}", t.name));
+            let got = dequant_presented(&src, &mlx);
+            if t.ty.exact() {
+                assert_eq!(fnv(&got), fnv(&vals), "{file}: {} ({})", t.name, t.ty.name);
+                continue;
+            }
+            exact = false;
+            let Some(Mapping::Requant { bits }) = t.ty.mapping else {
+                panic!(
+                    "{file}: {}: {} neither exact nor re-quantized",
+                    t.name, t.ty.name
+                )
+            };
+            let module = mlx.strip_suffix(".weight").unwrap();
+            let spec = moeflux::config::QuantSpec::affine(bits, 32);
+            let q = affine::quantize(&vals, vals.len() / cols, cols, spec);
+            let part = |p: &str| src.bytes(&src.tensors[&format!("{module}.{p}")]);
+            assert_eq!(
+                dtype::decode_u32(&part("weight")),
+                q.packed,
+                "{file}: {mlx} codes"
+            );
+            assert_eq!(
+                dtype::decode(&part("scales"), FloatTy::F32),
+                q.scales,
+                "{file}: {mlx}"
+            );
+            assert_eq!(
+                dtype::decode(&part("biases"), FloatTy::F32),
+                q.biases,
+                "{file}: {mlx}"
+            );
+            for ((g, w), s) in got.chunks(32).zip(vals.chunks(32)).zip(&q.scales) {
+                for (x, y) in g.iter().zip(w) {
+                    worst_steps = worst_steps.max((x - y).abs() / s.abs());
+                }
+            }
+        }
+        (exact, worst_steps)
+    }
+
+    #[test]
+    fn llama_quantize_files_convert_as_gguf_py_dequantizes() {
+        let g: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(quants().join("goldens.json")).unwrap())
+                .unwrap();
+        let files = g.as_object().unwrap();
+        let (mut types, mut inexact) = (Vec::new(), Vec::new());
+        for (file, tensors) in files {
+            let (exact, worst) = check_quantized_file(file, tensors);
+            let ty = file
+                .strip_prefix("qwen3moe-")
+                .and_then(|f| f.strip_suffix(".gguf"))
+                .unwrap();
+            types.push(ty);
+            if !exact {
+                inexact.push(ty);
+            }
+            // Informational: MLX's rounding of the zero point can shrink the
+            // step, so the clamped far end of a group errs by more than half.
+            eprintln!("{file}: exact {exact}, worst re-quantization error {worst:.4} steps");
+            // The whole file converts; the directory holds what was checked above.
+            let tmp = tempfile::tempdir().unwrap();
+            let dst = tmp.path().join("m");
+            let r = convert(&quants().join(file), &dst, &ConvertOptions::default()).unwrap();
+            assert_eq!(r.warnings.is_empty(), exact, "{file}: {:?}", r.warnings);
+            let m = check_model_dir(&dst);
+            check_dir_equals_views(&gguf::open(&quants().join(file)).unwrap(), &dst, &m);
+        }
+        types.sort_unstable();
+        inexact.sort_unstable();
+        assert_eq!(inexact, ["IQ4_XS", "Q2_K", "Q3_K", "Q6_K"]);
+        assert_eq!(
+            types,
+            [
+                "IQ4_NL",
+                "IQ4_XS",
+                "MXFP4_MOE",
+                "Q2_K",
+                "Q3_K",
+                "Q4_0",
+                "Q4_1",
+                "Q4_K",
+                "Q5_0",
+                "Q5_1",
+                "Q5_K",
+                "Q6_K",
+                "Q8_0"
+            ]
+        );
+    }
+
+    /// llama.cpp's logits on an F32 GGUF of gguf-py's dequantization of
+    /// llama-quantize's files of exact types (golden-TYPE/): each converted
+    /// file agrees within the goldens' bounds, batch and one token at a time.
+    #[test]
+    fn llama_quantize_logits_match_llama_cpp() {
+        for ty in ["Q4_K", "Q5_K", "MXFP4_MOE"] {
+            let golden_dir = quants().join(format!("golden-{ty}"));
+            let meta: serde_json::Value = serde_json::from_str(
+                &std::fs::read_to_string(golden_dir.join("golden.json")).unwrap(),
+            )
+            .unwrap();
+            let file = meta["source"].as_str().unwrap();
+            assert_eq!(file, format!("qwen3moe-{ty}.gguf"));
+            let tmp = tempfile::tempdir().unwrap();
+            let dst = tmp.path().join("m");
+            let r = convert(&quants().join(file), &dst, &ConvertOptions::default()).unwrap();
+            assert!(r.warnings.is_empty(), "{:?}", r.warnings);
+            let golden = common::Golden::load(&golden_dir);
+            let rows = common::eval_three_ways(&golden, || common::open(&dst));
+            for (mode, got) in common::EVAL_MODES.iter().zip(&rows) {
+                common::check_against_golden(&format!("{file} {mode}"), &golden, got);
+            }
+        }
+    }
+
     fn gguf_err(path: &Path) -> String {
         let tmp = tempfile::tempdir().unwrap();
         let e = convert(path, &tmp.path().join("m"), &ConvertOptions::default()).unwrap_err();
