@@ -170,17 +170,26 @@ async fn chat_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiErr
 /// the same chat job, the answer in Anthropic's shapes.
 async fn messages(State(st): State<Arc<AppState>>, req: Request) -> Response {
     let r = messages_inner(&st, req).await;
-    counted(
-        &st,
-        "messages",
-        Ok(r.unwrap_or_else(anthropic::error_response)),
-    )
+    anthropic_counted(&st, "messages", r)
+}
+
+/// Counts an Anthropic route's answer, its errors in Anthropic's shape.
+fn anthropic_counted(
+    st: &AppState,
+    route: &'static str,
+    r: Result<Response, ApiError>,
+) -> Response {
+    counted(st, route, Ok(r.unwrap_or_else(anthropic::error_response)))
+}
+
+/// The body of an Anthropic request, parsed.
+async fn messages_request(st: &Arc<AppState>, req: Request) -> Result<MessagesRequest, ApiError> {
+    let body = read_body(st, req).await?;
+    api::parse_body(&body)
 }
 
 async fn messages_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiError> {
-    let body = read_body(st, req).await?;
-    let req: MessagesRequest = api::parse_body(&body)?;
-    drop(body);
+    let req = messages_request(st, req).await?;
     let spec = req.spec(&st.defaults, st.info.max_context, random_u64())?;
     let job = start_chat(st, spec).await?;
     let answer = MessageAnswer {
@@ -196,17 +205,11 @@ async fn messages_inner(st: &Arc<AppState>, req: Request) -> Result<Response, Ap
 /// `/v1/messages` would render them (`usage.input_tokens`).
 async fn count_tokens(State(st): State<Arc<AppState>>, req: Request) -> Response {
     let r = count_tokens_inner(&st, req).await;
-    counted(
-        &st,
-        "count_tokens",
-        Ok(r.unwrap_or_else(anthropic::error_response)),
-    )
+    anthropic_counted(&st, "count_tokens", r)
 }
 
 async fn count_tokens_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiError> {
-    let body = read_body(st, req).await?;
-    let req: MessagesRequest = api::parse_body(&body)?;
-    drop(body);
+    let req = messages_request(st, req).await?;
     let spec = req.count_spec(&st.defaults, st.info.max_context)?;
     let (_admission, _, prepared) = prepare_chat(st, spec).await?;
     Ok(Json(json!({"input_tokens": prepared.tokens.len()})).into_response())
