@@ -1,16 +1,19 @@
-// A tiny CPU emulation of the CUDA features moeflux's kernels use: one OS
-// thread per CUDA thread, blocks one after another, barriers for
-// __syncthreads / __syncwarp and warp shuffles, atomics on std::atomic_ref.
-// For logic checks only.
+// A tiny CPU emulation of the CUDA features moeflux's kernels use: one fiber
+// (a ucontext with its own stack) per CUDA thread, the fibers of a block run
+// in turns on one OS thread, blocks one after another; barriers for
+// __syncthreads / __syncwarp and warp shuffles switch fibers. Fibers rather
+// than OS threads: hundreds of threads meeting at barriers on a 2-core
+// machine spend their time in the kernel's scheduler (minutes of CI), and a
+// fiber switch costs about a microsecond. For logic checks only.
 #pragma once
 #include <algorithm>
+#include <array>
 #include <atomic>
-#include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <thread>
+#include <ucontext.h>
 #include <vector>
 
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
@@ -20,7 +23,7 @@ struct uint2 { unsigned x, y; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 
-inline thread_local dim3 threadIdx;
+inline dim3 threadIdx;  // the running fiber's (set at each switch)
 inline dim3 blockIdx, blockDim, gridDim;
 inline std::vector<float> g_dyn_smem(1 << 20);
 
@@ -66,14 +69,42 @@ using std::min;
 using std::max;
 inline long min(long a, int b) { return a < b ? a : b; }
 
+// The fibers of the running block and the scheduler they return to.
+struct EmuFiber {
+    ucontext_t ctx;
+    std::unique_ptr<char[]> stack;
+    bool done;
+};
+inline constexpr size_t EMU_STACK = 256 << 10;
+inline std::vector<EmuFiber> g_fibers;
+inline ucontext_t g_sched;
+inline unsigned g_cur;
+inline void* g_kernel;  // the launch's functor, called by emu_fiber_entry
+inline void emu_yield() { swapcontext(&g_fibers[g_cur].ctx, &g_sched); }
+
+// A barrier of `count` fibers: the last to arrive opens it, the others yield
+// until it has opened (a generation count, so it can be reused at once).
+struct EmuBarrier {
+    unsigned count, arrived = 0;
+    unsigned long long gen = 0;
+    explicit EmuBarrier(unsigned n) : count(n) {}
+    void arrive_and_wait() {
+        if (++arrived == count) {
+            arrived = 0;
+            gen++;
+            return;
+        }
+        for (auto g = gen; gen == g;) emu_yield();
+    }
+};
+
 struct WarpSync {
-    std::barrier<> bar{32};
+    EmuBarrier bar{32};
     unsigned long long slot[32];
     unsigned mma_a[32][4], mma_b[32][2];
 };
 inline std::vector<std::unique_ptr<WarpSync>> g_warps;
-inline std::barrier<>* g_block_bar = nullptr;
-
+inline EmuBarrier* g_block_bar = nullptr;
 template <class T> T __shfl_xor_sync(unsigned, T v, int o) {
     int w = threadIdx.x / 32, l = threadIdx.x % 32;
     auto& ws = *g_warps[w];
@@ -119,23 +150,44 @@ inline void emu_mma_bf16(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, u
 inline void __syncwarp(unsigned = 0xffffffffu) { g_warps[threadIdx.x / 32]->bar.arrive_and_wait(); }
 inline void __syncthreads() { g_block_bar->arrive_and_wait(); }
 
+template <class F> void emu_fiber_entry() {
+    (*static_cast<F*>(g_kernel))();
+    g_fibers[g_cur].done = true;  // then uc_link returns to the scheduler
+}
+
 template <class F> void emu_launch(dim3 grid, unsigned threads, F f) {
     gridDim = grid;
     blockDim = {threads, 1, 1};
+    g_kernel = &f;
+    if (g_fibers.size() < threads) g_fibers.resize(threads);
+    for (auto& fb : g_fibers)
+        if (!fb.stack) fb.stack = std::make_unique<char[]>(EMU_STACK);
     for (unsigned bz = 0; bz < grid.z; bz++)
         for (unsigned by = 0; by < grid.y; by++)
             for (unsigned bx = 0; bx < grid.x; bx++) {
                 blockIdx = {bx, by, bz};
-                std::barrier<> bar(threads);
+                EmuBarrier bar(threads);
                 g_block_bar = &bar;
                 g_warps.clear();
                 for (unsigned w = 0; w < threads / 32; w++) g_warps.push_back(std::make_unique<WarpSync>());
-                std::vector<std::thread> ts;
-                for (unsigned i = 0; i < threads; i++)
-                    ts.emplace_back([i, &f] {
+                for (unsigned i = 0; i < threads; i++) {
+                    auto& fb = g_fibers[i];
+                    getcontext(&fb.ctx);
+                    fb.ctx.uc_stack.ss_sp = fb.stack.get();
+                    fb.ctx.uc_stack.ss_size = EMU_STACK;
+                    fb.ctx.uc_link = &g_sched;
+                    fb.done = false;
+                    makecontext(&fb.ctx, emu_fiber_entry<F>, 0);
+                }
+                // Round robin until every fiber has returned; a fiber runs
+                // until it finishes or waits at a barrier.
+                for (unsigned left = threads; left > 0;)
+                    for (unsigned i = 0; i < threads; i++) {
+                        if (g_fibers[i].done) continue;
+                        g_cur = i;
                         threadIdx = {i, 0, 0};
-                        f();
-                    });
-                for (auto& t : ts) t.join();
+                        swapcontext(&g_sched, &g_fibers[i].ctx);
+                        left -= g_fibers[i].done;
+                    }
             }
 }

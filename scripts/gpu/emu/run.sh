@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs moeflux's CUDA kernels (crates/moeflux/src/backend/cuda/kernels/) on the CPU
-# under a small CUDA emulation (cuda_emu.h: a thread per CUDA thread, blocks one after
+# under a small CUDA emulation (cuda_emu.h: a fiber per CUDA thread, blocks one after
 # another, barriers for __syncthreads, __syncwarp and warp shuffles) against naive
 # double-precision references (emu_check.h), so their indexing and logic can be checked
 # without a GPU:
@@ -22,8 +22,8 @@
 #   deltanet_kernels.cpp  the chunked delta rule of a prefill (gdn_chunk_prep,
 #                     gdn_chunk_scan) against the recurrence and against delta_rule
 # Each program ends with "all ok"; the script fails if any fails. Needs g++ with
-# C++20; takes a few minutes (deltanet_kernels, where delta_rule's warp reductions are
-# slow to emulate, half of it).
+# C++20; takes a minute or two on two cores (deltanet_kernels, where delta_rule's warp
+# reductions are slow to emulate, most of it).
 #   scripts/gpu/emu/run.sh
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -35,13 +35,16 @@ trap 'rm -rf "$tmp"' EXIT
 parts=$(sed -nE 's/^#include "(.+)"$/\1/p' "$src/all.cuh")
 (cd "$src" && cat $parts) |
   sed -E 's/extern __shared__ float (\w+)\[\];/float* \1 = g_dyn_smem.data();/' >"$tmp/kernels.inc"
-for t in mla_kernels qwen_kernels mma_kernels deltanet_kernels; do
-  g++ -std=c++20 -O1 -pthread -w -I"$here" -DKERNELS_SOURCE="\"$tmp/kernels.inc\"" \
-    "$here/$t.cpp" -o "$tmp/$t"
-done
+progs=(mla_kernels qwen_kernels mma_kernels deltanet_kernels)
+# Two at a time (CI has two cores), each program's output kept apart and
+# printed in order.
+printf '%s\n' "${progs[@]}" | xargs -P 2 -I{} \
+  g++ -std=c++20 -O1 -w -I"$here" -DKERNELS_SOURCE="\"$tmp/kernels.inc\"" "$here/{}.cpp" -o "$tmp/{}"
+printf '%s\n' "${progs[@]}" | xargs -P 2 -I{} sh -c '"$1/$2" >"$1/$2.log" 2>&1; echo $? >"$1/$2.rc"' _ "$tmp" {}
 status=0
-for t in mla_kernels qwen_kernels mma_kernels deltanet_kernels; do
+for t in "${progs[@]}"; do
   echo "== $t"
-  "$tmp/$t" || status=1
+  cat "$tmp/$t.log"
+  [[ $(cat "$tmp/$t.rc") == 0 ]] || { echo "$t failed"; status=1; }
 done
 exit $status
