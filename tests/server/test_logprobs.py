@@ -2,6 +2,7 @@
 log-softmax of `moeflux logits` for the same tokens, streamed against not,
 chat against completions, and the refusals."""
 
+import ast
 import json
 import math
 import struct
@@ -47,20 +48,20 @@ def token_bytes(model_dir):
     return out
 
 
-def last_logits(model_dir, ids):
-    """`moeflux logits` of `ids`: the last position's row (an .npy on stdout)."""
+def logits_rows(model_dir, ids):
+    """`moeflux logits` of `ids`: one row per position (an .npy on stdout)."""
     out = subprocess.run(
         [str(BIN), "logits", "--model", str(model_dir), "--backend", "cpu",
          "--tokens", ",".join(map(str, ids)), "--output", "-"],
         check=True, capture_output=True).stdout
     assert out[:6] == b"\x93NUMPY"
     header_len = struct.unpack("<H", out[8:10])[0]
-    header = out[10:10 + header_len].decode()
-    assert "'descr': '<f4'" in header and "'fortran_order': False" in header, header
-    rows, vocab = (int(x) for x in header.split("(")[1].split(")")[0].split(","))
+    header = ast.literal_eval(out[10:10 + header_len].decode())
+    assert header["descr"] == "<f4" and not header["fortran_order"], header
+    rows, vocab = header["shape"]
     data = out[10 + header_len:]
     assert rows == len(ids) and len(data) == rows * vocab * 4
-    return struct.unpack(f"<{vocab}f", data[(rows - 1) * vocab * 4:])
+    return [struct.unpack_from(f"<{vocab}f", data, r * vocab * 4) for r in range(rows)]
 
 
 def log_softmax(row):
@@ -94,21 +95,24 @@ def test_logprobs_match_moeflux_logits(server, model_dir, greedy):
     content = greedy.choices[0].logprobs.content
     assert len(content) == STEPS == greedy.usage.completion_tokens
     table = token_bytes(model_dir)
-    generated = []
-    for step, entry in enumerate(content):
-        # Greedy: the token is the argmax of `moeflux logits` on the prompt
-        # and the tokens generated so far.
-        lp = log_softmax(last_logits(model_dir, ids + generated))
+    by_bytes = {b: i for i, b in table.items()}
+    assert len(by_bytes) == len(table)
+    generated = [by_bytes[bytes(e.bytes)] for e in content]
+    # Row len(ids) - 1 + k: the logits after the prompt and the first k
+    # generated tokens (the model is causal: later tokens do not change it).
+    rows = logits_rows(model_dir, ids + generated[:-1])[len(ids) - 1:]
+    for step, (entry, row) in enumerate(zip(content, rows)):
+        lp = log_softmax(row)
         order = sorted(range(len(lp)), key=lambda i: (-lp[i], i))
+        # Greedy: the token is the argmax.
         chosen = order[0]
-        assert bytes(entry.bytes) == table[chosen], step
+        assert generated[step] == chosen, step
         assert entry.token == table[chosen].decode("utf-8", "replace")
         assert abs(entry.logprob - lp[chosen]) < TOL, (step, entry.logprob, lp[chosen])
         assert len(entry.top_logprobs) == TOP
         for alt, want in zip(entry.top_logprobs, order[:TOP]):
             assert bytes(alt.bytes) == table[want], step
             assert abs(alt.logprob - lp[want]) < TOL, step
-        generated.append(chosen)
 
 
 def test_streamed_logprobs_are_the_same(server, greedy):
@@ -150,11 +154,12 @@ def test_completions_logprobs(server, model_dir, greedy):
     assert streamed == {k: getattr(lp, k) for k in streamed}
 
 
-def test_no_logprobs_unless_asked(server):
+def test_no_logprobs_unless_asked(server, greedy):
     r = client(server).chat.completions.create(
-        model="tiny-qwen", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-        extra_body=NO_THINK)
+        model="tiny-qwen", messages=[{"role": "user", "content": MESSAGE}], temperature=0,
+        max_tokens=STEPS, extra_body={**NO_THINK, "ignore_eos": True})
     assert r.choices[0].logprobs is None
+    assert r.choices[0].message.content == greedy.choices[0].message.content
 
 
 def test_logprobs_refusals(server):

@@ -183,7 +183,12 @@ mod tests {
         assert_eq!(chat_request(Some(false), Some(0)).unwrap(), None);
         assert_eq!(chat_request(Some(true), None).unwrap(), Some(0));
         assert_eq!(chat_request(Some(true), Some(20)).unwrap(), Some(20));
-        for (lp, top) in [(Some(true), 21), (Some(true), -1), (None, 3), (Some(false), 1)] {
+        for (lp, top) in [
+            (Some(true), 21),
+            (Some(true), -1),
+            (None, 3),
+            (Some(false), 1),
+        ] {
             let e = chat_request(lp, Some(top)).unwrap_err();
             assert_eq!(e.param.as_deref(), Some("top_logprobs"), "{lp:?} {top}");
             assert_eq!(e.status, 400);
@@ -201,7 +206,11 @@ mod tests {
         }
         let e = completion_request(Some(1), Some(true)).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("echo"));
-        assert!(e.message.contains("logits of every prompt position"), "{}", e.message);
+        assert!(
+            e.message.contains("logits of every prompt position"),
+            "{}",
+            e.message
+        );
         let e = completion_request(None, Some(true)).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("echo"));
     }

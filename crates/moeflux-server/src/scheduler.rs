@@ -496,10 +496,7 @@ impl<'t> Scheduler<'t> {
             .running
             .par_iter_mut()
             .zip(todo.par_iter())
-            .filter_map(|(r, t)| {
-                t.as_ref()
-                    .map(|(k, l, history)| (*k, r.sample(l, history)))
-            })
+            .filter_map(|(r, t)| t.as_ref().map(|(k, l, history)| (*k, r.sample(l, history))))
             .collect();
         for (k, tok) in picked {
             results[k] = Ok(Output::Token(tok));

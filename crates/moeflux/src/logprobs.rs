@@ -148,8 +148,15 @@ mod tests {
     /// The reference: log-softmax in f64 with std's `exp`/`ln`, and the
     /// top ids by a full sort.
     fn direct(logits: &[f32]) -> (Vec<f64>, Vec<u32>) {
-        let max = logits.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(x as f64));
-        let lse = max + logits.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
+        let max = logits
+            .iter()
+            .fold(f64::NEG_INFINITY, |m, &x| m.max(x as f64));
+        let lse = max
+            + logits
+                .iter()
+                .map(|&x| (x as f64 - max).exp())
+                .sum::<f64>()
+                .ln();
         let lp = logits.iter().map(|&x| x as f64 - lse).collect();
         let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
         ids.sort_by(|&a, &b| {
@@ -251,7 +258,10 @@ mod tests {
         let inf = f32::INFINITY;
         let got = token_logprobs(&[inf, 5.0, inf, f32::NAN], 2, 3);
         assert!((got.logprob + 2f64.ln()).abs() < 1e-15);
-        assert_eq!(got.top, [(0, -(2f64.ln())), (2, -(2f64.ln())), (1, f64::NEG_INFINITY)]);
+        assert_eq!(
+            got.top,
+            [(0, -(2f64.ln())), (2, -(2f64.ln())), (1, f64::NEG_INFINITY)]
+        );
     }
 
     #[test]

@@ -107,11 +107,7 @@ pub(crate) fn table(t: &Tokenizer, vocab_size: usize) -> Vec<Box<[u8]>> {
                         None => entry.replace(space, " ").into_bytes().into(),
                     }
                 }
-                Spelling::Text => t
-                    .decode(&[id], false)
-                    .unwrap_or(entry)
-                    .into_bytes()
-                    .into(),
+                Spelling::Text => t.decode(&[id], false).unwrap_or(entry).into_bytes().into(),
             }
         })
         .collect()
