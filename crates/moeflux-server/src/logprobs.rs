@@ -123,26 +123,20 @@ impl LogprobsOut {
         (!self.pending.is_empty()).then(|| self.take())
     }
 
-    fn bytes(&self, id: u32) -> &[u8] {
-        self.tokenizer.token_bytes(id).unwrap_or_default()
-    }
-
-    fn text(&self, id: u32) -> String {
-        String::from_utf8_lossy(self.bytes(id)).into_owned()
+    /// A token's text (its bytes decoded lossily) and bytes.
+    fn token(&self, id: u32) -> (String, Vec<u8>) {
+        let bytes = self.tokenizer.token_bytes(id).unwrap_or_default();
+        (String::from_utf8_lossy(&bytes).into_owned(), bytes)
     }
 
     fn chat_entry(&self, t: &TokenLogprobs) -> Json {
-        let top: Vec<Json> = t
-            .top
-            .iter()
-            .map(|&(id, lp)| json!({"token": self.text(id), "logprob": value(lp), "bytes": self.bytes(id)}))
-            .collect();
-        json!({
-            "token": self.text(t.id),
-            "logprob": value(t.logprob),
-            "bytes": self.bytes(t.id),
-            "top_logprobs": top,
-        })
+        let entry = |id, lp| {
+            let (text, bytes) = self.token(id);
+            json!({"token": text, "logprob": value(lp), "bytes": bytes})
+        };
+        let mut e = entry(t.id, t.logprob);
+        e["top_logprobs"] = t.top.iter().map(|&(id, lp)| entry(id, lp)).collect();
+        e
     }
 
     /// The legacy shape: per token its text, log-probability, the most
@@ -153,10 +147,10 @@ impl LogprobsOut {
         let (mut tokens, mut token_logprobs, mut top, mut offsets) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for t in pending {
-            let text = self.text(t.id);
+            let text = self.token(t.id).0;
             let mut alts = Map::new();
             for &(id, lp) in t.top.iter().chain([(t.id, t.logprob)].iter()) {
-                alts.entry(self.text(id)).or_insert(value(lp).into());
+                alts.entry(self.token(id).0).or_insert(value(lp).into());
             }
             offsets.push(self.offset);
             self.offset += text.chars().count();
@@ -227,7 +221,7 @@ mod tests {
         // A token that is part of a character: "🦙" is four byte tokens here.
         let ids = tok.encode("a🦙", false).unwrap();
         let (a, partial) = (ids[0], ids[1]);
-        assert!(std::str::from_utf8(tok.token_bytes(partial).unwrap()).is_err());
+        assert!(std::str::from_utf8(&tok.token_bytes(partial).unwrap()).is_err());
         let lp = |id, logprob, top: Vec<(u32, f64)>| TokenLogprobs { id, logprob, top };
 
         let mut chat = LogprobsOut::new(tok.clone(), true);

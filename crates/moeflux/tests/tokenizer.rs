@@ -139,22 +139,22 @@ fn token_bytes_of_byte_level_bpe() {
     let ids = t.encode(text, false).unwrap();
     let joined: Vec<u8> = ids
         .iter()
-        .flat_map(|&i| t.token_bytes(i).unwrap().to_vec())
+        .flat_map(|&i| t.token_bytes(i).unwrap())
         .collect();
     assert_eq!(joined, text.as_bytes());
     // Some token holds part of a character (the emoji's 4 bytes are
     // single-byte tokens in this small vocabulary).
     assert!(ids
         .iter()
-        .any(|&i| std::str::from_utf8(t.token_bytes(i).unwrap()).is_err()));
+        .any(|&i| std::str::from_utf8(&t.token_bytes(i).unwrap()).is_err()));
     for id in 0..t.vocab_size() as u32 {
         let b = t.token_bytes(id).unwrap();
         assert!(!b.is_empty(), "token {id}");
-        if let Ok(s) = std::str::from_utf8(b) {
+        if let Ok(s) = std::str::from_utf8(&b) {
             assert_eq!(t.decode(&[id], false).unwrap(), s, "token {id}");
         }
     }
-    assert_eq!(t.token_bytes(2), Some(&b"<|im_end|>"[..]));
+    assert_eq!(t.token_bytes(2).unwrap(), b"<|im_end|>");
     assert_eq!(t.token_bytes(t.vocab_size() as u32), None);
 }
 
@@ -179,10 +179,10 @@ fn token_bytes_of_sentencepiece_byte_fallback() {
             "vocab": {"<s>": 0, "<0xE6>": 1, "▁hi": 2, "x": 3}, "merges": []}
     });
     let t = Tokenizer::from_bytes(json.to_string().as_bytes()).unwrap();
-    assert_eq!(t.token_bytes(0), Some(&b"<s>"[..]));
-    assert_eq!(t.token_bytes(1), Some(&[0xE6u8][..]));
-    assert_eq!(t.token_bytes(2), Some(&b" hi"[..]));
-    assert_eq!(t.token_bytes(3), Some(&b"x"[..]));
+    assert_eq!(t.token_bytes(0).unwrap(), b"<s>");
+    assert_eq!(t.token_bytes(1).unwrap(), [0xE6]);
+    assert_eq!(t.token_bytes(2).unwrap(), b" hi");
+    assert_eq!(t.token_bytes(3).unwrap(), b"x");
 }
 
 #[test]

@@ -7,8 +7,6 @@
 //! `bytes_to_unicode`, fixed by the format, and SentencePiece's `<0xNN>`
 //! byte tokens.
 
-use std::collections::HashMap;
-
 use tokenizers::{DecoderWrapper, Tokenizer};
 
 /// How vocabulary entries spell bytes, from the tokenizer's decoder.
@@ -57,58 +55,103 @@ fn spelling(t: &Tokenizer) -> Spelling {
     }
 }
 
-/// GPT-2's `bytes_to_unicode`, inverted: printable Latin-1 characters
-/// stand for themselves, the other bytes for U+0100 onwards in order.
-fn byte_level_table() -> HashMap<char, u8> {
-    let mut map = HashMap::with_capacity(256);
-    let mut next = 0x100u32;
-    for b in 0..=255u8 {
-        let c = b as char;
-        if matches!(c, '!'..='~' | '\u{A1}'..='\u{AC}' | '\u{AE}'..='\u{FF}') {
-            map.insert(c, b);
-        } else {
-            map.insert(char::from_u32(next).expect("below U+0200"), b);
-            next += 1;
-        }
-    }
-    map
+/// GPT-2's `bytes_to_unicode`: printable Latin-1 bytes stand for
+/// themselves, the other 68 for U+0100 onwards in order.
+const fn printable(b: u8) -> bool {
+    matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF)
 }
 
-/// Every id's bytes, `0..vocab_size` (empty for an id the vocabulary
-/// lacks). Added tokens are their content.
-pub(crate) fn table(t: &Tokenizer, vocab_size: usize) -> Vec<Box<[u8]>> {
-    let spelling = spelling(t);
-    let bl = byte_level_table();
-    let added = t.get_added_tokens_decoder();
-    (0..vocab_size as u32)
-        .map(|id| -> Box<[u8]> {
-            if let Some(a) = added.get(&id) {
-                return a.content.as_bytes().into();
-            }
-            let Some(entry) = t.id_to_token(id) else {
-                return Box::default();
-            };
-            match spelling {
-                Spelling::ByteLevel => entry
-                    .chars()
-                    .map(|c| bl.get(&c).copied())
-                    .collect::<Option<Vec<u8>>>()
-                    // An entry outside the table is its own text.
-                    .unwrap_or_else(|| entry.clone().into_bytes())
-                    .into(),
-                Spelling::ByteFallback { space } => {
-                    let hex = entry
-                        .strip_prefix("<0x")
-                        .and_then(|r| r.strip_suffix('>'))
-                        .filter(|h| h.len() == 2)
-                        .and_then(|h| u8::from_str_radix(h, 16).ok());
-                    match hex {
-                        Some(b) => Box::new([b]) as Box<[u8]>,
-                        None => entry.replace(space, " ").into_bytes().into(),
-                    }
+/// The bytes that U+0100, U+0101, ... stand for.
+const SHIFTED: [u8; 68] = {
+    let mut out = [0u8; 68];
+    let (mut n, mut b) = (0, 0);
+    while b < 256 {
+        if !printable(b as u8) {
+            out[n] = b as u8;
+            n += 1;
+        }
+        b += 1;
+    }
+    out
+};
+
+/// The byte a byte-level BPE character stands for.
+fn byte_of(c: char) -> Option<u8> {
+    let u = c as u32;
+    if u < 256 && printable(u as u8) {
+        Some(u as u8)
+    } else {
+        let i = u.checked_sub(256)? as usize;
+        SHIFTED.get(i).copied()
+    }
+}
+
+/// What turns a token id into its bytes, made once per tokenizer.
+#[derive(Debug, Clone)]
+pub(crate) struct TokenSpelling {
+    spelling: Spelling,
+    /// Added tokens' ids, ascending: their bytes are their content.
+    added: Vec<u32>,
+}
+
+impl TokenSpelling {
+    pub(crate) fn of(t: &Tokenizer) -> Self {
+        let mut added: Vec<u32> = t.get_added_tokens_decoder().into_keys().collect();
+        added.sort_unstable();
+        TokenSpelling {
+            spelling: spelling(t),
+            added,
+        }
+    }
+
+    /// Token `id`'s bytes; `None` for an id the vocabulary lacks. A few
+    /// lookups per call, so nothing vocabulary-sized is built.
+    pub(crate) fn bytes(&self, t: &Tokenizer, id: u32) -> Option<Vec<u8>> {
+        // An added token's "vocabulary form" is its content.
+        let entry = t.id_to_token(id)?;
+        if self.added.binary_search(&id).is_ok() {
+            return Some(entry.into_bytes());
+        }
+        Some(match self.spelling {
+            Spelling::ByteLevel => entry
+                .chars()
+                .map(byte_of)
+                .collect::<Option<Vec<u8>>>()
+                // An entry outside the table is its own text.
+                .unwrap_or_else(|| entry.into_bytes()),
+            Spelling::ByteFallback { space } => {
+                let hex = entry
+                    .strip_prefix("<0x")
+                    .and_then(|r| r.strip_suffix('>'))
+                    .filter(|h| h.len() == 2)
+                    .and_then(|h| u8::from_str_radix(h, 16).ok());
+                match hex {
+                    Some(b) => vec![b],
+                    None => entry.replace(space, " ").into_bytes(),
                 }
-                Spelling::Text => t.decode(&[id], false).unwrap_or(entry).into_bytes().into(),
             }
+            Spelling::Text => t.decode(&[id], false).unwrap_or(entry).into_bytes(),
         })
-        .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_level_table_is_gpt2s() {
+        assert_eq!(byte_of('a'), Some(b'a'));
+        assert_eq!(byte_of('Ġ'), Some(b' '));
+        assert_eq!(byte_of('Ċ'), Some(b'\n'));
+        assert_eq!(byte_of('\u{100}'), Some(0));
+        assert_eq!(byte_of('\u{143}'), Some(0xAD));
+        assert_eq!(byte_of('\u{144}'), None);
+        assert_eq!(byte_of(' '), None);
+        let all: std::collections::BTreeSet<u8> = (0..0x144u32)
+            .filter_map(char::from_u32)
+            .filter_map(byte_of)
+            .collect();
+        assert_eq!(all.len(), 256);
+    }
 }

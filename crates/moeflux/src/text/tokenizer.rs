@@ -85,8 +85,8 @@ pub struct Tokenizer {
     special_first: [bool; 256],
     /// `inner` with special tokens encoded as plain text, made on first use.
     literal: OnceLock<tokenizers::Tokenizer>,
-    /// Every token's bytes, made on first use ([`Tokenizer::token_bytes`]).
-    bytes: OnceLock<Vec<Box<[u8]>>>,
+    /// How a token id turns into its bytes ([`Tokenizer::token_bytes`]).
+    spelling: crate::text::token_bytes::TokenSpelling,
 }
 
 impl fmt::Debug for Tokenizer {
@@ -206,7 +206,9 @@ impl Tokenizer {
         for t in &special_text {
             special_first[t.as_bytes()[0] as usize] = true;
         }
+        let spelling = crate::text::token_bytes::TokenSpelling::of(&inner);
         Ok(Tokenizer {
+            spelling,
             inner,
             source: source.to_path_buf(),
             vocab_size,
@@ -218,7 +220,6 @@ impl Tokenizer {
             special_text,
             special_first,
             literal: OnceLock::new(),
-            bytes: OnceLock::new(),
         })
     }
 
@@ -370,13 +371,9 @@ impl Tokenizer {
 
     /// The bytes token `id` stands for (an added token: its content), even
     /// where they are not whole UTF-8 (part of a character); `None` outside
-    /// the vocabulary. The table is built on the first call (tens of
-    /// milliseconds for a 250k vocabulary).
-    pub fn token_bytes(&self, id: u32) -> Option<&[u8]> {
-        self.bytes
-            .get_or_init(|| crate::text::token_bytes::table(&self.inner, self.vocab_size))
-            .get(id as usize)
-            .map(|b| &b[..])
+    /// the vocabulary.
+    pub fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
+        self.spelling.bytes(&self.inner, id)
     }
 
     /// One more than the largest id, added tokens included.
