@@ -158,7 +158,7 @@ fn token_bytes_of_byte_level_bpe() {
     assert_eq!(t.token_bytes(t.vocab_size() as u32), None);
 }
 
-/// SentencePiece with byte fallback: `<0xNN>` is one byte, `▁` a space.
+/// SentencePiece: `<0xNN>` is one byte (byte fallback), `▁` a space.
 #[test]
 fn token_bytes_of_sentencepiece_byte_fallback() {
     let json = serde_json::json!({
@@ -183,6 +183,14 @@ fn token_bytes_of_sentencepiece_byte_fallback() {
     assert_eq!(t.token_bytes(1).unwrap(), [0xE6]);
     assert_eq!(t.token_bytes(2).unwrap(), b" hi");
     assert_eq!(t.token_bytes(3).unwrap(), b"x");
+    // A Metaspace decoder alone (no byte tokens): `▁` is still a space,
+    // though decoding the token alone would drop it.
+    let mut json = json;
+    json["decoder"] = serde_json::json!({"type": "Metaspace", "replacement": "▁",
+        "prepend_scheme": "first", "split": false});
+    let t = Tokenizer::from_bytes(json.to_string().as_bytes()).unwrap();
+    assert_eq!(t.decode(&[2], false).unwrap(), "hi");
+    assert_eq!(t.token_bytes(2).unwrap(), b" hi");
 }
 
 #[test]

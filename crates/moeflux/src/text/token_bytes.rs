@@ -14,44 +14,47 @@ use tokenizers::{DecoderWrapper, Tokenizer};
 enum Spelling {
     /// GPT-2's byte-to-character table (`Ġ` is a space).
     ByteLevel,
-    /// SentencePiece: `<0xNN>` is byte NN, `space` stands for a space.
-    ByteFallback { space: char },
+    /// SentencePiece: `<0xNN>` is byte NN (byte fallback), `space`
+    /// stands for a space.
+    SentencePiece { space: char },
     /// The entry decodes to its text (no byte tokens).
     Text,
 }
 
 fn spelling(t: &Tokenizer) -> Spelling {
-    fn walk(d: &DecoderWrapper, byte_level: &mut bool, fallback: &mut bool, space: &mut char) {
+    /// What the decoder says: byte-level, or SentencePiece-like (byte
+    /// fallback, a Metaspace or a `Replace` to a space) with its space.
+    fn walk(d: &DecoderWrapper, byte_level: &mut bool, sp: &mut Option<char>) {
         match d {
             DecoderWrapper::ByteLevel(_) => *byte_level = true,
-            DecoderWrapper::ByteFallback(_) => *fallback = true,
-            DecoderWrapper::Metaspace(m) => *space = m.get_replacement(),
+            DecoderWrapper::ByteFallback(_) => {
+                sp.get_or_insert('▁');
+            }
+            DecoderWrapper::Metaspace(m) => *sp = Some(m.get_replacement()),
             DecoderWrapper::Replace(r) if r.content == " " => {
                 // The pattern has no accessor; its serialized form names it.
                 let v = serde_json::to_value(r).unwrap_or_default();
                 let mut chars = v["pattern"]["String"].as_str().unwrap_or("").chars();
                 if let (Some(c), None) = (chars.next(), chars.next()) {
-                    *space = c;
+                    *sp = Some(c);
                 }
             }
             DecoderWrapper::Sequence(s) => {
                 for d in s.get_decoders() {
-                    walk(d, byte_level, fallback, space);
+                    walk(d, byte_level, sp);
                 }
             }
             _ => {}
         }
     }
-    let (mut byte_level, mut fallback, mut space) = (false, false, '▁');
+    let (mut byte_level, mut sp) = (false, None);
     if let Some(d) = t.get_decoder() {
-        walk(d, &mut byte_level, &mut fallback, &mut space);
+        walk(d, &mut byte_level, &mut sp);
     }
-    if byte_level {
-        Spelling::ByteLevel
-    } else if fallback || space != '▁' {
-        Spelling::ByteFallback { space }
-    } else {
-        Spelling::Text
+    match (byte_level, sp) {
+        (true, _) => Spelling::ByteLevel,
+        (false, Some(space)) => Spelling::SentencePiece { space },
+        (false, None) => Spelling::Text,
     }
 }
 
@@ -119,7 +122,7 @@ impl TokenSpelling {
                 .collect::<Option<Vec<u8>>>()
                 // An entry outside the table is its own text.
                 .unwrap_or_else(|| entry.into_bytes()),
-            Spelling::ByteFallback { space } => {
+            Spelling::SentencePiece { space } => {
                 let hex = entry
                     .strip_prefix("<0x")
                     .and_then(|r| r.strip_suffix('>'))
