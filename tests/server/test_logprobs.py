@@ -115,16 +115,36 @@ def test_logprobs_match_moeflux_logits(server, model_dir, greedy):
             assert abs(alt.logprob - lp[want]) < TOL, step
 
 
-def test_streamed_logprobs_are_the_same(server, greedy):
-    entries, text = [], ""
-    for chunk in chat(client(server), stream=True):
+def streamed(c, **kw):
+    """A streamed chat answer: its text, logprobs entries and finish reason."""
+    entries, text, finish = [], "", None
+    for chunk in chat(c, stream=True, **kw):
         for ch in chunk.choices:
             text += ch.delta.content or ""
+            finish = ch.finish_reason or finish
             if ch.logprobs is not None:
                 entries += ch.logprobs.content
+    return text, [e.model_dump() for e in entries], finish
+
+
+def test_streamed_logprobs_are_the_same(server, greedy):
+    text, entries, _ = streamed(client(server))
     assert text == greedy.choices[0].message.content
-    assert [e.model_dump() for e in entries] == \
-        [e.model_dump() for e in greedy.choices[0].logprobs.content]
+    assert entries == [e.model_dump() for e in greedy.choices[0].logprobs.content]
+
+
+def test_streamed_logprobs_with_a_stop_string(server, greedy):
+    # A stop string across the second and third tokens: the second's text
+    # is held back (it may grow into the stop string), the third's never
+    # shows; both tokens still come, on later chunks.
+    e = greedy.choices[0].logprobs.content
+    stop = e[1].token + e[2].token[:1]
+    c = client(server)
+    full = chat(c, stop=[stop])
+    assert full.choices[0].finish_reason == "stop"
+    entries = [x.model_dump() for x in full.choices[0].logprobs.content]
+    assert entries == [x.model_dump() for x in e[:3]]
+    assert streamed(c, stop=[stop]) == (full.choices[0].message.content, entries, "stop")
 
 
 def test_completions_logprobs(server, model_dir, greedy):
