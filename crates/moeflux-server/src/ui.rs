@@ -88,7 +88,10 @@ mod tests {
             for (i, _) in html.match_indices(attr) {
                 let rest = &html[i + attr.len()..];
                 let url = &rest[..rest.find('"').unwrap()];
-                assert!(is_page(url), "index.html refers to {url}, which is not served");
+                assert!(
+                    is_page(url),
+                    "index.html refers to {url}, which is not served"
+                );
             }
         }
         for a in ASSETS {

@@ -742,8 +742,14 @@ async fn chat_page_is_public_with_a_csp() {
     let (st, v) = call(&s, get("/")).await;
     assert!(st.is_success() && v.as_str().unwrap().contains("<script src=\"/ui/app.js\""));
     // The API still needs the key; other paths are not opened with the page's.
-    assert_eq!(call(&s, get("/v1/models")).await.0, StatusCode::UNAUTHORIZED);
-    assert_eq!(call(&s, get("/ui/other.js")).await.0, StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        call(&s, get("/v1/models")).await.0,
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        call(&s, get("/ui/other.js")).await.0,
+        StatusCode::UNAUTHORIZED
+    );
     let (st, _) = call(&s, post("/v1/chat/completions", &json!({}))).await;
     assert_eq!(st, StatusCode::UNAUTHORIZED);
 
