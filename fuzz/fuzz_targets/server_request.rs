@@ -23,6 +23,7 @@ fuzz_target!(|data: &[u8]| {
             return;
         };
         let _ = req.check_unsupported();
+        let _ = moeflux_server::logprobs::completion_request(req.logprobs, req.echo);
         let _ = api::completion_prompt(req.prompt.as_ref());
         let _ = api::gen_params(&req.sampling(), &defaults, 256, 7);
         return;

@@ -12,6 +12,7 @@ mod cmd_run;
 mod cmd_serve;
 mod cmd_synth;
 mod cmd_tokenize;
+mod config_file;
 mod demo;
 mod gen_args;
 mod model_ref;
@@ -23,7 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use anyhow::Context;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -38,6 +39,11 @@ struct Cli {
     /// (default: $MOEFLUX_HOME/models, else ~/.cache/moeflux/models).
     #[arg(long, global = true, value_name = "DIR")]
     models_dir: Option<std::path::PathBuf>,
+    /// A TOML file of settings: keys are long flags (`port = 8080`), at the top for every
+    /// command that has the flag or in a `[serve]`-style table for one command; flags given
+    /// here win over it.
+    #[arg(long, global = true, value_name = "FILE")]
+    config: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -64,6 +70,11 @@ enum Command {
     Perplexity(cmd_perplexity::PerplexityArgs),
     /// Encode text to token ids, or decode ids to text, with a model's tokenizer.
     Tokenize(cmd_tokenize::TokenizeArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell) to stdout.
+    Completions {
+        /// The shell: `moeflux completions bash > ~/.local/share/bash-completion/completions/moeflux`
+        shell: clap_complete::Shell,
+    },
 }
 
 impl Command {
@@ -78,7 +89,10 @@ impl Command {
             Command::Perplexity(a) => a.model.model.as_mut(),
             Command::Tokenize(a) => Some(&mut a.model),
             Command::Inspect(a) => Some(&mut a.dir),
-            Command::Pull(_) | Command::Convert(_) | Command::Synth(_) => None,
+            Command::Pull(_)
+            | Command::Convert(_)
+            | Command::Synth(_)
+            | Command::Completions { .. } => None,
         }
     }
 }
@@ -150,7 +164,14 @@ fn cancel_on_ctrl_c() -> anyhow::Result<Arc<AtomicBool>> {
 }
 
 fn main() -> ExitCode {
-    let mut cli = Cli::parse();
+    let args = match config_file::expand(std::env::args_os().collect(), &Cli::command()) {
+        Ok(args) => args,
+        Err(e) => {
+            eprintln!("error: {}", one_line(&e));
+            return ExitCode::from(2);
+        }
+    };
+    let mut cli = Cli::parse_from(args);
     if !matches!(cli.command, Command::Serve(_)) {
         // `moeflux inspect | head`: end quietly when the reader goes away,
         // like other Unix tools, instead of failing (or panicking in
@@ -179,6 +200,15 @@ fn main() -> ExitCode {
         Command::Logits(a) => cmd_logits::run(a),
         Command::Perplexity(a) => cmd_perplexity::run(a),
         Command::Tokenize(a) => cmd_tokenize::run(a),
+        Command::Completions { shell } => {
+            clap_complete::generate(
+                shell,
+                &mut Cli::command(),
+                "moeflux",
+                &mut std::io::stdout(),
+            );
+            Ok(())
+        }
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,

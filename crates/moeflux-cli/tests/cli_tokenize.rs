@@ -128,3 +128,47 @@ fn bad_input_is_one_clean_error_line() {
     ]));
     assert!(e.contains("not a token id"), "{e}");
 }
+
+/// `--config FILE` reaches a real command as its flags would, a typo in it is
+/// a usage error naming the file and the key, and `completions` prints scripts.
+#[test]
+fn config_file_and_completions() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tmp.path().join("moeflux.toml");
+    let model = fixture_src();
+    std::fs::write(
+        &cfg,
+        format!("model = {:?}\n[tokenize]\njson = true\n", s(&model)),
+    )
+    .unwrap();
+    let direct = ok(&moeflux(&[
+        "tokenize",
+        "--model",
+        s(&model),
+        "--json",
+        TEXT,
+    ]));
+    assert!(direct.starts_with('['), "{direct}");
+    assert_eq!(
+        ok(&moeflux(&["--config", s(&cfg), "tokenize", TEXT])),
+        direct
+    );
+
+    std::fs::write(&cfg, "[tokenize]\njsn = true\n").unwrap();
+    let out = moeflux(&["tokenize", "--config", s(&cfg), "x"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = text(&out.stderr);
+    assert!(
+        err.starts_with("error: ") && err.contains("'jsn'") && err.contains(s(&cfg)),
+        "{err}"
+    );
+
+    for shell in ["bash", "zsh", "fish"] {
+        let script = ok(&moeflux(&["completions", shell]));
+        // fish names long flags without their dashes (`-l config`).
+        assert!(
+            script.contains("tokenize") && script.contains("config"),
+            "{shell}"
+        );
+    }
+}

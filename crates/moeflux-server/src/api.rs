@@ -187,7 +187,8 @@ impl ChatRequest {
         let template_kwargs = self.template_kwargs()?;
         let messages = self.checked_messages()?;
         let choice = tool_choice(self.tools.as_deref(), self.tool_choice.as_ref())?;
-        let params = gen_params(&self.sampling(), d, ctx, random_seed)?;
+        let mut params = gen_params(&self.sampling(), d, ctx, random_seed)?;
+        params.logprobs = crate::logprobs::chat_request(self.logprobs, self.top_logprobs)?;
         Ok(ChatSpec {
             messages,
             tools: self.tools.clone(),
@@ -199,9 +200,6 @@ impl ChatRequest {
 
     /// Options this server does not implement: refused rather than ignored.
     pub fn check_unsupported(&self) -> Result<(), ApiError> {
-        if self.logprobs == Some(true) || self.top_logprobs.is_some_and(|n| n > 0) {
-            return Err(ApiError::invalid("logprobs", "logprobs are not supported"));
-        }
         if self.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
             return Err(ApiError::invalid(
                 "logit_bias",
@@ -297,12 +295,6 @@ impl CompletionRequest {
     pub fn check_unsupported(&self) -> Result<(), ApiError> {
         if self.best_of.is_some_and(|n| n != 1) {
             return Err(ApiError::invalid("best_of", "only best_of 1 is supported"));
-        }
-        if self.logprobs.is_some_and(|n| n > 0) {
-            return Err(ApiError::invalid("logprobs", "logprobs are not supported"));
-        }
-        if self.echo == Some(true) {
-            return Err(ApiError::invalid("echo", "echo is not supported"));
         }
         if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
             return Err(ApiError::invalid("suffix", "suffix is not supported"));
@@ -413,6 +405,9 @@ pub struct GenParams {
     /// `None`: until the context is full.
     pub max_tokens: Option<usize>,
     pub ignore_eos: bool,
+    /// Report each generated token's log-probability and this many of the
+    /// most likely tokens' (`None`: no logprobs; `crate::logprobs`).
+    pub logprobs: Option<usize>,
 }
 
 /// Checks the sampling fields (OpenAI's ranges) and fills in defaults.
@@ -499,6 +494,7 @@ pub fn gen_params(
         stop,
         max_tokens,
         ignore_eos: f.ignore_eos.unwrap_or(false),
+        logprobs: None,
     })
 }
 
@@ -688,7 +684,6 @@ mod tests {
     #[test]
     fn unsupported_options_are_refused() {
         for (body, param) in [
-            ("{\"logprobs\": true}", "logprobs"),
             ("{\"logit_bias\": {\"5\": 1}}", "logit_bias"),
             (
                 "{\"response_format\": {\"type\": \"json_object\"}}",

@@ -57,7 +57,13 @@ pub struct Admission {
 
 #[derive(Debug)]
 pub enum EngineEvent {
-    Text { text: String, reasoning: bool },
+    Text {
+        text: String,
+        reasoning: bool,
+    },
+    /// A generated token's log-probabilities (jobs that ask for them),
+    /// sent before the text the token completes.
+    Logprob(moeflux::logprobs::TokenLogprobs),
     Done(Result<Outcome, ApiError>),
 }
 

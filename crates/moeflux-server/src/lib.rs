@@ -21,7 +21,8 @@
 //! parsing), [`prompt`] (template, forced calls, message boundaries),
 //! [`engine`] (the session's thread and its bounded FIFO queue),
 //! [`prefix_cache`] (snapshots at message boundaries), [`metrics`],
-//! [`error`] (OpenAI error objects), [`anthropic`] (Anthropic's Messages
+//! [`error`] (OpenAI error objects), [`logprobs`] (OpenAI's logprobs
+//! fields and shapes), [`anthropic`] (Anthropic's Messages
 //! API onto the chat requests, its errors), [`anthropic_respond`] (its
 //! answers and SSE stream), [`conn`] (the accept loop: connection cap and
 //! timeouts), [`ui`] (the chat page at `/`).
@@ -32,6 +33,7 @@ pub mod api;
 pub mod conn;
 pub mod engine;
 pub mod error;
+pub mod logprobs;
 pub mod metrics;
 pub mod prefix_cache;
 pub mod prompt;

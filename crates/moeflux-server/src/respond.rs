@@ -13,6 +13,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use moeflux::generate::FinishReason;
+use moeflux::logprobs::TokenLogprobs;
 use serde_json::{json, Value as Json_};
 use tokio::sync::mpsc::{self, UnboundedReceiver};
 use tokio_stream::wrappers::ReceiverStream;
@@ -20,6 +21,7 @@ use tokio_stream::StreamExt;
 
 use crate::engine::{EngineEvent, Outcome};
 use crate::error::ApiError;
+use crate::logprobs::LogprobsOut;
 use crate::tools::{Delta, ToolCallParser};
 use crate::{random_id, unix_now, AppState};
 
@@ -43,6 +45,8 @@ pub struct Answer {
     pub tools: Option<Vec<Json_>>,
     /// A forced call opening appended to the prompt (the parser's start).
     pub forced: Option<String>,
+    /// The request asked for logprobs (the engine sends them).
+    pub logprobs: bool,
 }
 
 pub async fn answer(
@@ -100,6 +104,11 @@ fn parser(a: &Answer) -> Option<ToolCallParser> {
     a.tools.as_deref().map(|t| tool_parser(t, "call_"))
 }
 
+fn logprobs_out(st: &AppState, a: &Answer) -> Option<LogprobsOut> {
+    a.logprobs
+        .then(|| LogprobsOut::new(st.tokenizer.clone(), a.chat))
+}
+
 /// The tool-call parser for a request's `tools`, naming calls
 /// `id_prefix` + random digits (or the model's own id, Kimi).
 pub(crate) fn tool_parser(tools: &[Json_], id_prefix: &'static str) -> ToolCallParser {
@@ -146,6 +155,7 @@ async fn collect(
     mut rx: UnboundedReceiver<EngineEvent>,
 ) -> Result<Json_, ApiError> {
     let mut parser = parser(a);
+    let mut logprobs = logprobs_out(st, a);
     let (mut content, mut reasoning) = (String::new(), String::new());
     let take = |deltas: Vec<Delta>, content: &mut String| {
         for d in deltas {
@@ -157,17 +167,26 @@ async fn collect(
     if let (Some(p), Some(f)) = (parser.as_mut(), &a.forced) {
         take(p.push(f), &mut content);
     }
-    let outcome = drain(&mut rx, |text, is_reasoning| {
-        if is_reasoning && a.chat {
-            reasoning.push_str(&text);
-        } else {
-            match parser.as_mut() {
-                Some(p) => take(p.push(&text), &mut content),
-                None => content.push_str(&text),
+    let outcome = drain_with(
+        &mut rx,
+        |text, is_reasoning| {
+            if is_reasoning && a.chat {
+                reasoning.push_str(&text);
+            } else {
+                match parser.as_mut() {
+                    Some(p) => take(p.push(&text), &mut content),
+                    None => content.push_str(&text),
+                }
             }
-        }
-    })
+        },
+        |lp| {
+            if let Some(out) = logprobs.as_mut() {
+                out.push(lp);
+            }
+        },
+    )
     .await?;
+    let logprobs = logprobs.as_mut().map_or(Json_::Null, LogprobsOut::take);
     let calls: Vec<Json_> = match parser.as_mut() {
         Some(p) => {
             take(p.finish(), &mut content);
@@ -188,9 +207,9 @@ async fn collect(
         if !calls.is_empty() {
             message["tool_calls"] = calls.into();
         }
-        json!({"index": 0, "message": message, "logprobs": null, "finish_reason": finish})
+        json!({"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish})
     } else {
-        json!({"index": 0, "text": content, "logprobs": null, "finish_reason": finish})
+        json!({"index": 0, "text": content, "logprobs": logprobs, "finish_reason": finish})
     };
     let mut v = ids.object(json!([choice]), false);
     v["usage"] = usage(&outcome);
@@ -241,11 +260,21 @@ fn data(v: &Json_) -> Event {
 /// whether it is reasoning), then its outcome.
 pub(crate) async fn drain(
     rx: &mut UnboundedReceiver<EngineEvent>,
+    on_text: impl FnMut(String, bool),
+) -> Result<Outcome, ApiError> {
+    drain_with(rx, on_text, |_| {}).await
+}
+
+/// [`drain`], with each token's log-probabilities to `on_logprob`.
+async fn drain_with(
+    rx: &mut UnboundedReceiver<EngineEvent>,
     mut on_text: impl FnMut(String, bool),
+    mut on_logprob: impl FnMut(TokenLogprobs),
 ) -> Result<Outcome, ApiError> {
     loop {
         match rx.recv().await {
             Some(EngineEvent::Text { text, reasoning }) => on_text(text, reasoning),
+            Some(EngineEvent::Logprob(lp)) => on_logprob(lp),
             Some(EngineEvent::Done(r)) => return r,
             None => return Err(ApiError::internal("the engine stopped")),
         }
@@ -257,6 +286,11 @@ pub(crate) trait SseShape: Send + 'static {
     /// The events before any text.
     fn start(&mut self) -> Vec<Event>;
     fn text(&mut self, text: String, reasoning: bool) -> Vec<Event>;
+    /// A token's log-probabilities (sent before the text it completes);
+    /// only jobs that asked get them.
+    fn logprob(&mut self, _lp: TokenLogprobs) -> Vec<Event> {
+        Vec::new()
+    }
     /// The job ended (its outcome, or its error): the last events.
     fn done(&mut self, result: Result<Outcome, ApiError>) -> Vec<Event>;
 }
@@ -285,6 +319,7 @@ pub(crate) fn sse(
             };
             let (events, last) = match ev {
                 Some(EngineEvent::Text { text, reasoning }) => (shape.text(text, reasoning), false),
+                Some(EngineEvent::Logprob(lp)) => (shape.logprob(lp), false),
                 Some(EngineEvent::Done(r)) => (shape.done(r), true),
                 None => (
                     shape.done(Err(ApiError::internal("the engine stopped"))),
@@ -314,6 +349,22 @@ struct OpenAiStream {
     chunks: Chunks,
     answer: Answer,
     parser: Option<ToolCallParser>,
+    /// Tokens' log-probabilities waiting for the next chunk.
+    logprobs: Option<LogprobsOut>,
+}
+
+impl OpenAiStream {
+    /// Puts the tokens that arrived since the last chunk on the first of
+    /// `chunks` (tokens whose text is held back, a stop string's start or
+    /// a tool call's markup, ride on a later chunk).
+    fn with_logprobs(&mut self, mut chunks: Vec<Json_>) -> Vec<Json_> {
+        if let (Some(out), Some(first)) = (self.logprobs.as_mut(), chunks.first_mut()) {
+            if let Some(lp) = out.take_some() {
+                first["choices"][0]["logprobs"] = lp;
+            }
+        }
+        chunks
+    }
 }
 
 impl SseShape for OpenAiStream {
@@ -339,7 +390,14 @@ impl SseShape for OpenAiStream {
                 None => vec![c.delta(json!({"content": text}), None)],
             }
         };
-        chunks.iter().map(data).collect()
+        self.with_logprobs(chunks).iter().map(data).collect()
+    }
+
+    fn logprob(&mut self, lp: TokenLogprobs) -> Vec<Event> {
+        if let Some(out) = self.logprobs.as_mut() {
+            out.push(lp);
+        }
+        Vec::new()
     }
 
     fn done(&mut self, result: Result<Outcome, ApiError>) -> Vec<Event> {
@@ -357,8 +415,9 @@ impl SseShape for OpenAiStream {
                 last["usage"] = usage(&o);
                 last["timings"] = timings(&o);
                 v.push(last);
+                v = self.with_logprobs(v);
                 if self.answer.include_usage {
-                    let mut u = c.ids.object(json!([]), true);
+                    let mut u = self.chunks.ids.object(json!([]), true);
                     u["usage"] = usage(&o);
                     v.push(u);
                 }
@@ -382,6 +441,7 @@ fn stream(
             ids: Ids::new(&st, a.chat),
         },
         parser: parser(&a),
+        logprobs: logprobs_out(&st, &a),
         answer: a,
     };
     sse(shape, rx, cancel, KeepAlive::new())

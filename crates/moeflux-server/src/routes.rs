@@ -159,6 +159,7 @@ async fn chat_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiErr
     let req: ChatRequest = api::parse_body(&body)?;
     drop(body);
     let spec = req.spec(&st.defaults, st.info.max_context, random_u64())?;
+    let logprobs = spec.params.logprobs.is_some();
     let job = start_chat(st, spec).await?;
     let answer = Answer {
         chat: true,
@@ -170,6 +171,7 @@ async fn chat_inner(st: &Arc<AppState>, req: Request) -> Result<Response, ApiErr
             .unwrap_or(false),
         tools: job.tools,
         forced: job.forced,
+        logprobs,
     };
     Ok(respond::answer(st.clone(), answer, job.events, job.cancel).await)
 }
@@ -316,13 +318,15 @@ async fn completions_inner(st: &Arc<AppState>, req: Request) -> Result<Response,
     let req: CompletionRequest = api::parse_body(&body)?;
     drop(body);
     req.check_unsupported()?;
+    let logprobs = crate::logprobs::completion_request(req.logprobs, req.echo)?;
     let prompt = api::completion_prompt(req.prompt.as_ref())?;
-    let params = api::gen_params(
+    let mut params = api::gen_params(
         &req.sampling(),
         &st.defaults,
         st.info.max_context,
         random_u64(),
     )?;
+    params.logprobs = logprobs;
     let admission = st.engine.admit()?;
     let tokens = match prompt {
         Prompt::Tokens(ids) => {
@@ -365,6 +369,7 @@ async fn completions_inner(st: &Arc<AppState>, req: Request) -> Result<Response,
             .unwrap_or(false),
         tools: None,
         forced: None,
+        logprobs: params.logprobs.is_some(),
     };
     let (cancel, rx) = submit(
         st,

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use rayon::prelude::*;
 
 use moeflux::generate::{Decoder, Event, FinishReason, GenerateOptions};
+use moeflux::logprobs::TokenLogprobs;
 use moeflux::text::tokenizer::Tokenizer;
 use moeflux::{Batch, LogitsMode, Output, SeqId, Work};
 
@@ -55,10 +56,27 @@ struct Running<'t> {
     decoder: Decoder<'t>,
     /// The sampled token to evaluate next (decoding).
     pending: Option<u32>,
+    /// The log-probabilities of the token just sampled (the job asked).
+    logprob: Option<TokenLogprobs>,
     generated: usize,
     max_tokens: usize,
     /// When the first token was sampled.
     first_token: Option<Instant>,
+}
+
+impl Running<'_> {
+    /// The next token from `logits` (`history`: for penalties), and its
+    /// log-probabilities when the job asked: of the logits as the model
+    /// gave them, before penalties and temperature.
+    fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+        let tok = self.decoder.sample(logits, history);
+        self.logprob = self
+            .job
+            .params
+            .logprobs
+            .map(|top| moeflux::logprobs::token_logprobs(logits, tok, top));
+        tok
+    }
 }
 
 /// How a running job ends.
@@ -284,6 +302,7 @@ impl<'t> Scheduler<'t> {
             stops,
             decoder,
             pending: None,
+            logprob: None,
             generated: 0,
             max_tokens: gen.max_tokens,
             first_token: None,
@@ -340,9 +359,10 @@ impl<'t> Scheduler<'t> {
         let mut plan: Vec<(usize, Vec<u32>, Option<LogitsMode>)> = Vec::new();
         let mut used = 0;
         // Greedy jobs' tokens are picked where the logits are (on a GPU,
-        // only the token comes back).
+        // only the token comes back), unless they need the logits for
+        // their logprobs.
         let mode = |r: &Running| {
-            if r.decoder.greedy() {
+            if r.decoder.greedy() && r.job.params.logprobs.is_none() {
                 LogitsMode::Greedy
             } else {
                 LogitsMode::Last
@@ -476,10 +496,7 @@ impl<'t> Scheduler<'t> {
             .running
             .par_iter_mut()
             .zip(todo.par_iter())
-            .filter_map(|(r, t)| {
-                t.as_ref()
-                    .map(|(k, l, history)| (*k, r.decoder.sample(l, history)))
-            })
+            .filter_map(|(r, t)| t.as_ref().map(|(k, l, history)| (*k, r.sample(l, history))))
             .collect();
         for (k, tok) in picked {
             results[k] = Ok(Output::Token(tok));
@@ -514,34 +531,42 @@ impl<'t> Scheduler<'t> {
             // The prompt is in: a turn boundary a later prompt can return to.
             self.batch.checkpoint(seq).ok();
         }
-        let events = &r.job.events;
-        let cancel = &r.job.cancel;
-        let delay = self.opts.event_delay;
+        // The token's text is sent after its log-probabilities, which are
+        // known to be wanted only once the token is accepted.
+        let mut texts = Vec::new();
         let mut on_event = |e: Event<'_>| {
             if let Event::Text { text, reasoning } = e {
-                let ev = EngineEvent::Text {
+                texts.push(EngineEvent::Text {
                     text: text.to_string(),
                     reasoning,
-                };
-                if events.send(ev).is_err() {
-                    cancel.store(true, Ordering::SeqCst);
-                }
-                if !delay.is_zero() {
-                    std::thread::sleep(delay);
-                }
+                });
             }
         };
         let next = match out {
             Output::Token(tok) => r.decoder.accept(tok, &mut on_event),
             Output::Logits(logits) => {
                 let history = self.batch.tokens(seq).unwrap_or_default();
-                r.decoder.next(&logits, history, &mut on_event)
+                let tok = r.sample(&logits, history);
+                r.decoder.accept(tok, &mut on_event)
             }
         };
         let (tok, done) = match next {
             Ok(x) => x,
             Err(e) => return Some(End::Failed(engine_error(e))),
         };
+        // The end-of-sequence token that ends the answer is not part of it
+        // and gets no logprobs.
+        let logprob = r.logprob.take().filter(|_| done != Some(FinishReason::Eos));
+        let delay = self.opts.event_delay;
+        for ev in logprob.map(EngineEvent::Logprob).into_iter().chain(texts) {
+            let text = matches!(ev, EngineEvent::Text { .. });
+            if r.job.events.send(ev).is_err() {
+                r.job.cancel.store(true, Ordering::SeqCst);
+            }
+            if text && !delay.is_zero() {
+                std::thread::sleep(delay);
+            }
+        }
         r.first_token.get_or_insert_with(Instant::now);
         r.generated += 1;
         r.pending = Some(tok);

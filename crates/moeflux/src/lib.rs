@@ -13,6 +13,7 @@ pub mod hash;
 #[cfg(feature = "hub")]
 pub mod hub;
 pub mod io;
+pub mod logprobs;
 pub mod model;
 pub mod perplexity;
 pub mod quant;

@@ -206,7 +206,7 @@ pub(crate) fn argmax(logits: &[f32]) -> usize {
 /// and branch-free so loops over it vectorise. Relative error ~1e-15;
 /// `x < -708` (including `-inf` and NaN) gives 0.
 #[inline(always)]
-fn portable_exp(x: f64) -> f64 {
+pub(crate) fn portable_exp(x: f64) -> f64 {
     const LN2_HI: f64 = 6.931_471_803_691_238e-1;
     const LN2_LO: f64 = 1.908_214_929_270_587_7e-10;
     // Adding then subtracting 1.5 * 2^52 rounds to the nearest integer.

@@ -129,6 +129,70 @@ fn encode_recognises_specials_written_in_text_and_round_trips() {
     assert_eq!(t.decode(&ids, false).unwrap(), code);
 }
 
+/// Every token's bytes: the text's bytes are the concatenation of its
+/// tokens', characters split across tokens included; a token whose bytes are
+/// whole UTF-8 decodes to them; a special token is its spelling.
+#[test]
+fn token_bytes_of_byte_level_bpe() {
+    let t = Tokenizer::from_model_dir(fixture_src("qwen35moe-q4")).unwrap();
+    let text = "<|im_start|>héllo wörld 我想 🦙\n\tend<|im_end|>";
+    let ids = t.encode(text, false).unwrap();
+    let joined: Vec<u8> = ids
+        .iter()
+        .flat_map(|&i| t.token_bytes(i).unwrap())
+        .collect();
+    assert_eq!(joined, text.as_bytes());
+    // Some token holds part of a character (the emoji's 4 bytes are
+    // single-byte tokens in this small vocabulary).
+    assert!(ids
+        .iter()
+        .any(|&i| std::str::from_utf8(&t.token_bytes(i).unwrap()).is_err()));
+    for id in 0..t.vocab_size() as u32 {
+        let b = t.token_bytes(id).unwrap();
+        assert!(!b.is_empty(), "token {id}");
+        if let Ok(s) = std::str::from_utf8(&b) {
+            assert_eq!(t.decode(&[id], false).unwrap(), s, "token {id}");
+        }
+    }
+    assert_eq!(t.token_bytes(2).unwrap(), b"<|im_end|>");
+    assert_eq!(t.token_bytes(t.vocab_size() as u32), None);
+}
+
+/// SentencePiece: `<0xNN>` is one byte (byte fallback), `▁` a space.
+#[test]
+fn token_bytes_of_sentencepiece_byte_fallback() {
+    let json = serde_json::json!({
+        "version": "1.0",
+        "added_tokens": [{"id": 0, "content": "<s>", "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true}],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first",
+            "split": false},
+        "post_processor": null,
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+            {"type": "ByteFallback"}, {"type": "Fuse"},
+            {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null,
+            "continuing_subword_prefix": null, "end_of_word_suffix": null,
+            "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
+            "vocab": {"<s>": 0, "<0xE6>": 1, "▁hi": 2, "x": 3}, "merges": []}
+    });
+    let t = Tokenizer::from_bytes(json.to_string().as_bytes()).unwrap();
+    assert_eq!(t.token_bytes(0).unwrap(), b"<s>");
+    assert_eq!(t.token_bytes(1).unwrap(), [0xE6]);
+    assert_eq!(t.token_bytes(2).unwrap(), b" hi");
+    assert_eq!(t.token_bytes(3).unwrap(), b"x");
+    // A Metaspace decoder alone (no byte tokens): `▁` is still a space,
+    // though decoding the token alone would drop it.
+    let mut json = json;
+    json["decoder"] = serde_json::json!({"type": "Metaspace", "replacement": "▁",
+        "prepend_scheme": "first", "split": false});
+    let t = Tokenizer::from_bytes(json.to_string().as_bytes()).unwrap();
+    assert_eq!(t.decode(&[2], false).unwrap(), "hi");
+    assert_eq!(t.token_bytes(2).unwrap(), b" hi");
+}
+
 #[test]
 fn decode_rejects_unknown_ids() {
     let t = Tokenizer::from_model_dir(fixture_src("qwen35moe-q4")).unwrap();

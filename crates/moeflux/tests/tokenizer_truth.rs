@@ -10,7 +10,8 @@
 //!
 //! Checks:
 //! * Qwen3.5: llama.cpp's `CHK_TXT` tokenizes to ids whose Python
-//!   `str(list)` has llama.cpp's recorded sha256 for Qwen3.5-9B-Instruct.
+//!   `str(list)` has llama.cpp's recorded sha256 for Qwen3.5-9B-Instruct;
+//!   the tokens' bytes spell it.
 //! * Qwen2: every `ggml-vocab-qwen2.gguf.inp/.out` vector (46).
 //! * Qwen2 vocabulary with the Qwen3.5 pre-tokenizer regex (llama.cpp's
 //!   `qwen35` vocab test): every `ggml-vocab-qwen35.gguf.inp/.out` vector (50).
@@ -178,6 +179,14 @@ fn qwen3_5_tokenizer_reproduces_llama_cpp_chkhsh() {
     }
     out += &d.finish().unwrap();
     assert_eq!(out, chktxt);
+
+    // Each token's bytes (logprobs' `bytes`), characters split across
+    // tokens included, spell the text.
+    let bytes: Vec<u8> = ids
+        .iter()
+        .flat_map(|&i| t.token_bytes(i).unwrap())
+        .collect();
+    assert_eq!(bytes, chktxt.as_bytes());
 
     // Specials written in the text.
     let chat = "<|im_start|>user\n你好<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n";

@@ -3,4 +3,5 @@ pub mod harmony;
 pub mod stream;
 pub mod template_budget;
 mod template_consts;
+mod token_bytes;
 pub mod tokenizer;

@@ -85,6 +85,8 @@ pub struct Tokenizer {
     special_first: [bool; 256],
     /// `inner` with special tokens encoded as plain text, made on first use.
     literal: OnceLock<tokenizers::Tokenizer>,
+    /// How a token id turns into its bytes ([`Tokenizer::token_bytes`]).
+    spelling: crate::text::token_bytes::TokenSpelling,
 }
 
 impl fmt::Debug for Tokenizer {
@@ -204,7 +206,9 @@ impl Tokenizer {
         for t in &special_text {
             special_first[t.as_bytes()[0] as usize] = true;
         }
+        let spelling = crate::text::token_bytes::TokenSpelling::of(&inner);
         Ok(Tokenizer {
+            spelling,
             inner,
             source: source.to_path_buf(),
             vocab_size,
@@ -363,6 +367,13 @@ impl Tokenizer {
     /// The vocabulary form of a token.
     pub fn id_to_token(&self, id: u32) -> Option<String> {
         self.inner.id_to_token(id)
+    }
+
+    /// The bytes token `id` stands for (an added token: its content), even
+    /// where they are not whole UTF-8 (part of a character); `None` outside
+    /// the vocabulary.
+    pub fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
+        self.spelling.bytes(&self.inner, id)
     }
 
     /// One more than the largest id, added tokens included.
