@@ -18,6 +18,11 @@ BIN = Path(os.environ.get("MOEFLUX_BIN", ROOT / "target" / "debug" / "moeflux"))
 FIXTURES = ROOT / "tests" / "fixtures"
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "browser: the chat page in Chromium (tests/server/browser.sh)")
+
+
 @pytest.fixture(scope="session")
 def model_dir():
     tmp = Path(tempfile.mkdtemp(prefix="moeflux-serve-test-"))
@@ -120,5 +125,12 @@ def parallel_server(model_dir):
 @pytest.fixture(scope="module")
 def alone_server(model_dir):
     s = Server(model_dir, "--parallel", "1", "--no-prefix-reuse")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def no_ui_server(model_dir):
+    s = Server(model_dir, "--no-ui")
     yield s
     s.stop()

@@ -202,6 +202,19 @@ def test_api_key(auth_server):
         assert r.status == 200
 
 
+def test_chat_page_and_no_ui(server, auth_server, no_ui_server):
+    # The page is public (the API is not), with its CSP; --no-ui drops it.
+    for s in (server, auth_server):
+        with urllib.request.urlopen(s.url + "/") as r:
+            assert r.headers["Content-Type"] == "text/html; charset=utf-8"
+            assert r.headers["Content-Security-Policy"].startswith("default-src 'none';")
+            assert b'<script src="/ui/app.js"' in r.read()
+    for path in ("/", "/ui/app.js"):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(no_ui_server.url + path)
+        assert e.value.code == 404
+
+
 def _wait_cancelled(server, before):
     for _ in range(200):
         m = server.metrics()

@@ -79,6 +79,9 @@ pub struct ServeArgs {
     /// measurements).
     #[arg(long)]
     pub no_prefix_reuse: bool,
+    /// Do not serve the chat page at `/` (it then answers 404).
+    #[arg(long)]
+    pub no_ui: bool,
 }
 
 /// The environment variable read for the API key when no flag gives one.
@@ -132,6 +135,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         idle_timeout: Duration::from_secs(args.idle_timeout),
         max_connections: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
         prepare_threads: 0,
+        ui: !args.no_ui,
         engine: EngineOptions {
             max_queue: args.max_queue,
             parallel: args.parallel as usize,
@@ -188,6 +192,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
                 ""
             },
         );
+        if st.ui {
+            eprintln!("chat page: http://{local}/ (--no-ui turns it off)");
+        }
         let shutdown = async {
             // Ctrl-C or SIGTERM (service managers): stop accepting, let
             // running answers finish.

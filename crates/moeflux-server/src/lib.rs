@@ -25,7 +25,7 @@
 //! fields and shapes), [`anthropic`] (Anthropic's Messages
 //! API onto the chat requests, its errors), [`anthropic_respond`] (its
 //! answers and SSE stream), [`conn`] (the accept loop: connection cap and
-//! timeouts).
+//! timeouts), [`ui`] (the chat page at `/`).
 
 pub mod anthropic;
 pub mod anthropic_respond;
@@ -42,6 +42,7 @@ pub mod routes;
 mod scheduler;
 mod step_log;
 pub mod tools;
+pub mod ui;
 
 use std::future::Future;
 use std::hash::{BuildHasher, Hasher};
@@ -86,6 +87,8 @@ pub struct ServerOptions {
     pub max_connections: usize,
     /// Prompts rendered and tokenized at once (0: one per CPU core).
     pub prepare_threads: usize,
+    /// Serve the chat page at `/` (see [`ui`]); without it `/` is 404.
+    pub ui: bool,
     pub engine: EngineOptions,
 }
 
@@ -100,6 +103,7 @@ impl Default for ServerOptions {
             idle_timeout: Duration::from_secs(60),
             max_connections: 256,
             prepare_threads: 0,
+            ui: true,
             engine: EngineOptions::default(),
         }
     }
@@ -116,6 +120,8 @@ pub struct AppState {
     pub info: ModelInfo,
     pub metrics: Arc<Metrics>,
     pub api_key: Option<String>,
+    /// The chat page is served (public, like `/health`).
+    pub ui: bool,
     pub max_body_bytes: usize,
     pub body_timeout: Duration,
     /// Bounds the prompts rendered and tokenized at once (CPU and memory
@@ -197,6 +203,7 @@ impl Server {
                 info,
                 metrics,
                 api_key: opts.api_key,
+                ui: opts.ui,
                 max_body_bytes: opts.max_body_bytes,
                 body_timeout: opts.body_timeout,
                 prepare: Arc::new(tokio::sync::Semaphore::new(prepare_threads)),

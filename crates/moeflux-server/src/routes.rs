@@ -30,7 +30,13 @@ use crate::respond::{self, Answer, CancelOnDrop};
 use crate::{random_u64, AppState};
 
 pub fn router(state: Arc<AppState>) -> Router {
+    let page = if state.ui {
+        crate::ui::routes()
+    } else {
+        Router::new()
+    };
     Router::new()
+        .merge(page)
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/messages", post(messages))
@@ -81,12 +87,14 @@ async fn anthropic_errors(req: Request, next: Next) -> Response {
 }
 
 /// `Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY`
-/// (Anthropic's) on everything but `/health`, when a key is set. The
+/// (Anthropic's) on everything but `/health` and the chat page's files
+/// (the page asks for the key itself), when a key is set. The
 /// scheme is case-insensitive (RFC 9110); the key is compared in constant
 /// time.
 async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     if let Some(key) = &st.api_key {
-        if req.uri().path() != "/health" {
+        let path = req.uri().path();
+        if path != "/health" && !(st.ui && crate::ui::is_page(path)) {
             let h = req.headers();
             let value = |name: header::HeaderName| h.get(name).and_then(|v| v.to_str().ok());
             let bearer = value(header::AUTHORIZATION).and_then(bearer_token);

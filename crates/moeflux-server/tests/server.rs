@@ -709,6 +709,61 @@ async fn api_key_is_required_when_set() {
     assert_eq!(call(&s, health).await.0, StatusCode::OK);
 }
 
+/// The chat page: public even with a key (the API is not), each file with
+/// its content type and the CSP; `ui: false` leaves `/` a 404.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_page_is_public_with_a_csp() {
+    let get = |path: &str| Request::get(path).body(Body::empty()).unwrap();
+    let s = server(ServerOptions {
+        api_key: Some("sekrit".into()),
+        ..Default::default()
+    });
+    for (path, ctype) in [
+        ("/", "text/html; charset=utf-8"),
+        ("/ui/app.js", "text/javascript; charset=utf-8"),
+        ("/ui/style.css", "text/css; charset=utf-8"),
+        ("/ui/icon.svg", "image/svg+xml"),
+    ] {
+        let resp = s.router().oneshot(get(path)).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK, "{path}");
+        let h = resp.headers();
+        assert_eq!(h["content-type"], ctype, "{path}");
+        let csp = h["content-security-policy"].to_str().unwrap();
+        assert!(
+            csp.starts_with("default-src 'none'; script-src 'self';")
+                && csp.contains("connect-src 'self'")
+                && csp.contains("require-trusted-types-for 'script'"),
+            "{path}: {csp}"
+        );
+        assert_eq!(h["x-content-type-options"], "nosniff");
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        assert!(!body.is_empty(), "{path}");
+    }
+    let (st, v) = call(&s, get("/")).await;
+    assert!(st.is_success() && v.as_str().unwrap().contains("<script src=\"/ui/app.js\""));
+    // The API still needs the key; other paths are not opened with the page's.
+    assert_eq!(
+        call(&s, get("/v1/models")).await.0,
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        call(&s, get("/ui/other.js")).await.0,
+        StatusCode::UNAUTHORIZED
+    );
+    let (st, _) = call(&s, post("/v1/chat/completions", &json!({}))).await;
+    assert_eq!(st, StatusCode::UNAUTHORIZED);
+
+    let off = server(ServerOptions {
+        ui: false,
+        ..Default::default()
+    });
+    for path in ["/", "/ui/app.js"] {
+        let (st, v) = call(&off, get(path)).await;
+        assert_eq!(st, StatusCode::NOT_FOUND, "{path}");
+        assert_eq!(v["error"]["code"], "not_found", "{v}");
+    }
+}
+
 /// Anthropic's Messages API: errors in its shape wherever they arise (the
 /// key, the body limit, an unknown path or method, validation), the key as
 /// `x-api-key`, and a stream whose SSE event names are its data's types.
