@@ -134,6 +134,8 @@ pub struct ChatSpec {
     pub choice: ToolChoice,
     pub template_kwargs: Option<Map<String, Json>>,
     pub params: GenParams,
+    /// The JSON schema the answer must follow (`response_format`), if any.
+    pub response_schema: Option<Json>,
 }
 
 impl ChatRequest {
@@ -188,12 +190,14 @@ impl ChatRequest {
         let messages = self.checked_messages()?;
         let choice = tool_choice(self.tools.as_deref(), self.tool_choice.as_ref())?;
         let params = gen_params(&self.sampling(), d, ctx, random_seed)?;
+        let response_schema = crate::structured::response_format(self.response_format.as_ref())?;
         Ok(ChatSpec {
             messages,
             tools: self.tools.clone(),
             choice,
             template_kwargs,
             params,
+            response_schema,
         })
     }
 
@@ -207,15 +211,6 @@ impl ChatRequest {
                 "logit_bias",
                 "logit_bias is not supported",
             ));
-        }
-        if let Some(f) = &self.response_format {
-            let t = f.get("type").and_then(Json::as_str);
-            if t != Some("text") {
-                return Err(ApiError::invalid(
-                    "response_format",
-                    "only response_format {\"type\": \"text\"} is supported (no constrained decoding)",
-                ));
-            }
         }
         Ok(())
     }
@@ -690,10 +685,6 @@ mod tests {
         for (body, param) in [
             ("{\"logprobs\": true}", "logprobs"),
             ("{\"logit_bias\": {\"5\": 1}}", "logit_bias"),
-            (
-                "{\"response_format\": {\"type\": \"json_object\"}}",
-                "response_format",
-            ),
         ] {
             let e = chat(body).unwrap().check_unsupported().unwrap_err();
             assert_eq!(e.param.as_deref(), Some(param));

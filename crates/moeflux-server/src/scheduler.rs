@@ -18,6 +18,7 @@ use moeflux::generate::{Decoder, Event, FinishReason, GenerateOptions};
 use moeflux::text::tokenizer::Tokenizer;
 use moeflux::{Batch, LogitsMode, Output, SeqId, Work};
 
+use crate::constrain::Constraint;
 use crate::engine::{engine_error, EngineEvent, EngineOptions, Job, Outcome, Queued, CANCELLED};
 use crate::error::ApiError;
 use crate::metrics::{GenerationSample, Metrics, StepSample};
@@ -59,6 +60,24 @@ struct Running<'t> {
     max_tokens: usize,
     /// When the first token was sampled.
     first_token: Option<Instant>,
+}
+
+/// Job `r`'s next token from `logits` (masked by its grammar first, if it
+/// has one); `history` for penalties. An error is the grammar engine's.
+fn sample(r: &mut Running<'_>, logits: &mut [f32], history: &[u32]) -> Result<u32, String> {
+    masked_sample(r.job.constraint.as_mut(), &mut r.decoder, logits, history)
+}
+
+fn masked_sample(
+    constraint: Option<&mut Constraint>,
+    decoder: &mut Decoder<'_>,
+    logits: &mut [f32],
+    history: &[u32],
+) -> Result<u32, String> {
+    if let Some(c) = constraint {
+        c.mask(logits)?;
+    }
+    Ok(decoder.sample(logits, history))
 }
 
 /// How a running job ends.
@@ -341,8 +360,9 @@ impl<'t> Scheduler<'t> {
         let mut used = 0;
         // Greedy jobs' tokens are picked where the logits are (on a GPU,
         // only the token comes back).
+        // A constrained job's logits are masked first: they come back.
         let mode = |r: &Running| {
-            if r.decoder.greedy() {
+            if r.decoder.greedy() && r.job.constraint.is_none() {
                 LogitsMode::Greedy
             } else {
                 LogitsMode::Last
@@ -462,7 +482,7 @@ impl<'t> Scheduler<'t> {
     ) {
         // Per running job: its result's index, logits and history (for
         // penalties), borrowed from the batch.
-        let mut todo = vec![None; self.running.len()];
+        let mut todo: Vec<Option<(usize, Vec<f32>, &[u32])>> = vec![None; self.running.len()];
         for (k, ((i, _, _), result)) in plan.iter().zip(results.iter_mut()).enumerate() {
             if let Ok(Output::Logits(l)) = result {
                 if !l.is_empty() {
@@ -472,17 +492,19 @@ impl<'t> Scheduler<'t> {
                 }
             }
         }
-        let picked: Vec<(usize, u32)> = self
+        let picked: Vec<(usize, Result<u32, String>)> = self
             .running
             .par_iter_mut()
-            .zip(todo.par_iter())
+            .zip(todo.par_iter_mut())
             .filter_map(|(r, t)| {
-                t.as_ref()
-                    .map(|(k, l, history)| (*k, r.decoder.sample(l, history)))
+                t.as_mut()
+                    .map(|(k, l, history)| (*k, sample(r, l, history)))
             })
             .collect();
         for (k, tok) in picked {
-            results[k] = Ok(Output::Token(tok));
+            results[k] = tok
+                .map(Output::Token)
+                .map_err(|e| moeflux::Error::Invalid(format!("structured output: {e}")));
         }
     }
 
@@ -533,9 +555,13 @@ impl<'t> Scheduler<'t> {
         };
         let next = match out {
             Output::Token(tok) => r.decoder.accept(tok, &mut on_event),
-            Output::Logits(logits) => {
+            Output::Logits(mut logits) => {
                 let history = self.batch.tokens(seq).unwrap_or_default();
-                r.decoder.next(&logits, history, &mut on_event)
+                let c = r.job.constraint.as_mut();
+                match masked_sample(c, &mut r.decoder, &mut logits, history) {
+                    Ok(tok) => r.decoder.accept(tok, &mut on_event),
+                    Err(e) => return Some(End::Failed(ApiError::internal(e))),
+                }
             }
         };
         let (tok, done) = match next {
@@ -547,6 +573,17 @@ impl<'t> Scheduler<'t> {
         r.pending = Some(tok);
         if let Some(f) = done {
             return Some(End::Done(f));
+        }
+        if let Some(c) = r.job.constraint.as_mut() {
+            if let Err(e) = c.commit(tok) {
+                return Some(End::Failed(ApiError::internal(format!(
+                    "structured output: {e}"
+                ))));
+            }
+            // The grammar is complete: nothing may follow.
+            if c.done() {
+                return Some(End::Done(FinishReason::Eos));
+            }
         }
         if r.generated >= r.max_tokens || pos >= self.batch.max_context() {
             return Some(End::Done(FinishReason::Length));
