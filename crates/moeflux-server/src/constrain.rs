@@ -178,7 +178,11 @@ impl Constraint {
             }
             return Ok(());
         }
-        let allowed = self.matcher.compute_mask().map_err(|e| e.to_string())?;
+        // Once the grammar has ended, only end-of-sequence.
+        let allowed = self
+            .matcher
+            .compute_mask_or_eos()
+            .map_err(|e| e.to_string())?;
         // The mask's EOS bit says whether the grammar may end here; every
         // EOS id of the model then keeps its logit, else none does.
         let accepting = allowed.is_allowed(self.trie_eos);
@@ -332,7 +336,22 @@ pub(crate) mod tests {
             assert!((1..=9).contains(&v["owner"]["id"].as_u64().unwrap()), "{text}");
             assert!(v["owner"]["ok"].is_boolean(), "{text}");
             // Python's separators, no other whitespace.
-            assert_eq!(text, serde_json::to_string(&v).unwrap().replace(',', ", ").replace(':', ": "), "{text}");
+            assert_eq!(text, python_dumps(&v), "{text}");
+        }
+    }
+
+    /// `json.dumps(v)`: `", "` and `": "` between items, nothing else.
+    fn python_dumps(v: &Json) -> String {
+        match v {
+            Json::Array(a) => format!("[{}]", a.iter().map(python_dumps).collect::<Vec<_>>().join(", ")),
+            Json::Object(o) => format!(
+                "{{{}}}",
+                o.iter()
+                    .map(|(k, v)| format!("{}: {}", Json::from(k.as_str()), python_dumps(v)))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            scalar => scalar.to_string(),
         }
     }
 

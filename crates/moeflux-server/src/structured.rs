@@ -300,7 +300,16 @@ fn xml_params(k: usize, t: &Json, i: usize) -> Result<String, ApiError> {
         let open = lit(&format!("<parameter={name}>\n"));
         let close = lit("\n</parameter>\n");
         let value = match string_param(schema) {
-            StringParam::Raw => format!("{open} rawvalue"),
+            StringParam::Raw(None) => format!("{open} raw{k}"),
+            // Raw text of a bounded length up to the first closing tag,
+            // which the lexeme includes (lazy: the shortest match).
+            StringParam::Raw(Some((min, max))) => {
+                let max = max.map_or(String::new(), |m| m.to_string());
+                rules.push_str(&format!(
+                    "v{k}_{j}[lazy]: /(?s:.{{{min},{max}}})\\n<\\/parameter>\\n/\n"
+                ));
+                format!("{open} v{k}_{j}")
+            }
             StringParam::OneOf(values) if values.is_empty() => {
                 return Err(ApiError::invalid(
                     format!("tools[{i}].function.parameters.properties.{name}"),
@@ -314,7 +323,7 @@ fn xml_params(k: usize, t: &Json, i: usize) -> Result<String, ApiError> {
             StringParam::Constrained => {
                 return Err(ApiError::invalid(
                     format!("tools[{i}].function.parameters.properties.{name}"),
-                    "a strict tool's string parameter with `pattern`, `format` or length bounds cannot be enforced in this template's XML tool-call format",
+                    "a strict tool's string parameter with `pattern` or `format` (or a length bound that is not a count) cannot be enforced in this template's XML tool-call format",
                 ))
             }
             StringParam::No => {
@@ -333,7 +342,7 @@ fn xml_params(k: usize, t: &Json, i: usize) -> Result<String, ApiError> {
     }
     // Raw text up to the first closing tag, which it includes (lazy: the
     // shortest match).
-    rules.push_str("rawvalue[lazy]: /(?s:.*)\\n<\\/parameter>\\n/\n");
+    rules.push_str(&format!("raw{k}[lazy]: /(?s:.*)\\n<\\/parameter>\\n/\n"));
     let body = if seq.is_empty() { "\"\"".to_string() } else { seq.join(" ") };
     Ok(format!("params{k}: {body}\n{rules}"))
 }
@@ -341,8 +350,9 @@ fn xml_params(k: usize, t: &Json, i: usize) -> Result<String, ApiError> {
 enum StringParam {
     /// Not a string: JSON.
     No,
-    /// Any string: raw text.
-    Raw,
+    /// Any string: raw text, of at least and at most this many
+    /// characters when bounded.
+    Raw(Option<(u64, Option<u64>)>),
     /// One of these strings (`enum` / `const`).
     OneOf(Vec<String>),
     /// A string with constraints raw text cannot be held to.
@@ -366,10 +376,16 @@ fn string_param(schema: &Json) -> StringParam {
     if let Some(Json::Array(values)) = schema.get("enum") {
         return StringParam::OneOf(values.iter().filter_map(Json::as_str).map(str::to_string).collect());
     }
-    if ["pattern", "format", "minLength", "maxLength"].iter().any(|k| schema.get(*k).is_some()) {
+    if ["pattern", "format"].iter().any(|k| schema.get(*k).is_some()) {
         return StringParam::Constrained;
     }
-    StringParam::Raw
+    let min = schema.get("minLength").map(Json::as_u64);
+    let max = schema.get("maxLength").map(Json::as_u64);
+    match (min, max) {
+        (None, None) => StringParam::Raw(None),
+        (Some(None), _) | (_, Some(None)) => StringParam::Constrained,
+        (min, max) => StringParam::Raw(Some((min.flatten().unwrap_or(0), max.flatten()))),
+    }
 }
 
 #[cfg(test)]
@@ -385,7 +401,7 @@ mod tests {
             "parameters": {
                 "type": "object",
                 "properties": {
-                    "city": {"type": "string"},
+                    "city": {"type": "string", "maxLength": 12},
                     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
                     "days": {"type": "integer", "minimum": 1, "maximum": 7},
                     "where": {"$ref": "#/$defs/Point"}
