@@ -248,9 +248,13 @@ pub(crate) mod tests {
     /// The engine over the fixture model's tokenizer (1,024 byte-level BPE
     /// tokens, `<|im_end|>` its EOS).
     pub(crate) fn engine() -> GrammarEngine {
+        GrammarEngine::new(Arc::new(fixture_tokenizer())).unwrap()
+    }
+
+    fn fixture_tokenizer() -> Tokenizer {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../../tests/fixtures/qwen35moe-q4/src");
-        GrammarEngine::new(Arc::new(Tokenizer::from_model_dir(dir).unwrap())).unwrap()
+        Tokenizer::from_model_dir(dir).unwrap()
     }
 
     /// Text drawn from seeded random logits (a model that knows nothing)
@@ -383,6 +387,90 @@ pub(crate) mod tests {
         // A token the grammar does not allow is an error, not a panic.
         let mut c = e.constraint(&json_grammar(json!({"type": "integer"})), false).unwrap();
         assert!(c.commit(e.tokenizer.token_to_id("a").unwrap()).is_err());
+    }
+
+    /// The constraint's cost per token, against sampling alone, on a
+    /// tokenizer of your choice (docs/PERFORMANCE.md; on demand):
+    /// `MOEFLUX_MASK_TOKENIZER=target/tokenizer-data/qwen2.tokenizer.json
+    /// cargo test --release -p moeflux-server --lib mask_cost -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn mask_cost() {
+        use std::time::{Duration, Instant};
+        let tok = match std::env::var_os("MOEFLUX_MASK_TOKENIZER") {
+            Some(p) => Tokenizer::from_file(p).unwrap(),
+            None => fixture_tokenizer(),
+        };
+        let t0 = Instant::now();
+        let e = GrammarEngine::new(Arc::new(tok)).unwrap();
+        let built = t0.elapsed();
+        let lark = json_grammar(json!({
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 16},
+                "kind": {"enum": ["book", "tool", "food"]},
+                "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 4},
+                "price": {"type": "object", "properties": {"amount": {"type": "number"}, "currency": {"type": "string", "maxLength": 3}},
+                          "required": ["amount", "currency"], "additionalProperties": false}
+            },
+            "required": ["name", "kind", "tags", "price"],
+            "additionalProperties": false
+        }));
+        let n = e.tokenizer.vocab_size();
+        let mut state = 7u64;
+        let mut random = || {
+            (0..n)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    (state >> 40) as f32 / (1u64 << 24) as f32 * 8.0
+                })
+                .collect::<Vec<f32>>()
+        };
+        let (mut masked, mut sampled, mut tokens, mut compiled) = (Duration::ZERO, Duration::ZERO, 0, Duration::ZERO);
+        for seed in 0..20 {
+            let t = Instant::now();
+            let mut c = e.constraint(&lark, false).unwrap();
+            compiled += t.elapsed();
+            let mut sampler = Sampler::new(SamplerConfig { temperature: 1.0, top_p: 0.95, seed, ..Default::default() });
+            let mut ids = Vec::new();
+            while !c.done() && ids.len() < 300 {
+                let mut logits = random();
+                let t = Instant::now();
+                c.mask(&mut logits).unwrap();
+                let m = t.elapsed();
+                let t = Instant::now();
+                let tok = sampler.sample(&logits, &ids);
+                sampled += t.elapsed();
+                if e.tokenizer.is_eos(tok) {
+                    break;
+                }
+                let t = Instant::now();
+                c.commit(tok).unwrap();
+                masked += m + t.elapsed();
+                ids.push(tok);
+                tokens += 1;
+            }
+        }
+        // Sampling the unmasked logits: the cost without a constraint.
+        let mut sampler = Sampler::new(SamplerConfig { temperature: 1.0, top_p: 0.95, ..Default::default() });
+        let mut free = Duration::ZERO;
+        for _ in 0..tokens {
+            let logits = random();
+            let t = Instant::now();
+            sampler.sample(&logits, &[]);
+            free += t.elapsed();
+        }
+        let ms = |d: Duration| d.as_secs_f64() * 1e3 / tokens as f64;
+        println!(
+            "vocabulary {n}: engine built in {:.0} ms, grammar compiled in {:.2} ms; {tokens} tokens: mask + commit {:.3} ms/token, sampling {:.3} ms/token masked, {:.3} ms/token unmasked",
+            built.as_secs_f64() * 1e3,
+            compiled.as_secs_f64() * 1e3 / 20.0,
+            ms(masked),
+            ms(sampled),
+            ms(free),
+        );
     }
 
     #[test]
