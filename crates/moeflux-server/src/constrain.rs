@@ -392,7 +392,8 @@ pub(crate) mod tests {
     /// The constraint's cost per token, against sampling alone, on a
     /// tokenizer of your choice (docs/PERFORMANCE.md; on demand):
     /// `MOEFLUX_MASK_TOKENIZER=target/tokenizer-data/qwen2.tokenizer.json
-    /// cargo test --release -p moeflux-server --lib mask_cost -- --ignored --nocapture`
+    /// cargo test -p moeflux-server --lib mask_cost -- --ignored --nocapture` (the
+    /// test profile is optimised)
     #[test]
     #[ignore]
     fn mask_cost() {
@@ -433,7 +434,7 @@ pub(crate) mod tests {
             let t = Instant::now();
             let mut c = e.constraint(&lark, false).unwrap();
             compiled += t.elapsed();
-            let mut sampler = Sampler::new(SamplerConfig { temperature: 1.0, top_p: 0.95, seed, ..Default::default() });
+            let mut sampler = Sampler::new(SamplerConfig { temperature: 1.0, seed, ..Default::default() });
             let mut ids = Vec::new();
             while !c.done() && ids.len() < 300 {
                 let mut logits = random();
@@ -454,7 +455,7 @@ pub(crate) mod tests {
             }
         }
         // Sampling the unmasked logits: the cost without a constraint.
-        let mut sampler = Sampler::new(SamplerConfig { temperature: 1.0, top_p: 0.95, ..Default::default() });
+        let mut sampler = Sampler::new(SamplerConfig { temperature: 1.0, ..Default::default() });
         let mut free = Duration::ZERO;
         for _ in 0..tokens {
             let logits = random();

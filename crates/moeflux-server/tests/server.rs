@@ -1226,6 +1226,72 @@ async fn structured_output_follows_the_schema() {
     check_product(v["content"][0]["text"].as_str().unwrap());
 }
 
+fn demo_dir() -> PathBuf {
+    fixtures().join("../../models/demo")
+}
+
+fn demo_chat(content: &str, max_tokens: u32) -> Value {
+    json!({"model": "x", "messages": [{"role": "user", "content": content}],
+           "temperature": 0, "max_tokens": max_tokens})
+}
+
+/// The demo model (trained: it ends objects and strings) writes prose, not
+/// JSON, unless asked: then `json_object` and a schema with nesting, an
+/// enum, an array and required fields parse and validate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn structured_output_on_the_demo_model() {
+    let s = server_on(&demo_dir());
+    let free = chat(&s, demo_chat("Tell me a fortune.", 30)).await;
+    let text = free["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(serde_json::from_str::<Value>(text).is_err(), "{text}");
+    let mut body = demo_chat("Tell me a fortune.", 60);
+    body["response_format"] = json!({"type": "json_object"});
+    let v = chat(&s, body).await;
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(serde_json::from_str::<Value>(text).unwrap().is_object(), "{text}");
+    let mut body = demo_chat("Describe a product.", 300);
+    body["response_format"] = json!({"type": "json_schema",
+        "json_schema": {"name": "product", "schema": product_schema()}});
+    let v = chat(&s, body).await;
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    check_product(v["choices"][0]["message"]["content"].as_str().unwrap());
+}
+
+/// What the constraint costs per token on the demo model (docs/PERFORMANCE.md;
+/// on demand: `cargo test -p moeflux-server --test server structured_output_cost
+/// -- --ignored --nocapture`): decode milliseconds per token of a free
+/// answer and of a JSON string that goes on, both cut at `max_tokens`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn structured_output_cost_on_the_demo_model() {
+    let s = server_on(&demo_dir());
+    let n = 200;
+    let schema = json!({"type": "object", "properties": {"fortune": {"type": "string"}},
+                        "required": ["fortune"]});
+    let per_token = |v: &Value| {
+        assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+        v["timings"]["decode_ms"].as_f64().unwrap() / (n - 1) as f64
+    };
+    let (mut free, mut constrained) = (Vec::new(), Vec::new());
+    for round in 0..4 {
+        let mut body = demo_chat("Tell me a fortune.", n);
+        body["ignore_eos"] = json!(true);
+        body["seed"] = json!(round);
+        free.push(per_token(&chat(&s, body.clone()).await));
+        body["response_format"] = json!({"type": "json_schema",
+            "json_schema": {"name": "fortune", "schema": schema}});
+        constrained.push(per_token(&chat(&s, body).await));
+    }
+    // The first round warms the caches.
+    let mean = |v: &[f64]| v[1..].iter().sum::<f64>() / (v.len() - 1) as f64;
+    println!(
+        "demo model, {n} tokens: {:.3} ms/token free, {:.3} ms/token constrained",
+        mean(&free),
+        mean(&constrained)
+    );
+}
+
 fn walk(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     for e in std::fs::read_dir(dir).unwrap().flatten() {
