@@ -76,7 +76,13 @@ impl GrammarEngine {
         words.resize(words.len().max(tokenizer.vocab_size()), Vec::new());
         let marker = TokTrie::SPECIAL_TOKEN_MARKER;
         let mut special: Vec<u32> = tokenizer.special_ids().to_vec();
-        special.extend(tokenizer.think_ids().map(|(a, b)| [a, b]).into_iter().flatten());
+        special.extend(
+            tokenizer
+                .think_ids()
+                .map(|(a, b)| [a, b])
+                .into_iter()
+                .flatten(),
+        );
         special.extend(
             TOOL_CALL_MARKUP
                 .iter()
@@ -116,7 +122,10 @@ impl GrammarEngine {
     /// `in_reasoning`: the answer starts inside a `<think>` block.
     pub fn constraint(&self, lark: &str, in_reasoning: bool) -> Result<Constraint, String> {
         let grammar = TopLevelGrammar::from_lark(lark.to_string());
-        let parser = self.factory.create_parser(grammar).map_err(|e| e.to_string())?;
+        let parser = self
+            .factory
+            .create_parser(grammar)
+            .map_err(|e| e.to_string())?;
         let matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher_error(&matcher) {
             return Err(e);
@@ -330,14 +339,24 @@ pub(crate) mod tests {
         for seed in 1..=8 {
             let (text, ended) = draw(&e, &g, seed, 400);
             assert!(ended, "seed {seed}: {text:?}");
-            let v: Json = serde_json::from_str(&text).unwrap_or_else(|err| panic!("{text:?}: {err}"));
+            let v: Json =
+                serde_json::from_str(&text).unwrap_or_else(|err| panic!("{text:?}: {err}"));
             let keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
             assert_eq!(keys, ["name", "color", "sizes", "owner"], "{text}");
             assert!(v["name"].as_str().unwrap().chars().count() <= 6, "{text}");
-            assert!(["red", "green", "blue"].contains(&v["color"].as_str().unwrap()), "{text}");
+            assert!(
+                ["red", "green", "blue"].contains(&v["color"].as_str().unwrap()),
+                "{text}"
+            );
             let sizes = v["sizes"].as_array().unwrap();
-            assert!(sizes.len() <= 3 && sizes.iter().all(|n| n.as_u64().is_some_and(|n| n <= 99)), "{text}");
-            assert!((1..=9).contains(&v["owner"]["id"].as_u64().unwrap()), "{text}");
+            assert!(
+                sizes.len() <= 3 && sizes.iter().all(|n| n.as_u64().is_some_and(|n| n <= 99)),
+                "{text}"
+            );
+            assert!(
+                (1..=9).contains(&v["owner"]["id"].as_u64().unwrap()),
+                "{text}"
+            );
             assert!(v["owner"]["ok"].is_boolean(), "{text}");
             // Python's separators, no other whitespace.
             assert_eq!(text, python_dumps(&v), "{text}");
@@ -347,7 +366,10 @@ pub(crate) mod tests {
     /// `json.dumps(v)`: `", "` and `": "` between items, nothing else.
     fn python_dumps(v: &Json) -> String {
         match v {
-            Json::Array(a) => format!("[{}]", a.iter().map(python_dumps).collect::<Vec<_>>().join(", ")),
+            Json::Array(a) => format!(
+                "[{}]",
+                a.iter().map(python_dumps).collect::<Vec<_>>().join(", ")
+            ),
             Json::Object(o) => format!(
                 "{{{}}}",
                 o.iter()
@@ -363,7 +385,12 @@ pub(crate) mod tests {
     fn end_of_sequence_only_where_the_grammar_accepts() {
         let e = engine();
         let eos = e.tokenizer.eos_ids()[0] as usize;
-        let mut c = e.constraint(&json_grammar(json!({"type": "array", "items": {"type": "integer"}})), false).unwrap();
+        let mut c = e
+            .constraint(
+                &json_grammar(json!({"type": "array", "items": {"type": "integer"}})),
+                false,
+            )
+            .unwrap();
         let mut logits = vec![0.0; e.tokenizer.vocab_size()];
         c.mask(&mut logits).unwrap();
         assert_eq!(logits[eos], f32::NEG_INFINITY);
@@ -377,7 +404,9 @@ pub(crate) mod tests {
         c.mask(&mut logits).unwrap();
         assert_eq!(logits[eos], f32::NEG_INFINITY);
         // The padded LM head's extra rows are never allowed.
-        assert!(logits[e.tokenizer.vocab_size()..].iter().all(|&l| l == f32::NEG_INFINITY));
+        assert!(logits[e.tokenizer.vocab_size()..]
+            .iter()
+            .all(|&l| l == f32::NEG_INFINITY));
         for tok in e.tokenizer.encode("]", false).unwrap() {
             c.commit(tok).unwrap();
         }
@@ -385,7 +414,9 @@ pub(crate) mod tests {
         c.mask(&mut logits).unwrap();
         assert!(c.done() || logits[eos] == 0.0);
         // A token the grammar does not allow is an error, not a panic.
-        let mut c = e.constraint(&json_grammar(json!({"type": "integer"})), false).unwrap();
+        let mut c = e
+            .constraint(&json_grammar(json!({"type": "integer"})), false)
+            .unwrap();
         assert!(c.commit(e.tokenizer.token_to_id("a").unwrap()).is_err());
     }
 
@@ -429,12 +460,17 @@ pub(crate) mod tests {
                 })
                 .collect::<Vec<f32>>()
         };
-        let (mut masked, mut sampled, mut tokens, mut compiled) = (Duration::ZERO, Duration::ZERO, 0, Duration::ZERO);
+        let (mut masked, mut sampled, mut tokens, mut compiled) =
+            (Duration::ZERO, Duration::ZERO, 0, Duration::ZERO);
         for seed in 0..20 {
             let t = Instant::now();
             let mut c = e.constraint(&lark, false).unwrap();
             compiled += t.elapsed();
-            let mut sampler = Sampler::new(SamplerConfig { temperature: 1.0, seed, ..Default::default() });
+            let mut sampler = Sampler::new(SamplerConfig {
+                temperature: 1.0,
+                seed,
+                ..Default::default()
+            });
             let mut ids = Vec::new();
             while !c.done() && ids.len() < 300 {
                 let mut logits = random();
@@ -455,7 +491,10 @@ pub(crate) mod tests {
             }
         }
         // Sampling the unmasked logits: the cost without a constraint.
-        let mut sampler = Sampler::new(SamplerConfig { temperature: 1.0, ..Default::default() });
+        let mut sampler = Sampler::new(SamplerConfig {
+            temperature: 1.0,
+            ..Default::default()
+        });
         let mut free = Duration::ZERO;
         for _ in 0..tokens {
             let logits = random();
@@ -477,7 +516,9 @@ pub(crate) mod tests {
     #[test]
     fn a_schema_llguidance_refuses_is_an_error() {
         let e = engine();
-        let bad = json_grammar(json!({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}, "required": ["a"]}));
+        let bad = json_grammar(
+            json!({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}, "required": ["a"]}),
+        );
         assert!(e.constraint(&bad, false).is_err());
         assert!(e.constraint("start: (", false).is_err());
     }

@@ -25,11 +25,11 @@ use crate::anthropic::{self, MessagesRequest};
 use crate::anthropic_respond::{self, MessageAnswer};
 use crate::api::{self, ChatRequest, ChatSpec, CompletionRequest, Prompt};
 use crate::constrain::Constraint;
-use crate::structured::{self, ForcedCall};
 use crate::engine::{Admission, EngineEvent, Job};
 use crate::error::ApiError;
 use crate::prompt::{self, ChatInput, ChatPrompt};
 use crate::respond::{self, Answer, CancelOnDrop};
+use crate::structured::{self, ForcedCall};
 use crate::{random_u64, AppState};
 
 pub fn router(state: Arc<AppState>) -> Router {
@@ -298,7 +298,10 @@ async fn constraint(
             .map(Some)
             .map_err(|e| {
                 let p = grammar.param;
-                ApiError::invalid(p.clone(), format!("cannot constrain the output to `{p}`: {e}"))
+                ApiError::invalid(
+                    p.clone(),
+                    format!("cannot constrain the output to `{p}`: {e}"),
+                )
             })
     })
     .await

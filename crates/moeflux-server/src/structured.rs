@@ -52,7 +52,10 @@ pub fn response_format(v: Option<&Json>) -> Result<Option<Json>, ApiError> {
                     ))
                 }
             }
-            if !matches!(js.get("strict"), None | Some(Json::Null) | Some(Json::Bool(_))) {
+            if !matches!(
+                js.get("strict"),
+                None | Some(Json::Null) | Some(Json::Bool(_))
+            ) {
                 return Err(ApiError::invalid(
                     "response_format.json_schema.strict",
                     "`strict` must be a boolean",
@@ -119,9 +122,15 @@ pub struct Request<'a> {
 /// The grammar for a request, or `None` when nothing is constrained.
 /// `special(name)`: whether the vocabulary has `name` as one special token
 /// (the grammar then names it as a token, else spells it as text).
-pub fn grammar(r: &Request<'_>, special: &dyn Fn(&str) -> bool) -> Result<Option<Grammar>, ApiError> {
+pub fn grammar(
+    r: &Request<'_>,
+    special: &dyn Fn(&str) -> bool,
+) -> Result<Option<Grammar>, ApiError> {
     for (i, t) in r.tools.iter().enumerate() {
-        if !matches!(t["function"].get("strict"), None | Some(Json::Null) | Some(Json::Bool(_))) {
+        if !matches!(
+            t["function"].get("strict"),
+            None | Some(Json::Null) | Some(Json::Bool(_))
+        ) {
             return Err(ApiError::invalid(
                 format!("tools[{i}].function.strict"),
                 "`strict` must be a boolean",
@@ -282,7 +291,11 @@ fn call_grammar(
 /// schema admits. `i`: the tool's index, for errors.
 fn xml_params(k: usize, t: &Json, i: usize) -> Result<String, ApiError> {
     let params = params_of(t);
-    let props = params.get("properties").and_then(Json::as_object).cloned().unwrap_or_default();
+    let props = params
+        .get("properties")
+        .and_then(Json::as_object)
+        .cloned()
+        .unwrap_or_default();
     let required: Vec<&str> = params
         .get("required")
         .and_then(Json::as_array)
@@ -337,13 +350,21 @@ fn xml_params(k: usize, t: &Json, i: usize) -> Result<String, ApiError> {
             }
         };
         rules.push_str(&format!("{rule}: {value}\n"));
-        let opt = if required.contains(&name.as_str()) { "" } else { "?" };
+        let opt = if required.contains(&name.as_str()) {
+            ""
+        } else {
+            "?"
+        };
         seq.push(format!("{rule}{opt}"));
     }
     // Raw text up to the first closing tag, which it includes (lazy: the
     // shortest match).
     rules.push_str(&format!("raw{k}[lazy]: /(?s:.*)\\n<\\/parameter>\\n/\n"));
-    let body = if seq.is_empty() { "\"\"".to_string() } else { seq.join(" ") };
+    let body = if seq.is_empty() {
+        "\"\"".to_string()
+    } else {
+        seq.join(" ")
+    };
     Ok(format!("params{k}: {body}\n{rules}"))
 }
 
@@ -374,9 +395,18 @@ fn string_param(schema: &Json) -> StringParam {
         return StringParam::OneOf(c.as_str().map(str::to_string).into_iter().collect());
     }
     if let Some(Json::Array(values)) = schema.get("enum") {
-        return StringParam::OneOf(values.iter().filter_map(Json::as_str).map(str::to_string).collect());
+        return StringParam::OneOf(
+            values
+                .iter()
+                .filter_map(Json::as_str)
+                .map(str::to_string)
+                .collect(),
+        );
     }
-    if ["pattern", "format"].iter().any(|k| schema.get(*k).is_some()) {
+    if ["pattern", "format"]
+        .iter()
+        .any(|k| schema.get(*k).is_some())
+    {
         return StringParam::Constrained;
     }
     let min = schema.get("minLength").map(Json::as_u64);
@@ -417,7 +447,11 @@ mod tests {
         json!({"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}})
     }
 
-    fn call_grammar_for(format: ToolFormat, name: Option<&str>, tools: &[Json]) -> Result<Option<Grammar>, ApiError> {
+    fn call_grammar_for(
+        format: ToolFormat,
+        name: Option<&str>,
+        tools: &[Json],
+    ) -> Result<Option<Grammar>, ApiError> {
         grammar(
             &Request {
                 schema: None,
@@ -431,7 +465,13 @@ mod tests {
 
     /// A forced call drawn from random logits, parsed back as the server
     /// parses the answer: its arguments.
-    fn forced_args(format: ToolFormat, name: Option<&str>, tools: &[Json], prefix: &str, seed: u64) -> (String, Json) {
+    fn forced_args(
+        format: ToolFormat,
+        name: Option<&str>,
+        tools: &[Json],
+        prefix: &str,
+        seed: u64,
+    ) -> (String, Json) {
         let e = engine();
         let g = call_grammar_for(format, name, tools).unwrap().unwrap();
         // Raw strings end at their closing tag only: random text takes long.
@@ -444,14 +484,23 @@ mod tests {
         p.finish();
         let calls = p.calls();
         assert_eq!(calls.len(), 1, "{prefix}{text}");
-        (calls[0].name.clone(), serde_json::from_str(&calls[0].arguments).unwrap())
+        (
+            calls[0].name.clone(),
+            serde_json::from_str(&calls[0].arguments).unwrap(),
+        )
     }
 
     fn check_weather(args: &Json) {
         assert!(args["city"].is_string(), "{args}");
-        assert!(["celsius", "fahrenheit"].contains(&args["unit"].as_str().unwrap()), "{args}");
+        assert!(
+            ["celsius", "fahrenheit"].contains(&args["unit"].as_str().unwrap()),
+            "{args}"
+        );
         assert!((1..=7).contains(&args["days"].as_i64().unwrap()), "{args}");
-        assert!((-90..=90).contains(&args["where"]["lat"].as_i64().unwrap()), "{args}");
+        assert!(
+            (-90..=90).contains(&args["where"]["lat"].as_i64().unwrap()),
+            "{args}"
+        );
     }
 
     #[test]
@@ -459,7 +508,8 @@ mod tests {
         let tools = [weather(true), other()];
         for seed in 1..=3 {
             let prefix = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": ";
-            let (n, args) = forced_args(ToolFormat::Json, Some("get_weather"), &tools, prefix, seed);
+            let (n, args) =
+                forced_args(ToolFormat::Json, Some("get_weather"), &tools, prefix, seed);
             assert_eq!(n, "get_weather");
             check_weather(&args);
             let (n, args) = forced_args(ToolFormat::Json, None, &tools, "<tool_call>\n", seed);
@@ -480,29 +530,55 @@ mod tests {
     #[test]
     fn what_is_constrained_and_what_is_refused() {
         // Nothing strict among the candidates: no grammar.
-        assert_eq!(call_grammar_for(ToolFormat::Xml, Some("get_weather"), &[weather(false)]).unwrap(), None);
-        assert_eq!(call_grammar_for(ToolFormat::Xml, Some("noop"), &[weather(true), other()]).unwrap(), None);
+        assert_eq!(
+            call_grammar_for(ToolFormat::Xml, Some("get_weather"), &[weather(false)]).unwrap(),
+            None
+        );
+        assert_eq!(
+            call_grammar_for(ToolFormat::Xml, Some("noop"), &[weather(true), other()]).unwrap(),
+            None
+        );
         let e = engine();
-        for (format, name) in [(ToolFormat::Kimi, Some("get_weather")), (ToolFormat::Harmony, Some("get_weather"))] {
-            let g = call_grammar_for(format, name, &[weather(true)]).unwrap().unwrap();
+        for (format, name) in [
+            (ToolFormat::Kimi, Some("get_weather")),
+            (ToolFormat::Harmony, Some("get_weather")),
+        ] {
+            let g = call_grammar_for(format, name, &[weather(true)])
+                .unwrap()
+                .unwrap();
             assert_eq!(g.param, "tools[0].function.parameters");
             e.constraint(&g.lark, false).unwrap();
         }
-        for (format, name) in [(ToolFormat::Glm, Some("get_weather")), (ToolFormat::Kimi, None), (ToolFormat::Harmony, None)] {
+        for (format, name) in [
+            (ToolFormat::Glm, Some("get_weather")),
+            (ToolFormat::Kimi, None),
+            (ToolFormat::Harmony, None),
+        ] {
             let err = call_grammar_for(format, name, &[weather(true), other()]).unwrap_err();
             assert_eq!(err.param.as_deref(), Some("tools[0].function.strict"));
         }
         let mut bad = weather(true);
         bad["function"]["parameters"]["properties"]["city"]["pattern"] = "^[A-Z]".into();
         let err = call_grammar_for(ToolFormat::Xml, None, &[bad]).unwrap_err();
-        assert_eq!(err.param.as_deref(), Some("tools[0].function.parameters.properties.city"));
+        assert_eq!(
+            err.param.as_deref(),
+            Some("tools[0].function.parameters.properties.city")
+        );
         let mut bad = weather(true);
         bad["function"]["strict"] = "yes".into();
         let err = call_grammar_for(ToolFormat::Xml, None, &[bad]).unwrap_err();
         assert_eq!(err.param.as_deref(), Some("tools[0].function.strict"));
         // Harmony models answer in channels: a JSON answer is refused.
-        let r = Request { schema: Some(&json!({})), tools: &[], forced: None, harmony: true };
-        assert_eq!(grammar(&r, &|_| false).unwrap_err().param.as_deref(), Some("response_format"));
+        let r = Request {
+            schema: Some(&json!({})),
+            tools: &[],
+            forced: None,
+            harmony: true,
+        };
+        assert_eq!(
+            grammar(&r, &|_| false).unwrap_err().param.as_deref(),
+            Some("response_format")
+        );
     }
 
     #[test]
@@ -510,23 +586,48 @@ mod tests {
         let f = |v: Json| response_format(Some(&v));
         assert_eq!(f(json!({"type": "text"})).unwrap(), None);
         assert_eq!(response_format(None).unwrap(), None);
-        assert_eq!(f(json!({"type": "json_object"})).unwrap(), Some(json!({"type": "object"})));
+        assert_eq!(
+            f(json!({"type": "json_object"})).unwrap(),
+            Some(json!({"type": "object"}))
+        );
         let s = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
         assert_eq!(
             f(json!({"type": "json_schema", "json_schema": {"name": "a_b-1", "schema": s, "strict": true}})).unwrap(),
             Some(s)
         );
-        assert_eq!(f(json!({"type": "json_schema", "json_schema": {"name": "x"}})).unwrap(), Some(json!({})));
+        assert_eq!(
+            f(json!({"type": "json_schema", "json_schema": {"name": "x"}})).unwrap(),
+            Some(json!({}))
+        );
         for (v, param) in [
             (json!({"type": "yaml"}), "response_format.type"),
             (json!({}), "response_format.type"),
-            (json!({"type": "json_schema"}), "response_format.json_schema"),
-            (json!({"type": "json_schema", "json_schema": {"schema": {}}}), "response_format.json_schema.name"),
-            (json!({"type": "json_schema", "json_schema": {"name": "a b"}}), "response_format.json_schema.name"),
-            (json!({"type": "json_schema", "json_schema": {"name": "x", "schema": []}}), "response_format.json_schema.schema"),
-            (json!({"type": "json_schema", "json_schema": {"name": "x", "strict": 1}}), "response_format.json_schema.strict"),
+            (
+                json!({"type": "json_schema"}),
+                "response_format.json_schema",
+            ),
+            (
+                json!({"type": "json_schema", "json_schema": {"schema": {}}}),
+                "response_format.json_schema.name",
+            ),
+            (
+                json!({"type": "json_schema", "json_schema": {"name": "a b"}}),
+                "response_format.json_schema.name",
+            ),
+            (
+                json!({"type": "json_schema", "json_schema": {"name": "x", "schema": []}}),
+                "response_format.json_schema.schema",
+            ),
+            (
+                json!({"type": "json_schema", "json_schema": {"name": "x", "strict": 1}}),
+                "response_format.json_schema.strict",
+            ),
         ] {
-            assert_eq!(f(v.clone()).unwrap_err().param.as_deref(), Some(param), "{v}");
+            assert_eq!(
+                f(v.clone()).unwrap_err().param.as_deref(),
+                Some(param),
+                "{v}"
+            );
         }
     }
 }

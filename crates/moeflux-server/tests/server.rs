@@ -1091,20 +1091,20 @@ async fn json_tool_calls_with_a_qwen3_template() {
 /// (bounded strings; an enum, a range and a nested object).
 fn strict_weather_tools() -> Value {
     json!([{"type": "function", "function": {
-        "name": "get_weather",
-        "strict": true,
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 10},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-                "days": {"type": "integer", "minimum": 1, "maximum": 7},
-                "at": {"type": "object", "properties": {"lat": {"type": "integer", "minimum": -90, "maximum": 90}},
-                       "required": ["lat"], "additionalProperties": false}
-            },
-            "required": ["city", "unit", "days", "at"],
-            "additionalProperties": false
-        }}}])
+    "name": "get_weather",
+    "strict": true,
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 10},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            "at": {"type": "object", "properties": {"lat": {"type": "integer", "minimum": -90, "maximum": 90}},
+                   "required": ["lat"], "additionalProperties": false}
+        },
+        "required": ["city", "unit", "days", "at"],
+        "additionalProperties": false
+    }}}])
 }
 
 /// The answer holds one call of the strict `get_weather`, its arguments
@@ -1115,12 +1115,26 @@ fn check_strict_weather_call(v: &Value) {
     let call = &choice["message"]["tool_calls"][0]["function"];
     assert_eq!(call["name"], "get_weather", "{v}");
     let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
-    let keys: Vec<&str> = args.as_object().unwrap().keys().map(String::as_str).collect();
+    let keys: Vec<&str> = args
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
     assert_eq!(keys, ["city", "unit", "days", "at"], "{args}");
-    assert!(args["city"].as_str().unwrap().chars().count() <= 10, "{args}");
-    assert!(["celsius", "fahrenheit"].contains(&args["unit"].as_str().unwrap()), "{args}");
+    assert!(
+        args["city"].as_str().unwrap().chars().count() <= 10,
+        "{args}"
+    );
+    assert!(
+        ["celsius", "fahrenheit"].contains(&args["unit"].as_str().unwrap()),
+        "{args}"
+    );
     assert!((1..=7).contains(&args["days"].as_i64().unwrap()), "{args}");
-    assert!((-90..=90).contains(&args["at"]["lat"].as_i64().unwrap()), "{args}");
+    assert!(
+        (-90..=90).contains(&args["at"]["lat"].as_i64().unwrap()),
+        "{args}"
+    );
 }
 
 /// A schema with nesting, an enum, an array and required fields, bounded
@@ -1146,13 +1160,32 @@ fn product_schema() -> Value {
 fn check_product(text: &str) {
     let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
     let keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
-    assert_eq!(keys, ["name", "kind", "tags", "price", "in_stock"], "{text}");
+    assert_eq!(
+        keys,
+        ["name", "kind", "tags", "price", "in_stock"],
+        "{text}"
+    );
     assert!(v["name"].as_str().unwrap().chars().count() <= 8, "{text}");
-    assert!(["book", "tool", "food"].contains(&v["kind"].as_str().unwrap()), "{text}");
+    assert!(
+        ["book", "tool", "food"].contains(&v["kind"].as_str().unwrap()),
+        "{text}"
+    );
     let tags = v["tags"].as_array().unwrap();
-    assert!(tags.len() <= 3 && tags.iter().all(|t| t.as_str().is_some_and(|t| t.chars().count() <= 4)), "{text}");
-    assert!(v["price"]["amount"].as_u64().is_some_and(|a| a <= 999), "{text}");
-    assert!(["EUR", "USD"].contains(&v["price"]["currency"].as_str().unwrap()), "{text}");
+    assert!(
+        tags.len() <= 3
+            && tags
+                .iter()
+                .all(|t| t.as_str().is_some_and(|t| t.chars().count() <= 4)),
+        "{text}"
+    );
+    assert!(
+        v["price"]["amount"].as_u64().is_some_and(|a| a <= 999),
+        "{text}"
+    );
+    assert!(
+        ["EUR", "USD"].contains(&v["price"]["currency"].as_str().unwrap()),
+        "{text}"
+    );
     assert!(v["in_stock"].is_boolean(), "{text}");
 }
 
@@ -1178,7 +1211,11 @@ async fn structured_output_follows_the_schema() {
     let streamed: String = sse(&s, &body).await[..]
         .iter()
         .filter_map(|d| serde_json::from_str::<Value>(d).ok())
-        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str().map(str::to_string))
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_string)
+        })
         .collect();
     assert_eq!(streamed, text);
 
@@ -1195,7 +1232,10 @@ async fn structured_output_follows_the_schema() {
     let v = chat(&s, cut).await;
     assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
     let text = v["choices"][0]["message"]["content"].as_str().unwrap();
-    assert!(text.starts_with('{') && serde_json::from_str::<Value>(text).is_err(), "{text}");
+    assert!(
+        text.starts_with('{') && serde_json::from_str::<Value>(text).is_err(),
+        "{text}"
+    );
 
     // A schema the grammar engine refuses, a malformed response_format.
     let mut bad = greedy(messages.clone(), 10);
@@ -1207,10 +1247,16 @@ async fn structured_output_follows_the_schema() {
     bad["response_format"] = json!({"type": "json_schema", "json_schema": {"schema": {}}});
     let (st, e) = call(&s, post("/v1/chat/completions", &bad)).await;
     assert_eq!(st, StatusCode::BAD_REQUEST, "{e}");
-    assert_eq!(e["error"]["param"], "response_format.json_schema.name", "{e}");
+    assert_eq!(
+        e["error"]["param"], "response_format.json_schema.name",
+        "{e}"
+    );
 
     // A strict forced call in the Qwen3.5 template's XML spelling.
-    let mut body = greedy(json!([{"role": "user", "content": "Weather in Rome?"}]), 200);
+    let mut body = greedy(
+        json!([{"role": "user", "content": "Weather in Rome?"}]),
+        200,
+    );
     body["tools"] = strict_weather_tools();
     body["tool_choice"] = json!({"type": "function", "function": {"name": "get_weather"}});
     check_strict_weather_call(&chat(&s, body).await);
@@ -1249,7 +1295,10 @@ async fn structured_output_on_the_demo_model() {
     let v = chat(&s, body).await;
     assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
     let text = v["choices"][0]["message"]["content"].as_str().unwrap();
-    assert!(serde_json::from_str::<Value>(text).unwrap().is_object(), "{text}");
+    assert!(
+        serde_json::from_str::<Value>(text).unwrap().is_object(),
+        "{text}"
+    );
     let mut body = demo_chat("Describe a product.", 300);
     body["response_format"] = json!({"type": "json_schema",
         "json_schema": {"name": "product", "schema": product_schema()}});
