@@ -482,7 +482,7 @@ impl<'t> Scheduler<'t> {
     ) {
         // Per running job: its result's index, logits and history (for
         // penalties), borrowed from the batch.
-        let mut todo: Vec<Option<(usize, Vec<f32>, &[u32])>> = vec![None; self.running.len()];
+        let mut todo = vec![None; self.running.len()];
         for (k, ((i, _, _), result)) in plan.iter().zip(results.iter_mut()).enumerate() {
             if let Ok(Output::Logits(l)) = result {
                 if !l.is_empty() {
