@@ -193,7 +193,8 @@ impl Constraint {
             .compute_mask_or_eos()
             .map_err(|e| e.to_string())?;
         // The mask's EOS bit says whether the grammar may end here; every
-        // EOS id of the model then keeps its logit, else none does.
+        // EOS id of the model then keeps its logit, else only one the
+        // grammar names (harmony's `<|call|>` closing a strict call).
         let accepting = allowed.is_allowed(self.trie_eos);
         let eos: Vec<(usize, f32)> = self
             .eos
@@ -201,8 +202,17 @@ impl Constraint {
             .filter_map(|&e| Some((e as usize, *logits.get(e as usize)?)))
             .collect();
         apply(&allowed, self.vocab, logits);
-        for (e, l) in eos {
-            logits[e] = if accepting { l } else { f32::NEG_INFINITY };
+        if accepting {
+            for (e, l) in eos {
+                logits[e] = l;
+            }
+            if self.eos.is_empty() {
+                // No EOS known: the trie's stand-in is a real token, not
+                // an end (the job ends when the grammar does).
+                if let Some(l) = logits.get_mut(self.trie_eos as usize) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
         }
         Ok(())
     }
