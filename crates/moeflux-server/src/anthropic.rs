@@ -100,6 +100,9 @@ struct ToolDef {
     #[serde(default)]
     description: Option<String>,
     input_schema: Json,
+    /// The call's input follows `input_schema` exactly (when forced).
+    #[serde(default)]
+    strict: Option<bool>,
 }
 
 impl MessagesRequest {
@@ -153,6 +156,7 @@ impl MessagesRequest {
             choice,
             template_kwargs,
             params,
+            response_schema: self.output_format()?,
         })
     }
 
@@ -249,6 +253,9 @@ impl MessagesRequest {
             if let Some(d) = def.description {
                 function["description"] = d.into();
             }
+            if let Some(strict) = def.strict {
+                function["strict"] = strict.into();
+            }
             out.push(json!({"type": "function", "function": function}));
         }
         Ok(Some(out))
@@ -311,20 +318,22 @@ impl MessagesRequest {
         }
     }
 
+    /// `output_config.format` (`{"type": "json_schema", "schema": ..}`):
+    /// the JSON schema the answer must follow, as OpenAI's `response_format`.
+    fn output_format(&self) -> Result<Option<Json>, ApiError> {
+        match self.output_config.as_ref().and_then(|c| c.get("format")) {
+            None | Some(Json::Null) => Ok(None),
+            Some(f) => crate::structured::anthropic_format(f).map(Some),
+        }
+    }
+
     /// `output_config.effort` as the template variable `reasoning_effort`
     /// (what OpenAI's `reasoning_effort` sets; gpt-oss's template reads it):
-    /// `xhigh` and `max` are `high`. A JSON `format` needs constrained
-    /// decoding, which this server does not do.
+    /// `xhigh` and `max` are `high`.
     fn reasoning_effort(&self) -> Result<Option<&'static str>, ApiError> {
         let Some(c) = self.output_config.as_ref().filter(|c| !c.is_null()) else {
             return Ok(None);
         };
-        if c.get("format").is_some_and(|f| !f.is_null()) {
-            return Err(ApiError::invalid(
-                "output_config.format",
-                "structured output (`output_config.format`) is not supported",
-            ));
-        }
         match c.get("effort") {
             None | Some(Json::Null) => Ok(None),
             Some(Json::String(e)) => match e.as_str() {
@@ -665,8 +674,18 @@ mod tests {
             param(effort(json!({"effort": "huge"}))),
             "output_config.effort"
         );
-        let format = json!({"format": {"type": "json_schema", "schema": {}}});
-        assert_eq!(param(effort(format)), "output_config.format");
+        let format = |f: Json| base(json!({"output_config": {"format": f}}));
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        let s = format(json!({"type": "json_schema", "schema": schema})).unwrap();
+        assert_eq!(s.response_schema, Some(schema));
+        assert_eq!(
+            param(format(json!({"type": "xml"}))),
+            "output_config.format.type"
+        );
+        assert_eq!(
+            param(format(json!({"type": "json_schema", "schema": 3}))),
+            "output_config.format.schema"
+        );
     }
 
     #[test]

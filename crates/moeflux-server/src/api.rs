@@ -134,6 +134,8 @@ pub struct ChatSpec {
     pub choice: ToolChoice,
     pub template_kwargs: Option<Map<String, Json>>,
     pub params: GenParams,
+    /// The JSON schema the answer must follow (`response_format`), if any.
+    pub response_schema: Option<Json>,
 }
 
 impl ChatRequest {
@@ -189,12 +191,14 @@ impl ChatRequest {
         let choice = tool_choice(self.tools.as_deref(), self.tool_choice.as_ref())?;
         let mut params = gen_params(&self.sampling(), d, ctx, random_seed)?;
         params.logprobs = crate::logprobs::chat_request(self.logprobs, self.top_logprobs)?;
+        let response_schema = crate::structured::response_format(self.response_format.as_ref())?;
         Ok(ChatSpec {
             messages,
             tools: self.tools.clone(),
             choice,
             template_kwargs,
             params,
+            response_schema,
         })
     }
 
@@ -205,15 +209,6 @@ impl ChatRequest {
                 "logit_bias",
                 "logit_bias is not supported",
             ));
-        }
-        if let Some(f) = &self.response_format {
-            let t = f.get("type").and_then(Json::as_str);
-            if t != Some("text") {
-                return Err(ApiError::invalid(
-                    "response_format",
-                    "only response_format {\"type\": \"text\"} is supported (no constrained decoding)",
-                ));
-            }
         }
         Ok(())
     }
@@ -685,10 +680,6 @@ mod tests {
     fn unsupported_options_are_refused() {
         for (body, param) in [
             ("{\"logit_bias\": {\"5\": 1}}", "logit_bias"),
-            (
-                "{\"response_format\": {\"type\": \"json_object\"}}",
-                "response_format",
-            ),
         ] {
             let e = chat(body).unwrap().check_unsupported().unwrap_err();
             assert_eq!(e.param.as_deref(), Some(param));

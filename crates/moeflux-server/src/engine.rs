@@ -45,6 +45,8 @@ pub struct Job {
     pub boundaries: Vec<usize>,
     pub params: GenParams,
     pub starts_in_reasoning: bool,
+    /// The grammar the answer follows (structured output), if any.
+    pub constraint: Option<crate::constrain::Constraint>,
     pub cancel: Arc<AtomicBool>,
     pub events: UnboundedSender<EngineEvent>,
 }

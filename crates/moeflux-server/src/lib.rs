@@ -25,12 +25,15 @@
 //! fields and shapes), [`anthropic`] (Anthropic's Messages
 //! API onto the chat requests, its errors), [`anthropic_respond`] (its
 //! answers and SSE stream), [`conn`] (the accept loop: connection cap and
-//! timeouts), [`ui`] (the chat page at `/`).
+//! timeouts), [`ui`] (the chat page at `/`), [`structured`]
+//! (structured-output requests as grammars), [`constrain`] (grammars
+//! applied to sampling).
 
 pub mod anthropic;
 pub mod anthropic_respond;
 pub mod api;
 pub mod conn;
+pub mod constrain;
 pub mod engine;
 pub mod error;
 pub mod logprobs;
@@ -41,6 +44,7 @@ pub mod respond;
 pub mod routes;
 mod scheduler;
 mod step_log;
+pub mod structured;
 pub mod tools;
 pub mod ui;
 
@@ -130,6 +134,19 @@ pub struct AppState {
     pub length_bound: LengthBound,
     /// Unix time the server started (`created` of the model).
     pub started: u64,
+    /// The vocabulary for grammars, built by the first structured request.
+    pub grammars: std::sync::OnceLock<Result<constrain::GrammarEngine, String>>,
+}
+
+impl AppState {
+    /// The grammar engine (built on first use: a large vocabulary's token
+    /// trie takes a moment, and most servers never need it).
+    pub fn grammars(&self) -> Result<&constrain::GrammarEngine, ApiError> {
+        self.grammars
+            .get_or_init(|| constrain::GrammarEngine::new(self.tokenizer.clone()))
+            .as_ref()
+            .map_err(|e| ApiError::internal(format!("structured output: {e}")))
+    }
 }
 
 /// A loaded model behind the HTTP API.
@@ -209,6 +226,7 @@ impl Server {
                 prepare: Arc::new(tokio::sync::Semaphore::new(prepare_threads)),
                 length_bound,
                 started: unix_now(),
+                grammars: std::sync::OnceLock::new(),
             }),
             conn: conn::ConnOptions {
                 max_connections: opts.max_connections,

@@ -22,6 +22,9 @@ pub struct ChatPrompt {
     /// Text that the tool parser must see as the start of the answer (a
     /// forced call's opening, appended to the prompt).
     pub forced: Option<String>,
+    /// The call the prompt forces: the template's spelling, and the
+    /// function when the prompt names it.
+    pub forced_call: Option<(ToolFormat, Option<String>)>,
 }
 
 pub struct ChatInput<'a> {
@@ -110,6 +113,7 @@ pub fn chat_prompt_checked(
         _ => None,
     };
     let mut forced = None;
+    let forced_call = format.zip(forced_name.map(|n| n.map(str::to_string)));
     if let (Some(fmt), Some(name)) = (format, forced_name) {
         // The call goes where the model writes one: after the reasoning
         // block, closed (and empty) if the prompt left it open.
@@ -153,6 +157,7 @@ pub fn chat_prompt_checked(
         starts_in_reasoning,
         parse_tools: use_tools,
         forced,
+        forced_call,
     })
 }
 

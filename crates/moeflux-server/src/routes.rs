@@ -16,6 +16,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use moeflux::text::harmony::HarmonyIds;
 use serde_json::json;
 use tokio::sync::mpsc::unbounded_channel;
 use tower_http::catch_panic::CatchPanicLayer;
@@ -23,10 +24,12 @@ use tower_http::catch_panic::CatchPanicLayer;
 use crate::anthropic::{self, MessagesRequest};
 use crate::anthropic_respond::{self, MessageAnswer};
 use crate::api::{self, ChatRequest, ChatSpec, CompletionRequest, Prompt};
+use crate::constrain::Constraint;
 use crate::engine::{Admission, EngineEvent, Job};
 use crate::error::ApiError;
 use crate::prompt::{self, ChatInput, ChatPrompt};
 use crate::respond::{self, Answer, CancelOnDrop};
+use crate::structured::{self, ForcedCall};
 use crate::{random_u64, AppState};
 
 pub fn router(state: Arc<AppState>) -> Router {
@@ -247,6 +250,7 @@ async fn start_chat(st: &Arc<AppState>, spec: ChatSpec) -> Result<ChatJob, ApiEr
         "messages",
     )?;
     let prompt_tokens = prepared.tokens.len();
+    let constraint = constraint(st, &spec, &prepared).await?;
     let (cancel, events) = submit(
         st,
         admission,
@@ -255,6 +259,7 @@ async fn start_chat(st: &Arc<AppState>, spec: ChatSpec) -> Result<ChatJob, ApiEr
             boundaries: prepared.boundaries,
             params: spec.params,
             starts_in_reasoning: prepared.starts_in_reasoning,
+            constraint,
             cancel: Arc::new(AtomicBool::new(false)),
             events: unbounded_channel().0,
         },
@@ -266,6 +271,50 @@ async fn start_chat(st: &Arc<AppState>, spec: ChatSpec) -> Result<ChatJob, ApiEr
         cancel,
         events,
     })
+}
+
+/// The grammar of a chat request that asks for structured output
+/// (`response_format`, a forced call to a strict tool), compiled off the
+/// async threads; `None` when it asks for none.
+async fn constraint(
+    st: &Arc<AppState>,
+    spec: &ChatSpec,
+    prepared: &ChatPrompt,
+) -> Result<Option<Constraint>, ApiError> {
+    if spec.response_schema.is_none() && prepared.forced_call.is_none() {
+        return Ok(None);
+    }
+    let st2 = st.clone();
+    let schema = spec.response_schema.clone();
+    let tools = spec.tools.clone().unwrap_or_default();
+    let forced = prepared.forced_call.clone();
+    let in_reasoning = prepared.starts_in_reasoning;
+    prepare(st, move || {
+        let request = structured::Request {
+            schema: schema.as_ref(),
+            tools: &tools,
+            forced: forced.as_ref().map(|(format, name)| ForcedCall {
+                format: *format,
+                name: name.as_deref(),
+            }),
+            harmony: HarmonyIds::from_tokenizer(&st2.tokenizer).is_some(),
+        };
+        let special = |name: &str| st2.grammars().is_ok_and(|g| g.has_special(name));
+        let Some(grammar) = structured::grammar(&request, &special)? else {
+            return Ok(None);
+        };
+        st2.grammars()?
+            .constraint(&grammar.lark, in_reasoning)
+            .map(Some)
+            .map_err(|e| {
+                let p = grammar.param;
+                ApiError::invalid(
+                    p.clone(),
+                    format!("cannot constrain the output to `{p}`: {e}"),
+                )
+            })
+    })
+    .await
 }
 
 /// Takes a place in the queue (a refused request is never tokenized), then
@@ -379,6 +428,7 @@ async fn completions_inner(st: &Arc<AppState>, req: Request) -> Result<Response,
             boundaries: Vec::new(),
             params,
             starts_in_reasoning: false,
+            constraint: None,
             cancel: Arc::new(AtomicBool::new(false)),
             events: unbounded_channel().0,
         },

@@ -19,6 +19,7 @@ use moeflux::logprobs::TokenLogprobs;
 use moeflux::text::tokenizer::Tokenizer;
 use moeflux::{Batch, LogitsMode, Output, SeqId, Work};
 
+use crate::constrain::Constraint;
 use crate::engine::{engine_error, EngineEvent, EngineOptions, Job, Outcome, Queued, CANCELLED};
 use crate::error::ApiError;
 use crate::metrics::{GenerationSample, Metrics, StepSample};
@@ -65,17 +66,26 @@ struct Running<'t> {
 }
 
 impl Running<'_> {
-    /// The next token from `logits` (`history`: for penalties), and its
-    /// log-probabilities when the job asked: of the logits as the model
-    /// gave them, before penalties and temperature.
-    fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+    /// The next token from `logits` (`history`: for penalties), masked by
+    /// the job's grammar first if it has one; and its log-probabilities
+    /// when the job asked: of the logits as the model gave them, before the
+    /// mask, penalties and temperature. An error is the grammar engine's.
+    fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> Result<u32, String> {
+        let top = self.job.params.logprobs;
+        // The mask changes the logits; the raw ones are kept only when
+        // both a grammar and logprobs need them.
+        let raw = match self.job.constraint.as_mut() {
+            Some(c) => {
+                let raw = top.map(|_| logits.to_vec());
+                c.mask(logits)?;
+                raw
+            }
+            None => None,
+        };
         let tok = self.decoder.sample(logits, history);
-        self.logprob = self
-            .job
-            .params
-            .logprobs
-            .map(|top| moeflux::logprobs::token_logprobs(logits, tok, top));
-        tok
+        let seen = raw.as_deref().unwrap_or(logits);
+        self.logprob = top.map(|top| moeflux::logprobs::token_logprobs(seen, tok, top));
+        Ok(tok)
     }
 }
 
@@ -360,9 +370,9 @@ impl<'t> Scheduler<'t> {
         let mut used = 0;
         // Greedy jobs' tokens are picked where the logits are (on a GPU,
         // only the token comes back), unless they need the logits for
-        // their logprobs.
+        // their logprobs or a grammar's mask.
         let mode = |r: &Running| {
-            if r.decoder.greedy() && r.job.params.logprobs.is_none() {
+            if r.decoder.greedy() && r.job.params.logprobs.is_none() && r.job.constraint.is_none() {
                 LogitsMode::Greedy
             } else {
                 LogitsMode::Last
@@ -492,14 +502,19 @@ impl<'t> Scheduler<'t> {
                 }
             }
         }
-        let picked: Vec<(usize, u32)> = self
+        let picked: Vec<(usize, Result<u32, String>)> = self
             .running
             .par_iter_mut()
-            .zip(todo.par_iter())
-            .filter_map(|(r, t)| t.as_ref().map(|(k, l, history)| (*k, r.sample(l, history))))
+            .zip(todo.par_iter_mut())
+            .filter_map(|(r, t)| {
+                t.as_mut()
+                    .map(|(k, l, history)| (*k, r.sample(l, history)))
+            })
             .collect();
         for (k, tok) in picked {
-            results[k] = Ok(Output::Token(tok));
+            results[k] = tok
+                .map(Output::Token)
+                .map_err(|e| moeflux::Error::Invalid(format!("structured output: {e}")));
         }
     }
 
@@ -544,10 +559,12 @@ impl<'t> Scheduler<'t> {
         };
         let next = match out {
             Output::Token(tok) => r.decoder.accept(tok, &mut on_event),
-            Output::Logits(logits) => {
+            Output::Logits(mut logits) => {
                 let history = self.batch.tokens(seq).unwrap_or_default();
-                let tok = r.sample(&logits, history);
-                r.decoder.accept(tok, &mut on_event)
+                match r.sample(&mut logits, history) {
+                    Ok(tok) => r.decoder.accept(tok, &mut on_event),
+                    Err(e) => return Some(End::Failed(ApiError::internal(e))),
+                }
             }
         };
         let (tok, done) = match next {
@@ -572,6 +589,17 @@ impl<'t> Scheduler<'t> {
         r.pending = Some(tok);
         if let Some(f) = done {
             return Some(End::Done(f));
+        }
+        if let Some(c) = r.job.constraint.as_mut() {
+            if let Err(e) = c.commit(tok) {
+                return Some(End::Failed(ApiError::internal(format!(
+                    "structured output: {e}"
+                ))));
+            }
+            // The grammar is complete: nothing may follow.
+            if c.done() {
+                return Some(End::Done(FinishReason::Eos));
+            }
         }
         if r.generated >= r.max_tokens || pos >= self.batch.max_context() {
             return Some(End::Done(FinishReason::Length));

@@ -1135,6 +1135,265 @@ async fn json_tool_calls_with_a_qwen3_template() {
         }
     }
     assert_eq!(arguments, call["function"]["arguments"].as_str().unwrap());
+    // A strict tool: the JSON spelling's arguments follow its schema.
+    body["stream"] = json!(false);
+    body["max_tokens"] = json!(200);
+    body["tools"] = strict_weather_tools();
+    check_strict_weather_call(&chat(&s, body).await);
+}
+
+/// A strict `get_weather` whose arguments a random model can finish
+/// (bounded strings; an enum, a range and a nested object).
+fn strict_weather_tools() -> Value {
+    json!([{"type": "function", "function": {
+    "name": "get_weather",
+    "strict": true,
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 10},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            "at": {"type": "object", "properties": {"lat": {"type": "integer", "minimum": -90, "maximum": 90}},
+                   "required": ["lat"], "additionalProperties": false}
+        },
+        "required": ["city", "unit", "days", "at"],
+        "additionalProperties": false
+    }}}])
+}
+
+/// The answer holds one call of the strict `get_weather`, its arguments
+/// valid for the schema.
+fn check_strict_weather_call(v: &Value) {
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    let call = &choice["message"]["tool_calls"][0]["function"];
+    assert_eq!(call["name"], "get_weather", "{v}");
+    let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+    let keys: Vec<&str> = args
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    assert_eq!(keys, ["city", "unit", "days", "at"], "{args}");
+    assert!(
+        args["city"].as_str().unwrap().chars().count() <= 10,
+        "{args}"
+    );
+    assert!(
+        ["celsius", "fahrenheit"].contains(&args["unit"].as_str().unwrap()),
+        "{args}"
+    );
+    assert!((1..=7).contains(&args["days"].as_i64().unwrap()), "{args}");
+    assert!(
+        (-90..=90).contains(&args["at"]["lat"].as_i64().unwrap()),
+        "{args}"
+    );
+}
+
+/// A schema with nesting, an enum, an array and required fields, bounded
+/// so that a random model finishes it.
+fn product_schema() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "kind": {"type": "string", "enum": ["book", "tool", "food"]},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3},
+            "price": {"type": "object",
+                      "properties": {"amount": {"type": "integer", "minimum": 0, "maximum": 999},
+                                     "currency": {"enum": ["EUR", "USD"]}},
+                      "required": ["amount", "currency"], "additionalProperties": false},
+            "in_stock": {"type": "boolean"}
+        },
+        "required": ["name", "kind", "tags", "price", "in_stock"],
+        "additionalProperties": false
+    })
+}
+
+fn check_product(text: &str) {
+    let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+    let keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
+    assert_eq!(
+        keys,
+        ["name", "kind", "tags", "price", "in_stock"],
+        "{text}"
+    );
+    assert!(v["name"].as_str().unwrap().chars().count() <= 8, "{text}");
+    assert!(
+        ["book", "tool", "food"].contains(&v["kind"].as_str().unwrap()),
+        "{text}"
+    );
+    let tags = v["tags"].as_array().unwrap();
+    assert!(
+        tags.len() <= 3
+            && tags
+                .iter()
+                .all(|t| t.as_str().is_some_and(|t| t.chars().count() <= 4)),
+        "{text}"
+    );
+    assert!(
+        v["price"]["amount"].as_u64().is_some_and(|a| a <= 999),
+        "{text}"
+    );
+    assert!(
+        ["EUR", "USD"].contains(&v["price"]["currency"].as_str().unwrap()),
+        "{text}"
+    );
+    assert!(v["in_stock"].is_boolean(), "{text}");
+}
+
+/// `response_format`: the random model's free answer is not JSON; with the
+/// schema it is, valid, whole and streamed alike, greedy or sampled;
+/// `max_tokens` cuts it as OpenAI does (`length`, incomplete JSON).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn structured_output_follows_the_schema() {
+    let s = server(ServerOptions::default());
+    let messages = json!([{"role": "user", "content": "Describe a product as JSON."}]);
+    let free = chat(&s, greedy(messages.clone(), 40)).await;
+    let text = free["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(serde_json::from_str::<Value>(text).is_err(), "{text}");
+
+    let mut body = greedy(messages.clone(), 300);
+    body["response_format"] = json!({"type": "json_schema",
+        "json_schema": {"name": "product", "strict": true, "schema": product_schema()}});
+    let v = chat(&s, body.clone()).await;
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+    check_product(text);
+    body["stream"] = json!(true);
+    let streamed: String = sse(&s, &body).await[..]
+        .iter()
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_string)
+        })
+        .collect();
+    assert_eq!(streamed, text);
+
+    let mut sampled = body.clone();
+    sampled["stream"] = json!(false);
+    sampled["temperature"] = json!(1.0);
+    sampled["seed"] = json!(5);
+    let v = chat(&s, sampled).await;
+    check_product(v["choices"][0]["message"]["content"].as_str().unwrap());
+
+    let mut cut = body.clone();
+    cut["stream"] = json!(false);
+    cut["max_tokens"] = json!(3);
+    let v = chat(&s, cut).await;
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(
+        text.starts_with('{') && serde_json::from_str::<Value>(text).is_err(),
+        "{text}"
+    );
+
+    // A schema the grammar engine refuses, a malformed response_format.
+    let mut bad = greedy(messages.clone(), 10);
+    bad["response_format"] = json!({"type": "json_schema", "json_schema": {"name": "x",
+        "schema": {"type": "object", "properties": {"a": {"$ref": "#/$defs/none"}}, "required": ["a"]}}});
+    let (st, e) = call(&s, post("/v1/chat/completions", &bad)).await;
+    assert_eq!(st, StatusCode::BAD_REQUEST, "{e}");
+    assert_eq!(e["error"]["param"], "response_format", "{e}");
+    bad["response_format"] = json!({"type": "json_schema", "json_schema": {"schema": {}}});
+    let (st, e) = call(&s, post("/v1/chat/completions", &bad)).await;
+    assert_eq!(st, StatusCode::BAD_REQUEST, "{e}");
+    assert_eq!(
+        e["error"]["param"], "response_format.json_schema.name",
+        "{e}"
+    );
+
+    // A strict forced call in the Qwen3.5 template's XML spelling.
+    let mut body = greedy(
+        json!([{"role": "user", "content": "Weather in Rome?"}]),
+        200,
+    );
+    body["tools"] = strict_weather_tools();
+    body["tool_choice"] = json!({"type": "function", "function": {"name": "get_weather"}});
+    check_strict_weather_call(&chat(&s, body).await);
+
+    // Anthropic's output_config.format: the same constraint.
+    let body = json!({"model": "x", "max_tokens": 300, "temperature": 0,
+        "thinking": {"type": "disabled"},
+        "messages": [{"role": "user", "content": "Describe a product as JSON."}],
+        "output_config": {"format": {"type": "json_schema", "schema": product_schema()}}});
+    let (st, v) = call(&s, post("/v1/messages", &body)).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["stop_reason"], "end_turn", "{v}");
+    check_product(v["content"][0]["text"].as_str().unwrap());
+}
+
+fn demo_dir() -> PathBuf {
+    fixtures().join("../../models/demo")
+}
+
+fn demo_chat(content: &str, max_tokens: u32) -> Value {
+    json!({"model": "x", "messages": [{"role": "user", "content": content}],
+           "temperature": 0, "max_tokens": max_tokens})
+}
+
+/// The demo model (trained: it ends objects and strings) writes prose, not
+/// JSON, unless asked: then `json_object` and a schema with nesting, an
+/// enum, an array and required fields parse and validate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn structured_output_on_the_demo_model() {
+    let s = server_on(&demo_dir());
+    let free = chat(&s, demo_chat("Tell me a fortune.", 30)).await;
+    let text = free["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(serde_json::from_str::<Value>(text).is_err(), "{text}");
+    let mut body = demo_chat("Tell me a fortune.", 60);
+    body["response_format"] = json!({"type": "json_object"});
+    let v = chat(&s, body).await;
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(
+        serde_json::from_str::<Value>(text).unwrap().is_object(),
+        "{text}"
+    );
+    let mut body = demo_chat("Describe a product.", 300);
+    body["response_format"] = json!({"type": "json_schema",
+        "json_schema": {"name": "product", "schema": product_schema()}});
+    let v = chat(&s, body).await;
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    check_product(v["choices"][0]["message"]["content"].as_str().unwrap());
+}
+
+/// What the constraint costs per token on the demo model (docs/PERFORMANCE.md;
+/// on demand: `cargo test -p moeflux-server --test server structured_output_cost
+/// -- --ignored --nocapture`): decode milliseconds per token of a free
+/// answer and of a JSON string that goes on, both cut at `max_tokens`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn structured_output_cost_on_the_demo_model() {
+    let s = server_on(&demo_dir());
+    let n = 200;
+    let schema = json!({"type": "object", "properties": {"fortune": {"type": "string"}},
+                        "required": ["fortune"]});
+    let per_token = |v: &Value| {
+        assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+        v["timings"]["decode_ms"].as_f64().unwrap() / (n - 1) as f64
+    };
+    let (mut free, mut constrained) = (Vec::new(), Vec::new());
+    for round in 0..4 {
+        let mut body = demo_chat("Tell me a fortune.", n);
+        body["ignore_eos"] = json!(true);
+        body["seed"] = json!(round);
+        free.push(per_token(&chat(&s, body.clone()).await));
+        body["response_format"] = json!({"type": "json_schema",
+            "json_schema": {"name": "fortune", "schema": schema}});
+        constrained.push(per_token(&chat(&s, body).await));
+    }
+    // The first round warms the caches.
+    let mean = |v: &[f64]| v[1..].iter().sum::<f64>() / (v.len() - 1) as f64;
+    println!(
+        "demo model, {n} tokens: {:.3} ms/token free, {:.3} ms/token constrained",
+        mean(&free),
+        mean(&constrained)
+    );
 }
 
 fn walk(dir: &Path) -> Vec<PathBuf> {
