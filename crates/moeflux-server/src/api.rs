@@ -678,12 +678,11 @@ mod tests {
 
     #[test]
     fn unsupported_options_are_refused() {
-        for (body, param) in [
-            ("{\"logit_bias\": {\"5\": 1}}", "logit_bias"),
-        ] {
-            let e = chat(body).unwrap().check_unsupported().unwrap_err();
-            assert_eq!(e.param.as_deref(), Some(param));
-        }
+        let e = chat("{\"logit_bias\": {\"5\": 1}}")
+            .unwrap()
+            .check_unsupported()
+            .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("logit_bias"));
         chat("{\"logprobs\": false, \"response_format\": {\"type\": \"text\"}}")
             .unwrap()
             .check_unsupported()

@@ -19,7 +19,6 @@ use moeflux::logprobs::TokenLogprobs;
 use moeflux::text::tokenizer::Tokenizer;
 use moeflux::{Batch, LogitsMode, Output, SeqId, Work};
 
-use crate::constrain::Constraint;
 use crate::engine::{engine_error, EngineEvent, EngineOptions, Job, Outcome, Queued, CANCELLED};
 use crate::error::ApiError;
 use crate::metrics::{GenerationSample, Metrics, StepSample};
@@ -506,10 +505,7 @@ impl<'t> Scheduler<'t> {
             .running
             .par_iter_mut()
             .zip(todo.par_iter_mut())
-            .filter_map(|(r, t)| {
-                t.as_mut()
-                    .map(|(k, l, history)| (*k, r.sample(l, history)))
-            })
+            .filter_map(|(r, t)| t.as_mut().map(|(k, l, history)| (*k, r.sample(l, history))))
             .collect();
         for (k, tok) in picked {
             results[k] = tok
