@@ -195,3 +195,27 @@ def test_logprobs_refusals(server):
         with pytest.raises(openai.BadRequestError) as e:
             c.completions.create(model="m", prompt="x", max_tokens=1, **kw)
         assert e.value.body["param"] == param, e.value.body
+
+
+def test_logprobs_under_a_grammar_are_the_raw_distribution(server, model_dir):
+    # A JSON answer from a model whose free answer is not JSON: the grammar's
+    # mask picks other tokens than the argmax, yet their logprobs are those
+    # of the logits the model gave (the mask only decides which token).
+    r = chat(client(server), response_format={"type": "json_object"})
+    content = r.choices[0].logprobs.content
+    table = token_bytes(model_dir)
+    by_bytes = {b: i for i, b in table.items()}
+    generated = [by_bytes[bytes(e.bytes)] for e in content]
+    assert r.choices[0].message.content.startswith("{")
+    ids = prompt_ids(model_dir)
+    rows = logits_rows(model_dir, ids + generated[:-1])[len(ids) - 1:]
+    masked_steps = 0
+    for step, (entry, row) in enumerate(zip(content, rows)):
+        lp = log_softmax(row)
+        order = sorted(range(len(lp)), key=lambda i: (-lp[i], i))
+        masked_steps += generated[step] != order[0]
+        assert abs(entry.logprob - lp[generated[step]]) < TOL, step
+        for alt, want in zip(entry.top_logprobs, order[:TOP]):
+            assert bytes(alt.bytes) == table[want], step
+            assert abs(alt.logprob - lp[want]) < TOL, step
+    assert masked_steps > 0, "the grammar never changed the greedy token"
