@@ -10,7 +10,8 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
-use crate::backend::cuda::{support, CacheStats, CudaModel, CudaOptions, Gpu};
+use crate::backend::cuda::group::open_gpus;
+use crate::backend::cuda::{support, CacheStats, CudaGroup, CudaOptions};
 use crate::backend::prefetch::PrefetchStats;
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
@@ -147,14 +148,26 @@ impl Batch {
         // Whether the GPU backend takes this model is known without a GPU:
         // `cuda` fails with the reason, `auto` runs on the CPU and says why.
         let mut unsupported_on_gpu = None;
+        // GPUs named with `--gpus` must be used: no CPU fallback.
+        let explicit = opts.gpus.is_explicit();
+        if explicit && opts.backend == Backend::Cpu {
+            return Err(Error::Invalid(format!(
+                "--gpus {} needs the GPU backend, not --backend cpu",
+                opts.gpus
+            )));
+        }
         let gpu = match opts.backend {
             Backend::Cpu => Err("CPU backend requested".to_string()),
             Backend::Cuda => {
                 support::check(&model)?;
-                Ok(Gpu::open()?)
+                Ok(open_gpus(&opts.gpus)?)
+            }
+            Backend::Auto if explicit => {
+                support::check(&model)?;
+                Ok(open_gpus(&opts.gpus)?)
             }
             Backend::Auto => match support::check(&model) {
-                Ok(()) => Gpu::open().map_err(|e| e.to_string()),
+                Ok(()) => open_gpus(&opts.gpus).map_err(|e| e.to_string()),
                 Err(e @ Error::Unsupported { .. }) => {
                     unsupported_on_gpu = Some(e.to_string());
                     Err(e.to_string())
@@ -176,8 +189,7 @@ impl Batch {
         )?;
         let (engine, backend_note) = match gpu {
             // Every family runs on the GPU (the CUDA model takes either).
-            Ok(gpu) => {
-                let mut note = format!("cuda: {}", gpu.info);
+            Ok(gpus) => {
                 let cuda = CudaOptions {
                     gpu_memory: opts.gpu_memory,
                     cache_policy: opts.cache_policy,
@@ -186,7 +198,15 @@ impl Batch {
                     prefetch: opts.prefetch,
                     cpu_experts: opts.cpu_experts,
                 };
-                let m = CudaModel::new(gpu, &model, &store, &cuda)?;
+                let m = CudaGroup::new(gpus, &model, &store, &cuda)?;
+                let mut note = format!("cuda: {}", m.describe());
+                if m.len() > 1 {
+                    note.push_str(&format!(
+                        "; routed experts sharded over {} GPUs, NCCL {}",
+                        m.len(),
+                        crate::backend::cuda::nccl::version()?
+                    ));
+                }
                 let (layers, bytes) = m.host_tier();
                 if layers > 0 {
                     note.push_str(&format!(
@@ -317,7 +337,10 @@ impl Batch {
     /// GB/s, measured now (`None` on the CPU).
     pub fn gpu_bandwidths(&self) -> Result<Option<(f64, f64)>> {
         match &self.engine {
-            Engine::Cuda(m) => Ok(Some((m.gpu().hbm_read_gb_s()?, m.gpu().h2d_pinned_gb_s()?))),
+            Engine::Cuda(m) => {
+                let gpu = m.lead().gpu();
+                Ok(Some((gpu.hbm_read_gb_s()?, gpu.h2d_pinned_gb_s()?)))
+            }
             Engine::Cpu { .. } => Ok(None),
         }
     }

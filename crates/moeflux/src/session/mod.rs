@@ -8,6 +8,7 @@ pub mod snapshot;
 
 use std::path::Path;
 
+pub use crate::backend::cuda::GpuSelection;
 use crate::backend::cuda::{CachePolicy, CacheStats};
 pub use crate::backend::prefetch::Prefetch;
 use crate::backend::prefetch::PrefetchStats;
@@ -43,6 +44,12 @@ pub struct SessionOptions {
     pub prefetch: Prefetch,
     /// Where the forward pass runs.
     pub backend: Backend,
+    /// GPU backend: which GPUs (`--gpus`). Several form an expert-parallel
+    /// group: the dense model and the sequence state on each, the routed
+    /// experts sharded between them, NCCL summing each MoE layer's output.
+    /// Anything but the default needs a GPU: with `Backend::Auto` it is an
+    /// error, not a fallback to the CPU, when they cannot be used.
+    pub gpus: GpuSelection,
     /// GPU backend: bytes of GPU memory for the routed-expert cache
     /// (`None`: all that is free after the dense weights, less a reserve).
     pub gpu_memory: Option<u64>,
@@ -95,6 +102,7 @@ impl Default for SessionOptions {
             max_context: None,
             prefetch: Prefetch::Auto,
             backend: Backend::Cpu,
+            gpus: GpuSelection::First,
             gpu_memory: None,
             cache_policy: CachePolicy::default(),
             cuda_graphs: true,
