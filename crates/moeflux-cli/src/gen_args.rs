@@ -10,7 +10,7 @@ use clap::Args;
 use moeflux::backend::cuda::CachePolicy;
 use moeflux::generate::GenerateOptions;
 use moeflux::sample::SamplerConfig;
-use moeflux::session::{Backend, Prefetch};
+use moeflux::session::{Backend, GpuSelection, Prefetch};
 use moeflux::text::chat::ChatTemplate;
 use moeflux::text::tokenizer::Tokenizer;
 use moeflux::{Session, SessionOptions};
@@ -55,6 +55,15 @@ pub struct ModelArgs {
     /// a device are present, else the CPU.
     #[arg(long, default_value = "auto", value_parser = parse_backend)]
     pub backend: Backend,
+    /// GPUs to run on: `all`, or CUDA numbers such as `0,1` (default: GPU
+    /// 0). Several share the work: each holds the dense model and the
+    /// sequence state, the routed experts are split between them by bytes
+    /// (each caches and uploads only its own), and NCCL sums each MoE
+    /// layer's output (NCCL is loaded at run time: NVIDIA's
+    /// `nvidia-nccl-cu13` wheel or the CUDA toolkit's libnccl2). An error,
+    /// not a CPU fallback, when a GPU or NCCL is missing.
+    #[arg(long, value_parser = parse_gpus)]
+    pub gpus: Option<GpuSelection>,
     /// GPU: memory for the routed-expert cache, e.g. `20G` or `512M`
     /// (default: all free memory after the dense weights, less 3 GiB, at most
     /// what all experts take; when they all fit, they are loaded at start).
@@ -132,6 +141,10 @@ pub fn check_fits(session: &Session, tokens: usize, what: &str) -> Result<()> {
 
 fn parse_backend(s: &str) -> std::result::Result<Backend, String> {
     Backend::parse(s).ok_or_else(|| format!("`{s}` is not one of auto, cpu, cuda"))
+}
+
+fn parse_gpus(s: &str) -> std::result::Result<GpuSelection, String> {
+    GpuSelection::parse(s)
 }
 
 fn parse_prefetch(s: &str) -> std::result::Result<Prefetch, String> {
@@ -220,6 +233,7 @@ impl ModelArgs {
                 prefetch: self.prefetch,
                 max_context: self.ctx,
                 backend: self.backend,
+                gpus: self.gpus.clone().unwrap_or_default(),
                 gpu_memory: self.gpu_memory,
                 cache_policy: self.cache_policy,
                 cuda_graphs: !self.no_cuda_graphs,
