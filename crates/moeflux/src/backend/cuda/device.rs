@@ -390,6 +390,23 @@ impl Gpu {
         params: &mut [*mut c_void],
     ) -> Result<()> {
         let f = self.funcs.get(name).expect("kernel listed in KERNEL_NAMES");
+        self.profiled(
+            || format!("{name} [{}x{}]", grid.0, grid.1),
+            || {
+                self.raw_launch(f, grid, block, smem, params)
+                    .map_err(|e| gpu_err(&format!("launching {name}"), e))
+            },
+        )
+    }
+
+    /// Runs `queue` (which queues work on the compute stream); with
+    /// `MOEFLUX_CUDA_PROFILE`, outside graph capture, waits for that work
+    /// and adds its GPU time to the profile under `label()`.
+    pub fn profiled(
+        &self,
+        label: impl FnOnce() -> String,
+        queue: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
         if let Some(p) = &self.profile {
             use cudarc::driver::sys::{CUevent_flags, CUstreamCaptureStatus};
             let capturing = self
@@ -403,23 +420,20 @@ impl Gpu {
                         .map_err(|e| gpu_err("GPU event", e))
                 };
                 let start = ev(&self.stream)?;
-                self.raw_launch(f, grid, block, smem, params)
-                    .map_err(|e| gpu_err(&format!("launching {name}"), e))?;
+                queue()?;
                 let end = ev(&self.stream)?;
+                let label = label();
                 let ms = start
                     .elapsed_ms(&end)
-                    .map_err(|e| gpu_err(&format!("running {name}"), e))?;
+                    .map_err(|e| gpu_err(&format!("running {label}"), e))?;
                 let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
-                let slot = p
-                    .entry(format!("{name} [{}x{}]", grid.0, grid.1))
-                    .or_default();
+                let slot = p.entry(label).or_default();
                 slot.0 += 1;
                 slot.1 += ms as f64;
                 return Ok(());
             }
         }
-        self.raw_launch(f, grid, block, smem, params)
-            .map_err(|e| gpu_err(&format!("launching {name}"), e))
+        queue()
     }
 
     /// Launches on the compute stream; on Hopper and later with
