@@ -8,6 +8,7 @@ pub mod snapshot;
 
 use std::path::Path;
 
+pub use crate::backend::cuda::rendezvous::DistInit;
 pub use crate::backend::cuda::GpuSelection;
 use crate::backend::cuda::{CachePolicy, CacheStats};
 pub use crate::backend::prefetch::Prefetch;
@@ -50,6 +51,10 @@ pub struct SessionOptions {
     /// Anything but the default needs a GPU: with `Backend::Auto` it is an
     /// error, not a fallback to the CPU, when they cannot be used.
     pub gpus: GpuSelection,
+    /// GPU backend: this process is one rank of a group of processes
+    /// (`--dist-init`), on one GPU (`gpus` names it; default: GPU `rank`
+    /// modulo the host's GPUs). Every rank must evaluate the same tokens.
+    pub dist: Option<DistInit>,
     /// GPU backend: bytes of GPU memory for the routed-expert cache
     /// (`None`: all that is free after the dense weights, less a reserve).
     pub gpu_memory: Option<u64>,
@@ -103,6 +108,7 @@ impl Default for SessionOptions {
             prefetch: Prefetch::Auto,
             backend: Backend::Cpu,
             gpus: GpuSelection::First,
+            dist: None,
             gpu_memory: None,
             cache_policy: CachePolicy::default(),
             cuda_graphs: true,
@@ -195,6 +201,11 @@ impl Session {
     /// Where this session computes (see [`Batch::backend`]).
     pub fn backend(&self) -> &str {
         self.batch.backend()
+    }
+
+    /// See [`Batch::shared_seed`].
+    pub fn shared_seed(&self) -> Option<u64> {
+        self.batch.shared_seed()
     }
 
     /// See [`Batch::gpu_unsupported`].

@@ -18,7 +18,8 @@ use crate::model::Model;
 use super::device::Gpu;
 use super::experts::CacheStats;
 use super::model::{CudaModel, CudaOptions, Ep, GpuSegment};
-use super::nccl::{self, Aborter, Comm};
+use super::nccl::{self, Aborter, Comm, UniqueId};
+use super::rendezvous::{self, DistInit};
 use super::shard::Shard;
 use super::state::GpuState;
 use super::support;
@@ -123,6 +124,28 @@ pub struct CudaGroup {
     aborters: Vec<Aborter>,
     /// Why the group stopped (a GPU failed mid-step): it evaluates no more.
     broken: Option<String>,
+    /// In a group of processes: rank 0's seed, the same in every process.
+    shared_seed: Option<u64>,
+}
+
+/// How long a process waits for the others at `--dist-init`
+/// (`MOEFLUX_DIST_TIMEOUT`, seconds; default 300).
+fn dist_timeout() -> std::time::Duration {
+    let s = std::env::var("MOEFLUX_DIST_TIMEOUT")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(300);
+    std::time::Duration::from_secs(s)
+}
+
+/// Each MoE layer and its expert size, for [`Shard::balanced`].
+fn moe_extents(model: &Model) -> Vec<(usize, usize)> {
+    model
+        .layers
+        .iter()
+        .filter_map(|l| l.mlp.moe())
+        .map(|b| (b.layer, b.experts.extent))
+        .collect()
 }
 
 /// One sequence's state on every GPU of the group (the same values).
@@ -166,19 +189,14 @@ impl CudaGroup {
                 ranks: vec![CudaModel::new(gpu, model, store, opts)?],
                 aborters: Vec::new(),
                 broken: None,
+                shared_seed: None,
             });
         }
         let ordinals: Vec<usize> = gpus.iter().map(|g| g.info.ordinal).collect();
         let comms = Comm::init_all(&ordinals)?;
         let aborters = comms.iter().map(Comm::aborter).collect();
-        let moe: Vec<(usize, usize)> = model
-            .layers
-            .iter()
-            .filter_map(|l| l.mlp.moe())
-            .map(|b| (b.layer, b.experts.extent))
-            .collect();
         let shards = Shard::balanced(
-            &moe,
+            &moe_extents(model),
             model.layers.len(),
             model.config.moe.num_experts,
             gpus.len(),
@@ -197,7 +215,56 @@ impl CudaGroup {
             ranks,
             aborters,
             broken: None,
+            shared_seed: None,
         })
+    }
+
+    /// `model` on this process's GPU as rank `d.rank` of `d.world`
+    /// processes (`--dist-init`): rank 0 serves NCCL's id over the TCP
+    /// rendezvous, every rank joins one NCCL group and owns its shard of
+    /// the experts, exactly as the GPUs of one process do.
+    pub fn new_dist(
+        gpu: Gpu,
+        d: &DistInit,
+        model: &Model,
+        store: &ExpertStore,
+        opts: &CudaOptions,
+    ) -> Result<CudaGroup> {
+        support::check(model)?;
+        nccl::version()?;
+        let id = match d.rank {
+            0 => nccl::unique_id()?.bytes,
+            _ => [0; 128],
+        };
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|t| t.as_nanos() as u64)
+            .unwrap_or(0);
+        let joined = rendezvous::join(d, id, seed, dist_timeout())?;
+        gpu.bind()?;
+        let comm = Comm::init_rank(&UniqueId { bytes: joined.id }, d.rank, d.world)?;
+        let aborters = vec![comm.aborter()];
+        let shard = Shard::balanced(
+            &moe_extents(model),
+            model.layers.len(),
+            model.config.moe.num_experts,
+            d.world,
+        )
+        .swap_remove(d.rank);
+        let ep = Some(Ep { shard, comm });
+        let m = CudaModel::new_in_group(gpu, model, store, opts, ep, &mut None)?;
+        Ok(CudaGroup {
+            ranks: vec![m],
+            aborters,
+            broken: None,
+            shared_seed: Some(joined.seed),
+        })
+    }
+
+    /// In a group of processes: a seed every process got from rank 0 (so
+    /// they sample the same tokens).
+    pub fn shared_seed(&self) -> Option<u64> {
+        self.shared_seed
     }
 
     /// The lead GPU's model (rank 0).
@@ -318,7 +385,15 @@ impl CudaGroup {
         }
         if world == 1 {
             let segs = per_rank.pop().expect("one rank");
-            return self.ranks[0].forward(model, store, pool, k, tokens, segs, times, trace);
+            let out = self.ranks[0].forward(model, store, pool, k, tokens, segs, times, trace);
+            if let Err(e) = &out {
+                if !self.aborters.is_empty() {
+                    // One rank of several processes: stop this one's part.
+                    Aborter::abort(&self.aborters);
+                    self.broken = Some(e.to_string());
+                }
+            }
+            return out;
         }
         let aborters = &self.aborters;
         let first_failed = std::sync::atomic::AtomicUsize::new(usize::MAX);

@@ -9,7 +9,8 @@
 //! `mla.rs` (multi-head latent attention) and `moe.rs` (dense MLP, MoE);
 //! `support.rs` says which models it can run, without a GPU. `group.rs`
 //! runs one model on several GPUs (routed experts sharded by `shard.rs`,
-//! MoE outputs summed through NCCL, `nccl.rs`).
+//! MoE outputs summed through NCCL, `nccl.rs`), or one GPU of a group of
+//! processes joined by `rendezvous.rs` (`--dist-init`).
 
 mod abi;
 mod attention;
@@ -22,6 +23,7 @@ mod mla;
 pub mod model;
 mod moe;
 pub mod nccl;
+pub mod rendezvous;
 mod ring;
 pub mod shard;
 pub mod state;
