@@ -264,7 +264,9 @@ pub(super) fn moe(
             }
             cx.arena.upload(g, d_bases, &bases)?;
             cpu_users = on_cpu.iter().map(|e| (*e, users[e].clone())).collect();
-        } else {
+        } else if !unique.is_empty() {
+            // (A GPU of a group may own none of the chosen experts: no
+            // launch, its partial is the zeroed slots.)
             let mut slot_list: Vec<i32> = Vec::with_capacity(n * k);
             let mut tasks = Vec::with_capacity(unique.len());
             for (p, slots) in ptrs.iter().zip(unique.iter().map(|e| &users[e])) {
