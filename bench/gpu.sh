@@ -222,10 +222,10 @@ if has f; then
     synth "$A3B" --preset qwen3.6-35b-a3b
     bench f-a3b-resident-1gpu "$A3B" --prompt-len $PPL --gen $TG
     bench f-a3b-resident-2gpu "$A3B" --prompt-len $PPL --gen $TG --gpus 0,1
-    MOEFLUX_EP_GRAPHS=1 bench f-a3b-resident-2gpu-graphs "$A3B" --prompt-len 0 --gen $TG --gpus 0,1
     export MOEFLUX_CUDA_PROFILE=1
     bench f-a3b-2gpu-profile "$A3B" --prompt-len 0 --gen 32 --gpus 0,1 --no-cuda-graphs
     unset MOEFLUX_CUDA_PROFILE
+    MOEFLUX_EP_GRAPHS=1 bench f-a3b-resident-2gpu-graphs "$A3B" --prompt-len 0 --gen $TG --gpus 0,1
     rm -rf "$A3B"
   fi
 fi

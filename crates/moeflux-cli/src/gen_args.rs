@@ -68,7 +68,12 @@ pub struct ModelArgs {
     /// `tcp://HOST:PORT` where rank 0 listens and hands NCCL's id to the
     /// others (NCCL then carries the traffic). Needs --rank and --world;
     /// every rank runs the same command (the same prompt and tokens).
-    #[arg(long, value_name = "tcp://HOST:PORT", requires = "rank", requires = "world")]
+    #[arg(
+        long,
+        value_name = "tcp://HOST:PORT",
+        requires = "rank",
+        requires = "world"
+    )]
     pub dist_init: Option<String>,
     /// With --dist-init: this process's rank, 0 to --world less 1.
     #[arg(long, requires = "dist_init")]

@@ -154,7 +154,15 @@ fn backend_choice_without_a_gpu() {
         let e = one_line_error(&out);
         assert!(e.contains("--gpus 0,1: CUDA is not available"), "{e}");
     }
-    let e = one_line_error(&moeflux(&["bench", "--model", m, "--gpus", "all", "--backend", "cpu"]));
+    let e = one_line_error(&moeflux(&[
+        "bench",
+        "--model",
+        m,
+        "--gpus",
+        "all",
+        "--backend",
+        "cpu",
+    ]));
     assert!(e.contains("--gpus all needs the GPU backend"), "{e}");
     let out = moeflux(&["bench", "--model", m, "--gpus", "0,0"]);
     assert!(!out.status.success());

@@ -10,8 +10,8 @@ use moeflux::backend::cuda::{CachePolicy, GpuSelection};
 use moeflux::session::Prefetch;
 use moeflux::{Backend, LogitsMode, Session, SessionOptions};
 
-use super::common::{check_against_golden, convert_fixture, eval_three_ways, fixtures, Golden};
 use super::common::EVAL_MODES;
+use super::common::{check_against_golden, convert_fixture, eval_three_ways, fixtures, Golden};
 use super::{cpu, gpu, gpu_with, max_rel_diff, qwen_check, random_tokens, Check, GUARD};
 
 /// Whether two GPUs exist; says why not otherwise.
@@ -107,7 +107,10 @@ fn synth_on_two(dir: &std::path::Path) {
         let mut g = two(dir, opts());
         let got = g.eval(&toks, LogitsMode::All).unwrap();
         let d = max_rel_diff(&got, &want);
-        assert!(d <= GUARD, "{policy:?} batch: 2 GPUs vs 1 max rel diff {d:e}");
+        assert!(
+            d <= GUARD,
+            "{policy:?} batch: 2 GPUs vs 1 max rel diff {d:e}"
+        );
         let s = g.gpu_cache_stats();
         assert!(s.misses > 0, "{policy:?}: never missed: {s:?}");
         let mut g = two(dir, opts());
@@ -116,7 +119,10 @@ fn synth_on_two(dir: &std::path::Path) {
             rows.extend(g.eval(&[t], LogitsMode::Last).unwrap());
         }
         let d = max_rel_diff(&rows, &want);
-        assert!(d <= GUARD, "{policy:?} incremental: 2 GPUs vs 1 max rel diff {d:e}");
+        assert!(
+            d <= GUARD,
+            "{policy:?} incremental: 2 GPUs vs 1 max rel diff {d:e}"
+        );
         eprintln!("2 GPUs {policy:?}: {:?}", g.gpu_cache_stats());
     }
     for (prefetch, cpu_experts) in [(Prefetch::Off, 0), (Prefetch::On, 1)] {
@@ -185,7 +191,10 @@ fn snapshots_from_two_gpus_load_on_one_and_the_cpu() {
     g2.eval(&toks[..p], LogitsMode::Last).unwrap();
     let snap = g2.state_save().unwrap();
     let want = g2.eval(next, LogitsMode::Last).unwrap();
-    for (name, mut s) in [("1 GPU", gpu_with(&dir, None, CachePolicy::default())), ("CPU", cpu(&dir))] {
+    for (name, mut s) in [
+        ("1 GPU", gpu_with(&dir, None, CachePolicy::default())),
+        ("CPU", cpu(&dir)),
+    ] {
         s.state_load(&snap).unwrap();
         let got = s.eval(next, LogitsMode::Last).unwrap();
         let d = max_rel_diff(&got, &want);
@@ -214,7 +223,10 @@ fn snapshots_from_two_gpus_load_on_one_and_the_cpu() {
     fresh.eval(&toks[..p - 4], LogitsMode::Last).unwrap();
     fresh.eval(&toks[p - 4..p], LogitsMode::Last).unwrap();
     let want = fresh.eval(next, LogitsMode::Last).unwrap();
-    assert_eq!(again, want, "truncate + re-eval on 2 GPUs differs from a fresh eval");
+    assert_eq!(
+        again, want,
+        "truncate + re-eval on 2 GPUs differs from a fresh eval"
+    );
 }
 
 #[test]
@@ -235,5 +247,8 @@ fn a_missing_gpu_is_named() {
     )
     .err()
     .expect("a GPU the host lacks");
-    assert!(e.to_string().contains(&format!("there is no GPU {n}")), "{e}");
+    assert!(
+        e.to_string().contains(&format!("there is no GPU {n}")),
+        "{e}"
+    );
 }

@@ -820,13 +820,15 @@ impl Pinned {
         let ptr = mem.as_ptr() as *mut c_void;
         // SAFETY: the range is a live mapping of the caller's; the GPU only
         // reads it.
-        unsafe { sys::cuMemHostRegister_v2(
+        unsafe {
+            sys::cuMemHostRegister_v2(
                 ptr,
                 mem.len(),
                 sys::CU_MEMHOSTREGISTER_READ_ONLY | sys::CU_MEMHOSTREGISTER_PORTABLE,
-            ) }
-            .result()
-            .map_err(|e| gpu_err("pinning host memory", e))?;
+            )
+        }
+        .result()
+        .map_err(|e| gpu_err("pinning host memory", e))?;
         Ok(Pinned {
             ptr,
             ctx: gpu.ctx.clone(),

@@ -279,7 +279,11 @@ impl CudaGroup {
 
     /// Every GPU, `GPU n (name, ...)`, comma-separated.
     pub fn describe(&self) -> String {
-        let gpus: Vec<String> = self.ranks.iter().map(|m| m.gpu().info.to_string()).collect();
+        let gpus: Vec<String> = self
+            .ranks
+            .iter()
+            .map(|m| m.gpu().info.to_string())
+            .collect();
         gpus.join(", ")
     }
 
@@ -430,9 +434,9 @@ impl CudaGroup {
             let mut results = vec![run(0, lead, lead_segs, times, trace)];
             for h in handles {
                 results.push(match h {
-                    Ok(h) => h.join().unwrap_or_else(|_| {
-                        Err(Error::Gpu("a GPU's thread panicked".into()))
-                    }),
+                    Ok(h) => h
+                        .join()
+                        .unwrap_or_else(|_| Err(Error::Gpu("a GPU's thread panicked".into()))),
                     Err(e) => {
                         Aborter::abort(aborters);
                         Err(Error::Gpu(format!("cannot start a GPU's thread: {e}")))
@@ -456,9 +460,11 @@ impl CudaGroup {
         } else {
             all.iter().position(|r| r.is_err()).expect("one failed")
         };
-        let err = std::mem::replace(&mut all[pick], Ok(Vec::new()))
-            .expect_err("picked an error");
-        self.broken = Some(format!("GPU {}: {err}", self.ranks[pick].gpu().info.ordinal));
+        let err = std::mem::replace(&mut all[pick], Ok(Vec::new())).expect_err("picked an error");
+        self.broken = Some(format!(
+            "GPU {}: {err}",
+            self.ranks[pick].gpu().info.ordinal
+        ));
         Err(err)
     }
 }

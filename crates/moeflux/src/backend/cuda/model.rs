@@ -29,10 +29,10 @@ use crate::model::{LogitsMode, Model};
 use super::abi::Qw;
 use super::device::{args, begin_capture, end_capture, DevBuf, Gpu, PinnedArena, PinnedDownload};
 use super::experts::{CachePolicy, CacheStats, ExpertCache, HostTier};
-use super::nccl::Comm;
-use super::shard::Shard;
 use super::linear::{dev_linear, matmuls, mm, rms_norm, DevLinear};
 use super::mla::MlaParams;
+use super::nccl::Comm;
+use super::shard::Shard;
 use super::state::{GpuLayerState, GpuState};
 use super::{attention, deltanet, mla, moe, support};
 

@@ -234,7 +234,13 @@ impl Comm {
 
     /// `recv[i] = sum over ranks of send[i]` for `count` floats, queued on
     /// `stream` (`send == recv` reduces in place).
-    pub fn all_reduce_f32(&self, send: u64, recv: u64, count: usize, stream: *mut c_void) -> Result<()> {
+    pub fn all_reduce_f32(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        stream: *mut c_void,
+    ) -> Result<()> {
         let guard = self.flag.0.read().unwrap_or_else(|e| e.into_inner());
         if *guard {
             return Err(Error::Gpu(

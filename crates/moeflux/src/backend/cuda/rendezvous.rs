@@ -39,7 +39,9 @@ impl DistInit {
             return Err(format!("`{url}` is not tcp://HOST:PORT"));
         }
         if world < 2 {
-            return Err(format!("a group of {world} processes: --world must be at least 2"));
+            return Err(format!(
+                "a group of {world} processes: --world must be at least 2"
+            ));
         }
         if rank >= world {
             return Err(format!("--rank {rank} is not below --world {world}"));
@@ -107,7 +109,8 @@ fn serve(d: &DistInit, j: Joined, deadline: Instant) -> Result<Joined> {
         };
         let io = |e| net_err(d, &format!("talking to {peer}"), e);
         s.set_nonblocking(false).map_err(io)?;
-        s.set_read_timeout(Some(Duration::from_secs(10))).map_err(io)?;
+        s.set_read_timeout(Some(Duration::from_secs(10)))
+            .map_err(io)?;
         let mut hello = [0u8; 16];
         s.read_exact(&mut hello).map_err(io)?;
         if &hello[..8] != MAGIC {
@@ -195,7 +198,10 @@ mod tests {
             ("tcp://h:1", 2, 2),
             ("tcp://h:1", 0, 1),
         ] {
-            assert!(DistInit::new(url, rank, world).is_err(), "{url} {rank} {world}");
+            assert!(
+                DistInit::new(url, rank, world).is_err(),
+                "{url} {rank} {world}"
+            );
         }
     }
 

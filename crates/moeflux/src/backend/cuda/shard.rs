@@ -106,7 +106,10 @@ mod tests {
         };
         let b: Vec<u64> = (0..3).map(bytes).collect();
         assert_eq!(b.iter().sum::<u64>(), 1600);
-        assert!(b.iter().max().unwrap() - b.iter().min().unwrap() <= 300, "{b:?}");
+        assert!(
+            b.iter().max().unwrap() - b.iter().min().unwrap() <= 300,
+            "{b:?}"
+        );
         for l in 0..2 {
             for e in 0..4 {
                 assert_eq!((0..3).filter(|&r| s[r].owns(l, e)).count(), 1);
