@@ -236,10 +236,10 @@ impl Batch {
                         d.addr,
                         nccl()?
                     ));
-                } else if m.len() > 1 {
+                } else if m.gpus() > 1 {
                     note.push_str(&format!(
                         "; routed experts sharded over {} GPUs, NCCL {}",
-                        m.len(),
+                        m.gpus(),
                         nccl()?
                     ));
                 }

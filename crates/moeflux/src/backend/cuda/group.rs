@@ -273,7 +273,7 @@ impl CudaGroup {
     }
 
     /// GPUs in the group.
-    pub fn len(&self) -> usize {
+    pub fn gpus(&self) -> usize {
         self.ranks.len()
     }
 

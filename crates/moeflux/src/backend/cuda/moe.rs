@@ -403,10 +403,7 @@ pub(super) fn moe(
         // Profiled as a kernel: its share of a step in MOEFLUX_CUDA_PROFILE.
         g.profiled(
             || format!("nccl_all_reduce [{n}x{h}]"),
-            || {
-                ep.comm
-                    .all_reduce_f32(out, x, n * h, g.stream.cu_stream() as *mut _)
-            },
+            || ep.comm.all_reduce_f32(out, x, n * h, &g.stream),
         )?;
     }
     lap(&mut clock, &mut times.expert_compute);

@@ -15,6 +15,8 @@
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::{Arc, OnceLock, RwLock};
 
+use cudarc::driver::CudaStream;
+
 use crate::error::{Error, Result};
 
 /// `ncclUniqueId`: 128 opaque bytes, passed by value.
@@ -239,7 +241,7 @@ impl Comm {
         send: u64,
         recv: u64,
         count: usize,
-        stream: *mut c_void,
+        stream: &CudaStream,
     ) -> Result<()> {
         let guard = self.flag.0.read().unwrap_or_else(|e| e.into_inner());
         if *guard {
@@ -259,7 +261,7 @@ impl Comm {
                 NCCL_FLOAT32,
                 NCCL_SUM,
                 self.raw,
-                stream,
+                stream.cu_stream() as *mut c_void,
             )
         })
     }
