@@ -27,6 +27,11 @@
 #      80 GB card has for the full model (54% and 34%: 77 GB less the dense part and a 3 GB
 #      reserve), misses from the pinned host tier; ms per MoE layer (the difference of the
 #      two depths) extrapolated to the full depth
+#   f  two GPUs (--gpus 0,1) against one, in the same run (needs 2 GPUs): c's 397B widths (12
+#      layers, top-10) with each GPU's --gpu-memory holding 30% of the experts (60% together),
+#      the rest in the pinned host tier, extrapolated to 60 layers; qwen3.6-35b-a3b widths
+#      fully resident: pp4096 and tg128, eager (2 GPUs) and with MOEFLUX_EP_GRAPHS=1; and
+#      the NCCL all-reduce's share of a decode step (MOEFLUX_CUDA_PROFILE, eager)
 #
 # $MOEFLUX names the binary (default: target/release/moeflux). Models go to --dir (default
 # /tmp/moeflux-bench) and are deleted when their part ends (the disk holds one at a time).
@@ -52,7 +57,7 @@ while [[ $# -gt 0 ]]; do
     --dir) DIR=${2:?}; shift 2 ;;
     --out) OUTDIR=${2:?}; shift 2 ;;
     --quick) QUICK=1; REPS=1; shift ;;
-    -h|--help) sed -n '2,34p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,39p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac
 done
@@ -201,6 +206,30 @@ if has e; then
   done
 fi
 
+if has f; then
+  ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+  if ((ngpu < 2)); then
+    note "f: skipped: needs 2 GPUs, found $ngpu"
+  else
+    BIG=$DIR/397b-12
+    synth "$BIG" --preset qwen3.5-397b-a17b --layers 12
+    budget=$(( $(expert_bytes "$BIG") * 3 / 10 ))
+    find "$BIG"/experts -type f -exec cat {} + >/dev/null
+    bench f-397b-12l-top10-1gpu "$BIG" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G
+    bench f-397b-12l-top10-2gpu "$BIG" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G --gpus 0,1
+    rm -rf "$BIG"
+    A3B=$DIR/a3b-40
+    synth "$A3B" --preset qwen3.6-35b-a3b
+    bench f-a3b-resident-1gpu "$A3B" --prompt-len $PPL --gen $TG
+    bench f-a3b-resident-2gpu "$A3B" --prompt-len $PPL --gen $TG --gpus 0,1
+    export MOEFLUX_CUDA_PROFILE=1
+    bench f-a3b-2gpu-profile "$A3B" --prompt-len 0 --gen 32 --gpus 0,1 --no-cuda-graphs
+    unset MOEFLUX_CUDA_PROFILE
+    MOEFLUX_EP_GRAPHS=1 bench f-a3b-resident-2gpu-graphs "$A3B" --prompt-len 0 --gen $TG --gpus 0,1
+    rm -rf "$A3B"
+  fi
+fi
+
 echo
 echo "| run | prefill tok/s | decode tok/s | expert I/O ms/tok | of roofline | cache hits | MB uploaded/tok | PCIe ceiling tok/s | H2D GB/s | HBM GB/s |"
 echo "|---|---|---|---|---|---|---|---|---|---|"
@@ -282,5 +311,31 @@ for line in open(os.path.join(out, "e-depths.txt")):
         print(f"{preset} host tier: +{extra:.2f} ms per MoE layer over resident at a "
               f"{hit * 100:.1f}% VRAM hit rate -> {t:.1f} ms/token ({1e3 / t:.1f} tok/s) "
               f"at {moe} MoE layers")
+EOF
+fi
+if has f && [[ -f $OUTDIR/f-397b-12l-top10-1gpu.json ]]; then
+  python3 - "$OUTDIR" <<'EOF'
+import json, sys, os
+out = sys.argv[1]
+def load(name):
+    p = os.path.join(out, name + ".json")
+    return json.load(open(p)) if os.path.exists(p) else None
+one, two = load("f-397b-12l-top10-1gpu"), load("f-397b-12l-top10-2gpu")
+if one and two:
+    for name, r in (("1 GPU", one), ("2 GPUs", two)):
+        ms = 1e3 / r["decode_tok_s"] / r["layers"]
+        print(f"f 397B {name}: {ms:.2f} ms per layer -> {1e3 / (ms * 60):.2f} tok/s at 60 layers")
+    print(f"f 397B: 2 GPUs / 1 GPU decode = {two['decode_tok_s'] / one['decode_tok_s']:.2f}x")
+a, b, g = load("f-a3b-resident-1gpu"), load("f-a3b-resident-2gpu"), load("f-a3b-resident-2gpu-graphs")
+if a and b:
+    print(f"f A3B resident: decode {b['decode_tok_s'] / a['decode_tok_s']:.2f}x one GPU (eager)"
+          + (f", {g['decode_tok_s'] / a['decode_tok_s']:.2f}x with graphs" if g else "")
+          + f"; pp{a['prefill']['tokens']} {b['prefill_tok_s'] / a['prefill_tok_s']:.2f}x")
+# The profile's all-reduce line per GPU: name, ms, share of the GPU's time, launches.
+log = os.path.join(out, "f-a3b-2gpu-profile.log")
+if os.path.exists(log):
+    for line in open(log):
+        if "nccl_all_reduce" in line:
+            print("f all-reduce (per GPU, share of the eager decode's GPU time):", line.strip())
 EOF
 fi

@@ -40,6 +40,10 @@ const MAX_CONVERSATION_BYTES: u64 = 64 << 20;
 const KEPT: &str = "the conversation is kept: /save it, /clear to start over, or go on";
 
 pub fn run(args: ChatArgs) -> Result<()> {
+    if args.model.dist_init.is_some() {
+        // Every rank would need the same typed turns.
+        anyhow::bail!("chat does not take --dist-init (use run, logits, bench or perplexity)");
+    }
     let sampler = args.sampling.sampler(&args.model.dir()?)?;
     let mut loaded = load(&args.model)?;
     let cancel = interrupt_flag()?;

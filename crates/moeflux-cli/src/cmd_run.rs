@@ -35,6 +35,7 @@ pub struct RunArgs {
 pub fn run(args: RunArgs) -> Result<()> {
     let sampler = args.sampling.sampler(&args.model.dir()?)?;
     let mut loaded = load(&args.model)?;
+    let sampler = args.sampling.shared_seed(sampler, &loaded.session);
     let (prompt_ids, starts_in_reasoning) = match (&args.prompt_ids, &args.prompt) {
         (Some(ids), _) => (parse_tokens("--prompt-ids", ids)?, false),
         (None, Some(text)) if args.raw => (loaded.tokenizer.encode(text, true)?, false),

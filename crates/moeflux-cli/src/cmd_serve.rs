@@ -115,6 +115,10 @@ fn api_key(
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
+    if args.model.dist_init.is_some() {
+        // Requests reach one process; the other ranks would never step.
+        anyhow::bail!("serve does not take --dist-init (use --gpus for several GPUs of one host)");
+    }
     let env_key = std::env::var_os(API_KEY_ENV)
         .map(|v| {
             v.into_string()

@@ -10,7 +10,7 @@ use clap::Args;
 use moeflux::backend::cuda::CachePolicy;
 use moeflux::generate::GenerateOptions;
 use moeflux::sample::SamplerConfig;
-use moeflux::session::{Backend, Prefetch};
+use moeflux::session::{Backend, DistInit, GpuSelection, Prefetch};
 use moeflux::text::chat::ChatTemplate;
 use moeflux::text::tokenizer::Tokenizer;
 use moeflux::{Session, SessionOptions};
@@ -55,6 +55,32 @@ pub struct ModelArgs {
     /// a device are present, else the CPU.
     #[arg(long, default_value = "auto", value_parser = parse_backend)]
     pub backend: Backend,
+    /// GPUs to run on: `all`, or CUDA numbers such as `0,1` (default: GPU
+    /// 0). Several share the work: each holds the dense model and the
+    /// sequence state, the routed experts are split between them by bytes
+    /// (each caches and uploads only its own), and NCCL sums each MoE
+    /// layer's output (NCCL is loaded at run time: NVIDIA's
+    /// `nvidia-nccl-cu13` wheel or the CUDA toolkit's libnccl2). An error,
+    /// not a CPU fallback, when a GPU or NCCL is missing.
+    #[arg(long, value_parser = parse_gpus)]
+    pub gpus: Option<GpuSelection>,
+    /// Join a group of processes, one GPU each, on this or other hosts:
+    /// `tcp://HOST:PORT` where rank 0 listens and hands NCCL's id to the
+    /// others (NCCL then carries the traffic). Needs --rank and --world;
+    /// every rank runs the same command (the same prompt and tokens).
+    #[arg(
+        long,
+        value_name = "tcp://HOST:PORT",
+        requires = "rank",
+        requires = "world"
+    )]
+    pub dist_init: Option<String>,
+    /// With --dist-init: this process's rank, 0 to --world less 1.
+    #[arg(long, requires = "dist_init")]
+    pub rank: Option<usize>,
+    /// With --dist-init: the number of processes.
+    #[arg(long, requires = "dist_init")]
+    pub world: Option<usize>,
     /// GPU: memory for the routed-expert cache, e.g. `20G` or `512M`
     /// (default: all free memory after the dense weights, less 3 GiB, at most
     /// what all experts take; when they all fit, they are loaded at start).
@@ -134,6 +160,10 @@ fn parse_backend(s: &str) -> std::result::Result<Backend, String> {
     Backend::parse(s).ok_or_else(|| format!("`{s}` is not one of auto, cpu, cuda"))
 }
 
+fn parse_gpus(s: &str) -> std::result::Result<GpuSelection, String> {
+    GpuSelection::parse(s)
+}
+
 fn parse_prefetch(s: &str) -> std::result::Result<Prefetch, String> {
     Prefetch::parse(s).ok_or_else(|| format!("`{s}` is not one of auto, on, off"))
 }
@@ -186,10 +216,21 @@ impl ModelArgs {
         }
     }
 
+    /// `--dist-init`, `--rank` and `--world`, checked.
+    pub fn dist(&self) -> Result<Option<DistInit>> {
+        match (&self.dist_init, self.rank, self.world) {
+            (Some(url), Some(rank), Some(world)) => DistInit::new(url, rank, world)
+                .map(Some)
+                .map_err(|e| anyhow::anyhow!("--dist-init: {e}")),
+            _ => Ok(None),
+        }
+    }
+
     /// Opens the session these flags describe (saying so when it is the
     /// demo model because no `--model` was given).
     pub fn open_session(&self) -> Result<Session> {
         let dir = self.dir()?;
+        let dist = self.dist()?;
         if self.model.is_none() {
             eprintln!(
                 "no --model given: using the demo model {} (docs/DEMO.md)",
@@ -220,6 +261,8 @@ impl ModelArgs {
                 prefetch: self.prefetch,
                 max_context: self.ctx,
                 backend: self.backend,
+                gpus: self.gpus.clone().unwrap_or_default(),
+                dist,
                 gpu_memory: self.gpu_memory,
                 cache_policy: self.cache_policy,
                 cuda_graphs: !self.no_cuda_graphs,
@@ -338,6 +381,15 @@ impl DisplayArgs {
 }
 
 impl SamplingArgs {
+    /// `cfg` with the seed a group of processes shares (rank 0's, from
+    /// `--dist-init`) unless --seed was given, so every rank samples alike.
+    pub fn shared_seed(&self, mut cfg: SamplerConfig, session: &Session) -> SamplerConfig {
+        if let (None, Some(seed)) = (self.seed, session.shared_seed()) {
+            cfg.seed = seed;
+        }
+        cfg
+    }
+
     /// Flags first, then the model's generation_config.json, then defaults.
     pub fn sampler(&self, model_dir: &Path) -> Result<SamplerConfig> {
         let gc_path = model_dir.join("generation_config.json");

@@ -148,6 +148,25 @@ fn backend_choice_without_a_gpu() {
     let out = moeflux(&["bench", "--model", m, "--backend", "tpu"]);
     assert!(!out.status.success());
     assert!(text(&out.stderr).contains("auto, cpu, cuda"));
+    // Named GPUs are never a silent CPU fallback.
+    for backend in ["auto", "cuda"] {
+        let out = moeflux(&["bench", "--model", m, "--gpus", "0,1", "--backend", backend]);
+        let e = one_line_error(&out);
+        assert!(e.contains("--gpus 0,1: CUDA is not available"), "{e}");
+    }
+    let e = one_line_error(&moeflux(&[
+        "bench",
+        "--model",
+        m,
+        "--gpus",
+        "all",
+        "--backend",
+        "cpu",
+    ]));
+    assert!(e.contains("--gpus all needs the GPU backend"), "{e}");
+    let out = moeflux(&["bench", "--model", m, "--gpus", "0,0"]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("GPU 0 is listed twice"));
 }
 
 /// `--prefetch` takes auto|on|off and, bare, means on: on the CPU `auto`

@@ -3,12 +3,14 @@
 //! within the CPU's own bounds —, every block of every family against the
 //! CPU's (per-block traces), the CPU backend on random inputs,
 //! snapshots across backends, truncation, and a tiny expert cache that must
-//! evict, for both families; and the demo model against transformers. These
+//! evict, for both families; and the demo model against transformers
+//! (`gpu_multi/`: two GPUs against one, where two exist). These
 //! need an NVIDIA GPU and are ignored by default; on the GPU machine:
 //! `scripts/gpu/run.sh tests` (see scripts/gpu/README.md), or
 //! `cargo test --release -p moeflux --test gpu -- --ignored`.
 
 mod common;
+mod gpu_multi;
 mod gpu_window;
 
 use std::path::Path;

@@ -10,7 +10,9 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
-use crate::backend::cuda::{support, CacheStats, CudaModel, CudaOptions, Gpu};
+use crate::backend::cuda::group::open_gpus;
+use crate::backend::cuda::GpuSelection;
+use crate::backend::cuda::{support, CacheStats, CudaGroup, CudaOptions};
 use crate::backend::prefetch::PrefetchStats;
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
@@ -147,14 +149,46 @@ impl Batch {
         // Whether the GPU backend takes this model is known without a GPU:
         // `cuda` fails with the reason, `auto` runs on the CPU and says why.
         let mut unsupported_on_gpu = None;
+        // GPUs named with `--gpus` must be used: no CPU fallback.
+        let explicit = opts.gpus.is_explicit() || opts.dist.is_some();
+        if explicit && opts.backend == Backend::Cpu {
+            let what = match &opts.dist {
+                Some(_) => "--dist-init".to_string(),
+                None => format!("--gpus {}", opts.gpus),
+            };
+            return Err(Error::Invalid(format!(
+                "{what} needs the GPU backend, not --backend cpu"
+            )));
+        }
+        // A rank of several processes runs on one GPU: the one named, else
+        // GPU `rank` of this host's.
+        let gpus = match (&opts.dist, &opts.gpus) {
+            (Some(d), GpuSelection::First) => {
+                let n = crate::backend::cuda::device::device_count()
+                    .map_err(|e| Error::Gpu(format!("--dist-init: {e}")))?
+                    .max(1);
+                GpuSelection::List(vec![d.rank % n])
+            }
+            (Some(_), GpuSelection::List(l)) if l.len() == 1 => opts.gpus.clone(),
+            (Some(_), g) => {
+                return Err(Error::Invalid(format!(
+                    "--dist-init runs one GPU per process; --gpus {g} names more"
+                )))
+            }
+            (None, g) => g.clone(),
+        };
         let gpu = match opts.backend {
             Backend::Cpu => Err("CPU backend requested".to_string()),
             Backend::Cuda => {
                 support::check(&model)?;
-                Ok(Gpu::open()?)
+                Ok(open_gpus(&gpus)?)
+            }
+            Backend::Auto if explicit => {
+                support::check(&model)?;
+                Ok(open_gpus(&gpus)?)
             }
             Backend::Auto => match support::check(&model) {
-                Ok(()) => Gpu::open().map_err(|e| e.to_string()),
+                Ok(()) => open_gpus(&gpus).map_err(|e| e.to_string()),
                 Err(e @ Error::Unsupported { .. }) => {
                     unsupported_on_gpu = Some(e.to_string());
                     Err(e.to_string())
@@ -176,8 +210,7 @@ impl Batch {
         )?;
         let (engine, backend_note) = match gpu {
             // Every family runs on the GPU (the CUDA model takes either).
-            Ok(gpu) => {
-                let mut note = format!("cuda: {}", gpu.info);
+            Ok(gpus) => {
                 let cuda = CudaOptions {
                     gpu_memory: opts.gpu_memory,
                     cache_policy: opts.cache_policy,
@@ -186,7 +219,30 @@ impl Batch {
                     prefetch: opts.prefetch,
                     cpu_experts: opts.cpu_experts,
                 };
-                let m = CudaModel::new(gpu, &model, &store, &cuda)?;
+                let m = match &opts.dist {
+                    Some(d) => {
+                        let gpu = gpus.into_iter().next().expect("one GPU per rank");
+                        CudaGroup::new_dist(gpu, d, &model, &store, &cuda)?
+                    }
+                    None => CudaGroup::new(gpus, &model, &store, &cuda)?,
+                };
+                let mut note = format!("cuda: {}", m.describe());
+                let nccl = || crate::backend::cuda::nccl::version();
+                if let Some(d) = &opts.dist {
+                    note.push_str(&format!(
+                        "; rank {} of {} processes (tcp://{}), routed experts sharded, NCCL {}",
+                        d.rank,
+                        d.world,
+                        d.addr,
+                        nccl()?
+                    ));
+                } else if m.gpus() > 1 {
+                    note.push_str(&format!(
+                        "; routed experts sharded over {} GPUs, NCCL {}",
+                        m.gpus(),
+                        nccl()?
+                    ));
+                }
                 let (layers, bytes) = m.host_tier();
                 if layers > 0 {
                     note.push_str(&format!(
@@ -300,6 +356,15 @@ impl Batch {
         self.unsupported_on_gpu.as_deref()
     }
 
+    /// In a group of processes (`SessionOptions::dist`): the seed every
+    /// process received from rank 0, for sampling the same tokens.
+    pub fn shared_seed(&self) -> Option<u64> {
+        match &self.engine {
+            Engine::Cuda(m) => m.shared_seed(),
+            Engine::Cpu { .. } => None,
+        }
+    }
+
     /// Whether the forward pass runs on a GPU.
     pub fn on_gpu(&self) -> bool {
         matches!(self.engine, Engine::Cuda(_))
@@ -317,7 +382,10 @@ impl Batch {
     /// GB/s, measured now (`None` on the CPU).
     pub fn gpu_bandwidths(&self) -> Result<Option<(f64, f64)>> {
         match &self.engine {
-            Engine::Cuda(m) => Ok(Some((m.gpu().hbm_read_gb_s()?, m.gpu().h2d_pinned_gb_s()?))),
+            Engine::Cuda(m) => {
+                let gpu = m.lead().gpu();
+                Ok(Some((gpu.hbm_read_gb_s()?, gpu.h2d_pinned_gb_s()?)))
+            }
             Engine::Cpu { .. } => Ok(None),
         }
     }

@@ -6,8 +6,7 @@ use std::borrow::Cow;
 
 use crate::backend::cpu::exec::CpuExecutor;
 use crate::backend::cpu::experts::ExpertRun;
-use crate::backend::cuda::model::{CudaModel, GpuSegment};
-use crate::backend::cuda::state::GpuState;
+use crate::backend::cuda::group::{CudaGroup, GroupSegment, GroupState};
 use crate::backend::prefetch::PrefetchStats;
 use crate::error::{Error, Result};
 use crate::io::{ExpertBuf, ExpertStore};
@@ -22,13 +21,13 @@ pub(crate) enum Engine {
         /// Reusable expert read buffers.
         bufs: Vec<ExpertBuf>,
     },
-    Cuda(Box<CudaModel>),
+    Cuda(Box<CudaGroup>),
 }
 
 /// One sequence's state, where its engine keeps it.
 pub(crate) enum SeqState {
     Cpu(ModelState),
-    Cuda(GpuState),
+    Cuda(GroupState),
 }
 
 /// What a forward pass needs besides the engine.
@@ -100,7 +99,7 @@ impl Engine {
                     .into_iter()
                     .zip(segs)
                     .map(|(s, seg)| match s {
-                        SeqState::Cuda(state) => GpuSegment { state, seg },
+                        SeqState::Cuda(state) => GroupSegment { state, seg },
                         SeqState::Cpu(_) => unreachable!("a host state on the GPU engine"),
                     })
                     .collect();

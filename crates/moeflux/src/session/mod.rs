@@ -8,6 +8,8 @@ pub mod snapshot;
 
 use std::path::Path;
 
+pub use crate::backend::cuda::rendezvous::DistInit;
+pub use crate::backend::cuda::GpuSelection;
 use crate::backend::cuda::{CachePolicy, CacheStats};
 pub use crate::backend::prefetch::Prefetch;
 use crate::backend::prefetch::PrefetchStats;
@@ -43,6 +45,16 @@ pub struct SessionOptions {
     pub prefetch: Prefetch,
     /// Where the forward pass runs.
     pub backend: Backend,
+    /// GPU backend: which GPUs (`--gpus`). Several form an expert-parallel
+    /// group: the dense model and the sequence state on each, the routed
+    /// experts sharded between them, NCCL summing each MoE layer's output.
+    /// Anything but the default needs a GPU: with `Backend::Auto` it is an
+    /// error, not a fallback to the CPU, when they cannot be used.
+    pub gpus: GpuSelection,
+    /// GPU backend: this process is one rank of a group of processes
+    /// (`--dist-init`), on one GPU (`gpus` names it; default: GPU `rank`
+    /// modulo the host's GPUs). Every rank must evaluate the same tokens.
+    pub dist: Option<DistInit>,
     /// GPU backend: bytes of GPU memory for the routed-expert cache
     /// (`None`: all that is free after the dense weights, less a reserve).
     pub gpu_memory: Option<u64>,
@@ -95,6 +107,8 @@ impl Default for SessionOptions {
             max_context: None,
             prefetch: Prefetch::Auto,
             backend: Backend::Cpu,
+            gpus: GpuSelection::First,
+            dist: None,
             gpu_memory: None,
             cache_policy: CachePolicy::default(),
             cuda_graphs: true,
@@ -187,6 +201,11 @@ impl Session {
     /// Where this session computes (see [`Batch::backend`]).
     pub fn backend(&self) -> &str {
         self.batch.backend()
+    }
+
+    /// See [`Batch::shared_seed`].
+    pub fn shared_seed(&self) -> Option<u64> {
+        self.batch.shared_seed()
     }
 
     /// See [`Batch::gpu_unsupported`].

@@ -179,24 +179,44 @@ pub fn driver_present() -> bool {
     unsafe { sys::is_culib_present() }
 }
 
-/// Finds GPU 0, or says why there is none: no CUDA driver library, no
-/// device, or the driver refused. Never panics.
-pub fn probe() -> Result<GpuInfo> {
+/// GPUs the driver sees, or why CUDA cannot be used (no driver library,
+/// or the driver refused). Never panics.
+pub fn device_count() -> Result<usize> {
     if !driver_present() {
         return Err(Error::Gpu(
             "CUDA is not available: the NVIDIA driver library (libcuda.so) was not found".into(),
         ));
     }
     let count = CudaContext::device_count().map_err(|e| gpu_err("CUDA is not usable", e))?;
+    Ok(count.max(0) as usize)
+}
+
+/// Finds GPU 0, or says why there is none: no CUDA driver library, no
+/// device, or the driver refused. Never panics.
+pub fn probe() -> Result<GpuInfo> {
+    probe_ordinal(0)
+}
+
+/// Finds GPU `ordinal`, or says why it cannot be used (as [`probe`]; a GPU
+/// the host does not have names how many it has).
+pub fn probe_ordinal(ordinal: usize) -> Result<GpuInfo> {
+    let count = device_count()?;
     if count < 1 {
         return Err(Error::Gpu("CUDA is available but there is no GPU".into()));
     }
-    let ctx = CudaContext::new(0).map_err(|e| gpu_err("cannot open GPU 0", e))?;
-    let (free_bytes, total_bytes) = ctx.mem_get_info().map_err(|e| gpu_err("GPU 0", e))?;
+    if ordinal >= count {
+        return Err(Error::Gpu(format!(
+            "there is no GPU {ordinal}: this host has {count} (GPUs 0 to {})",
+            count - 1
+        )));
+    }
+    let what = format!("GPU {ordinal}");
+    let ctx = CudaContext::new(ordinal).map_err(|e| gpu_err(&format!("cannot open {what}"), e))?;
+    let (free_bytes, total_bytes) = ctx.mem_get_info().map_err(|e| gpu_err(&what, e))?;
     Ok(GpuInfo {
-        ordinal: 0,
-        name: ctx.name().map_err(|e| gpu_err("GPU 0", e))?,
-        cc: ctx.compute_capability().map_err(|e| gpu_err("GPU 0", e))?,
+        ordinal,
+        name: ctx.name().map_err(|e| gpu_err(&what, e))?,
+        cc: ctx.compute_capability().map_err(|e| gpu_err(&what, e))?,
         total_bytes,
         free_bytes,
     })
@@ -257,7 +277,12 @@ impl Gpu {
     /// Opens GPU 0 and loads the kernels (compiling them once per kernel
     /// source, architecture and NVRTC version; see [`ptx_cache_dir`]).
     pub fn open() -> Result<Gpu> {
-        let info = probe()?;
+        Gpu::open_ordinal(0)
+    }
+
+    /// Opens GPU `ordinal` (see [`Gpu::open`]).
+    pub fn open_ordinal(ordinal: usize) -> Result<Gpu> {
+        let info = probe_ordinal(ordinal)?;
         let ctx = CudaContext::new(info.ordinal).map_err(|e| gpu_err("cannot open GPU", e))?;
         // Synchronisation between the two streams is explicit (events).
         // SAFETY: no buffer of this context exists yet.
@@ -365,6 +390,23 @@ impl Gpu {
         params: &mut [*mut c_void],
     ) -> Result<()> {
         let f = self.funcs.get(name).expect("kernel listed in KERNEL_NAMES");
+        self.profiled(
+            || format!("{name} [{}x{}]", grid.0, grid.1),
+            || {
+                self.raw_launch(f, grid, block, smem, params)
+                    .map_err(|e| gpu_err(&format!("launching {name}"), e))
+            },
+        )
+    }
+
+    /// Runs `queue` (which queues work on the compute stream); with
+    /// `MOEFLUX_CUDA_PROFILE`, outside graph capture, waits for that work
+    /// and adds its GPU time to the profile under `label()`.
+    pub fn profiled(
+        &self,
+        label: impl FnOnce() -> String,
+        queue: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
         if let Some(p) = &self.profile {
             use cudarc::driver::sys::{CUevent_flags, CUstreamCaptureStatus};
             let capturing = self
@@ -378,23 +420,20 @@ impl Gpu {
                         .map_err(|e| gpu_err("GPU event", e))
                 };
                 let start = ev(&self.stream)?;
-                self.raw_launch(f, grid, block, smem, params)
-                    .map_err(|e| gpu_err(&format!("launching {name}"), e))?;
+                queue()?;
                 let end = ev(&self.stream)?;
+                let label = label();
                 let ms = start
                     .elapsed_ms(&end)
-                    .map_err(|e| gpu_err(&format!("running {name}"), e))?;
+                    .map_err(|e| gpu_err(&format!("running {label}"), e))?;
                 let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
-                let slot = p
-                    .entry(format!("{name} [{}x{}]", grid.0, grid.1))
-                    .or_default();
+                let slot = p.entry(label).or_default();
                 slot.0 += 1;
                 slot.1 += ms as f64;
                 return Ok(());
             }
         }
-        self.raw_launch(f, grid, block, smem, params)
-            .map_err(|e| gpu_err(&format!("launching {name}"), e))
+        queue()
     }
 
     /// Launches on the compute stream; on Hopper and later with
@@ -774,15 +813,22 @@ impl Pinned {
 
 impl Pinned {
     /// Registers read-only memory (e.g. a read-only file mapping) as pinned
-    /// so the GPU can copy from it at full speed.
+    /// so every GPU of the process can copy from it at full speed (portable:
+    /// the GPUs of a multi-GPU group share one host tier).
     pub fn register_read_only(gpu: &Gpu, mem: &[u8]) -> Result<Pinned> {
         gpu.bind()?;
         let ptr = mem.as_ptr() as *mut c_void;
         // SAFETY: the range is a live mapping of the caller's; the GPU only
         // reads it.
-        unsafe { sys::cuMemHostRegister_v2(ptr, mem.len(), sys::CU_MEMHOSTREGISTER_READ_ONLY) }
-            .result()
-            .map_err(|e| gpu_err("pinning host memory", e))?;
+        unsafe {
+            sys::cuMemHostRegister_v2(
+                ptr,
+                mem.len(),
+                sys::CU_MEMHOSTREGISTER_READ_ONLY | sys::CU_MEMHOSTREGISTER_PORTABLE,
+            )
+        }
+        .result()
+        .map_err(|e| gpu_err("pinning host memory", e))?;
         Ok(Pinned {
             ptr,
             ctx: gpu.ctx.clone(),

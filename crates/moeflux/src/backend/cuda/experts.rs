@@ -98,6 +98,10 @@ impl Staged {
     }
 }
 
+/// Per model layer, the registration pinning its mapped expert file
+/// (portable, so every GPU of the process copies from it).
+pub type HostTier = std::sync::Arc<Vec<Option<Pinned>>>;
+
 pub struct ExpertCache {
     slots: DevBuf,
     extent: usize,
@@ -116,8 +120,8 @@ pub struct ExpertCache {
     staging: Vec<Staged>,
     /// The host tier: per model layer, the registration that pins its
     /// mapped expert file (misses of such layers are copied straight from
-    /// it at full PCIe speed).
-    host: Vec<Option<Pinned>>,
+    /// it at full PCIe speed); shared by the GPUs of a group.
+    host: HostTier,
     /// Once every expert is resident: per model layer, `num_experts` device
     /// addresses (the router kernel looks experts up here, no host trip).
     table: Option<(DevBuf, usize)>,
@@ -169,7 +173,7 @@ impl ExpertCache {
             floor: 0,
             clock: 0,
             staging,
-            host: Vec::new(),
+            host: HostTier::default(),
             table: None,
             in_use: Vec::new(),
             prefetched: vec![false; n_slots],
@@ -178,25 +182,32 @@ impl ExpertCache {
         })
     }
 
-    /// Uploads every expert of `layers` (when they all fit) and builds the
-    /// address table, so decode never leaves the GPU. Returns whether it
-    /// did.
+    /// Uploads every expert of every layer that `owns(layer, expert)` (all
+    /// of them on one GPU; a GPU's shard in a group) when they all fit, and
+    /// builds the address table (0 for experts another GPU owns, which the
+    /// per-slot kernels skip), so decode never leaves the GPU. Returns
+    /// whether it did.
     pub fn preload_all(
         &mut self,
         gpu: &Gpu,
         store: &ExpertStore,
         num_layers: usize,
         num_experts: usize,
+        owns: impl Fn(usize, usize) -> bool,
     ) -> Result<bool> {
-        let layers: Vec<usize> = store.layers().collect();
-        if layers.len() * num_experts > self.n_slots {
+        let layers: Vec<(usize, Vec<usize>)> = store
+            .layers()
+            .map(|l| (l, (0..num_experts).filter(|&e| owns(l, e)).collect()))
+            .collect();
+        if layers.iter().map(|(_, ids)| ids.len()).sum::<usize>() > self.n_slots {
             return Ok(false);
         }
-        let all: Vec<usize> = (0..num_experts).collect();
         let mut table = vec![0u64; num_layers * num_experts];
-        for &l in &layers {
-            let ptrs = self.ensure(gpu, store, l, &all)?;
-            table[l * num_experts..(l + 1) * num_experts].copy_from_slice(&ptrs);
+        for (l, ids) in &layers {
+            let ptrs = self.ensure(gpu, store, *l, ids)?;
+            for (&e, p) in ids.iter().zip(ptrs) {
+                table[l * num_experts + e] = p;
+            }
         }
         gpu.copy
             .synchronize()
@@ -287,6 +298,7 @@ impl ExpertCache {
         budget: u64,
     ) -> Result<(usize, u64)> {
         let (mut layers, mut bytes) = (0, 0u64);
+        let mut host: Vec<Option<Pinned>> = Vec::new();
         for l in store.layers() {
             let Some(map) = store.mapping(l) else {
                 break;
@@ -301,14 +313,25 @@ impl ExpertCache {
                     map.len() as f64 / 1e9
                 ))
             })?;
-            if self.host.len() <= l {
-                self.host.resize_with(l + 1, || None);
+            if host.len() <= l {
+                host.resize_with(l + 1, || None);
             }
-            self.host[l] = Some(pin);
+            host[l] = Some(pin);
             layers += 1;
             bytes += map.len() as u64;
         }
+        self.host = HostTier::new(host);
         Ok((layers, bytes))
+    }
+
+    /// The host tier, to share with another GPU's cache.
+    pub fn host_tier(&self) -> HostTier {
+        self.host.clone()
+    }
+
+    /// Uses a host tier another GPU's cache pinned.
+    pub fn share_host_tier(&mut self, tier: HostTier) {
+        self.host = tier;
     }
 
     /// Whether `layer`'s expert files are pinned in host RAM.

@@ -7,21 +7,29 @@
 //! `model.rs` runs the one layer stack (`model::forward`) with the blocks of
 //! `attention.rs` (grouped-query attention), `deltanet.rs` (GatedDeltaNet),
 //! `mla.rs` (multi-head latent attention) and `moe.rs` (dense MLP, MoE);
-//! `support.rs` says which models it can run, without a GPU.
+//! `support.rs` says which models it can run, without a GPU. `group.rs`
+//! runs one model on several GPUs (routed experts sharded by `shard.rs`,
+//! MoE outputs summed through NCCL, `nccl.rs`), or one GPU of a group of
+//! processes joined by `rendezvous.rs` (`--dist-init`).
 
 mod abi;
 mod attention;
 mod deltanet;
 pub mod device;
 pub mod experts;
+pub mod group;
 mod linear;
 mod mla;
 pub mod model;
 mod moe;
+pub mod nccl;
+pub mod rendezvous;
 mod ring;
+pub mod shard;
 pub mod state;
 pub mod support;
 
 pub use device::{probe, Gpu, GpuInfo};
 pub use experts::{CachePolicy, CacheStats};
+pub use group::{CudaGroup, GpuSelection};
 pub use model::{CudaModel, CudaOptions, PREFETCH_AUTO_MIN_EXTENT};

@@ -28,9 +28,11 @@ use crate::model::{LogitsMode, Model};
 
 use super::abi::Qw;
 use super::device::{args, begin_capture, end_capture, DevBuf, Gpu, PinnedArena, PinnedDownload};
-use super::experts::{CachePolicy, CacheStats, ExpertCache};
+use super::experts::{CachePolicy, CacheStats, ExpertCache, HostTier};
 use super::linear::{dev_linear, matmuls, mm, rms_norm, DevLinear};
 use super::mla::MlaParams;
+use super::nccl::Comm;
+use super::shard::Shard;
 use super::state::{GpuLayerState, GpuState};
 use super::{attention, deltanet, mla, moe, support};
 
@@ -121,6 +123,16 @@ pub(super) struct Ctx<'a> {
     pub host_weights: &'a crate::model::weights::Weights,
     /// Pinned memory for what the host reads back mid-step.
     pub downloads: &'a mut PinnedDownload,
+    /// In a multi-GPU group: this GPU's experts and its communicator.
+    pub ep: Option<&'a Ep>,
+}
+
+/// A GPU's part in an expert-parallel group: the routed experts it owns
+/// (it caches, uploads and computes only those) and its communicator (the
+/// MoE layers' partial outputs are summed across the group).
+pub struct Ep {
+    pub shard: Shard,
+    pub comm: Comm,
 }
 
 /// Experts at least this large are prefetched by `Prefetch::Auto`. On the
@@ -171,7 +183,7 @@ const RESERVE: usize = 3 << 30;
 
 /// A captured decode step and the buffer layout it was captured with.
 struct DecodeGraph {
-    graph: cudarc::driver::CudaGraph,
+    graph: SendGraph,
     epoch: u64,
     /// The sequence states whose buffers it writes, one token each.
     states: Vec<u64>,
@@ -181,6 +193,14 @@ struct DecodeGraph {
     /// Whether it picks greedy tokens (`argmax_rows` after the LM head).
     picks: bool,
 }
+
+/// A captured graph that may move to the thread driving its GPU in a group.
+struct SendGraph(cudarc::driver::CudaGraph);
+
+// SAFETY: CUDA graph handles belong to the context, not to a thread; the
+// graph is launched and dropped only by whoever holds the `CudaModel`
+// (`&mut`), after binding the context to that thread.
+unsafe impl Send for SendGraph {}
 
 /// One sequence's rows of a GPU eval and its state.
 pub struct GpuSegment<'s> {
@@ -232,6 +252,8 @@ pub struct CudaModel {
     graph: Option<DecodeGraph>,
     /// Layers and bytes of expert files pinned in host RAM.
     host_tier: (usize, u64),
+    /// In a multi-GPU group: this GPU's shard and communicator.
+    ep: Option<Ep>,
 }
 
 /// Where the dense file starts in its VRAM buffer: shifted so that the data
@@ -268,6 +290,21 @@ impl CudaModel {
         model: &Model,
         store: &ExpertStore,
         opts: &CudaOptions,
+    ) -> Result<CudaModel> {
+        CudaModel::new_in_group(gpu, model, store, opts, None, &mut None)
+    }
+
+    /// [`CudaModel::new`] for one GPU of a multi-GPU group (`ep`): only the
+    /// experts its shard owns are cached. `host`: the group's host tier
+    /// once a GPU has pinned it (shared, so the files are pinned once), or
+    /// `None` for this GPU to pin it when it needs one.
+    pub fn new_in_group(
+        gpu: Gpu,
+        model: &Model,
+        store: &ExpertStore,
+        opts: &CudaOptions,
+        ep: Option<Ep>,
+        host: &mut Option<(HostTier, (usize, u64))>,
     ) -> Result<CudaModel> {
         support::check(model)?;
         gpu.bind()?;
@@ -314,20 +351,36 @@ impl CudaModel {
             stable_epoch: None,
             graph: None,
             host_tier: (0, 0),
+            ep,
             gpu,
         };
         if max_extent > 0 {
             let e = m.config.moe.num_experts;
-            let all = store.layers().count() * e * max_extent;
+            let (owned, per_layer) = match &m.ep {
+                Some(ep) => (ep.shard.owned_total(), ep.shard.max_owned_per_layer()),
+                None => (store.layers().count() * e, e),
+            };
+            let all = owned * max_extent;
             let budget = match opts.gpu_memory {
                 Some(b) => b as usize,
                 None => m.gpu.free_bytes()?.saturating_sub(RESERVE),
             }
             .min(all);
-            let mut cache = ExpertCache::new(&m.gpu, budget, max_extent, e, opts.cache_policy)?;
-            if !cache.preload_all(&m.gpu, store, model.layers.len(), e)? {
-                if let Some(host) = opts.host_cache {
-                    m.host_tier = cache.pin_host_tier(&m.gpu, store, host)?;
+            let mut cache =
+                ExpertCache::new(&m.gpu, budget, max_extent, per_layer, opts.cache_policy)?;
+            let shard = m.ep.as_ref().map(|ep| &ep.shard);
+            let owns = |l: usize, x: usize| shard.is_none_or(|s| s.owns(l, x));
+            if !cache.preload_all(&m.gpu, store, model.layers.len(), e, owns)? {
+                match (opts.host_cache, host.as_ref()) {
+                    (Some(_), Some((tier, counts))) => {
+                        cache.share_host_tier(tier.clone());
+                        m.host_tier = *counts;
+                    }
+                    (Some(budget), None) => {
+                        m.host_tier = cache.pin_host_tier(&m.gpu, store, budget)?;
+                        *host = Some((cache.host_tier(), m.host_tier));
+                    }
+                    (None, _) => {}
                 }
                 m.prefetch = match opts.prefetch {
                     Prefetch::On => true,
@@ -489,7 +542,10 @@ impl CudaModel {
                 s.seg.rows.len() == 1
                     && matches!(s.seg.logits, Some(LogitsMode::Last | LogitsMode::Greedy))
             });
-        let graphable = self.opts.graphs && decode && resident && trace.is_none();
+        // A group's steps run eagerly unless `MOEFLUX_EP_GRAPHS=1` (NCCL's
+        // all-reduce inside captured graphs, not yet measured).
+        let graphs = self.opts.graphs && (self.ep.is_none() || ep_graphs());
+        let graphable = graphs && decode && resident && trace.is_none();
         let states: Vec<u64> = segs.iter().map(|s| s.state.id).collect();
         let modes: Vec<_> = segs
             .iter()
@@ -520,7 +576,7 @@ impl CudaModel {
                 self.epoch += 1;
             } else {
                 self.graph = Some(DecodeGraph {
-                    graph,
+                    graph: SendGraph(graph),
                     epoch: self.epoch,
                     states: states.clone(),
                     workspace: self.gpu.workspace_ptr(),
@@ -531,6 +587,7 @@ impl CudaModel {
         if graphable && self.graph_valid(&states, picks) {
             let g = self.graph.as_ref().expect("checked above");
             g.graph
+                .0
                 .launch()
                 .map_err(|e| Error::Gpu(format!("CUDA graph launch: {e}")))?;
             let uses = (n * k * self.moe_layers) as u64;
@@ -666,6 +723,7 @@ impl CudaModel {
             pool,
             host_weights: &model.weights,
             downloads: &mut self.route_host,
+            ep: self.ep.as_ref(),
         };
         let ids = cx.scratch.get(g, "ids", 4 * n)?;
         let x = cx.scratch.get(g, "x", 4 * n * h)?;
@@ -681,6 +739,13 @@ impl CudaModel {
         };
         forward::forward(model, &mut step, tokens, trace)
     }
+}
+
+/// `MOEFLUX_EP_GRAPHS=1`: a multi-GPU group's decode steps are captured as
+/// CUDA graphs too (all-reduces included).
+fn ep_graphs() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("MOEFLUX_EP_GRAPHS").is_ok_and(|v| v == "1"))
 }
 
 /// Whether any of `segs` asks for its greedy token (then every logit row's

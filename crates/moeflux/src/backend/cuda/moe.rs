@@ -12,7 +12,7 @@ use crate::model::moe::{ComponentLayout, DenseMlp, ExpertLayout, MoeBlock};
 use crate::model::timing::{lap, PhaseTimes};
 
 use super::abi::{ExpertLayoutC, ExpertTask};
-use super::device::{args, Gpu};
+use super::device::{args, copy_dtod, zero_async, Gpu};
 use super::linear::{
     kernel_suffix, matmuls, mm, mm_add, mma_layout_fits, mma_split, qmv_rows_per_block, qmv_slices,
     qmv_threads, rows_per_block, swiglu_matmul, MMA_MIN_TOKENS, QMV_CHUNKS, QMV_STREAM_CHUNKS,
@@ -120,12 +120,21 @@ pub(super) fn moe(
     layout.ids = d_ids;
     let act = s.get(g, "eact", 4 * n * k * inter)?;
     let slot_out = s.get(g, "slot_out", 4 * n * k * h)?;
+    // In a group, this GPU computes only the slots of its own experts; the
+    // others' rows must add nothing to its partial sum.
+    let ep = cx.ep;
+    if ep.is_some() {
+        zero_async(&g.stream, slot_out, 4 * n * k * h)?;
+    }
+    // The shared expert runs on one GPU of a group.
+    let lead = ep.is_none_or(|ep| ep.shard.rank == 0);
+    let owns = |e: usize| ep.is_none_or(|ep| ep.shard.owns(i, e));
 
     // Router and shared expert: one launch for the products of xn.
     let router_bias = b.router_bias.map(|v| w.vec(v));
     let mut ops = vec![mm(w.lin(&b.router), logits_d).with_bias(router_bias)];
     let (mut sy, mut sg) = (0u64, 0u64);
-    if let Some(sh) = &b.shared {
+    if let Some(sh) = b.shared.as_ref().filter(|_| lead) {
         let (sgate, sup, sdown) = (w.lin(&sh.mlp.gate), w.lin(&sh.mlp.up), w.lin(&sh.mlp.down));
         let si = sgate.rows();
         let gu = s.get(g, "sg_gu", 8 * n * si)?;
@@ -201,8 +210,11 @@ pub(super) fn moe(
     let mut cpu_users: Vec<(usize, Vec<i32>)> = Vec::new();
     let mut host_xn: Vec<f32> = Vec::new();
     if slot_path && table.is_some() {
-        // Every expert resident: the router's choice never leaves the GPU.
-        cache.count_hits((n * k) as u64);
+        // Every expert resident: the router's choice never leaves the GPU
+        // (in a group, the lead counts the group's uses).
+        if lead {
+            cache.count_hits((n * k) as u64);
+        }
     } else {
         // The host needs the choice to bring missing experts in.
         let mut runs = vec![(d_ids, n * k)];
@@ -231,12 +243,14 @@ pub(super) fn moe(
         // instead of joining the copy queue (their slots' base stays 0,
         // which the slot kernels skip).
         if want_xn {
-            let missing = users.keys().filter(|&&e| !cache.is_resident(i, e));
+            let missing = users
+                .keys()
+                .filter(|&&e| owns(e) && !cache.is_resident(i, e));
             on_cpu.extend(missing.take(cx.cpu_experts).copied());
         }
         let unique: Vec<usize> = users
             .keys()
-            .filter(|e| !on_cpu.contains(e))
+            .filter(|&&e| owns(e) && !on_cpu.contains(&e))
             .copied()
             .collect();
         let ptrs = cache.ensure(g, cx.store, i, &unique)?;
@@ -250,10 +264,12 @@ pub(super) fn moe(
             }
             cx.arena.upload(g, d_bases, &bases)?;
             cpu_users = on_cpu.iter().map(|e| (*e, users[e].clone())).collect();
-        } else {
+        } else if !unique.is_empty() {
+            // (A GPU of a group may own none of the chosen experts: no
+            // launch, its partial is the zeroed slots.)
             let mut slot_list: Vec<i32> = Vec::with_capacity(n * k);
             let mut tasks = Vec::with_capacity(unique.len());
-            for (p, slots) in ptrs.iter().zip(users.values()) {
+            for (p, slots) in ptrs.iter().zip(unique.iter().map(|e| &users[e])) {
                 tasks.push(ExpertTask {
                     base: *p,
                     first: slot_list.len() as i32,
@@ -348,12 +364,30 @@ pub(super) fn moe(
     if let Some((j, _)) = predicted {
         // Queued after this layer's compute was launched, so its own
         // uploads went first; the guess's most chosen experts first.
-        cache.prefetch(g, cx.store, j, &most_chosen_first(&guess))?;
+        let mut ids = most_chosen_first(&guess);
+        if let Some(ep) = ep {
+            ids.retain(|&e| ep.shard.owns(j, e));
+        }
+        cache.prefetch(g, cx.store, j, &ids)?;
     }
     if !cpu_users.is_empty() {
         compute_on_host(cx, b, &cpu_users, &host_xn, slot_out)?;
     }
     let h_i = h as i32;
+    // In a group: the lead's partial starts from x, the others' from zero;
+    // the all-reduce's sum lands in x on every GPU (the same values).
+    let out = match ep {
+        None => x,
+        Some(_) => {
+            let part = cx.scratch.get(g, "moe_part", 4 * n * h)?;
+            if lead {
+                copy_dtod(&g.stream, part, x, 4 * n * h)?;
+            } else {
+                zero_async(&g.stream, part, 4 * n * h)?;
+            }
+            part
+        }
+    };
     // SAFETY: `moe_combine` in kernels/moe.cu; sy and sg are null or hold n
     // rows (shared output, gate logit).
     unsafe {
@@ -362,7 +396,14 @@ pub(super) fn moe(
             (n as u32, h.div_ceil(256) as u32, 1),
             256,
             0,
-            &mut args!(slot_out, d_wts, k_i, h_i, sy, sg, x),
+            &mut args!(slot_out, d_wts, k_i, h_i, sy, sg, out),
+        )?;
+    }
+    if let Some(ep) = ep {
+        // Profiled as a kernel: its share of a step in MOEFLUX_CUDA_PROFILE.
+        g.profiled(
+            || format!("nccl_all_reduce [{n}x{h}]"),
+            || ep.comm.all_reduce_f32(out, x, n * h, &g.stream),
         )?;
     }
     lap(&mut clock, &mut times.expert_compute);
