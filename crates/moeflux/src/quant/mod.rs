@@ -56,12 +56,7 @@ impl<'a> QMatrix<'a> {
     /// Checks that the slices have the sizes the shape implies.
     pub fn check(&self) -> Result<(), String> {
         self.spec.validate()?;
-        if !self.cols.is_multiple_of(self.spec.group_size) {
-            return Err(format!(
-                "{} columns is not a multiple of group size {}",
-                self.cols, self.spec.group_size
-            ));
-        }
+        self.spec.check_cols(self.cols)?;
         let words = self.rows * self.words_per_row();
         if self.packed.len() != words {
             return Err(format!(

@@ -35,7 +35,9 @@
 //! Rows are split into chunks run on the current rayon pool (inline when the
 //! work is small). Within a chunk:
 //! * few tokens (`n < BATCH_MIN_TOKENS`): 4 rows at a time, codes unpacked in
-//!   registers (bits 2/4/8 on AVX2/AVX-512) and shared by the rows' x loads;
+//!   registers (every width on AVX2/AVX-512 for groups of 32 or more; groups
+//!   of 16 and the scalar level unpack rows into a buffer first) and shared
+//!   by the rows' x loads;
 //! * more tokens: rows are unpacked once to f32 in stream order (a block of at
 //!   most `BUF_FLOATS`), then register tiles of `RB` rows x `TB` tokens run
 //!   over it, token tile outermost so the codes stream from L2 while the
@@ -332,6 +334,22 @@ fn qmatmul<'a>(
 ) -> Job<'a> {
     let (bits, gs) = (q.spec.bits, q.spec.group_size);
     type Q<'b> = QMatrix<'b>;
+    if gs < 32 {
+        // Groups narrower than the unpackers' 32-code blocks (GGUF's
+        // K-quants at group 16): rows unpacked in natural order into a
+        // buffer, blocks of one group (the module docs' loop unchanged).
+        return match level {
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx512 => {
+                q_run::<Avx512, Generic, 1, _>(q, x, n, out, q_chunk_avx512::<Q, Generic, 1>)
+            }
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx2 => {
+                q_run::<Avx2, Generic, 2, _>(q, x, n, out, q_chunk_avx2::<Q, Generic, 2>)
+            }
+            _ => q_run::<Scalar, Generic, 2, _>(q, x, n, out, q_chunk_scalar::<Q, Generic, 2>),
+        };
+    }
     match level {
         #[cfg(target_arch = "x86_64")]
         SimdLevel::Avx512 => match bits {

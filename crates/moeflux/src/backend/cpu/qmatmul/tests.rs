@@ -162,7 +162,8 @@ pub(super) fn run(level: SimdLevel, w: &Weight, x: &[f32], n: usize) -> Vec<f32>
 }
 
 const BITS: [u32; 6] = [2, 3, 4, 5, 6, 8];
-const GROUPS: [usize; 3] = [32, 64, 128];
+// 16: GGUF's K-quants (every level's buffered path, blocks of one group).
+const GROUPS: [usize; 4] = [16, 32, 64, 128];
 
 #[test]
 fn quantized_matches_f64_reference() {
