@@ -1749,11 +1749,18 @@ mod gguf_source {
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         for (i, ty) in order.iter().enumerate() {
             let t = &p.tensors[i];
-            assert_eq!((t.name.as_str(), t.ty.name), (format!("t.{ty}").as_str(), *ty));
+            assert_eq!(
+                (t.name.as_str(), t.ty.name),
+                (format!("t.{ty}").as_str(), *ty)
+            );
             let want = &want[i * per..(i + 1) * per];
             let mut got = vec![0f32; per];
             ggml::dequant_rows(&t.ty, &bytes[t.start..t.start + t.len], &mut got);
-            assert_eq!(bits(&got), bits(want), "{ty}: dequantization differs from gguf-py");
+            assert_eq!(
+                bits(&got),
+                bits(want),
+                "{ty}: dequantization differs from gguf-py"
+            );
             assert_eq!(t.ty.mapping, Some(Mapping::Requant { bits: 4 }), "{ty}");
             let view = |part| {
                 View {
@@ -2065,7 +2072,15 @@ mod gguf_source {
     /// file agrees within the goldens' bounds, batch and one token at a time.
     #[test]
     fn llama_quantize_logits_match_llama_cpp() {
-        for ty in ["Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "MXFP4_MOE", "Q4_K_M"] {
+        for ty in [
+            "Q4_K",
+            "Q5_K",
+            "Q6_K",
+            "Q3_K",
+            "Q2_K",
+            "MXFP4_MOE",
+            "Q4_K_M",
+        ] {
             let golden_dir = quants().join(format!("golden-{ty}"));
             let meta: serde_json::Value = serde_json::from_str(
                 &std::fs::read_to_string(golden_dir.join("golden.json")).unwrap(),
@@ -2102,7 +2117,9 @@ mod gguf_source {
         std::fs::write(&p, &bytes).unwrap();
         let e = gguf_err(&p);
         assert!(
-            e.contains("self_attn.q_proj") && e.contains("MXFP4") && e.contains("routed experts only"),
+            e.contains("self_attn.q_proj")
+                && e.contains("MXFP4")
+                && e.contains("routed experts only"),
             "{e}"
         );
     }

@@ -5,7 +5,9 @@
 //! generated from gguf-py's ([`super::iq_grids`]). These types have no
 //! affine form (values come from a codebook), so `convert` re-quantizes them.
 
-use super::iq_grids::{IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS};
+use super::iq_grids::{
+    IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS,
+};
 
 /// Values per super-block.
 const QK_K: usize = 256;
@@ -71,7 +73,12 @@ pub fn dequant_block(name: &str, b: &[u8], out: &mut [f32]) -> bool {
                 let q = u16_at(b, 2 + 2 * l);
                 let s = (scales[l / 4] >> (4 * ((l / 2) % 2))) & 15;
                 let db = d * (0.5 + s as f32) * 0.25;
-                signed_row(o8, db, IQ2XS_GRID[(q & 511) as usize], KSIGNS[(q >> 9) as usize]);
+                signed_row(
+                    o8,
+                    db,
+                    IQ2XS_GRID[(q & 511) as usize],
+                    KSIGNS[(q >> 9) as usize],
+                );
             }
         }
         "IQ2_S" => {
@@ -121,7 +128,11 @@ pub fn dequant_block(name: &str, b: &[u8], out: &mut [f32]) -> bool {
             for (ib, o) in out.chunks_exact_mut(32).enumerate() {
                 let qh = u16_at(b, 2 + QK_K / 8 + 2 * ib);
                 let dl = d * (2 * ((qh >> 12) & 7) + 1) as f32;
-                let delta = if (qh & 0x8000) == 0 { IQ1_DELTA } else { -IQ1_DELTA };
+                let delta = if (qh & 0x8000) == 0 {
+                    IQ1_DELTA
+                } else {
+                    -IQ1_DELTA
+                };
                 for (l, o8) in o.chunks_exact_mut(8).enumerate() {
                     let hi = ((qh >> (3 * l)) & 7) as usize;
                     let row = IQ1S_GRID[qs[4 * ib + l] as usize | hi << 8];
@@ -136,7 +147,10 @@ pub fn dequant_block(name: &str, b: &[u8], out: &mut [f32]) -> bool {
             let qh = &b[QK_K / 8..QK_K / 8 + QK_K / 16];
             let sc = |i: usize| u16_at(b, QK_K / 8 + QK_K / 16 + 2 * i);
             // The f16 scale: the top nibble of each of the four scale words.
-            let dbits = (sc(0) >> 12) | ((sc(1) & 0xF000) >> 8) | ((sc(2) & 0xF000) >> 4) | (sc(3) & 0xF000);
+            let dbits = (sc(0) >> 12)
+                | ((sc(1) & 0xF000) >> 8)
+                | ((sc(2) & 0xF000) >> 4)
+                | (sc(3) & 0xF000);
             let d = half::f16::from_bits(dbits).to_f32();
             for (l, o8) in out.chunks_exact_mut(8).enumerate() {
                 // Scale k of 16 (16 values each): 3 bits at 3 * (k % 4) of word k / 4.
@@ -144,7 +158,11 @@ pub fn dequant_block(name: &str, b: &[u8], out: &mut [f32]) -> bool {
                 let s = (sc(k / 4) >> (3 * (k % 4))) & 7;
                 let dl = d * (2 * s + 1) as f32;
                 let nib = (qh[l / 2] >> (4 * (l % 2))) & 15;
-                let delta = if (nib & 8) == 0 { IQ1_DELTA } else { -IQ1_DELTA };
+                let delta = if (nib & 8) == 0 {
+                    IQ1_DELTA
+                } else {
+                    -IQ1_DELTA
+                };
                 let row = IQ1S_GRID[qs[l] as usize | ((nib & 7) as usize) << 8];
                 for (j, v) in o8.iter_mut().enumerate() {
                     *v = dl * (cell(row, j) + delta);
