@@ -194,4 +194,17 @@ mod tests {
             r#"{"bits":4,"group_size":32,"mode":"mxfp4"}"#
         );
     }
+
+    #[test]
+    fn group_16_needs_rows_of_whole_32_code_blocks() {
+        for bits in [2, 3, 6] {
+            assert!(QuantSpec::affine(bits, 16).validate().is_ok());
+        }
+        assert!(QuantSpec::affine(4, 8).validate().is_err());
+        let g16 = QuantSpec::affine(6, 16);
+        assert!(g16.check_cols(256).is_ok());
+        let e = g16.check_cols(48).unwrap_err();
+        assert!(e.contains("group size 16 and 32"), "{e}");
+        assert!(QuantSpec::affine(4, 64).check_cols(96).is_err());
+    }
 }
