@@ -180,6 +180,20 @@ impl QuantSpec {
         self.mode == QuantMode::Mxfp4
     }
 
+    /// Whether rows of `cols` inputs fit: whole groups, and whole 32-code
+    /// blocks (the kernels unpack codes of every width 32 at a time, which a
+    /// group of 16 does not imply).
+    pub fn check_cols(&self, cols: usize) -> std::result::Result<(), String> {
+        if !cols.is_multiple_of(self.group_size) || !cols.is_multiple_of(32) {
+            return Err(format!(
+                "{cols} columns not divisible by group size {}{}",
+                self.group_size,
+                if self.group_size < 32 { " and 32" } else { "" }
+            ));
+        }
+        Ok(())
+    }
+
     pub fn validate(&self) -> std::result::Result<(), String> {
         match self.mode {
             QuantMode::Mxfp4 if *self == QuantSpec::MXFP4 => Ok(()),
@@ -191,7 +205,8 @@ impl QuantSpec {
                 if !matches!(self.bits, 2 | 3 | 4 | 5 | 6 | 8) {
                     return Err(format!("unsupported bit width {}", self.bits));
                 }
-                if !matches!(self.group_size, 32 | 64 | 128) {
+                // 16: GGUF's K-quants whose scales cover 16 values.
+                if !matches!(self.group_size, 16 | 32 | 64 | 128) {
                     return Err(format!("unsupported group size {}", self.group_size));
                 }
                 Ok(())

@@ -1730,6 +1730,56 @@ mod gguf_source {
         );
     }
 
+    /// The IQ codebook types (iq_types.gguf, make_iq_fixtures.py there):
+    /// random blocks dequantize to gguf-py's values bit for bit, and are
+    /// presented as MLX's 4-bit group-32 quantization of exactly those values.
+    #[test]
+    fn iq_codebook_types_dequantize_as_gguf_py() {
+        let path = dir().join("iq_types.gguf");
+        let bytes = std::fs::read(&path).unwrap();
+        let p = file::parse(&bytes, &path).unwrap();
+        let npy = std::fs::read(dir().join("iq_dequant.npy")).unwrap();
+        let want: Vec<f32> = npyz::NpyFile::new(&npy[..]).unwrap().into_vec().unwrap();
+        let per = 2 * 512;
+        let order = [
+            "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M",
+        ];
+        assert_eq!(p.tensors.len(), order.len());
+        assert_eq!(want.len(), order.len() * per);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (i, ty) in order.iter().enumerate() {
+            let t = &p.tensors[i];
+            assert_eq!(
+                (t.name.as_str(), t.ty.name),
+                (format!("t.{ty}").as_str(), *ty)
+            );
+            let want = &want[i * per..(i + 1) * per];
+            let mut got = vec![0f32; per];
+            ggml::dequant_rows(&t.ty, &bytes[t.start..t.start + t.len], &mut got);
+            assert_eq!(
+                bits(&got),
+                bits(want),
+                "{ty}: dequantization differs from gguf-py"
+            );
+            assert_eq!(t.ty.mapping, Some(Mapping::Requant { bits: 4 }), "{ty}");
+            let view = |part| {
+                View {
+                    ty: t.ty,
+                    part,
+                    cols: 512,
+                    src_start: t.start,
+                    src_len: t.len,
+                }
+                .rows(&bytes, 0, 2)
+            };
+            let q = affine::quantize(want, 2, 512, moeflux::config::QuantSpec::affine(4, 32));
+            assert_eq!(dtype::decode_u32(&view(Part::Codes)), q.packed, "{ty}");
+            let f32s = |part| dtype::decode(&view(part), FloatTy::F32);
+            assert_eq!(f32s(Part::Scales), q.scales, "{ty}");
+            assert_eq!(f32s(Part::Biases), q.biases, "{ty}");
+        }
+    }
+
     #[test]
     fn every_ggml_type_dequantizes_as_gguf_py() {
         let path = dir().join("types.gguf");
@@ -1786,23 +1836,27 @@ mod gguf_source {
                     assert_eq!(bits(&v), bits(want), "{ty} as moeflux MXFP4");
                     exact.push(*ty);
                 }
-                Mapping::Affine { bits: b } | Mapping::Requant { bits: b } => {
-                    let spec = moeflux::config::QuantSpec::affine(b, 32);
+                m @ (Mapping::Affine { bits: b, .. } | Mapping::Requant { bits: b }) => {
+                    let group = match m {
+                        Mapping::Affine { group, .. } => group,
+                        _ => 32,
+                    };
+                    let spec = moeflux::config::QuantSpec::affine(b, group);
                     let codes = dtype::decode_u32(&view(Part::Codes).rows(&bytes, 0, 2));
                     let (s, bi) = (f32s(Part::Scales), f32s(Part::Biases));
-                    let wpr = affine::words_per_row(512, b);
+                    let (wpr, gpr) = (affine::words_per_row(512, b), 512 / group);
                     let mut v = vec![0f32; per];
                     for r in 0..2 {
                         affine::dequantize_row(
                             &codes[r * wpr..(r + 1) * wpr],
-                            &s[r * 16..(r + 1) * 16],
-                            &bi[r * 16..(r + 1) * 16],
+                            &s[r * gpr..(r + 1) * gpr],
+                            &bi[r * gpr..(r + 1) * gpr],
                             spec,
                             &mut v[r * 512..(r + 1) * 512],
                         );
                     }
                     if t.ty.exact() {
-                        assert_eq!(bits(&v), bits(want), "{ty} as {b}-bit affine g32");
+                        assert_eq!(bits(&v), bits(want), "{ty} as {b}-bit affine g{group}");
                         exact.push(*ty);
                     } else {
                         // Re-quantized: MLX's quantization of gguf-py's values.
@@ -1815,7 +1869,10 @@ mod gguf_source {
         }
         assert_eq!(
             exact,
-            ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "IQ4_NL", "MXFP4"]
+            [
+                "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                "IQ4_NL", "MXFP4"
+            ]
         );
     }
 
@@ -1988,7 +2045,7 @@ mod gguf_source {
         }
         types.sort_unstable();
         inexact.sort_unstable();
-        assert_eq!(inexact, ["IQ4_XS", "Q2_K", "Q3_K", "Q6_K"]);
+        assert_eq!(inexact, ["IQ4_XS"]);
         assert_eq!(
             types,
             [
@@ -2000,6 +2057,7 @@ mod gguf_source {
                 "Q4_0",
                 "Q4_1",
                 "Q4_K",
+                "Q4_K_M",
                 "Q5_0",
                 "Q5_1",
                 "Q5_K",
@@ -2014,7 +2072,15 @@ mod gguf_source {
     /// file agrees within the goldens' bounds, batch and one token at a time.
     #[test]
     fn llama_quantize_logits_match_llama_cpp() {
-        for ty in ["Q4_K", "Q5_K", "MXFP4_MOE"] {
+        for ty in [
+            "Q4_K",
+            "Q5_K",
+            "Q6_K",
+            "Q3_K",
+            "Q2_K",
+            "MXFP4_MOE",
+            "Q4_K_M",
+        ] {
             let golden_dir = quants().join(format!("golden-{ty}"));
             let meta: serde_json::Value = serde_json::from_str(
                 &std::fs::read_to_string(golden_dir.join("golden.json")).unwrap(),
@@ -2032,6 +2098,30 @@ mod gguf_source {
                 common::check_against_golden(&format!("{file} {mode}"), &golden, got);
             }
         }
+    }
+
+    /// A dense tensor of a GGUF stored as MXFP4 (gpt-oss's files keep only
+    /// the routed experts so) is refused, naming the tensor.
+    #[test]
+    fn mxfp4_dense_tensor_is_refused_by_name() {
+        let mut bytes = std::fs::read(quants().join("qwen3moe-MXFP4_MOE.gguf")).unwrap();
+        // The tensor info: name, u32 dimension count, u64 dimensions, u32 type.
+        let name = b"blk.0.attn_q.weight";
+        let at = bytes.windows(name.len()).position(|w| w == name).unwrap() + name.len();
+        let dims = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
+        let ty = at + 4 + 8 * dims;
+        assert_eq!(bytes[ty..ty + 4], 8u32.to_le_bytes(), "Q8_0 in the fixture");
+        bytes[ty..ty + 4].copy_from_slice(&39u32.to_le_bytes());
+        let tmp = tempfile::tempdir().unwrap();
+        let p = tmp.path().join("dense-mxfp4.gguf");
+        std::fs::write(&p, &bytes).unwrap();
+        let e = gguf_err(&p);
+        assert!(
+            e.contains("self_attn.q_proj")
+                && e.contains("MXFP4")
+                && e.contains("routed experts only"),
+            "{e}"
+        );
     }
 
     fn gguf_err(path: &Path) -> String {

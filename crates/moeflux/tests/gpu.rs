@@ -188,6 +188,28 @@ fn gpu_goldens_kimi_k25() {
 /// gpt-oss: sinks and sliding windows, YaRN, biases (attention, router,
 /// per expert), the clamped SwiGLU; affine 4-bit experts, MXFP4 experts as
 /// mlx-lm lays them out, and the Hugging Face MXFP4 release converted.
+/// llama-quantize's K-quant files (tests/fixtures/gguf/quants): 6-, 3- and
+/// 2-bit codes in groups of 16, and Q4_K_M's mix of Q4_K and Q6_K tensors
+/// (a layer's experts with a Q6_K down projection, a Q6_K tied output head),
+/// against llama.cpp on the dequantized weights.
+#[test]
+#[ignore]
+fn gpu_goldens_gguf_k_quants() {
+    let quants = fixtures().join("gguf/quants");
+    for ty in ["Q6_K", "Q3_K", "Q2_K", "Q4_K_M"] {
+        let golden = Golden::load(&quants.join(format!("golden-{ty}")));
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("m");
+        let src = quants.join(format!("qwen3moe-{ty}.gguf"));
+        moeflux::convert::convert(&src, &dir, &Default::default())
+            .unwrap_or_else(|e| panic!("convert {ty}: {e}"));
+        let rows = eval_three_ways(&golden, || gpu(&dir));
+        for (mode, got) in EVAL_MODES.iter().zip(&rows) {
+            qwen_check(&format!("{ty} gpu {mode}"), &golden, got);
+        }
+    }
+}
+
 #[test]
 #[ignore]
 fn gpu_goldens_gpt_oss() {

@@ -12,8 +12,8 @@ static float urand(float a = -1, float b = 1) { return std::uniform_real_distrib
 static u16 to_bf16(float f) { unsigned u; memcpy(&u, &f, 4); return (u16)(u >> 16); }
 static float from_bf16(u16 h) { unsigned u = ((unsigned)h) << 16; float f; memcpy(&f, &u, 4); return f; }
 
-// A random 4-bit MLX-affine matrix (bf16 scales and biases, groups of 64) and
-// its dequantized weights for references.
+// A random MLX-affine matrix (4-bit codes in groups of 64 unless told; bf16
+// scales and biases) and its dequantized weights for references.
 struct HostQ {
     int rows, cols, bits = 4, gs = 64;
     std::vector<u32> w;
@@ -29,8 +29,12 @@ struct HostQ {
         for (auto& x : b) x = to_bf16(urand(-0.3f, 0.3f));
         for (int i = 0; i < r; i++)
             for (int j = 0; j < c; j++) {
-                u32 code = rng() & ((1u << bits) - 1);  // 2, 4 or 8 bits: never straddles a word
-                w[(size_t)i * wpr + j * bits / 32] |= code << ((j * bits) % 32);
+                u32 code = rng() & ((1u << bits) - 1);
+                // LSB first; a code of 3, 5 or 6 bits may straddle two words.
+                size_t at = (size_t)i * wpr + (size_t)j * bits / 32;
+                int sh = (j * bits) % 32;
+                w[at] |= code << sh;
+                if (sh + bits > 32) w[at + 1] |= code >> (32 - sh);
                 float sc = from_bf16(s[(size_t)i * gpr + j / gs]), bi = from_bf16(b[(size_t)i * gpr + j / gs]);
                 deq[(size_t)i * c + j] = code * sc + bi;
             }

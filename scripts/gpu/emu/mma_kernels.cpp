@@ -14,6 +14,11 @@
 //                     moe_*_qmv and moe_*_stream, rows of uneven slices) and tensor-core
 //                     paths (sums past the limit);
 //                     MXFP4 scale extremes (0, 1, 254, 255 = NaN).
+//   GGUF K-quants     groups of 16 (2-, 3-, 6- and 8-bit codes) through the general
+//                     products (qmatmul1, qmatmul) and the embedding lookup (qgather_rows),
+//                     and experts whose down projection has another width and group size
+//                     than gate and up (llama.cpp's Q4_K_M: Q4_K gate/up, Q6_K down)
+//                     through the grouped and per-slot kernels.
 //   attn_kv_split     causal attention of a batch over the cache (head dims 32 to 256,
 //   attention_mma     2 to 128 query heads per KV group, partial tiles, cache rows
 //                     past the context poisoned) against a double-precision softmax.
@@ -87,7 +92,7 @@ static void test_moe_mma(int hidden, int inter, int bits, int gs, std::vector<in
             off += (long)((b[f] + 15) / 16 * 16);
         }
     }
-    L.inter = inter, L.hidden = hidden, L.bits = bits, L.gs = gs, L.sf32 = 0;
+    L.inter = inter, L.hidden = hidden, L.bits = bits, L.gs = gs, L.sf32 = 0; L.down_bits = L.bits, L.down_gs = L.gs, L.down_sf32 = L.sf32;
     std::vector<std::vector<uint4>> extents(ne, std::vector<uint4>((size_t)(off / 16)));
     for (int e = 0; e < ne; e++) {
         char* base = (char*)extents[e].data();
@@ -247,7 +252,7 @@ static void test_gptoss_experts(int hidden, int inter, bool mx, ExpertPath path,
             off += (long)((sz[f] + 15) / 16 * 16);
         }
     }
-    L.inter = inter, L.hidden = hidden, L.bits = 4, L.gs = gs, L.sf32 = 0, L.mx = mx;
+    L.inter = inter, L.hidden = hidden, L.bits = 4, L.gs = gs, L.sf32 = 0, L.mx = mx; L.down_bits = L.bits, L.down_gs = L.gs, L.down_sf32 = L.sf32;
     L.oai = 1, L.alpha = 1.702f, L.limit = 7.0f;
     std::vector<std::vector<uint4>> extents(ne, std::vector<uint4>((size_t)(off / 16) + 1));
     for (int e = 0; e < ne; e++) {
@@ -431,7 +436,7 @@ static void test_mx_scales(int s_lo, int s_hi, int x_exp, bool nan_row) {
     ExpertLayout L{};
     memset(&L, 0, sizeof L);
     L.down_w = 0, L.down_s = (long)m.w.size() * 4, L.inter = cols, L.hidden = rows;
-    L.bits = 4, L.gs = 32, L.mx = 1;
+    L.bits = 4, L.gs = 32, L.mx = 1; L.down_bits = L.bits, L.down_gs = L.gs, L.down_sf32 = L.sf32;
     std::vector<uint4> ext16(ext.size() / 16);
     memcpy((char*)ext16.data(), m.w.data(), m.w.size() * 4);
     memcpy((char*)ext16.data() + L.down_s, m.s.data(), m.s.size());
@@ -566,6 +571,198 @@ static void test_attention_mma(int nh, int nkv, int hd, int start, int n, bool g
     check(name, out, want, 2e-5);
 }
 
+// ---------------------------------------------------------------------------------------
+// GGUF's K-quants: Q6_K, Q3_K and Q2_K become 6-, 3- and 2-bit codes in groups of 16.
+
+// Output rows per block of the general products (rows_per_block in linear.rs).
+static int general_rows_per_block(int cols, int bits, bool one) {
+    int units = cols * bits / 128;
+    int split = !one ? 1 : units >= 256 ? 8 : units >= 128 ? 4 : units >= 64 ? 2 : 1;
+    return 32 / split;
+}
+
+// Two matrices of one input (the second adding to its output) through qmatmul1 (n = 1)
+// or qmatmul.
+static void test_general(int rows_a, int rows_b, int cols, int n, int bits_a, int gs_a, int bits_b, int gs_b) {
+    HostQ A(rows_a, cols, bits_a, gs_a), B(rows_b, cols, bits_b, gs_b);
+    std::vector<float> x((size_t)n * cols);
+    for (auto& v : x) v = urand(-2, 2);
+    std::vector<float> oa((size_t)n * rows_a, NAN), ob((size_t)n * rows_b);
+    for (auto& v : ob) v = urand();
+    std::vector<float> ob0 = ob;
+    bool one = n == 1;
+    int ra = general_rows_per_block(cols, bits_a, one), rb = general_rows_per_block(cols, bits_b, one);
+    int ba = (rows_a + ra - 1) / ra, bb = (rows_b + rb - 1) / rb;
+    MultiMatmul mm = two_products(A, B, oa.data(), ob.data(), ba, bb);
+    const float* px = x.data();
+    unsigned ty = (unsigned)std::min((n + 3) / 4, 64);
+    emu_launch({(unsigned)(ba + bb), one ? 1u : ty, 1}, 256, [&] {
+        if (one) qmatmul1(mm, px, n);
+        else qmatmul(mm, px, n);
+    });
+    std::vector<float> got(oa);
+    got.insert(got.end(), ob.begin(), ob.end());
+    char name[128];
+    snprintf(name, sizeof name, "qmatmul b%d g%d + b%d g%d %dx%d, %d tokens", bits_a, gs_a, bits_b, gs_b, rows_a,
+             cols, n);
+    check(name, got, two_products_ref(A, B, x, n, ob0), 1e-5);
+}
+
+// The embedding lookup (qgather_rows) of a table of `bits`-bit codes in groups of `gs`.
+static void test_gather(int rows, int cols, int bits, int gs) {
+    HostQ E(rows, cols, bits, gs);
+    std::vector<int> ids = {3, 0, rows - 1, 3};
+    std::vector<float> out(ids.size() * cols, NAN);
+    QW q = E.qw();
+    const int* pi = ids.data();
+    float* po = out.data();
+    emu_launch({(unsigned)ids.size(), 1, 1}, 256, [&] { qgather_rows(q, pi, po); });
+    std::vector<double> want;
+    for (int id : ids)
+        for (int j = 0; j < cols; j++) want.push_back(E.deq[(size_t)id * cols + j]);
+    char name[96];
+    snprintf(name, sizeof name, "qgather_rows b%d g%d %dx%d", bits, gs, rows, cols);
+    check(name, out, want, 1e-6);
+}
+
+// The grouped (by expert task) or per-slot expert products with gate/up of one width and
+// group size and down of another; expert e serves tokens 0 .. counts[e] - 1 (slot t * k + e).
+static void test_mixed_experts(int hidden, int inter, int gbits, int ggs, int dbits, int dgs, bool per_slot,
+                               std::vector<int> counts) {
+    int ne = (int)counts.size(), k = ne, n = 0;
+    for (int c : counts) n = std::max(n, c);
+    std::vector<HostQ> gate, up, down;
+    for (int e = 0; e < ne; e++) {
+        gate.emplace_back(inter, hidden, gbits, ggs);
+        up.emplace_back(inter, hidden, gbits, ggs);
+        down.emplace_back(hidden, inter, dbits, dgs);
+    }
+    ExpertLayout L{};
+    long off = 0;
+    long* fields[3][3] = {{&L.gate_w, &L.gate_s, &L.gate_b}, {&L.up_w, &L.up_s, &L.up_b},
+                          {&L.down_w, &L.down_s, &L.down_b}};
+    const HostQ* parts0[3] = {&gate[0], &up[0], &down[0]};
+    for (int m = 0; m < 3; m++) {
+        size_t b[3] = {parts0[m]->w.size() * 4, parts0[m]->s.size() * 2, parts0[m]->b.size() * 2};
+        for (int f = 0; f < 3; f++) {
+            *fields[m][f] = off;
+            off += (long)((b[f] + 15) / 16 * 16);
+        }
+    }
+    L.inter = inter, L.hidden = hidden, L.bits = gbits, L.gs = ggs, L.sf32 = 0;
+    L.down_bits = dbits, L.down_gs = dgs, L.down_sf32 = 0;
+    std::vector<std::vector<uint4>> extents(ne, std::vector<uint4>((size_t)(off / 16)));
+    for (int e = 0; e < ne; e++) {
+        char* base = (char*)extents[e].data();
+        const HostQ* parts[3] = {&gate[e], &up[e], &down[e]};
+        for (int m = 0; m < 3; m++) {
+            memcpy(base + *fields[m][0], parts[m]->w.data(), parts[m]->w.size() * 4);
+            memcpy(base + *fields[m][1], parts[m]->s.data(), parts[m]->s.size() * 2);
+            memcpy(base + *fields[m][2], parts[m]->b.data(), parts[m]->b.size() * 2);
+        }
+    }
+    std::vector<ExpertTask> tasks;
+    std::vector<int> slot_list;
+    std::vector<unsigned long long> bases((size_t)n * k, 0);
+    for (int e = 0; e < ne; e++) {
+        tasks.push_back({(const char*)extents[e].data(), (int)slot_list.size(), counts[e]});
+        for (int t = 0; t < counts[e]; t++) {
+            slot_list.push_back(t * k + e);
+            bases[(size_t)t * k + e] = (unsigned long long)extents[e].data();
+        }
+    }
+    std::vector<float> x((size_t)n * hidden);
+    for (auto& v : x) v = urand(-1, 1);
+    // act rows: by slot_list position (grouped) or by slot (per slot).
+    std::vector<float> act((size_t)n * k * inter, NAN), slot_out((size_t)n * k * hidden, NAN);
+    const ExpertTask* pt = tasks.data();
+    const int* ps = slot_list.data();
+    const unsigned long long* pb = bases.data();
+    const float* px = x.data();
+    float* pa = act.data();
+    float* po = slot_out.data();
+    unsigned gu_blocks = (unsigned)((inter + general_rows_per_block(hidden, gbits, per_slot) - 1) /
+                                    general_rows_per_block(hidden, gbits, per_slot));
+    unsigned d_blocks = (unsigned)((hidden + general_rows_per_block(inter, dbits, per_slot) - 1) /
+                                   general_rows_per_block(inter, dbits, per_slot));
+    // The kernels of each projection's width (kernel_suffix in linear.rs).
+    if (per_slot) {
+        emu_launch({gu_blocks, (unsigned)(n * k), 1}, 256, [&] {
+            switch (gbits) {
+                case 4: moe_gate_up_slots_b4(pb, L, k, px, pa); break;
+                case 8: moe_gate_up_slots_b8(pb, L, k, px, pa); break;
+                case 2: moe_gate_up_slots_b2(pb, L, k, px, pa); break;
+                default: moe_gate_up_slots_bx(pb, L, k, px, pa);
+            }
+        });
+    } else {
+        emu_launch({gu_blocks, (unsigned)ne, 1}, 256, [&] {
+            switch (gbits) {
+                case 4: moe_gate_up_b4(pt, L, ps, k, px, pa); break;
+                case 8: moe_gate_up_b8(pt, L, ps, k, px, pa); break;
+                case 2: moe_gate_up_b2(pt, L, ps, k, px, pa); break;
+                default: moe_gate_up_bx(pt, L, ps, k, px, pa);
+            }
+        });
+    }
+    auto act_row = [&](int e, int i) {
+        return per_slot ? (size_t)slot_list[tasks[e].first + i] : (size_t)(tasks[e].first + i);
+    };
+    std::vector<float> got;
+    std::vector<double> want;
+    for (int e = 0; e < ne; e++)
+        for (int i = 0; i < counts[e]; i++) {
+            int tok = slot_list[tasks[e].first + i] / k;
+            for (int r = 0; r < inter; r++) {
+                double g = 0, u = 0;
+                for (int j = 0; j < hidden; j++) {
+                    g += (double)gate[e].deq[(size_t)r * hidden + j] * x[(size_t)tok * hidden + j];
+                    u += (double)up[e].deq[(size_t)r * hidden + j] * x[(size_t)tok * hidden + j];
+                }
+                want.push_back(g / (1.0 + exp(-g)) * u);
+                got.push_back(act[act_row(e, i) * inter + r]);
+            }
+        }
+    char name[160];
+    const char* pname = per_slot ? "slots" : "grouped";
+    snprintf(name, sizeof name, "experts gate_up b%d g%d %s %dx%d", gbits, ggs, pname, inter, hidden);
+    check(name, got, want, 1e-5);
+    if (per_slot) {
+        emu_launch({d_blocks, (unsigned)(n * k), 1}, 256, [&] {
+            switch (dbits) {
+                case 4: moe_down_slots_b4(pb, L, pa, po); break;
+                case 8: moe_down_slots_b8(pb, L, pa, po); break;
+                case 2: moe_down_slots_b2(pb, L, pa, po); break;
+                default: moe_down_slots_bx(pb, L, pa, po);
+            }
+        });
+    } else {
+        emu_launch({d_blocks, (unsigned)ne, 1}, 256, [&] {
+            switch (dbits) {
+                case 4: moe_down_b4(pt, L, ps, pa, po); break;
+                case 8: moe_down_b8(pt, L, ps, pa, po); break;
+                case 2: moe_down_b2(pt, L, ps, pa, po); break;
+                default: moe_down_bx(pt, L, ps, pa, po);
+            }
+        });
+    }
+    got.clear();
+    want.clear();
+    for (int e = 0; e < ne; e++)
+        for (int i = 0; i < counts[e]; i++) {
+            int slot = slot_list[tasks[e].first + i];
+            size_t ar = act_row(e, i);
+            for (int r = 0; r < hidden; r++) {
+                double acc = 0;
+                for (int j = 0; j < inter; j++) acc += (double)down[e].deq[(size_t)r * inter + j] * act[ar * inter + j];
+                want.push_back(acc);
+                got.push_back(slot_out[(size_t)slot * hidden + r]);
+            }
+        }
+    snprintf(name, sizeof name, "experts down b%d g%d %s %dx%d", dbits, dgs, pname, hidden, inter);
+    check(name, got, want, 1e-5);
+}
+
 int main() {
     test_qmma(80, 48, 256, 37, 4, 64);   // partial row and token tiles
     test_qmma(64, 16, 128, 70, 8, 64);   // 8-bit codes, two token blocks
@@ -591,6 +788,19 @@ int main() {
         test_gptoss_experts(1088, 512, true, p, {1, 1});
         test_gptoss_experts(2880, 128, true, p, {1}, false);
         test_gptoss_experts(1088, 256, false, p, {1, 1});
+    }
+    // GGUF K-quants: groups of 16 at every width, one and several tokens, long rows
+    // split across warps; Q4_K_M's experts (Q4_K gate/up, Q6_K or Q3_K/Q2_K down).
+    for (int bits : {6, 3, 2, 8, 4})
+        for (int n : {1, 5}) test_general(24, 12, 256, n, bits, 16, 4, 32);
+    test_general(8, 4, 4096, 1, 6, 16, 6, 16);
+    test_gather(9, 256, 6, 16);
+    test_gather(9, 256, 3, 16);
+    test_general(8, 4, 4096, 2, 3, 16, 8, 16);
+    for (bool per_slot : {false, true}) {
+        test_mixed_experts(256, 128, 4, 32, 6, 16, per_slot, {1, 3, 2});
+        test_mixed_experts(256, 128, 2, 16, 3, 16, per_slot, {2, 1});
+        test_mixed_experts(128, 256, 6, 16, 4, 32, per_slot, {1, 1});
     }
     test_mx_scales(0, 2, 100, false);     // subnormal halves of the smallest scales
     test_mx_scales(240, 254, -120, true);  // the largest finite scales, and a NaN one

@@ -18,7 +18,9 @@
 #                     through an emulated mma.sync; gpt-oss's experts (MXFP4 and affine,
 #                     per-expert biases, the clamped SwiGLU) through the grouped, per-slot
 #                     (one-pass and streamed, MXFP4 dotted in integers) and tensor-core
-#                     paths, MXFP4 scale extremes
+#                     paths, MXFP4 scale extremes; GGUF's K-quants (groups of 16 at 2, 3,
+#                     6 and 8 bits through the general products and the embedding lookup,
+#                     experts whose down projection differs from gate/up)
 #   deltanet_kernels.cpp  the chunked delta rule of a prefill (gdn_chunk_prep,
 #                     gdn_chunk_scan) against the recurrence and against delta_rule
 # Each program ends with "all ok"; the script fails if any fails. Needs g++ with

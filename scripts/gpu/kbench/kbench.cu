@@ -146,6 +146,7 @@ static void bench_slots(const char* name, int n_exp, int k, int hidden, int inte
     L.up_w = seg((long)inter * hidden * bits / 8); L.up_s = seg((long)inter * (hidden / gs) * 2); L.up_b = seg((long)inter * (hidden / gs) * 2);
     L.down_w = seg((long)hidden * inter * bits / 8); L.down_s = seg((long)hidden * (inter / gs) * 2); L.down_b = seg((long)hidden * (inter / gs) * 2);
     L.inter = inter; L.hidden = hidden; L.bits = bits; L.gs = gs; L.sf32 = 0;
+    L.down_bits = bits; L.down_gs = gs; L.down_sf32 = 0;
     long ext = off;
     // Random codes; scales/biases bf16 in a sane range (fill whole extents,
     // then overwrite the parameter segments).
@@ -201,6 +202,7 @@ static void bench_slots_mx(const char* name, int n_exp, int k, int hidden, int i
     L.up_w = seg((long)inter * hidden / 2); L.up_s = seg((long)inter * (hidden / 32));
     L.down_w = seg((long)hidden * inter / 2); L.down_s = seg((long)hidden * (inter / 32));
     L.inter = inter; L.hidden = hidden; L.bits = 4; L.gs = 32; L.sf32 = 0; L.mx = 1;
+    L.down_bits = 4; L.down_gs = 32; L.down_sf32 = 0;
     L.oai = 1; L.alpha = 1.702f; L.limit = 7.0f;
     long ext = off;
     char* all = (char*)dev_random((size_t)ext * n_exp);

@@ -448,15 +448,13 @@ impl<'a> Planner<'a> {
                 )
             })?;
         q.validate().map_err(|r| self.err(&w.raw, r))?;
-        if !cols.is_multiple_of(q.group_size) {
+        if q.is_mxfp4() {
             return Err(self.err(
                 &w.raw,
-                format!(
-                    "{cols} input columns not divisible by group size {}",
-                    q.group_size
-                ),
+                "MXFP4; moeflux reads MXFP4 for routed experts only, not for dense modules",
             ));
         }
+        q.check_cols(cols).map_err(|r| self.err(&w.raw, r))?;
         let wt = self.raw(&w.raw);
         if wt.dtype != Dtype::U32 {
             return Err(self.err(
@@ -552,15 +550,7 @@ impl<'a> Planner<'a> {
                         "config.json declares these experts MXFP4, which have no biases",
                     ));
                 }
-                if !cols.is_multiple_of(q.group_size) {
-                    return Err(self.err(
-                        weight,
-                        format!(
-                            "{cols} input columns not divisible by group size {}",
-                            q.group_size
-                        ),
-                    ));
-                }
+                q.check_cols(cols).map_err(|r| self.err(weight, r))?;
                 let wt = self.raw(weight);
                 if wt.dtype != Dtype::U32 {
                     return Err(self.err(

@@ -193,11 +193,9 @@ impl ExpertLayout {
             cp.quant
                 .validate()
                 .map_err(|r| err(format!("{name}: {r}")))?;
-            if !cols.is_multiple_of(cp.quant.group_size) {
-                return Err(err(format!(
-                    "{name}: {cols} columns not divisible by group size"
-                )));
-            }
+            cp.quant
+                .check_cols(cols)
+                .map_err(|r| err(format!("{name}: {r}")))?;
             let wbytes = rows * affine::words_per_row(cols, cp.quant.bits) * 4;
             let groups = rows * cols / cp.quant.group_size;
             // Scales: bf16/f32 with as many biases (affine), or e8m0 bytes (MXFP4).

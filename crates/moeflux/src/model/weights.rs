@@ -288,15 +288,7 @@ impl DenseStore {
                         "mode mxfp4 is read for routed experts only, not for dense modules",
                     ));
                 }
-                if !cols.is_multiple_of(spec.group_size) {
-                    return Err(self.err(
-                        &wname,
-                        format!(
-                            "{cols} columns not divisible by group size {}",
-                            spec.group_size
-                        ),
-                    ));
-                }
+                spec.check_cols(cols).map_err(|r| self.err(&wname, r))?;
                 let packed_cols = affine::words_per_row(cols, spec.bits);
                 let groups = cols / spec.group_size;
                 self.expect(&wname, wloc, wshape, DType::U32, &[rows, packed_cols])?;

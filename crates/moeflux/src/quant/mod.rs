@@ -56,12 +56,7 @@ impl<'a> QMatrix<'a> {
     /// Checks that the slices have the sizes the shape implies.
     pub fn check(&self) -> Result<(), String> {
         self.spec.validate()?;
-        if !self.cols.is_multiple_of(self.spec.group_size) {
-            return Err(format!(
-                "{} columns is not a multiple of group size {}",
-                self.cols, self.spec.group_size
-            ));
-        }
+        self.spec.check_cols(self.cols)?;
         let words = self.rows * self.words_per_row();
         if self.packed.len() != words {
             return Err(format!(
@@ -198,5 +193,18 @@ mod tests {
             serde_json::to_string(&QuantSpec::MXFP4).unwrap(),
             r#"{"bits":4,"group_size":32,"mode":"mxfp4"}"#
         );
+    }
+
+    #[test]
+    fn group_16_needs_rows_of_whole_32_code_blocks() {
+        for bits in [2, 3, 6] {
+            assert!(QuantSpec::affine(bits, 16).validate().is_ok());
+        }
+        assert!(QuantSpec::affine(4, 8).validate().is_err());
+        let g16 = QuantSpec::affine(6, 16);
+        assert!(g16.check_cols(256).is_ok());
+        let e = g16.check_cols(48).unwrap_err();
+        assert!(e.contains("group size 16 and 32"), "{e}");
+        assert!(QuantSpec::affine(4, 64).check_cols(96).is_err());
     }
 }

@@ -35,7 +35,9 @@
 //! Rows are split into chunks run on the current rayon pool (inline when the
 //! work is small). Within a chunk:
 //! * few tokens (`n < BATCH_MIN_TOKENS`): 4 rows at a time, codes unpacked in
-//!   registers (bits 2/4/8 on AVX2/AVX-512) and shared by the rows' x loads;
+//!   registers (every width on AVX2/AVX-512 for groups of 32 or more; groups
+//!   of 16 and the scalar level unpack rows into a buffer first) and shared
+//!   by the rows' x loads;
 //! * more tokens: rows are unpacked once to f32 in stream order (a block of at
 //!   most `BUF_FLOATS`), then register tiles of `RB` rows x `TB` tokens run
 //!   over it, token tile outermost so the codes stream from L2 while the
@@ -332,6 +334,39 @@ fn qmatmul<'a>(
 ) -> Job<'a> {
     let (bits, gs) = (q.spec.bits, q.spec.group_size);
     type Q<'b> = QMatrix<'b>;
+    if gs < 32 {
+        // Groups narrower than the unpackers' 32-code blocks (GGUF's
+        // K-quants at group 16): rows unpacked in natural order into a
+        // buffer by the 32-code unpackers, tiles of one group per block
+        // (the module docs' loop unchanged).
+        #[cfg(target_arch = "x86_64")]
+        type R512<const B: usize> = Rowwise<A512Gen<B>, 2>;
+        #[cfg(target_arch = "x86_64")]
+        type R2<const B: usize> = Rowwise<A2Gen<B>, 4>;
+        return match level {
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx512 => match bits {
+                2 => q_run::<Avx512, R512<2>, 1, _>(q, x, n, out, q_chunk_avx512::<Q, R512<2>, 1>),
+                3 => q_run::<Avx512, R512<3>, 1, _>(q, x, n, out, q_chunk_avx512::<Q, R512<3>, 1>),
+                4 => q_run::<Avx512, R512<4>, 1, _>(q, x, n, out, q_chunk_avx512::<Q, R512<4>, 1>),
+                5 => q_run::<Avx512, R512<5>, 1, _>(q, x, n, out, q_chunk_avx512::<Q, R512<5>, 1>),
+                6 => q_run::<Avx512, R512<6>, 1, _>(q, x, n, out, q_chunk_avx512::<Q, R512<6>, 1>),
+                8 => q_run::<Avx512, R512<8>, 1, _>(q, x, n, out, q_chunk_avx512::<Q, R512<8>, 1>),
+                _ => q_run::<Avx512, Generic, 1, _>(q, x, n, out, q_chunk_avx512::<Q, Generic, 1>),
+            },
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx2 => match bits {
+                2 => q_run::<Avx2, R2<2>, 2, _>(q, x, n, out, q_chunk_avx2::<Q, R2<2>, 2>),
+                3 => q_run::<Avx2, R2<3>, 2, _>(q, x, n, out, q_chunk_avx2::<Q, R2<3>, 2>),
+                4 => q_run::<Avx2, R2<4>, 2, _>(q, x, n, out, q_chunk_avx2::<Q, R2<4>, 2>),
+                5 => q_run::<Avx2, R2<5>, 2, _>(q, x, n, out, q_chunk_avx2::<Q, R2<5>, 2>),
+                6 => q_run::<Avx2, R2<6>, 2, _>(q, x, n, out, q_chunk_avx2::<Q, R2<6>, 2>),
+                8 => q_run::<Avx2, R2<8>, 2, _>(q, x, n, out, q_chunk_avx2::<Q, R2<8>, 2>),
+                _ => q_run::<Avx2, Generic, 2, _>(q, x, n, out, q_chunk_avx2::<Q, Generic, 2>),
+            },
+            _ => q_run::<Scalar, Generic, 2, _>(q, x, n, out, q_chunk_scalar::<Q, Generic, 2>),
+        };
+    }
     match level {
         #[cfg(target_arch = "x86_64")]
         SimdLevel::Avx512 => match bits {
@@ -582,7 +617,7 @@ unsafe fn unpack_row<S: Isa, P: Packed, U: Unpack<S, NV>, const NV: usize>(
                 S::store(o.add(b * bw + j * S::LANES), vj);
             }
         }
-    } else {
+    } else if !U::unpack_row_natural(q.row_codes(r), q.cols(), out.as_mut_ptr()) {
         q.unpack_generic(r, out);
     }
 }

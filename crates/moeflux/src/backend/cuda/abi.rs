@@ -156,9 +156,15 @@ kernel_structs! {
         down_b: i64 => "long down_b",
         inter: i32 => "int inter",
         hidden: i32 => "int hidden",
+        /// Gate and up projections' code width, group size, F32 scales.
         bits: i32 => "int bits",
         gs: i32 => "int gs",
         sf32: i32 => "int sf32",
+        /// The down projection's, which may differ (llama.cpp's Q4_K_M
+        /// keeps some `ffn_down_exps` as Q6_K: 6-bit codes in groups of 16).
+        down_bits: i32 => "int down_bits",
+        down_gs: i32 => "int down_gs",
+        down_sf32: i32 => "int down_sf32",
         /// MXFP4 codes with e8m0 scale bytes (bits 4, gs 32, no biases): the
         /// `_mx` kernels.
         mx: i32 => "int mx",

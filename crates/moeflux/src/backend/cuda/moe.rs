@@ -102,7 +102,11 @@ pub(super) fn moe(
     let i = b.layer;
     let mut layout = expert_layout(b)?;
     let (e, h, k) = (cx.config.moe.num_experts, cx.config.hidden_size, cx.k);
-    let (inter, bits) = (layout.inter as usize, layout.bits as usize);
+    let (inter, bits, down_bits) = (
+        layout.inter as usize,
+        layout.bits as usize,
+        layout.down_bits as usize,
+    );
     let g = cx.gpu;
     let s = &mut *cx.scratch;
     let logits_d = s.get(g, "router", 4 * n * e)?;
@@ -189,10 +193,11 @@ pub(super) fn moe(
         }
         _ => None,
     };
-    let sfx = if layout.mx != 0 {
-        "mx"
+    // Kernel suffixes of gate/up and of down (whose width may differ).
+    let (sfx, down_sfx) = if layout.mx != 0 {
+        ("mx", "mx")
     } else {
-        kernel_suffix(layout.bits)
+        (kernel_suffix(layout.bits), kernel_suffix(layout.down_bits))
     };
     // Per-slot kernels take one token: rows split across warps, or the
     // activation-stationary kernels when the layout fits them.
@@ -201,7 +206,7 @@ pub(super) fn moe(
         Some(grids) => grids,
         None => (
             inter.div_ceil(rows_per_block(h, bits, slot_path)) as u32,
-            h.div_ceil(rows_per_block(inter, bits, slot_path)) as u32,
+            h.div_ceil(rows_per_block(inter, down_bits, slot_path)) as u32,
         ),
     };
     let k_i = k as i32;
@@ -284,8 +289,7 @@ pub(super) fn moe(
             cx.arena.upload(g, d_slots, &slot_list)?;
             let n_tasks = tasks.len() as u32;
             if n >= MMA_MIN_TOKENS && g.mma && mma_experts_fit(&layout) {
-                let gs = layout.gs as usize;
-                let (xp, xs) = mma_split(g, xn, n, h, gs)?;
+                let (xp, xs) = mma_split(g, xn, n, h, layout.gs as usize)?;
                 // SAFETY: `moe_gate_up_mma` in mma.cu; tasks point at
                 // resident experts, xp / xs were split from xn (n
                 // tokens), act holds a row per slot_list entry.
@@ -298,7 +302,8 @@ pub(super) fn moe(
                         &mut args!(d_tasks, layout, d_slots, k_i, xp, xs, act),
                     )?
                 };
-                let (ap, asum) = mma_split(g, act, slot_list.len(), inter, gs)?;
+                let down_gs = layout.down_gs as usize;
+                let (ap, asum) = mma_split(g, act, slot_list.len(), inter, down_gs)?;
                 // SAFETY: `moe_down_mma` in mma.cu; ap / asum were split
                 // from act, slot_out holds n * k rows.
                 unsafe {
@@ -323,7 +328,7 @@ pub(super) fn moe(
                         &mut args!(d_tasks, layout, d_slots, k_i, xn, act),
                     )?;
                     g.launch(
-                        &format!("moe_down_{sfx}"),
+                        &format!("moe_down_{down_sfx}"),
                         (down_blocks, n_tasks, 1),
                         256,
                         0,
@@ -339,7 +344,7 @@ pub(super) fn moe(
             Some(grids) => slot_launches(g, &layout, sfx, slots, grids),
             None => [
                 SlotLaunch::rows(format!("moe_gate_up_slots_{sfx}"), gate_up_blocks),
-                SlotLaunch::rows(format!("moe_down_slots_{sfx}"), down_blocks),
+                SlotLaunch::rows(format!("moe_down_slots_{down_sfx}"), down_blocks),
             ],
         };
         let slots = slots as u32;
@@ -534,10 +539,11 @@ fn most_chosen_first(ids: &[i32]) -> Vec<usize> {
 
 /// Blocks of the activation-stationary per-slot kernels (gate/up, down)
 /// when the experts' layout fits them (every piece 16-byte aligned; the
-/// cache's slots are).
+/// cache's slots are; gate/up and down of one code width and group size,
+/// which the one kernel suffix of [`slot_launches`] assumes).
 fn qmv_slot_grids(l: &ExpertLayoutC) -> Option<(u32, u32)> {
     let offsets = [l.gate_w, l.up_w, l.down_w];
-    if offsets.iter().any(|o| o % 16 != 0) {
+    if offsets.iter().any(|o| o % 16 != 0) || !uniform(l) {
         return None;
     }
     let (h, inter) = (l.hidden as usize, l.inter as usize);
@@ -545,6 +551,11 @@ fn qmv_slot_grids(l: &ExpertLayoutC) -> Option<(u32, u32)> {
     let gate_up = qmv_rows_per_block(h, bits, gs, QMV_CHUNKS / 2)?;
     let down = qmv_rows_per_block(inter, bits, gs, QMV_CHUNKS)?;
     Some((inter.div_ceil(gate_up) as u32, h.div_ceil(down) as u32))
+}
+
+/// Whether the down projection is quantized as gate and up are.
+fn uniform(l: &ExpertLayoutC) -> bool {
+    (l.bits, l.gs, l.sf32) == (l.down_bits, l.down_gs, l.down_sf32)
 }
 
 /// Intermediate rows per block of `moe_gate_up_mma` and hidden rows per
@@ -559,7 +570,7 @@ fn mma_experts_fit(l: &ExpertLayoutC) -> bool {
     let aligned = [l.gate_w, l.up_w, l.down_w].iter().all(|o| o % 16 == 0);
     aligned
         && mma_layout_fits(l.bits, l.gs, l.hidden, 0)
-        && mma_layout_fits(l.bits, l.gs, l.inter, 0)
+        && mma_layout_fits(l.down_bits, l.down_gs, l.inter, 0)
 }
 
 /// One per-slot expert kernel's launch: blocks per slot, threads per block.
@@ -683,9 +694,12 @@ fn expert_layout(m: &MoeBlock) -> Result<ExpertLayoutC> {
     let x: &ExpertLayout = &m.experts;
     let same =
         |a: &ComponentLayout, b: &ComponentLayout| a.spec == b.spec && a.scales_f32 == b.scales_f32;
-    if !same(&x.gate, &x.up) || !same(&x.gate, &x.down) {
+    // Gate and up share one kernel launch; down has its own (and its own
+    // width and group size), but MXFP4 and affine do not mix.
+    if !same(&x.gate, &x.up) || x.gate.spec.mode != x.down.spec.mode {
         return Err(unsupported(format!(
-            "layer {}: routed expert projections quantized differently",
+            "layer {}: routed expert gate and up projections quantized differently, or \
+             MXFP4 beside affine",
             m.layer
         )));
     }
@@ -735,6 +749,9 @@ fn expert_layout(m: &MoeBlock) -> Result<ExpertLayoutC> {
         bits: x.gate.spec.bits as i32,
         gs: x.gate.spec.group_size as i32,
         sf32: x.gate.scales_f32 as i32,
+        down_bits: x.down.spec.bits as i32,
+        down_gs: x.down.spec.group_size as i32,
+        down_sf32: x.down.scales_f32 as i32,
         mx: mx as i32,
         oai: 0,
         alpha: 0.0,

@@ -3,12 +3,19 @@
 //! and the mapping of each type onto moeflux's stored forms.
 //!
 //! Exact mappings (every dequantized value equal to gguf-py's bit for bit):
-//! a block whose values are `code * s + b` per 32 inputs with `s`, `b`
-//! exact in f32 and `code * s` exact (few bits) is MLX affine group-32 with
-//! F32 scales and biases, since `code * s + b` rounds once in both.
-//! Types whose scales cover 16 inputs (Q2_K, Q3_K, Q6_K) or whose products
-//! can round differently (IQ4_XS) have no group-32 affine form: they are
-//! dequantized and re-quantized (MLX's algorithm, see [`Mapping::Requant`]).
+//! a block whose values are `code * s + b` per 32 (or 16) inputs with `s`,
+//! `b` exact in f32 and `code * s` exact (few bits) is MLX affine group-32
+//! (group-16) with F32 scales and biases, since `code * s + b` rounds once
+//! in both. The K-quants whose scales cover 16 inputs take group 16:
+//! Q6_K's `(d * sc) * q` (`d` 11 significant bits, `|sc| <= 128` 7, `|q| <=
+//! 32` 5: at most 23, exact in f32) is `(q + 32) * (d * sc) - 32 * (d * sc)`,
+//! every term exact (the product at most 24 bits), so the sum rounds to the
+//! exact value; Q3_K's `(d * sc) * q` (`|sc| <= 32`, `|q| <= 4`) likewise
+//! with code `q + 4`; Q2_K's `(d * sc) * q - dmin * m` is code `q`, scale
+//! `d * sc`, bias `-(dmin * m)`, one rounding after exact products as in
+//! gguf-py. Types whose products can round differently (IQ4_XS) or that
+//! have codebooks (the other IQ types) are dequantized and re-quantized
+//! (MLX's algorithm, see [`Mapping::Requant`]).
 
 use half::f16;
 
@@ -20,8 +27,9 @@ const QK_K: usize = 256;
 pub enum Mapping {
     /// Stored as this float dtype, unchanged.
     Float,
-    /// Affine group-32 codes of `bits` with F32 scales and biases, exact.
-    Affine { bits: u32 },
+    /// Affine codes of `bits` in groups of `group` (32 or 16) with F32
+    /// scales and biases, exact.
+    Affine { bits: u32, group: usize },
     /// MXFP4 codes and e8m0 scales, exact.
     Mxfp4,
     /// Dequantized to f32, then MLX affine group-32 quantized at `bits` (lossy).
@@ -36,7 +44,7 @@ pub struct GgmlType {
     /// Values per block and bytes per block.
     pub block: usize,
     pub bytes: usize,
-    /// `None`: known but not convertible (the IQ codebook types, ...).
+    /// `None`: known but not convertible (TQ1_0, Q8_1, Q8_K, integers).
     pub mapping: Option<Mapping>,
 }
 
@@ -57,7 +65,11 @@ const fn t(
 }
 
 const fn aff(bits: u32) -> Option<Mapping> {
-    Some(Mapping::Affine { bits })
+    Some(Mapping::Affine { bits, group: 32 })
+}
+
+const fn aff16(bits: u32) -> Option<Mapping> {
+    Some(Mapping::Affine { bits, group: 16 })
 }
 
 const fn req(bits: u32) -> Option<Mapping> {
@@ -74,26 +86,26 @@ pub const TYPES: [GgmlType; 31] = [
     t(7, "Q5_1", 32, 24, aff(8)),
     t(8, "Q8_0", 32, 34, aff(8)),
     t(9, "Q8_1", 32, 36, None),
-    t(10, "Q2_K", QK_K, 84, req(4)),
-    t(11, "Q3_K", QK_K, 110, req(4)),
+    t(10, "Q2_K", QK_K, 84, aff16(2)),
+    t(11, "Q3_K", QK_K, 110, aff16(3)),
     t(12, "Q4_K", QK_K, 144, aff(4)),
     t(13, "Q5_K", QK_K, 176, aff(8)),
-    t(14, "Q6_K", QK_K, 210, req(8)),
+    t(14, "Q6_K", QK_K, 210, aff16(6)),
     t(15, "Q8_K", QK_K, 292, None),
-    t(16, "IQ2_XXS", QK_K, 66, None),
-    t(17, "IQ2_XS", QK_K, 74, None),
-    t(18, "IQ3_XXS", QK_K, 98, None),
-    t(19, "IQ1_S", QK_K, 50, None),
+    t(16, "IQ2_XXS", QK_K, 66, req(4)),
+    t(17, "IQ2_XS", QK_K, 74, req(4)),
+    t(18, "IQ3_XXS", QK_K, 98, req(4)),
+    t(19, "IQ1_S", QK_K, 50, req(4)),
     t(20, "IQ4_NL", 32, 18, aff(8)),
-    t(21, "IQ3_S", QK_K, 110, None),
-    t(22, "IQ2_S", QK_K, 82, None),
+    t(21, "IQ3_S", QK_K, 110, req(4)),
+    t(22, "IQ2_S", QK_K, 82, req(4)),
     t(23, "IQ4_XS", QK_K, 136, req(8)),
     t(24, "I8", 1, 1, None),
     t(25, "I16", 1, 2, None),
     t(26, "I32", 1, 4, None),
     t(27, "I64", 1, 8, None),
     t(28, "F64", 1, 8, None),
-    t(29, "IQ1_M", QK_K, 56, None),
+    t(29, "IQ1_M", QK_K, 56, req(4)),
     t(30, "BF16", 1, 2, Some(Mapping::Float)),
     t(34, "TQ1_0", QK_K, 54, None),
     t(39, "MXFP4", 32, 17, Some(Mapping::Mxfp4)),
@@ -143,9 +155,9 @@ fn scale_min_k4(s: &[u8], j: usize) -> (u8, u8) {
     }
 }
 
-/// Affine form of one block of an exactly mapped type: codes and, per 32
-/// values, `(scale, bias)` with `value = code * scale + bias` in f32.
-/// Returns false for types without one.
+/// Affine form of one block of an exactly mapped type: codes and, per group
+/// of its mapping (32 or 16 values), `(scale, bias)` with `value = code *
+/// scale + bias` in f32. Returns false for types without one.
 pub fn affine_block(ty: &GgmlType, b: &[u8], codes: &mut [u8], sb: &mut [(f32, f32)]) -> bool {
     let nib = |i: usize| -> u8 {
         // Q4_0/Q4_1/IQ4_NL/MXFP4 layout: low nibbles are values 0..16, high 16..32.
@@ -219,9 +231,56 @@ pub fn affine_block(ty: &GgmlType, b: &[u8], codes: &mut [u8], sb: &mut [(f32, f
                 *s = (d * scale as f32, -(dmin * min as f32));
             }
         }
+        "Q6_K" => {
+            let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
+            let d = h(b, 208);
+            for (e, c) in codes.iter_mut().enumerate() {
+                let (k, i) = (e / 32, e % 32);
+                let (half, r) = (k / 4, k % 4);
+                let lo = (ql[half * 64 + (r % 2) * 32 + i] >> (4 * (r / 2))) & 15;
+                let hi = (qh[half * 32 + i] >> (2 * r)) & 3;
+                *c = lo | (hi << 4);
+            }
+            for (s, &l) in sb.iter_mut().zip(sc) {
+                let scale = d * (l as i8) as f32;
+                *s = (scale, -32.0 * scale);
+            }
+        }
+        "Q3_K" => {
+            let (hmask, qs, sc) = (&b[0..32], &b[32..96], &b[96..108]);
+            let d = h(b, 108);
+            for (e, c) in codes.iter_mut().enumerate() {
+                let (half, sh, i) = (e / 128, (e % 128) / 32, e % 32);
+                let ql = (qs[half * 32 + i] >> (2 * sh)) & 3;
+                // q = ql - 4 (high bit clear) or ql (set): code q + 4.
+                *c = ql | (((hmask[i] >> (e / 32)) & 1) << 2);
+            }
+            for (j, s) in sb.iter_mut().enumerate() {
+                let scale = d * q3k_scale(sc, j) as f32;
+                *s = (scale, -4.0 * scale);
+            }
+        }
+        "Q2_K" => {
+            let (sc, qs) = (&b[0..16], &b[16..80]);
+            let (d, dmin) = (h(b, 80), h(b, 82));
+            for (e, c) in codes.iter_mut().enumerate() {
+                let (half, sh, i) = (e / 128, (e % 128) / 32, e % 32);
+                *c = (qs[half * 32 + i] >> (2 * sh)) & 3;
+            }
+            for (s, &l) in sb.iter_mut().zip(sc) {
+                *s = (d * (l & 15) as f32, -(dmin * (l >> 4) as f32));
+            }
+        }
         _ => return false,
     }
     true
+}
+
+/// Q3_K's signed 6-bit scale of sub-block `i` (of 16).
+fn q3k_scale(sc: &[u8], i: usize) -> i8 {
+    let l = if i < 8 { sc[i] & 15 } else { sc[i - 8] >> 4 };
+    let hi = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
+    (l | (hi << 4)) as i8 - 32
 }
 
 /// Dequantizes one block as gguf-py does (same f32 operations, same order).
@@ -287,13 +346,8 @@ pub fn dequant_block(ty: &GgmlType, b: &[u8], out: &mut [f32]) -> bool {
         "Q3_K" => {
             let (hmask, qs, sc) = (&b[0..32], &b[32..96], &b[96..108]);
             let d = h(b, 108);
-            let scale = |i: usize| -> f32 {
-                let l = if i < 8 { sc[i] & 15 } else { sc[i - 8] >> 4 };
-                let hi = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
-                ((l | (hi << 4)) as i8 - 32) as f32
-            };
             for (e, o) in out.iter_mut().enumerate() {
-                let dl = d * scale(e / 16);
+                let dl = d * q3k_scale(sc, e / 16) as f32;
                 let (half, sh, i) = (e / 128, (e % 128) / 32, e % 32);
                 let ql = ((qs[half * 32 + i] >> (2 * sh)) & 3) as i8;
                 let qh = ((hmask[i] >> (e / 32)) & 1) ^ 1;
@@ -325,7 +379,7 @@ pub fn dequant_block(ty: &GgmlType, b: &[u8], out: &mut [f32]) -> bool {
                 *o = dl * IQ4NL[n as usize] as f32;
             }
         }
-        _ => return false,
+        _ => return super::iq::dequant_block(ty.name, b, out),
     }
     true
 }

@@ -10,6 +10,9 @@
 pub mod arch;
 pub mod file;
 pub mod ggml;
+mod iq;
+#[rustfmt::skip]
+mod iq_grids;
 pub mod tokenizer;
 
 use std::collections::BTreeMap;
@@ -55,14 +58,19 @@ impl View {
 
     fn bits(&self) -> u32 {
         match self.ty.mapping {
-            Some(Mapping::Affine { bits } | Mapping::Requant { bits }) => bits,
+            Some(Mapping::Affine { bits, .. } | Mapping::Requant { bits }) => bits,
             _ => 4,
         }
     }
 
+    /// Values per scale (and bias) of the presented form.
+    fn group(&self) -> usize {
+        group_of(self.ty.mapping)
+    }
+
     /// Presented bytes per row.
     pub fn out_row_bytes(&self) -> usize {
-        let groups = self.cols / 32;
+        let groups = self.cols / self.group();
         match (self.part, self.mxfp4()) {
             (Part::Codes, _) => self.cols * self.bits() as usize / 8,
             (_, true) => groups,
@@ -80,7 +88,7 @@ impl View {
         let src = &map[self.src_start + r0 * srb..self.src_start + r1 * srb];
         let mut out = Vec::with_capacity((r1 - r0) * self.out_row_bytes());
         let cols = self.cols;
-        let groups = cols / 32;
+        let groups = cols / self.group();
         let mut codes = vec![0u8; cols];
         let mut sb = vec![(0f32, 0f32); groups];
         let mut words = vec![0u32; affine::words_per_row(cols, self.bits())];
@@ -103,8 +111,8 @@ impl View {
                     }
                     continue;
                 }
-                Some(Mapping::Affine { .. }) => {
-                    let per = self.ty.block / 32;
+                Some(Mapping::Affine { group, .. }) => {
+                    let per = self.ty.block / group;
                     for ((blk, c), s) in row
                         .chunks_exact(self.ty.bytes)
                         .zip(codes.chunks_exact_mut(self.ty.block))
@@ -132,6 +140,15 @@ impl View {
             }
         }
         out
+    }
+}
+
+/// Group size of a quantized mapping's presented form (MXFP4 and
+/// re-quantized tensors: 32).
+fn group_of(m: Option<Mapping>) -> usize {
+    match m {
+        Some(Mapping::Affine { group, .. }) => group,
+        _ => 32,
     }
 }
 
@@ -336,12 +353,13 @@ pub fn open(path: &Path) -> Result<Source> {
                     ("scales", Dtype::U8, cols / 32, Part::Scales),
                 ],
             ),
-            Mapping::Affine { bits } | Mapping::Requant { bits } => {
+            Mapping::Affine { bits, .. } | Mapping::Requant { bits } => {
                 if let Mapping::Requant { .. } = mapping {
                     info.requantized.push((name.clone(), t.ty.name, bits));
                 }
+                let group = group_of(Some(mapping));
                 (
-                    QuantSpec::affine(bits, 32),
+                    QuantSpec::affine(bits, group),
                     vec![
                         (
                             "weight",
@@ -349,8 +367,8 @@ pub fn open(path: &Path) -> Result<Source> {
                             affine::words_per_row(cols, bits),
                             Part::Codes,
                         ),
-                        ("scales", Dtype::F32, cols / 32, Part::Scales),
-                        ("biases", Dtype::F32, cols / 32, Part::Biases),
+                        ("scales", Dtype::F32, cols / group, Part::Scales),
+                        ("biases", Dtype::F32, cols / group, Part::Biases),
                     ],
                 )
             }

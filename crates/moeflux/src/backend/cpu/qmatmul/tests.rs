@@ -162,7 +162,8 @@ pub(super) fn run(level: SimdLevel, w: &Weight, x: &[f32], n: usize) -> Vec<f32>
 }
 
 const BITS: [u32; 6] = [2, 3, 4, 5, 6, 8];
-const GROUPS: [usize; 3] = [32, 64, 128];
+// 16: GGUF's K-quants (every level's buffered path, blocks of one group).
+const GROUPS: [usize; 4] = [16, 32, 64, 128];
 
 #[test]
 fn quantized_matches_f64_reference() {
@@ -549,7 +550,7 @@ fn bench() {
     drop(big);
 
     let filter = std::env::var("QBENCH").unwrap_or_default();
-    let shapes: [(&str, usize, usize, u32, usize); 7] = [
+    let shapes: [(&str, usize, usize, u32, usize); 9] = [
         ("attn 2048x4096 q4", 2048, 4096, 4, 64),
         ("expert gate 512x2048 q4", 512, 2048, 4, 64),
         ("lm_head 248320x2048 q4", 248320, 2048, 4, 64),
@@ -557,6 +558,9 @@ fn bench() {
         ("2048x4096 q2", 2048, 4096, 2, 64),
         ("2048x4096 q3", 2048, 4096, 3, 64),
         ("2048x4096 q2 g32", 2048, 4096, 2, 32),
+        // GGUF's Q6_K and Q3_K as stored: groups of 16.
+        ("2048x4096 q6 g16", 2048, 4096, 6, 16),
+        ("2048x4096 q3 g16", 2048, 4096, 3, 16),
     ];
     for (name, rows, cols, bits, gs) in shapes {
         if !filter.is_empty() && !name.contains(&filter) {

@@ -8,7 +8,7 @@ use crate::backend::cpu::simd::Isa;
 /// Unpacks one block of `NV * S::LANES` codes.
 pub(crate) trait Unpack<S: Isa, const NV: usize> {
     /// Whether `unpack` exists (otherwise rows are unpacked in natural order
-    /// by `unpack_row_generic` into a buffer).
+    /// into a buffer, by `unpack_row_natural` or `unpack_row_generic`).
     const FUSED: bool;
     /// Whether stream order is the natural order.
     const IDENTITY: bool;
@@ -19,6 +19,17 @@ pub(crate) trait Unpack<S: Isa, const NV: usize> {
     unsafe fn unpack(p: *const u8) -> [S::V; NV];
     /// Element (within the block) found at stream position `pos`.
     fn perm(pos: usize) -> usize;
+    /// With `FUSED` false: unpacks a row of `cols` codes at `p` to f32 in
+    /// natural order into `out` and returns true, or returns false to leave
+    /// it to the matrix's own `unpack_generic`.
+    ///
+    /// # Safety
+    /// `p` points at the row's packed codes; `out` holds `cols` floats; the
+    /// ISA's features are enabled.
+    #[inline(always)]
+    unsafe fn unpack_row_natural(_p: *const u8, _cols: usize, _out: *mut f32) -> bool {
+        false
+    }
 }
 
 /// Bit widths without a SIMD unpacker (and every width on `Scalar`).
@@ -33,6 +44,38 @@ impl<S: Isa, const NV: usize> Unpack<S, NV> for Generic {
     }
     fn perm(pos: usize) -> usize {
         pos
+    }
+}
+
+/// Rows unpacked whole by `U`, a natural-order unpacker of `UNV`-vector
+/// (32-code) blocks, into a buffer that the tiles read in blocks of `NV`
+/// vectors: groups narrower than `U`'s block (16, GGUF's K-quants) keep
+/// the SIMD unpack.
+pub(crate) struct Rowwise<U, const UNV: usize>(std::marker::PhantomData<U>);
+
+impl<S: Isa, U: Unpack<S, UNV>, const UNV: usize, const NV: usize> Unpack<S, NV>
+    for Rowwise<U, UNV>
+{
+    const FUSED: bool = false;
+    const IDENTITY: bool = true;
+    const BYTES: usize = 0;
+    unsafe fn unpack(_p: *const u8) -> [S::V; NV] {
+        unreachable!("unpacked row-wise")
+    }
+    fn perm(pos: usize) -> usize {
+        pos
+    }
+    #[inline(always)]
+    unsafe fn unpack_row_natural(p: *const u8, cols: usize, out: *mut f32) -> bool {
+        const { assert!(U::FUSED && U::IDENTITY, "a natural-order SIMD unpacker") };
+        let bw = UNV * S::LANES;
+        for b in 0..cols / bw {
+            let v = U::unpack(p.add(b * U::BYTES));
+            for (j, &vj) in v.iter().enumerate() {
+                S::store(out.add(b * bw + j * S::LANES), vj);
+            }
+        }
+        true
     }
 }
 

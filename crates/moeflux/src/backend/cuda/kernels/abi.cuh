@@ -112,9 +112,15 @@ struct ExpertLayout {
     long down_b;
     int inter;
     int hidden;
+    // Gate and up projections' code width, group size, F32 scales.
     int bits;
     int gs;
     int sf32;
+    // The down projection's, which may differ (llama.cpp's Q4_K_M
+    // keeps some `ffn_down_exps` as Q6_K: 6-bit codes in groups of 16).
+    int down_bits;
+    int down_gs;
+    int down_sf32;
     // MXFP4 codes with e8m0 scale bytes (bits 4, gs 32, no biases): the
     // `_mx` kernels.
     int mx;
@@ -130,7 +136,7 @@ struct ExpertLayout {
     const float* bias_d;
     const int* ids;
 };
-static_assert(sizeof(ExpertLayout) == 144, "ExpertLayout as Rust lays it out");
+static_assert(sizeof(ExpertLayout) == 152, "ExpertLayout as Rust lays it out");
 #ifndef __CUDACC_RTC__
 static_assert(offsetof(ExpertLayout, gate_w) == 0, "ExpertLayout.gate_w");
 static_assert(offsetof(ExpertLayout, gate_s) == 8, "ExpertLayout.gate_s");
@@ -146,12 +152,15 @@ static_assert(offsetof(ExpertLayout, hidden) == 76, "ExpertLayout.hidden");
 static_assert(offsetof(ExpertLayout, bits) == 80, "ExpertLayout.bits");
 static_assert(offsetof(ExpertLayout, gs) == 84, "ExpertLayout.gs");
 static_assert(offsetof(ExpertLayout, sf32) == 88, "ExpertLayout.sf32");
-static_assert(offsetof(ExpertLayout, mx) == 92, "ExpertLayout.mx");
-static_assert(offsetof(ExpertLayout, oai) == 96, "ExpertLayout.oai");
-static_assert(offsetof(ExpertLayout, alpha) == 100, "ExpertLayout.alpha");
-static_assert(offsetof(ExpertLayout, limit) == 104, "ExpertLayout.limit");
-static_assert(offsetof(ExpertLayout, bias_g) == 112, "ExpertLayout.bias_g");
-static_assert(offsetof(ExpertLayout, bias_u) == 120, "ExpertLayout.bias_u");
-static_assert(offsetof(ExpertLayout, bias_d) == 128, "ExpertLayout.bias_d");
-static_assert(offsetof(ExpertLayout, ids) == 136, "ExpertLayout.ids");
+static_assert(offsetof(ExpertLayout, down_bits) == 92, "ExpertLayout.down_bits");
+static_assert(offsetof(ExpertLayout, down_gs) == 96, "ExpertLayout.down_gs");
+static_assert(offsetof(ExpertLayout, down_sf32) == 100, "ExpertLayout.down_sf32");
+static_assert(offsetof(ExpertLayout, mx) == 104, "ExpertLayout.mx");
+static_assert(offsetof(ExpertLayout, oai) == 108, "ExpertLayout.oai");
+static_assert(offsetof(ExpertLayout, alpha) == 112, "ExpertLayout.alpha");
+static_assert(offsetof(ExpertLayout, limit) == 116, "ExpertLayout.limit");
+static_assert(offsetof(ExpertLayout, bias_g) == 120, "ExpertLayout.bias_g");
+static_assert(offsetof(ExpertLayout, bias_u) == 128, "ExpertLayout.bias_u");
+static_assert(offsetof(ExpertLayout, bias_d) == 136, "ExpertLayout.bias_d");
+static_assert(offsetof(ExpertLayout, ids) == 144, "ExpertLayout.ids");
 #endif

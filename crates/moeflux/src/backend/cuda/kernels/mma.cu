@@ -403,8 +403,8 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_mma(const ExpertTask*
     PDL_ENTER();
     ExpertTask T = tasks[blockIdx.y];
     int w = threadIdx.x >> 5;
-    QW dq = expert_qw(T.base, L.down_w, L.down_s, L.down_b, L.hidden, L.inter, L);
-    int cols = L.inter, gs = L.gs;
+    QW dq = expert_down_qw(T.base, L);
+    int cols = L.inter, gs = L.down_gs;
     int r0 = blockIdx.x * 128 + w * 32;
     if (r0 >= L.hidden) return;
     const QW* qs[MMA_MT] = {&dq, &dq};
@@ -418,7 +418,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_mma(const ExpertTask*
         if (L.mx)
             MMA_CALL(MXB, 2);
         else
-            MMA_DISPATCH(L.bits, gs, MMA_CALL);
+            MMA_DISPATCH(L.down_bits, gs, MMA_CALL);
 #undef MMA_CALL
         mma_each<MMA_MT, MMA_NT>(row0, tok0, [&](int mt, int nn, int c, int r, int i) {
             if (r < L.hidden && i < T.count) {

@@ -24,18 +24,29 @@ __device__ __forceinline__ float expert_down_bias(const ExpertLayout& L, int slo
     return L.bias_d ? L.bias_d[(long)L.ids[slot] * L.hidden + r] : 0.0f;
 }
 
-__device__ __forceinline__ QW expert_qw(const char* base, long wo, long so, long bo, int rows, int cols,
-                                        const ExpertLayout& L) {
+__device__ __forceinline__ QW expert_qw_of(const char* base, long wo, long so, long bo, int rows, int cols,
+                                           int bits, int gs, int sf32) {
     QW q;
     q.w = (const u32*)(base + wo);
     q.s = base + so;
     q.b = base + bo;
     q.rows = rows;
     q.cols = cols;
-    q.bits = L.bits;
-    q.gs = L.gs;
-    q.sf32 = L.sf32;
+    q.bits = bits;
+    q.gs = gs;
+    q.sf32 = sf32;
     return q;
+}
+
+// The gate or up projection of an expert at base (offsets wo, so, bo).
+__device__ __forceinline__ QW expert_qw(const char* base, long wo, long so, long bo, int rows, int cols,
+                                        const ExpertLayout& L) {
+    return expert_qw_of(base, wo, so, bo, rows, cols, L.bits, L.gs, L.sf32);
+}
+
+// The down projection of an expert at base (its own width and group size).
+__device__ __forceinline__ QW expert_down_qw(const char* base, const ExpertLayout& L) {
+    return expert_qw_of(base, L.down_w, L.down_s, L.down_b, L.hidden, L.inter, L.down_bits, L.down_gs, L.down_sf32);
 }
 
 // act[e] = silu(gate_e x) * (up_e x) for every (expert task, its tokens);
@@ -81,7 +92,7 @@ __device__ void moe_down_body(const ExpertTask* tasks, ExpertLayout L, const int
                               const float* act, float* slot_out) {
     ExpertTask T = tasks[blockIdx.y];
     int w = threadIdx.x >> 5;
-    QW dq = expert_qw(T.base, L.down_w, L.down_s, L.down_b, L.hidden, L.inter, L);
+    QW dq = expert_down_qw(T.base, L);
     int parts = col_split(dq, 4), part = w % parts;
     int r0 = (blockIdx.x * (8 / parts) + w / parts) * RW;
     bool active = r0 < L.hidden;
@@ -169,7 +180,7 @@ __device__ void moe_down_slots_body(const unsigned long long* bases, ExpertLayou
                                     float* slot_out) {
     int j = blockIdx.y;
     int w = threadIdx.x >> 5;
-    QW dq = expert_qw((const char*)bases[j], L.down_w, L.down_s, L.down_b, L.hidden, L.inter, L);
+    QW dq = expert_down_qw((const char*)bases[j], L);
     int parts = col_split(dq, 1), part = w % parts;
     int r0 = (blockIdx.x * (8 / parts) + w / parts) * RW;
     bool active = r0 < L.hidden;
@@ -211,7 +222,7 @@ template <int BITS>
 __device__ void moe_down_qmv_body(const unsigned long long* bases, ExpertLayout L, const float* act,
                                   float* slot_out) {
     int j = blockIdx.y;
-    QW dq = expert_qw((const char*)bases[j], L.down_w, L.down_s, L.down_b, L.hidden, L.inter, L);
+    QW dq = expert_down_qw((const char*)bases[j], L);
     QmvGeom G = qmv_geom(L.inter, BITS);
     int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int part = w % G.parts;
@@ -270,7 +281,7 @@ __device__ void moe_down_stream_body(const unsigned long long* bases, ExpertLayo
                                      float* slot_out) {
     constexpr int EPL = 128 / code_bits(BITS);
     int j = blockIdx.y;
-    QW dq = expert_qw((const char*)bases[j], L.down_w, L.down_s, L.down_b, L.hidden, L.inter, L);
+    QW dq = expert_down_qw((const char*)bases[j], L);
     QmvGeom G = qmv_geom(L.inter, BITS);
     const QmvLane l = qmv_lane<BITS>(G);
     int per_set = NC * G.rpc * G.wpb;
