@@ -307,6 +307,13 @@ fn random_tokens(n: usize, vocab: usize) -> Vec<u32> {
     moeflux::bench::random_tokens(n, vocab, seed)
 }
 
+/// The last logits of each of `toks` evaluated one token at a time.
+fn one_token_at_a_time(s: &mut Session, toks: &[u32]) -> Vec<f32> {
+    toks.iter()
+        .flat_map(|&t| s.eval(&[t], LogitsMode::Last).unwrap())
+        .collect()
+}
+
 fn max_rel_diff(a: &[f32], b: &[f32]) -> f32 {
     let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     a.iter()
@@ -396,10 +403,7 @@ fn gpu_matches_cpu_through_small_caches(dir: &Path) {
         );
         // Decode one at a time through the evicting cache.
         let mut g = gpu_with(dir, Some(budget), policy);
-        let mut rows = Vec::new();
-        for &t in &toks {
-            rows.extend(g.eval(&[t], LogitsMode::Last).unwrap());
-        }
+        let rows = one_token_at_a_time(&mut g, &toks);
         let d = max_rel_diff(&rows, &want);
         assert!(d <= GUARD, "{policy:?} incremental: max rel diff {d:e}");
         eprintln!("{policy:?}: {:?}", g.gpu_cache_stats());
@@ -428,10 +432,7 @@ fn gpu_matches_cpu_through_small_caches(dir: &Path) {
         )
         .unwrap();
         assert!(g.backend().contains("host tier"), "{}", g.backend());
-        let mut rows = Vec::new();
-        for &t in &toks {
-            rows.extend(g.eval(&[t], LogitsMode::Last).unwrap());
-        }
+        let rows = one_token_at_a_time(&mut g, &toks);
         let d = max_rel_diff(&rows, &want);
         assert!(
             d <= GUARD,

@@ -12,7 +12,9 @@ use moeflux::{Backend, LogitsMode, Session, SessionOptions};
 
 use super::common::EVAL_MODES;
 use super::common::{check_against_golden, convert_fixture, eval_three_ways, fixtures, Golden};
-use super::{cpu, gpu, gpu_with, max_rel_diff, qwen_check, random_tokens, Check, GUARD};
+use super::{
+    cpu, gpu, gpu_with, max_rel_diff, one_token_at_a_time, qwen_check, random_tokens, Check, GUARD,
+};
 
 /// Whether two GPUs exist; says why not otherwise.
 fn two_gpus() -> bool {
@@ -114,10 +116,7 @@ fn synth_on_two(dir: &std::path::Path) {
         let s = g.gpu_cache_stats();
         assert!(s.misses > 0, "{policy:?}: never missed: {s:?}");
         let mut g = two(dir, opts());
-        let mut rows = Vec::new();
-        for &t in &toks {
-            rows.extend(g.eval(&[t], LogitsMode::Last).unwrap());
-        }
+        let rows = one_token_at_a_time(&mut g, &toks);
         let d = max_rel_diff(&rows, &want);
         assert!(
             d <= GUARD,
@@ -137,10 +136,7 @@ fn synth_on_two(dir: &std::path::Path) {
             },
         );
         assert!(g.backend().contains("host tier"), "{}", g.backend());
-        let mut rows = Vec::new();
-        for &t in &toks {
-            rows.extend(g.eval(&[t], LogitsMode::Last).unwrap());
-        }
+        let rows = one_token_at_a_time(&mut g, &toks);
         let d = max_rel_diff(&rows, &want);
         assert!(
             d <= GUARD,
@@ -153,10 +149,7 @@ fn synth_on_two(dir: &std::path::Path) {
     }
     // Every expert resident on its GPU (decode by the device's table).
     let mut g = two_default(dir);
-    let mut rows = Vec::new();
-    for &t in &toks {
-        rows.extend(g.eval(&[t], LogitsMode::Last).unwrap());
-    }
+    let rows = one_token_at_a_time(&mut g, &toks);
     let d = max_rel_diff(&rows, &want);
     assert!(d <= GUARD, "resident incremental: 2 GPUs vs 1 {d:e}");
 }
