@@ -44,7 +44,10 @@
 //!   activations stay in L1.
 
 mod mxfp4;
+mod q8;
 mod unpack;
+
+pub use q8::{set_thread_activations, thread_activations, Activations};
 
 use std::borrow::Cow;
 use std::marker::PhantomData;
@@ -88,6 +91,16 @@ pub fn matmul_at(level: SimdLevel, w: &Weight, x: &[f32], n_tokens: usize, out: 
     if let Some(job) = job(level, w, x, n_tokens, out) {
         run_jobs(&[job]);
     }
+}
+
+/// [`matmul_at`] with the activations quantized to 8 bits where `w` has
+/// such a product ([`Activations::Q8`], whatever this thread's mode); for
+/// tests and benchmarks.
+pub fn matmul_q8_at(level: SimdLevel, w: &Weight, x: &[f32], n_tokens: usize, out: &mut [f32]) {
+    let mode = thread_activations();
+    set_thread_activations(Activations::Q8);
+    matmul_at(level, w, x, n_tokens, out);
+    set_thread_activations(mode);
 }
 
 /// Several matmuls of the same input at once: `outs[i] = W_i x` for
@@ -152,6 +165,11 @@ fn job<'a>(
     }
     let level = level.clamped();
     let out = OutPtr(out.as_mut_ptr());
+    if thread_activations() == Activations::Q8 {
+        if let Some(j) = q8::job(level, w, x, n_tokens, out) {
+            return Some(j);
+        }
+    }
     Some(match w {
         Weight::Quantized(q) => qmatmul(level, q, x, n_tokens, out),
         Weight::Mxfp4(m) => mxfp4::mxmatmul(level, m, x, n_tokens, out),

@@ -1,0 +1,563 @@
+//! Products with the activations quantized to 8 bits, as llama.cpp's CPU
+//! backend computes them: an opt-in ([`Activations::Q8`]) for 4- and 8-bit
+//! affine weights (groups of 32 or a multiple) and MXFP4. Every 32
+//! consecutive inputs of a token become `dx * xq` (`dx = max|x| / 127`, `xq`
+//! rounded to an integer in -127..=127), and the codes are multiplied by
+//! `xq` in integers: one byte multiply-add (`vpmaddubsw`) per 32 weights
+//! instead of a float conversion and FMA per 8, so the one-token product is
+//! bound by memory rather than by the vector units on a 2-core AVX2 machine.
+//! The cost is the rounding of the activations (measured on the demo model:
+//! docs/PERFORMANCE.md); exact f32 activations stay the default.
+//!
+//! # Arithmetic (the determinism contract of this path)
+//!
+//! With `ds[b] = scale(group of b) * dx[b]` (the MXFP4 scale halved, codes
+//! taken as twice their e2m1 value) and "units" of two blocks for 4-bit
+//! codes (lanes 0-3 block `2u`, lanes 4-7 block `2u + 1`; a last odd block
+//! has empty lanes 4-7 with `ds = 0`) or one block for 8-bit codes (lane `k`
+//! its codes `4k..4k+4`, every lane `ds[u]`):
+//!
+//! ```text
+//! acc = 0                                  (8 lanes, f32)
+//! for each unit u, lane k:
+//!     acc[k] = fma(f32(isum[u][k]), ds[block of lane k], acc[k])
+//! out = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7))
+//!       + fma chain of bias_g * xsum_g over the groups   (affine only)
+//! ```
+//!
+//! where `isum[u][k]` is the exact integer sum of `code * xq` over the
+//! lane's eight (or four) inputs and `xsum_g` the f32 sum of the group's
+//! unrounded activations. The integer sums are exact, so the AVX2 kernel
+//! (also used at the AVX-512 level) and the portable one give the same bits,
+//! and as with f32 activations a token's result is independent of the
+//! number of tokens and of the thread count.
+
+use std::cell::Cell;
+
+use super::{group_sum, Job, OutPtr, Packed, SimdLevel, PREFETCH_BYTES};
+use crate::quant::mxfp4::{Mxfp4Matrix, E2M1_X2};
+use crate::quant::{QMatrix, Weight};
+
+/// How the CPU's quantized products take their activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Activations {
+    /// Exact f32 (the default; what the goldens and batch == incremental
+    /// rest on).
+    #[default]
+    F32,
+    /// Rounded to 8 bits per group of 32 inputs for 4/8-bit affine and
+    /// MXFP4 weights; other weights keep f32 activations.
+    Q8,
+}
+
+impl Activations {
+    pub fn parse(s: &str) -> Option<Activations> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "f32" => Some(Activations::F32),
+            "q8" => Some(Activations::Q8),
+            _ => None,
+        }
+    }
+}
+
+thread_local! {
+    static MODE: Cell<Activations> = const { Cell::new(Activations::F32) };
+}
+
+/// Sets the activation mode of the products this thread starts (a session
+/// sets it on each of its compute threads).
+pub fn set_thread_activations(a: Activations) {
+    MODE.with(|m| m.set(a));
+}
+
+/// The activation mode of this thread.
+pub fn thread_activations() -> Activations {
+    MODE.with(|m| m.get())
+}
+
+const BLOCK: usize = 32;
+
+/// Which code layout a weight has on this path.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Kind {
+    /// 4-bit affine: nibbles, unsigned codes 0..=15.
+    Nib4,
+    /// MXFP4: nibbles, codes to twice their e2m1 value (-12..=12).
+    Mx4,
+    /// 8-bit affine: bytes 0..=255.
+    U8,
+}
+
+impl Kind {
+    fn of(w: &Weight) -> Option<Kind> {
+        match w {
+            Weight::Quantized(q) if q.spec.group_size % BLOCK == 0 => match q.spec.bits {
+                4 => Some(Kind::Nib4),
+                8 => Some(Kind::U8),
+                _ => None,
+            },
+            Weight::Mxfp4(_) => Some(Kind::Mx4),
+            _ => None,
+        }
+    }
+    /// Blocks per unit.
+    fn unit_blocks(self) -> usize {
+        if self == Kind::U8 {
+            1
+        } else {
+            2
+        }
+    }
+    /// Activation bytes per unit: two 32-byte vectors (low and high
+    /// nibbles) for 4-bit codes, one for bytes.
+    fn unit_bytes(self) -> usize {
+        32 * self.unit_blocks()
+    }
+    /// The offset the AVX2 kernel adds to codes to make them unsigned
+    /// (`vpmaddubsw` multiplies unsigned by signed bytes): 12 for MXFP4's
+    /// -12..=12; 8-bit codes go the other way (`code - 128` as a signed
+    /// byte, multiplied by sign and magnitude), so their sums gain
+    /// `128 * sum(xq)`.
+    fn correction(self) -> i32 {
+        match self {
+            Kind::Nib4 => 0,
+            Kind::Mx4 => -12,
+            Kind::U8 => 128,
+        }
+    }
+}
+
+/// The activations of one call, quantized.
+struct Acts {
+    kind: Kind,
+    n: usize,
+    blocks: usize,
+    units: usize,
+    /// `n * units * unit_bytes`: per unit, the activations in the kernel's
+    /// order (for nibbles: the inputs of the low nibbles of the unit's 32
+    /// code bytes, then of the high nibbles), zero past the last block.
+    xq: Vec<i8>,
+    /// `n * blocks`.
+    dx: Vec<f32>,
+    /// `n * units * 8`: the kernel's correction per lane
+    /// (`Kind::correction` times the lane's sum of `xq`).
+    corr: Vec<i32>,
+    /// `n * groups`: sums of the unrounded activations (affine only).
+    xsum: Vec<f32>,
+}
+
+impl Acts {
+    fn new(kind: Kind, x: &[f32], n: usize, cols: usize, group: usize) -> Acts {
+        let blocks = cols / BLOCK;
+        let units = blocks.div_ceil(kind.unit_blocks());
+        let ub = kind.unit_bytes();
+        let mut xq = vec![0i8; n * units * ub];
+        let mut dx = vec![0.0f32; n * blocks];
+        let mut corr = vec![0i32; n * units * 8];
+        let mut q = [0i8; BLOCK];
+        for t in 0..n {
+            let xt = &x[t * cols..(t + 1) * cols];
+            for b in 0..blocks {
+                dx[t * blocks + b] = quantize_block(&xt[b * BLOCK..(b + 1) * BLOCK], &mut q);
+                let u = b / kind.unit_blocks();
+                let unit = &mut xq[(t * units + u) * ub..(t * units + u + 1) * ub];
+                if kind == Kind::U8 {
+                    unit.copy_from_slice(&q);
+                } else {
+                    // Code byte j of the unit holds inputs 2j (low nibble)
+                    // and 2j + 1 (high) of block 2u + j / 16.
+                    let half = 16 * (b % 2);
+                    for j in 0..16 {
+                        unit[half + j] = q[2 * j];
+                        unit[32 + half + j] = q[2 * j + 1];
+                    }
+                }
+            }
+            let c = kind.correction();
+            if c != 0 {
+                for u in 0..units {
+                    let unit = &xq[(t * units + u) * ub..(t * units + u + 1) * ub];
+                    let lanes = &mut corr[(t * units + u) * 8..(t * units + u + 1) * 8];
+                    for (k, l) in lanes.iter_mut().enumerate() {
+                        *l = c * lane_inputs(kind, k).map(|i| unit[i] as i32).sum::<i32>();
+                    }
+                }
+            }
+        }
+        let xsum = if kind == Kind::Mx4 {
+            Vec::new()
+        } else {
+            x.chunks_exact(group).map(group_sum).collect()
+        };
+        Acts {
+            kind,
+            n,
+            blocks,
+            units,
+            xq,
+            dx,
+            corr,
+            xsum,
+        }
+    }
+
+    fn unit(&self, t: usize, u: usize) -> *const i8 {
+        let ub = self.kind.unit_bytes();
+        self.xq[(t * self.units + u) * ub..].as_ptr()
+    }
+}
+
+/// The positions (in the unit's activation bytes) whose products lane `k`
+/// sums: for nibbles code bytes `4k..4k+4`, low and high; for bytes
+/// `4k..4k+4`.
+fn lane_inputs(kind: Kind, k: usize) -> impl Iterator<Item = usize> {
+    let nib = kind != Kind::U8;
+    (4 * k..4 * k + 4).flat_map(move |i| [Some(i), nib.then_some(32 + i)].into_iter().flatten())
+}
+
+/// `xq = round(x / dx)` with `dx = max|x| / 127`; returns `dx` (0 for a
+/// zero block, NaN when the block holds a NaN or an infinity, so the output
+/// is NaN as with f32 activations).
+fn quantize_block(x: &[f32], q: &mut [i8; BLOCK]) -> f32 {
+    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    if !x.iter().all(|v| v.is_finite()) {
+        q.fill(0);
+        return f32::NAN;
+    }
+    if amax == 0.0 {
+        q.fill(0);
+        return 0.0;
+    }
+    let inv = 127.0 / amax;
+    for (o, &v) in q.iter_mut().zip(x) {
+        *o = (v * inv).round().clamp(-127.0, 127.0) as i8;
+    }
+    amax / 127.0
+}
+
+/// Prepares `out = W x` with quantized activations; `None` when `w` has no
+/// such product (the caller then uses f32 activations). Shapes are checked
+/// by the caller.
+pub(super) fn job<'a>(
+    level: SimdLevel,
+    w: &'a Weight<'a>,
+    x: &'a [f32],
+    n: usize,
+    out: OutPtr,
+) -> Option<Job<'a>> {
+    let kind = Kind::of(w)?;
+    #[cfg(target_arch = "x86_64")]
+    let simd = level >= SimdLevel::Avx2;
+    #[cfg(not(target_arch = "x86_64"))]
+    let simd = {
+        let _ = level;
+        false
+    };
+    Some(match w {
+        Weight::Quantized(q) => make_job::<QMatrix>(kind, simd, q, x, n, out),
+        Weight::Mxfp4(m) => make_job::<Mxfp4Matrix>(kind, simd, m, x, n, out),
+        Weight::Dense(_) => unreachable!("Kind::of excludes dense weights"),
+    })
+}
+
+fn make_job<'a, P: Packed>(
+    kind: Kind,
+    simd: bool,
+    p: &'a P,
+    x: &'a [f32],
+    n: usize,
+    out: OutPtr,
+) -> Job<'a> {
+    let acts = Acts::new(kind, x, n, p.cols(), p.group_size());
+    Job {
+        rows: p.rows(),
+        work_per_row: p.cols() * n,
+        run: Box::new(move |r0, r1| chunk(p, &acts, simd, r0, r1, out)),
+    }
+}
+
+/// Rows `r0..r1` for every token, four rows at a time (their activation
+/// loads shared).
+fn chunk<P: Packed>(p: &P, a: &Acts, simd: bool, r0: usize, r1: usize, out: OutPtr) {
+    const R: usize = 4;
+    let (rows, gpr, gs) = (p.rows(), p.groups_per_row(), p.group_size());
+    let bpg = gs / BLOCK;
+    let mut sc = vec![0.0f32; R * gpr];
+    let mut bi = vec![0.0f32; R * gpr];
+    // ds per row, one spare 0 for the empty lanes of a last odd block.
+    let stride = a.blocks + 1;
+    let mut ds = vec![0.0f32; R * stride];
+    let mut r = r0;
+    while r < r1 {
+        let m = R.min(r1 - r);
+        for k in 0..m {
+            p.load_params(r + k, &mut sc[k * gpr..], &mut bi[k * gpr..]);
+        }
+        let codes: [*const u8; R] = std::array::from_fn(|k| p.row_codes(r + k.min(m - 1)));
+        for t in 0..a.n {
+            let dx = &a.dx[t * a.blocks..(t + 1) * a.blocks];
+            for k in 0..m {
+                let d = &mut ds[k * stride..(k + 1) * stride];
+                for (b, (o, &x)) in d.iter_mut().zip(dx).enumerate() {
+                    *o = sc[k * gpr + b / bpg] * x;
+                }
+            }
+            let mut acc = [[0.0f32; 8]; R];
+            // SAFETY: the codes of rows r..r + m hold `blocks` blocks each,
+            // the activation buffers `units` units per token (checked
+            // shapes), and `simd` is set only where the CPU has AVX2.
+            unsafe {
+                #[cfg(target_arch = "x86_64")]
+                if simd {
+                    avx2::rows(a, t, codes, m, &ds, stride, &mut acc);
+                } else {
+                    portable_rows(a, t, codes, m, &ds, stride, &mut acc);
+                }
+                #[cfg(not(target_arch = "x86_64"))]
+                {
+                    let _ = simd;
+                    portable_rows(a, t, codes, m, &ds, stride, &mut acc);
+                }
+            }
+            for k in 0..m {
+                let l = &acc[k];
+                let mut v = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+                if a.kind != Kind::Mx4 {
+                    let xsum = &a.xsum[t * gpr..(t + 1) * gpr];
+                    let mut bsum = 0.0f32;
+                    for (&b, &s) in bi[k * gpr..(k + 1) * gpr].iter().zip(xsum) {
+                        bsum = b.mul_add(s, bsum);
+                    }
+                    v += bsum;
+                }
+                // SAFETY: `job` checked that `out` holds n * rows floats.
+                unsafe { *out.0.add(t * rows + r + k) = v };
+            }
+        }
+        r += m;
+    }
+}
+
+/// The code of each byte of a unit as the contract's integer: `lo`/`hi`
+/// nibble or the byte.
+#[inline(always)]
+fn code_value(kind: Kind, byte: u8, high: bool) -> i32 {
+    let nib = if high { byte >> 4 } else { byte & 15 };
+    match kind {
+        Kind::Nib4 => nib as i32,
+        Kind::Mx4 => E2M1_X2[nib as usize] as i32,
+        Kind::U8 => byte as i32,
+    }
+}
+
+/// The contract in plain code (machines without AVX2, and the reference the
+/// AVX2 kernel is tested against bit for bit).
+///
+/// # Safety
+/// As [`avx2::rows`].
+unsafe fn portable_rows<const R: usize>(
+    a: &Acts,
+    t: usize,
+    codes: [*const u8; R],
+    m: usize,
+    ds: &[f32],
+    stride: usize,
+    acc: &mut [[f32; 8]; R],
+) {
+    let kind = a.kind;
+    let ubl = kind.unit_blocks();
+    for u in 0..a.units {
+        let xq = std::slice::from_raw_parts(a.unit(t, u), kind.unit_bytes());
+        // Code bytes of this unit that exist (a last odd nibble block has 16).
+        let nbytes = if kind == Kind::U8 {
+            32
+        } else {
+            16 * (a.blocks - 2 * u).min(2)
+        };
+        for (k, acc) in acc.iter_mut().enumerate().take(m) {
+            let c = std::slice::from_raw_parts(codes[k].add(u * 32), nbytes);
+            for (lane, l) in acc.iter_mut().enumerate() {
+                let mut s = 0i32;
+                for i in 4 * lane..4 * lane + 4 {
+                    let byte = c.get(i).copied().unwrap_or(0);
+                    if kind == Kind::U8 {
+                        s += code_value(kind, byte, false) * xq[i] as i32;
+                    } else if i < nbytes {
+                        s += code_value(kind, byte, false) * xq[i] as i32;
+                        s += code_value(kind, byte, true) * xq[32 + i] as i32;
+                    }
+                }
+                let b = if ubl == 2 { 2 * u + lane / 4 } else { u };
+                *l = (s as f32).mul_add(ds[k * stride + b], *l);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{Acts, Kind, PREFETCH_BYTES};
+    use crate::quant::mxfp4::E2M1_X2;
+    use std::arch::x86_64::*;
+
+    /// `E2M1_X2 + 12` by code: MXFP4 codes as unsigned bytes.
+    static MX_OFFSET: [u8; 16] = {
+        let mut t = [0u8; 16];
+        let mut c = 0;
+        while c < 16 {
+            t[c] = (E2M1_X2[c] + 12) as u8;
+            c += 1;
+        }
+        t
+    };
+
+    /// The contract's lane accumulators for token `t` and rows `codes[..m]`.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA; each `codes[k]` points at a row of
+    /// `a.blocks` blocks of codes; `ds` holds `m` rows of `stride` floats.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn rows<const R: usize>(
+        a: &Acts,
+        t: usize,
+        codes: [*const u8; R],
+        m: usize,
+        ds: &[f32],
+        stride: usize,
+        acc: &mut [[f32; 8]; R],
+    ) {
+        match (a.kind, m) {
+            (Kind::U8, 4) => bytes::<R, 4>(a, t, codes, ds, stride, acc),
+            (Kind::U8, 3) => bytes::<R, 3>(a, t, codes, ds, stride, acc),
+            (Kind::U8, 2) => bytes::<R, 2>(a, t, codes, ds, stride, acc),
+            (Kind::U8, _) => bytes::<R, 1>(a, t, codes, ds, stride, acc),
+            (Kind::Mx4, 4) => nibbles::<R, 4, true>(a, t, codes, ds, stride, acc),
+            (Kind::Mx4, 3) => nibbles::<R, 3, true>(a, t, codes, ds, stride, acc),
+            (Kind::Mx4, 2) => nibbles::<R, 2, true>(a, t, codes, ds, stride, acc),
+            (Kind::Mx4, _) => nibbles::<R, 1, true>(a, t, codes, ds, stride, acc),
+            (Kind::Nib4, 4) => nibbles::<R, 4, false>(a, t, codes, ds, stride, acc),
+            (Kind::Nib4, 3) => nibbles::<R, 3, false>(a, t, codes, ds, stride, acc),
+            (Kind::Nib4, 2) => nibbles::<R, 2, false>(a, t, codes, ds, stride, acc),
+            (Kind::Nib4, _) => nibbles::<R, 1, false>(a, t, codes, ds, stride, acc),
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn store(v: [__m256; 4], acc: &mut [[f32; 8]], m: usize) {
+        for k in 0..m {
+            _mm256_storeu_ps(acc[k].as_mut_ptr(), v[k]);
+        }
+    }
+
+    /// 4-bit codes, two blocks per 32 code bytes.
+    #[inline(always)]
+    unsafe fn nibbles<const R: usize, const M: usize, const MX: bool>(
+        a: &Acts,
+        t: usize,
+        codes: [*const u8; R],
+        ds: &[f32],
+        stride: usize,
+        acc: &mut [[f32; 8]; R],
+    ) {
+        let mut y = [_mm256_setzero_ps(); 4];
+        let whole = a.blocks / 2;
+        for u in 0..whole {
+            // (Loops, not closures, in hot code: a closure is compiled
+            // without the caller's target features.)
+            let mut c = [_mm256_setzero_si256(); M];
+            for (k, ck) in c.iter_mut().enumerate() {
+                let p = codes[k].add(u * 32);
+                _mm_prefetch(p.wrapping_add(PREFETCH_BYTES) as *const i8, _MM_HINT_T0);
+                *ck = _mm256_loadu_si256(p as *const __m256i);
+            }
+            nibble_unit::<M, MX>(a, t, u, c, ds, stride, &mut y);
+        }
+        if a.blocks % 2 == 1 {
+            let mut c = [_mm256_setzero_si256(); M];
+            for (k, ck) in c.iter_mut().enumerate() {
+                let p = codes[k].add(whole * 32) as *const __m128i;
+                *ck = _mm256_zextsi128_si256(_mm_loadu_si128(p));
+            }
+            nibble_unit::<M, MX>(a, t, whole, c, ds, stride, &mut y);
+        }
+        store(y, acc, M);
+    }
+
+    /// One unit (two blocks) of `M` rows whose code bytes are `c`.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn nibble_unit<const M: usize, const MX: bool>(
+        a: &Acts,
+        t: usize,
+        u: usize,
+        c: [__m256i; M],
+        ds: &[f32],
+        stride: usize,
+        y: &mut [__m256; 4],
+    ) {
+        let low = _mm256_set1_epi8(15);
+        let ones = _mm256_set1_epi16(1);
+        let spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+        let xl = _mm256_loadu_si256(a.unit(t, u) as *const __m256i);
+        let xh = _mm256_loadu_si256(a.unit(t, u).add(32) as *const __m256i);
+        let (table, cv) = if MX {
+            (
+                _mm256_broadcastsi128_si256(_mm_loadu_si128(MX_OFFSET.as_ptr() as *const _)),
+                _mm256_loadu_si256(a.corr.as_ptr().add((t * a.units + u) * 8) as *const __m256i),
+            )
+        } else {
+            (_mm256_setzero_si256(), _mm256_setzero_si256())
+        };
+        for k in 0..M {
+            let mut lo = _mm256_and_si256(c[k], low);
+            let mut hi = _mm256_and_si256(_mm256_srli_epi16(c[k], 4), low);
+            if MX {
+                lo = _mm256_shuffle_epi8(table, lo);
+                hi = _mm256_shuffle_epi8(table, hi);
+            }
+            let s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
+            let mut s = _mm256_madd_epi16(s16, ones);
+            if MX {
+                s = _mm256_add_epi32(s, cv);
+            }
+            let d2 = _mm_loadl_epi64(ds.as_ptr().add(k * stride + 2 * u) as *const __m128i);
+            let d = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castsi128_ps(d2)), spread);
+            y[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, y[k]);
+        }
+    }
+
+    /// 8-bit codes, one block per 32 code bytes.
+    #[inline(always)]
+    unsafe fn bytes<const R: usize, const M: usize>(
+        a: &Acts,
+        t: usize,
+        codes: [*const u8; R],
+        ds: &[f32],
+        stride: usize,
+        acc: &mut [[f32; 8]; R],
+    ) {
+        let flip = _mm256_set1_epi8(-128);
+        let ones = _mm256_set1_epi16(1);
+        let mut y = [_mm256_setzero_ps(); 4];
+        let corr = a.corr.as_ptr().add(t * a.units * 8);
+        for u in 0..a.units {
+            let x = _mm256_loadu_si256(a.unit(t, u) as *const __m256i);
+            let cv = _mm256_loadu_si256(corr.add(u * 8) as *const __m256i);
+            for k in 0..M {
+                let p = codes[k].add(u * 32);
+                _mm_prefetch(p.wrapping_add(PREFETCH_BYTES) as *const i8, _MM_HINT_T0);
+                // code - 128 as a signed byte: |w| <= 128 keeps the pair
+                // sums of vpmaddubsw (at most 2 * 128 * 127) from saturating.
+                let w = _mm256_xor_si256(_mm256_loadu_si256(p as *const __m256i), flip);
+                let s16 = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+                let s = _mm256_add_epi32(_mm256_madd_epi16(s16, ones), cv);
+                let d = _mm256_set1_ps(ds[k * stride + u]);
+                y[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, y[k]);
+            }
+        }
+        store(y, acc, M);
+    }
+}
+
+#[cfg(test)]
+mod tests;
