@@ -5,7 +5,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use moeflux::perplexity::{perplexity, PerplexityOptions};
+use moeflux::perplexity::{perplexity, perplexity_against, PerplexityOptions};
+use moeflux::session::{Activations, Backend};
 use moeflux::text::tokenizer::Tokenizer;
 
 use crate::gen_args::{interrupt_flag, ModelArgs};
@@ -32,6 +33,12 @@ pub struct PerplexityArgs {
     /// Print the result as one JSON object on stdout.
     #[arg(long)]
     pub json: bool,
+    /// Also score the text on the CPU with exact f32 activations (a second
+    /// session) and report how far this run's next-token distributions are
+    /// from those: mean and largest KL divergence, and how often the most
+    /// likely token agrees (for `--cpu-activations q8` or the GPU).
+    #[arg(long)]
+    pub kl: bool,
 }
 
 pub fn run(mut args: PerplexityArgs) -> Result<()> {
@@ -69,23 +76,47 @@ pub fn run(mut args: PerplexityArgs) -> Result<()> {
             opts.window
         );
     }
+    let mut reference = if args.kl {
+        let mut r = args.model.clone();
+        r.backend = Backend::Cpu;
+        r.cpu_activations = Activations::F32;
+        (r.gpus, r.dist_init, r.rank, r.world) = (None, None, None, None);
+        (r.gpu_memory, r.host_cache, r.cpu_experts) = (None, None, 0);
+        eprintln!("reference: the CPU with f32 activations");
+        Some(r.open_session().context("opening the reference session")?)
+    } else {
+        None
+    };
     let cancel = interrupt_flag()?;
     let bar = crate::progress::token_bar("perplexity");
     let t0 = Instant::now();
-    let result = perplexity(&mut session, &tokens, opts, Some(&cancel), |done, total| {
+    let progress = |done, total| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
-    });
+    };
+    let result = match reference.as_mut() {
+        Some(r) => perplexity_against(&mut session, r, &tokens, opts, Some(&cancel), progress),
+        None => perplexity(&mut session, &tokens, opts, Some(&cancel), progress),
+    };
     bar.finish_and_clear();
     let p = match result {
         Err(moeflux::Error::Cancelled) => bail!("interrupted"),
         r => r?,
     };
     let secs = t0.elapsed().as_secs_f64();
+    let divergence = p.reference.map(|d| {
+        serde_json::json!({
+            "perplexity": (d.nll / p.scored as f64).exp(),
+            "kl_mean": d.kl_sum / p.scored as f64,
+            "kl_max": d.kl_max,
+            "same_top": d.same_top as f64 / p.scored as f64,
+        })
+    });
     if args.json {
         println!(
             "{}",
             serde_json::json!({
+                "reference": divergence,
                 "file": args.file,
                 "model": dir,
                 "backend": session.backend(),
@@ -110,6 +141,16 @@ pub fn run(mut args: PerplexityArgs) -> Result<()> {
             secs,
             p.scored as f64 / secs
         );
+        if let Some(d) = p.reference {
+            let n = p.scored as f64;
+            println!(
+                "against the CPU with f32 activations (perplexity {:.4}): KL mean {:.3e}, max {:.3e} nats | same top token {:.2}%",
+                (d.nll / n).exp(),
+                d.kl_sum / n,
+                d.kl_max,
+                100.0 * d.same_top as f64 / n
+            );
+        }
     }
     Ok(())
 }

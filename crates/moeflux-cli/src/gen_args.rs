@@ -10,7 +10,7 @@ use clap::Args;
 use moeflux::backend::cuda::CachePolicy;
 use moeflux::generate::GenerateOptions;
 use moeflux::sample::SamplerConfig;
-use moeflux::session::{Backend, DistInit, GpuSelection, Prefetch};
+use moeflux::session::{Activations, Backend, DistInit, GpuSelection, Prefetch};
 use moeflux::text::chat::ChatTemplate;
 use moeflux::text::tokenizer::Tokenizer;
 use moeflux::{Session, SessionOptions};
@@ -101,6 +101,13 @@ pub struct ModelArgs {
     /// from host RAM instead of being copied over PCIe.
     #[arg(long, default_value_t = 0)]
     pub cpu_experts: usize,
+    /// CPU: `f32` keeps the activations of the quantized products exact;
+    /// `q8` rounds them to 8 bits per 32 inputs (as llama.cpp does) for
+    /// 4/8-bit and MXFP4 weights: faster decode on the CPU, at a small
+    /// cost in accuracy (docs/PERFORMANCE.md) and without the goldens'
+    /// bounds.
+    #[arg(long, default_value = "f32", value_parser = parse_activations)]
+    pub cpu_activations: Activations,
     /// GPU: launch every kernel of a decode step one by one instead of
     /// replaying the step as a CUDA graph (for comparison and debugging).
     #[arg(long)]
@@ -130,6 +137,10 @@ fn parse_threads(s: &str) -> std::result::Result<usize, String> {
         )),
         n => Ok(n),
     }
+}
+
+fn parse_activations(s: &str) -> std::result::Result<Activations, String> {
+    Activations::parse(s).ok_or_else(|| format!("`{s}`: expected f32 or q8"))
 }
 
 fn parse_ctx(s: &str) -> std::result::Result<usize, String> {
@@ -268,6 +279,7 @@ impl ModelArgs {
                 cuda_graphs: !self.no_cuda_graphs,
                 host_cache: self.host_cache,
                 cpu_experts: self.cpu_experts,
+                cpu_activations: self.cpu_activations,
                 ..Default::default()
             },
         )
@@ -297,6 +309,9 @@ impl ModelArgs {
             for (flag, _) in gpu_only.iter().filter(|(_, given)| *given) {
                 eprintln!("warning: {flag} has no effect on the CPU");
             }
+        }
+        if session.on_gpu() && self.cpu_activations != Activations::F32 && self.cpu_experts == 0 {
+            eprintln!("warning: --cpu-activations has no effect on the GPU (only on --cpu-experts)");
         }
         let full = session.config().moe.num_experts_per_tok;
         if let Some(k) = self.experts_per_token.filter(|&k| k < full) {

@@ -40,6 +40,22 @@ pub struct Perplexity {
     pub scored: usize,
     /// Sum of -ln p(token | context) over the scored tokens.
     pub nll: f64,
+    /// With a reference session: how far this session's predictions are
+    /// from the reference's.
+    pub reference: Option<Divergence>,
+}
+
+/// This session's next-token distributions `q` against a reference
+/// session's `p` at the same scored positions.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Divergence {
+    /// The reference's sum of -ln p(token | context).
+    pub nll: f64,
+    /// Sum and largest of KL(p || q) in nats.
+    pub kl_sum: f64,
+    pub kl_max: f64,
+    /// Positions where both put the same token first.
+    pub same_top: usize,
 }
 
 impl Perplexity {
@@ -76,6 +92,38 @@ pub fn windows(n: usize, window: usize, stride: usize) -> Vec<Window> {
 /// holding the last). `progress(scored, total)` is called after each batch.
 pub fn perplexity(
     session: &mut Session,
+    tokens: &[u32],
+    opts: PerplexityOptions,
+    cancel: Option<&AtomicBool>,
+    progress: impl FnMut(usize, usize),
+) -> Result<Perplexity> {
+    score(session, None, tokens, opts, cancel, progress)
+}
+
+/// [`perplexity`], with `reference` (a session over the same model, e.g.
+/// on the CPU with exact activations) evaluating the same windows, and
+/// [`Perplexity::reference`] comparing the two distributions.
+pub fn perplexity_against(
+    session: &mut Session,
+    reference: &mut Session,
+    tokens: &[u32],
+    opts: PerplexityOptions,
+    cancel: Option<&AtomicBool>,
+    progress: impl FnMut(usize, usize),
+) -> Result<Perplexity> {
+    if reference.vocab_size() != session.vocab_size() {
+        return Err(Error::Invalid(format!(
+            "the reference session has a vocabulary of {} tokens, this one {}",
+            reference.vocab_size(),
+            session.vocab_size()
+        )));
+    }
+    score(session, Some(reference), tokens, opts, cancel, progress)
+}
+
+fn score(
+    session: &mut Session,
+    mut reference: Option<&mut Session>,
     tokens: &[u32],
     opts: PerplexityOptions,
     cancel: Option<&AtomicBool>,
@@ -116,10 +164,14 @@ pub fn perplexity(
     let total: usize = plan.iter().map(|w| w.end - w.first).sum();
     let mut out = Perplexity {
         tokens: tokens.len(),
+        reference: reference.as_ref().map(|_| Divergence::default()),
         ..Default::default()
     };
     for w in plan {
         session.clear();
+        if let Some(r) = reference.as_deref_mut() {
+            r.clear();
+        }
         let mut at = w.begin;
         while at < w.end {
             if cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
@@ -127,11 +179,24 @@ pub fn perplexity(
             }
             let upto = (at + batch).min(w.end);
             let logits = session.eval(&tokens[at..upto], LogitsMode::All)?;
-            for (row, pos) in logits.chunks_exact(vocab).zip(at..upto) {
+            let ref_logits = match reference.as_deref_mut() {
+                Some(r) => Some(r.eval(&tokens[at..upto], LogitsMode::All)?),
+                None => None,
+            };
+            for (i, (row, pos)) in logits.chunks_exact(vocab).zip(at..upto).enumerate() {
                 let target = pos + 1;
                 if target >= w.first && target < w.end {
-                    out.nll += log_sum_exp(row) - row[tokens[target] as usize] as f64;
+                    let token = tokens[target] as usize;
+                    out.nll += log_sum_exp(row) - row[token] as f64;
                     out.scored += 1;
+                    if let (Some(d), Some(p)) = (out.reference.as_mut(), &ref_logits) {
+                        let p = &p[i * vocab..(i + 1) * vocab];
+                        d.nll += log_sum_exp(p) - p[token] as f64;
+                        let kl = kl_divergence(p, row);
+                        d.kl_sum += kl;
+                        d.kl_max = d.kl_max.max(kl);
+                        d.same_top += usize::from(argmax(p) == argmax(row));
+                    }
                 }
             }
             at = upto;
@@ -139,6 +204,26 @@ pub fn perplexity(
         }
     }
     Ok(out)
+}
+
+/// KL(softmax(p) || softmax(q)) in nats, in f64.
+fn kl_divergence(p: &[f32], q: &[f32]) -> f64 {
+    let (lp, lq) = (log_sum_exp(p), log_sum_exp(q));
+    p.iter()
+        .zip(q)
+        .map(|(&a, &b)| {
+            let la = a as f64 - lp;
+            la.exp() * (la - (b as f64 - lq))
+        })
+        .sum::<f64>()
+        .max(0.0)
+}
+
+fn argmax(row: &[f32]) -> usize {
+    row.iter()
+        .enumerate()
+        .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| if v > bv { (i, v) } else { (bi, bv) })
+        .0
 }
 
 fn log_sum_exp(row: &[f32]) -> f64 {
@@ -156,6 +241,26 @@ mod tests {
 
     fn w(begin: usize, end: usize, first: usize) -> Window {
         Window { begin, end, first }
+    }
+
+    #[test]
+    fn kl_is_zero_for_equal_rows_and_matches_a_hand_computed_value() {
+        let p = [1.0f32, 2.0, 0.5];
+        assert!(kl_divergence(&p, &p).abs() < 1e-12);
+        // Shifting every logit changes no probability.
+        let shifted: Vec<f32> = p.iter().map(|v| v + 3.0).collect();
+        assert!(kl_divergence(&p, &shifted) < 1e-12);
+        let q = [0.0f32, 0.0, 0.0];
+        let z: f64 = p.iter().map(|&v| (v as f64).exp()).sum();
+        let want: f64 = p
+            .iter()
+            .map(|&v| {
+                let pi = (v as f64).exp() / z;
+                pi * (pi * 3.0).ln()
+            })
+            .sum();
+        assert!((kl_divergence(&p, &q) - want).abs() < 1e-12);
+        assert_eq!(argmax(&p), 1);
     }
 
     #[test]

@@ -10,6 +10,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
+use crate::backend::cpu::qmatmul::set_thread_activations;
 use crate::backend::cuda::group::open_gpus;
 use crate::backend::cuda::GpuSelection;
 use crate::backend::cuda::{support, CacheStats, CudaGroup, CudaOptions};
@@ -275,9 +276,11 @@ impl Batch {
                 .map(|n| n.get())
                 .unwrap_or(1)
         });
+        let cpu_activations = opts.cpu_activations;
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads.max(1))
             .thread_name(|i| format!("moeflux-compute-{i}"))
+            .start_handler(move |_| set_thread_activations(cpu_activations))
             .build()
             .map_err(|e| Error::Invalid(format!("cannot start {threads} compute threads: {e}")))?;
         let decode_bytes_per_token = manifest.decode_bytes_per_token(

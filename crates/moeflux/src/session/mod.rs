@@ -8,6 +8,7 @@ pub mod snapshot;
 
 use std::path::Path;
 
+pub use crate::backend::cpu::qmatmul::Activations;
 pub use crate::backend::cuda::rendezvous::DistInit;
 pub use crate::backend::cuda::GpuSelection;
 use crate::backend::cuda::{CachePolicy, CacheStats};
@@ -71,6 +72,11 @@ pub struct SessionOptions {
     /// experts that are neither in VRAM nor being uploaded are computed by
     /// the CPU instead (see `CudaOptions::cpu_experts`).
     pub cpu_experts: usize,
+    /// CPU products: exact f32 activations (the default) or activations
+    /// rounded to 8 bits per group of 32 for 4/8-bit affine and MXFP4
+    /// weights (faster one-token products; the accuracy cost is in
+    /// docs/PERFORMANCE.md). Set on this session's compute threads only.
+    pub cpu_activations: Activations,
 }
 
 /// Where a session computes.
@@ -114,6 +120,7 @@ impl Default for SessionOptions {
             cuda_graphs: true,
             host_cache: None,
             cpu_experts: 0,
+            cpu_activations: Activations::F32,
         }
     }
 }

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use crate::backend::cpu::experts::{ExpertRun, Prefetched};
 use crate::backend::cpu::ops;
-use crate::backend::cpu::qmatmul::{matmul, matmul_group};
+use crate::backend::cpu::qmatmul::{matmul, matmul_f32_activations, matmul_group};
 use crate::backend::cpu::router::NoauxTc;
 use crate::backend::prefetch::most_chosen;
 use crate::config::{ExpertActivation, ModelConfig, RouterKind};
@@ -117,7 +117,10 @@ pub fn route(
 ) -> Routing {
     let e = c.moe.num_experts;
     let mut logits = vec![0.0f32; n * e];
-    matmul(&w.view(&b.router), xn, n, &mut logits);
+    // Exact activations even under `Activations::Q8`: the router is a small
+    // product whose rounding would change which experts run (llama.cpp
+    // keeps routers in f32 for the same reason).
+    matmul_f32_activations(&w.view(&b.router), xn, n, &mut logits);
     if let Some(bias) = b.router_bias {
         let bias = w.vector(bias);
         for row in logits.chunks_exact_mut(e) {

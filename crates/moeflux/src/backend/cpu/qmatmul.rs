@@ -93,14 +93,18 @@ pub fn matmul_at(level: SimdLevel, w: &Weight, x: &[f32], n_tokens: usize, out: 
     }
 }
 
+/// [`matmul`] with exact f32 activations whatever this thread's mode.
+pub fn matmul_f32_activations(w: &Weight, x: &[f32], n_tokens: usize, out: &mut [f32]) {
+    let _mode = q8::ModeScope::set(Activations::F32);
+    matmul(w, x, n_tokens, out);
+}
+
 /// [`matmul_at`] with the activations quantized to 8 bits where `w` has
 /// such a product ([`Activations::Q8`], whatever this thread's mode); for
 /// tests and benchmarks.
 pub fn matmul_q8_at(level: SimdLevel, w: &Weight, x: &[f32], n_tokens: usize, out: &mut [f32]) {
-    let mode = thread_activations();
-    set_thread_activations(Activations::Q8);
+    let _mode = q8::ModeScope::set(Activations::Q8);
     matmul_at(level, w, x, n_tokens, out);
-    set_thread_activations(mode);
 }
 
 /// Several matmuls of the same input at once: `outs[i] = W_i x` for

@@ -75,6 +75,24 @@ pub fn thread_activations() -> Activations {
     MODE.with(|m| m.get())
 }
 
+/// This thread's mode set for a scope, the previous one restored on drop
+/// (also when a product panics).
+pub(super) struct ModeScope(Activations);
+
+impl ModeScope {
+    pub(super) fn set(a: Activations) -> ModeScope {
+        let old = thread_activations();
+        set_thread_activations(a);
+        ModeScope(old)
+    }
+}
+
+impl Drop for ModeScope {
+    fn drop(&mut self) {
+        set_thread_activations(self.0);
+    }
+}
+
 const BLOCK: usize = 32;
 
 /// Which code layout a weight has on this path.
