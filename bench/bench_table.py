@@ -119,6 +119,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--moeflux", type=Path, required=True)
+    ap.add_argument("--moeflux-q8", type=Path, help="moeflux runs with --cpu-activations q8 (an extra column)")
     ap.add_argument("--llama-q4_1", type=Path, required=True)
     ap.add_argument("--llama-q4_0", type=Path, help="omitted: no Q4_0 column (MXFP4-expert models)")
     ap.add_argument("--threads", type=int, default=2)
@@ -133,6 +134,7 @@ def main() -> int:
     a = ap.parse_args()
 
     mf = moeflux_results(a.moeflux)
+    m8 = moeflux_results(a.moeflux_q8) if a.moeflux_q8 else None
     q1 = llama_results(a.llama_q4_1, a.pp, a.tg)
     q0 = llama_results(a.llama_q4_0, a.pp, a.tg) if a.llama_q4_0 else None
     info = q1["raw"][0] if q1["raw"] else {}
@@ -162,23 +164,27 @@ def main() -> int:
             lines.append(f"WARNING: the machine was not idle (up to {worst[1]['other_cpus']:.2f} CPUs used by other "
                          f"processes during {worst[0]}): these numbers are noisy")
     nat = native_label(a.model)
-    if q0:
-        lines += ["", f"| test | moeflux tok/s | llama.cpp {nat} tok/s | llama.cpp Q4_0 tok/s | moeflux / {nat} "
-                  "| moeflux / Q4_0 |", "|---|---:|---:|---:|---:|---:|"]
-    else:
-        lines += ["", f"| test | moeflux tok/s | llama.cpp {nat} tok/s | moeflux / {nat} |", "|---|---:|---:|---:|"]
+    # Columns: (header, value per test key), moeflux's first, then llama.cpp's, then ratios.
+    peers = [(f"llama.cpp {nat}", q1)] + ([("llama.cpp Q4_0", q0)] if q0 else [])
+    ours = [("moeflux", mf)] + ([("moeflux q8", m8)] if m8 else [])
+    ratio_cols = [(o, p) for o in ours for p in peers]
+    head = [f"{n} tok/s" for n, _ in ours + peers] + [f"{o[0]} / {p[0].removeprefix('llama.cpp ')}"
+                                                       for o, p in ratio_cols]
+    lines += ["", "| test | " + " | ".join(head) + " |", "|---|" + "---:|" * len(head)]
     rows = []
     for key, name in (("pp", f"pp{a.pp}"), ("tg", f"tg{a.tg}")):
-        m, l1 = mf[key], q1[key]
-        r1 = m[0] / l1[0] if l1[0] else float("nan")
-        row = {"test": name, "moeflux_tok_s": m, "llama_q4_1_tok_s": l1, "ratio_q4_1": r1}
+        cells = [fmt(r[key]) for _, r in ours + peers]
+        row = {"test": name, "moeflux_tok_s": mf[key], "llama_q4_1_tok_s": q1[key]}
         if q0:
-            l0 = q0[key]
-            r0 = m[0] / l0[0] if l0[0] else float("nan")
-            lines.append(f"| {name} | {fmt(m)} | {fmt(l1)} | {fmt(l0)} | {r1:.2f} | {r0:.2f} |")
-            row.update(llama_q4_0_tok_s=l0, ratio_q4_0=r0)
-        else:
-            lines.append(f"| {name} | {fmt(m)} | {fmt(l1)} | {r1:.2f} |")
+            row["llama_q4_0_tok_s"] = q0[key]
+        if m8:
+            row["moeflux_q8_tok_s"] = m8[key]
+        for (on, o), (pn, p) in ratio_cols:
+            r = o[key][0] / p[key][0] if p[key][0] else float("nan")
+            cells.append(f"{r:.2f}")
+            suffix = "q4_0" if pn.endswith("Q4_0") else "q4_1"
+            row[("ratio_q8_" if on.endswith("q8") else "ratio_") + suffix] = r
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
         rows.append(row)
     lines += ["", f"{nat} = moeflux's weights repacked losslessly (identical weights: affine 4-bit as Q4_1, "
               "MXFP4 as MXFP4)" + (f"; Q4_0 = llama-quantize's standard Q4_0 recipe from that {nat}" if q0 else "")
@@ -187,7 +193,7 @@ def main() -> int:
     if a.json:
         res = {"model": str(a.model), "description": describe(a.model), "threads": a.threads, "reps": a.reps,
                "mode": a.mode, "repack": a.repack, "moeflux_fake": a.fake_moeflux, "rows": rows,
-               "moeflux_runs": mf["runs"], "llama_q4_1": q1["raw"], "llama_q4_0": q0["raw"] if q0 else None,
+               "moeflux_runs": mf["runs"], "moeflux_q8_runs": m8["runs"] if m8 else None, "llama_q4_1": q1["raw"], "llama_q4_0": q0["raw"] if q0 else None,
                "other_cpu": stats}
         a.json.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=a.json.name + ".", dir=a.json.parent)

@@ -3,6 +3,7 @@
 #
 #   bench/vs-llama-cpp.sh [--model DIR | --preset NAME [--layers N]] [--threads T] [--reps R]
 #                         [--warm|--cold] [--repack 0|1] [--pp P] [--tg G] [--json FILE] [--rm-gguf]
+#                         [--q8]
 #
 # The issue-21 CPU target (gpt-oss-120b, 8 layers): bench/vs-llama-cpp.sh --preset gpt-oss-120b
 #
@@ -24,6 +25,9 @@
 # 6. One table (markdown) on stdout; progress and logs on stderr; --json FILE saves everything.
 #    Every run goes through bench/run_measured.py, which records how many CPUs other processes
 #    kept busy meanwhile; the table warns when that is above 0.1 (a shared machine is noisy).
+#
+# --q8 runs moeflux a second time with `--cpu-activations q8` (activations rounded to 8 bits, as
+# llama.cpp's CPU products take them) and adds its column to the table.
 #
 # --warm (default) reads the model files once before each engine runs, so both start from the
 # page cache; --cold evicts them (posix_fadvise DONTNEED, no root needed) before each run.
@@ -47,6 +51,7 @@ PRESET=qwen3.6-35b-a3b
 LAYERS=8
 JSON_OUT=
 RM_GGUF=0
+Q8=0
 PP=512
 TG=128
 
@@ -57,6 +62,7 @@ usage() { sed -n '2,32p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 while [[ $# -gt 0 ]]; do
   case $1 in
     --model) MODEL=${2:?--model needs a directory}; shift 2 ;;
+    --q8) Q8=1; shift ;;
     --preset) PRESET=${2:?--preset needs a name}; shift 2 ;;
     --layers) LAYERS=${2:?--layers needs a number}; shift 2 ;;
     --pp) PP=${2:?--pp needs a number}; shift 2 ;;
@@ -211,25 +217,35 @@ if [[ -z $FAKE_JSON ]]; then
     MOEFLUX_FLAGS+=("--$MODE")
   fi
 fi
-: >"$RUN_DIR/moeflux.jsonl"
-for ((r = 1; r <= MOEFLUX_RUNS; r++)); do
-  if [[ -n $FAKE_JSON ]]; then
-    tr -d '\n' <"$FAKE_JSON" >>"$RUN_DIR/moeflux.jsonl"
-  else
-    note "moeflux bench --prompt-len $PP --gen $TG --threads $THREADS ${MOEFLUX_FLAGS[*]} ($MODE, run $r/$MOEFLUX_RUNS)"
-    prepare_cache "${model_files[@]}"
-    "$PY" "$REPO/bench/run_measured.py" "$RUN_DIR/moeflux-$r.json" "$RUN_DIR/moeflux-$r.stats" -- \
-      "$MOEFLUX" bench --model "$MODEL" --prompt-len "$PP" --gen "$TG" --threads "$THREADS" --json \
-      "${MOEFLUX_FLAGS[@]}" 2>"$RUN_DIR/moeflux-$r.log" \
-      || { tail -20 "$RUN_DIR/moeflux-$r.log" >&2; die "moeflux bench failed"; }
-    tr -d '\n' <"$RUN_DIR/moeflux-$r.json" >>"$RUN_DIR/moeflux.jsonl"
-  fi
-  echo >>"$RUN_DIR/moeflux.jsonl"
-done
+# One series of moeflux runs into $RUN_DIR/moeflux$1.jsonl, with the extra flags after $1.
+moeflux_runs() {
+  local tag=$1; shift
+  : >"$RUN_DIR/moeflux$tag.jsonl"
+  for ((r = 1; r <= MOEFLUX_RUNS; r++)); do
+    if [[ -n $FAKE_JSON ]]; then
+      tr -d '\n' <"$FAKE_JSON" >>"$RUN_DIR/moeflux$tag.jsonl"
+    else
+      note "moeflux bench --prompt-len $PP --gen $TG --threads $THREADS ${MOEFLUX_FLAGS[*]} $* ($MODE, run $r/$MOEFLUX_RUNS)"
+      prepare_cache "${model_files[@]}"
+      "$PY" "$REPO/bench/run_measured.py" "$RUN_DIR/moeflux$tag-$r.json" "$RUN_DIR/moeflux$tag-$r.stats" -- \
+        "$MOEFLUX" bench --model "$MODEL" --prompt-len "$PP" --gen "$TG" --threads "$THREADS" --json \
+        "${MOEFLUX_FLAGS[@]}" "$@" 2>"$RUN_DIR/moeflux$tag-$r.log" \
+        || { tail -20 "$RUN_DIR/moeflux$tag-$r.log" >&2; die "moeflux bench failed"; }
+      tr -d '\n' <"$RUN_DIR/moeflux$tag-$r.json" >>"$RUN_DIR/moeflux$tag.jsonl"
+    fi
+    echo >>"$RUN_DIR/moeflux$tag.jsonl"
+  done
+}
+moeflux_runs ""
+Q8_RESULTS=()
+if ((Q8)); then
+  moeflux_runs -q8 --cpu-activations q8
+  Q8_RESULTS=(--moeflux-q8 "$RUN_DIR/moeflux-q8.jsonl")
+fi
 
 LLAMA_RESULTS=()
 for q in "${QUANTS[@]}"; do LLAMA_RESULTS+=("--llama-$q" "$RUN_DIR/llama-$q.json"); done
 "$PY" "$REPO/bench/bench_table.py" --model "$MODEL" --threads "$THREADS" --reps "$REPS" --mode "$MODE" \
-  --repack "$REPACK" --pp "$PP" --tg "$TG" --moeflux "$RUN_DIR/moeflux.jsonl" \
+  --repack "$REPACK" --pp "$PP" --tg "$TG" --moeflux "$RUN_DIR/moeflux.jsonl" "${Q8_RESULTS[@]}" \
   "${LLAMA_RESULTS[@]}" --stats-dir "$RUN_DIR" \
   ${FAKE_JSON:+--fake-moeflux} ${JSON_OUT:+--json "$JSON_OUT"}

@@ -311,7 +311,9 @@ impl ModelArgs {
             }
         }
         if session.on_gpu() && self.cpu_activations != Activations::F32 && self.cpu_experts == 0 {
-            eprintln!("warning: --cpu-activations has no effect on the GPU (only on --cpu-experts)");
+            eprintln!(
+                "warning: --cpu-activations has no effect on the GPU (only on --cpu-experts)"
+            );
         }
         let full = session.config().moe.num_experts_per_tok;
         if let Some(k) = self.experts_per_token.filter(|&k| k < full) {

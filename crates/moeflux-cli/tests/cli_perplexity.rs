@@ -54,6 +54,49 @@ fn perplexity_of_held_out_text_on_the_demo_model() {
 }
 
 #[test]
+fn q8_activations_measured_against_f32_with_kl() {
+    let file = held_out();
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "perplexity",
+            &file,
+            "--max-tokens",
+            "400",
+            "--window",
+            "200",
+        ];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--kl", "--json"]);
+        let v: serde_json::Value = serde_json::from_str(&ok(&moeflux(&args))).unwrap();
+        v
+    };
+    // The same products as the reference: no divergence at all.
+    let same = run(&[]);
+    assert_eq!(same["reference"]["kl_max"], 0.0);
+    assert_eq!(same["reference"]["same_top"], 1.0);
+    assert_eq!(same["reference"]["perplexity"], same["perplexity"]);
+    // Rounded activations: close to the reference, not equal to it.
+    let q8 = run(&["--cpu-activations", "q8"]);
+    let r = &q8["reference"];
+    assert_eq!(r["perplexity"], same["perplexity"]);
+    let kl = r["kl_mean"].as_f64().unwrap();
+    assert!(kl > 0.0 && kl < 0.05, "{q8}");
+    assert!(r["same_top"].as_f64().unwrap() > 0.8, "{q8}");
+    let (p8, p) = (
+        q8["perplexity"].as_f64().unwrap(),
+        same["perplexity"].as_f64().unwrap(),
+    );
+    assert!(p8 != p && (p8 / p - 1.0).abs() < 0.02, "{p8} vs {p}");
+
+    let out = moeflux(&["perplexity", &file, "--cpu-activations", "int8"]);
+    let err = text(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("expected f32 or q8"),
+        "{err}"
+    );
+}
+
+#[test]
 fn perplexity_bad_input_is_one_error_line() {
     let tmp = tempfile::tempdir().unwrap();
     let empty = tmp.path().join("empty.txt");

@@ -4,11 +4,13 @@
 //! The ceiling to compare with is the machine's FMA peak (2 FMA units x
 //! lanes x clock per core).
 //!
-//!   cargo run --release --example qmatmul_rate -- [BITS|mxfp4] [REPS] [avx2|avx512|scalar]
+//!   cargo run --release --example qmatmul_rate -- [BITS|mxfp4][:q8] [REPS] [avx2|avx512|scalar]
+//!
+//! `:q8` times the products with 8-bit activations (`--cpu-activations q8`).
 
 use std::time::Instant;
 
-use moeflux::backend::cpu::qmatmul::{matmul_at, SimdLevel};
+use moeflux::backend::cpu::qmatmul::{matmul_at, matmul_q8_at, SimdLevel};
 use moeflux::config::QuantSpec;
 use moeflux::quant::{Mxfp4Matrix, QMatrix, ScaleData, Weight};
 
@@ -28,7 +30,12 @@ impl Rng {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
-    let format = args.next().unwrap_or_else(|| "4".to_string());
+    let arg = args.next().unwrap_or_else(|| "4".to_string());
+    let (format, q8) = match arg.strip_suffix(":q8") {
+        Some(f) => (f.to_string(), true),
+        None => (arg, false),
+    };
+    let product = if q8 { matmul_q8_at } else { matmul_at };
     let mxfp4 = format == "mxfp4";
     let bits: u32 = if mxfp4 { 4 } else { format.parse()? };
     let reps: usize = args.next().map_or(Ok(5), |s| s.parse())?;
@@ -39,13 +46,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Some("scalar") => SimdLevel::Scalar,
         Some(s) => return Err(format!("unknown level '{s}'").into()),
     };
-    let spec = QuantSpec::affine(bits, 64);
+    let spec = QuantSpec::affine(bits, std::env::var("GS").map_or(64, |v| v.parse().unwrap()));
     let mut rng = Rng(0x9e3779b97f4a7c15);
     let what = if mxfp4 {
         "MXFP4, group 32".to_string()
     } else {
         format!("{bits}-bit affine, group 64")
-    };
+    } + if q8 { ", 8-bit activations" } else { "" };
     println!(
         "{level:?}, {what}, {} threads",
         rayon::current_num_threads()
@@ -63,7 +70,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     ] {
         let words = rows * cols * bits as usize / 32;
         let packed: Vec<u32> = (0..words).map(|_| rng.next() as u32).collect();
-        let groups = rows * cols / 64;
+        let groups = rows * cols / spec.group_size;
         let scales: Vec<f32> = (0..groups).map(|_| rng.f32() * 0.02).collect();
         let biases: Vec<f32> = (0..groups).map(|_| rng.f32() * 0.1).collect();
         let e8m0: Vec<u8> = (0..rows * cols / 32)
@@ -86,12 +93,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let mut out = vec![0.0f32; n * rows];
             // Small matrices repeat so each timing covers a few ms.
             let inner = (1usize << 26).div_ceil(rows * cols * n).max(1);
-            matmul_at(level, &w, &x, n, &mut out);
+            product(level, &w, &x, n, &mut out);
             let mut best = f64::INFINITY;
             for _ in 0..reps {
                 let t = Instant::now();
                 for _ in 0..inner {
-                    matmul_at(level, &w, &x, n, &mut out);
+                    product(level, &w, &x, n, &mut out);
                 }
                 best = best.min(t.elapsed().as_secs_f64() / inner as f64);
             }

@@ -222,7 +222,13 @@ fn kl_divergence(p: &[f32], q: &[f32]) -> f64 {
 fn argmax(row: &[f32]) -> usize {
     row.iter()
         .enumerate()
-        .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| if v > bv { (i, v) } else { (bi, bv) })
+        .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {
+            if v > bv {
+                (i, v)
+            } else {
+                (bi, bv)
+            }
+        })
         .0
 }
 

@@ -11,7 +11,7 @@
 //!
 //! # Arithmetic (the determinism contract of this path)
 //!
-//! With `ds[b] = scale(group of b) * dx[b]` (the MXFP4 scale halved, codes
+//! With `ds[b] = scale(group of b) * dx[b]` (one f32 product) (the MXFP4 scale halved, codes
 //! taken as twice their e2m1 value) and "units" of two blocks for 4-bit
 //! codes (lanes 0-3 block `2u`, lanes 4-7 block `2u + 1`; a last odd block
 //! has empty lanes 4-7 with `ds = 0`) or one block for 8-bit codes (lane `k`
@@ -22,10 +22,11 @@
 //! for each unit u, lane k:
 //!     acc[k] = fma(f32(isum[u][k]), ds[block of lane k], acc[k])
 //! out = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7))
-//!       + fma chain of bias_g * xsum_g over the groups   (affine only)
+//!       + dot(bias, xsum)                               (affine only)
 //! ```
 //!
-//! where `isum[u][k]` is the exact integer sum of `code * xq` over the
+//! where `dot` is eight fma chains over the groups (group `g` in chain
+//! `g % 8`) summed by the same tree, `isum[u][k]` is the exact integer sum of `code * xq` over the
 //! lane's eight (or four) inputs and `xsum_g` the f32 sum of the group's
 //! unrounded activations. The integer sums are exact, so the AVX2 kernel
 //! (also used at the AVX-512 level) and the portable one give the same bits,
@@ -109,11 +110,15 @@ enum Kind {
 impl Kind {
     fn of(w: &Weight) -> Option<Kind> {
         match w {
-            Weight::Quantized(q) if q.spec.group_size % BLOCK == 0 => match q.spec.bits {
-                4 => Some(Kind::Nib4),
-                8 => Some(Kind::U8),
-                _ => None,
-            },
+            // A unit of two blocks shares one scale, or (groups of 32)
+            // has one per block.
+            Weight::Quantized(q) if q.spec.bits == 4 => {
+                let gs = q.spec.group_size;
+                (gs == BLOCK || gs % (2 * BLOCK) == 0).then_some(Kind::Nib4)
+            }
+            Weight::Quantized(q) if q.spec.bits == 8 && q.spec.group_size % BLOCK == 0 => {
+                Some(Kind::U8)
+            }
             Weight::Mxfp4(_) => Some(Kind::Mx4),
             _ => None,
         }
@@ -155,8 +160,11 @@ struct Acts {
     /// order (for nibbles: the inputs of the low nibbles of the unit's 32
     /// code bytes, then of the high nibbles), zero past the last block.
     xq: Vec<i8>,
-    /// `n * blocks`.
-    dx: Vec<f32>,
+    /// Blocks per group of scales.
+    bpg: usize,
+    /// `n * units * 8`: each lane's block's `dx` (0 for the empty lanes of a
+    /// last odd block).
+    dxv: Vec<f32>,
     /// `n * units * 8`: the kernel's correction per lane
     /// (`Kind::correction` times the lane's sum of `xq`).
     corr: Vec<i32>,
@@ -170,14 +178,17 @@ impl Acts {
         let units = blocks.div_ceil(kind.unit_blocks());
         let ub = kind.unit_bytes();
         let mut xq = vec![0i8; n * units * ub];
-        let mut dx = vec![0.0f32; n * blocks];
+        let mut dxv = vec![0.0f32; n * units * 8];
+        let lanes_per_block = 8 / kind.unit_blocks();
         let mut corr = vec![0i32; n * units * 8];
         let mut q = [0i8; BLOCK];
         for t in 0..n {
             let xt = &x[t * cols..(t + 1) * cols];
             for b in 0..blocks {
-                dx[t * blocks + b] = quantize_block(&xt[b * BLOCK..(b + 1) * BLOCK], &mut q);
+                let dx = quantize_block(&xt[b * BLOCK..(b + 1) * BLOCK], &mut q);
                 let u = b / kind.unit_blocks();
+                let first = (t * units + u) * 8 + (b % kind.unit_blocks()) * lanes_per_block;
+                dxv[first..first + lanes_per_block].fill(dx);
                 let unit = &mut xq[(t * units + u) * ub..(t * units + u + 1) * ub];
                 if kind == Kind::U8 {
                     unit.copy_from_slice(&q);
@@ -212,8 +223,9 @@ impl Acts {
             n,
             blocks,
             units,
+            bpg: group / BLOCK,
             xq,
-            dx,
+            dxv,
             corr,
             xsum,
         }
@@ -290,70 +302,99 @@ fn make_job<'a, P: Packed>(
     Job {
         rows: p.rows(),
         work_per_row: p.cols() * n,
-        run: Box::new(move |r0, r1| chunk(p, &acts, simd, r0, r1, out)),
+        // SAFETY: `simd` is set only where the CPU has AVX2 and FMA.
+        run: Box::new(move |r0, r1| unsafe {
+            #[cfg(target_arch = "x86_64")]
+            if simd {
+                return chunk_avx2(p, &acts, r0, r1, out);
+            }
+            let _ = simd;
+            chunk_body::<P, false>(p, &acts, r0, r1, out)
+        }),
     }
 }
 
+/// [`chunk_body`] compiled for AVX2 and FMA (its `mul_add`s become fused
+/// instructions rather than calls).
+///
+/// # Safety
+/// The CPU has AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn chunk_avx2<P: Packed>(p: &P, a: &Acts, r0: usize, r1: usize, out: OutPtr) {
+    chunk_body::<P, true>(p, a, r0, r1, out)
+}
+
 /// Rows `r0..r1` for every token, four rows at a time (their activation
-/// loads shared).
-fn chunk<P: Packed>(p: &P, a: &Acts, simd: bool, r0: usize, r1: usize, out: OutPtr) {
+/// loads shared), by the AVX2 kernel or the portable one.
+///
+/// # Safety
+/// With `SIMD`, the CPU has AVX2 and FMA.
+#[inline(always)]
+unsafe fn chunk_body<P: Packed, const SIMD: bool>(
+    p: &P,
+    a: &Acts,
+    r0: usize,
+    r1: usize,
+    out: OutPtr,
+) {
     const R: usize = 4;
-    let (rows, gpr, gs) = (p.rows(), p.groups_per_row(), p.group_size());
-    let bpg = gs / BLOCK;
-    let mut sc = vec![0.0f32; R * gpr];
+    let (rows, gpr) = (p.rows(), p.groups_per_row());
+    // Scales per row, one spare 0 read by the empty lanes of a last odd
+    // block (groups of 32).
+    let ss = gpr + 1;
+    let mut sc = vec![0.0f32; R * ss];
     let mut bi = vec![0.0f32; R * gpr];
-    // ds per row, one spare 0 for the empty lanes of a last odd block.
-    let stride = a.blocks + 1;
-    let mut ds = vec![0.0f32; R * stride];
     let mut r = r0;
     while r < r1 {
         let m = R.min(r1 - r);
         for k in 0..m {
-            p.load_params(r + k, &mut sc[k * gpr..], &mut bi[k * gpr..]);
+            p.load_params(r + k, &mut sc[k * ss..], &mut bi[k * gpr..]);
         }
         let codes: [*const u8; R] = std::array::from_fn(|k| p.row_codes(r + k.min(m - 1)));
+        let scales: [*const f32; R] = std::array::from_fn(|k| sc.as_ptr().add(k.min(m - 1) * ss));
         for t in 0..a.n {
-            let dx = &a.dx[t * a.blocks..(t + 1) * a.blocks];
-            for k in 0..m {
-                let d = &mut ds[k * stride..(k + 1) * stride];
-                for (b, (o, &x)) in d.iter_mut().zip(dx).enumerate() {
-                    *o = sc[k * gpr + b / bpg] * x;
-                }
-            }
             let mut acc = [[0.0f32; 8]; R];
-            // SAFETY: the codes of rows r..r + m hold `blocks` blocks each,
-            // the activation buffers `units` units per token (checked
-            // shapes), and `simd` is set only where the CPU has AVX2.
-            unsafe {
-                #[cfg(target_arch = "x86_64")]
-                if simd {
-                    avx2::rows(a, t, codes, m, &ds, stride, &mut acc);
-                } else {
-                    portable_rows(a, t, codes, m, &ds, stride, &mut acc);
-                }
-                #[cfg(not(target_arch = "x86_64"))]
-                {
-                    let _ = simd;
-                    portable_rows(a, t, codes, m, &ds, stride, &mut acc);
-                }
+            // The codes of rows r..r + m hold `blocks` blocks each, the
+            // activation buffers `units` units per token (checked shapes).
+            #[cfg(target_arch = "x86_64")]
+            if SIMD {
+                avx2::rows(a, t, codes, scales, m, &mut acc);
+            } else {
+                portable_rows(a, t, codes, scales, m, &mut acc);
             }
+            #[cfg(not(target_arch = "x86_64"))]
+            portable_rows(a, t, codes, scales, m, &mut acc);
             for k in 0..m {
                 let l = &acc[k];
                 let mut v = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
                 if a.kind != Kind::Mx4 {
-                    let xsum = &a.xsum[t * gpr..(t + 1) * gpr];
-                    let mut bsum = 0.0f32;
-                    for (&b, &s) in bi[k * gpr..(k + 1) * gpr].iter().zip(xsum) {
-                        bsum = b.mul_add(s, bsum);
-                    }
-                    v += bsum;
+                    v += bias_dot(&bi[k * gpr..(k + 1) * gpr], &a.xsum[t * gpr..(t + 1) * gpr]);
                 }
-                // SAFETY: `job` checked that `out` holds n * rows floats.
-                unsafe { *out.0.add(t * rows + r + k) = v };
+                // `job` checked that `out` holds n * rows floats.
+                *out.0.add(t * rows + r + k) = v;
             }
         }
         r += m;
     }
+}
+
+/// `dot(biases, xsum)`: eight interleaved fma chains (independent, so they
+/// pipeline and vectorise), then a fixed tree.
+#[inline(always)]
+fn bias_dot(b: &[f32], xsum: &[f32]) -> f32 {
+    let mut p = [0.0f32; 8];
+    let (bc, xc) = (b.chunks_exact(8), xsum.chunks_exact(8));
+    let (br, xr) = (bc.remainder(), xc.remainder());
+    for (bv, xv) in bc.zip(xc) {
+        for i in 0..8 {
+            p[i] = bv[i].mul_add(xv[i], p[i]);
+        }
+    }
+    for (i, (&bv, &xv)) in br.iter().zip(xr).enumerate() {
+        p[i] = bv.mul_add(xv, p[i]);
+    }
+    ((p[0] + p[4]) + (p[2] + p[6])) + ((p[1] + p[5]) + (p[3] + p[7]))
 }
 
 /// The code of each byte of a unit as the contract's integer: `lo`/`hi`
@@ -377,15 +418,15 @@ unsafe fn portable_rows<const R: usize>(
     a: &Acts,
     t: usize,
     codes: [*const u8; R],
+    scales: [*const f32; R],
     m: usize,
-    ds: &[f32],
-    stride: usize,
     acc: &mut [[f32; 8]; R],
 ) {
     let kind = a.kind;
     let ubl = kind.unit_blocks();
     for u in 0..a.units {
         let xq = std::slice::from_raw_parts(a.unit(t, u), kind.unit_bytes());
+        let dxv = &a.dxv[(t * a.units + u) * 8..(t * a.units + u + 1) * 8];
         // Code bytes of this unit that exist (a last odd nibble block has 16).
         let nbytes = if kind == Kind::U8 {
             32
@@ -397,16 +438,16 @@ unsafe fn portable_rows<const R: usize>(
             for (lane, l) in acc.iter_mut().enumerate() {
                 let mut s = 0i32;
                 for i in 4 * lane..4 * lane + 4 {
-                    let byte = c.get(i).copied().unwrap_or(0);
-                    if kind == Kind::U8 {
-                        s += code_value(kind, byte, false) * xq[i] as i32;
-                    } else if i < nbytes {
-                        s += code_value(kind, byte, false) * xq[i] as i32;
-                        s += code_value(kind, byte, true) * xq[32 + i] as i32;
+                    if i < nbytes {
+                        s += code_value(kind, c[i], false) * xq[i] as i32;
+                        if kind != Kind::U8 {
+                            s += code_value(kind, c[i], true) * xq[32 + i] as i32;
+                        }
                     }
                 }
                 let b = if ubl == 2 { 2 * u + lane / 4 } else { u };
-                *l = (s as f32).mul_add(ds[k * stride + b], *l);
+                let d = *scales[k].add(b / a.bpg) * dxv[lane];
+                *l = (s as f32).mul_add(d, *l);
             }
         }
     }
@@ -429,34 +470,39 @@ mod avx2 {
         t
     };
 
-    /// The contract's lane accumulators for token `t` and rows `codes[..m]`.
+    /// The contract's lane accumulators for token `t` and rows `codes[..m]`
+    /// with their group scales `scales[..m]`.
     ///
     /// # Safety
     /// The CPU has AVX2 and FMA; each `codes[k]` points at a row of
-    /// `a.blocks` blocks of codes; `ds` holds `m` rows of `stride` floats.
+    /// `a.blocks` blocks of codes, each `scales[k]` at its groups' scales
+    /// and a spare 0.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn rows<const R: usize>(
         a: &Acts,
         t: usize,
         codes: [*const u8; R],
+        scales: [*const f32; R],
         m: usize,
-        ds: &[f32],
-        stride: usize,
         acc: &mut [[f32; 8]; R],
     ) {
-        match (a.kind, m) {
-            (Kind::U8, 4) => bytes::<R, 4>(a, t, codes, ds, stride, acc),
-            (Kind::U8, 3) => bytes::<R, 3>(a, t, codes, ds, stride, acc),
-            (Kind::U8, 2) => bytes::<R, 2>(a, t, codes, ds, stride, acc),
-            (Kind::U8, _) => bytes::<R, 1>(a, t, codes, ds, stride, acc),
-            (Kind::Mx4, 4) => nibbles::<R, 4, true>(a, t, codes, ds, stride, acc),
-            (Kind::Mx4, 3) => nibbles::<R, 3, true>(a, t, codes, ds, stride, acc),
-            (Kind::Mx4, 2) => nibbles::<R, 2, true>(a, t, codes, ds, stride, acc),
-            (Kind::Mx4, _) => nibbles::<R, 1, true>(a, t, codes, ds, stride, acc),
-            (Kind::Nib4, 4) => nibbles::<R, 4, false>(a, t, codes, ds, stride, acc),
-            (Kind::Nib4, 3) => nibbles::<R, 3, false>(a, t, codes, ds, stride, acc),
-            (Kind::Nib4, 2) => nibbles::<R, 2, false>(a, t, codes, ds, stride, acc),
-            (Kind::Nib4, _) => nibbles::<R, 1, false>(a, t, codes, ds, stride, acc),
+        let pair = a.bpg == 1;
+        macro_rules! by_rows {
+            ($f:ident $(, $c:expr)*) => {
+                match m {
+                    4 => $f::<R, 4 $(, $c)*>(a, t, codes, scales, acc),
+                    3 => $f::<R, 3 $(, $c)*>(a, t, codes, scales, acc),
+                    2 => $f::<R, 2 $(, $c)*>(a, t, codes, scales, acc),
+                    _ => $f::<R, 1 $(, $c)*>(a, t, codes, scales, acc),
+                }
+            };
+        }
+        match (a.kind, pair) {
+            (Kind::U8, _) => by_rows!(bytes),
+            (Kind::Mx4, true) => by_rows!(nibbles, true, true),
+            (Kind::Mx4, false) => by_rows!(nibbles, true, false),
+            (Kind::Nib4, true) => by_rows!(nibbles, false, true),
+            (Kind::Nib4, false) => by_rows!(nibbles, false, false),
         }
     }
 
@@ -467,18 +513,21 @@ mod avx2 {
         }
     }
 
-    /// 4-bit codes, two blocks per 32 code bytes.
+    /// 4-bit codes, two blocks per 32 code bytes; `PAIR`: a scale per block
+    /// (groups of 32), else one per unit (groups of 64 or more).
     #[inline(always)]
-    unsafe fn nibbles<const R: usize, const M: usize, const MX: bool>(
+    unsafe fn nibbles<const R: usize, const M: usize, const MX: bool, const PAIR: bool>(
         a: &Acts,
         t: usize,
         codes: [*const u8; R],
-        ds: &[f32],
-        stride: usize,
+        scales: [*const f32; R],
         acc: &mut [[f32; 8]; R],
     ) {
         let mut y = [_mm256_setzero_ps(); 4];
         let whole = a.blocks / 2;
+        // Units per group and the group of unit u, counted down (no division).
+        let upg = (a.bpg / 2).max(1);
+        let (mut g, mut left) = (0, upg);
         for u in 0..whole {
             // (Loops, not closures, in hot code: a closure is compiled
             // without the caller's target features.)
@@ -488,7 +537,12 @@ mod avx2 {
                 _mm_prefetch(p.wrapping_add(PREFETCH_BYTES) as *const i8, _MM_HINT_T0);
                 *ck = _mm256_loadu_si256(p as *const __m256i);
             }
-            nibble_unit::<M, MX>(a, t, u, c, ds, stride, &mut y);
+            nibble_unit::<R, M, MX, PAIR>(a, t, u, g, c, scales, &mut y);
+            left -= 1;
+            if left == 0 {
+                g += 1;
+                left = upg;
+            }
         }
         if a.blocks % 2 == 1 {
             let mut c = [_mm256_setzero_si256(); M];
@@ -496,21 +550,21 @@ mod avx2 {
                 let p = codes[k].add(whole * 32) as *const __m128i;
                 *ck = _mm256_zextsi128_si256(_mm_loadu_si128(p));
             }
-            nibble_unit::<M, MX>(a, t, whole, c, ds, stride, &mut y);
+            nibble_unit::<R, M, MX, PAIR>(a, t, whole, g, c, scales, &mut y);
         }
         store(y, acc, M);
     }
 
-    /// One unit (two blocks) of `M` rows whose code bytes are `c`.
+    /// One unit (two blocks) of `M` rows whose code bytes are `c`; `g` is
+    /// the unit's group when not `PAIR`.
     #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn nibble_unit<const M: usize, const MX: bool>(
+    unsafe fn nibble_unit<const R: usize, const M: usize, const MX: bool, const PAIR: bool>(
         a: &Acts,
         t: usize,
         u: usize,
+        g: usize,
         c: [__m256i; M],
-        ds: &[f32],
-        stride: usize,
+        scales: [*const f32; R],
         y: &mut [__m256; 4],
     ) {
         let low = _mm256_set1_epi8(15);
@@ -518,6 +572,7 @@ mod avx2 {
         let spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
         let xl = _mm256_loadu_si256(a.unit(t, u) as *const __m256i);
         let xh = _mm256_loadu_si256(a.unit(t, u).add(32) as *const __m256i);
+        let dx = _mm256_loadu_ps(a.dxv.as_ptr().add((t * a.units + u) * 8));
         let (table, cv) = if MX {
             (
                 _mm256_broadcastsi128_si256(_mm_loadu_si128(MX_OFFSET.as_ptr() as *const _)),
@@ -538,9 +593,13 @@ mod avx2 {
             if MX {
                 s = _mm256_add_epi32(s, cv);
             }
-            let d2 = _mm_loadl_epi64(ds.as_ptr().add(k * stride + 2 * u) as *const __m128i);
-            let d = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castsi128_ps(d2)), spread);
-            y[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, y[k]);
+            let sv = if PAIR {
+                let s2 = _mm_loadl_epi64(scales[k].add(2 * u) as *const __m128i);
+                _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castsi128_ps(s2)), spread)
+            } else {
+                _mm256_broadcast_ss(&*scales[k].add(g))
+            };
+            y[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(sv, dx), y[k]);
         }
     }
 
@@ -550,17 +609,18 @@ mod avx2 {
         a: &Acts,
         t: usize,
         codes: [*const u8; R],
-        ds: &[f32],
-        stride: usize,
+        scales: [*const f32; R],
         acc: &mut [[f32; 8]; R],
     ) {
         let flip = _mm256_set1_epi8(-128);
         let ones = _mm256_set1_epi16(1);
         let mut y = [_mm256_setzero_ps(); 4];
         let corr = a.corr.as_ptr().add(t * a.units * 8);
+        let (mut g, mut left) = (0, a.bpg);
         for u in 0..a.units {
             let x = _mm256_loadu_si256(a.unit(t, u) as *const __m256i);
             let cv = _mm256_loadu_si256(corr.add(u * 8) as *const __m256i);
+            let dx = _mm256_loadu_ps(a.dxv.as_ptr().add((t * a.units + u) * 8));
             for k in 0..M {
                 let p = codes[k].add(u * 32);
                 _mm_prefetch(p.wrapping_add(PREFETCH_BYTES) as *const i8, _MM_HINT_T0);
@@ -569,8 +629,13 @@ mod avx2 {
                 let w = _mm256_xor_si256(_mm256_loadu_si256(p as *const __m256i), flip);
                 let s16 = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
                 let s = _mm256_add_epi32(_mm256_madd_epi16(s16, ones), cv);
-                let d = _mm256_set1_ps(ds[k * stride + u]);
+                let d = _mm256_mul_ps(_mm256_broadcast_ss(&*scales[k].add(g)), dx);
                 y[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, y[k]);
+            }
+            left -= 1;
+            if left == 0 {
+                g += 1;
+                left = a.bpg;
             }
         }
         store(y, acc, M);

@@ -125,7 +125,11 @@ impl Owned {
                 ..
             } => {
                 let g = r * cols / gs + j / gs;
-                (codes[r * cols + j] as f64, scales[g] as f64, biases[g] as f64)
+                (
+                    codes[r * cols + j] as f64,
+                    scales[g] as f64,
+                    biases[g] as f64,
+                )
             }
             Owned::Mx { elems, scales, .. } => (
                 mxfp4::E2M1_X2[elems[r * cols + j] as usize] as f64,
@@ -162,6 +166,8 @@ struct Expect {
     bound: f64,
 }
 
+// Weights, codes and activations are indexed together.
+#[allow(clippy::needless_range_loop)]
 fn expected(w: &Owned, x: &[f32], n: usize) -> Vec<Expect> {
     let (rows, cols, gs) = w.shape();
     let mut out = Vec::new();
