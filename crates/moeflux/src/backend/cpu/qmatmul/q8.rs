@@ -1,6 +1,7 @@
 //! Products with the activations quantized to 8 bits, as llama.cpp's CPU
-//! backend computes them: an opt-in ([`Activations::Q8`]) for 4- and 8-bit
-//! affine weights (groups of 32 or a multiple) and MXFP4. Every 32
+//! backend computes them: an opt-in ([`Activations::Q8`]) for 4-bit affine
+//! weights (groups of 32 or a multiple of 64), 8-bit affine weights (groups
+//! of a multiple of 32) and MXFP4. Every 32
 //! consecutive inputs of a token become `dx * xq` (`dx = max|x| / 127`, `xq`
 //! rounded to an integer in -127..=127), and the codes are multiplied by
 //! `xq` in integers: one byte multiply-add (`vpmaddubsw`) per 32 weights
@@ -11,11 +12,11 @@
 //!
 //! # Arithmetic (the determinism contract of this path)
 //!
-//! With `ds[b] = scale(group of b) * dx[b]` (one f32 product) (the MXFP4 scale halved, codes
-//! taken as twice their e2m1 value) and "units" of two blocks for 4-bit
-//! codes (lanes 0-3 block `2u`, lanes 4-7 block `2u + 1`; a last odd block
-//! has empty lanes 4-7 with `ds = 0`) or one block for 8-bit codes (lane `k`
-//! its codes `4k..4k+4`, every lane `ds[u]`):
+//! With `ds[b] = scale(group of b) * dx[b]` (one f32 product; the MXFP4
+//! scale halved, codes taken as twice their e2m1 value) and "units" of two
+//! blocks for 4-bit codes (lanes 0-3 block `2u`, lanes 4-7 block `2u + 1`;
+//! a last odd block has empty lanes 4-7 with `ds = 0`) or one block for
+//! 8-bit codes (lane `k` its codes `4k..4k+4`, every lane `ds[u]`):
 //!
 //! ```text
 //! acc = 0                                  (8 lanes, f32)
@@ -26,12 +27,12 @@
 //! ```
 //!
 //! where `dot` is eight fma chains over the groups (group `g` in chain
-//! `g % 8`) summed by the same tree, `isum[u][k]` is the exact integer sum of `code * xq` over the
-//! lane's eight (or four) inputs and `xsum_g` the f32 sum of the group's
-//! unrounded activations. The integer sums are exact, so the AVX2 kernel
-//! (also used at the AVX-512 level) and the portable one give the same bits,
-//! and as with f32 activations a token's result is independent of the
-//! number of tokens and of the thread count.
+//! `g % 8`) summed by the same tree, `isum[u][k]` is the exact integer sum
+//! of `code * xq` over the lane's eight (or four) inputs and `xsum_g` the
+//! f32 sum of the group's unrounded activations. The integer sums are
+//! exact, so the AVX2 kernel (also used at the AVX-512 level) and the
+//! portable one give the same bits, and as with f32 activations a token's
+//! result is independent of the number of tokens and of the thread count.
 
 use std::cell::Cell;
 
@@ -42,8 +43,7 @@ use crate::quant::{QMatrix, Weight};
 /// How the CPU's quantized products take their activations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Activations {
-    /// Exact f32 (the default; what the goldens and batch == incremental
-    /// rest on).
+    /// Exact f32 (the default; what the goldens' bounds rest on).
     #[default]
     F32,
     /// Rounded to 8 bits per group of 32 inputs for 4/8-bit affine and
