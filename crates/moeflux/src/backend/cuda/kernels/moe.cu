@@ -555,23 +555,22 @@ __device__ __forceinline__ void moe_down_rows_body(const unsigned long long* bas
 }
 
 // Slices per row (NS) 2 to 4: rows of 513 to 2,048 bytes (gpt-oss's 2,880
-// columns: 3); MX_ROWS_DEPTH units fetched ahead (MX_ROWS_DEPTH in moe.rs).
-#ifndef MX_ROWS_DEPTH
-#define MX_ROWS_DEPTH 1
-#endif
-#ifndef MX_ROWS_EARLY
-#define MX_ROWS_EARLY true
-#endif
+// columns: 3). Measured on an H200 with gpt-oss's experts (kbench, four slots
+// of 2880 x 2880): gate/up 24.0 us with units fetched one ahead (118
+// registers, two blocks per SM), 24.8 two ahead (capped at 128 registers) or
+// 25.2 (157 registers, one block per SM); down 12.1 one ahead, 11.3 two ahead
+// capped at two blocks per SM, 13.4 with its first units fetched after the
+// wait (not EARLY). Rows of 4 slices take more registers: one ahead.
 #define MX_ROWS_KERNELS(NS)                                                                               \
     extern "C" __global__ void __launch_bounds__(256) moe_gate_up_rows_mx##NS(                           \
         const unsigned long long* bs, ExpertLayout L, int k, const float* x, float* a) {                 \
         PDL_ENTER(); /* the bases are the router's */                                                     \
         if (bs[blockIdx.y] == 0) return;                                                                  \
-        moe_gate_up_rows_body<NS, MX_ROWS_DEPTH>(bs, L, k, x, a);                                         \
+        moe_gate_up_rows_body<NS, 1>(bs, L, k, x, a);                                                     \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(256) moe_down_rows_mx##NS(                              \
+    extern "C" __global__ void __launch_bounds__(256, NS <= 3 ? 2 : 1) moe_down_rows_mx##NS(             \
         const unsigned long long* bs, ExpertLayout L, const float* a, float* y) {                        \
-        moe_down_rows_body<NS, MX_ROWS_DEPTH, MX_ROWS_EARLY>(bs, L, a, y);                                \
+        moe_down_rows_body<NS, NS <= 3 ? 2 : 1, true>(bs, L, a, y);                                       \
     }
 MX_ROWS_KERNELS(2)
 MX_ROWS_KERNELS(3)
