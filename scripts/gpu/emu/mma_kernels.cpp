@@ -11,7 +11,8 @@
 //   gpt-oss experts   MXFP4 (moe_*_mx, moe_*_slots_mx, the mma kernels' MXFP4 tiles) and
 //                     affine experts with per-expert biases and the clamped SwiGLU through
 //                     the grouped, per-slot (moe_*_slots, the activation-stationary
-//                     moe_*_qmv and moe_*_stream, rows of uneven slices) and tensor-core
+//                     moe_*_qmv and moe_*_stream, rows of uneven slices, MXFP4 by whole
+//                     rows (moe_*_rows_mx*) equal to streamed bit for bit) and tensor-core
 //                     paths (sums past the limit);
 //                     MXFP4 scale extremes (0, 1, 254, 255 = NaN).
 //   GGUF K-quants     groups of 16 (2-, 3-, 6- and 8-bit codes) through the general

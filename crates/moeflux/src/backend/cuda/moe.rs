@@ -626,7 +626,13 @@ fn mx_rows_enabled() -> bool {
 /// ([`MX_ROWS_SLICES`]): 8 warps a block, as many blocks per slot as the SMs
 /// hold at once, shared by the slots, each warp looping over its slot's
 /// units.
-fn mx_rows_launch(g: &Gpu, kernel: &str, cols: usize, units: usize, slots: usize) -> Option<SlotLaunch> {
+fn mx_rows_launch(
+    g: &Gpu,
+    kernel: &str,
+    cols: usize,
+    units: usize,
+    slots: usize,
+) -> Option<SlotLaunch> {
     let slices = (cols / 2).div_ceil(512);
     if !mx_rows_enabled() || !MX_ROWS_SLICES.contains(&slices) {
         return None;
