@@ -4,7 +4,8 @@
 // The activation of one intermediate row of a slot from its gate and up
 // sums: the biases added, then silu(g) * u, or gpt-oss's
 // (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g'), g' = min(g, limit)
-// (ops::swiglu_oai).
+// (ops::swiglu_oai); bg, bu: the row's gate and up biases (read only with
+// L.bias_g).
 __device__ __forceinline__ float expert_glu_b(const ExpertLayout& L, float g, float u, float bg, float bu) {
     if (L.bias_g) {
         g += bg;
@@ -17,6 +18,7 @@ __device__ __forceinline__ float expert_glu_b(const ExpertLayout& L, float g, fl
     }
     return siluf_(g) * u;
 }
+// The same with the slot's biases read from the tables here.
 __device__ __forceinline__ float expert_glu(const ExpertLayout& L, int slot, int r, float g, float u) {
     long e = L.bias_g ? L.ids[slot] : 0;
     return L.bias_g ? expert_glu_b(L, g, u, L.bias_g[e * L.inter + r], L.bias_u[e * L.inter + r])
@@ -402,8 +404,8 @@ __device__ __forceinline__ void mx_rows_fetch(const char* aw, const unsigned cha
 // log2(2P)) shuffles instead of 10P: a reduce-scatter (each step's partner
 // sends the half of the sums this lane keeps; fp addition commutes, so each
 // partial is the butterfly's), then butterfly steps on the one left. Then
-// every lane of half h (lane & (16 / P)) returns 0 + S_0 + ... + S_(ns-1) of
-// its row, the slice sums in order.
+// (P shuffles) every lane of half h (lane & (16 / P)) returns 0 + S_0 + ...
+// + S_(ns-1) of its row, the slice sums in order.
 template <int P>
 __device__ __forceinline__ float mx_rows_reduce(float (&v)[2 * P], int ns) {
     int lane = threadIdx.x & 31;
