@@ -611,6 +611,12 @@ const MX_STREAM_CHUNKS: usize = 2;
 /// columns: 3).
 const MX_ROWS_SLICES: std::ops::RangeInclusive<usize> = 2..=4;
 
+/// The slices of an MXFP4 row of `cols` columns (half as many bytes) when
+/// the by-rows kernels take it.
+fn mx_rows_slices(cols: usize) -> Option<usize> {
+    Some((cols / 2).div_ceil(512)).filter(|s| MX_ROWS_SLICES.contains(s))
+}
+
 /// Whether the MXFP4 per-slot products go by whole rows where they fit
 /// (`MOEFLUX_CUDA_MX_ROWS=0`: the streaming or one-pass kernels instead, to
 /// compare).
@@ -633,10 +639,7 @@ fn mx_rows_launch(
     units: usize,
     slots: usize,
 ) -> Option<SlotLaunch> {
-    let slices = (cols / 2).div_ceil(512);
-    if !mx_rows_enabled() || !MX_ROWS_SLICES.contains(&slices) {
-        return None;
-    }
+    let slices = mx_rows_slices(cols).filter(|_| mx_rows_enabled())?;
     let kernel = format!("{kernel}{slices}");
     let threads = 256;
     let resident = (g.blocks_per_sm(&kernel, threads) * g.sms) as usize;
@@ -829,7 +832,19 @@ fn expert_layout(m: &MoeBlock) -> Result<ExpertLayoutC> {
 
 #[cfg(test)]
 mod tests {
-    use super::most_chosen_first;
+    use super::{most_chosen_first, mx_rows_slices};
+
+    #[test]
+    fn mx_rows_take_rows_of_two_to_four_slices() {
+        // gpt-oss's 2,880 columns: 1,440 bytes, three slices; the small
+        // synth model's 1,088 and 5,440 (two, eleven).
+        assert_eq!(mx_rows_slices(2880), Some(3));
+        assert_eq!(mx_rows_slices(1088), Some(2));
+        assert_eq!(mx_rows_slices(4096), Some(4));
+        assert_eq!(mx_rows_slices(1024), None);
+        assert_eq!(mx_rows_slices(4128), None);
+        assert_eq!(mx_rows_slices(5440), None);
+    }
 
     #[test]
     fn predicted_experts_most_chosen_first() {
