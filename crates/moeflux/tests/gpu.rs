@@ -335,17 +335,27 @@ fn synth_model(dst: &Path) {
 
 /// gpt-oss at widths 512 bytes do not divide (see
 /// [`common::small_gpt_oss_spec`]): its MXFP4 experts and dense products
-/// through the one-token kernels' uneven slices, against the CPU.
+/// through the one-token kernels' uneven slices, against the CPU; then with
+/// gpt-oss's own intermediate width, 2,880 (rows of 1,440 bytes, three
+/// slices), where decode takes the MXFP4 by-rows kernels for gate/up (two
+/// slices) and down (three).
 #[test]
 #[ignore]
 fn gpt_oss_uneven_rows_match_the_cpu() {
-    use moeflux::synth::{synth, SynthOptions};
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("synth-oss");
-    let mut o = SynthOptions::new("gpu-test-oss", common::small_gpt_oss_spec());
-    o.seed = 13;
-    synth(&dir, &o).unwrap();
-    gpu_matches_cpu_through_small_caches(&dir);
+    use moeflux::synth::{synth, SynthOptions, SynthSpec};
+    for inter in [5440, 2880] {
+        eprintln!("intermediate size {inter}");
+        let mut spec = common::small_gpt_oss_spec();
+        if let SynthSpec::GptOss(shape) = &mut spec {
+            shape.intermediate_size = inter;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("synth-oss");
+        let mut o = SynthOptions::new("gpu-test-oss", spec);
+        o.seed = 13;
+        synth(&dir, &o).unwrap();
+        gpu_matches_cpu_through_small_caches(&dir);
+    }
 }
 
 /// The DeepSeek-V3 counterpart of [`synth_model`] (uniform routing).

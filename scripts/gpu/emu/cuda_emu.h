@@ -115,6 +115,16 @@ template <class T> T __shfl_xor_sync(unsigned, T v, int o) {
     ws.bar.arrive_and_wait();
     return r;
 }
+template <class T> T __shfl_sync(unsigned, T v, int src) {
+    int w = threadIdx.x / 32, l = threadIdx.x % 32;
+    auto& ws = *g_warps[w];
+    memcpy(&ws.slot[l], &v, sizeof(T));
+    ws.bar.arrive_and_wait();
+    T r;
+    memcpy(&r, &ws.slot[src & 31], sizeof(T));
+    ws.bar.arrive_and_wait();
+    return r;
+}
 // mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32 (d += a b) over the warp's
 // fragments, as PTX lays them out: lane = 4 g + t holds A rows g and g + 8 at
 // k = 2t, 2t+1 (regs 0, 1) and 2t+8, 2t+9 (regs 2, 3), B column g at

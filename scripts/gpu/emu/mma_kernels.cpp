@@ -11,7 +11,8 @@
 //   gpt-oss experts   MXFP4 (moe_*_mx, moe_*_slots_mx, the mma kernels' MXFP4 tiles) and
 //                     affine experts with per-expert biases and the clamped SwiGLU through
 //                     the grouped, per-slot (moe_*_slots, the activation-stationary
-//                     moe_*_qmv and moe_*_stream, rows of uneven slices) and tensor-core
+//                     moe_*_qmv and moe_*_stream, rows of uneven slices, MXFP4 by whole
+//                     rows (moe_*_rows_mx*) equal to streamed bit for bit) and tensor-core
 //                     paths (sums past the limit);
 //                     MXFP4 scale extremes (0, 1, 254, 255 = NaN).
 //   GGUF K-quants     groups of 16 (2-, 3-, 6- and 8-bit codes) through the general
@@ -206,7 +207,27 @@ static double oai_ref(double g, double u, double alpha, double limit) {
     return (u + 1.0) * g / (1.0 + exp(-alpha * g));
 }
 
-enum ExpertPath { GROUPED, SLOTS, MMA, QMV, STREAM };
+enum ExpertPath { GROUPED, SLOTS, MMA, QMV, STREAM, ROWS };
+
+// The MXFP4 by-rows kernels of a row width (slices 2 to 4, as moe.rs picks them).
+static int mx_rows_slices(int cols) { return (cols / 32 + 31) / 32; }
+static void gate_up_rows(int ns, const unsigned long long* pb, ExpertLayout L, int k, const float* px, float* pa) {
+    if (ns == 2) moe_gate_up_rows_mx2(pb, L, k, px, pa);
+    else if (ns == 3) moe_gate_up_rows_mx3(pb, L, k, px, pa);
+    else moe_gate_up_rows_mx4(pb, L, k, px, pa);
+}
+static void down_rows(int ns, const unsigned long long* pb, ExpertLayout L, const float* pa, float* po) {
+    if (ns == 2) moe_down_rows_mx2(pb, L, pa, po);
+    else if (ns == 3) moe_down_rows_mx3(pb, L, pa, po);
+    else moe_down_rows_mx4(pb, L, pa, po);
+}
+// Whether two outputs are the same bit for bit (NaNs as written).
+static void check_bitwise(const char* what, const std::vector<float>& a, const std::vector<float>& b) {
+    size_t diff = 0;
+    for (size_t i = 0; i < a.size(); i++) diff += memcmp(&a[i], &b[i], 4) != 0;
+    if (diff) fails++;
+    printf("%s: %zu of %zu differ %s\n", what, diff, a.size(), diff ? "FAIL" : "ok");
+}
 
 // ne experts of one layout (mx: MXFP4, else 4-bit affine, groups of 64) with biases and
 // the clamped SwiGLU (alpha 1.702, limit 7; the inputs scaled so that some gate and up
@@ -288,7 +309,7 @@ static void test_gptoss_experts(int hidden, int inter, bool mx, ExpertPath path,
     std::vector<unsigned long long> bases((size_t)n * k, 0);
     for (int e = 0; e < ne; e++)
         for (int t = 0; t < counts[e]; t++) bases[(size_t)t * k + e] = (unsigned long long)extents[e].data();
-    bool per_slot = path == SLOTS || path == QMV || path == STREAM;
+    bool per_slot = path == SLOTS || path == QMV || path == STREAM || path == ROWS;
     int one = path == SLOTS;
     auto rpb = [&](int cols) {  // rows_per_block in linear.rs
         int units = cols * 4 / 128;
@@ -301,6 +322,7 @@ static void test_gptoss_experts(int hidden, int inter, bool mx, ExpertPath path,
                         : path == SLOTS  ? "slots"
                         : path == QMV    ? "slots qmv"
                         : path == STREAM ? "slots streamed"
+                        : path == ROWS   ? "slots by rows"
                                          : "mma";
     // The streaming kernels: 2 blocks per slot, so that each loops over several row
     // groups; the one-pass ones: a block per row group (QMV_CHUNKS = 8 chunks per warp).
@@ -325,6 +347,15 @@ static void test_gptoss_experts(int hidden, int inter, bool mx, ExpertPath path,
                 if (mx) moe_gate_up_mx(pt, L, ps, k, px, pa);
                 else moe_gate_up_b4(pt, L, ps, k, px, pa);
             });
+        } else if (path == ROWS) {
+            // Three blocks per slot, so that warps take several units and the grid
+            // does not divide them; then the streaming kernel, the same bits.
+            int ns = mx_rows_slices(hidden);
+            emu_launch({3, (unsigned)(n * k), 1}, 256, [&] { gate_up_rows(ns, pb, L, k, px, pa); });
+            std::vector<float> act2(act.size(), NAN);
+            float* pa2 = act2.data();
+            emu_launch({2, (unsigned)(n * k), 1}, qmv_threads(hidden, 4), [&] { moe_gate_up_stream_mx(pb, L, k, px, pa2); });
+            check_bitwise("  mxfp4 gate_up by rows == streamed", act, act2);
         } else if (path == QMV || path == STREAM) {
             emu_launch({qmv_grid(inter, hidden, path == STREAM ? 2 : 4), (unsigned)(n * k), 1}, qmv_threads(hidden, 4),
                        [&] {
@@ -390,6 +421,14 @@ static void test_gptoss_experts(int hidden, int inter, bool mx, ExpertPath path,
                 if (mx) moe_down_mx(pt, L, ps, pa, po);
                 else moe_down_b4(pt, L, ps, pa, po);
             });
+        } else if (path == ROWS) {
+            const float* pa = act.data();
+            int ns = mx_rows_slices(inter);
+            emu_launch({3, (unsigned)(n * k), 1}, 256, [&] { down_rows(ns, pb, L, pa, po); });
+            std::vector<float> out2(slot_out.size(), NAN);
+            float* po2 = out2.data();
+            emu_launch({2, (unsigned)(n * k), 1}, qmv_threads(inter, 4), [&] { moe_down_stream_mx(pb, L, pa, po2); });
+            check_bitwise("  mxfp4 down by rows == streamed", slot_out, out2);
         } else if (path == QMV || path == STREAM) {
             const float* pa = act.data();
             emu_launch({qmv_grid(hidden, inter, path == STREAM ? 4 : 8), (unsigned)(n * k), 1}, qmv_threads(inter, 4),
@@ -789,6 +828,11 @@ int main() {
         test_gptoss_experts(2880, 128, true, p, {1}, false);
         test_gptoss_experts(1088, 256, false, p, {1, 1});
     }
+    // MXFP4 by whole rows: rows of 2, 3 (gpt-oss's 2,880 columns) and 4 slices, one
+    // token's slots and two tokens' (a slot the host computes: base 0).
+    test_gptoss_experts(2880, 1088, true, ROWS, {1, 1});
+    test_gptoss_experts(1088, 4096, true, ROWS, {2, 1}, false);
+    test_gptoss_experts(1088, 2880, true, ROWS, {1});
     // GGUF K-quants: groups of 16 at every width, one and several tokens, long rows
     // split across warps; Q4_K_M's experts (Q4_K gate/up, Q6_K or Q3_K/Q2_K down).
     for (int bits : {6, 3, 2, 8, 4})

@@ -17,7 +17,8 @@
 #                     moe_down_mma, attn_kv_split, attention_mma)
 #                     through an emulated mma.sync; gpt-oss's experts (MXFP4 and affine,
 #                     per-expert biases, the clamped SwiGLU) through the grouped, per-slot
-#                     (one-pass and streamed, MXFP4 dotted in integers) and tensor-core
+#                     (one-pass, streamed and MXFP4 by whole rows, MXFP4 dotted in
+#                     integers; by rows equal to streamed bit for bit) and tensor-core
 #                     paths, MXFP4 scale extremes; GGUF's K-quants (groups of 16 at 2, 3,
 #                     6 and 8 bits through the general products and the embedding lookup,
 #                     experts whose down projection differs from gate/up)

@@ -190,6 +190,33 @@ static void bench_slots(const char* name, int n_exp, int k, int hidden, int inte
     compare("down", y1, y2, (size_t)k * hidden);
 }
 
+// The by-rows MXFP4 kernels (moe.cu) at other unit depths, register
+// bounds and PDL placements than moeflux's build of them, for comparison.
+template <int NS, int D, int MINB>
+__global__ void __launch_bounds__(256, MINB) kb_gate_up_rows(const unsigned long long* bs, ExpertLayout L, int k,
+                                                             const float* x, float* a) {
+    PDL_ENTER();
+    if (bs[blockIdx.y] == 0) return;
+    moe_gate_up_rows_body<NS, D>(bs, L, k, x, a);
+}
+template <int NS, int D, bool E, int MINB>
+__global__ void __launch_bounds__(256, MINB) kb_down_rows(const unsigned long long* bs, ExpertLayout L,
+                                                          const float* a, float* y) {
+    moe_down_rows_body<NS, D, E>(bs, L, a, y);
+}
+static size_t count_bit_diffs(const float* da, const float* db, size_t n) {
+    std::vector<u32> a(n), b(n);
+    CK(cudaMemcpy(a.data(), da, n * 4, cudaMemcpyDeviceToHost)); CK(cudaMemcpy(b.data(), db, n * 4, cudaMemcpyDeviceToHost));
+    size_t d = 0; for (size_t i = 0; i < n; i++) d += a[i] != b[i];
+    return d;
+}
+template <class K>
+static void print_attrs(const char* what, K k, int threads, int* occ) {
+    cudaFuncAttributes fa; CK(cudaFuncGetAttributes(&fa, k));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(occ, k, threads, 0));
+    printf("    %-34s %3d regs, %zu B local, %zu B smem, %d blocks/SM\n", what, fa.numRegs, (size_t)fa.localSizeBytes, (size_t)fa.sharedSizeBytes, *occ);
+}
+
 // gpt-oss's MXFP4 experts (codes, then e8m0 scale bytes per projection; no
 // group biases, per-expert bias tables, the clamped SwiGLU): the one-pass
 // per-slot kernels (a block per row group) against the streaming ones over
@@ -262,6 +289,63 @@ static void bench_slots_mx(const char* name, int n_exp, int k, int hidden, int i
     CK(cudaDeviceSynchronize());
     compare("gate/up", a1, a2, (size_t)k * inter);
     compare("down", y1, y2, (size_t)k * hidden);
+    // By whole rows (moe_*_rows_mx3 and variants), against the streaming kernels'
+    // outputs bit for bit, one block per SM's share per slot; then gate/up and down
+    // in turn (as a layer runs them), streamed and by rows.
+    {
+        float *a3, *y3; CK(cudaMalloc(&a3, k * inter * 4)); CK(cudaMalloc(&y3, k * hidden * 4));
+        const unsigned long long* b0 = bases;
+        int gs2 = std::min(gu_sets, 2 * g_sms / k), ds2 = std::min(dn_sets, 2 * g_sms / k);
+        // The streaming reference outputs (a2 from x, y2 from a1) once more.
+        launch_pdl(moe_gate_up_stream_mx, dim3(gs2, k), gth, 0, b0, Lt(0), k, (const float*)x, a2);
+        launch_pdl(moe_down_stream_mx, dim3(ds2, k), dth, 0, b0, Lt(0), (const float*)a1, y2);
+        CK(cudaDeviceSynchronize());
+        auto run_gu = [&](const char* what, auto kern) {
+            int occ; print_attrs(what, kern, 256, &occ);
+            int gb = std::max(1, std::min((inter + 7) / 8, occ * g_sms / k));
+            double t = time_graph([&](cudaStream_t s, int i) { launch_pdl(kern, dim3(gb, k), 256, s, (const unsigned long long*)(bases + (i % T) * k), Lt(i), k, (const float*)x, a3); }, n);
+            CK(cudaMemset(a3, 0xff, k * inter * 4));
+            launch_pdl(kern, dim3(gb, k), 256, 0, b0, Lt(0), k, (const float*)x, a3); CK(cudaDeviceSynchronize()); CK(cudaGetLastError());
+            size_t d = count_bit_diffs(a2, a3, (size_t)k * inter);
+            printf("    rows gate/up %-22s %7.2f us %5.0f GB/s (%dx%d) | %zu of %d differ from streamed %s\n", what, t, gu_bytes / t / 1e3, gb, k, d, k * inter, d ? "MISMATCH" : "ok");
+            return t;
+        };
+        auto run_dn = [&](const char* what, auto kern) {
+            int occ; print_attrs(what, kern, 256, &occ);
+            int db = std::max(1, std::min((hidden / 2 + 7) / 8, occ * g_sms / k));
+            double t = time_graph([&](cudaStream_t s, int i) { launch_pdl(kern, dim3(db, k), 256, s, (const unsigned long long*)(bases + (i % T) * k), Lt(i), (const float*)a1, y3); }, n);
+            CK(cudaMemset(y3, 0xff, k * hidden * 4));
+            launch_pdl(kern, dim3(db, k), 256, 0, b0, Lt(0), (const float*)a1, y3); CK(cudaDeviceSynchronize()); CK(cudaGetLastError());
+            size_t d = count_bit_diffs(y2, y3, (size_t)k * hidden);
+            printf("    rows down    %-22s %7.2f us %5.0f GB/s (%dx%d) | %zu of %d differ from streamed %s\n", what, t, dn_bytes / t / 1e3, db, k, d, k * hidden, d ? "MISMATCH" : "ok");
+            return t;
+        };
+        run_gu("moeflux (rows_mx3)", moe_gate_up_rows_mx3);
+        run_gu("depth 1, 2 blocks/SM", kb_gate_up_rows<3, 1, 2>);
+        run_gu("depth 2", kb_gate_up_rows<3, 2, 1>);
+        run_gu("depth 2, 2 blocks/SM", kb_gate_up_rows<3, 2, 2>);
+        run_dn("moeflux (rows_mx3)", moe_down_rows_mx3);
+        run_dn("depth 1, late", kb_down_rows<3, 1, false, 1>);
+        run_dn("depth 1, 2 blocks/SM", kb_down_rows<3, 1, true, 2>);
+        run_dn("depth 2", kb_down_rows<3, 2, true, 1>);
+        run_dn("depth 2, 2 blocks/SM", kb_down_rows<3, 2, true, 2>);
+        // A layer's pair: gate/up then down (its input the gate/up's output).
+        int occ_gr, occ_dr;
+        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_gr, moe_gate_up_rows_mx3, 256, 0));
+        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_dr, moe_down_rows_mx3, 256, 0));
+        int gbr = std::min((inter + 7) / 8, occ_gr * g_sms / k), dbr = std::min((hidden / 2 + 7) / 8, occ_dr * g_sms / k);
+        int gbs = std::min(gu_sets, occ_g * g_sms / k), dbs = std::min(dn_sets, occ_d * g_sms / k);
+        double ps = time_graph([&](cudaStream_t s, int i) {
+            launch_pdl(moe_gate_up_stream_mx, dim3(gbs, k), gth, s, (const unsigned long long*)(bases + (i % T) * k), Lt(i), k, (const float*)x, a2);
+            launch_pdl(moe_down_stream_mx, dim3(dbs, k), dth, s, (const unsigned long long*)(bases + (i % T) * k), Lt(i), (const float*)a2, y2); }, n);
+        double pr = time_graph([&](cudaStream_t s, int i) {
+            launch_pdl(moe_gate_up_rows_mx3, dim3(gbr, k), 256, s, (const unsigned long long*)(bases + (i % T) * k), Lt(i), k, (const float*)x, a3);
+            launch_pdl(moe_down_rows_mx3, dim3(dbr, k), 256, s, (const unsigned long long*)(bases + (i % T) * k), Lt(i), (const float*)a3, y3); }, n);
+        printf("    pair gate/up + down: streamed %7.2f us, by rows %7.2f us (%.2fx)\n", ps, pr, ps / pr);
+        size_t d = count_bit_diffs(y2, y3, (size_t)k * hidden);
+        printf("    pair outputs (last launch): %zu of %d differ %s\n", d, k * hidden, d ? "MISMATCH" : "ok");
+        CK(cudaFree(a3)); CK(cudaFree(y3));
+    }
     // The same bytes read plainly (one contiguous buffer per kernel's share).
     u32* sink; CK(cudaMalloc(&sink, 4));
     for (size_t bytes : {gu_bytes, dn_bytes}) {

@@ -605,6 +605,52 @@ const STREAM_MIN_WAVES: usize = 2;
 /// 33.0 and 20.3 µs with two (four blocks per SM).
 const MX_STREAM_CHUNKS: usize = 2;
 
+/// Slices per row (of 512 bytes at most, as the streaming kernels cut
+/// them) the MXFP4 by-rows kernels (`moe_*_rows_mx{2,3,4}` in
+/// kernels/moe.cu) take: rows of 513 to 2,048 bytes (gpt-oss's 2,880
+/// columns: 3).
+const MX_ROWS_SLICES: std::ops::RangeInclusive<usize> = 2..=4;
+
+/// The slices of an MXFP4 row of `cols` columns (half as many bytes) when
+/// the by-rows kernels take it.
+fn mx_rows_slices(cols: usize) -> Option<usize> {
+    Some((cols / 2).div_ceil(512)).filter(|s| MX_ROWS_SLICES.contains(s))
+}
+
+/// Whether the MXFP4 per-slot products go by whole rows where they fit
+/// (`MOEFLUX_CUDA_MX_ROWS=0`: the streaming or one-pass kernels instead, to
+/// compare).
+fn mx_rows_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("MOEFLUX_CUDA_MX_ROWS").map_or(true, |v| v != "0"))
+}
+
+/// The MXFP4 by-rows launch of `kernel` ("moe_gate_up_rows_mx" or
+/// "moe_down_rows_mx") over rows of `cols` columns, `units` units per slot
+/// (a warp's turn: one intermediate row of gate and up, or two hidden rows
+/// of down), or `None` where the row width does not fit
+/// ([`MX_ROWS_SLICES`]): 8 warps a block, as many blocks per slot as the SMs
+/// hold at once, shared by the slots, each warp looping over its slot's
+/// units.
+fn mx_rows_launch(
+    g: &Gpu,
+    kernel: &str,
+    cols: usize,
+    units: usize,
+    slots: usize,
+) -> Option<SlotLaunch> {
+    let slices = mx_rows_slices(cols).filter(|_| mx_rows_enabled())?;
+    let kernel = format!("{kernel}{slices}");
+    let threads = 256;
+    let resident = (g.blocks_per_sm(&kernel, threads) * g.sms) as usize;
+    let blocks = (resident / slots).clamp(1, units.div_ceil(8)) as u32;
+    Some(SlotLaunch {
+        kernel,
+        blocks,
+        threads,
+    })
+}
+
 /// Whether the streaming per-slot kernels are used where they fit
 /// (`MOEFLUX_CUDA_SLOT_STREAM=0`: the one-pass `_qmv` kernels instead, to
 /// compare the two).
@@ -615,12 +661,33 @@ fn slot_stream_enabled() -> bool {
 
 /// The activation-stationary per-slot kernels (gate/up, down) for `slots`
 /// slots of experts whose layout fits them (`grids`: the one-pass kernels'
-/// blocks per slot, [`qmv_slot_grids`]). The streaming ones where every
-/// slice of a row has its own warp (4-, 8-bit or MXFP4 codes) and the
-/// one-pass grid would take [`STREAM_MIN_WAVES`] waves of the SMs: as many
-/// blocks per slot as the SMs hold at once, shared by the slots, each
-/// looping over its slot's row groups; else one block per row group.
+/// blocks per slot, [`qmv_slot_grids`]): MXFP4 by whole rows where the row
+/// width fits ([`mx_rows_launch`], each projection on its own), else
+/// [`slot_launches_qmv`]'s.
 fn slot_launches(
+    g: &Gpu,
+    l: &ExpertLayoutC,
+    sfx: &str,
+    slots: usize,
+    grids: (u32, u32),
+) -> [SlotLaunch; 2] {
+    let [gate_up, down] = slot_launches_qmv(g, l, sfx, slots, grids);
+    if sfx != "mx" {
+        return [gate_up, down];
+    }
+    let (h, inter) = (l.hidden as usize, l.inter as usize);
+    [
+        mx_rows_launch(g, "moe_gate_up_rows_mx", h, inter, slots).unwrap_or(gate_up),
+        mx_rows_launch(g, "moe_down_rows_mx", inter, h.div_ceil(2), slots).unwrap_or(down),
+    ]
+}
+
+/// The streaming per-slot kernels where every slice of a row has its own
+/// warp (4-, 8-bit or MXFP4 codes) and the one-pass grid would take
+/// [`STREAM_MIN_WAVES`] waves of the SMs: as many blocks per slot as the SMs
+/// hold at once, shared by the slots, each looping over its slot's row
+/// groups; else the one-pass ones, one block per row group.
+fn slot_launches_qmv(
     g: &Gpu,
     l: &ExpertLayoutC,
     sfx: &str,
@@ -765,7 +832,19 @@ fn expert_layout(m: &MoeBlock) -> Result<ExpertLayoutC> {
 
 #[cfg(test)]
 mod tests {
-    use super::most_chosen_first;
+    use super::{most_chosen_first, mx_rows_slices};
+
+    #[test]
+    fn mx_rows_take_rows_of_two_to_four_slices() {
+        // gpt-oss's 2,880 columns: 1,440 bytes, three slices; the small
+        // synth model's 1,088 and 5,440 (two, eleven).
+        assert_eq!(mx_rows_slices(2880), Some(3));
+        assert_eq!(mx_rows_slices(1088), Some(2));
+        assert_eq!(mx_rows_slices(4096), Some(4));
+        assert_eq!(mx_rows_slices(1024), None);
+        assert_eq!(mx_rows_slices(4128), None);
+        assert_eq!(mx_rows_slices(5440), None);
+    }
 
     #[test]
     fn predicted_experts_most_chosen_first() {

@@ -4,12 +4,12 @@
 // The activation of one intermediate row of a slot from its gate and up
 // sums: the biases added, then silu(g) * u, or gpt-oss's
 // (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g'), g' = min(g, limit)
-// (ops::swiglu_oai).
-__device__ __forceinline__ float expert_glu(const ExpertLayout& L, int slot, int r, float g, float u) {
+// (ops::swiglu_oai); bg, bu: the row's gate and up biases (read only with
+// L.bias_g).
+__device__ __forceinline__ float expert_glu_b(const ExpertLayout& L, float g, float u, float bg, float bu) {
     if (L.bias_g) {
-        long e = L.ids[slot];
-        g += L.bias_g[e * L.inter + r];
-        u += L.bias_u[e * L.inter + r];
+        g += bg;
+        u += bu;
     }
     if (L.oai) {
         g = fminf(g, L.limit);
@@ -17,6 +17,12 @@ __device__ __forceinline__ float expert_glu(const ExpertLayout& L, int slot, int
         return (u + 1.0f) * (g * sigmoidf_(L.alpha * g));
     }
     return siluf_(g) * u;
+}
+// The same with the slot's biases read from the tables here.
+__device__ __forceinline__ float expert_glu(const ExpertLayout& L, int slot, int r, float g, float u) {
+    long e = L.bias_g ? L.ids[slot] : 0;
+    return L.bias_g ? expert_glu_b(L, g, u, L.bias_g[e * L.inter + r], L.bias_u[e * L.inter + r])
+                    : expert_glu_b(L, g, u, 0.0f, 0.0f);
 }
 
 // The down bias of hidden row r of a slot's expert (0 without biases).
@@ -328,6 +334,249 @@ __device__ void moe_down_stream_body(const unsigned long long* bases, ExpertLayo
 STREAM_SLOT_KERNELS(4, b4, QMV_STREAM_NC)
 STREAM_SLOT_KERNELS(8, b8, QMV_STREAM_NC)
 STREAM_SLOT_KERNELS(MXI, mx, MX_STREAM_NC)
+
+// --------------------------------------------------------------------------
+// MXFP4 per-slot products by whole rows (gpt-oss's decode). The streaming
+// kernels above give each of a row's slices its own warp, so every set ends
+// in a block barrier, and a warp has only its next set's chunks in flight.
+// Here a block first turns its slot's input into mx_int_prep's digits, once,
+// in shared memory; then each warp takes units in turn (one intermediate row
+// of gate and of up, or two hidden rows of down) with the NS slices of its
+// rows all its own (lane l of slice p takes group p * gps + l: the streaming
+// kernels' columns), so it needs no barrier, and its loads for the units
+// DEPTH ahead are in flight while it computes one. A row's sum is the
+// streaming kernels' bit for bit: each slice's products reduced over the
+// lanes in the xor butterfly's order (four or eight sums at once,
+// mx_rows_reduce), the slice sums then added in slice order.
+
+#define MXR_MAX_SLICES 4
+#define MXR_W 28  // words per group in shared memory: 24 digits, sum(X), 2^(e-23), 2 pad
+
+// Two matrices' rows (gate and up, or two down rows) of a unit: each lane's
+// chunk and raw scale byte per slice, and the biases of the lanes that store
+// (gate/up: lane 0 both; down: each of its two lanes its row's in b[0]).
+template <int NS>
+struct MxRowsFetch {
+    uint4 w[2 * NS];
+    u32 s[2 * NS];
+    float b[2];
+};
+
+// The slot's input x (ng groups of 32) as digits in sm, group g at MXR_W * g.
+__device__ __forceinline__ void mx_rows_prep(const float* x, int ng, u32* sm) {
+    for (int g = threadIdx.x; g < ng; g += blockDim.x) {
+        float xv[32];
+        load_acts<32>(x + 32 * g, xv);
+        mx_int_prep(xv);
+        uint4* d = (uint4*)(sm + MXR_W * g);
+#pragma unroll
+        for (int q = 0; q < 6; q++)
+            d[q] = make_uint4(__float_as_uint(xv[4 * q]), __float_as_uint(xv[4 * q + 1]),
+                              __float_as_uint(xv[4 * q + 2]), __float_as_uint(xv[4 * q + 3]));
+        d[6] = make_uint4(__float_as_uint(xv[24]), __float_as_uint(xv[25]), 0u, 0u);
+    }
+}
+
+// The lane's group in slice p (-1: none).
+__device__ __forceinline__ int mx_rows_group(int p, int gps, int ng, int lane) {
+    int c = p * gps + lane;
+    return lane < gps && c < ng ? c : -1;
+}
+
+// Rows ra of a and rb of b (a row past `rows` reads as zeros), as a unit.
+template <int NS>
+__device__ __forceinline__ void mx_rows_fetch(const char* aw, const unsigned char* as, long ra, const char* bw,
+                                              const unsigned char* bs, long rb, int rows, int gps, int ng,
+                                              int lane, MxRowsFetch<NS>& f) {
+#pragma unroll
+    for (int p = 0; p < NS; p++) {
+        int c = mx_rows_group(p, gps, ng, lane);
+        bool oa = c >= 0 && ra < rows, ob = c >= 0 && rb < rows;
+        f.w[p] = oa ? __ldg((const uint4*)aw + ra * ng + c) : make_uint4(0, 0, 0, 0);
+        f.w[NS + p] = ob ? __ldg((const uint4*)bw + rb * ng + c) : make_uint4(0, 0, 0, 0);
+        f.s[p] = oa ? __ldg(as + ra * ng + c) : 127u;
+        f.s[NS + p] = ob ? __ldg(bs + rb * ng + c) : 127u;
+    }
+}
+
+// v[h * P + p] (h < 2, p < P, P = 2 or 4), a lane's products of slice p of
+// row h, summed over the warp as warp_sum would sum each, in 2P - 1 + (5 -
+// log2(2P)) shuffles instead of 10P: a reduce-scatter (each step's partner
+// sends the half of the sums this lane keeps; fp addition commutes, so each
+// partial is the butterfly's), then butterfly steps on the one left. Then
+// (P shuffles) every lane of half h (lane & (16 / P)) returns 0 + S_0 + ...
+// + S_(ns-1) of its row, the slice sums in order.
+template <int P>
+__device__ __forceinline__ float mx_rows_reduce(float (&v)[2 * P], int ns) {
+    int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int st = 0, m = 2 * P; m > 1; st++, m >>= 1) {
+        int o = 16 >> st;
+        bool hi = lane & o;
+#pragma unroll
+        for (int i = 0; i < m / 2; i++) {
+            float keep = hi ? v[2 * i + 1] : v[2 * i], send = hi ? v[2 * i] : v[2 * i + 1];
+            v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+        }
+    }
+    constexpr int LOG = P == 2 ? 2 : 3;  // log2(2P) steps done
+#pragma unroll
+    for (int o = 16 >> LOG; o > 0; o >>= 1) v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
+    // Index m = h P + p is held by the lanes whose bit (16 >> i) is bit i of m.
+    int h = (lane & (16 / P)) ? 1 : 0;
+    float s = 0.0f;
+#pragma unroll
+    for (int p = 0; p < P; p++) {
+        int m = h * P + p, src = 0;
+#pragma unroll
+        for (int i = 0; i < LOG; i++) src |= ((m >> i) & 1) * (16 >> i);
+        float t = __shfl_sync(0xffffffffu, v[0], src);
+        if (p < ns) s += t;
+    }
+    return s;
+}
+
+// A unit's two rows: row h's slices dotted with the lane's digits, reduced.
+template <int NS>
+__device__ __forceinline__ float mx_rows_dot(const MxRowsFetch<NS>& f, const u32* sm, int gps, int ng) {
+    constexpr int P = NS <= 2 ? 2 : 4;
+    int lane = threadIdx.x & 31;
+    float v[2 * P];
+#pragma unroll
+    for (int i = 0; i < 2 * P; i++) v[i] = 0.0f;
+#pragma unroll
+    for (int p = 0; p < NS; p++) {
+        int c = mx_rows_group(p, gps, ng, lane);
+        if (c >= 0) {
+            float xv[26];
+            const uint4* d = (const uint4*)(sm + MXR_W * c);
+#pragma unroll
+            for (int q = 0; q < 7; q++) {
+                uint4 t = d[q];
+                xv[4 * q] = __uint_as_float(t.x);
+                xv[4 * q + 1] = __uint_as_float(t.y);
+                if (q < 6) {
+                    xv[4 * q + 2] = __uint_as_float(t.z);
+                    xv[4 * q + 3] = __uint_as_float(t.w);
+                }
+            }
+            v[p] = mx_half_scale(f.s[p]) * mx_int_dot(f.w[p], xv);
+            v[P + p] = mx_half_scale(f.s[NS + p]) * mx_int_dot(f.w[NS + p], xv);
+        }
+    }
+    return mx_rows_reduce<P>(v, NS);
+}
+
+// The unit loop of a warp: units u0, u0 + stride, ... below nu, fetched
+// DEPTH (1 or 2) ahead (the first ones already in f0, f1).
+template <int NS, int DEPTH, class Fetch, class Unit>
+__device__ __forceinline__ void mx_rows_loop(int u, int stride, int nu, MxRowsFetch<NS>& f0, MxRowsFetch<NS>& f1,
+                                             Fetch fetch, Unit unit) {
+    MxRowsFetch<NS> f2;
+    for (; u < nu; u += stride) {
+        int ahead = u + DEPTH * stride;
+        if (ahead < nu) fetch(ahead, DEPTH == 1 ? f1 : f2);
+        unit(u, f0);
+        f0 = f1;
+        if (DEPTH > 1) f1 = f2;
+    }
+}
+
+template <int NS, int DEPTH>
+__device__ __forceinline__ void moe_gate_up_rows_body(const unsigned long long* bases, const ExpertLayout& L, int k,
+                                                      const float* x, float* act) {
+    __shared__ uint4 smv[MXR_MAX_SLICES * 32 * MXR_W / 4];
+    u32* sm = (u32*)smv;
+    int j = blockIdx.y, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const char* base = (const char*)bases[j];
+    int ng = L.hidden / 32, gps = (ng + NS - 1) / NS;
+    const char *gw = base + L.gate_w, *uw = base + L.up_w;
+    const unsigned char *gsc = (const unsigned char*)base + L.gate_s, *usc = (const unsigned char*)base + L.up_s;
+    long e = L.bias_g ? L.ids[j] : 0;
+    auto fetch = [&](int r, MxRowsFetch<NS>& f) {
+        mx_rows_fetch<NS>(gw, gsc, r, uw, usc, r, L.inter, gps, ng, lane, f);
+        if (L.bias_g && lane == 0) {
+            f.b[0] = __ldg(L.bias_g + e * L.inter + r);
+            f.b[1] = __ldg(L.bias_u + e * L.inter + r);
+        }
+    };
+    int u = blockIdx.x * nw + (threadIdx.x >> 5), stride = gridDim.x * nw;
+    MxRowsFetch<NS> f0, f1;
+    if (u < L.inter) fetch(u, f0);
+    if (DEPTH > 1 && u + stride < L.inter) fetch(u + stride, f1);
+    mx_rows_prep(x + (long)(j / k) * L.hidden, ng, sm);
+    __syncthreads();
+    mx_rows_loop<NS, DEPTH>(u, stride, L.inter, f0, f1, fetch, [&](int r, const MxRowsFetch<NS>& f) {
+        float s = mx_rows_dot<NS>(f, sm, gps, ng);
+        float up = __shfl_sync(0xffffffffu, s, NS <= 2 ? 8 : 4);  // half 1's lanes hold up
+        if (lane == 0) act[(long)j * L.inter + r] = expert_glu_b(L, s, up, f.b[0], f.b[1]);
+    });
+}
+
+template <int NS, int DEPTH, bool EARLY>
+__device__ __forceinline__ void moe_down_rows_body(const unsigned long long* bases, const ExpertLayout& L,
+                                                   const float* act, float* slot_out) {
+    __shared__ uint4 smv[MXR_MAX_SLICES * 32 * MXR_W / 4];
+    u32* sm = (u32*)smv;
+    int j = blockIdx.y, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    // EARLY: the bases (and ids) are the router's, two kernels back: the
+    // gate/up kernel this one follows waited for it before letting this one
+    // start, so they are read (past L1) and the first units fetched before
+    // the wait for gate/up's act. A block always waits before it ends, so
+    // that this grid never completes before the one it follows.
+    if (!EARLY) PDL_ENTER();
+    const char* base = (const char*)(EARLY ? __ldcg(bases + j) : bases[j]);
+    if (base == nullptr) { /* a slot the host computes */
+        if (EARLY) PDL_ENTER();
+        return;
+    }
+    int ng = L.inter / 32, gps = (ng + NS - 1) / NS;
+    const char* dw = base + L.down_w;
+    const unsigned char* dsc = (const unsigned char*)base + L.down_s;
+    long e = L.bias_d ? (EARLY ? __ldcg(L.ids + j) : L.ids[j]) : 0;
+    int nu = (L.hidden + 1) / 2;
+    constexpr int H1 = NS <= 2 ? 8 : 4;  // a lane of half 1 (the second row), mx_rows_reduce
+    auto fetch = [&](int u, MxRowsFetch<NS>& f) {
+        mx_rows_fetch<NS>(dw, dsc, 2L * u, dw, dsc, 2L * u + 1, L.hidden, gps, ng, lane, f);
+        int r = 2 * u + (lane == H1);
+        if (L.bias_d && (lane == 0 || lane == H1)) f.b[0] = r < L.hidden ? __ldg(L.bias_d + e * L.hidden + r) : 0.0f;
+    };
+    int u = blockIdx.x * nw + (threadIdx.x >> 5), stride = gridDim.x * nw;
+    MxRowsFetch<NS> f0, f1;
+    if (u < nu) fetch(u, f0);
+    if (DEPTH > 1 && u + stride < nu) fetch(u + stride, f1);
+    if (EARLY) PDL_ENTER();
+    mx_rows_prep(act + (long)j * L.inter, ng, sm);
+    __syncthreads();
+    mx_rows_loop<NS, DEPTH>(u, stride, nu, f0, f1, fetch, [&](int u, const MxRowsFetch<NS>& f) {
+        float s = mx_rows_dot<NS>(f, sm, gps, ng);
+        int r = 2 * u + (lane == H1);
+        if ((lane == 0 || lane == H1) && r < L.hidden)
+            slot_out[(long)j * L.hidden + r] = s + (L.bias_d ? f.b[0] : 0.0f);
+    });
+}
+
+// Slices per row (NS) 2 to 4: rows of 513 to 2,048 bytes (gpt-oss's 2,880
+// columns: 3). Measured on an H200 with gpt-oss's experts (kbench, four slots
+// of 2880 x 2880): gate/up 24.0 us with units fetched one ahead (118
+// registers, two blocks per SM), 24.8 two ahead (capped at 128 registers) or
+// 25.2 (157 registers, one block per SM); down 12.1 one ahead, 11.3 two ahead
+// capped at two blocks per SM, 13.4 with its first units fetched after the
+// wait (not EARLY). Rows of 4 slices take more registers: one ahead.
+#define MX_ROWS_KERNELS(NS)                                                                               \
+    extern "C" __global__ void __launch_bounds__(256) moe_gate_up_rows_mx##NS(                           \
+        const unsigned long long* bs, ExpertLayout L, int k, const float* x, float* a) {                 \
+        PDL_ENTER(); /* the bases are the router's */                                                     \
+        if (bs[blockIdx.y] == 0) return;                                                                  \
+        moe_gate_up_rows_body<NS, 1>(bs, L, k, x, a);                                                     \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(256, NS <= 3 ? 2 : 1) moe_down_rows_mx##NS(             \
+        const unsigned long long* bs, ExpertLayout L, const float* a, float* y) {                        \
+        moe_down_rows_body<NS, NS <= 3 ? 2 : 1, true>(bs, L, a, y);                                       \
+    }
+MX_ROWS_KERNELS(2)
+MX_ROWS_KERNELS(3)
+MX_ROWS_KERNELS(4)
 
 #define QMV_SLOT_KERNELS(B, SFX)                                                                            \
     extern "C" __global__ void __launch_bounds__(256) moe_gate_up_qmv_##SFX(                               \
