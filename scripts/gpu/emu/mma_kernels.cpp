@@ -67,6 +67,34 @@ static void test_qmma(int rows_a, int rows_b, int cols, int n, int bits, int gs)
 
 // The routed experts of a batch: task e serves tokens 0 .. counts[e] - 1, each as its
 // slot j = e (k = the number of tasks).
+// One extent per expert: gate | up | down, each codes | scales | biases at
+// 16-byte boundaries; sets L's offsets.
+static std::vector<std::vector<uint4>> pack_extents(const std::vector<HostQ>& gate, const std::vector<HostQ>& up,
+                                                    const std::vector<HostQ>& down, ExpertLayout& L) {
+    long off = 0;
+    long* fields[3][3] = {{&L.gate_w, &L.gate_s, &L.gate_b}, {&L.up_w, &L.up_s, &L.up_b},
+                          {&L.down_w, &L.down_s, &L.down_b}};
+    const HostQ* parts0[3] = {&gate[0], &up[0], &down[0]};
+    for (int m = 0; m < 3; m++) {
+        size_t b[3] = {parts0[m]->w.size() * 4, parts0[m]->s.size() * 2, parts0[m]->b.size() * 2};
+        for (int f = 0; f < 3; f++) {
+            *fields[m][f] = off;
+            off += (long)((b[f] + 15) / 16 * 16);
+        }
+    }
+    std::vector<std::vector<uint4>> extents(gate.size(), std::vector<uint4>((size_t)(off / 16)));
+    for (size_t e = 0; e < gate.size(); e++) {
+        char* base = (char*)extents[e].data();
+        const HostQ* parts[3] = {&gate[e], &up[e], &down[e]};
+        for (int m = 0; m < 3; m++) {
+            memcpy(base + *fields[m][0], parts[m]->w.data(), parts[m]->w.size() * 4);
+            memcpy(base + *fields[m][1], parts[m]->s.data(), parts[m]->s.size() * 2);
+            memcpy(base + *fields[m][2], parts[m]->b.data(), parts[m]->b.size() * 2);
+        }
+    }
+    return extents;
+}
+
 static void test_moe_mma(int hidden, int inter, int bits, int gs, std::vector<int> counts) {
     int ne = (int)counts.size(), k = ne;
     int n = 0;
@@ -77,33 +105,9 @@ static void test_moe_mma(int hidden, int inter, int bits, int gs, std::vector<in
         up.emplace_back(inter, hidden, bits, gs);
         down.emplace_back(hidden, inter, bits, gs);
     }
-    // One extent per expert: gate | up | down, each codes | scales | biases.
-    auto bytes_of = [](const HostQ& q) {
-        return std::array<size_t, 3>{q.w.size() * 4, q.s.size() * 2, q.b.size() * 2};
-    };
     ExpertLayout L{};
-    long off = 0;
-    long* fields[3][3] = {{&L.gate_w, &L.gate_s, &L.gate_b}, {&L.up_w, &L.up_s, &L.up_b},
-                          {&L.down_w, &L.down_s, &L.down_b}};
-    const HostQ* parts0[3] = {&gate[0], &up[0], &down[0]};
-    for (int m = 0; m < 3; m++) {
-        auto b = bytes_of(*parts0[m]);
-        for (int f = 0; f < 3; f++) {
-            *fields[m][f] = off;
-            off += (long)((b[f] + 15) / 16 * 16);
-        }
-    }
+    auto extents = pack_extents(gate, up, down, L);
     L.inter = inter, L.hidden = hidden, L.bits = bits, L.gs = gs, L.sf32 = 0; L.down_bits = L.bits, L.down_gs = L.gs, L.down_sf32 = L.sf32;
-    std::vector<std::vector<uint4>> extents(ne, std::vector<uint4>((size_t)(off / 16)));
-    for (int e = 0; e < ne; e++) {
-        char* base = (char*)extents[e].data();
-        const HostQ* parts[3] = {&gate[e], &up[e], &down[e]};
-        for (int m = 0; m < 3; m++) {
-            memcpy(base + *fields[m][0], parts[m]->w.data(), parts[m]->w.size() * 4);
-            memcpy(base + *fields[m][1], parts[m]->s.data(), parts[m]->s.size() * 2);
-            memcpy(base + *fields[m][2], parts[m]->b.data(), parts[m]->b.size() * 2);
-        }
-    }
     std::vector<ExpertTask> tasks;
     std::vector<int> slot_list;
     for (int e = 0; e < ne; e++) {
@@ -677,29 +681,9 @@ static void test_mixed_experts(int hidden, int inter, int gbits, int ggs, int db
         down.emplace_back(hidden, inter, dbits, dgs);
     }
     ExpertLayout L{};
-    long off = 0;
-    long* fields[3][3] = {{&L.gate_w, &L.gate_s, &L.gate_b}, {&L.up_w, &L.up_s, &L.up_b},
-                          {&L.down_w, &L.down_s, &L.down_b}};
-    const HostQ* parts0[3] = {&gate[0], &up[0], &down[0]};
-    for (int m = 0; m < 3; m++) {
-        size_t b[3] = {parts0[m]->w.size() * 4, parts0[m]->s.size() * 2, parts0[m]->b.size() * 2};
-        for (int f = 0; f < 3; f++) {
-            *fields[m][f] = off;
-            off += (long)((b[f] + 15) / 16 * 16);
-        }
-    }
+    auto extents = pack_extents(gate, up, down, L);
     L.inter = inter, L.hidden = hidden, L.bits = gbits, L.gs = ggs, L.sf32 = 0;
     L.down_bits = dbits, L.down_gs = dgs, L.down_sf32 = 0;
-    std::vector<std::vector<uint4>> extents(ne, std::vector<uint4>((size_t)(off / 16)));
-    for (int e = 0; e < ne; e++) {
-        char* base = (char*)extents[e].data();
-        const HostQ* parts[3] = {&gate[e], &up[e], &down[e]};
-        for (int m = 0; m < 3; m++) {
-            memcpy(base + *fields[m][0], parts[m]->w.data(), parts[m]->w.size() * 4);
-            memcpy(base + *fields[m][1], parts[m]->s.data(), parts[m]->s.size() * 2);
-            memcpy(base + *fields[m][2], parts[m]->b.data(), parts[m]->b.size() * 2);
-        }
-    }
     std::vector<ExpertTask> tasks;
     std::vector<int> slot_list;
     std::vector<unsigned long long> bases((size_t)n * k, 0);
