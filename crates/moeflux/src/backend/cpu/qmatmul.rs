@@ -435,6 +435,12 @@ fn group_sum(x: &[f32]) -> f32 {
     for (i, &v) in it.remainder().iter().enumerate() {
         p[i] += v;
     }
+    tree8(&p)
+}
+
+/// The fixed sum of eight partial sums that the scalar reductions share.
+#[inline(always)]
+fn tree8(p: &[f32; 8]) -> f32 {
     ((p[0] + p[4]) + (p[2] + p[6])) + ((p[1] + p[5]) + (p[3] + p[7]))
 }
 

@@ -36,7 +36,7 @@
 
 use std::cell::Cell;
 
-use super::{group_sum, Job, OutPtr, Packed, SimdLevel};
+use super::{group_sum, tree8, Job, OutPtr, Packed, SimdLevel};
 use crate::quant::mxfp4::{Mxfp4Matrix, E2M1_X2};
 use crate::quant::{QMatrix, Weight};
 
@@ -366,8 +366,7 @@ unsafe fn chunk_body<P: Packed, const SIMD: bool>(
             #[cfg(not(target_arch = "x86_64"))]
             portable_rows(a, t, codes, scales, m, &mut acc);
             for k in 0..m {
-                let l = &acc[k];
-                let mut v = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+                let mut v = tree8(&acc[k]);
                 if a.kind != Kind::Mx4 {
                     v += bias_dot(&bi[k * gpr..(k + 1) * gpr], &a.xsum[t * gpr..(t + 1) * gpr]);
                 }
@@ -394,7 +393,7 @@ fn bias_dot(b: &[f32], xsum: &[f32]) -> f32 {
     for (i, (&bv, &xv)) in br.iter().zip(xr).enumerate() {
         p[i] = bv.mul_add(xv, p[i]);
     }
-    ((p[0] + p[4]) + (p[2] + p[6])) + ((p[1] + p[5]) + (p[3] + p[7]))
+    tree8(&p)
 }
 
 /// The code of each byte of a unit as the contract's integer: `lo`/`hi`
