@@ -11,6 +11,7 @@
 
 mod common;
 mod gpu_multi;
+mod gpu_ties;
 mod gpu_window;
 
 use std::path::Path;
@@ -259,7 +260,7 @@ fn every_block_of_every_family_matches_the_cpu() {
     for name in EVERY_FAMILY {
         let (_tmp, dir) = convert_fixture(&format!("{name}/src"), None);
         let (mut c, mut g) = (cpu(&dir), gpu(&dir));
-        let toks = random_tokens(21, c.vocab_size());
+        let toks = gpu_ties::random_tokens_clear_of_ties(&mut c, &dir, 21);
         for (step, part) in [("batch of 20", &toks[..20]), ("one token", &toks[20..])] {
             let (_, want) = c.eval_traced(part, LogitsMode::All).unwrap();
             let (_, got) = g.eval_traced(part, LogitsMode::All).unwrap();
@@ -389,7 +390,7 @@ fn deepseek_gpu_matches_cpu_with_a_small_evicting_cache() {
 /// token at a time, and through the pinned host tier: the CPU's logits.
 fn gpu_matches_cpu_through_small_caches(dir: &Path) {
     let mut c = cpu(dir);
-    let toks = random_tokens(40, c.vocab_size());
+    let toks = gpu_ties::random_tokens_clear_of_ties(&mut c, dir, 40);
     let want = c.eval(&toks, LogitsMode::All).unwrap();
     let experts = c.config().moe.num_experts;
     let store = c.expert_store();
