@@ -658,26 +658,15 @@ fn demo_model_matches_transformers() {
     oracle.check_perplexity("demo gpu", &mut s, 1e-3);
 }
 
-/// A batch on the GPU: several sequences with staggered chunks (prompt
-/// chunks beside one-token decodes, one-sequence decode steps of
-/// different sequences in turn, so a captured graph must never serve
-/// another sequence's step), each item's logits against the CPU evaluating
-/// that sequence alone with the same chunks.
-fn gpu_batch_matches_the_cpu_alone(name: &str, dir: &Path, opts: SessionOptions, bound: f32) {
-    use moeflux::{Batch, Work};
-    let mut batch = Batch::open(dir, opts).unwrap();
-    assert!(batch.on_gpu());
-    let vocab = batch.vocab_size();
-    let ids: Vec<_> = (0..4).map(|_| batch.add_sequence().unwrap()).collect();
-    let mut alone: Vec<Session> = (0..4).map(|_| cpu(dir)).collect();
-    let toks = random_tokens(4096, vocab);
+/// The steps of [`gpu_batch_matches_the_cpu_alone`] over four sequences:
+/// (sequence, tokens) per step, the tokens taken from `toks` in order.
+fn batch_schedule(toks: &[u32]) -> Vec<Vec<(usize, Vec<u32>)>> {
     let mut at = 0;
     let mut take = |n: usize| {
         let t = toks[at..at + n].to_vec();
         at += n;
         t
     };
-    // (sequence, tokens) per step; every item asks for its last logits.
     let mut schedule: Vec<Vec<(usize, Vec<u32>)>> = vec![
         vec![(0, take(17))],
         vec![(0, take(1)), (1, take(33))],
@@ -690,6 +679,28 @@ fn gpu_batch_matches_the_cpu_alone(name: &str, dir: &Path, opts: SessionOptions,
         schedule.push(vec![(s, take(1))]);
     }
     schedule.push(vec![(3, take(1)), (1, take(2)), (0, take(1))]);
+    schedule
+}
+
+/// A batch on the GPU: several sequences with staggered chunks (prompt
+/// chunks beside one-token decodes, one-sequence decode steps of
+/// different sequences in turn, so a captured graph must never serve
+/// another sequence's step), each item's logits against the CPU evaluating
+/// that sequence alone with the same chunks.
+fn gpu_batch_matches_the_cpu_alone(name: &str, dir: &Path, opts: SessionOptions, bound: f32) {
+    use moeflux::{Batch, Work};
+    let mut batch = Batch::open(dir, opts).unwrap();
+    assert!(batch.on_gpu());
+    let ids: Vec<_> = (0..4).map(|_| batch.add_sequence().unwrap()).collect();
+    let mut alone: Vec<Session> = (0..4).map(|_| cpu(dir)).collect();
+    let toks = gpu_ties::draw_clear_of_ties(&mut alone[0], dir, 4096, |t| {
+        let mut seqs = vec![Vec::new(); 4];
+        for (s, part) in batch_schedule(t).into_iter().flatten() {
+            seqs[s].extend(part);
+        }
+        seqs
+    });
+    let schedule = batch_schedule(&toks);
     let mut worst = 0.0f32;
     for (k, step) in schedule.iter().enumerate() {
         let work: Vec<Work> = step

@@ -19,6 +19,17 @@ const MIN_MARGIN: f64 = 2e-4;
 /// `n` random tokens (`MOEFLUX_TEST_SEED` replays a printed seed) redrawn
 /// until every MoE layer's choice for every token clears [`MIN_MARGIN`].
 pub fn random_tokens_clear_of_ties(cpu: &mut Session, dir: &Path, n: usize) -> Vec<u32> {
+    draw_clear_of_ties(cpu, dir, n, |t| vec![t.to_vec()])
+}
+
+/// `n` random tokens redrawn until each token list `sequences` makes of
+/// them (evaluated as separate sequences, in order) clears [`MIN_MARGIN`].
+pub fn draw_clear_of_ties(
+    cpu: &mut Session,
+    dir: &Path,
+    n: usize,
+    sequences: impl Fn(&[u32]) -> Vec<Vec<u32>>,
+) -> Vec<u32> {
     let first = match std::env::var("MOEFLUX_TEST_SEED") {
         Ok(s) => s.parse().expect("MOEFLUX_TEST_SEED: an integer"),
         Err(_) => std::time::SystemTime::now()
@@ -28,20 +39,26 @@ pub fn random_tokens_clear_of_ties(cpu: &mut Session, dir: &Path, n: usize) -> V
     };
     let k = cpu.experts_per_token();
     let vocab = cpu.vocab_size();
-    for attempt in 0..50u64 {
+    for attempt in 0..DRAWS {
         let seed = first.wrapping_add(attempt);
         let toks = moeflux::bench::random_tokens(n, vocab, seed);
-        let (_, trace) = cpu.eval_traced(&toks, LogitsMode::Last).unwrap();
-        cpu.clear();
-        let m = routing_margin(dir, &trace, k);
+        let mut m = f64::INFINITY;
+        for seq in sequences(&toks) {
+            let (_, trace) = cpu.eval_traced(&seq, LogitsMode::Last).unwrap();
+            cpu.clear();
+            m = m.min(routing_margin(dir, &trace, k));
+        }
         if m >= MIN_MARGIN {
             eprintln!("random tokens from seed {seed} (routing margin {m:.1e})");
             return toks;
         }
         eprintln!("seed {seed}: routing margin {m:.1e} < {MIN_MARGIN:e}, redrawn");
     }
-    panic!("50 draws of {n} tokens all held a near-tie in routing");
+    panic!("{DRAWS} draws of {n} tokens all held a near-tie in routing");
 }
+
+/// Draws before giving up.
+const DRAWS: u64 = 200;
 
 /// The smallest gap between a token's k-th and (k+1)-th router scores,
 /// relative to the largest magnitude among its top k + 1, over every MoE
