@@ -297,13 +297,7 @@ const BLOCK_GUARD: f32 = 1e-3;
 /// Fresh random tokens each run (from the clock), evaluated on both backends.
 /// Fresh random tokens; `MOEFLUX_TEST_SEED` replays a printed seed.
 fn random_tokens(n: usize, vocab: usize) -> Vec<u32> {
-    let seed = match std::env::var("MOEFLUX_TEST_SEED") {
-        Ok(s) => s.parse().expect("MOEFLUX_TEST_SEED: an integer"),
-        Err(_) => std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos() as u64,
-    };
+    let seed = gpu_ties::test_seed();
     eprintln!("random tokens from seed {seed}");
     moeflux::bench::random_tokens(n, vocab, seed)
 }

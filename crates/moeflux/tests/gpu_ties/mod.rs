@@ -30,13 +30,7 @@ pub fn draw_clear_of_ties(
     n: usize,
     sequences: impl Fn(&[u32]) -> Vec<Vec<u32>>,
 ) -> Vec<u32> {
-    let first = match std::env::var("MOEFLUX_TEST_SEED") {
-        Ok(s) => s.parse().expect("MOEFLUX_TEST_SEED: an integer"),
-        Err(_) => std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos() as u64,
-    };
+    let first = test_seed();
     let k = cpu.experts_per_token();
     let vocab = cpu.vocab_size();
     for attempt in 0..DRAWS {
@@ -55,6 +49,17 @@ pub fn draw_clear_of_ties(
         eprintln!("seed {seed}: routing margin {m:.1e} < {MIN_MARGIN:e}, redrawn");
     }
     panic!("{DRAWS} draws of {n} tokens all held a near-tie in routing");
+}
+
+/// `MOEFLUX_TEST_SEED` (to replay a printed seed), else the clock.
+pub fn test_seed() -> u64 {
+    match std::env::var("MOEFLUX_TEST_SEED") {
+        Ok(s) => s.parse().expect("MOEFLUX_TEST_SEED: an integer"),
+        Err(_) => std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64,
+    }
 }
 
 /// Draws before giving up.
