@@ -187,6 +187,7 @@ impl Report<'_> {
     fn json(&self) -> Value {
         let c = self.session.config();
         let r = self.result;
+        let h = self.session.gpu_host_tier();
         json!({
             "model": self.session.model_dir().display().to_string(),
             "model_type": c.arch.model_type(),
@@ -213,10 +214,7 @@ impl Report<'_> {
             "sequential_direct_gb_s": self.seq_gb_s,
             "h2d_pinned_gb_s": self.h2d_gb_s,
             "gpu_cache_slots": self.session.gpu_cache_slots(),
-            "host_tier": {
-                let h = self.session.gpu_host_tier();
-                json!({ "layers": h.layers, "slots": h.slots, "bytes": h.bytes })
-            },
+            "host_tier": json!({ "layers": h.layers, "slots": h.slots, "bytes": h.bytes }),
             "expert_bytes_total": self.session.expert_store().total_bytes(),
             "decode_pcie_ceiling_tok_s": r.decode.as_ref().and_then(|t| self.pcie_ceiling_tok_s(t)),
         })
