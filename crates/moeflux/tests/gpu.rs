@@ -507,7 +507,11 @@ fn evicting_host_tier_equals_resident(name: &str, dir: &Path) {
             },
         )
         .unwrap();
-        assert!(s.backend().contains("pinned expert slots"), "{}", s.backend());
+        assert!(
+            s.backend().contains("pinned expert slots"),
+            "{}",
+            s.backend()
+        );
         s
     };
     for (prefetch, mmap) in [
@@ -518,7 +522,10 @@ fn evicting_host_tier_equals_resident(name: &str, dir: &Path) {
         let what = format!("{name}, prefetch {prefetch:?}, mmap {mmap}");
         let mut g = open(prefetch, mmap);
         let got = one_token_at_a_time(&mut g, &toks);
-        assert!(same_bits(&got, &want), "{what}: logits differ from the resident GPU's");
+        assert!(
+            same_bits(&got, &want),
+            "{what}: logits differ from the resident GPU's"
+        );
         let st = g.gpu_cache_stats();
         eprintln!("{what}: {st:?}");
         // Every level served: VRAM hits, host-tier hits, and reads beyond
@@ -553,7 +560,9 @@ fn evicting_host_tier_equals_resident(name: &str, dir: &Path) {
         }
         let msg = failed.unwrap_or_else(|| panic!("{what}: no step failed on truncated files"));
         assert!(
-            files.iter().any(|(p, _)| msg.contains(&p.display().to_string())),
+            files
+                .iter()
+                .any(|(p, _)| msg.contains(&p.display().to_string())),
             "{what}: the error names no expert file: {msg}"
         );
         for (path, original) in &files {
@@ -561,7 +570,10 @@ fn evicting_host_tier_equals_resident(name: &str, dir: &Path) {
         }
         g.clear();
         let got = one_token_at_a_time(&mut g, &toks);
-        assert!(same_bits(&got, &want), "{what}: logits after the failed read differ");
+        assert!(
+            same_bits(&got, &want),
+            "{what}: logits after the failed read differ"
+        );
     }
 }
 

@@ -10,8 +10,8 @@ use crate::io::{ExpertBuf, ExpertStore};
 
 use super::device::{copy_htod_async, stream_wait, DevBuf, Gpu, Pinned};
 use super::host_tier::{serve, Claim, PinnedArena, Source};
-use super::slots::Slots;
 pub use super::slots::CachePolicy;
+use super::slots::Slots;
 
 /// Cumulative counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -87,7 +87,6 @@ impl Staged {
         Ok(Staged { pin, buf })
     }
 }
-
 
 /// The host tier (`--host-cache`, see `host_tier.rs`).
 #[derive(Default)]
@@ -555,7 +554,9 @@ impl ExpertCache {
                     &miss_ids,
                     // SAFETY: the buffer is a pinned arena slot, checked
                     // out until `serve` has waited for the copy stream.
-                    |j, buf| unsafe { copy_htod_async(&gpu.copy, dsts[j], &buf.as_bytes()[..extent]) },
+                    |j, buf| unsafe {
+                        copy_htod_async(&gpu.copy, dsts[j], &buf.as_bytes()[..extent])
+                    },
                     || {
                         gpu.copy
                             .synchronize()

@@ -105,7 +105,8 @@ impl<P> Arena<P> {
                     let bufs = &self.bufs;
                     match self.slots.take_victim(|s| bufs[s].is_none()) {
                         Some(slot) => {
-                            let (pin, buf) = self.bufs[slot].take().expect("a victim is checked in");
+                            let (pin, buf) =
+                                self.bufs[slot].take().expect("a victim is checked in");
                             Claim::Fill { slot, pin, buf }
                         }
                         None => Claim::Bypass,
@@ -197,7 +198,9 @@ pub fn serve<P>(
         }
     }
     // The fills' buffers go to the reads and come back in order.
-    let fills: Vec<usize> = (0..ids.len()).filter(|&i| from[i] == Source::File).collect();
+    let fills: Vec<usize> = (0..ids.len())
+        .filter(|&i| from[i] == Source::File)
+        .collect();
     let mut claims: Vec<Option<Claim<P>>> = claims.into_iter().map(Some).collect();
     let mut pins = Vec::with_capacity(fills.len());
     let mut bufs = Vec::with_capacity(fills.len());
@@ -449,8 +452,14 @@ mod tests {
                 .set_len(0)
                 .unwrap();
             let (s, copied) = run(&[2, 4]);
-            let msg = s.error.expect("a read of an emptied file fails").to_string();
-            assert!(msg.contains(&path.display().to_string()), "mmap {mmap}: {msg}");
+            let msg = s
+                .error
+                .expect("a read of an emptied file fails")
+                .to_string();
+            assert!(
+                msg.contains(&path.display().to_string()),
+                "mmap {mmap}: {msg}"
+            );
             assert_eq!(s.from, [Source::Host, Source::Failed]);
             assert_eq!(copied, [0]);
             assert!(held(2) && !held(4));

@@ -27,8 +27,8 @@ mod moe;
 pub mod nccl;
 pub mod rendezvous;
 mod ring;
-mod slots;
 pub mod shard;
+mod slots;
 pub mod state;
 pub mod support;
 

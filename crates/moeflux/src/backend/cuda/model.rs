@@ -387,7 +387,9 @@ impl CudaModel {
                 m.prefetch = match opts.prefetch {
                     Prefetch::On => true,
                     Prefetch::Off => false,
-                    Prefetch::Auto => m.host_tier.is_some() && max_extent >= PREFETCH_AUTO_MIN_EXTENT,
+                    Prefetch::Auto => {
+                        m.host_tier.is_some() && max_extent >= PREFETCH_AUTO_MIN_EXTENT
+                    }
                 };
             }
             m.cache = Some(cache);
