@@ -164,6 +164,13 @@ impl Report<'_> {
             "gpu_prefetched": t.gpu_cache.prefetched,
             "gpu_prefetch_used": t.gpu_cache.prefetch_hits,
             "gpu_cpu_computed": t.gpu_cache.cpu_computed,
+            // Per level, of the timed part: expert uses found in VRAM,
+            // VRAM misses copied from the pinned host tier, and those read
+            // from the expert files (page cache or disk).
+            "gpu_vram_hits": t.gpu_cache.hits,
+            "gpu_host_tier_hits": t.gpu_cache.host_hits,
+            "gpu_file_reads": t.gpu_cache.file_reads,
+            "gpu_file_bytes_per_token": t.file_bytes_per_token(),
             "gpu_expert_uses_per_rep": t.expert_uses_per_rep(),
         })
     }
@@ -180,6 +187,7 @@ impl Report<'_> {
     fn json(&self) -> Value {
         let c = self.session.config();
         let r = self.result;
+        let h = self.session.gpu_host_tier();
         json!({
             "model": self.session.model_dir().display().to_string(),
             "model_type": c.arch.model_type(),
@@ -206,6 +214,7 @@ impl Report<'_> {
             "sequential_direct_gb_s": self.seq_gb_s,
             "h2d_pinned_gb_s": self.h2d_gb_s,
             "gpu_cache_slots": self.session.gpu_cache_slots(),
+            "host_tier": json!({ "layers": h.layers, "slots": h.slots, "bytes": h.bytes }),
             "expert_bytes_total": self.session.expert_store().total_bytes(),
             "decode_pcie_ceiling_tok_s": r.decode.as_ref().and_then(|t| self.pcie_ceiling_tok_s(t)),
         })

@@ -37,6 +37,8 @@ pub struct Metrics {
     pub expert_reads: AtomicU64,
     pub expert_hits: AtomicU64,
     expert_bytes: AtomicU64,
+    expert_host_hits: AtomicU64,
+    expert_file_bytes: AtomicU64,
     steps: AtomicU64,
     step_sequences: AtomicU64,
     step_tokens: AtomicU64,
@@ -70,6 +72,11 @@ pub struct StepSample {
     pub expert_hits: u64,
     /// Expert bytes read from storage (CPU) or uploaded (GPU).
     pub expert_bytes: u64,
+    /// GPU: of the VRAM misses, those copied from the pinned host tier.
+    pub expert_host_hits: u64,
+    /// GPU: bytes of the VRAM misses read from the expert files (page
+    /// cache or disk).
+    pub expert_file_bytes: u64,
 }
 
 fn add_ns(a: &AtomicU64, d: Duration) {
@@ -133,6 +140,8 @@ impl Metrics {
         self.expert_reads.fetch_add(s.expert_reads, r);
         self.expert_hits.fetch_add(s.expert_hits, r);
         self.expert_bytes.fetch_add(s.expert_bytes, r);
+        self.expert_host_hits.fetch_add(s.expert_host_hits, r);
+        self.expert_file_bytes.fetch_add(s.expert_file_bytes, r);
     }
 
     pub fn set_prefix_cache(&self, s: PrefixCacheStats) {
@@ -318,6 +327,18 @@ impl Metrics {
             "Expert cache hits / fetches since start.",
             &one(if reads > 0.0 { hits / reads } else { 0.0 }),
         );
+        metric(
+            "moeflux_expert_host_tier_hits_total",
+            "counter",
+            "GPU: experts missing from VRAM copied from the pinned host tier.",
+            &one(n(&self.expert_host_hits)),
+        );
+        metric(
+            "moeflux_expert_file_bytes_total",
+            "counter",
+            "GPU: expert bytes missing from VRAM and the host tier, read from the expert files.",
+            &one(n(&self.expert_file_bytes)),
+        );
         let p = *self.prefix.lock().unwrap_or_else(|p| p.into_inner());
         metric(
             "moeflux_prefix_cache_hits_total",
@@ -372,6 +393,8 @@ mod tests {
             tokens: 40,
             expert_reads: 4,
             expert_hits: 3,
+            expert_host_hits: 1,
+            expert_file_bytes: 4096,
             ..Default::default()
         });
         let t = m.render();
@@ -380,6 +403,8 @@ mod tests {
         assert!(t.contains("moeflux_prefill_tokens_per_second 50\n"));
         assert!(t.contains("moeflux_decode_tokens_per_second 10\n"));
         assert!(t.contains("moeflux_expert_cache_hit_ratio 0.75\n"));
+        assert!(t.contains("moeflux_expert_host_tier_hits_total 1\n"));
+        assert!(t.contains("moeflux_expert_file_bytes_total 4096\n"));
         assert!(t.contains("moeflux_batch_size 3\n"));
         assert!(t.contains("moeflux_step_tokens 40\n"));
         assert!(t.contains("# TYPE moeflux_queue_depth gauge\nmoeflux_queue_depth 0\n"));

@@ -415,12 +415,18 @@ impl<'t> Scheduler<'t> {
         let t = Instant::now();
         let results = self.batch.step(&work);
         let forward = t.elapsed();
-        let (reads, hits, bytes) = if self.batch.on_gpu() {
+        let (reads, hits, bytes, host_hits, file_bytes) = if self.batch.on_gpu() {
             let g = self.batch.gpu_cache_stats().since(&gpu0);
-            (g.hits + g.misses, g.hits, g.uploaded_bytes)
+            (
+                g.hits + g.misses,
+                g.hits,
+                g.uploaded_bytes,
+                g.host_hits,
+                g.file_bytes,
+            )
         } else {
             let io = self.batch.io_stats().since(&io0);
-            (io.reads, io.cached, io.bytes)
+            (io.reads, io.cached, io.bytes, 0, 0)
         };
         self.metrics.step(&StepSample {
             sequences: plan.len(),
@@ -429,6 +435,8 @@ impl<'t> Scheduler<'t> {
             expert_reads: reads,
             expert_hits: hits,
             expert_bytes: bytes,
+            expert_host_hits: host_hits,
+            expert_file_bytes: file_bytes,
         });
 
         let mut ends: Vec<(usize, End)> = Vec::new();

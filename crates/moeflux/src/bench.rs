@@ -103,6 +103,13 @@ impl TestResult {
         self.gpu_cache.uploaded_bytes as f64 / (self.tokens * self.tok_s.len()).max(1) as f64
     }
 
+    /// Expert bytes the GPU's misses read from the expert files (the page
+    /// cache or the disk: neither VRAM nor the host tier held them) per
+    /// evaluated token.
+    pub fn file_bytes_per_token(&self) -> f64 {
+        self.gpu_cache.file_bytes as f64 / (self.tokens * self.tok_s.len()).max(1) as f64
+    }
+
     /// Of those, the bytes of experts a layer then used: uploads a perfect
     /// predictor would also have made (the PCIe ceiling counts these; every
     /// upload is one slot's extent).
@@ -377,6 +384,9 @@ mod tests {
                 prefetched: 4,
                 prefetch_hits: 3,
                 cpu_computed: 0,
+                host_hits: 2,
+                file_reads: 4,
+                file_bytes: 1600,
             },
         };
         assert_eq!(r.mean_tok_s(), 2.0);
@@ -384,6 +394,7 @@ mod tests {
         assert_eq!(r.ms_per_token(r.times.attention), 2.0);
         assert_eq!(r.expert_bytes_per_token(), 100.0);
         assert_eq!(r.uploaded_bytes_per_token(), 200.0);
+        assert_eq!(r.file_bytes_per_token(), 80.0);
         // 10 uploads of 400 bytes, one of them a prefetch nobody used.
         assert_eq!(r.needed_upload_bytes_per_token(), 180.0);
         assert_eq!(r.page_cache_hit_rate(), Some(0.75));

@@ -26,7 +26,7 @@ pub mod procfs;
 mod sys;
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;

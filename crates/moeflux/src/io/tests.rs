@@ -63,7 +63,7 @@ fn manifest(layers: &[FakeLayer]) -> Manifest {
 
 /// Two MoE layers (model layers 1 and 4) with different geometry; the
 /// expert size is not a multiple of 4096 so padding is exercised.
-fn fixture() -> (tempfile::TempDir, Manifest) {
+pub(crate) fn fixture() -> (tempfile::TempDir, Manifest) {
     let dir = tempfile::tempdir().unwrap();
     let layers = [
         FakeLayer {
@@ -85,7 +85,7 @@ fn fixture() -> (tempfile::TempDir, Manifest) {
     (dir, manifest(&layers))
 }
 
-fn check_expert(m: &Manifest, layer: usize, e: usize, buf: &ExpertBuf) {
+pub(crate) fn check_expert(m: &Manifest, layer: usize, e: usize, buf: &ExpertBuf) {
     let el = m.expert_layer(layer).unwrap();
     let bytes = buf.as_bytes();
     let n = el.expert_bytes as usize;

@@ -244,16 +244,25 @@ impl Batch {
                         nccl()?
                     ));
                 }
-                let (layers, bytes) = m.host_tier();
-                if layers > 0 {
-                    note.push_str(&format!(
-                        "; host tier: experts of {layers} layers ({:.1} GB) pinned",
-                        bytes as f64 / 1e9
-                    ));
+                let tier = m.host_tier();
+                if tier.is_some() {
+                    let gb = tier.bytes as f64 / 1e9;
+                    note.push_str(&if tier.layers > 0 {
+                        format!(
+                            "; host tier: the expert files of {} layers ({gb:.1} GB) pinned",
+                            tier.layers
+                        )
+                    } else {
+                        format!(
+                            "; host tier: {} pinned expert slots ({gb:.1} GB), filled on misses",
+                            tier.slots
+                        )
+                    });
                     if m.prefetching() {
                         note.push_str(", predicted experts uploaded ahead");
                     }
-                    if opts.cpu_experts > 0 {
+                    // (The host computes experts from whole pinned layers only.)
+                    if opts.cpu_experts > 0 && tier.layers > 0 {
                         note.push_str(&format!(
                             ", up to {} missing experts per layer computed on the CPU",
                             opts.cpu_experts
@@ -390,6 +399,14 @@ impl Batch {
                 Ok(Some((gpu.hbm_read_gb_s()?, gpu.h2d_pinned_gb_s()?)))
             }
             Engine::Cpu { .. } => Ok(None),
+        }
+    }
+
+    /// What the GPU's pinned host tier holds (nothing on the CPU).
+    pub fn gpu_host_tier(&self) -> crate::backend::cuda::HostTierInfo {
+        match &self.engine {
+            Engine::Cuda(m) => m.host_tier(),
+            Engine::Cpu { .. } => Default::default(),
         }
     }
 

@@ -235,6 +235,11 @@ impl Session {
         self.batch.gpu_bandwidths()
     }
 
+    /// See [`Batch::gpu_host_tier`].
+    pub fn gpu_host_tier(&self) -> crate::backend::cuda::HostTierInfo {
+        self.batch.gpu_host_tier()
+    }
+
     /// Expert slots of the GPU expert cache (0 on the CPU).
     pub fn gpu_cache_slots(&self) -> usize {
         self.batch.gpu_cache_slots()

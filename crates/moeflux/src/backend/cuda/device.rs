@@ -818,6 +818,21 @@ impl Pinned {
 }
 
 impl Pinned {
+    /// [`Pinned::register`], portable: every GPU of the process copies
+    /// from it at full speed (the host tier's arena, shared by a group).
+    pub fn register_portable(gpu: &Gpu, mem: &mut [u8]) -> Result<Pinned> {
+        gpu.bind()?;
+        let ptr = mem.as_mut_ptr() as *mut c_void;
+        // SAFETY: the range is a live allocation of the caller's.
+        unsafe { sys::cuMemHostRegister_v2(ptr, mem.len(), sys::CU_MEMHOSTREGISTER_PORTABLE) }
+            .result()
+            .map_err(|e| gpu_err("pinning host memory", e))?;
+        Ok(Pinned {
+            ptr,
+            ctx: gpu.ctx.clone(),
+        })
+    }
+
     /// Registers read-only memory (e.g. a read-only file mapping) as pinned
     /// so every GPU of the process can copy from it at full speed (portable:
     /// the GPUs of a multi-GPU group share one host tier).

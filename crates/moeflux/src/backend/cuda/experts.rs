@@ -1,39 +1,17 @@
 //! The VRAM expert cache: a fixed number of expert-sized slots in one device
-//! allocation, filled on demand from the expert files through pinned staging
-//! buffers on the copy stream.
-//!
-//! Replacement is LFU with dynamic aging (LFU-DA) by default: a slot's
-//! priority is the priority of the last evicted slot plus the number of
-//! times its expert was used since it came in, so experts that are popular
-//! stay while the aging floor lets a once-popular expert leave eventually.
-//! LRU is there to compare against (`CachePolicy::Lru`).
+//! allocation, filled on demand on the copy stream from the host tier
+//! (`host_tier.rs`) when there is one, else from the expert files through
+//! pinned staging buffers. Which slot to overwrite is `slots.rs`'s policy.
 
-use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
 use crate::io::{ExpertBuf, ExpertStore};
 
 use super::device::{copy_htod_async, stream_wait, DevBuf, Gpu, Pinned};
-
-/// How the cache picks the slot to overwrite.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum CachePolicy {
-    /// Least frequently used with dynamic aging.
-    #[default]
-    LfuDa,
-    /// Least recently used.
-    Lru,
-}
-
-impl CachePolicy {
-    pub fn parse(s: &str) -> Option<CachePolicy> {
-        match s {
-            "lfu" | "lfu-da" => Some(CachePolicy::LfuDa),
-            "lru" => Some(CachePolicy::Lru),
-            _ => None,
-        }
-    }
-}
+use super::host_tier::{serve, Claim, PinnedArena, Source};
+pub use super::slots::CachePolicy;
+use super::slots::Slots;
 
 /// Cumulative counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -49,6 +27,12 @@ pub struct CacheStats {
     pub prefetch_hits: u64,
     /// Missing experts the host computed instead of uploading them.
     pub cpu_computed: u64,
+    /// Of the misses, those copied from the pinned host tier.
+    pub host_hits: u64,
+    /// Of the misses, those read from the expert files (the page cache or
+    /// the disk), and their bytes.
+    pub file_reads: u64,
+    pub file_bytes: u64,
 }
 
 impl CacheStats {
@@ -61,6 +45,9 @@ impl CacheStats {
             prefetched: self.prefetched - earlier.prefetched,
             prefetch_hits: self.prefetch_hits - earlier.prefetch_hits,
             cpu_computed: self.cpu_computed - earlier.cpu_computed,
+            host_hits: self.host_hits - earlier.host_hits,
+            file_reads: self.file_reads - earlier.file_reads,
+            file_bytes: self.file_bytes - earlier.file_bytes,
         }
     }
 
@@ -72,6 +59,9 @@ impl CacheStats {
             prefetched: self.prefetched + o.prefetched,
             prefetch_hits: self.prefetch_hits + o.prefetch_hits,
             cpu_computed: self.cpu_computed + o.cpu_computed,
+            host_hits: self.host_hits + o.host_hits,
+            file_reads: self.file_reads + o.file_reads,
+            file_bytes: self.file_bytes + o.file_bytes,
         }
     }
 
@@ -98,29 +88,45 @@ impl Staged {
     }
 }
 
-/// Per model layer, the registration pinning its mapped expert file
-/// (portable, so every GPU of the process copies from it).
-pub type HostTier = std::sync::Arc<Vec<Option<Pinned>>>;
+/// The host tier (`--host-cache`, see `host_tier.rs`).
+#[derive(Default)]
+pub enum Tier {
+    #[default]
+    None,
+    /// Per model layer, the registration pinning its mapped expert file
+    /// (portable, so every GPU of the process copies from it).
+    Layers(Vec<Option<Pinned>>),
+    /// Pinned expert slots, filled from the files on a miss.
+    Arena(Mutex<PinnedArena>),
+}
+
+/// The host tier, shared by the GPUs of a group.
+pub type HostTier = Arc<Tier>;
+
+/// What a host tier holds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HostTierInfo {
+    /// Layers whose expert files are pinned whole.
+    pub layers: usize,
+    /// Expert slots of an arena tier.
+    pub slots: usize,
+    /// Bytes of host RAM pinned.
+    pub bytes: u64,
+}
+
+impl HostTierInfo {
+    pub fn is_some(&self) -> bool {
+        self.bytes > 0
+    }
+}
 
 pub struct ExpertCache {
     slots: DevBuf,
     extent: usize,
-    n_slots: usize,
-    owner: Vec<Option<(usize, usize)>>,
-    index: HashMap<(usize, usize), usize>,
+    /// Which expert each slot holds, and the next victim.
+    map: Slots,
     policy: CachePolicy,
-    prio: Vec<u64>,
-    uses: Vec<u64>,
-    /// Occupied slots by (priority, slot): the first is the next victim.
-    order: BTreeSet<(u64, usize)>,
-    /// Slots holding nothing.
-    free: Vec<usize>,
-    floor: u64,
-    clock: u64,
     staging: Vec<Staged>,
-    /// The host tier: per model layer, the registration that pins its
-    /// mapped expert file (misses of such layers are copied straight from
-    /// it at full PCIe speed); shared by the GPUs of a group.
     host: HostTier,
     /// Once every expert is resident: per model layer, `num_experts` device
     /// addresses (the router kernel looks experts up here, no host trip).
@@ -132,6 +138,9 @@ pub struct ExpertCache {
     prefetched: Vec<bool>,
     /// Prefetch copies the compute stream has not been ordered after yet.
     copies_pending: bool,
+    /// Arena slots that prefetch copies in flight read from: checked out
+    /// until the copy stream is known to be done with them.
+    held: Vec<(super::slots::Key, Claim<Pinned>)>,
     pub stats: CacheStats,
 }
 
@@ -162,22 +171,15 @@ impl ExpertCache {
         Ok(ExpertCache {
             slots,
             extent,
-            n_slots,
-            owner: vec![None; n_slots],
-            index: HashMap::new(),
+            map: Slots::new(n_slots, policy),
             policy,
-            prio: vec![0; n_slots],
-            uses: vec![0; n_slots],
-            order: BTreeSet::new(),
-            free: (0..n_slots).rev().collect(),
-            floor: 0,
-            clock: 0,
             staging,
             host: HostTier::default(),
             table: None,
             in_use: Vec::new(),
             prefetched: vec![false; n_slots],
             copies_pending: false,
+            held: Vec::new(),
             stats: CacheStats::default(),
         })
     }
@@ -199,7 +201,7 @@ impl ExpertCache {
             .layers()
             .map(|l| (l, (0..num_experts).filter(|&e| owns(l, e)).collect()))
             .collect();
-        if layers.iter().map(|(_, ids)| ids.len()).sum::<usize>() > self.n_slots {
+        if layers.iter().map(|(_, ids)| ids.len()).sum::<usize>() > self.map.len() {
             return Ok(false);
         }
         let mut table = vec![0u64; num_layers * num_experts];
@@ -237,91 +239,94 @@ impl ExpertCache {
     }
 
     pub fn slots(&self) -> usize {
-        self.n_slots
+        self.map.len()
     }
 
     fn slot_ptr(&self, s: usize) -> u64 {
         self.slots.ptr() + (s * self.extent) as u64
     }
 
-    /// Counts a use of occupied slot `s` and updates its priority.
-    fn touch(&mut self, s: usize) {
-        self.order.remove(&(self.prio[s], s));
-        self.clock += 1;
-        self.uses[s] += 1;
-        self.prio[s] = match self.policy {
-            CachePolicy::LfuDa => self.floor + self.uses[s],
-            CachePolicy::Lru => self.clock,
-        };
-        self.order.insert((self.prio[s], s));
-    }
-
-    /// A slot to overwrite: an empty one, else the lowest priority one not
-    /// in `busy` (used by the current call); it is left empty.
+    /// An empty slot for a new expert, never one in `busy`.
     fn take_victim(&mut self, busy: &[bool]) -> usize {
-        if let Some(s) = self.free.pop() {
-            return s;
-        }
-        let &(p, s) = self
-            .order
-            .iter()
-            .find(|(_, s)| !busy[*s])
+        let s = self
+            .map
+            .take_victim(|s| busy[s])
             .expect("ids.len() <= n_slots leaves a slot this call does not use");
-        self.order.remove(&(p, s));
-        if let Some(old) = self.owner[s].take() {
-            self.index.remove(&old);
-        }
         self.prefetched[s] = false;
-        if self.policy == CachePolicy::LfuDa {
-            self.floor = p;
-        }
         s
     }
 
     /// Forgets what slot `s` holds.
     fn invalidate(&mut self, s: usize) {
         self.prefetched[s] = false;
-        if let Some(k) = self.owner[s].take() {
-            self.index.remove(&k);
-            self.order.remove(&(self.prio[s], s));
-            self.free.push(s);
-        }
+        self.map.invalidate(s);
     }
 
-    /// Pins the mapped expert files of as many layers as fit in `budget`
-    /// bytes (in layer order) as the host tier; returns the layers and
-    /// bytes pinned. Needs the store opened with mappings.
+    /// Sets up the host tier in `budget` bytes: when every expert file is
+    /// mapped and they all fit, pins the mappings (misses are copied
+    /// straight from them); else an arena of expert slots (at most one per
+    /// expert) filled on misses. Returns what it holds.
     pub fn pin_host_tier(
         &mut self,
         gpu: &Gpu,
         store: &ExpertStore,
         budget: u64,
-    ) -> Result<(usize, u64)> {
-        let (mut layers, mut bytes) = (0, 0u64);
-        let mut host: Vec<Option<Pinned>> = Vec::new();
-        for l in store.layers() {
-            let Some(map) = store.mapping(l) else {
-                break;
-            };
-            if bytes + map.len() as u64 > budget {
-                break;
+    ) -> Result<HostTierInfo> {
+        let mapped: Option<u64> = store
+            .layers()
+            .map(|l| store.mapping(l).map(|m| m.len() as u64))
+            .sum();
+        if let Some(bytes) = mapped.filter(|&b| b <= budget) {
+            let mut host: Vec<Option<Pinned>> = Vec::new();
+            for l in store.layers() {
+                let map = store.mapping(l).expect("every layer is mapped");
+                let pin = Pinned::register_read_only(gpu, map).map_err(|e| {
+                    Error::Gpu(format!(
+                        "pinning the expert file of layer {l} ({:.2} GB) as the host tier: {e} \
+                         (lower --host-cache, or raise the locked-memory limit)",
+                        map.len() as f64 / 1e9
+                    ))
+                })?;
+                if host.len() <= l {
+                    host.resize_with(l + 1, || None);
+                }
+                host[l] = Some(pin);
             }
-            let pin = Pinned::register_read_only(gpu, map).map_err(|e| {
-                Error::Gpu(format!(
-                    "pinning the expert file of layer {l} ({:.2} GB) as the host tier: {e} \
-                     (lower --host-cache, or raise the locked-memory limit)",
-                    map.len() as f64 / 1e9
-                ))
-            })?;
-            if host.len() <= l {
-                host.resize_with(l + 1, || None);
-            }
-            host[l] = Some(pin);
-            layers += 1;
-            bytes += map.len() as u64;
+            let layers = host.iter().flatten().count();
+            self.host = Arc::new(Tier::Layers(host));
+            return Ok(HostTierInfo {
+                layers,
+                slots: 0,
+                bytes,
+            });
         }
-        self.host = HostTier::new(host);
-        Ok((layers, bytes))
+        let experts: usize = store.layers().filter_map(|l| store.num_experts(l)).sum();
+        let n = usize::try_from(budget / self.extent as u64)
+            .unwrap_or(usize::MAX)
+            .min(experts);
+        if n == 0 {
+            return Err(Error::Invalid(format!(
+                "--host-cache of {budget} bytes holds no expert ({:.2} MB each)",
+                self.extent as f64 / 1e6
+            )));
+        }
+        let bytes = (n * self.extent) as u64;
+        let arena = PinnedArena::new(n, self.extent, self.policy, |buf| {
+            Pinned::register_portable(gpu, buf.as_bytes_mut())
+        })
+        .map_err(|e| {
+            Error::Gpu(format!(
+                "pinning {n} expert slots ({:.2} GB) as the host tier: {e} \
+                 (lower --host-cache, or raise the locked-memory limit)",
+                bytes as f64 / 1e9
+            ))
+        })?;
+        self.host = Arc::new(Tier::Arena(Mutex::new(arena)));
+        Ok(HostTierInfo {
+            layers: 0,
+            slots: n,
+            bytes,
+        })
     }
 
     /// The host tier, to share with another GPU's cache.
@@ -329,20 +334,38 @@ impl ExpertCache {
         self.host.clone()
     }
 
-    /// Uses a host tier another GPU's cache pinned.
+    /// Uses a host tier another GPU's cache set up.
     pub fn share_host_tier(&mut self, tier: HostTier) {
         self.host = tier;
     }
 
-    /// Whether `layer`'s expert files are pinned in host RAM.
+    /// Whether `layer`'s expert files are pinned whole in host RAM.
     pub fn host_pinned(&self, layer: usize) -> bool {
-        self.host.get(layer).is_some_and(|p| p.is_some())
+        matches!(&*self.host, Tier::Layers(l) if l.get(layer).is_some_and(|p| p.is_some()))
     }
 
     /// Whether expert `e` of `layer` has a slot (resident, or a prefetch
     /// on its way).
     pub fn is_resident(&self, layer: usize, e: usize) -> bool {
-        self.index.contains_key(&(layer, e))
+        self.map.get((layer, e)).is_some()
+    }
+
+    /// Gives the arena slots that prefetch copies read from back, once the
+    /// copy stream is done with them.
+    fn release_held(&mut self, gpu: &Gpu) -> Result<()> {
+        if self.held.is_empty() {
+            return Ok(());
+        }
+        gpu.copy
+            .synchronize()
+            .map_err(|e| Error::Gpu(format!("expert upload: {e}")))?;
+        if let Tier::Arena(arena) = &*self.host {
+            let mut a = arena.lock().unwrap_or_else(|p| p.into_inner());
+            for (key, claim) in self.held.drain(..) {
+                a.check_in(key, claim, true);
+            }
+        }
+        Ok(())
     }
 
     /// Makes experts `ids` of `layer` resident and returns their device
@@ -354,18 +377,20 @@ impl ExpertCache {
         layer: usize,
         ids: &[usize],
     ) -> Result<Vec<u64>> {
-        if ids.len() > self.n_slots {
+        let n_slots = self.map.len();
+        if ids.len() > n_slots {
             return Err(Error::Gpu(format!(
                 "layer {layer} needs {} experts at once but the GPU cache holds {}",
                 ids.len(),
-                self.n_slots
+                n_slots
             )));
         }
+        self.release_held(gpu)?;
         let mut slot_of = vec![usize::MAX; ids.len()];
         let mut misses = Vec::new();
         for (i, &e) in ids.iter().enumerate() {
-            match self.index.get(&(layer, e)) {
-                Some(&s) => {
+            match self.map.get((layer, e)) {
+                Some(s) => {
                     slot_of[i] = s;
                     self.stats.hits += 1;
                     if std::mem::take(&mut self.prefetched[s]) {
@@ -376,18 +401,15 @@ impl ExpertCache {
             }
         }
         // Hits first (so a victim is never one this call uses).
-        let mut busy = vec![false; self.n_slots];
+        let mut busy = vec![false; n_slots];
         for &s in slot_of.iter().filter(|&&s| s != usize::MAX) {
             busy[s] = true;
-            self.touch(s);
+            self.map.touch(s);
         }
         for &i in &misses {
             let victim = self.take_victim(&busy);
             busy[victim] = true;
-            self.uses[victim] = 0;
-            self.owner[victim] = Some((layer, ids[i]));
-            self.index.insert((layer, ids[i]), victim);
-            self.touch(victim);
+            self.map.assign(victim, (layer, ids[i]));
             slot_of[i] = victim;
             self.stats.misses += 1;
         }
@@ -404,10 +426,11 @@ impl ExpertCache {
 
     /// Starts uploading experts `ids` of `layer` that are not resident, on
     /// a predicted choice, without making the compute stream wait: the next
-    /// `ensure` orders it after them. Only for host-tier layers (a copy
-    /// straight from pinned memory; staging reads would block the host).
-    /// Never overwrites the slots the last `ensure` handed out. Returns how
-    /// many uploads it started.
+    /// `ensure` orders it after them. Only from the host tier (a copy
+    /// straight from pinned memory; reads from the files would block the
+    /// host): a whole-layer tier's layers, an arena's held experts. Never
+    /// overwrites the slots the last `ensure` handed out. Returns how many
+    /// uploads it started.
     pub fn prefetch(
         &mut self,
         gpu: &Gpu,
@@ -415,47 +438,76 @@ impl ExpertCache {
         layer: usize,
         ids: &[usize],
     ) -> Result<usize> {
-        if !self.host_pinned(layer) || self.table.is_some() {
+        if self.table.is_some() {
             return Ok(0);
         }
-        let mut busy = vec![false; self.n_slots];
+        let arena = match &*self.host {
+            Tier::Arena(_) => true,
+            Tier::Layers(_) if self.host_pinned(layer) => false,
+            _ => return Ok(0),
+        };
+        let mut busy = vec![false; self.map.len()];
         for &s in &self.in_use {
             busy[s] = true;
         }
-        let mut room = self.n_slots - self.in_use.len();
+        let room = self.map.len() - self.in_use.len();
+        let wanted: Vec<usize> = ids
+            .iter()
+            .copied()
+            .filter(|&e| self.map.get((layer, e)).is_none())
+            .take(room)
+            .collect();
+        // Per wanted expert, the pinned bytes to copy (and the arena claim
+        // to hold until the copy is done).
+        let host = Arc::clone(&self.host);
+        let mut claims = match &*host {
+            Tier::Arena(a) => {
+                let keys: Vec<_> = wanted.iter().map(|&e| (layer, e)).collect();
+                let mut a = a.lock().unwrap_or_else(|p| p.into_inner());
+                a.check_out(&keys, false).into_iter().map(Some).collect()
+            }
+            _ => Vec::new(),
+        };
+        let extent = store.extent_bytes(layer);
         let mut started = 0;
-        for &e in ids {
-            if room == 0 {
-                break;
-            }
-            if self.index.contains_key(&(layer, e)) {
-                continue;
-            }
+        for (j, &e) in wanted.iter().enumerate() {
+            let src: &[u8] = if arena {
+                match claims[j].as_ref().and_then(|c| c.buf()) {
+                    Some(buf) => &buf.as_bytes()[..extent],
+                    None => continue,
+                }
+            } else {
+                store.mapped(layer, e).expect("host-tier layers are mapped")
+            };
             let s = self.take_victim(&busy);
             busy[s] = true;
-            room -= 1;
-            self.uses[s] = 0;
-            self.owner[s] = Some((layer, e));
-            self.index.insert((layer, e), s);
-            self.touch(s);
+            self.map.assign(s, (layer, e));
             self.prefetched[s] = true;
-            let src = store.mapped(layer, e).expect("host-tier layers are mapped");
-            // SAFETY: the mapping is pinned and read-only and outlives the
-            // copy; slot `s` is not in use by queued compute (`in_use`), and
-            // the next `ensure` orders the compute stream after this copy.
-            unsafe { copy_htod_async(&gpu.copy, self.slot_ptr(s), src)? };
-            self.stats.uploaded_bytes += self.extent as u64;
+            // SAFETY: the source is pinned and outlives the copy (a mapping
+            // lives as long as the store; an arena slot stays checked out in
+            // `held` until `release_held` synchronised the copy stream);
+            // slot `s` is not in use by queued compute (`in_use`), and the
+            // next `ensure` orders the compute stream after this copy.
+            if let Err(e) = unsafe { copy_htod_async(&gpu.copy, self.slot_ptr(s), src) } {
+                self.invalidate(s);
+                held_claims(&mut self.held, &mut claims, layer, &wanted);
+                return Err(e);
+            }
+            self.stats.uploaded_bytes += extent as u64;
             self.stats.prefetched += 1;
             self.copies_pending = true;
             started += 1;
         }
+        held_claims(&mut self.held, &mut claims, layer, &wanted);
         Ok(started)
     }
 
     /// Copies the missing experts to their slots on the copy stream: from
-    /// the host tier directly, else read into pinned staging buffers a wave
-    /// at a time (or, for a mapped store, from the mapping) and copied as
-    /// each lands. The compute stream waits for the copies.
+    /// the host tier when it has them, else read from the files (into an
+    /// arena slot, or into pinned staging buffers a wave at a time, or for
+    /// a mapped store from the mapping) and copied as each lands. The
+    /// compute stream waits for the copies. On an error, the slots of the
+    /// experts not uploaded are left empty.
     fn upload(
         &mut self,
         gpu: &Gpu,
@@ -469,68 +521,197 @@ impl ExpertCache {
             return Ok(());
         }
         let extent = store.extent_bytes(layer);
-        if self.host_pinned(layer) {
-            for &i in misses {
-                let src = store
-                    .mapped(layer, ids[i])
-                    .expect("host-tier layers are mapped");
-                // SAFETY: the mapping is pinned and read-only; it lives as
-                // long as the store, which outlives the copy (the compute
-                // stream waits for it below).
-                unsafe { copy_htod_async(&gpu.copy, self.slot_ptr(slot_of[i]), src)? };
-                self.stats.uploaded_bytes += extent as u64;
+        let host = Arc::clone(&self.host);
+        match &*host {
+            Tier::Layers(_) if self.host_pinned(layer) => {
+                for (n, &i) in misses.iter().enumerate() {
+                    let src = store
+                        .mapped(layer, ids[i])
+                        .expect("host-tier layers are mapped");
+                    // SAFETY: the mapping is pinned and read-only; it lives
+                    // as long as the store, which outlives the copy (the
+                    // compute stream waits for it below).
+                    let copied =
+                        unsafe { copy_htod_async(&gpu.copy, self.slot_ptr(slot_of[i]), src) };
+                    if let Err(e) = copied {
+                        for &i in &misses[n..] {
+                            self.invalidate(slot_of[i]);
+                        }
+                        return Err(e);
+                    }
+                    self.stats.uploaded_bytes += extent as u64;
+                    self.stats.host_hits += 1;
+                }
+                stream_wait(&gpu.stream, &gpu.copy)
             }
-            return stream_wait(&gpu.stream, &gpu.copy);
+            Tier::Arena(arena) => {
+                let miss_ids: Vec<usize> = misses.iter().map(|&i| ids[i]).collect();
+                let dsts: Vec<u64> = misses.iter().map(|&i| self.slot_ptr(slot_of[i])).collect();
+                let served = serve(
+                    arena,
+                    store,
+                    layer,
+                    &miss_ids,
+                    // SAFETY: the buffer is a pinned arena slot, checked
+                    // out until `serve` has waited for the copy stream.
+                    |j, buf| unsafe {
+                        copy_htod_async(&gpu.copy, dsts[j], &buf.as_bytes()[..extent])
+                    },
+                    || {
+                        gpu.copy
+                            .synchronize()
+                            .map_err(|e| Error::Gpu(format!("expert upload: {e}")))
+                    },
+                );
+                let served = match served {
+                    Ok(s) => s,
+                    Err(e) => {
+                        for &i in misses {
+                            self.invalidate(slot_of[i]);
+                        }
+                        return Err(e);
+                    }
+                };
+                let mut rest = Vec::new();
+                for (&i, from) in misses.iter().zip(&served.from) {
+                    match from {
+                        Source::Host => self.stats.host_hits += 1,
+                        Source::File => {
+                            self.stats.file_reads += 1;
+                            self.stats.file_bytes += extent as u64;
+                        }
+                        Source::Bypass => rest.push(i),
+                        Source::Failed => self.invalidate(slot_of[i]),
+                    }
+                    if matches!(from, Source::Host | Source::File) {
+                        self.stats.uploaded_bytes += extent as u64;
+                    }
+                }
+                if let Some(e) = served.error {
+                    for &i in &rest {
+                        self.invalidate(slot_of[i]);
+                    }
+                    return Err(e);
+                }
+                self.upload_staged(gpu, store, layer, ids, &rest, slot_of)
+            }
+            _ => self.upload_staged(gpu, store, layer, ids, misses, slot_of),
         }
+    }
+
+    /// [`ExpertCache::upload`] through the staging buffers (or a mapping).
+    fn upload_staged(
+        &mut self,
+        gpu: &Gpu,
+        store: &ExpertStore,
+        layer: usize,
+        ids: &[usize],
+        misses: &[usize],
+        slot_of: &[usize],
+    ) -> Result<()> {
+        if misses.is_empty() {
+            return Ok(());
+        }
+        let extent = store.extent_bytes(layer);
         let mapped = store.is_mapped(layer) == Some(true);
-        for wave in misses.chunks(STAGING) {
+        for (w, wave) in misses.chunks(STAGING).enumerate() {
             let wave_ids: Vec<usize> = wave.iter().map(|&i| ids[i]).collect();
             let staged: Vec<Staged> = if mapped {
                 Vec::new()
             } else {
+                while self.staging.len() < wave.len() {
+                    self.staging.push(Staged::new(gpu, self.extent)?);
+                }
                 self.staging.drain(..wave.len()).collect()
             };
             let (pins, bufs): (Vec<Pinned>, Vec<ExpertBuf>) =
                 staged.into_iter().map(|s| (s.pin, s.buf)).unzip();
             // The request is valid by construction (ids from the router, one
-            // buffer each unless mapped), so the buffers come back.
-            let mut fetch = store.fetch(layer, &wave_ids, bufs)?;
-            let mut landed_bufs: Vec<Option<ExpertBuf>> = (0..wave.len()).map(|_| None).collect();
+            // buffer each unless mapped), so the buffers come back; a mapped
+            // file that shrank fails it as a whole.
+            let fetched = store.fetch(layer, &wave_ids, bufs);
             let mut first_err = None;
-            while let Some(l) = fetch.next_landed() {
-                if let Err(e) = l.result {
-                    first_err.get_or_insert(e);
-                } else {
-                    let dst = self.slot_ptr(slot_of[wave[l.index]]);
-                    let src = match &l.buf {
-                        Some(buf) => &buf.as_bytes()[..extent],
-                        None => store
-                            .mapped(layer, wave_ids[l.index])
-                            .expect("a mapped layer serves its extents"),
-                    };
-                    // SAFETY: a staging buffer is pinned and not touched
-                    // again until the copy stream is synchronised below; a
-                    // mapping outlives the copy.
-                    unsafe { copy_htod_async(&gpu.copy, dst, src)? };
-                    self.stats.uploaded_bytes += extent as u64;
+            let mut landed_bufs: Vec<Option<ExpertBuf>> = (0..wave.len()).map(|_| None).collect();
+            match fetched {
+                Err(e) => first_err = Some(e),
+                Ok(mut fetch) => {
+                    while let Some(l) = fetch.next_landed() {
+                        if let Err(e) = l.result {
+                            first_err.get_or_insert(e);
+                        } else {
+                            let dst = self.slot_ptr(slot_of[wave[l.index]]);
+                            let src = match &l.buf {
+                                Some(buf) => &buf.as_bytes()[..extent],
+                                None => store
+                                    .mapped(layer, wave_ids[l.index])
+                                    .expect("a mapped layer serves its extents"),
+                            };
+                            // SAFETY: a staging buffer is pinned and not
+                            // touched again until the copy stream is
+                            // synchronised below; a mapping outlives the copy.
+                            match unsafe { copy_htod_async(&gpu.copy, dst, src) } {
+                                Ok(()) => {
+                                    self.stats.uploaded_bytes += extent as u64;
+                                    self.stats.file_reads += 1;
+                                    self.stats.file_bytes += extent as u64;
+                                }
+                                Err(e) => {
+                                    first_err.get_or_insert(e);
+                                }
+                            }
+                        }
+                        landed_bufs[l.index] = l.buf;
+                    }
                 }
-                landed_bufs[l.index] = l.buf;
             }
-            gpu.copy
+            let synced = gpu
+                .copy
                 .synchronize()
-                .map_err(|e| Error::Gpu(format!("expert upload: {e}")))?;
+                .map_err(|e| Error::Gpu(format!("expert upload: {e}")));
+            // The buffers that came back (all but those of a request that
+            // failed as a whole, which `fetch` dropped).
             for (buf, pin) in landed_bufs.into_iter().zip(pins) {
-                let buf = buf.expect("every fetched expert lands");
-                self.staging.push(Staged { pin, buf });
+                if let Some(buf) = buf {
+                    self.staging.push(Staged { pin, buf });
+                }
             }
-            if let Some(e) = first_err {
-                // The slots meant for this wave hold nothing valid.
-                for &i in wave {
+            if let Some(e) = first_err.or(synced.err()) {
+                // The slots of this wave and the later ones hold nothing
+                // valid.
+                for &i in &misses[w * STAGING..] {
                     self.invalidate(slot_of[i]);
                 }
                 return Err(e);
             }
         }
         stream_wait(&gpu.stream, &gpu.copy)
+    }
+}
+
+/// Keeps a prefetch's arena claims (the hits; a bypass holds nothing) until
+/// `release_held`.
+fn held_claims(
+    held: &mut Vec<(super::slots::Key, Claim<Pinned>)>,
+    claims: &mut [Option<Claim<Pinned>>],
+    layer: usize,
+    wanted: &[usize],
+) {
+    for (c, &e) in claims.iter_mut().zip(wanted) {
+        if let Some(c) = c.take().filter(|c| c.buf().is_some()) {
+            held.push(((layer, e), c));
+        }
+    }
+}
+
+impl Drop for ExpertCache {
+    /// Prefetch slots still checked out go back to a shared arena (another
+    /// GPU of the group may outlive this one).
+    fn drop(&mut self) {
+        if let Tier::Arena(arena) = &*self.host {
+            let mut a = arena.lock().unwrap_or_else(|p| p.into_inner());
+            for (key, claim) in self.held.drain(..) {
+                a.check_in(key, claim, true);
+            }
+        }
     }
 }

@@ -16,7 +16,7 @@ use crate::model::trace::Trace;
 use crate::model::Model;
 
 use super::device::Gpu;
-use super::experts::CacheStats;
+use super::experts::{CacheStats, HostTierInfo};
 use super::model::{CudaModel, CudaOptions, Ep, GpuSegment};
 use super::nccl::{self, Aborter, Comm, UniqueId};
 use super::rendezvous::{self, DistInit};
@@ -294,14 +294,13 @@ impl CudaGroup {
             .fold(CacheStats::default(), |a, m| a.plus(&m.cache_stats()))
     }
 
-    /// Layers and bytes of expert files pinned in host RAM (one tier,
-    /// shared by the group).
-    pub fn host_tier(&self) -> (usize, u64) {
+    /// What the host tier holds (one tier, shared by the group).
+    pub fn host_tier(&self) -> HostTierInfo {
         self.ranks
             .iter()
             .map(|m| m.host_tier())
-            .find(|t| t.0 > 0)
-            .unwrap_or((0, 0))
+            .find(HostTierInfo::is_some)
+            .unwrap_or_default()
     }
 
     pub fn prefetching(&self) -> bool {

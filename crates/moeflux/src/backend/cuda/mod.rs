@@ -2,8 +2,9 @@
 //! in `kernels/` (`all.cuh` lists the parts), compiled by NVRTC for the device found).
 //!
 //! The whole dense model and the sequence state live in VRAM; routed
-//! experts go through a VRAM cache with a byte budget, filled from the
-//! expert files through pinned staging buffers on a separate stream.
+//! experts go through a VRAM cache with a byte budget (`experts.rs`),
+//! filled on a separate stream from the pinned host tier (`host_tier.rs`)
+//! or the expert files; both caches evict by `slots.rs`.
 //! `model.rs` runs the one layer stack (`model::forward`) with the blocks of
 //! `attention.rs` (grouped-query attention), `deltanet.rs` (GatedDeltaNet),
 //! `mla.rs` (multi-head latent attention) and `moe.rs` (dense MLP, MoE);
@@ -18,6 +19,7 @@ mod deltanet;
 pub mod device;
 pub mod experts;
 pub mod group;
+mod host_tier;
 mod linear;
 mod mla;
 pub mod model;
@@ -26,10 +28,11 @@ pub mod nccl;
 pub mod rendezvous;
 mod ring;
 pub mod shard;
+mod slots;
 pub mod state;
 pub mod support;
 
 pub use device::{probe, Gpu, GpuInfo};
-pub use experts::{CachePolicy, CacheStats};
+pub use experts::{CachePolicy, CacheStats, HostTierInfo};
 pub use group::{CudaGroup, GpuSelection};
 pub use model::{CudaModel, CudaOptions, PREFETCH_AUTO_MIN_EXTENT};

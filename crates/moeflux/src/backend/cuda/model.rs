@@ -28,7 +28,7 @@ use crate::model::{LogitsMode, Model};
 
 use super::abi::Qw;
 use super::device::{args, begin_capture, end_capture, DevBuf, Gpu, PinnedArena, PinnedDownload};
-use super::experts::{CachePolicy, CacheStats, ExpertCache, HostTier};
+use super::experts::{CachePolicy, CacheStats, ExpertCache, HostTier, HostTierInfo};
 use super::linear::{dev_linear, matmuls, mm, rms_norm, DevLinear};
 use super::mla::MlaParams;
 use super::nccl::Comm;
@@ -151,12 +151,14 @@ pub struct CudaOptions {
     pub cache_policy: CachePolicy,
     /// Replay decode steps as CUDA graphs when every expert is resident.
     pub graphs: bool,
-    /// Bytes of host RAM to pin as the expert host tier (whole layers of
-    /// the mapped expert files); only used when the VRAM cache cannot hold
-    /// every expert.
+    /// Bytes of host RAM to pin as the expert host tier (the mapped expert
+    /// files when they all fit, else that many bytes of expert slots; see
+    /// `host_tier.rs`); only used when the VRAM cache cannot hold every
+    /// expert.
     pub host_cache: Option<u64>,
     /// Upload the next MoE layer's likely experts (its router on the
-    /// current layer's input) while a layer computes; host-tier layers only.
+    /// current layer's input) while a layer computes; from the host tier
+    /// only.
     pub prefetch: Prefetch,
     /// At most this many of a layer's experts that are neither in VRAM
     /// nor on their way are computed by the host from the pinned host tier
@@ -250,8 +252,8 @@ pub struct CudaModel {
     /// nothing: a graph captured now would stay valid.
     stable_epoch: Option<(u64, Vec<u64>)>,
     graph: Option<DecodeGraph>,
-    /// Layers and bytes of expert files pinned in host RAM.
-    host_tier: (usize, u64),
+    /// What the host tier holds.
+    host_tier: HostTierInfo,
     /// In a multi-GPU group: this GPU's shard and communicator.
     ep: Option<Ep>,
 }
@@ -304,7 +306,7 @@ impl CudaModel {
         store: &ExpertStore,
         opts: &CudaOptions,
         ep: Option<Ep>,
-        host: &mut Option<(HostTier, (usize, u64))>,
+        host: &mut Option<(HostTier, HostTierInfo)>,
     ) -> Result<CudaModel> {
         support::check(model)?;
         gpu.bind()?;
@@ -350,7 +352,7 @@ impl CudaModel {
             epoch: 0,
             stable_epoch: None,
             graph: None,
-            host_tier: (0, 0),
+            host_tier: HostTierInfo::default(),
             ep,
             gpu,
         };
@@ -385,7 +387,9 @@ impl CudaModel {
                 m.prefetch = match opts.prefetch {
                     Prefetch::On => true,
                     Prefetch::Off => false,
-                    Prefetch::Auto => m.host_tier.0 > 0 && max_extent >= PREFETCH_AUTO_MIN_EXTENT,
+                    Prefetch::Auto => {
+                        m.host_tier.is_some() && max_extent >= PREFETCH_AUTO_MIN_EXTENT
+                    }
                 };
             }
             m.cache = Some(cache);
@@ -401,8 +405,8 @@ impl CudaModel {
         self.cache.as_ref().map(|c| c.stats).unwrap_or_default()
     }
 
-    /// Layers and bytes of expert files pinned in host RAM (`--host-cache`).
-    pub fn host_tier(&self) -> (usize, u64) {
+    /// What the host tier (`--host-cache`) holds.
+    pub fn host_tier(&self) -> HostTierInfo {
         self.host_tier
     }
 
