@@ -82,7 +82,13 @@ pub fn routing_margin(dir: &Path, trace: &Trace, k: usize) -> f64 {
             .map(|m| format!("model.layers.{l}.mlp.{m}"))
             .find(|p| st.tensor(&format!("{p}.weight")).is_ok())
         else {
-            continue; // a dense MLP layer
+            // A dense MLP layer; a MoE layer must have its router here.
+            assert!(
+                trace.get(Some(l), "moe").is_none(),
+                "{}: no router weights for MoE layer {l}",
+                path.display()
+            );
+            continue;
         };
         let w = router_matrix(&st, &router, e.cols);
         let bias = floats(&st, &format!("{router}.bias"));
