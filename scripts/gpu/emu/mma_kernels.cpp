@@ -65,6 +65,21 @@ static void test_qmma(int rows_a, int rows_b, int cols, int n, int bits, int gs)
     check(name, got, want, 1e-5);
 }
 
+// Random experts: gate and up (inter x hidden) at one width and group size,
+// down (hidden x inter) at another.
+struct HostExperts {
+    std::vector<HostQ> gate, up, down;
+};
+static HostExperts random_experts(int ne, int hidden, int inter, int gbits, int ggs, int dbits, int dgs) {
+    HostExperts x;
+    for (int e = 0; e < ne; e++) {
+        x.gate.emplace_back(inter, hidden, gbits, ggs);
+        x.up.emplace_back(inter, hidden, gbits, ggs);
+        x.down.emplace_back(hidden, inter, dbits, dgs);
+    }
+    return x;
+}
+
 // The routed experts of a batch: task e serves tokens 0 .. counts[e] - 1, each as its
 // slot j = e (k = the number of tasks).
 // One extent per expert: gate | up | down, each codes | scales | biases at
@@ -99,12 +114,7 @@ static void test_moe_mma(int hidden, int inter, int bits, int gs, std::vector<in
     int ne = (int)counts.size(), k = ne;
     int n = 0;
     for (int c : counts) n = std::max(n, c);  // tokens; task e serves tokens 0..count-1
-    std::vector<HostQ> gate, up, down;
-    for (int e = 0; e < ne; e++) {
-        gate.emplace_back(inter, hidden, bits, gs);
-        up.emplace_back(inter, hidden, bits, gs);
-        down.emplace_back(hidden, inter, bits, gs);
-    }
+    auto [gate, up, down] = random_experts(ne, hidden, inter, bits, gs, bits, gs);
     ExpertLayout L{};
     auto extents = pack_extents(gate, up, down, L);
     L.inter = inter, L.hidden = hidden, L.bits = bits, L.gs = gs, L.sf32 = 0; L.down_bits = L.bits, L.down_gs = L.gs, L.down_sf32 = L.sf32;
@@ -674,12 +684,7 @@ static void test_mixed_experts(int hidden, int inter, int gbits, int ggs, int db
                                std::vector<int> counts) {
     int ne = (int)counts.size(), k = ne, n = 0;
     for (int c : counts) n = std::max(n, c);
-    std::vector<HostQ> gate, up, down;
-    for (int e = 0; e < ne; e++) {
-        gate.emplace_back(inter, hidden, gbits, ggs);
-        up.emplace_back(inter, hidden, gbits, ggs);
-        down.emplace_back(hidden, inter, dbits, dgs);
-    }
+    auto [gate, up, down] = random_experts(ne, hidden, inter, gbits, ggs, dbits, dgs);
     ExpertLayout L{};
     auto extents = pack_extents(gate, up, down, L);
     L.inter = inter, L.hidden = hidden, L.bits = gbits, L.gs = ggs, L.sf32 = 0;
