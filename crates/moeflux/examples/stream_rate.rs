@@ -1,8 +1,9 @@
 //! How fast the one-token MXFP4 product (8-bit activations, `--cpu-activations q8`)
 //! streams weights that come from DRAM, by where the bytes live: anonymous 4 KiB
 //! pages, anonymous transparent huge pages, and a file mapping served by the page
-//! cache (how experts are read when they fit in RAM), each beside a plain read of
-//! the same bytes on the same threads. The working set is many gpt-oss expert
+//! cache (how experts are read when they fit in RAM), each beside the product of
+//! the same bytes as eight-row interleaved matrices and a plain read of the same
+//! bytes on the same threads. The working set is many gpt-oss expert
 //! gate/up matrices (5760 x 2880), far larger than the caches.
 //!
 //!   cargo run --release --example stream_rate -- [MIB] [REPS]
@@ -14,7 +15,7 @@ use std::io::Write;
 use std::time::Instant;
 
 use moeflux::backend::cpu::qmatmul::{matmul_q8_at, simd_level};
-use moeflux::quant::{Mxfp4Matrix, Weight};
+use moeflux::quant::{Mxfp4Matrix, Mxfp4x8Matrix, Weight};
 use rayon::prelude::*;
 
 const ROWS: usize = 5760;
@@ -55,6 +56,21 @@ fn time(label: &str, bytes: &[u8], reps: usize) {
             Weight::Mxfp4(Mxfp4Matrix::new(ROWS, COLS, codes, &b[CODE_BYTES..]).unwrap())
         })
         .collect();
+    // The same bytes read as eight-row interleaved matrices (what the CPU
+    // backend makes at load): the timing does not depend on the values.
+    let interleaved: Vec<Weight> = (0..n)
+        .map(|i| {
+            let b = &bytes[i * MATRIX_BYTES..(i + 1) * MATRIX_BYTES];
+            let m = Mxfp4x8Matrix {
+                rows: ROWS,
+                cols: COLS,
+                codes: &b[..CODE_BYTES],
+                scales: &b[CODE_BYTES..],
+            };
+            m.check().unwrap();
+            Weight::Mxfp4x8(m)
+        })
+        .collect();
     let x: Vec<f32> = (0..COLS)
         .map(|i| ((i * 7919) % 113) as f32 / 113.0 - 0.5)
         .collect();
@@ -71,14 +87,20 @@ fn time(label: &str, bytes: &[u8], reps: usize) {
         }
         let product = t.elapsed().as_secs_f64();
         let t = Instant::now();
+        for w in &interleaved {
+            matmul_q8_at(level, w, &x, 1, &mut out);
+        }
+        let product8 = t.elapsed().as_secs_f64();
+        let t = Instant::now();
         let sum: u64 = words
             .par_chunks(per_thread)
             .map(|c| c.iter().fold(0u64, |a, &b| a.wrapping_add(b)))
             .sum();
         let read = t.elapsed().as_secs_f64();
         println!(
-            "| {label} | {rep} | {:.2} | {:.2} |",
+            "| {label} | {rep} | {:.2} | {:.2} | {:.2} |",
             total / product / 1e9,
+            total / product8 / 1e9,
             total / read / 1e9
         );
         std::hint::black_box((sum, &out));
@@ -101,8 +123,8 @@ fn main() {
         rayon::current_num_threads(),
         len / 1_000_000
     );
-    println!("| memory | rep | q8 product GB/s | plain read GB/s |");
-    println!("|---|---:|---:|---:|");
+    println!("| memory | rep | q8 product GB/s | interleaved q8 GB/s | plain read GB/s |");
+    println!("|---|---:|---:|---:|---:|");
     for (label, advice) in [
         ("anonymous, 4 KiB pages", memmap2::Advice::NoHugePage),
         ("anonymous, huge pages", memmap2::Advice::HugePage),

@@ -4,7 +4,7 @@
 pub mod affine;
 pub mod mxfp4;
 
-pub use mxfp4::Mxfp4Matrix;
+pub use mxfp4::{Mxfp4Matrix, Mxfp4x8Matrix};
 
 pub use crate::config::{QuantMode, QuantSpec};
 
@@ -98,6 +98,9 @@ pub enum Weight<'a> {
     Quantized(QMatrix<'a>),
     /// MXFP4 codes and e8m0 scales, kept as released (gpt-oss experts).
     Mxfp4(Mxfp4Matrix<'a>),
+    /// MXFP4 with eight rows interleaved (made at load for the CPU's
+    /// products; see [`mxfp4::interleaved`]).
+    Mxfp4x8(Mxfp4x8Matrix<'a>),
     Dense(DenseMatrix<'a>),
 }
 
@@ -106,6 +109,7 @@ impl Weight<'_> {
         match self {
             Weight::Quantized(q) => q.rows,
             Weight::Mxfp4(m) => m.rows,
+            Weight::Mxfp4x8(m) => m.rows,
             Weight::Dense(d) => d.rows,
         }
     }
@@ -113,6 +117,7 @@ impl Weight<'_> {
         match self {
             Weight::Quantized(q) => q.cols,
             Weight::Mxfp4(m) => m.cols,
+            Weight::Mxfp4x8(m) => m.cols,
             Weight::Dense(d) => d.cols,
         }
     }
@@ -145,6 +150,14 @@ impl<'a> Weight<'a> {
                 })
             }
             Weight::Mxfp4(m) => Weight::Mxfp4(m.row_block(r0, r1)),
+            Weight::Mxfp4x8(m) => {
+                let rows = mxfp4::interleaved::ROWS;
+                assert!(
+                    r0 % rows == 0 && r1 % rows == 0,
+                    "row block {r0}..{r1} of an interleaved matrix"
+                );
+                Weight::Mxfp4x8(m.groups(r0 / rows, r1 / rows))
+            }
             Weight::Dense(d) => {
                 let (a, b) = (r0 * d.cols, r1 * d.cols);
                 Weight::Dense(DenseMatrix {

@@ -148,6 +148,11 @@ fn job<'a>(
                 panic!("matmul: {e}");
             }
         }
+        Weight::Mxfp4x8(m) => {
+            if let Err(e) = m.check() {
+                panic!("matmul: {e}");
+            }
+        }
         Weight::Dense(d) => {
             let len = match d.data {
                 DenseData::Bf16(v) => v.len(),
@@ -177,6 +182,7 @@ fn job<'a>(
     Some(match w {
         Weight::Quantized(q) => qmatmul(level, q, x, n_tokens, out),
         Weight::Mxfp4(m) => mxfp4::mxmatmul(level, m, x, n_tokens, out),
+        Weight::Mxfp4x8(m) => mxfp4::mx8matmul(level, m, x, n_tokens, out),
         Weight::Dense(d) => dmatmul(level, d, x, n_tokens, out),
     })
 }
@@ -205,6 +211,11 @@ pub fn dequantize_row(w: &Weight, r: usize, out: &mut [f32]) {
             }
         }
         Weight::Mxfp4(m) => {
+            if let Err(e) = m.dequantize_row(r, out) {
+                panic!("dequantize_row: {e}");
+            }
+        }
+        Weight::Mxfp4x8(m) => {
             if let Err(e) = m.dequantize_row(r, out) {
                 panic!("dequantize_row: {e}");
             }

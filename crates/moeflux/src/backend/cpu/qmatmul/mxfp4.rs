@@ -28,7 +28,10 @@
 #[cfg(target_arch = "x86_64")]
 use super::{q_chunk_avx2, q_chunk_avx512, Avx2, Avx512};
 use super::{q_chunk_scalar, q_run, Job, OutPtr, Packed, Scalar, SimdLevel, Unpack};
-use crate::quant::mxfp4::{half_scale_f32, Mxfp4Matrix, E2M1_X2, GROUP};
+use crate::quant::mxfp4::interleaved::ROWS;
+use crate::quant::mxfp4::{
+    half_scale_f32, Mxfp4Matrix, Mxfp4x8Matrix, CODES_PER_WORD, E2M1_X2, GROUP,
+};
 
 /// Prepares `out = W x` for an MXFP4 `W` (shapes checked by the caller).
 pub(super) fn mxmatmul<'a>(
@@ -47,6 +50,46 @@ pub(super) fn mxmatmul<'a>(
         #[cfg(target_arch = "x86_64")]
         SimdLevel::Avx2 => q_run::<Avx2, A2Fp4, 4, _>(m, x, n, out, q_chunk_avx2::<M, A2Fp4, 4>),
         _ => q_run::<Scalar, ScalarFp4, 4, _>(m, x, n, out, q_chunk_scalar::<M, ScalarFp4, 4>),
+    }
+}
+
+/// Prepares `out = W x` for an interleaved MXFP4 `W` with f32 activations:
+/// each group of eight rows put back in row order and multiplied by
+/// [`mxmatmul`], so the bits are the row-major ones. A fallback (the
+/// interleaved form is made for the 8-bit-activation product); the job's
+/// "rows" are the groups.
+pub(super) fn mx8matmul<'a>(
+    level: SimdLevel,
+    m: &'a Mxfp4x8Matrix<'a>,
+    x: &'a [f32],
+    n: usize,
+    out: OutPtr,
+) -> Job<'a> {
+    Job {
+        rows: m.rows / ROWS,
+        work_per_row: ROWS * m.cols * n,
+        run: Box::new(move |g0, g1| {
+            let out = out; // the whole pointer wrapper (Sync), not its field
+            let mut codes = vec![0u32; ROWS * m.cols / CODES_PER_WORD];
+            let mut scales = vec![0u8; ROWS * m.cols / GROUP];
+            let mut y = vec![0.0f32; n * ROWS];
+            for g in g0..g1 {
+                m.deinterleave_group(g, &mut codes, &mut scales);
+                let rows = Mxfp4Matrix {
+                    rows: ROWS,
+                    cols: m.cols,
+                    codes: &codes,
+                    scales: &scales,
+                };
+                (mxmatmul(level, &rows, x, n, OutPtr(y.as_mut_ptr())).run)(0, ROWS);
+                for t in 0..n {
+                    for i in 0..ROWS {
+                        // SAFETY: `job` checked that `out` holds n * rows floats.
+                        unsafe { *out.0.add(t * m.rows + ROWS * g + i) = y[t * ROWS + i] };
+                    }
+                }
+            }
+        }),
     }
 }
 

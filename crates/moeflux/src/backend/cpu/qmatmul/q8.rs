@@ -119,7 +119,7 @@ impl Kind {
             Weight::Quantized(q) if q.spec.bits == 8 && q.spec.group_size % BLOCK == 0 => {
                 Some(Kind::U8)
             }
-            Weight::Mxfp4(_) => Some(Kind::Mx4),
+            Weight::Mxfp4(_) | Weight::Mxfp4x8(_) => Some(Kind::Mx4),
             _ => None,
         }
     }
@@ -286,6 +286,7 @@ pub(super) fn job<'a>(
     Some(match w {
         Weight::Quantized(q) => make_job::<QMatrix>(kind, simd, q, x, n, out),
         Weight::Mxfp4(m) => make_job::<Mxfp4Matrix>(kind, simd, m, x, n, out),
+        Weight::Mxfp4x8(m) => interleaved::job(simd, m, x, n, out),
         Weight::Dense(_) => unreachable!("Kind::of excludes dense weights"),
     })
 }
@@ -465,7 +466,7 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     /// `E2M1_X2 + 12` by code: MXFP4 codes as unsigned bytes.
-    static MX_OFFSET: [u8; 16] = {
+    pub(super) static MX_OFFSET: [u8; 16] = {
         let mut t = [0u8; 16];
         let mut c = 0;
         while c < 16 {
@@ -646,6 +647,8 @@ mod avx2 {
         store(y, acc, M);
     }
 }
+
+mod interleaved;
 
 #[cfg(test)]
 mod tests;

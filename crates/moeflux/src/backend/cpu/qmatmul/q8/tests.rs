@@ -367,3 +367,53 @@ fn activation_blocks_round_to_127_steps() {
     assert_eq!(Activations::parse("f32"), Some(Activations::F32));
     assert_eq!(Activations::parse("int8"), None);
 }
+
+#[test]
+fn interleaved_mxfp4_gives_the_row_major_bits() {
+    use crate::quant::mxfp4::interleaved::{interleavable, interleave};
+    use crate::quant::Mxfp4x8Matrix;
+    let mut rng = Rng(0x5eed_000c);
+    for (rows, cols) in [(8, 64), (24, 192), (40, 2880)] {
+        let w = Owned::mx(&mut rng, rows, cols);
+        let Owned::Mx { codes, scales, .. } = &w else {
+            unreachable!("Owned::mx")
+        };
+        let m = Mxfp4Matrix::new(rows, cols, codes, scales).unwrap();
+        assert_eq!(interleavable(&m), None);
+        let (mut ic, mut is) = (vec![0u8; rows * cols / 2], vec![0u8; rows * cols / 32]);
+        interleave(&m, &mut ic, &mut is);
+        let x8 = Weight::Mxfp4x8(Mxfp4x8Matrix {
+            rows,
+            cols,
+            codes: &ic,
+            scales: &is,
+        });
+        for n in [1, 3] {
+            let x = activations(&mut rng, n, cols);
+            for level in supported_levels() {
+                let want = run_q8(level, &w.weight(), &x, n);
+                let got = run_q8(level, &x8, &x, n);
+                assert!(
+                    bitwise_eq(&got, &want),
+                    "{rows} x {cols}, {n} tokens, {level:?}: q8"
+                );
+                let (mut a, mut b) = (vec![f32::NAN; n * rows], vec![f32::NAN; n * rows]);
+                matmul_at(level, &w.weight(), &x, n, &mut a);
+                matmul_at(level, &x8, &x, n, &mut b);
+                assert!(
+                    bitwise_eq(&a, &b),
+                    "{rows} x {cols}, {n} tokens, {level:?}: f32"
+                );
+            }
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(3)
+                .build()
+                .unwrap();
+            let three = pool.install(|| run_q8(simd_level(), &x8, &x, n));
+            assert!(bitwise_eq(
+                &three,
+                &run_q8(simd_level(), &w.weight(), &x, n)
+            ));
+        }
+    }
+}
