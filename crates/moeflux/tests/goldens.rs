@@ -9,7 +9,8 @@ mod common;
 use common::{
     check_against_golden, convert_fixture, eval_three_ways, fixtures, open, Golden, EVAL_MODES,
 };
-use moeflux::LogitsMode;
+use moeflux::session::{Activations, Repack};
+use moeflux::{LogitsMode, Session, SessionOptions};
 
 fn run_fixture(name: &str, src: &str, golden_dir: &str, expert_bits: Option<u32>) {
     let golden = Golden::load(&fixtures().join(golden_dir));
@@ -139,6 +140,60 @@ fn gpt_oss_q4_decode_past_many_windows_equals_one_batch() {
 #[test]
 fn gpt_oss_mxfp4_experts_from_mlx_lm() {
     run_fixture("gptoss-mxfp4", "gptoss-mxfp4/src", "gptoss-mxfp4", None);
+}
+
+/// MXFP4 experts held interleaved in RAM (`--cpu-repack`) give the bits
+/// of the experts streamed from the files, with 8-bit activations (the
+/// interleaved kernel) and with f32 (its fallback), every way of feeding
+/// the tokens.
+#[test]
+fn gpt_oss_mxfp4_experts_interleaved_in_ram_give_the_streamed_bits() {
+    let golden = Golden::load(&fixtures().join("gptoss-mxfp4"));
+    let (_tmp, dir) = convert_fixture("gptoss-mxfp4/src", None);
+    for activations in [Activations::Q8, Activations::F32] {
+        let open_with = |cpu_repack| {
+            Session::open(
+                &dir,
+                SessionOptions {
+                    threads: Some(2),
+                    cpu_activations: activations,
+                    cpu_repack,
+                    ..Default::default()
+                },
+            )
+            .unwrap()
+        };
+        assert!(open_with(Repack::On)
+            .backend()
+            .contains("interleaved in RAM"));
+        assert!(!open_with(Repack::Off).backend().contains("interleaved"));
+        let streamed = eval_three_ways(&golden, || open_with(Repack::Off));
+        let held = eval_three_ways(&golden, || open_with(Repack::On));
+        for ((mode, a), b) in EVAL_MODES.iter().zip(&streamed).zip(&held) {
+            assert!(
+                a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{activations:?} {mode}: interleaved experts change the logits"
+            );
+        }
+    }
+    // `auto` interleaves only for 8-bit activations.
+    let auto = |cpu_activations| {
+        Session::open(
+            &dir,
+            SessionOptions {
+                threads: Some(2),
+                cpu_activations,
+                ..Default::default()
+            },
+        )
+        .unwrap()
+        .backend()
+        .contains("interleaved")
+    };
+    assert!(!auto(Activations::F32));
+    if moeflux::io::procfs::mem_available_bytes().is_some_and(|b| b > (3 << 30)) {
+        assert!(auto(Activations::Q8));
+    }
 }
 
 #[test]

@@ -11,6 +11,22 @@ pub fn disk_read_bytes() -> Option<u64> {
         .and_then(|v| v.trim().parse().ok())
 }
 
+/// `MemAvailable` of `/proc/meminfo` in bytes (what can be allocated
+/// without swapping, reclaimable page cache included), where the kernel
+/// reports it (Linux); `None` elsewhere.
+pub fn mem_available_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))?
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse()
+        .ok()?;
+    kb.checked_mul(1024)
+}
+
 /// Share of `requested` bytes served from the page cache, given the storage
 /// bytes read meanwhile (other reads of the process count too, so this is
 /// an estimate; clamped to [0, 1]).
@@ -34,5 +50,6 @@ mod tests {
     #[test]
     fn reads_proc_self_io() {
         assert!(disk_read_bytes().is_some());
+        assert!(mem_available_bytes().is_some_and(|b| b > 0));
     }
 }

@@ -8,7 +8,8 @@ use crate::config::{ModelConfig, QuantMode, QuantSpec, RouterKind};
 use crate::error::{Error, Result};
 use crate::format::ExpertLayer;
 use crate::model::weights::{LinearRef, VectorRef, WeightsLoader};
-use crate::quant::{affine, Mxfp4Matrix, QMatrix, ScaleData, Weight};
+use crate::quant::mxfp4::{interleaved, GROUP};
+use crate::quant::{affine, Mxfp4Matrix, Mxfp4x8Matrix, QMatrix, ScaleData, Weight};
 
 /// A shared expert: a SwiGLU MLP, scaled by `sigmoid(gate x)` when it has
 /// a gate.
@@ -283,9 +284,45 @@ impl ExpertLayout {
     }
 }
 
+impl ExpertLayout {
+    /// Writes one expert's bytes `src` into `dst` (as long) with its MXFP4
+    /// projections interleaved by eight rows ([`interleaved`]), everything
+    /// else copied; the error says why the expert does not interleave (an
+    /// affine projection, a shape or a scale byte the layout refuses).
+    pub fn interleave_extent(&self, src: &[u8], dst: &mut [u8]) -> std::result::Result<(), String> {
+        dst.copy_from_slice(src);
+        for (name, c) in [("gate", &self.gate), ("up", &self.up), ("down", &self.down)] {
+            let Weight::Mxfp4(m) = c.view(src) else {
+                return Err(format!("the {name} projection is not MXFP4"));
+            };
+            if let Some(why) = interleaved::interleavable(&m) {
+                return Err(format!("the {name} projection: {why}"));
+            }
+            let (mut codes, mut scales) = (vec![0u8; m.codes.len() * 4], vec![0u8; m.scales.len()]);
+            interleaved::interleave(&m, &mut codes, &mut scales);
+            dst[c.weight..c.weight + codes.len()].copy_from_slice(&codes);
+            dst[c.scales..c.scales + scales.len()].copy_from_slice(&scales);
+        }
+        Ok(())
+    }
+}
+
 impl ComponentLayout {
     /// The projection inside one expert's bytes (a buffer or the mapping,
     /// both 4096-aligned; offsets were validated against the extent).
+    /// The projection in bytes made by [`ExpertLayout::interleave_extent`]
+    /// (MXFP4 only).
+    pub fn view_interleaved<'a>(&self, bytes: &'a [u8]) -> Weight<'a> {
+        debug_assert!(self.biases.is_none(), "only MXFP4 projections interleave");
+        let groups = self.rows * self.cols / GROUP;
+        Weight::Mxfp4x8(Mxfp4x8Matrix {
+            rows: self.rows,
+            cols: self.cols,
+            codes: &bytes[self.weight..self.weight + self.rows * self.cols / 2],
+            scales: &bytes[self.scales..self.scales + groups],
+        })
+    }
+
     pub fn view<'a>(&self, bytes: &'a [u8]) -> Weight<'a> {
         let words = self.rows * affine::words_per_row(self.cols, self.spec.bits);
         let groups = self.rows * self.cols / self.spec.group_size;

@@ -11,6 +11,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use crate::backend::cpu::qmatmul::set_thread_activations;
+use crate::backend::cpu::repack::RepackedExperts;
 use crate::backend::cuda::group::open_gpus;
 use crate::backend::cuda::GpuSelection;
 use crate::backend::cuda::{support, CacheStats, CudaGroup, CudaOptions};
@@ -271,14 +272,34 @@ impl Batch {
                 }
                 (Engine::Cuda(Box::new(m)), note)
             }
-            Err(why) => (
-                Engine::Cpu { bufs: Vec::new() },
-                match (opts.backend, &unsupported_on_gpu) {
+            Err(why) => {
+                let repacked = RepackedExperts::make(
+                    opts.cpu_repack,
+                    opts.cpu_activations,
+                    opts.direct_io,
+                    &model,
+                    &store,
+                )?;
+                let mut note = match (opts.backend, &unsupported_on_gpu) {
                     (Backend::Auto, Some(_)) => format!("cpu ({why})"),
                     (Backend::Auto, None) => format!("cpu (no GPU: {why})"),
                     _ => "cpu".to_string(),
-                },
-            ),
+                };
+                if let Some(r) = &repacked {
+                    note.push_str(&format!(
+                        "; MXFP4 experts interleaved in RAM ({:.1} GB, {:.1} s)",
+                        r.bytes() as f64 / 1e9,
+                        r.seconds()
+                    ));
+                }
+                (
+                    Engine::Cpu {
+                        bufs: Vec::new(),
+                        repacked,
+                    },
+                    note,
+                )
+            }
         };
         let threads = opts.threads.unwrap_or_else(|| {
             std::thread::available_parallelism()

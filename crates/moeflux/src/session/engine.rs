@@ -6,6 +6,7 @@ use std::borrow::Cow;
 
 use crate::backend::cpu::exec::CpuExecutor;
 use crate::backend::cpu::experts::ExpertRun;
+use crate::backend::cpu::repack::RepackedExperts;
 use crate::backend::cuda::group::{CudaGroup, GroupSegment, GroupState};
 use crate::backend::prefetch::PrefetchStats;
 use crate::error::{Error, Result};
@@ -20,6 +21,8 @@ pub(crate) enum Engine {
     Cpu {
         /// Reusable expert read buffers.
         bufs: Vec<ExpertBuf>,
+        /// MXFP4 experts interleaved in RAM at load (`--cpu-repack`).
+        repacked: Option<RepackedExperts>,
     },
     Cuda(Box<CudaGroup>),
 }
@@ -63,7 +66,7 @@ impl Engine {
         trace: Option<&mut Trace>,
     ) -> Result<Vec<SegmentOutput>> {
         match self {
-            Engine::Cpu { bufs } => {
+            Engine::Cpu { bufs, repacked } => {
                 let run = ExpertRun {
                     store: cx.store,
                     bufs,
@@ -71,6 +74,7 @@ impl Engine {
                     prefetch: cx.prefetch,
                     pending: None,
                     stats: cx.prefetch_stats,
+                    repacked: repacked.as_ref(),
                 };
                 let states = states
                     .into_iter()

@@ -9,6 +9,7 @@ pub mod snapshot;
 use std::path::Path;
 
 pub use crate::backend::cpu::qmatmul::Activations;
+pub use crate::backend::cpu::repack::Repack;
 pub use crate::backend::cuda::rendezvous::DistInit;
 pub use crate::backend::cuda::GpuSelection;
 use crate::backend::cuda::{CachePolicy, CacheStats};
@@ -77,6 +78,10 @@ pub struct SessionOptions {
     /// weights (faster one-token products; the accuracy cost is in
     /// docs/PERFORMANCE.md). Set on this session's compute threads only.
     pub cpu_activations: Activations,
+    /// CPU backend: when to hold MXFP4 experts interleaved in RAM (faster
+    /// 8-bit-activation products, same bits; see
+    /// [`crate::backend::cpu::repack`]).
+    pub cpu_repack: Repack,
 }
 
 /// Where a session computes.
@@ -121,6 +126,7 @@ impl Default for SessionOptions {
             host_cache: None,
             cpu_experts: 0,
             cpu_activations: Activations::F32,
+            cpu_repack: Repack::Auto,
         }
     }
 }

@@ -3,6 +3,7 @@
 //! prefetch in flight (see [`crate::backend::prefetch`]; on the CPU it is
 //! off unless asked for, and counted in [`PrefetchStats`]).
 
+use crate::backend::cpu::repack::RepackedExperts;
 use crate::backend::prefetch::PrefetchStats;
 use crate::error::Result;
 use crate::io::{ExpertBuf, ExpertStore, Fetch};
@@ -25,6 +26,8 @@ pub struct ExpertRun<'a> {
     pub prefetch: bool,
     pub pending: Option<Prefetched>,
     pub stats: &'a mut PrefetchStats,
+    /// Layers whose experts are held interleaved in RAM (not fetched).
+    pub repacked: Option<&'a RepackedExperts>,
 }
 
 impl ExpertRun<'_> {

@@ -11,6 +11,7 @@ pub mod mla;
 pub mod moe;
 pub mod ops;
 pub mod qmatmul;
+pub mod repack;
 pub mod router;
 pub mod simd;
 pub mod vec;

@@ -179,7 +179,12 @@ pub fn forward(
     lap(&mut clock, &mut times.routing);
 
     let users = routing.users();
-    let ids: Vec<usize> = users.keys().copied().collect();
+    // Experts held interleaved in RAM need no fetch (and no prefetch).
+    let resident = run.repacked.filter(|r| r.has(b.layer));
+    let ids: Vec<usize> = match resident {
+        Some(_) => Vec::new(),
+        None => users.keys().copied().collect(),
+    };
     let ahead = run.take_prefetch(b.layer);
     let misses: Vec<usize> = match &ahead {
         Some(p) => {
@@ -196,7 +201,8 @@ pub fn forward(
     };
     lap(&mut clock, &mut times.expert_io);
 
-    if let Some(nx) = next.filter(|_| run.prefetch) {
+    let held = |l: usize| run.repacked.is_some_and(|r| r.has(l));
+    if let Some(nx) = next.filter(|nx| run.prefetch && !held(nx.layer)) {
         let guess = route(nx, w, c, xn, n, k);
         let ids = most_chosen(&guess.experts, fetch_cap(nx, run.store, k));
         let fetch = run.start_fetch(nx.layer, &ids, nx.experts.extent)?;
@@ -246,6 +252,27 @@ pub fn forward(
             run.bufs.extend(buf);
             lap(&mut clock, &mut times.expert_compute);
         }
+    }
+
+    if let Some(mem) = resident {
+        for (&e, slots) in &users {
+            let bytes = mem
+                .expert(b.layer, e)
+                .expect("the router picks experts in range");
+            apply_expert(
+                &b.experts,
+                &act,
+                e,
+                bytes,
+                true,
+                slots,
+                xn,
+                k,
+                h,
+                &mut slot_out,
+            );
+        }
+        lap(&mut clock, &mut times.expert_compute);
     }
 
     // Combine per token in slot order so the sum does not depend on the batch.
@@ -312,18 +339,20 @@ fn apply_landed(
             .mapped(b.layer, e)
             .expect("mapped layer serves its experts"),
     };
-    apply_expert(&b.experts, act, e, bytes, slots, xn, k, h, slot_out);
+    apply_expert(&b.experts, act, e, bytes, false, slots, xn, k, h, slot_out);
     Ok(landed.buf)
 }
 
 /// One routed expert's SwiGLU over the tokens that chose it, written to
-/// their (token, slot) rows of `slot_out`.
+/// their (token, slot) rows of `slot_out`; `interleaved`: `bytes` were made
+/// by [`ExpertLayout::interleave_extent`].
 #[allow(clippy::too_many_arguments)]
 fn apply_expert(
     layout: &ExpertLayout,
     act: &ExpertAct<'_>,
     e: usize,
     bytes: &[u8],
+    interleaved: bool,
     slots: &[usize],
     xn: &[f32],
     k: usize,
@@ -337,7 +366,7 @@ fn apply_expert(
         x[r * h..(r + 1) * h].copy_from_slice(&xn[t * h..(t + 1) * h]);
     }
     let mut y = vec![0.0f32; m * h];
-    expert_forward_with(layout, act, e, bytes, &x, m, &mut y);
+    expert_forward_with(layout, act, e, bytes, interleaved, &x, m, &mut y);
     for (r, &s) in slots.iter().enumerate() {
         slot_out[s * h..(s + 1) * h].copy_from_slice(&y[r * h..(r + 1) * h]);
     }
@@ -409,15 +438,18 @@ fn add_bias_rows(table: &[f32], e: usize, width: usize, y: &mut [f32]) {
 /// One routed expert (its bytes: an extent of `layout`) on `m` rows of `x`
 /// (m x hidden): `y = down(silu(gate x) * up x)`.
 pub fn expert_forward(layout: &ExpertLayout, bytes: &[u8], x: &[f32], m: usize, y: &mut [f32]) {
-    expert_forward_with(layout, &ExpertAct::PLAIN, 0, bytes, x, m, y)
+    expert_forward_with(layout, &ExpertAct::PLAIN, 0, bytes, false, x, m, y)
 }
 
-/// [`expert_forward`] of expert `e` with its biases and activation.
+/// [`expert_forward`] of expert `e` with its biases and activation;
+/// `interleaved`: `bytes` were made by [`ExpertLayout::interleave_extent`].
+#[allow(clippy::too_many_arguments)]
 pub fn expert_forward_with(
     layout: &ExpertLayout,
     act: &ExpertAct<'_>,
     e: usize,
     bytes: &[u8],
+    interleaved: bool,
     x: &[f32],
     m: usize,
     y: &mut [f32],
@@ -425,7 +457,11 @@ pub fn expert_forward_with(
     let inter = layout.gate.rows;
     let mut g = vec![0.0f32; m * inter];
     let mut u = vec![0.0f32; m * inter];
-    let (gw, uw) = (layout.gate.view(bytes), layout.up.view(bytes));
+    let view = |c: &crate::model::moe::ComponentLayout| match interleaved {
+        true => c.view_interleaved(bytes),
+        false => c.view(bytes),
+    };
+    let (gw, uw) = (view(&layout.gate), view(&layout.up));
     matmul_group(&mut [(&gw, &mut g), (&uw, &mut u)], x, m);
     if let Some([bg, bu, _]) = act.bias {
         add_bias_rows(bg, e, inter, &mut g);
@@ -438,7 +474,7 @@ pub fn expert_forward_with(
             ops::swiglu_oai(&g, &u, alpha, limit, &mut a)
         }
     }
-    matmul(&layout.down.view(bytes), &a, m, y);
+    matmul(&view(&layout.down), &a, m, y);
     if let Some([_, _, bd]) = act.bias {
         add_bias_rows(bd, e, layout.down.rows, y);
     }

@@ -439,7 +439,7 @@ fn compute_on_host(
             let t = j as usize / k;
             let x = &xn[t * h..(t + 1) * h];
             cx.pool
-                .install(|| expert_forward_with(&b.experts, &act, *e, bytes, x, 1, &mut y));
+                .install(|| expert_forward_with(&b.experts, &act, *e, bytes, false, x, 1, &mut y));
             cx.arena
                 .upload(cx.gpu, slot_out + 4 * (j as u64) * h as u64, &y)?;
         }
