@@ -142,57 +142,73 @@ fn gpt_oss_mxfp4_experts_from_mlx_lm() {
     run_fixture("gptoss-mxfp4", "gptoss-mxfp4/src", "gptoss-mxfp4", None);
 }
 
-/// MXFP4 experts held interleaved in RAM (`--cpu-repack`) give the bits
-/// of the experts streamed from the files, with 8-bit activations (the
-/// interleaved kernel) and with f32 (its fallback), every way of feeding
-/// the tokens.
+/// Weights interleaved by eight rows for the CPU (`--cpu-repack`: MXFP4
+/// experts held in RAM, 4-bit affine dense matrices with 8-bit
+/// activations) give the bits of the weights as stored, with 8-bit
+/// activations (the interleaved kernels) and with f32 (their fallback),
+/// every way of feeding the tokens.
 #[test]
-fn gpt_oss_mxfp4_experts_interleaved_in_ram_give_the_streamed_bits() {
-    let golden = Golden::load(&fixtures().join("gptoss-mxfp4"));
-    let (_tmp, dir) = convert_fixture("gptoss-mxfp4/src", None);
-    for activations in [Activations::Q8, Activations::F32] {
-        let open_with = |cpu_repack| {
+fn weights_interleaved_for_the_cpu_give_the_stored_bits() {
+    for (fixture, q8_note, f32_note) in [
+        (
+            "gptoss-mxfp4",
+            "MXFP4 experts interleaved in RAM",
+            Some("MXFP4 experts"),
+        ),
+        ("gptoss-q4", "dense 4-bit matrices interleaved", None),
+    ] {
+        let golden = Golden::load(&fixtures().join(fixture));
+        let (_tmp, dir) = convert_fixture(&format!("{fixture}/src"), None);
+        for (activations, note) in [
+            (Activations::Q8, Some(q8_note)),
+            (Activations::F32, f32_note),
+        ] {
+            let open_with = |cpu_repack| {
+                Session::open(
+                    &dir,
+                    SessionOptions {
+                        threads: Some(2),
+                        cpu_activations: activations,
+                        cpu_repack,
+                        ..Default::default()
+                    },
+                )
+                .unwrap()
+            };
+            let backend = open_with(Repack::On).backend().to_string();
+            assert_eq!(
+                note.is_some_and(|n| backend.contains(n)),
+                note.is_some(),
+                "{fixture} {activations:?}: {backend}"
+            );
+            assert!(!open_with(Repack::Off).backend().contains("interleaved"));
+            let stored = eval_three_ways(&golden, || open_with(Repack::Off));
+            let held = eval_three_ways(&golden, || open_with(Repack::On));
+            for ((mode, a), b) in EVAL_MODES.iter().zip(&stored).zip(&held) {
+                assert!(
+                    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "{fixture} {activations:?} {mode}: interleaved weights change the logits"
+                );
+            }
+        }
+        // `auto` interleaves only for 8-bit activations.
+        let auto = |cpu_activations| {
             Session::open(
                 &dir,
                 SessionOptions {
                     threads: Some(2),
-                    cpu_activations: activations,
-                    cpu_repack,
+                    cpu_activations,
                     ..Default::default()
                 },
             )
             .unwrap()
-        };
-        assert!(open_with(Repack::On)
             .backend()
-            .contains("interleaved in RAM"));
-        assert!(!open_with(Repack::Off).backend().contains("interleaved"));
-        let streamed = eval_three_ways(&golden, || open_with(Repack::Off));
-        let held = eval_three_ways(&golden, || open_with(Repack::On));
-        for ((mode, a), b) in EVAL_MODES.iter().zip(&streamed).zip(&held) {
-            assert!(
-                a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
-                "{activations:?} {mode}: interleaved experts change the logits"
-            );
+            .contains("interleaved")
+        };
+        assert!(!auto(Activations::F32), "{fixture}");
+        if moeflux::io::procfs::mem_available_bytes().is_some_and(|b| b > (3 << 30)) {
+            assert!(auto(Activations::Q8), "{fixture}");
         }
-    }
-    // `auto` interleaves only for 8-bit activations.
-    let auto = |cpu_activations| {
-        Session::open(
-            &dir,
-            SessionOptions {
-                threads: Some(2),
-                cpu_activations,
-                ..Default::default()
-            },
-        )
-        .unwrap()
-        .backend()
-        .contains("interleaved")
-    };
-    assert!(!auto(Activations::F32));
-    if moeflux::io::procfs::mem_available_bytes().is_some_and(|b| b > (3 << 30)) {
-        assert!(auto(Activations::Q8));
     }
 }
 

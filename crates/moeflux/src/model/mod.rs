@@ -210,6 +210,30 @@ impl Model {
         self.layers[i + 1..].iter().find_map(|l| l.mlp.moe())
     }
 
+    /// The dense linears a step multiplies by (not the routers, the
+    /// embedding or an LM head tied to it, or MLA's and GatedDeltaNet's
+    /// input projections): what a CPU session may interleave
+    /// (`Weights::interleave_affine`).
+    pub fn dense_products(&self) -> Vec<LinearRef> {
+        let mut v = Vec::new();
+        if self.lm_head.weight.offset != self.embed.weight.offset {
+            v.push(self.lm_head);
+        }
+        for l in &self.layers {
+            match &l.mixer {
+                Mixer::Full(a) => v.extend([a.q_proj, a.k_proj, a.v_proj, a.o_proj]),
+                Mixer::Linear(d) => v.push(d.out_proj),
+                Mixer::Mla(_) => {}
+            }
+            let mlp = match &l.mlp {
+                Mlp::Dense(d) => Some(d),
+                Mlp::Moe(b) => b.shared.as_ref().map(|s| &s.mlp),
+            };
+            v.extend(mlp.iter().flat_map(|d| [d.gate, d.up, d.down]));
+        }
+        v
+    }
+
     /// Number of MoE layers.
     pub fn moe_layers(&self) -> usize {
         self.layers.iter().filter(|l| l.mlp.moe().is_some()).count()

@@ -8,7 +8,8 @@ use crate::config::{ModelConfig, QuantMode, QuantSpec, RouterKind};
 use crate::error::{Error, Result};
 use crate::format::ExpertLayer;
 use crate::model::weights::{LinearRef, VectorRef, WeightsLoader};
-use crate::quant::mxfp4::{interleaved, GROUP};
+use crate::quant::interleave;
+use crate::quant::mxfp4::GROUP;
 use crate::quant::{affine, Mxfp4Matrix, Mxfp4x8Matrix, QMatrix, ScaleData, Weight};
 
 /// A shared expert: a SwiGLU MLP, scaled by `sigmoid(gate x)` when it has
@@ -286,7 +287,7 @@ impl ExpertLayout {
 
 impl ExpertLayout {
     /// Writes one expert's bytes `src` into `dst` (as long) with its MXFP4
-    /// projections interleaved by eight rows ([`interleaved`]), everything
+    /// projections interleaved by eight rows ([`interleave`]), everything
     /// else copied; the error says why the expert does not interleave (an
     /// affine projection, a shape or a scale byte the layout refuses).
     pub fn interleave_extent(&self, src: &[u8], dst: &mut [u8]) -> std::result::Result<(), String> {
@@ -295,11 +296,11 @@ impl ExpertLayout {
             let Weight::Mxfp4(m) = c.view(src) else {
                 return Err(format!("the {name} projection is not MXFP4"));
             };
-            if let Some(why) = interleaved::interleavable(&m) {
+            if let Some(why) = interleave::interleavable(&m) {
                 return Err(format!("the {name} projection: {why}"));
             }
             let (mut codes, mut scales) = (vec![0u8; m.codes.len() * 4], vec![0u8; m.scales.len()]);
-            interleaved::interleave(&m, &mut codes, &mut scales);
+            interleave::interleave(&m, &mut codes, &mut scales);
             dst[c.weight..c.weight + codes.len()].copy_from_slice(&codes);
             dst[c.scales..c.scales + scales.len()].copy_from_slice(&scales);
         }

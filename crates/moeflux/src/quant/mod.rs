@@ -2,9 +2,11 @@
 //! released) and the quantizer used by `convert`.
 
 pub mod affine;
+pub mod interleave;
 pub mod mxfp4;
 
-pub use mxfp4::{Mxfp4Matrix, Mxfp4x8Matrix};
+pub use interleave::{Affine4x8Matrix, Mxfp4x8Matrix};
+pub use mxfp4::Mxfp4Matrix;
 
 pub use crate::config::{QuantMode, QuantSpec};
 
@@ -99,8 +101,11 @@ pub enum Weight<'a> {
     /// MXFP4 codes and e8m0 scales, kept as released (gpt-oss experts).
     Mxfp4(Mxfp4Matrix<'a>),
     /// MXFP4 with eight rows interleaved (made at load for the CPU's
-    /// products; see [`mxfp4::interleaved`]).
+    /// products; see [`interleave`]).
     Mxfp4x8(Mxfp4x8Matrix<'a>),
+    /// MLX affine 4-bit with eight rows interleaved (made at load for the
+    /// CPU's products).
+    Affine4x8(Affine4x8Matrix<'a>),
     Dense(DenseMatrix<'a>),
 }
 
@@ -110,6 +115,7 @@ impl Weight<'_> {
             Weight::Quantized(q) => q.rows,
             Weight::Mxfp4(m) => m.rows,
             Weight::Mxfp4x8(m) => m.rows,
+            Weight::Affine4x8(m) => m.rows,
             Weight::Dense(d) => d.rows,
         }
     }
@@ -118,9 +124,20 @@ impl Weight<'_> {
             Weight::Quantized(q) => q.cols,
             Weight::Mxfp4(m) => m.cols,
             Weight::Mxfp4x8(m) => m.cols,
+            Weight::Affine4x8(m) => m.cols,
             Weight::Dense(d) => d.cols,
         }
     }
+}
+
+/// Rows `r0..r1` of an interleaved matrix as its row groups.
+fn interleaved_groups(r0: usize, r1: usize) -> (usize, usize) {
+    let rows = interleave::ROWS;
+    assert!(
+        r0 % rows == 0 && r1 % rows == 0,
+        "row block {r0}..{r1} of an interleaved matrix"
+    );
+    (r0 / rows, r1 / rows)
 }
 
 impl<'a> ScaleData<'a> {
@@ -151,12 +168,12 @@ impl<'a> Weight<'a> {
             }
             Weight::Mxfp4(m) => Weight::Mxfp4(m.row_block(r0, r1)),
             Weight::Mxfp4x8(m) => {
-                let rows = mxfp4::interleaved::ROWS;
-                assert!(
-                    r0 % rows == 0 && r1 % rows == 0,
-                    "row block {r0}..{r1} of an interleaved matrix"
-                );
-                Weight::Mxfp4x8(m.groups(r0 / rows, r1 / rows))
+                let (g0, g1) = interleaved_groups(r0, r1);
+                Weight::Mxfp4x8(m.groups(g0, g1))
+            }
+            Weight::Affine4x8(m) => {
+                let (g0, g1) = interleaved_groups(r0, r1);
+                Weight::Affine4x8(m.groups(g0, g1))
             }
             Weight::Dense(d) => {
                 let (a, b) = (r0 * d.cols, r1 * d.cols);

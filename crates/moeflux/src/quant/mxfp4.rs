@@ -18,10 +18,6 @@
 //! (so ±inf weights, NaN for zero codes); released checkpoints contain no 255.
 //! Scale 0 is `2^-127`, a subnormal f32, exactly.
 
-pub mod interleaved;
-
-pub use interleaved::Mxfp4x8Matrix;
-
 /// Inputs per scale.
 pub const GROUP: usize = 32;
 /// Codes per packed u32 word.

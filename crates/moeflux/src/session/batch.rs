@@ -11,7 +11,8 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use crate::backend::cpu::qmatmul::set_thread_activations;
-use crate::backend::cpu::repack::RepackedExperts;
+use crate::backend::cpu::qmatmul::Activations;
+use crate::backend::cpu::repack::{Repack, RepackedExperts};
 use crate::backend::cuda::group::open_gpus;
 use crate::backend::cuda::GpuSelection;
 use crate::backend::cuda::{support, CacheStats, CudaGroup, CudaOptions};
@@ -147,7 +148,7 @@ impl Batch {
             }
         };
         let max_context = opts.max_context.unwrap_or(config.max_position_embeddings);
-        let model = Model::load(dir, &manifest, config)?;
+        let mut model = Model::load(dir, &manifest, config)?;
         // Whether the GPU backend takes this model is known without a GPU:
         // `cuda` fails with the reason, `auto` runs on the CPU and says why.
         let mut unsupported_on_gpu = None;
@@ -273,6 +274,16 @@ impl Batch {
                 (Engine::Cuda(Box::new(m)), note)
             }
             Err(why) => {
+                // The 8-bit-activation products read interleaved 4-bit
+                // weights faster (same bits); the copies are small next to
+                // the experts.
+                let dense = match (opts.cpu_activations, opts.cpu_repack) {
+                    (Activations::Q8, Repack::Auto | Repack::On) => {
+                        let linears = model.dense_products();
+                        model.weights.interleave_affine(&linears)
+                    }
+                    _ => (0, 0),
+                };
                 let repacked = RepackedExperts::make(
                     opts.cpu_repack,
                     opts.cpu_activations,
@@ -285,6 +296,13 @@ impl Batch {
                     (Backend::Auto, None) => format!("cpu (no GPU: {why})"),
                     _ => "cpu".to_string(),
                 };
+                if dense.0 > 0 {
+                    note.push_str(&format!(
+                        "; {} dense 4-bit matrices interleaved ({:.1} GB)",
+                        dense.0,
+                        dense.1 as f64 / 1e9
+                    ));
+                }
                 if let Some(r) = &repacked {
                     note.push_str(&format!(
                         "; MXFP4 experts interleaved in RAM ({:.1} GB, {:.1} s)",

@@ -58,7 +58,7 @@ pub use super::simd::{simd_level, SimdLevel};
 #[cfg(target_arch = "x86_64")]
 use super::simd::{Avx2, Avx512};
 use super::simd::{Isa, Scalar};
-use crate::quant::{DenseData, DenseMatrix, QMatrix, ScaleData, Weight};
+use crate::quant::{Affine4x8Matrix, DenseData, DenseMatrix, QMatrix, ScaleData, Weight};
 use unpack::*;
 
 /// Below this many multiply-adds a call runs on the calling thread.
@@ -153,6 +153,11 @@ fn job<'a>(
                 panic!("matmul: {e}");
             }
         }
+        Weight::Affine4x8(m) => {
+            if let Err(e) = m.check() {
+                panic!("matmul: {e}");
+            }
+        }
         Weight::Dense(d) => {
             let len = match d.data {
                 DenseData::Bf16(v) => v.len(),
@@ -183,6 +188,7 @@ fn job<'a>(
         Weight::Quantized(q) => qmatmul(level, q, x, n_tokens, out),
         Weight::Mxfp4(m) => mxfp4::mxmatmul(level, m, x, n_tokens, out),
         Weight::Mxfp4x8(m) => mxfp4::mx8matmul(level, m, x, n_tokens, out),
+        Weight::Affine4x8(m) => affine8matmul(level, m, x, n_tokens, out),
         Weight::Dense(d) => dmatmul(level, d, x, n_tokens, out),
     })
 }
@@ -216,6 +222,11 @@ pub fn dequantize_row(w: &Weight, r: usize, out: &mut [f32]) {
             }
         }
         Weight::Mxfp4x8(m) => {
+            if let Err(e) = m.dequantize_row(r, out) {
+                panic!("dequantize_row: {e}");
+            }
+        }
+        Weight::Affine4x8(m) => {
             if let Err(e) = m.dequantize_row(r, out) {
                 panic!("dequantize_row: {e}");
             }
@@ -357,6 +368,50 @@ struct QCtx<'a, P> {
 }
 
 type QChunkFn<P> = unsafe fn(&QCtx<'_, P>, usize, usize, OutPtr);
+
+/// Prepares `out = W x` for an interleaved affine `W` with f32
+/// activations: each group of eight rows put back in row order and
+/// multiplied by [`qmatmul`], so the bits are the row-major ones. A
+/// fallback (the interleaved form is made for the 8-bit-activation
+/// product); the job's "rows" are the groups.
+fn affine8matmul<'a>(
+    level: SimdLevel,
+    m: &'a Affine4x8Matrix<'a>,
+    x: &'a [f32],
+    n: usize,
+    out: OutPtr,
+) -> Job<'a> {
+    const ROWS: usize = crate::quant::interleave::ROWS;
+    Job {
+        rows: m.rows / ROWS,
+        work_per_row: ROWS * m.cols * n,
+        run: Box::new(move |g0, g1| {
+            let out = out; // the whole pointer wrapper (Sync), not its field
+            let gpr = m.groups_per_row();
+            let mut packed = vec![0u32; ROWS * m.cols / 8];
+            let (mut scales, mut biases) = (vec![0.0f32; ROWS * gpr], vec![0.0f32; ROWS * gpr]);
+            let mut y = vec![0.0f32; n * ROWS];
+            for g in g0..g1 {
+                m.deinterleave_group(g, &mut packed, &mut scales, &mut biases);
+                let rows = QMatrix {
+                    rows: ROWS,
+                    cols: m.cols,
+                    spec: crate::config::QuantSpec::affine(4, m.group_size),
+                    packed: &packed,
+                    scales: ScaleData::F32(&scales),
+                    biases: ScaleData::F32(&biases),
+                };
+                (qmatmul(level, &rows, x, n, OutPtr(y.as_mut_ptr())).run)(0, ROWS);
+                for t in 0..n {
+                    for i in 0..ROWS {
+                        // SAFETY: `job` checked that `out` holds n * rows floats.
+                        unsafe { *out.0.add(t * m.rows + ROWS * g + i) = y[t * ROWS + i] };
+                    }
+                }
+            }
+        }),
+    }
+}
 
 fn qmatmul<'a>(
     level: SimdLevel,

@@ -1,5 +1,5 @@
 //! Routed experts held in RAM with their MXFP4 projections interleaved by
-//! eight rows ([`crate::quant::mxfp4::interleaved`]), made once at load.
+//! eight rows ([`crate::quant::interleave`]), made once at load.
 //! The 8-bit-activation product streams that layout at about 1.6x the rate
 //! of the row-major files (one sequential stream per eight rows instead of
 //! eight short ones; `examples/stream_rate.rs`), and gives the same bits.

@@ -28,10 +28,9 @@
 #[cfg(target_arch = "x86_64")]
 use super::{q_chunk_avx2, q_chunk_avx512, Avx2, Avx512};
 use super::{q_chunk_scalar, q_run, Job, OutPtr, Packed, Scalar, SimdLevel, Unpack};
-use crate::quant::mxfp4::interleaved::ROWS;
-use crate::quant::mxfp4::{
-    half_scale_f32, Mxfp4Matrix, Mxfp4x8Matrix, CODES_PER_WORD, E2M1_X2, GROUP,
-};
+use crate::quant::interleave::ROWS;
+use crate::quant::mxfp4::{half_scale_f32, Mxfp4Matrix, CODES_PER_WORD, E2M1_X2, GROUP};
+use crate::quant::Mxfp4x8Matrix;
 
 /// Prepares `out = W x` for an MXFP4 `W` (shapes checked by the caller).
 pub(super) fn mxmatmul<'a>(

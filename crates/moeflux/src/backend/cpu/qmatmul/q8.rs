@@ -120,6 +120,7 @@ impl Kind {
                 Some(Kind::U8)
             }
             Weight::Mxfp4(_) | Weight::Mxfp4x8(_) => Some(Kind::Mx4),
+            Weight::Affine4x8(_) => Some(Kind::Nib4),
             _ => None,
         }
     }
@@ -286,7 +287,8 @@ pub(super) fn job<'a>(
     Some(match w {
         Weight::Quantized(q) => make_job::<QMatrix>(kind, simd, q, x, n, out),
         Weight::Mxfp4(m) => make_job::<Mxfp4Matrix>(kind, simd, m, x, n, out),
-        Weight::Mxfp4x8(m) => interleaved::job(simd, m, x, n, out),
+        Weight::Mxfp4x8(m) => interleaved::job_mxfp4(simd, m, x, n, out),
+        Weight::Affine4x8(m) => interleaved::job_affine(simd, m, x, n, out),
         Weight::Dense(_) => unreachable!("Kind::of excludes dense weights"),
     })
 }

@@ -114,8 +114,8 @@ fn reference(w: &Weight, x: &[f32], n: usize) -> Vec<(f64, f64)> {
                     })
                     .collect()
             }
-            Weight::Mxfp4(_) | Weight::Mxfp4x8(_) => {
-                unreachable!("MXFP4 has its own tests (mxfp4/tests.rs, q8/tests.rs)")
+            Weight::Mxfp4(_) | Weight::Mxfp4x8(_) | Weight::Affine4x8(_) => {
+                unreachable!("MXFP4 and interleaved weights have their own tests")
             }
             Weight::Dense(d) => (0..cols)
                 .map(|j| {

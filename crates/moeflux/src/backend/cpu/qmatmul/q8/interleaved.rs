@@ -1,18 +1,21 @@
-//! The 8-bit-activation product of interleaved MXFP4
-//! ([`Mxfp4x8Matrix`]): the parent's contract lane for lane, so it gives
-//! the bits the row-major kernels give for the same weights, eight rows per
-//! pass. One 32-byte load holds lane `k`'s four code bytes of all eight
-//! rows, so the lane's activation bytes are one broadcast, the eight rows'
-//! scales of a block one vector, and the matrix one sequential stream.
+//! The 8-bit-activation products of interleaved 4-bit matrices
+//! ([`Mxfp4x8Matrix`], [`Affine4x8Matrix`]): the parent's contract lane
+//! for lane, so they give the bits the row-major kernels give for the same
+//! weights, eight rows per pass. One 32-byte load holds lane `k`'s four
+//! code bytes of all eight rows, so the lane's activation bytes are one
+//! broadcast, the eight rows' scales of a block one vector (and an affine
+//! group's biases another), and the matrix one sequential stream.
 
 use super::{chunk_body, Acts, Kind, BLOCK};
 use crate::backend::cpu::qmatmul::{Job, OutPtr};
-use crate::quant::mxfp4::interleaved::ROWS;
-use crate::quant::mxfp4::{Mxfp4Matrix, Mxfp4x8Matrix, CODES_PER_WORD, GROUP};
+use crate::quant::interleave::ROWS;
+use crate::quant::mxfp4::{Mxfp4Matrix, CODES_PER_WORD, GROUP};
+use crate::quant::Mxfp4x8Matrix;
+use crate::quant::{Affine4x8Matrix, QMatrix, QuantSpec, ScaleData};
 
-/// Prepares `out = W x` (shapes checked by the caller); the job's "rows"
-/// are groups of eight rows.
-pub(super) fn job<'a>(
+/// Prepares `out = W x` for interleaved MXFP4 (shapes checked by the
+/// caller); the job's "rows" are groups of eight rows.
+pub(super) fn job_mxfp4<'a>(
     simd: bool,
     m: &'a Mxfp4x8Matrix<'a>,
     x: &'a [f32],
@@ -27,20 +30,80 @@ pub(super) fn job<'a>(
         run: Box::new(move |g0, g1| unsafe {
             #[cfg(target_arch = "x86_64")]
             if simd {
-                return avx2::groups(m, &acts, g0, g1, out);
+                return avx2::groups_mxfp4(m, &acts, g0, g1, out);
             }
             let _ = simd;
-            portable_groups(m, &acts, g0, g1, out)
+            portable_groups_mxfp4(m, &acts, g0, g1, out)
         }),
     }
 }
 
-/// Row groups `g0..g1` by the row-major portable kernel on each group
-/// put back in row order (machines without AVX2; the reference).
+/// [`job_mxfp4`] for interleaved affine 4-bit weights.
+pub(super) fn job_affine<'a>(
+    simd: bool,
+    m: &'a Affine4x8Matrix<'a>,
+    x: &'a [f32],
+    n: usize,
+    out: OutPtr,
+) -> Job<'a> {
+    let acts = Acts::new(Kind::Nib4, x, n, m.cols, m.group_size);
+    Job {
+        rows: m.rows / ROWS,
+        work_per_row: ROWS * m.cols * n,
+        // SAFETY: `simd` is set only where the CPU has AVX2 and FMA.
+        run: Box::new(move |g0, g1| unsafe {
+            #[cfg(target_arch = "x86_64")]
+            if simd {
+                return avx2::groups_affine(m, &acts, g0, g1, out);
+            }
+            let _ = simd;
+            portable_groups_affine(m, &acts, g0, g1, out)
+        }),
+    }
+}
+
+/// Scatters a row group's `[tokens, 8]` outputs into `out`.
+///
+/// # Safety
+/// `out` holds `n * rows` floats.
+unsafe fn scatter(y: &[f32], n: usize, rows: usize, g: usize, out: OutPtr) {
+    for t in 0..n {
+        for i in 0..ROWS {
+            *out.0.add(t * rows + ROWS * g + i) = y[t * ROWS + i];
+        }
+    }
+}
+
+/// Row groups `g0..g1` by the row-major portable kernel on each group put
+/// back in row order (machines without AVX2; the reference).
 ///
 /// # Safety
 /// `out` holds `a.n * m.rows` floats.
-unsafe fn portable_groups(m: &Mxfp4x8Matrix, a: &Acts, g0: usize, g1: usize, out: OutPtr) {
+unsafe fn portable_groups_affine(m: &Affine4x8Matrix, a: &Acts, g0: usize, g1: usize, out: OutPtr) {
+    let gpr = m.groups_per_row();
+    let mut packed = vec![0u32; ROWS * m.cols / CODES_PER_WORD];
+    let (mut scales, mut biases) = (vec![0.0f32; ROWS * gpr], vec![0.0f32; ROWS * gpr]);
+    let mut y = vec![0.0f32; a.n * ROWS];
+    for g in g0..g1 {
+        m.deinterleave_group(g, &mut packed, &mut scales, &mut biases);
+        let rows = QMatrix {
+            rows: ROWS,
+            cols: m.cols,
+            spec: QuantSpec::affine(4, m.group_size),
+            packed: &packed,
+            scales: ScaleData::F32(&scales),
+            biases: ScaleData::F32(&biases),
+        };
+        chunk_body::<QMatrix, false>(&rows, a, 0, ROWS, OutPtr(y.as_mut_ptr()));
+        scatter(&y, a.n, m.rows, g, out);
+    }
+}
+
+/// [`portable_groups_affine`] for MXFP4.
+///
+/// # Safety
+/// `out` holds `a.n * m.rows` floats.
+unsafe fn portable_groups_mxfp4(m: &Mxfp4x8Matrix, a: &Acts, g0: usize, g1: usize, out: OutPtr) {
     let mut codes = vec![0u32; ROWS * m.cols / CODES_PER_WORD];
     let mut scales = vec![0u8; ROWS * m.cols / BLOCK];
     let mut y = vec![0.0f32; a.n * ROWS];
@@ -53,11 +116,7 @@ unsafe fn portable_groups(m: &Mxfp4x8Matrix, a: &Acts, g0: usize, g1: usize, out
             scales: &scales,
         };
         chunk_body::<Mxfp4Matrix, false>(&rows, a, 0, ROWS, OutPtr(y.as_mut_ptr()));
-        for t in 0..a.n {
-            for i in 0..ROWS {
-                *out.0.add(t * m.rows + ROWS * g + i) = y[t * ROWS + i];
-            }
-        }
+        scatter(&y, a.n, m.rows, g, out);
     }
 }
 
@@ -65,31 +124,70 @@ unsafe fn portable_groups(m: &Mxfp4x8Matrix, a: &Acts, g0: usize, g1: usize, out
 mod avx2 {
     use super::super::avx2::MX_OFFSET;
     use super::{Acts, OutPtr, ROWS};
-    use crate::quant::mxfp4::interleaved::UNIT_CODE_BYTES;
-    use crate::quant::mxfp4::Mxfp4x8Matrix;
+    use crate::quant::interleave::UNIT_CODE_BYTES;
+    use crate::quant::{Affine4x8Matrix, Mxfp4x8Matrix};
     use std::arch::x86_64::*;
 
     /// Software prefetch distance: one stream, a few units ahead.
     const PREFETCH_BYTES: usize = 4096;
 
-    /// Row groups `g0..g1` for every token.
+    /// Row groups `g0..g1` of interleaved MXFP4 for every token.
     ///
     /// # Safety
     /// The CPU has AVX2 and FMA; `out` holds `a.n * m.rows` floats; `m`
     /// was checked and its scales are plain (`interleavable`).
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn groups(m: &Mxfp4x8Matrix, a: &Acts, g0: usize, g1: usize, out: OutPtr) {
+    pub(super) unsafe fn groups_mxfp4(
+        m: &Mxfp4x8Matrix,
+        a: &Acts,
+        g0: usize,
+        g1: usize,
+        out: OutPtr,
+    ) {
         for g in g0..g1 {
             let (codes, scales) = m.group(g);
             for t in 0..a.n {
-                let y = group(codes.as_ptr(), scales.as_ptr(), a, t);
+                let y = group::<true>(codes.as_ptr(), scales.as_ptr(), 1, a, t);
                 _mm256_storeu_ps(out.0.add(t * m.rows + ROWS * g), y);
             }
         }
     }
 
-    /// The eight rows' halved scales of one block: `(s - 1) << 23` as f32
-    /// (what `half_scale_f32` gives for the plain scales 2..=254).
+    /// Row groups `g0..g1` of interleaved affine 4-bit for every token.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA; `out` holds `a.n * m.rows` floats; `m`
+    /// was checked.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn groups_affine(
+        m: &Affine4x8Matrix,
+        a: &Acts,
+        g0: usize,
+        g1: usize,
+        out: OutPtr,
+    ) {
+        let gpr = m.groups_per_row();
+        let upg = m.group_size / 64;
+        for g in g0..g1 {
+            let (codes, params) = m.group(g);
+            let p = params.as_ptr();
+            for t in 0..a.n {
+                let y = group::<false>(codes.as_ptr(), p as *const u8, upg, a, t);
+                // `bias_dot`'s eight chains (group j in chain j % 8) and
+                // tree, for eight rows at once.
+                let xsum = a.xsum.as_ptr().add(t * gpr);
+                let mut b = [_mm256_setzero_ps(); 8];
+                for j in 0..gpr {
+                    let bias = _mm256_loadu_ps(p.add(2 * ROWS * j + ROWS));
+                    b[j % 8] = _mm256_fmadd_ps(bias, _mm256_broadcast_ss(&*xsum.add(j)), b[j % 8]);
+                }
+                _mm256_storeu_ps(out.0.add(t * m.rows + ROWS * g), _mm256_add_ps(y, tree8(b)));
+            }
+        }
+    }
+
+    /// The eight rows' halved MXFP4 scales of one block: `(s - 1) << 23` as
+    /// f32 (what `half_scale_f32` gives for the plain scales 2..=254).
     #[inline(always)]
     unsafe fn half_scales(p: *const u8) -> __m256 {
         let s = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
@@ -99,9 +197,30 @@ mod avx2 {
         ))
     }
 
-    /// One row group, token `t`: lane `i` is row `i`'s output.
+    /// `((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7))`, the contract's
+    /// tree, lane by lane.
     #[inline(always)]
-    unsafe fn group(codes: *const u8, scales: *const u8, a: &Acts, t: usize) -> __m256 {
+    unsafe fn tree8(v: [__m256; 8]) -> __m256 {
+        _mm256_add_ps(
+            _mm256_add_ps(_mm256_add_ps(v[0], v[4]), _mm256_add_ps(v[2], v[6])),
+            _mm256_add_ps(_mm256_add_ps(v[1], v[5]), _mm256_add_ps(v[3], v[7])),
+        )
+    }
+
+    /// One row group, token `t`: lane `i` is row `i`'s `tree8` of the lane
+    /// accumulators. `MX`: MXFP4 codes (by table, offset by 12 and
+    /// corrected) with `params` the group's scale bytes; else unsigned
+    /// affine codes with `params` the group's f32 scales and biases,
+    /// `upg` units per quantization group. (No closures in hot code: a
+    /// closure is compiled without the caller's target features.)
+    #[inline(always)]
+    unsafe fn group<const MX: bool>(
+        codes: *const u8,
+        params: *const u8,
+        upg: usize,
+        a: &Acts,
+        t: usize,
+    ) -> __m256 {
         let low = _mm256_set1_epi8(15);
         let ones = _mm256_set1_epi16(1);
         let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(MX_OFFSET.as_ptr() as *const _));
@@ -114,33 +233,39 @@ mod avx2 {
             let lanes = (t * a.units + u) * 8;
             let dx = a.dxv.as_ptr().add(lanes);
             let corr = a.corr.as_ptr().add(lanes);
-            let s = scales.add(u * 2 * ROWS);
-            let ds0 = _mm256_mul_ps(half_scales(s), _mm256_broadcast_ss(&*dx));
-            let ds1 = _mm256_mul_ps(half_scales(s.add(ROWS)), _mm256_broadcast_ss(&*dx.add(4)));
+            let (s0, s1) = if MX {
+                let s = params.add(u * 2 * ROWS);
+                (half_scales(s), half_scales(s.add(ROWS)))
+            } else {
+                let s = _mm256_loadu_ps((params as *const f32).add(2 * ROWS * (u / upg)));
+                (s, s)
+            };
+            let ds0 = _mm256_mul_ps(s0, _mm256_broadcast_ss(&*dx));
+            let ds1 = _mm256_mul_ps(s1, _mm256_broadcast_ss(&*dx.add(4)));
             for (k, acc) in acc.iter_mut().enumerate() {
                 let p = c.add(32 * k);
                 if k % 2 == 0 {
                     _mm_prefetch(p.wrapping_add(PREFETCH_BYTES) as *const i8, _MM_HINT_T0);
                 }
                 let v = _mm256_loadu_si256(p as *const __m256i);
-                let lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low));
-                let hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+                let mut lo = _mm256_and_si256(v, low);
+                let mut hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                if MX {
+                    lo = _mm256_shuffle_epi8(table, lo);
+                    hi = _mm256_shuffle_epi8(table, hi);
+                }
                 let xl = _mm256_set1_epi32(x.add(k).read_unaligned());
                 let xh = _mm256_set1_epi32(x.add(8 + k).read_unaligned());
                 let s16 =
                     _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
-                let si = _mm256_add_epi32(
-                    _mm256_madd_epi16(s16, ones),
-                    _mm256_set1_epi32(*corr.add(k)),
-                );
+                let mut si = _mm256_madd_epi16(s16, ones);
+                if MX {
+                    si = _mm256_add_epi32(si, _mm256_set1_epi32(*corr.add(k)));
+                }
                 let ds = if k < 4 { ds0 } else { ds1 };
                 *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), ds, *acc);
             }
         }
-        // The contract's tree8, for eight rows at once.
-        _mm256_add_ps(
-            _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6])),
-            _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7])),
-        )
+        tree8(acc)
     }
 }

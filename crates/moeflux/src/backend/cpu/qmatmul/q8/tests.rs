@@ -368,9 +368,58 @@ fn activation_blocks_round_to_127_steps() {
     assert_eq!(Activations::parse("int8"), None);
 }
 
+/// q8 and f32 products of `w` and of its interleaved form `x8`, every
+/// level, one and three tokens, and on three threads: the same bits.
+fn assert_interleaved_agrees(rng: &mut Rng, w: &Weight, x8: &Weight, what: &str) {
+    let (rows, cols) = (w.rows(), w.cols());
+    for n in [1, 3] {
+        let x = activations(rng, n, cols);
+        for level in supported_levels() {
+            let want = run_q8(level, w, &x, n);
+            let got = run_q8(level, x8, &x, n);
+            assert!(bitwise_eq(&got, &want), "{what}, {n} tokens, {level:?}: q8");
+            let (mut a, mut b) = (vec![f32::NAN; n * rows], vec![f32::NAN; n * rows]);
+            matmul_at(level, w, &x, n, &mut a);
+            matmul_at(level, x8, &x, n, &mut b);
+            assert!(bitwise_eq(&a, &b), "{what}, {n} tokens, {level:?}: f32");
+        }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
+        let three = pool.install(|| run_q8(simd_level(), x8, &x, n));
+        assert!(
+            bitwise_eq(&three, &run_q8(simd_level(), w, &x, n)),
+            "{what}: 3 threads"
+        );
+    }
+}
+
+#[test]
+fn interleaved_affine_gives_the_row_major_bits() {
+    use crate::quant::interleave::interleave_affine;
+    let mut rng = Rng(0x5eed_000d);
+    for (rows, cols, gs) in [(8, 64, 64), (24, 384, 128), (40, 2880, 64)] {
+        let w = Owned::affine(&mut rng, rows, cols, 4, gs);
+        let Weight::Quantized(q) = w.weight() else {
+            unreachable!("Owned::affine")
+        };
+        let owned = interleave_affine(&q).unwrap();
+        let x8 = Weight::Affine4x8(owned.view());
+        assert_interleaved_agrees(&mut rng, &w.weight(), &x8, &format!("{rows} x {cols}/{gs}"));
+    }
+    for (bits, gs) in [(4, 32), (8, 64)] {
+        let w = Owned::affine(&mut rng, 8, 128, bits, gs);
+        let Weight::Quantized(q) = w.weight() else {
+            unreachable!("Owned::affine")
+        };
+        assert!(interleave_affine(&q).is_err(), "{bits}-bit, groups of {gs}");
+    }
+}
+
 #[test]
 fn interleaved_mxfp4_gives_the_row_major_bits() {
-    use crate::quant::mxfp4::interleaved::{interleavable, interleave};
+    use crate::quant::interleave::{interleavable, interleave};
     use crate::quant::Mxfp4x8Matrix;
     let mut rng = Rng(0x5eed_000c);
     for (rows, cols) in [(8, 64), (24, 192), (40, 2880)] {
@@ -388,32 +437,6 @@ fn interleaved_mxfp4_gives_the_row_major_bits() {
             codes: &ic,
             scales: &is,
         });
-        for n in [1, 3] {
-            let x = activations(&mut rng, n, cols);
-            for level in supported_levels() {
-                let want = run_q8(level, &w.weight(), &x, n);
-                let got = run_q8(level, &x8, &x, n);
-                assert!(
-                    bitwise_eq(&got, &want),
-                    "{rows} x {cols}, {n} tokens, {level:?}: q8"
-                );
-                let (mut a, mut b) = (vec![f32::NAN; n * rows], vec![f32::NAN; n * rows]);
-                matmul_at(level, &w.weight(), &x, n, &mut a);
-                matmul_at(level, &x8, &x, n, &mut b);
-                assert!(
-                    bitwise_eq(&a, &b),
-                    "{rows} x {cols}, {n} tokens, {level:?}: f32"
-                );
-            }
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(3)
-                .build()
-                .unwrap();
-            let three = pool.install(|| run_q8(simd_level(), &x8, &x, n));
-            assert!(bitwise_eq(
-                &three,
-                &run_q8(simd_level(), &w.weight(), &x, n)
-            ));
-        }
+        assert_interleaved_agrees(&mut rng, &w.weight(), &x8, &format!("{rows} x {cols}"));
     }
 }
