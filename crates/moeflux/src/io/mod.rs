@@ -405,6 +405,17 @@ impl ExpertStore {
         })
     }
 
+    /// Counts experts `ids` of `layer` as read from memory without a fetch
+    /// (a caller that holds copies of them, `backend::cpu::repack`), so the
+    /// statistics still show every expert a step used.
+    pub fn count_held(&self, layer: usize, ids: &[usize]) {
+        if let Some(lf) = self.layer(layer) {
+            for &id in ids.iter().filter(|&&id| id < lf.num_experts) {
+                self.counters.landed(lf, id, true);
+            }
+        }
+    }
+
     /// Whether experts of `layer` are served from a mapping (see
     /// [`ExpertStore::fetch`]); `None` if the layer has no routed experts.
     pub fn is_mapped(&self, layer: usize) -> Option<bool> {

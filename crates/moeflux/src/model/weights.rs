@@ -108,7 +108,7 @@ impl Weights {
                 continue;
             };
             if let Ok(m) = interleave_affine(&q) {
-                bytes += (m.codes.len() + 4 * m.params.len()) as u64;
+                bytes += (m.codes.len() + 2 * m.params.len()) as u64;
                 count += 1;
                 self.interleaved.insert(l.weight.offset, m);
             }

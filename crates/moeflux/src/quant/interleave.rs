@@ -15,14 +15,14 @@
 //!   scales: same bytes). Scales 0, 1 and 255 (the subnormal and NaN
 //!   halves, absent from released checkpoints) are refused, so the kernels
 //!   expand a scale with one shift.
-//! * MLX affine with groups of a multiple of 64 ([`Affine4x8Matrix`]): per
-//!   group, the eight rows' scales and then biases as f32 (exactly the
-//!   values the row-major kernels convert bf16 to).
+//! * MLX affine with bf16 scales and biases in groups of a multiple of 64
+//!   ([`Affine4x8Matrix`]): per group, the eight rows' scales and then
+//!   biases, as bf16.
 //!
 //! Only rows of a multiple of 8 and columns of 64 interleave.
 
 use super::mxfp4::{Mxfp4Matrix, CODES_PER_WORD, GROUP};
-use super::QMatrix;
+use super::{QMatrix, ScaleData};
 use crate::config::QuantSpec;
 
 /// Rows interleaved together.
@@ -202,15 +202,16 @@ impl<'a> Mxfp4x8Matrix<'a> {
 
 /// An interleaved MLX affine 4-bit matrix `[rows, cols]` (layout in the
 /// module docs): `rows * cols / 2` code bytes, `rows * cols / group_size`
-/// scales and as many biases, in f32.
+/// scales and as many biases, in bf16.
 #[derive(Debug, Clone, Copy)]
 pub struct Affine4x8Matrix<'a> {
     pub rows: usize,
     pub cols: usize,
     pub group_size: usize,
     pub codes: &'a [u8],
-    /// Per row group and group: the eight rows' scales, then their biases.
-    pub params: &'a [f32],
+    /// Per row group and group: the eight rows' scales, then their biases
+    /// (bf16 bits).
+    pub params: &'a [u16],
 }
 
 /// An interleaved affine matrix's bytes, owned (made by
@@ -220,7 +221,7 @@ pub struct OwnedAffine4x8 {
     pub cols: usize,
     pub group_size: usize,
     pub codes: Vec<u8>,
-    pub params: Vec<f32>,
+    pub params: Vec<u16>,
 }
 
 impl OwnedAffine4x8 {
@@ -236,9 +237,12 @@ impl OwnedAffine4x8 {
 }
 
 /// `q` interleaved, or why it does not interleave (not 4-bit, groups not
-/// a multiple of 64, or the shape).
+/// a multiple of 64, f32 scales, or the shape).
 pub fn interleave_affine(q: &QMatrix) -> Result<OwnedAffine4x8, String> {
     q.check()?;
+    let (ScaleData::Bf16(scales), ScaleData::Bf16(biases)) = (q.scales, q.biases) else {
+        return Err("f32 scales (interleaving keeps bf16 ones)".into());
+    };
     if q.spec.bits != 4 || !q.spec.group_size.is_multiple_of(UNIT_COLS) {
         return Err(format!(
             "{}-bit codes in groups of {} (interleaving takes 4-bit codes in groups of a multiple of {UNIT_COLS})",
@@ -252,8 +256,8 @@ pub fn interleave_affine(q: &QMatrix) -> Result<OwnedAffine4x8, String> {
     let mut params = Vec::with_capacity(2 * q.rows * gpr);
     for g in 0..q.rows / ROWS {
         for j in 0..gpr {
-            for data in [&q.scales, &q.biases] {
-                params.extend((0..ROWS).map(|i| data.get((ROWS * g + i) * gpr + j)));
+            for data in [scales, biases] {
+                params.extend((0..ROWS).map(|i| data[(ROWS * g + i) * gpr + j]));
             }
         }
     }
@@ -298,7 +302,7 @@ impl<'a> Affine4x8Matrix<'a> {
     }
 
     /// Row group `g`'s code bytes and parameters.
-    pub fn group(&self, g: usize) -> (&'a [u8], &'a [f32]) {
+    pub fn group(&self, g: usize) -> (&'a [u8], &'a [u16]) {
         let (cb, pb) = (ROWS * self.cols / 2, 2 * ROWS * self.groups_per_row());
         (
             &self.codes[g * cb..(g + 1) * cb],
@@ -323,8 +327,8 @@ impl<'a> Affine4x8Matrix<'a> {
         &self,
         g: usize,
         packed: &mut [u32],
-        scales: &mut [f32],
-        biases: &mut [f32],
+        scales: &mut [u16],
+        biases: &mut [u16],
     ) {
         let gpr = self.groups_per_row();
         let (src, params) = self.group(g);
@@ -349,8 +353,14 @@ impl<'a> Affine4x8Matrix<'a> {
         }
         let gpr = self.groups_per_row();
         let mut packed = vec![0u32; ROWS * self.cols / 8];
-        let (mut scales, mut biases) = (vec![0.0f32; ROWS * gpr], vec![0.0f32; ROWS * gpr]);
+        let (mut scales, mut biases) = (vec![0u16; ROWS * gpr], vec![0u16; ROWS * gpr]);
         self.deinterleave_group(r / ROWS, &mut packed, &mut scales, &mut biases);
+        let f32s = |v: &[u16]| {
+            v.iter()
+                .map(|&b| super::affine::bf16_to_f32(b))
+                .collect::<Vec<_>>()
+        };
+        let (scales, biases) = (f32s(&scales), f32s(&biases));
         let i = r % ROWS;
         let wpr = self.cols / 8;
         super::affine::dequantize_row(

@@ -255,6 +255,8 @@ pub fn forward(
     }
 
     if let Some(mem) = resident {
+        let held: Vec<usize> = users.keys().copied().collect();
+        run.store.count_held(b.layer, &held);
         for (&e, slots) in &users {
             let bytes = mem
                 .expert(b.layer, e)

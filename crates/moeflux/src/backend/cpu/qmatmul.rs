@@ -389,7 +389,7 @@ fn affine8matmul<'a>(
             let out = out; // the whole pointer wrapper (Sync), not its field
             let gpr = m.groups_per_row();
             let mut packed = vec![0u32; ROWS * m.cols / 8];
-            let (mut scales, mut biases) = (vec![0.0f32; ROWS * gpr], vec![0.0f32; ROWS * gpr]);
+            let (mut scales, mut biases) = (vec![0u16; ROWS * gpr], vec![0u16; ROWS * gpr]);
             let mut y = vec![0.0f32; n * ROWS];
             for g in g0..g1 {
                 m.deinterleave_group(g, &mut packed, &mut scales, &mut biases);
@@ -398,18 +398,28 @@ fn affine8matmul<'a>(
                     cols: m.cols,
                     spec: crate::config::QuantSpec::affine(4, m.group_size),
                     packed: &packed,
-                    scales: ScaleData::F32(&scales),
-                    biases: ScaleData::F32(&biases),
+                    scales: ScaleData::Bf16(&scales),
+                    biases: ScaleData::Bf16(&biases),
                 };
                 (qmatmul(level, &rows, x, n, OutPtr(y.as_mut_ptr())).run)(0, ROWS);
-                for t in 0..n {
-                    for i in 0..ROWS {
-                        // SAFETY: `job` checked that `out` holds n * rows floats.
-                        unsafe { *out.0.add(t * m.rows + ROWS * g + i) = y[t * ROWS + i] };
-                    }
-                }
+                // SAFETY: `job` checked that `out` holds n * rows floats.
+                unsafe { scatter_group(&y, n, m.rows, g, out) };
             }
         }),
+    }
+}
+
+/// Writes row group `g`'s outputs `y` (`[n, 8]`) into `out` (`[n, rows]`)
+/// for the kernels of interleaved matrices.
+///
+/// # Safety
+/// `out` holds `n * rows` floats.
+unsafe fn scatter_group(y: &[f32], n: usize, rows: usize, g: usize, out: OutPtr) {
+    const ROWS: usize = crate::quant::interleave::ROWS;
+    for t in 0..n {
+        for i in 0..ROWS {
+            *out.0.add(t * rows + ROWS * g + i) = y[t * ROWS + i];
+        }
     }
 }
 

@@ -81,12 +81,8 @@ pub(super) fn mx8matmul<'a>(
                     scales: &scales,
                 };
                 (mxmatmul(level, &rows, x, n, OutPtr(y.as_mut_ptr())).run)(0, ROWS);
-                for t in 0..n {
-                    for i in 0..ROWS {
-                        // SAFETY: `job` checked that `out` holds n * rows floats.
-                        unsafe { *out.0.add(t * m.rows + ROWS * g + i) = y[t * ROWS + i] };
-                    }
-                }
+                // SAFETY: `job` checked that `out` holds n * rows floats.
+                unsafe { super::scatter_group(&y, n, m.rows, g, out) };
             }
         }),
     }

@@ -7,6 +7,7 @@
 //! group's biases another), and the matrix one sequential stream.
 
 use super::{chunk_body, Acts, Kind, BLOCK};
+use crate::backend::cpu::qmatmul::scatter_group;
 use crate::backend::cpu::qmatmul::{Job, OutPtr};
 use crate::quant::interleave::ROWS;
 use crate::quant::mxfp4::{Mxfp4Matrix, CODES_PER_WORD, GROUP};
@@ -62,18 +63,6 @@ pub(super) fn job_affine<'a>(
     }
 }
 
-/// Scatters a row group's `[tokens, 8]` outputs into `out`.
-///
-/// # Safety
-/// `out` holds `n * rows` floats.
-unsafe fn scatter(y: &[f32], n: usize, rows: usize, g: usize, out: OutPtr) {
-    for t in 0..n {
-        for i in 0..ROWS {
-            *out.0.add(t * rows + ROWS * g + i) = y[t * ROWS + i];
-        }
-    }
-}
-
 /// Row groups `g0..g1` by the row-major portable kernel on each group put
 /// back in row order (machines without AVX2; the reference).
 ///
@@ -82,7 +71,7 @@ unsafe fn scatter(y: &[f32], n: usize, rows: usize, g: usize, out: OutPtr) {
 unsafe fn portable_groups_affine(m: &Affine4x8Matrix, a: &Acts, g0: usize, g1: usize, out: OutPtr) {
     let gpr = m.groups_per_row();
     let mut packed = vec![0u32; ROWS * m.cols / CODES_PER_WORD];
-    let (mut scales, mut biases) = (vec![0.0f32; ROWS * gpr], vec![0.0f32; ROWS * gpr]);
+    let (mut scales, mut biases) = (vec![0u16; ROWS * gpr], vec![0u16; ROWS * gpr]);
     let mut y = vec![0.0f32; a.n * ROWS];
     for g in g0..g1 {
         m.deinterleave_group(g, &mut packed, &mut scales, &mut biases);
@@ -91,11 +80,11 @@ unsafe fn portable_groups_affine(m: &Affine4x8Matrix, a: &Acts, g0: usize, g1: u
             cols: m.cols,
             spec: QuantSpec::affine(4, m.group_size),
             packed: &packed,
-            scales: ScaleData::F32(&scales),
-            biases: ScaleData::F32(&biases),
+            scales: ScaleData::Bf16(&scales),
+            biases: ScaleData::Bf16(&biases),
         };
         chunk_body::<QMatrix, false>(&rows, a, 0, ROWS, OutPtr(y.as_mut_ptr()));
-        scatter(&y, a.n, m.rows, g, out);
+        scatter_group(&y, a.n, m.rows, g, out);
     }
 }
 
@@ -116,7 +105,7 @@ unsafe fn portable_groups_mxfp4(m: &Mxfp4x8Matrix, a: &Acts, g0: usize, g1: usiz
             scales: &scales,
         };
         chunk_body::<Mxfp4Matrix, false>(&rows, a, 0, ROWS, OutPtr(y.as_mut_ptr()));
-        scatter(&y, a.n, m.rows, g, out);
+        scatter_group(&y, a.n, m.rows, g, out);
     }
 }
 
@@ -178,7 +167,7 @@ mod avx2 {
                 let xsum = a.xsum.as_ptr().add(t * gpr);
                 let mut b = [_mm256_setzero_ps(); 8];
                 for j in 0..gpr {
-                    let bias = _mm256_loadu_ps(p.add(2 * ROWS * j + ROWS));
+                    let bias = bf16x8(p.add(2 * ROWS * j + ROWS));
                     b[j % 8] = _mm256_fmadd_ps(bias, _mm256_broadcast_ss(&*xsum.add(j)), b[j % 8]);
                 }
                 _mm256_storeu_ps(out.0.add(t * m.rows + ROWS * g), _mm256_add_ps(y, tree8(b)));
@@ -197,6 +186,13 @@ mod avx2 {
         ))
     }
 
+    /// Eight bf16 values as f32 (exact: the bits shifted into place).
+    #[inline(always)]
+    unsafe fn bf16x8(p: *const u16) -> __m256 {
+        let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
+        _mm256_castsi256_ps(_mm256_slli_epi32(h, 16))
+    }
+
     /// `((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7))`, the contract's
     /// tree, lane by lane.
     #[inline(always)]
@@ -210,7 +206,7 @@ mod avx2 {
     /// One row group, token `t`: lane `i` is row `i`'s `tree8` of the lane
     /// accumulators. `MX`: MXFP4 codes (by table, offset by 12 and
     /// corrected) with `params` the group's scale bytes; else unsigned
-    /// affine codes with `params` the group's f32 scales and biases,
+    /// affine codes with `params` the group's bf16 scales and biases,
     /// `upg` units per quantization group. (No closures in hot code: a
     /// closure is compiled without the caller's target features.)
     #[inline(always)]
@@ -237,7 +233,7 @@ mod avx2 {
                 let s = params.add(u * 2 * ROWS);
                 (half_scales(s), half_scales(s.add(ROWS)))
             } else {
-                let s = _mm256_loadu_ps((params as *const f32).add(2 * ROWS * (u / upg)));
+                let s = bf16x8((params as *const u16).add(2 * ROWS * (u / upg)));
                 (s, s)
             };
             let ds0 = _mm256_mul_ps(s0, _mm256_broadcast_ss(&*dx));

@@ -399,16 +399,38 @@ fn assert_interleaved_agrees(rng: &mut Rng, w: &Weight, x8: &Weight, what: &str)
 fn interleaved_affine_gives_the_row_major_bits() {
     use crate::quant::interleave::interleave_affine;
     let mut rng = Rng(0x5eed_000d);
+    let bf16 = |v: &[f32]| {
+        v.iter()
+            .map(|&x| affine::round_to_bf16(x))
+            .collect::<Vec<u16>>()
+    };
     for (rows, cols, gs) in [(8, 64, 64), (24, 384, 128), (40, 2880, 64)] {
-        let w = Owned::affine(&mut rng, rows, cols, 4, gs);
-        let Weight::Quantized(q) = w.weight() else {
+        let Owned::Affine {
+            spec,
+            packed,
+            scales,
+            biases,
+            ..
+        } = Owned::affine(&mut rng, rows, cols, 4, gs)
+        else {
             unreachable!("Owned::affine")
+        };
+        let (scales, biases) = (bf16(&scales), bf16(&biases));
+        let q = QMatrix {
+            rows,
+            cols,
+            spec,
+            packed: &packed,
+            scales: ScaleData::Bf16(&scales),
+            biases: ScaleData::Bf16(&biases),
         };
         let owned = interleave_affine(&q).unwrap();
         let x8 = Weight::Affine4x8(owned.view());
-        assert_interleaved_agrees(&mut rng, &w.weight(), &x8, &format!("{rows} x {cols}/{gs}"));
+        let what = format!("{rows} x {cols}/{gs}");
+        assert_interleaved_agrees(&mut rng, &Weight::Quantized(q), &x8, &what);
     }
-    for (bits, gs) in [(4, 32), (8, 64)] {
+    // Groups of 32, 8-bit codes and f32 scales stay as they are.
+    for (bits, gs) in [(4, 32), (8, 64), (4, 64)] {
         let w = Owned::affine(&mut rng, 8, 128, bits, gs);
         let Weight::Quantized(q) = w.weight() else {
             unreachable!("Owned::affine")
