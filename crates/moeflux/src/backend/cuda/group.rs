@@ -260,10 +260,11 @@ impl CudaGroup {
         )
         .swap_remove(d.rank);
         let ep = Some(Ep { shard, comm });
-        let m = CudaModel::new_in_group(gpu, model, store, opts, ep, &mut None).inspect_err(|_| {
-            // Tell the peers now (they may wait in their first step).
-            watchdog.fail()
-        })?;
+        let m =
+            CudaModel::new_in_group(gpu, model, store, opts, ep, &mut None).inspect_err(|_| {
+                // Tell the peers now (they may wait in their first step).
+                watchdog.fail()
+            })?;
         Ok(CudaGroup {
             ranks: vec![m],
             aborters,
@@ -525,7 +526,9 @@ fn init_rank_watched(gpu: &Gpu, id: &[u8; 128], d: &DistInit, w: &Watchdog) -> R
         match rx.recv_timeout(std::time::Duration::from_millis(50)) {
             Ok(r) => return r,
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-                return Err(Error::Gpu("NCCL's init thread ended without an answer".into()))
+                return Err(Error::Gpu(
+                    "NCCL's init thread ended without an answer".into(),
+                ))
             }
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
         }

@@ -80,12 +80,7 @@ pub struct Link {
 /// Runs the rendezvous within `timeout`: rank 0 serves `id` and `seed` to
 /// the other `world - 1` ranks; the others fetch them (retrying the
 /// connection until rank 0 listens).
-pub fn join(
-    d: &DistInit,
-    id: [u8; 128],
-    seed: u64,
-    timeout: Duration,
-) -> Result<(Joined, Link)> {
+pub fn join(d: &DistInit, id: [u8; 128], seed: u64, timeout: Duration) -> Result<(Joined, Link)> {
     let deadline = Instant::now() + timeout;
     if d.rank == 0 {
         serve(d, Joined { id, seed }, deadline)
@@ -196,7 +191,12 @@ fn fetch(d: &DistInit, deadline: Instant) -> Result<(Joined, Link)> {
     id.copy_from_slice(&reply[8..136]);
     let seed = u64::from_le_bytes(reply[136..144].try_into().expect("8 bytes"));
     s.set_read_timeout(None).map_err(io)?;
-    Ok((Joined { id, seed }, Link { peers: vec![(0, s)] }))
+    Ok((
+        Joined { id, seed },
+        Link {
+            peers: vec![(0, s)],
+        },
+    ))
 }
 
 #[cfg(test)]

@@ -10,7 +10,12 @@
 //! that ends during a step may have finished its part of it (a clean exit
 //! after the last step races with its peers' end of that step), so the
 //! step is given `grace` to finish on its own; still running then, it
-//! is aborted (the communicator's abort makes NCCL's kernels give up).
+//! is aborted (the communicator's abort makes NCCL's kernels give up). NCCL's
+//! abort can itself hang when a peer on the same host died (it frees memory
+//! the peer mapped), and a kernel that missed the abort keeps the step
+//! waiting: a step still running [`ABORT_WAIT`] after the abort ends the
+//! process, the reason printed, as PyTorch's NCCL watchdog tears its
+//! process down; nothing else can unblock it.
 //! Rank 0 holds a connection to every rank and the others one to rank 0,
 //! so a loss reaches every rank through rank 0's own exit.
 //!
@@ -31,6 +36,9 @@ use super::rendezvous::{DistInit, Link};
 /// races with the end of the last step; the local work left after the last
 /// all-reduce, the LM head, takes well under this).
 pub const PEER_GRACE: Duration = Duration::from_secs(10);
+
+/// How long an aborted step may take to end before the process is ended.
+pub const ABORT_WAIT: Duration = Duration::from_secs(5);
 
 type AbortFn = Arc<dyn Fn() + Send + Sync>;
 
@@ -65,7 +73,10 @@ impl Watchdog {
     /// rank `d.rank`).
     pub fn start(link: Link, d: &DistInit, grace: Duration) -> std::io::Result<Watchdog> {
         let state = Arc::new(Mutex::new(State::default()));
-        let who = format!("--dist-init tcp://{} (rank {} of {})", d.addr, d.rank, d.world);
+        let who = format!(
+            "--dist-init tcp://{} (rank {} of {})",
+            d.addr, d.rank, d.world
+        );
         let mut socks = Vec::new();
         for (rank, s) in link.peers {
             socks.push(s.try_clone()?);
@@ -74,9 +85,10 @@ impl Watchdog {
                 .map_or_else(|_| "?".to_string(), |a| a.to_string());
             let why = format!("rank {rank} ({peer}) left the group: it exited or failed");
             let state = state.clone();
+            let who = who.clone();
             std::thread::Builder::new()
                 .name(format!("moeflux-watch-{rank}"))
-                .spawn(move || watch(s, why, &state, grace))?;
+                .spawn(move || watch(s, why, &who, &state, grace))?;
         }
         Ok(Watchdog { state, socks, who })
     }
@@ -141,7 +153,7 @@ impl Drop for Watchdog {
 
 /// One connection's thread: waits for its end, then records the loss and,
 /// when a step is running, aborts it unless it ends within `grace`.
-fn watch(mut s: TcpStream, why: String, state: &Mutex<State>, grace: Duration) {
+fn watch(mut s: TcpStream, why: String, who: &str, state: &Mutex<State>, grace: Duration) {
     let mut byte = [0u8; 64];
     // Peers send nothing after the rendezvous; any bytes are ignored.
     while let Ok(1..) = s.read(&mut byte) {}
@@ -150,7 +162,7 @@ fn watch(mut s: TcpStream, why: String, state: &Mutex<State>, grace: Duration) {
         if st.closing {
             return;
         }
-        st.gone.get_or_insert(why);
+        st.gone.get_or_insert(why.clone());
         if !st.in_step {
             return;
         }
@@ -170,12 +182,26 @@ fn watch(mut s: TcpStream, why: String, state: &Mutex<State>, grace: Duration) {
             st.aborted = true;
             st.abort.clone()
         };
-        // Outside the lock: NCCL's abort may take a while.
+        // On a thread of its own: NCCL's abort may hang (above).
         if let Some(f) = abort {
-            f();
+            let _ = std::thread::Builder::new()
+                .name("moeflux-nccl-abort".into())
+                .spawn(move || f());
         }
-        return;
+        break;
     }
+    let end = Instant::now() + ABORT_WAIT;
+    while Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(20));
+        let st = lock(state);
+        if !st.in_step || st.steps != step || st.closing {
+            return;
+        }
+    }
+    eprintln!("moeflux: {who}: {why}; this rank's step could not be aborted, so the process exits");
+    // SAFETY: ends the process at once; atexit handlers are skipped, since
+    // the driver's may wait on the hung step.
+    unsafe { libc::_exit(1) }
 }
 
 #[cfg(test)]
