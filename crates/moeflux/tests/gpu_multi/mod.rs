@@ -3,8 +3,10 @@
 //! goldens: every family's fixtures (batch, incremental, prefill+decode),
 //! synthetic models through evicting caches, the host tier, prefetch and
 //! host-computed experts, snapshots that move to one GPU and the CPU, and
-//! exact truncation. Skipped, with a message, where fewer than two GPUs
-//! exist.
+//! exact truncation; decode steps replayed as CUDA graphs against eager
+//! ones; two processes joined by `--dist-init` against one process, and
+//! a rank that is killed or cannot open its model stopping the other.
+//! Skipped, with a message, where fewer than two GPUs exist.
 
 use moeflux::backend::cuda::{CachePolicy, GpuSelection};
 use moeflux::session::Prefetch;
