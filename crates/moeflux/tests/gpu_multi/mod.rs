@@ -3,8 +3,10 @@
 //! goldens: every family's fixtures (batch, incremental, prefill+decode),
 //! synthetic models through evicting caches, the host tier, prefetch and
 //! host-computed experts, snapshots that move to one GPU and the CPU, and
-//! exact truncation. Skipped, with a message, where fewer than two GPUs
-//! exist.
+//! exact truncation; decode steps replayed as CUDA graphs against eager
+//! ones; two processes joined by `--dist-init` against one process, and
+//! a rank that is killed or cannot open its model stopping the other.
+//! Skipped, with a message, where fewer than two GPUs exist.
 
 use moeflux::backend::cuda::{CachePolicy, GpuSelection};
 use moeflux::session::Prefetch;
@@ -243,5 +245,342 @@ fn a_missing_gpu_is_named() {
     assert!(
         e.to_string().contains(&format!("there is no GPU {n}")),
         "{e}"
+    );
+}
+
+/// Decode steps of two GPUs replayed as CUDA graphs (NCCL's all-reduces
+/// captured with the kernels, the default) give exactly the eager steps'
+/// logits, across KV-cache growth and `clear`; and through an evicting
+/// cache (never graphed: not every expert resident) graphs on and off
+/// agree too.
+#[test]
+#[ignore]
+fn two_gpus_graph_decode_equals_eager_decode() {
+    if !two_gpus() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("synth");
+    super::synth_model(&dir);
+    let (experts, extent) = {
+        let one = gpu(&dir);
+        let store = one.expert_store();
+        let extent = store.extent_bytes(store.layers().next().unwrap());
+        (one.config().moe.num_experts, extent)
+    };
+    // Per GPU: a layer's half of the experts and a few, so every layer
+    // evicts.
+    let small = Some(((experts.div_ceil(2) + 4) * extent) as u64);
+    for gpu_memory in [None, small] {
+        let open = |graphs: bool| {
+            two(
+                &dir,
+                SessionOptions {
+                    cuda_graphs: graphs,
+                    gpu_memory,
+                    ..Default::default()
+                },
+            )
+        };
+        let (mut eager, mut graph) = (open(false), open(true));
+        let toks = random_tokens(150, eager.vocab_size());
+        for round in 0..2 {
+            eager.clear();
+            graph.clear();
+            let n = if round == 0 { toks.len() } else { 20 };
+            for (i, &t) in toks[..n].iter().enumerate() {
+                let a = eager.eval(&[t], LogitsMode::Last).unwrap();
+                let b = graph.eval(&[t], LogitsMode::Last).unwrap();
+                assert_eq!(
+                    a, b,
+                    "cache {gpu_memory:?}, round {round}, token {i}: 2-GPU graph replay differs"
+                );
+            }
+        }
+        let replayed = graph.times().gpu_graph > std::time::Duration::ZERO;
+        assert_eq!(
+            replayed,
+            gpu_memory.is_none(),
+            "cache {gpu_memory:?}: graphs replayed: {replayed}"
+        );
+        assert_eq!(eager.times().gpu_graph, std::time::Duration::ZERO);
+    }
+}
+
+// Two processes, one GPU each, joined by `--dist-init` (`DistInit`): the
+// test executable runs itself again as each rank, the child's role in
+// these variables (`dist_rank_child` does nothing without them).
+const CHILD_RANK: &str = "MOEFLUX_TEST_DIST_RANK";
+const CHILD_URL: &str = "MOEFLUX_TEST_DIST_URL";
+const CHILD_MODEL: &str = "MOEFLUX_TEST_DIST_MODEL";
+const CHILD_TOKENS: &str = "MOEFLUX_TEST_DIST_TOKENS";
+const CHILD_OUT: &str = "MOEFLUX_TEST_DIST_OUT";
+/// After this many one-token steps the child writes `OUT.stop` and
+/// waits; the parent then kills it (SIGKILL: a crash, without the core
+/// dump an abort may spend minutes writing while its sockets stay open).
+const CHILD_KILL_AFTER: &str = "MOEFLUX_TEST_DIST_KILL_AFTER";
+/// A child's exit status when an eval or the open failed (its error in
+/// `OUT.err`).
+const CHILD_FAILED: i32 = 3;
+
+/// One rank of a two-process group, when run as a child: the tokens in one
+/// batch (every row's logits), then one at a time after `clear`, written
+/// to `OUT` as little-endian f32.
+#[test]
+#[ignore]
+fn dist_rank_child() {
+    let Ok(rank) = std::env::var(CHILD_RANK) else {
+        return; // not a child: only the tests below run it
+    };
+    let var = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("{k} unset"));
+    let out = std::path::PathBuf::from(var(CHILD_OUT));
+    let fail = |e: moeflux::Error| -> ! {
+        std::fs::write(out.with_extension("err"), e.to_string()).unwrap();
+        std::process::exit(CHILD_FAILED)
+    };
+    let toks: Vec<u32> = var(CHILD_TOKENS)
+        .split(',')
+        .map(|t| t.parse().unwrap())
+        .collect();
+    let kill_after: Option<usize> = std::env::var(CHILD_KILL_AFTER)
+        .ok()
+        .map(|n| n.parse().unwrap());
+    let dist = moeflux::session::DistInit::new(&var(CHILD_URL), rank.parse().unwrap(), 2).unwrap();
+    let mut s = Session::open(
+        std::path::Path::new(&var(CHILD_MODEL)),
+        SessionOptions {
+            backend: Backend::Cuda,
+            dist: Some(dist),
+            ..Default::default()
+        },
+    )
+    .unwrap_or_else(|e| fail(e));
+    let mut logits = s.eval(&toks, LogitsMode::All).unwrap_or_else(|e| fail(e));
+    s.clear();
+    let t0 = std::time::Instant::now();
+    for (i, &t) in toks.iter().enumerate() {
+        if kill_after == Some(i) {
+            std::fs::write(out.with_extension("stop"), b"").unwrap();
+            loop {
+                std::thread::sleep(std::time::Duration::from_secs(1));
+            }
+        }
+        eprintln!("rank {rank}: step {i} at {:?}", t0.elapsed());
+        logits.extend(s.eval(&[t], LogitsMode::Last).unwrap_or_else(|e| fail(e)));
+    }
+    let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
+    std::fs::write(&out, bytes).unwrap();
+}
+
+/// A finished child rank: its exit status, the logits it wrote, its error.
+struct Child {
+    status: std::process::ExitStatus,
+    logits: Option<Vec<f32>>,
+    error: Option<String>,
+    /// Its stdout and stderr.
+    log: String,
+}
+
+/// Runs ranks 0 and 1 on GPUs 0 and 1 (each child's role from `env(rank)`)
+/// over `dir`'s model and `toks`, joined on a free local port; both must
+/// end within `limit`.
+fn run_two_ranks(
+    tmp: &std::path::Path,
+    dir: &std::path::Path,
+    toks: &[u32],
+    env: impl Fn(usize) -> Vec<(&'static str, String)>,
+    limit: std::time::Duration,
+) -> (Vec<Child>, std::time::Duration) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let exe = std::env::current_exe().unwrap();
+    let toks: Vec<String> = toks.iter().map(|t| t.to_string()).collect();
+    let start = std::time::Instant::now();
+    let mut procs: Vec<_> = (0..2)
+        .map(|rank| {
+            let out = tmp.join(format!("rank{rank}.f32"));
+            let log = std::fs::File::create(tmp.join(format!("rank{rank}.log"))).unwrap();
+            let mut c = std::process::Command::new(&exe);
+            c.args(["gpu_multi::dist_rank_child", "--exact", "--ignored"])
+                .args(["--nocapture", "--test-threads=1"])
+                .env(CHILD_RANK, rank.to_string())
+                .env(CHILD_URL, format!("tcp://127.0.0.1:{port}"))
+                .env(CHILD_MODEL, dir)
+                .env(CHILD_TOKENS, toks.join(","))
+                .env(CHILD_OUT, &out)
+                .stdout(log.try_clone().unwrap())
+                .stderr(log);
+            for (k, v) in env(rank) {
+                c.env(k, v);
+            }
+            c.spawn().unwrap()
+        })
+        .collect();
+    let mut statuses = vec![None; 2];
+    while statuses.iter().any(Option::is_none) {
+        if start.elapsed() > limit {
+            for (rank, p) in procs.iter_mut().enumerate() {
+                let _ = p.kill();
+                let log = std::fs::read_to_string(tmp.join(format!("rank{rank}.log")));
+                let err = std::fs::read_to_string(tmp.join(format!("rank{rank}.err")));
+                eprintln!(
+                    "--- rank {rank}, killed ({}):\n{}",
+                    err.unwrap_or_default(),
+                    log.unwrap_or_default()
+                );
+            }
+            panic!("the two ranks did not end within {limit:?}");
+        }
+        for (rank, (p, s)) in procs.iter_mut().zip(&mut statuses).enumerate() {
+            if s.is_none() {
+                if tmp.join(format!("rank{rank}.stop")).exists() {
+                    p.kill().unwrap();
+                }
+                *s = p.try_wait().unwrap();
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let took = start.elapsed();
+    let children = statuses
+        .into_iter()
+        .enumerate()
+        .map(|(rank, status)| {
+            let out = tmp.join(format!("rank{rank}.f32"));
+            let log = std::fs::read_to_string(tmp.join(format!("rank{rank}.log"))).unwrap();
+            eprintln!("--- rank {rank}: {status:?}\n{log}");
+            Child {
+                status: status.unwrap(),
+                logits: std::fs::read(&out).ok().map(|b| {
+                    b.chunks_exact(4)
+                        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                        .collect()
+                }),
+                error: std::fs::read_to_string(out.with_extension("err")).ok(),
+                log,
+            }
+        })
+        .collect();
+    (children, took)
+}
+
+const NO_ENV: fn(usize) -> Vec<(&'static str, String)> = |_| Vec::new();
+
+/// Two processes, one GPU each, give exactly the logits of one process on
+/// the same two GPUs, in one batch and one token at a time, on both ranks.
+#[test]
+#[ignore]
+fn two_processes_match_one_process_on_two_gpus() {
+    if !two_gpus() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("synth");
+    super::synth_model(&dir);
+    let mut one = two_default(&dir);
+    let vocab = one.vocab_size();
+    let toks = random_tokens(24, vocab);
+    let mut want = one.eval(&toks, LogitsMode::All).unwrap();
+    one.clear();
+    want.extend(one_token_at_a_time(&mut one, &toks));
+    drop(one);
+    let limit = std::time::Duration::from_secs(90);
+    let (children, _) = run_two_ranks(tmp.path(), &dir, &toks, NO_ENV, limit);
+    for (rank, c) in children.iter().enumerate() {
+        assert!(
+            c.status.success(),
+            "rank {rank}: {:?} {:?}",
+            c.status,
+            c.error
+        );
+        let got = c.logits.as_ref().expect("logits written");
+        assert_eq!(got.len(), want.len(), "rank {rank}");
+        let batch = toks.len() * vocab;
+        assert!(
+            got[..batch] == want[..batch],
+            "rank {rank}: batch logits differ from one process's"
+        );
+        assert!(
+            got[batch..] == want[batch..],
+            "rank {rank}: one-token logits differ from one process's"
+        );
+    }
+}
+
+fn one_vocab(dir: &std::path::Path) -> usize {
+    gpu(dir).vocab_size()
+}
+
+/// A rank killed mid-run: the other fails within the watchdog's grace
+/// (and `ABORT_WAIT`), naming the rank gone, instead of waiting on its
+/// all-reduce forever.
+#[test]
+#[ignore]
+fn a_rank_that_is_killed_stops_the_other() {
+    if !two_gpus() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("synth");
+    super::synth_model(&dir);
+    let toks = random_tokens(24, one_vocab(&dir));
+    let env = |rank: usize| match rank {
+        1 => vec![(CHILD_KILL_AFTER, "5".to_string())],
+        _ => Vec::new(),
+    };
+    let limit = std::time::Duration::from_secs(60);
+    let (children, took) = run_two_ranks(tmp.path(), &dir, &toks, env, limit);
+    eprintln!("rank 0 stopped after {took:?}");
+    assert!(!children[1].status.success());
+    // Its step fails with the error, or, where NCCL's abort cannot end the
+    // step, the watchdog prints it and ends the process.
+    let c = &children[0];
+    assert!(!c.status.success(), "rank 0: {:?}", c.status);
+    let said = format!("{}{}", c.error.as_deref().unwrap_or(""), c.log);
+    assert!(
+        said.contains("rank 1 (") && said.contains("left the group"),
+        "{said}"
+    );
+}
+
+/// A rank that cannot open its model never joins: the other gives up at
+/// the rendezvous's timeout, naming the missing rank.
+#[test]
+#[ignore]
+fn a_rank_with_a_bad_model_path_times_out_the_other() {
+    if !two_gpus() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("synth");
+    super::synth_model(&dir);
+    let toks = random_tokens(4, one_vocab(&dir));
+    let missing = tmp.path().join("no-such-model");
+    let env = |rank: usize| {
+        let mut v = vec![("MOEFLUX_DIST_TIMEOUT", "5".to_string())];
+        if rank == 1 {
+            v.push((CHILD_MODEL, missing.display().to_string()));
+        }
+        v
+    };
+    let limit = std::time::Duration::from_secs(45);
+    let (children, _) = run_two_ranks(tmp.path(), &dir, &toks, env, limit);
+    for (rank, c) in children.iter().enumerate() {
+        assert_eq!(
+            c.status.code(),
+            Some(CHILD_FAILED),
+            "rank {rank}: {:?}",
+            c.error
+        );
+    }
+    let e1 = children[1].error.as_deref().unwrap();
+    assert!(e1.contains("no-such-model"), "{e1}");
+    let e0 = children[0].error.as_deref().unwrap();
+    assert!(
+        e0.contains("timed out waiting for ranks") && e0.contains(": 1"),
+        "{e0}"
     );
 }

@@ -23,6 +23,7 @@ use super::rendezvous::{self, DistInit};
 use super::shard::Shard;
 use super::state::GpuState;
 use super::support;
+use super::watchdog::{Watchdog, PEER_GRACE};
 
 /// The GPUs a session runs on.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -126,6 +127,8 @@ pub struct CudaGroup {
     broken: Option<String>,
     /// In a group of processes: rank 0's seed, the same in every process.
     shared_seed: Option<u64>,
+    /// In a group of processes: notices a peer that is gone.
+    watchdog: Option<Watchdog>,
 }
 
 /// How long a process waits for the others at `--dist-init`
@@ -190,6 +193,7 @@ impl CudaGroup {
                 aborters: Vec::new(),
                 broken: None,
                 shared_seed: None,
+                watchdog: None,
             });
         }
         let ordinals: Vec<usize> = gpus.iter().map(|g| g.info.ordinal).collect();
@@ -216,6 +220,7 @@ impl CudaGroup {
             aborters,
             broken: None,
             shared_seed: None,
+            watchdog: None,
         })
     }
 
@@ -240,10 +245,13 @@ impl CudaGroup {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|t| t.as_nanos() as u64)
             .unwrap_or(0);
-        let joined = rendezvous::join(d, id, seed, dist_timeout())?;
-        gpu.bind()?;
-        let comm = Comm::init_rank(&UniqueId { bytes: joined.id }, d.rank, d.world)?;
+        let (joined, link) = rendezvous::join(d, id, seed, dist_timeout())?;
+        let watchdog = Watchdog::start(link, d, PEER_GRACE)
+            .map_err(|e| Error::Gpu(format!("--dist-init: cannot watch the peers: {e}")))?;
+        let comm = init_rank_watched(&gpu, &joined.id, d, &watchdog)?;
         let aborters = vec![comm.aborter()];
+        let abort = aborters.clone();
+        watchdog.on_abort(move || Aborter::abort(&abort));
         let shard = Shard::balanced(
             &moe_extents(model),
             model.layers.len(),
@@ -252,12 +260,17 @@ impl CudaGroup {
         )
         .swap_remove(d.rank);
         let ep = Some(Ep { shard, comm });
-        let m = CudaModel::new_in_group(gpu, model, store, opts, ep, &mut None)?;
+        let m =
+            CudaModel::new_in_group(gpu, model, store, opts, ep, &mut None).inspect_err(|_| {
+                // Tell the peers now (they may wait in their first step).
+                watchdog.fail()
+            })?;
         Ok(CudaGroup {
             ranks: vec![m],
             aborters,
             broken: None,
             shared_seed: Some(joined.seed),
+            watchdog: Some(watchdog),
         })
     }
 
@@ -388,12 +401,22 @@ impl CudaGroup {
         }
         if world == 1 {
             let segs = per_rank.pop().expect("one rank");
+            if let Some(w) = &self.watchdog {
+                if let Err(why) = w.begin_step() {
+                    self.stop_rank(&why);
+                    return Err(Error::Gpu(why));
+                }
+            }
             let out = self.ranks[0].forward(model, store, pool, k, tokens, segs, times, trace);
+            // A peer gone during the step voids it, whatever it returned.
+            if let Some(why) = self.watchdog.as_ref().and_then(Watchdog::end_step) {
+                self.stop_rank(&why);
+                return Err(Error::Gpu(why));
+            }
             if let Err(e) = &out {
                 if !self.aborters.is_empty() {
                     // One rank of several processes: stop this one's part.
-                    Aborter::abort(&self.aborters);
-                    self.broken = Some(e.to_string());
+                    self.stop_rank(&e.to_string());
                 }
             }
             return out;
@@ -465,6 +488,65 @@ impl CudaGroup {
             self.ranks[pick].gpu().info.ordinal
         ));
         Err(err)
+    }
+}
+
+impl CudaGroup {
+    /// One rank of several processes stops: its communicator aborted, its
+    /// peers told (its connections closed), further steps refused.
+    fn stop_rank(&mut self, why: &str) {
+        Aborter::abort(&self.aborters);
+        if let Some(w) = &self.watchdog {
+            w.fail();
+        }
+        self.broken = Some(why.to_string());
+    }
+}
+
+/// `Comm::init_rank` on a thread of its own, bound to `gpu`: NCCL's init
+/// waits for every rank with no timeout, so the caller gives up when the
+/// watchdog says a peer is gone or the rendezvous's timeout passes (the
+/// thread is left blocked; the process is failing anyway).
+fn init_rank_watched(gpu: &Gpu, id: &[u8; 128], d: &DistInit, w: &Watchdog) -> Result<Comm> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let ctx = gpu.ctx.clone();
+    let (id, rank, world) = (UniqueId { bytes: *id }, d.rank, d.world);
+    std::thread::Builder::new()
+        .name("moeflux-nccl-init".into())
+        .spawn(move || {
+            let r = ctx
+                .bind_to_thread()
+                .map_err(|e| Error::Gpu(format!("GPU context: {e}")))
+                .and_then(|()| Comm::init_rank(&id, rank, world));
+            let _ = tx.send(r);
+        })
+        .map_err(|e| Error::Gpu(format!("cannot start NCCL's init: {e}")))?;
+    let deadline = std::time::Instant::now() + dist_timeout();
+    loop {
+        match rx.recv_timeout(std::time::Duration::from_millis(50)) {
+            Ok(r) => return r,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                return Err(Error::Gpu(
+                    "NCCL's init thread ended without an answer".into(),
+                ))
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+        }
+        if let Some(why) = w.gone() {
+            w.fail();
+            return Err(Error::Gpu(format!("{why} (during NCCL's init)")));
+        }
+        if std::time::Instant::now() >= deadline {
+            w.fail();
+            return Err(Error::Gpu(format!(
+                "--dist-init tcp://{} (rank {} of {}): NCCL's init did not finish within \
+                 MOEFLUX_DIST_TIMEOUT ({} s)",
+                d.addr,
+                d.rank,
+                d.world,
+                dist_timeout().as_secs()
+            )));
+        }
     }
 }
 

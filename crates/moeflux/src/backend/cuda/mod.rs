@@ -11,7 +11,8 @@
 //! `support.rs` says which models it can run, without a GPU. `group.rs`
 //! runs one model on several GPUs (routed experts sharded by `shard.rs`,
 //! MoE outputs summed through NCCL, `nccl.rs`), or one GPU of a group of
-//! processes joined by `rendezvous.rs` (`--dist-init`).
+//! processes joined by `rendezvous.rs` (`--dist-init`), whose peers'
+//! exits `watchdog.rs` notices.
 
 mod abi;
 mod attention;
@@ -31,6 +32,7 @@ pub mod shard;
 mod slots;
 pub mod state;
 pub mod support;
+mod watchdog;
 
 pub use device::{probe, Gpu, GpuInfo};
 pub use experts::{CachePolicy, CacheStats, HostTierInfo};

@@ -546,8 +546,8 @@ impl CudaModel {
                 s.seg.rows.len() == 1
                     && matches!(s.seg.logits, Some(LogitsMode::Last | LogitsMode::Greedy))
             });
-        // A group's steps run eagerly unless `MOEFLUX_EP_GRAPHS=1` (NCCL's
-        // all-reduce inside captured graphs, not yet measured).
+        // A group's all-reduces are captured too (`MOEFLUX_EP_GRAPHS=0`
+        // runs its steps eagerly).
         let graphs = self.opts.graphs && (self.ep.is_none() || ep_graphs());
         let graphable = graphs && decode && resident && trace.is_none();
         let states: Vec<u64> = segs.iter().map(|s| s.state.id).collect();
@@ -745,11 +745,12 @@ impl CudaModel {
     }
 }
 
-/// `MOEFLUX_EP_GRAPHS=1`: a multi-GPU group's decode steps are captured as
-/// CUDA graphs too (all-reduces included).
+/// Whether a multi-GPU group's decode steps are captured as CUDA graphs,
+/// NCCL's all-reduces included (the default; `MOEFLUX_EP_GRAPHS=0` turns
+/// them off while `--no-cuda-graphs` still keeps one GPU's).
 fn ep_graphs() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("MOEFLUX_EP_GRAPHS").is_ok_and(|v| v == "1"))
+    *ON.get_or_init(|| std::env::var("MOEFLUX_EP_GRAPHS").map_or(true, |v| v != "0"))
 }
 
 /// Whether any of `segs` asks for its greedy token (then every logit row's

@@ -290,11 +290,16 @@ impl Aborter {
         let Some(first) = group.first() else {
             return;
         };
-        let mut done = first.flag.0.write().unwrap_or_else(|e| e.into_inner());
-        if *done {
-            return;
+        {
+            // Waits out an all-reduce being queued; none is queued after.
+            let mut done = first.flag.0.write().unwrap_or_else(|e| e.into_inner());
+            if *done {
+                return;
+            }
+            *done = true;
         }
-        *done = true;
+        // Outside the lock: NCCL's abort can hang (freeing memory a dead
+        // peer process mapped), and the flag's readers must not wait on it.
         if let Ok(a) = api() {
             for c in group {
                 // SAFETY: a live communicator (never destroyed while the

@@ -7,7 +7,9 @@
 //! The exchange, little-endian: a rank sends `MOEFLUX1`, its rank and the
 //! world size (u32 each); rank 0 answers `MOEFLUX1`, the 128-byte id and
 //! the seed (u64), or closes the connection when the rank or world size is
-//! wrong (and fails itself, naming it).
+//! wrong (and fails itself, naming it). The connections stay open for the
+//! group's life ([`Link`]): `watchdog.rs` learns from them that a peer
+//! process is gone.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
@@ -68,10 +70,17 @@ fn net_err(d: &DistInit, what: &str, e: impl std::fmt::Display) -> Error {
     ))
 }
 
+/// The rendezvous's connections, left open: rank 0's to every other rank,
+/// another rank's to rank 0, each with the peer's rank.
+#[derive(Debug)]
+pub struct Link {
+    pub peers: Vec<(usize, TcpStream)>,
+}
+
 /// Runs the rendezvous within `timeout`: rank 0 serves `id` and `seed` to
 /// the other `world - 1` ranks; the others fetch them (retrying the
 /// connection until rank 0 listens).
-pub fn join(d: &DistInit, id: [u8; 128], seed: u64, timeout: Duration) -> Result<Joined> {
+pub fn join(d: &DistInit, id: [u8; 128], seed: u64, timeout: Duration) -> Result<(Joined, Link)> {
     let deadline = Instant::now() + timeout;
     if d.rank == 0 {
         serve(d, Joined { id, seed }, deadline)
@@ -80,13 +89,14 @@ pub fn join(d: &DistInit, id: [u8; 128], seed: u64, timeout: Duration) -> Result
     }
 }
 
-fn serve(d: &DistInit, j: Joined, deadline: Instant) -> Result<Joined> {
+fn serve(d: &DistInit, j: Joined, deadline: Instant) -> Result<(Joined, Link)> {
     let listener = TcpListener::bind(&d.addr).map_err(|e| net_err(d, "cannot listen", e))?;
     listener
         .set_nonblocking(true)
         .map_err(|e| net_err(d, "socket", e))?;
     let mut joined = vec![false; d.world];
     joined[0] = true;
+    let mut peers = Vec::with_capacity(d.world - 1);
     while joined.iter().any(|j| !j) {
         let (mut s, peer) = match listener.accept() {
             Ok(c) => c,
@@ -131,12 +141,14 @@ fn serve(d: &DistInit, j: Joined, deadline: Instant) -> Result<Joined> {
         reply.extend_from_slice(&j.id);
         reply.extend_from_slice(&j.seed.to_le_bytes());
         s.write_all(&reply).map_err(io)?;
+        s.set_read_timeout(None).map_err(io)?;
         joined[rank] = true;
+        peers.push((rank, s));
     }
-    Ok(j)
+    Ok((j, Link { peers }))
 }
 
-fn fetch(d: &DistInit, deadline: Instant) -> Result<Joined> {
+fn fetch(d: &DistInit, deadline: Instant) -> Result<(Joined, Link)> {
     let addrs: Vec<_> = d
         .addr
         .to_socket_addrs()
@@ -178,7 +190,13 @@ fn fetch(d: &DistInit, deadline: Instant) -> Result<Joined> {
     let mut id = [0u8; 128];
     id.copy_from_slice(&reply[8..136]);
     let seed = u64::from_le_bytes(reply[136..144].try_into().expect("8 bytes"));
-    Ok(Joined { id, seed })
+    s.set_read_timeout(None).map_err(io)?;
+    Ok((
+        Joined { id, seed },
+        Link {
+            peers: vec![(0, s)],
+        },
+    ))
 }
 
 #[cfg(test)]
@@ -222,10 +240,16 @@ mod tests {
                 std::thread::spawn(move || join(&d, [0; 128], 0, t))
             })
             .collect();
-        let lead = join(&DistInit::new(&url, 0, 3).unwrap(), id, 42, t).unwrap();
+        let (lead, link) = join(&DistInit::new(&url, 0, 3).unwrap(), id, 42, t).unwrap();
         assert_eq!(lead, Joined { id, seed: 42 });
+        let mut ranks: Vec<usize> = link.peers.iter().map(|p| p.0).collect();
+        ranks.sort();
+        assert_eq!(ranks, [1, 2]);
         for o in others {
-            assert_eq!(o.join().unwrap().unwrap(), Joined { id, seed: 42 });
+            let (got, link) = o.join().unwrap().unwrap();
+            assert_eq!(got, Joined { id, seed: 42 });
+            assert_eq!(link.peers.len(), 1);
+            assert_eq!(link.peers[0].0, 0);
         }
     }
 
