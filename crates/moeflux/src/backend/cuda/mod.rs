@@ -26,6 +26,7 @@ pub mod model;
 mod moe;
 pub mod nccl;
 pub mod rendezvous;
+mod read_ahead;
 mod ring;
 pub mod shard;
 mod slots;
