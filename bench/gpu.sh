@@ -219,11 +219,12 @@ if has g; then
   sync
   budget=$(( $(expert_bytes "$D16") / 4 ))
   df -h "$D16" >&2
-  G=(--prompt-len 0 --gen $TG --gpu-memory $budget --direct-io)
+  G=(--prompt-len 0 --gen 64 --gpu-memory $budget --direct-io)
   bench g-disk "$D16" "${G[@]}" --prefetch off
   bench g-disk-ahead "$D16" "${G[@]}" --prefetch on
   bench g-disk-ahead-io16 "$D16" "${G[@]}" --prefetch on --io-threads 16
   bench g-disk-host25 "$D16" "${G[@]}" --host-cache $budget
+  bench g-disk-host25-noprefetch "$D16" "${G[@]}" --host-cache $budget --prefetch off
   rm -rf "$D16"
 fi
 

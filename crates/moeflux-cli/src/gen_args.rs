@@ -47,7 +47,8 @@ pub struct ModelArgs {
     /// layer computes: `on` (the same as a bare `--prefetch`), `off`, or
     /// `auto`: on for GPU uploads from the `--host-cache` tier when experts
     /// are 256 KiB or more, off on the CPU (where it helps experts read
-    /// from disk).
+    /// from disk). On the GPU without a host tier, `on` reads the guess
+    /// from the files a layer ahead (slower on a bandwidth-bound disk).
     #[arg(long, default_value = "auto", num_args = 0..=1, default_missing_value = "on",
           value_parser = parse_prefetch)]
     pub prefetch: Prefetch,

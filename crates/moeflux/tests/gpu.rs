@@ -526,6 +526,7 @@ fn evicting_host_tier_equals_resident(name: &str, dir: &Path) {
         (Tier::Host { mmap: true }, Prefetch::Off),
         (Tier::Host { mmap: true }, Prefetch::On),
         (Tier::Host { mmap: false }, Prefetch::Off),
+        (Tier::Host { mmap: false }, Prefetch::On),
         (Tier::Disk, Prefetch::Off),
         (Tier::Disk, Prefetch::On),
     ] {

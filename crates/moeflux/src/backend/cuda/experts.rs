@@ -478,8 +478,13 @@ impl ExpertCache {
     /// predicted choice) from the files, most wanted first: the reads start
     /// in the next `ensure`, right after its own, and land in VRAM slots
     /// when `layer`'s `ensure` comes. Only without a host tier (whose
-    /// `prefetch` copies from pinned memory instead) and for files read
-    /// into buffers (not mapped). Returns whether it planned.
+    /// `prefetch` copies from pinned memory) and for files read into
+    /// buffers (not mapped). Returns whether it planned.
+    ///
+    /// Measured slower on a disk that is bandwidth-bound (docs/PERFORMANCE.md,
+    /// "The disk path"): a wrong guess costs disk time the layers need, and
+    /// with a host tier it took the three-level decode from 28.4 to 21.3
+    /// tok/s, so it is never on there and only on by `--prefetch on`.
     pub fn read_ahead(&mut self, store: &ExpertStore, layer: usize, ids: &[usize]) -> bool {
         let applies = self.table.is_none()
             && matches!(*self.host, Tier::None)
