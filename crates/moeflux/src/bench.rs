@@ -184,7 +184,11 @@ impl TestResult {
 
     /// Decode against the disk: see [`DiskCeiling`]. `None` without a
     /// measured sequential bandwidth.
-    pub fn disk_ceiling(&self, seq_gb_s: Option<f64>, h2d_gb_s: Option<f64>) -> Option<DiskCeiling> {
+    pub fn disk_ceiling(
+        &self,
+        seq_gb_s: Option<f64>,
+        h2d_gb_s: Option<f64>,
+    ) -> Option<DiskCeiling> {
         DiskCeiling::new(
             self.wall_ms_per_token(),
             self.ms_per_token(self.times.expert_io),
@@ -481,7 +485,10 @@ mod tests {
         assert!((c.reached - 45.0 / 30.0).abs() < 1e-9, "{c:?}");
         // Nothing to measure against.
         assert_eq!(DiskCeiling::new(60.0, 40.0, 50e6, 0.0, 0.0, None), None);
-        assert_eq!(DiskCeiling::new(60.0, 40.0, 50e6, f64::NAN, 0.0, None), None);
+        assert_eq!(
+            DiskCeiling::new(60.0, 40.0, 50e6, f64::NAN, 0.0, None),
+            None
+        );
         assert_eq!(DiskCeiling::new(60.0, 40.0, 0.0, 2.5, 0.0, None), None);
         assert_eq!(DiskCeiling::new(0.0, 0.0, 50e6, 2.5, 0.0, None), None);
         // A wait longer than the token (clock granularity) is no negative
