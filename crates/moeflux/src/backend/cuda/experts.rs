@@ -602,10 +602,11 @@ impl ExpertCache {
         self.stats.ahead_wait_ns += t0.elapsed().as_nanos() as u64;
         if let Some(e) = first_err.or(synced.err()) {
             // Whatever this read-ahead put in slots may be incomplete.
-            for s in 0..self.ahead_slot.len() {
-                if self.ahead_slot[s] {
-                    self.invalidate(s);
-                }
+            let filled: Vec<usize> = (0..self.ahead_slot.len())
+                .filter(|&s| self.ahead_slot[s])
+                .collect();
+            for s in filled {
+                self.invalidate(s);
             }
             return Err(e);
         }
