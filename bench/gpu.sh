@@ -27,6 +27,13 @@
 #      80 GB card has for the full model (54% and 34%: 77 GB less the dense part and a 3 GB
 #      reserve), misses from the pinned host tier; ms per MoE layer (the difference of the
 #      two depths) extrapolated to the full depth
+#   g  the disk path: qwen3.6-35b-a3b widths, the first 16 layers, zipf:1 routing, 25% of the
+#      expert bytes in VRAM, every miss read with --direct-io: no host tier with and without
+#      the read-ahead of the next layer's predicted experts (--prefetch), and with a host tier
+#      of 25% of the experts in between (three levels); decode against the disk-bound
+#      ceiling (needed file bytes per token / the sequential O_DIRECT bandwidth measured in
+#      the same run, plus host-tier bytes / pinned H2D bandwidth, plus the resident time:
+#      the token's time outside the expert wait). --dir must be on a real disk (not tmpfs).
 #   f  two GPUs (--gpus 0,1) against one, in the same run (needs 2 GPUs): c's 397B widths (12
 #      layers, top-10) with each GPU's --gpu-memory holding 30% of the experts (60% together),
 #      the rest in the pinned host tier, extrapolated to 60 layers; qwen3.6-35b-a3b widths
@@ -206,6 +213,21 @@ if has e; then
   done
 fi
 
+if has g; then
+  D16=$DIR/a3b-16-zipf
+  synth "$D16" --preset qwen3.6-35b-a3b --layers 16 --router-skew zipf:1
+  sync
+  budget=$(( $(expert_bytes "$D16") / 4 ))
+  df -h "$D16" >&2
+  G=(--prompt-len 0 --gen 64 --gpu-memory $budget --direct-io)
+  bench g-disk "$D16" "${G[@]}" --prefetch off
+  bench g-disk-ahead "$D16" "${G[@]}" --prefetch on
+  bench g-disk-ahead-io16 "$D16" "${G[@]}" --prefetch on --io-threads 16
+  bench g-disk-host25 "$D16" "${G[@]}" --host-cache $budget
+  bench g-disk-host25-noprefetch "$D16" "${G[@]}" --host-cache $budget --prefetch off
+  rm -rf "$D16"
+fi
+
 if has f; then
   ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
   if ((ngpu < 2)); then
@@ -234,6 +256,29 @@ echo
 echo "| run | prefill tok/s | decode tok/s | expert I/O ms/tok | of roofline | cache hits | MB uploaded/tok | PCIe ceiling tok/s | H2D GB/s | HBM GB/s |"
 echo "|---|---|---|---|---|---|---|---|---|---|"
 printf '%s\n' "${ROWS[@]}"
+if has g; then
+  echo
+  echo "| run | decode tok/s | VRAM hits | host-tier MB/tok | file MB/tok (needed) | read-ahead used/read | seq O_DIRECT GB/s | disk ceiling tok/s | reached | disk + host + resident ms/tok | expert wait ms/tok |"
+  echo "|---|---|---|---|---|---|---|---|---|---|---|"
+  python3 - "$OUTDIR" <<'EOF'
+import json, sys, os
+out = sys.argv[1]
+for name in sorted(n[:-5] for n in os.listdir(out) if n.startswith("g-") and n.endswith(".json")):
+    r = json.load(open(os.path.join(out, name + ".json")))
+    t, c = r["decode"], r.get("decode_disk_ceiling") or {}
+    f = lambda x, fmt="{:.1f}": "-" if x is None else fmt.format(x)
+    print("| " + " | ".join([
+        name, f(r["decode_tok_s"]), f(t["gpu_cache_hit_rate"] * 100, "{:.1f}%"),
+        f(t["gpu_host_tier_bytes_per_token"] / 1e6),
+        f"{t['gpu_file_bytes_per_token'] / 1e6:.1f} ({t['gpu_needed_file_bytes_per_token'] / 1e6:.1f})",
+        f"{t['gpu_ahead_used']}/{t['gpu_ahead_reads']}",
+        f(r["sequential_direct_gb_s"], "{:.2f}"), f(c.get("tok_s")),
+        f(c.get("reached") and c["reached"] * 100, "{:.0f}%"),
+        " + ".join(f(c.get(k), "{:.2f}") for k in ("disk_ms_per_token", "host_tier_ms_per_token", "resident_ms_per_token")),
+        f(c.get("expert_wait_ms_per_token"), "{:.2f}"),
+    ]) + " |")
+EOF
+fi
 if has c; then
   python3 - "$OUTDIR" <<'EOF'
 import json, sys, os

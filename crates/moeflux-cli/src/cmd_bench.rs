@@ -8,6 +8,7 @@ use moeflux::backend::cpu::simd::simd_level;
 use moeflux::bench::{self, BenchOptions, BenchResult, TestResult};
 use moeflux::Session;
 use serde_json::{json, Value};
+use std::time::Duration;
 
 use crate::gen_args::ModelArgs;
 use crate::progress::human_bytes;
@@ -25,8 +26,10 @@ pub struct BenchArgs {
     /// Timed repetitions of each test.
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
-    /// Drop the expert files from the page cache before each repetition
-    /// (and measure the file system's sequential O_DIRECT bandwidth).
+    /// Drop the expert files from the page cache before each repetition.
+    /// With `--cold` or `--direct-io` the file system's sequential O_DIRECT
+    /// bandwidth is measured too, and the decode reported against the
+    /// disk-bound ceiling it gives.
     #[arg(long)]
     pub cold: bool,
     /// Skip the untimed warm-up run of each test.
@@ -55,7 +58,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         warmup: !args.no_warmup,
         seed: args.seed,
     };
-    let seq_gb_s = if args.cold {
+    let seq_gb_s = if args.cold || args.model.direct_io {
         session.evict_expert_cache()?;
         session
             .expert_store()
@@ -172,7 +175,35 @@ impl Report<'_> {
             "gpu_file_reads": t.gpu_cache.file_reads,
             "gpu_file_bytes_per_token": t.file_bytes_per_token(),
             "gpu_expert_uses_per_rep": t.expert_uses_per_rep(),
+            // The disk path (see CacheStats): experts read a layer ahead on
+            // a predicted choice and those used; the file bytes the layers
+            // needed; the layers' own read batches (one per layer that
+            // missed) and their time from issue to the last landing; the
+            // wait for a layer's read-ahead.
+            "gpu_ahead_reads": t.gpu_cache.ahead_reads,
+            "gpu_ahead_used": t.gpu_cache.ahead_used,
+            "gpu_needed_file_bytes_per_token": t.needed_file_bytes_per_token(),
+            "gpu_host_tier_bytes_per_token": t.host_tier_bytes_per_token(),
+            "gpu_read_batches": t.gpu_cache.read_batches,
+            "gpu_read_ms_per_token": t.ms_per_token(Duration::from_nanos(t.gpu_cache.read_ns)),
+            "gpu_read_ahead_wait_ms_per_token":
+                t.ms_per_token(Duration::from_nanos(t.gpu_cache.ahead_wait_ns)),
+            "wall_ms_per_token": t.wall_ms_per_token(),
         })
+    }
+
+    fn ceiling_json(&self, t: &TestResult) -> Value {
+        match t.disk_ceiling(self.seq_gb_s, self.h2d_gb_s) {
+            None => Value::Null,
+            Some(c) => json!({
+                "tok_s": c.tok_s,
+                "reached": c.reached,
+                "disk_ms_per_token": c.disk_ms,
+                "host_tier_ms_per_token": c.host_ms,
+                "resident_ms_per_token": c.resident_ms,
+                "expert_wait_ms_per_token": t.ms_per_token(t.times.expert_io),
+            }),
+        }
     }
 
     /// Whether the VRAM cache is partial and a repetition of `t` did not
@@ -217,6 +248,13 @@ impl Report<'_> {
             "host_tier": json!({ "layers": h.layers, "slots": h.slots, "bytes": h.bytes }),
             "expert_bytes_total": self.session.expert_store().total_bytes(),
             "decode_pcie_ceiling_tok_s": r.decode.as_ref().and_then(|t| self.pcie_ceiling_tok_s(t)),
+            // Needed file bytes / sequential_direct_gb_s + host-tier bytes /
+            // h2d_pinned_gb_s + resident time (bench::DiskCeiling).
+            "decode_disk_ceiling_tok_s": r.decode.as_ref()
+                .and_then(|t| t.disk_ceiling(self.seq_gb_s, self.h2d_gb_s))
+                .map(|c| c.tok_s),
+            "decode_disk_ceiling": r.decode.as_ref().map_or(Value::Null, |t| self.ceiling_json(t)),
+            "io_threads": self.session.expert_store().options().io_threads,
         })
     }
 
@@ -345,6 +383,28 @@ impl Report<'_> {
                 ));
             }
             out.push('\n');
+        }
+        if let Some((t, c)) = r
+            .decode
+            .as_ref()
+            .and_then(|t| Some((t, t.disk_ceiling(self.seq_gb_s, self.h2d_gb_s)?)))
+        {
+            out.push_str(&format!(
+                "disk ceiling: {} needed from the files per token / {:.2} GB/s = {:.2} ms",
+                human_bytes(t.needed_file_bytes_per_token() as u64),
+                self.seq_gb_s.unwrap_or_default(),
+                c.disk_ms
+            ));
+            if c.host_ms > 0.0 {
+                out.push_str(&format!(" + {:.2} ms from the host tier", c.host_ms));
+            }
+            out.push_str(&format!(
+                " + {:.2} ms resident (the token's time outside the expert wait) = {:.1} tok/s \
+                 ({:.0}% reached)\n",
+                c.resident_ms,
+                c.tok_s,
+                100.0 * c.reached
+            ));
         }
         out
     }

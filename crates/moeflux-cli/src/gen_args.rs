@@ -39,11 +39,16 @@ pub struct ModelArgs {
     /// memory mapping of the expert files.
     #[arg(long, conflicts_with = "direct_io")]
     pub no_mmap: bool,
+    /// Threads that read experts from the files (each holds one read in
+    /// flight; a disk wants a few more than a layer's misses).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub io_threads: u16,
     /// Fetch the experts the next layer will likely use while the current
     /// layer computes: `on` (the same as a bare `--prefetch`), `off`, or
     /// `auto`: on for GPU uploads from the `--host-cache` tier when experts
     /// are 256 KiB or more, off on the CPU (where it helps experts read
-    /// from disk).
+    /// from disk). On the GPU without a host tier, `on` reads the guess
+    /// from the files a layer ahead (slower on a bandwidth-bound disk).
     #[arg(long, default_value = "auto", num_args = 0..=1, default_missing_value = "on",
           value_parser = parse_prefetch)]
     pub prefetch: Prefetch,
@@ -281,6 +286,7 @@ impl ModelArgs {
                 direct_io: self.direct_io,
                 mmap: !self.no_mmap,
                 prefetch: self.prefetch,
+                io_threads: self.io_threads.into(),
                 max_context: self.ctx,
                 backend: self.backend,
                 gpus: self.gpus.clone().unwrap_or_default(),

@@ -157,6 +157,111 @@ impl TestResult {
     }
 }
 
+impl TestResult {
+    /// Evaluated tokens over all repetitions.
+    fn all_tokens(&self) -> f64 {
+        (self.tokens * self.tok_s.len()).max(1) as f64
+    }
+
+    /// Milliseconds of wall time per evaluated token.
+    pub fn wall_ms_per_token(&self) -> f64 {
+        self.wall.as_secs_f64() * 1e3 / self.all_tokens()
+    }
+
+    /// Expert bytes the layers needed from the files per evaluated token:
+    /// [`CacheStats::needed_file_bytes`] (read-ahead guesses that no layer
+    /// used are not counted: they are the path's loss, not the disk's).
+    pub fn needed_file_bytes_per_token(&self) -> f64 {
+        self.gpu_cache.needed_file_bytes as f64 / self.all_tokens()
+    }
+
+    /// Expert bytes uploaded from the pinned host tier per evaluated token
+    /// (every upload that was not read from the files).
+    pub fn host_tier_bytes_per_token(&self) -> f64 {
+        let c = &self.gpu_cache;
+        c.uploaded_bytes.saturating_sub(c.file_bytes) as f64 / self.all_tokens()
+    }
+
+    /// Decode against the disk: see [`DiskCeiling`]. `None` without a
+    /// measured sequential bandwidth.
+    pub fn disk_ceiling(
+        &self,
+        seq_gb_s: Option<f64>,
+        h2d_gb_s: Option<f64>,
+    ) -> Option<DiskCeiling> {
+        DiskCeiling::new(
+            self.wall_ms_per_token(),
+            self.ms_per_token(self.times.expert_io),
+            self.needed_file_bytes_per_token(),
+            seq_gb_s?,
+            self.host_tier_bytes_per_token(),
+            h2d_gb_s,
+        )
+    }
+}
+
+/// The disk-bound ceiling of a decode whose experts miss VRAM: a token's
+/// expert bytes needed from the files crossing the disk at its sequential
+/// `O_DIRECT` bandwidth (measured in the same run), those from the pinned
+/// host tier crossing PCIe at the pinned copy bandwidth, plus the token's
+/// *resident time*: its measured time outside the wait for expert bytes
+/// (`expert_io_wait`: reads, host-tier copies, their upload). A decode
+/// with every expert in VRAM cannot run when the experts do not fit, so
+/// the resident time is the same run's own: everything the token did
+/// besides waiting, with this path's per-layer host round trips and eager
+/// launches. The ratio to the ceiling therefore says how close the reads
+/// come to the disk, not how fast the kernels are; it can pass 100% when
+/// reads overlap compute (read-ahead).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DiskCeiling {
+    /// Needed file bytes per token / sequential bandwidth.
+    pub disk_ms: f64,
+    /// Host-tier bytes per token / pinned host-to-GPU bandwidth (0 without
+    /// a host tier or a measured bandwidth).
+    pub host_ms: f64,
+    /// Milliseconds per token outside the expert wait.
+    pub resident_ms: f64,
+    /// `1000 / (disk_ms + host_ms + resident_ms)`.
+    pub tok_s: f64,
+    /// The measured tok/s over `tok_s`.
+    pub reached: f64,
+}
+
+impl DiskCeiling {
+    /// From a decode's measured milliseconds per token and of those the
+    /// expert wait, its needed file bytes and host-tier bytes per token,
+    /// and the bandwidths in GB/s. `None` when the sequential bandwidth is
+    /// not positive, or the decode read nothing from the files.
+    pub fn new(
+        ms_per_token: f64,
+        wait_ms_per_token: f64,
+        file_bytes_per_token: f64,
+        seq_gb_s: f64,
+        host_bytes_per_token: f64,
+        h2d_gb_s: Option<f64>,
+    ) -> Option<DiskCeiling> {
+        // Written so NaN counts as not positive.
+        let positive = |x: f64| x > 0.0;
+        if !positive(seq_gb_s) || !positive(file_bytes_per_token) || !positive(ms_per_token) {
+            return None;
+        }
+        let disk_ms = file_bytes_per_token / (seq_gb_s * 1e6);
+        let host_ms = match h2d_gb_s.filter(|&b| b > 0.0) {
+            Some(b) => host_bytes_per_token / (b * 1e6),
+            None => 0.0,
+        };
+        let resident_ms = (ms_per_token - wait_ms_per_token).max(0.0);
+        let tok_s = 1e3 / (disk_ms + host_ms + resident_ms);
+        Some(DiskCeiling {
+            disk_ms,
+            host_ms,
+            resident_ms,
+            tok_s,
+            reached: (1e3 / ms_per_token) / tok_s,
+        })
+    }
+}
+
 fn mean(x: &[f64]) -> f64 {
     if x.is_empty() {
         0.0
@@ -361,6 +466,38 @@ mod tests {
     }
 
     #[test]
+    fn disk_ceiling_adds_disk_host_and_resident_time() {
+        // 60 ms per token, 40 of them waiting; 50 MB from the disk at 2.5
+        // GB/s (20 ms) and 10 MB from the host tier at 50 GB/s (0.2 ms).
+        let c = DiskCeiling::new(60.0, 40.0, 50e6, 2.5, 10e6, Some(50.0)).unwrap();
+        assert!((c.disk_ms - 20.0).abs() < 1e-9, "{c:?}");
+        assert!((c.host_ms - 0.2).abs() < 1e-9, "{c:?}");
+        assert!((c.resident_ms - 20.0).abs() < 1e-9, "{c:?}");
+        assert!((c.tok_s - 1e3 / 40.2).abs() < 1e-9, "{c:?}");
+        assert!((c.reached - 40.2 / 60.0).abs() < 1e-9, "{c:?}");
+        // No host-to-GPU bandwidth: the host term is left out.
+        let c = DiskCeiling::new(60.0, 40.0, 50e6, 2.5, 10e6, None).unwrap();
+        assert_eq!(c.host_ms, 0.0);
+        assert!((c.tok_s - 25.0).abs() < 1e-9, "{c:?}");
+        // Reads overlapping compute: the wait is shorter than the disk
+        // time and the decode passes its ceiling.
+        let c = DiskCeiling::new(30.0, 5.0, 50e6, 2.5, 0.0, None).unwrap();
+        assert!((c.reached - 45.0 / 30.0).abs() < 1e-9, "{c:?}");
+        // Nothing to measure against.
+        assert_eq!(DiskCeiling::new(60.0, 40.0, 50e6, 0.0, 0.0, None), None);
+        assert_eq!(
+            DiskCeiling::new(60.0, 40.0, 50e6, f64::NAN, 0.0, None),
+            None
+        );
+        assert_eq!(DiskCeiling::new(60.0, 40.0, 0.0, 2.5, 0.0, None), None);
+        assert_eq!(DiskCeiling::new(0.0, 0.0, 50e6, 2.5, 0.0, None), None);
+        // A wait longer than the token (clock granularity) is no negative
+        // resident time.
+        let c = DiskCeiling::new(10.0, 10.5, 25e6, 2.5, 0.0, None).unwrap();
+        assert_eq!(c.resident_ms, 0.0);
+    }
+
+    #[test]
     fn statistics() {
         let r = TestResult {
             tokens: 10,
@@ -387,6 +524,8 @@ mod tests {
                 host_hits: 2,
                 file_reads: 4,
                 file_bytes: 1600,
+                needed_file_bytes: 1200,
+                ..Default::default()
             },
         };
         assert_eq!(r.mean_tok_s(), 2.0);
@@ -398,6 +537,11 @@ mod tests {
         // 10 uploads of 400 bytes, one of them a prefetch nobody used.
         assert_eq!(r.needed_upload_bytes_per_token(), 180.0);
         assert_eq!(r.page_cache_hit_rate(), Some(0.75));
+        assert_eq!(r.wall_ms_per_token(), 100.0);
+        assert_eq!(r.needed_file_bytes_per_token(), 60.0);
+        // 4000 uploaded, 1600 of them from the files.
+        assert_eq!(r.host_tier_bytes_per_token(), 120.0);
+        assert_eq!(r.disk_ceiling(None, Some(1.0)), None);
         assert!((r.expert_gb_s() - 1e-6).abs() < 1e-15);
         let mapped = TestResult {
             mapped: true,

@@ -4,12 +4,14 @@
 //! pinned staging buffers. Which slot to overwrite is `slots.rs`'s policy.
 
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use crate::error::{Error, Result};
 use crate::io::{ExpertBuf, ExpertStore};
 
 use super::device::{copy_htod_async, stream_wait, DevBuf, Gpu, Pinned};
 use super::host_tier::{serve, Claim, PinnedArena, Source};
+use super::read_ahead::ReadAhead;
 pub use super::slots::CachePolicy;
 use super::slots::Slots;
 
@@ -33,6 +35,20 @@ pub struct CacheStats {
     /// the disk), and their bytes.
     pub file_reads: u64,
     pub file_bytes: u64,
+    /// Of the file reads, experts read a layer ahead on a predicted choice
+    /// (`--prefetch` without a host tier), and those a layer then used.
+    pub ahead_reads: u64,
+    pub ahead_used: u64,
+    /// File bytes the layers needed: the misses read when asked for, plus
+    /// read-ahead experts once used (what a perfect predictor reads).
+    pub needed_file_bytes: u64,
+    /// Batches of misses read from the files (one per layer that missed),
+    /// and the nanoseconds from issuing each to its last expert landing.
+    pub read_batches: u64,
+    pub read_ns: u64,
+    /// Nanoseconds `ensure` waited for a layer's read-ahead to land and
+    /// upload.
+    pub ahead_wait_ns: u64,
 }
 
 impl CacheStats {
@@ -48,6 +64,12 @@ impl CacheStats {
             host_hits: self.host_hits - earlier.host_hits,
             file_reads: self.file_reads - earlier.file_reads,
             file_bytes: self.file_bytes - earlier.file_bytes,
+            ahead_reads: self.ahead_reads - earlier.ahead_reads,
+            ahead_used: self.ahead_used - earlier.ahead_used,
+            needed_file_bytes: self.needed_file_bytes - earlier.needed_file_bytes,
+            read_batches: self.read_batches - earlier.read_batches,
+            read_ns: self.read_ns - earlier.read_ns,
+            ahead_wait_ns: self.ahead_wait_ns - earlier.ahead_wait_ns,
         }
     }
 
@@ -62,6 +84,12 @@ impl CacheStats {
             host_hits: self.host_hits + o.host_hits,
             file_reads: self.file_reads + o.file_reads,
             file_bytes: self.file_bytes + o.file_bytes,
+            ahead_reads: self.ahead_reads + o.ahead_reads,
+            ahead_used: self.ahead_used + o.ahead_used,
+            needed_file_bytes: self.needed_file_bytes + o.needed_file_bytes,
+            read_batches: self.read_batches + o.read_batches,
+            read_ns: self.read_ns + o.read_ns,
+            ahead_wait_ns: self.ahead_wait_ns + o.ahead_wait_ns,
         }
     }
 
@@ -75,9 +103,9 @@ impl CacheStats {
 const STAGING: usize = 16;
 
 /// A host buffer registered as pinned; the registration is dropped first.
-struct Staged {
-    pin: Pinned,
-    buf: ExpertBuf,
+pub(super) struct Staged {
+    pub pin: Pinned,
+    pub buf: ExpertBuf,
 }
 
 impl Staged {
@@ -141,6 +169,12 @@ pub struct ExpertCache {
     /// Arena slots that prefetch copies in flight read from: checked out
     /// until the copy stream is known to be done with them.
     held: Vec<(super::slots::Key, Claim<Pinned>)>,
+    /// The next layer's predicted experts to read from the files once this
+    /// layer's own reads are issued (`read_ahead`), and those reads.
+    ahead_plan: Option<(usize, Vec<usize>)>,
+    ahead: Option<ReadAhead>,
+    /// Slots holding an expert read ahead from the files, not used since.
+    ahead_slot: Vec<bool>,
     pub stats: CacheStats,
 }
 
@@ -180,6 +214,9 @@ impl ExpertCache {
             prefetched: vec![false; n_slots],
             copies_pending: false,
             held: Vec::new(),
+            ahead_plan: None,
+            ahead: None,
+            ahead_slot: vec![false; n_slots],
             stats: CacheStats::default(),
         })
     }
@@ -253,12 +290,14 @@ impl ExpertCache {
             .take_victim(|s| busy[s])
             .expect("ids.len() <= n_slots leaves a slot this call does not use");
         self.prefetched[s] = false;
+        self.ahead_slot[s] = false;
         s
     }
 
     /// Forgets what slot `s` holds.
     fn invalidate(&mut self, s: usize) {
         self.prefetched[s] = false;
+        self.ahead_slot[s] = false;
         self.map.invalidate(s);
     }
 
@@ -386,6 +425,7 @@ impl ExpertCache {
             )));
         }
         self.release_held(gpu)?;
+        self.land_read_ahead(gpu, store, layer, ids)?;
         let mut slot_of = vec![usize::MAX; ids.len()];
         let mut misses = Vec::new();
         for (i, &e) in ids.iter().enumerate() {
@@ -395,6 +435,10 @@ impl ExpertCache {
                     self.stats.hits += 1;
                     if std::mem::take(&mut self.prefetched[s]) {
                         self.stats.prefetch_hits += 1;
+                    }
+                    if std::mem::take(&mut self.ahead_slot[s]) {
+                        self.stats.ahead_used += 1;
+                        self.stats.needed_file_bytes += store.extent_bytes(layer) as u64;
                     }
                 }
                 None => misses.push(i),
@@ -417,11 +461,156 @@ impl ExpertCache {
             // Hits may be prefetches still on their way.
             stream_wait(&gpu.stream, &gpu.copy)?;
         }
-        // Misses are ordered after every earlier copy, prefetches included.
+        // Misses are ordered after every earlier copy, prefetches included;
+        // the next layer's read-ahead starts once they are on their way
+        // (here when there are none).
+        if misses.is_empty() {
+            self.start_read_ahead(gpu, store)?;
+        }
         self.upload(gpu, store, layer, ids, &misses, &slot_of)?;
+        self.start_read_ahead(gpu, store)?;
         self.copies_pending = false;
         self.in_use = slot_of.clone();
         Ok(slot_of.iter().map(|&s| self.slot_ptr(s)).collect())
+    }
+
+    /// Plans reading experts `ids` of `layer` (the next MoE layer's
+    /// predicted choice) from the files, most wanted first: the reads start
+    /// in the next `ensure`, right after its own, and land in VRAM slots
+    /// when `layer`'s `ensure` comes. Only without a host tier (whose
+    /// `prefetch` copies from pinned memory) and for files read into
+    /// buffers (not mapped). Returns whether it planned.
+    ///
+    /// Measured slower on a disk that is bandwidth-bound (docs/PERFORMANCE.md,
+    /// "The disk path"): a wrong guess costs disk time the layers need, and
+    /// with a host tier it took the three-level decode from 28.4 to 21.3
+    /// tok/s, so it is never on there and only on by `--prefetch on`.
+    pub fn read_ahead(&mut self, store: &ExpertStore, layer: usize, ids: &[usize]) -> bool {
+        let applies = self.table.is_none()
+            && matches!(*self.host, Tier::None)
+            && store.is_mapped(layer) == Some(false);
+        if applies {
+            self.ahead_plan = Some((layer, ids.to_vec()));
+        }
+        applies
+    }
+
+    /// Issues the planned read-ahead: the planned experts that are not
+    /// resident, one staging buffer each.
+    fn start_read_ahead(&mut self, gpu: &Gpu, store: &ExpertStore) -> Result<()> {
+        let Some((layer, ids)) = self.ahead_plan.take() else {
+            return Ok(());
+        };
+        if self.ahead.is_some() {
+            // An earlier one nobody landed (its layer never came): let it
+            // finish and take its buffers back.
+            self.drop_read_ahead();
+        }
+        let mut wanted: Vec<usize> = Vec::with_capacity(ids.len());
+        for e in ids {
+            if self.map.get((layer, e)).is_none() && !wanted.contains(&e) {
+                wanted.push(e);
+            }
+        }
+        if wanted.is_empty() {
+            return Ok(());
+        }
+        while self.staging.len() < wanted.len() {
+            self.staging.push(Staged::new(gpu, self.extent)?);
+        }
+        let staged = self.staging.split_off(self.staging.len() - wanted.len());
+        self.ahead = ReadAhead::start(store, layer, wanted, staged);
+        Ok(())
+    }
+
+    /// Waits for a read-ahead that is not for the layer asking and takes
+    /// its buffers back.
+    fn drop_read_ahead(&mut self) {
+        if let Some(ahead) = self.ahead.take() {
+            let back = ahead.finish(|_, _| {});
+            self.staging.extend(back);
+        }
+    }
+
+    /// Before `ensure` of `layer` looks up `ids`: the experts read ahead
+    /// for `layer` go to VRAM slots (counted as prefetched), never to a
+    /// slot queued compute may still read (`in_use`) or one `ids` hits.
+    /// The copies are complete when this returns.
+    fn land_read_ahead(
+        &mut self,
+        gpu: &Gpu,
+        store: &ExpertStore,
+        layer: usize,
+        ids: &[usize],
+    ) -> Result<()> {
+        if self.ahead.as_ref().is_none_or(|a| a.layer != layer) {
+            self.drop_read_ahead();
+            return Ok(());
+        }
+        let ahead = self.ahead.take().expect("checked above");
+        let t0 = Instant::now();
+        let mut busy = vec![false; self.map.len()];
+        for &s in &self.in_use {
+            busy[s] = true;
+        }
+        for &e in ids {
+            if let Some(s) = self.map.get((layer, e)) {
+                busy[s] = true;
+            }
+        }
+        let extent = store.extent_bytes(layer);
+        let mut first_err = None;
+        let mut copied = false;
+        let back = ahead.finish(|e, bytes| {
+            if first_err.is_some() || self.map.get((layer, e)).is_some() {
+                return;
+            }
+            let Some(s) = self.map.take_victim(|s| busy[s]) else {
+                return;
+            };
+            busy[s] = true;
+            // SAFETY: the staging buffer is pinned and not reused before
+            // the copy stream is synchronised below; slot `s` is neither
+            // read by queued compute (`in_use`) nor one this call hits.
+            match unsafe { copy_htod_async(&gpu.copy, self.slot_ptr(s), &bytes[..extent]) } {
+                Ok(()) => {
+                    self.map.assign(s, (layer, e));
+                    self.prefetched[s] = true;
+                    self.ahead_slot[s] = true;
+                    let st = &mut self.stats;
+                    st.prefetched += 1;
+                    st.ahead_reads += 1;
+                    st.file_reads += 1;
+                    st.file_bytes += extent as u64;
+                    st.uploaded_bytes += extent as u64;
+                    copied = true;
+                }
+                Err(err) => {
+                    self.map.release_empty(s);
+                    first_err = Some(err);
+                }
+            }
+        });
+        let synced = if copied {
+            gpu.copy
+                .synchronize()
+                .map_err(|e| Error::Gpu(format!("expert upload: {e}")))
+        } else {
+            Ok(())
+        };
+        self.staging.extend(back);
+        self.stats.ahead_wait_ns += t0.elapsed().as_nanos() as u64;
+        if let Some(e) = first_err.or(synced.err()) {
+            // Whatever this read-ahead put in slots may be incomplete.
+            let filled: Vec<usize> = (0..self.ahead_slot.len())
+                .filter(|&s| self.ahead_slot[s])
+                .collect();
+            for s in filled {
+                self.invalidate(s);
+            }
+            return Err(e);
+        }
+        Ok(())
     }
 
     /// Starts uploading experts `ids` of `layer` that are not resident, on
@@ -579,6 +768,7 @@ impl ExpertCache {
                         Source::File => {
                             self.stats.file_reads += 1;
                             self.stats.file_bytes += extent as u64;
+                            self.stats.needed_file_bytes += extent as u64;
                         }
                         Source::Bypass => rest.push(i),
                         Source::Failed => self.invalidate(slot_of[i]),
@@ -629,7 +819,12 @@ impl ExpertCache {
             // The request is valid by construction (ids from the router, one
             // buffer each unless mapped), so the buffers come back; a mapped
             // file that shrank fails it as a whole.
+            let read_start = Instant::now();
             let fetched = store.fetch(layer, &wave_ids, bufs);
+            if w == 0 {
+                // The next layer's guesses queue behind this layer's reads.
+                self.start_read_ahead(gpu, store)?;
+            }
             let mut first_err = None;
             let mut landed_bufs: Vec<Option<ExpertBuf>> = (0..wave.len()).map(|_| None).collect();
             match fetched {
@@ -654,6 +849,7 @@ impl ExpertCache {
                                     self.stats.uploaded_bytes += extent as u64;
                                     self.stats.file_reads += 1;
                                     self.stats.file_bytes += extent as u64;
+                                    self.stats.needed_file_bytes += extent as u64;
                                 }
                                 Err(e) => {
                                     first_err.get_or_insert(e);
@@ -662,6 +858,8 @@ impl ExpertCache {
                         }
                         landed_bufs[l.index] = l.buf;
                     }
+                    self.stats.read_batches += 1;
+                    self.stats.read_ns += read_start.elapsed().as_nanos() as u64;
                 }
             }
             let synced = gpu
@@ -707,6 +905,8 @@ impl Drop for ExpertCache {
     /// Prefetch slots still checked out go back to a shared arena (another
     /// GPU of the group may outlive this one).
     fn drop(&mut self) {
+        // Reads in flight write into pinned staging buffers: let them land.
+        self.drop_read_ahead();
         if let Tier::Arena(arena) = &*self.host {
             let mut a = arena.lock().unwrap_or_else(|p| p.into_inner());
             for (key, claim) in self.held.drain(..) {

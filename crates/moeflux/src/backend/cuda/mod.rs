@@ -26,6 +26,7 @@ mod mla;
 pub mod model;
 mod moe;
 pub mod nccl;
+mod read_ahead;
 pub mod rendezvous;
 mod ring;
 pub mod shard;

@@ -211,6 +211,7 @@ pub(super) fn moe(
     };
     let k_i = k as i32;
     let mut guess: Vec<i32> = Vec::new();
+    let mut next_ids: Option<(usize, Vec<usize>)> = None;
     let mut on_cpu: Vec<usize> = Vec::new();
     let mut cpu_users: Vec<(usize, Vec<i32>)> = Vec::new();
     let mut host_xn: Vec<f32> = Vec::new();
@@ -258,6 +259,17 @@ pub(super) fn moe(
             .filter(|&&e| owns(e) && !on_cpu.contains(&e))
             .copied()
             .collect();
+        if let Some((j, _)) = predicted {
+            // The guess's most chosen experts first, this GPU's only.
+            let mut ids = most_chosen_first(&guess);
+            if let Some(ep) = ep {
+                ids.retain(|&e| ep.shard.owns(j, e));
+            }
+            // Without a host tier the guess is read from the files, behind
+            // this layer's own reads.
+            cache.read_ahead(cx.store, j, &ids);
+            next_ids = Some((j, ids));
+        }
         let ptrs = cache.ensure(g, cx.store, i, &unique)?;
         lap(&mut clock, &mut times.expert_io);
         if slot_path {
@@ -366,13 +378,9 @@ pub(super) fn moe(
             )?;
         }
     }
-    if let Some((j, _)) = predicted {
-        // Queued after this layer's compute was launched, so its own
-        // uploads went first; the guess's most chosen experts first.
-        let mut ids = most_chosen_first(&guess);
-        if let Some(ep) = ep {
-            ids.retain(|&e| ep.shard.owns(j, e));
-        }
+    if let Some((j, ids)) = next_ids {
+        // From the host tier: queued after this layer's compute was
+        // launched, so its own uploads went first.
         cache.prefetch(g, cx.store, j, &ids)?;
     }
     if !cpu_users.is_empty() {
