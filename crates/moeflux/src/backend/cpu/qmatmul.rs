@@ -137,38 +137,26 @@ fn job<'a>(
         n_tokens * rows,
         "matmul: out has the wrong length"
     );
-    match w {
-        Weight::Quantized(q) => {
-            if let Err(e) = q.check() {
-                panic!("matmul: {e}");
-            }
-        }
-        Weight::Mxfp4(m) => {
-            if let Err(e) = m.check() {
-                panic!("matmul: {e}");
-            }
-        }
-        Weight::Mxfp4x8(m) => {
-            if let Err(e) = m.check() {
-                panic!("matmul: {e}");
-            }
-        }
-        Weight::Affine4x8(m) => {
-            if let Err(e) = m.check() {
-                panic!("matmul: {e}");
-            }
-        }
-        Weight::Dense(d) => {
-            let len = match d.data {
-                DenseData::Bf16(v) => v.len(),
-                DenseData::F32(v) => v.len(),
-            };
-            assert_eq!(
-                len,
-                rows * cols,
-                "matmul: dense weight has the wrong length"
-            );
-        }
+    let checked = match w {
+        Weight::Quantized(q) => q.check(),
+        Weight::Mxfp4(m) => m.check(),
+        Weight::Mxfp4x8(m) => m.check(),
+        Weight::Affine4x8(m) => m.check(),
+        Weight::Dense(_) => Ok(()),
+    };
+    if let Err(e) = checked {
+        panic!("matmul: {e}");
+    }
+    if let Weight::Dense(d) = w {
+        let len = match d.data {
+            DenseData::Bf16(v) => v.len(),
+            DenseData::F32(v) => v.len(),
+        };
+        assert_eq!(
+            len,
+            rows * cols,
+            "matmul: dense weight has the wrong length"
+        );
     }
     if rows == 0 || n_tokens == 0 {
         return None;
@@ -216,21 +204,9 @@ pub fn dequantize_row(w: &Weight, r: usize, out: &mut [f32]) {
                 }
             }
         }
-        Weight::Mxfp4(m) => {
-            if let Err(e) = m.dequantize_row(r, out) {
-                panic!("dequantize_row: {e}");
-            }
-        }
-        Weight::Mxfp4x8(m) => {
-            if let Err(e) = m.dequantize_row(r, out) {
-                panic!("dequantize_row: {e}");
-            }
-        }
-        Weight::Affine4x8(m) => {
-            if let Err(e) = m.dequantize_row(r, out) {
-                panic!("dequantize_row: {e}");
-            }
-        }
+        Weight::Mxfp4(m) => expect_row(m.dequantize_row(r, out)),
+        Weight::Mxfp4x8(m) => expect_row(m.dequantize_row(r, out)),
+        Weight::Affine4x8(m) => expect_row(m.dequantize_row(r, out)),
         Weight::Dense(d) => match d.data {
             DenseData::Bf16(v) => {
                 for (o, &b) in out.iter_mut().zip(&v[r * d.cols..(r + 1) * d.cols]) {
@@ -239,6 +215,14 @@ pub fn dequantize_row(w: &Weight, r: usize, out: &mut [f32]) {
             }
             DenseData::F32(v) => out.copy_from_slice(&v[r * d.cols..(r + 1) * d.cols]),
         },
+    }
+}
+
+/// A row that could not be dequantized is a caller's error (shapes are
+/// checked at load).
+fn expect_row(r: Result<(), String>) {
+    if let Err(e) = r {
+        panic!("dequantize_row: {e}");
     }
 }
 
