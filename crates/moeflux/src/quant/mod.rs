@@ -134,7 +134,7 @@ impl Weight<'_> {
 fn interleaved_groups(r0: usize, r1: usize) -> (usize, usize) {
     let rows = interleave::ROWS;
     assert!(
-        r0 % rows == 0 && r1 % rows == 0,
+        r0.is_multiple_of(rows) && r1.is_multiple_of(rows),
         "row block {r0}..{r1} of an interleaved matrix"
     );
     (r0 / rows, r1 / rows)
