@@ -37,8 +37,10 @@
 #   f  two GPUs (--gpus 0,1) against one, in the same run (needs 2 GPUs): c's 397B widths (12
 #      layers, top-10) with each GPU's --gpu-memory holding 30% of the experts (60% together),
 #      the rest in the pinned host tier, extrapolated to 60 layers; qwen3.6-35b-a3b widths
-#      fully resident: pp4096 and tg128 (CUDA graphs), and tg128 eager (MOEFLUX_EP_GRAPHS=0); and
-#      the NCCL all-reduce's share of a decode step (MOEFLUX_CUDA_PROFILE, eager)
+#      fully resident: pp4096 and tg128 (CUDA graphs), tg128 with every sum through NCCL
+#      (MOEFLUX_EP_ALLREDUCE=nccl; the default sums decode rows through peer access), tg128
+#      eager (MOEFLUX_EP_GRAPHS=0); and the all-reduce's share of a decode step
+#      (MOEFLUX_CUDA_PROFILE, eager). F397=0 skips the 397B rows (their 21 GB synth).
 #
 # $MOEFLUX names the binary (default: target/release/moeflux). Models go to --dir (default
 # /tmp/moeflux-bench) and are deleted when their part ends (the disk holds one at a time).
@@ -64,7 +66,7 @@ while [[ $# -gt 0 ]]; do
     --dir) DIR=${2:?}; shift 2 ;;
     --out) OUTDIR=${2:?}; shift 2 ;;
     --quick) QUICK=1; REPS=1; shift ;;
-    -h|--help) sed -n '2,39p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,48p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac
 done
@@ -233,17 +235,20 @@ if has f; then
   if ((ngpu < 2)); then
     note "f: skipped: needs 2 GPUs, found $ngpu"
   else
-    BIG=$DIR/397b-12
-    synth "$BIG" --preset qwen3.5-397b-a17b --layers 12
-    budget=$(( $(expert_bytes "$BIG") * 3 / 10 ))
-    find "$BIG"/experts -type f -exec cat {} + >/dev/null
-    bench f-397b-12l-top10-1gpu "$BIG" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G
-    bench f-397b-12l-top10-2gpu "$BIG" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G --gpus 0,1
-    rm -rf "$BIG"
+    if [[ ${F397:-1} != 0 ]]; then
+      BIG=$DIR/397b-12
+      synth "$BIG" --preset qwen3.5-397b-a17b --layers 12
+      budget=$(( $(expert_bytes "$BIG") * 3 / 10 ))
+      find "$BIG"/experts -type f -exec cat {} + >/dev/null
+      bench f-397b-12l-top10-1gpu "$BIG" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G
+      bench f-397b-12l-top10-2gpu "$BIG" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G --gpus 0,1
+      rm -rf "$BIG"
+    fi
     A3B=$DIR/a3b-40
     synth "$A3B" --preset qwen3.6-35b-a3b
     bench f-a3b-resident-1gpu "$A3B" --prompt-len $PPL --gen $TG
     bench f-a3b-resident-2gpu "$A3B" --prompt-len $PPL --gen $TG --gpus 0,1
+    MOEFLUX_EP_ALLREDUCE=nccl bench f-a3b-resident-2gpu-nccl "$A3B" --prompt-len 0 --gen $TG --gpus 0,1
     export MOEFLUX_CUDA_PROFILE=1
     bench f-a3b-2gpu-profile "$A3B" --prompt-len 0 --gen 32 --gpus 0,1 --no-cuda-graphs
     unset MOEFLUX_CUDA_PROFILE
@@ -358,7 +363,7 @@ for line in open(os.path.join(out, "e-depths.txt")):
               f"at {moe} MoE layers")
 EOF
 fi
-if has f && [[ -f $OUTDIR/f-397b-12l-top10-1gpu.json ]]; then
+if has f && [[ -f $OUTDIR/f-a3b-resident-1gpu.json ]]; then
   python3 - "$OUTDIR" <<'EOF'
 import json, sys, os
 out = sys.argv[1]
@@ -372,15 +377,17 @@ if one and two:
         print(f"f 397B {name}: {ms:.2f} ms per layer -> {1e3 / (ms * 60):.2f} tok/s at 60 layers")
     print(f"f 397B: 2 GPUs / 1 GPU decode = {two['decode_tok_s'] / one['decode_tok_s']:.2f}x")
 a, b, e = load("f-a3b-resident-1gpu"), load("f-a3b-resident-2gpu"), load("f-a3b-resident-2gpu-eager")
+n = load("f-a3b-resident-2gpu-nccl")
 if a and b:
     print(f"f A3B resident: decode {b['decode_tok_s'] / a['decode_tok_s']:.2f}x one GPU (graphs)"
+          + (f", {n['decode_tok_s'] / a['decode_tok_s']:.2f}x with every sum through NCCL" if n else "")
           + (f", {e['decode_tok_s'] / a['decode_tok_s']:.2f}x eager" if e else "")
           + f"; pp{a['prefill']['tokens']} {b['prefill_tok_s'] / a['prefill_tok_s']:.2f}x")
 # The profile's all-reduce line per GPU: name, ms, share of the GPU's time, launches.
 log = os.path.join(out, "f-a3b-2gpu-profile.log")
 if os.path.exists(log):
     for line in open(log):
-        if "nccl_all_reduce" in line:
+        if "nccl_all_reduce" in line or "peer_all_reduce" in line:
             print("f all-reduce (per GPU, share of the eager decode's GPU time):", line.strip())
 EOF
 fi

@@ -7,6 +7,11 @@
 //   gated_norm    the gated RMSNorm; y, out and the state over two launches in a row.
 //   moe_combine   the routed experts' weighted sum plus the (gated or plain) shared expert
 //                 added to the residual.
+//                 In a group: only this GPU's experts, from a base or from zero.
+//   moe_combine_peer  one rank of a group: its partial (moe_combine's bits) written to the
+//                 half the call's parity picks, the call announced to every peer per block,
+//                 the ranks' rows summed in rank order (exactly), the epoch advanced; a
+//                 wait the abort word ends.
 //   attn_prep     backend/cpu/attention.rs: q/k/v biases, q/k RMS norms (each optional),
 //                 half-split rope (partial or full), the gate copied when gated, k and v
 //                 appended to the caches at rows pos..pos+n, the other cache rows untouched.
@@ -162,34 +167,130 @@ static void test_delta_rule(int nk, int nv, int dk, int dv, int n, int calls) {
 
 enum Shared { NONE, GATED, PLAIN };
 
-static void test_moe_combine(int h, int k, int n, Shared sh) {
-    std::vector<float> slot_out((size_t)n * k * h), wts((size_t)n * k), shared((size_t)n * h), sg(n), out((size_t)n * h);
-    for (auto& v : slot_out) v = urand();
-    for (auto& v : wts) v = urand(0, 1);
-    for (auto& v : shared) v = urand();
-    for (auto& v : sg) v = urand(-3, 3);
-    for (auto& v : out) v = urand(-2, 2);
-    std::vector<float> out0 = out;
+// One rank's inputs of a MoE layer's combine: slot rows, weights, experts
+// (of `experts`), the shared expert and its gate, a base.
+struct CombineCase {
+    int h, k, n, experts;
+    std::vector<float> slot_out, wts, shared, sg, base;
+    std::vector<int> ids;
+    std::vector<unsigned char> own;
+    CombineCase(int h_, int k_, int n_, int experts_) : h(h_), k(k_), n(n_), experts(experts_) {
+        slot_out.resize((size_t)n * k * h), wts.resize((size_t)n * k), ids.resize((size_t)n * k);
+        shared.resize((size_t)n * h), sg.resize(n), base.resize((size_t)n * h), own.resize(experts);
+        for (auto& v : slot_out) v = urand();
+        for (auto& v : wts) v = urand(0, 1);
+        for (auto& v : ids) v = (int)(rng() % experts);
+        for (auto& v : shared) v = urand();
+        for (auto& v : sg) v = urand(-3, 3);
+        for (auto& v : base) v = urand(-2, 2);
+        for (auto& v : own) v = rng() % 2;
+    }
+    // `grouped`: only the experts of `own`; with or without the base.
+    MoeCombine args(Shared sh, bool grouped, bool with_base) const {
+        MoeCombine C{};
+        C.slot_out = slot_out.data(), C.wts = wts.data(), C.ids = ids.data();
+        C.own = grouped ? own.data() : nullptr;
+        C.shared = sh == NONE ? nullptr : shared.data();
+        C.sg = sh == GATED ? sg.data() : nullptr;
+        C.base = with_base ? base.data() : nullptr;
+        C.k = k, C.h = h;
+        return C;
+    }
+};
+
+static void test_moe_combine(int h, int k, int n, Shared sh, bool grouped) {
+    CombineCase cc(h, k, n, 16);
+    std::vector<float> out = cc.base;
     {
-        const float *so = slot_out.data(), *wp = wts.data(), *shp = sh == NONE ? nullptr : shared.data(),
-                    *sgp = sh == GATED ? sg.data() : nullptr;
+        // Without a group: in place on the base, as on the residual stream.
+        MoeCombine C = cc.args(sh, grouped, !grouped);
+        if (!grouped) C.base = out.data();
         float* op = out.data();
-        emu_launch({(unsigned)n, (unsigned)((h + 255) / 256), 1}, 256, [&] { moe_combine(so, wp, k, h, shp, sgp, op); });
+        emu_launch({(unsigned)n, (unsigned)((h + 255) / 256), 1}, 256, [&] { moe_combine(C, op); });
     }
     std::vector<double> rout((size_t)n * h);
     for (int t = 0; t < n; t++) {
-        double gate = sh == NONE ? 0.0 : sh == GATED ? sigmoid_d(sg[t]) : 1.0;
+        double gate = sh == NONE ? 0.0 : sh == GATED ? sigmoid_d(cc.sg[t]) : 1.0;
         for (int i = 0; i < h; i++) {
-            double acc = out0[(size_t)t * h + i];
-            for (int j = 0; j < k; j++) acc += (double)wts[(size_t)t * k + j] * slot_out[((size_t)t * k + j) * h + i];
-            acc += gate * shared[(size_t)t * h + i];
+            double acc = grouped ? 0.0 : cc.base[(size_t)t * h + i];
+            for (int j = 0; j < k; j++) {
+                if (grouped && !cc.own[cc.ids[(size_t)t * k + j]]) continue;
+                acc += (double)cc.wts[(size_t)t * k + j] * cc.slot_out[((size_t)t * k + j) * h + i];
+            }
+            acc += gate * cc.shared[(size_t)t * h + i];
             rout[(size_t)t * h + i] = acc;
         }
     }
     const char* shn[3] = {"no shared", "gated shared", "plain shared"};
     char name[128];
-    snprintf(name, sizeof name, "moe_combine h%d k%d n%d %s", h, k, n, shn[sh]);
+    snprintf(name, sizeof name, "moe_combine h%d k%d n%d %s%s", h, k, n, shn[sh], grouped ? " grouped" : "");
     check(name, out, rout, 1e-5);
+}
+
+// ---------------------------------------------------------------------------------------
+// moe_combine_peer (blocks run one after another here, so the peers' writes and
+// announcements are made before the launch of the rank under test)
+
+static void test_moe_combine_peer(int world, int rank, int h, int n, int blocks) {
+    const int cap = 4096, count = n * h;
+    std::vector<std::vector<float>> data(world, std::vector<float>(2 * cap));
+    std::vector<std::vector<u32>> sig(world, std::vector<u32>(PEER_MAX_BLOCKS * PEER_MAX_RANKS));
+    std::vector<u32> epoch(PEER_MAX_BLOCKS), abort_word(1);
+    PeerReduce P{};
+    for (int r = 0; r < world; r++) {
+        P.data[r] = data[r].data();
+        P.sig[r] = sig[r].data();
+    }
+    P.epoch = epoch.data();
+    P.abort = abort_word.data();
+    P.cap = cap, P.rank = rank, P.world = world;
+    std::vector<float> part(count), out(count);
+    char name[128];
+    for (u32 call = 1; call <= 3; call++) {
+        // The lead adds the residual and the shared expert.
+        CombineCase cc(h, 4, n, 16);
+        MoeCombine C = cc.args(rank == 0 ? GATED : NONE, true, rank == 0);
+        // This rank's partial as the NCCL path computes it.
+        float* pp = part.data();
+        emu_launch({(unsigned)n, (unsigned)((h + 255) / 256), 1}, 256, [&] { moe_combine(C, pp); });
+        long half = (long)(call & 1) * cap;
+        for (int r = 0; r < world; r++) {
+            if (r == rank) continue;
+            for (int i = 0; i < count; i++) data[r][half + i] = urand(-4, 4);
+            // Peers announce this call (the third: one ahead, as a fast peer may).
+            for (int b = 0; b < blocks; b++) sig[rank][b * PEER_MAX_RANKS + r] = call == 3 ? 4 : call;
+        }
+        float* op = out.data();
+        emu_launch({(unsigned)blocks, 1, 1}, 64, [&] { moe_combine_peer(P, C, op, count); });
+        snprintf(name, sizeof name, "moe_combine_peer world %d rank %d h %d n %d blocks %d call %u", world, rank,
+                 h, n, blocks, call);
+        bool ok = true;
+        for (int i = 0; i < count; i++) {
+            float want = rank == 0 ? part[i] : data[0][half + i];
+            for (int r = 1; r < world; r++) want += r == rank ? part[i] : data[r][half + i];
+            ok &= memcmp(&want, &out[i], 4) == 0 && memcmp(&data[rank][half + i], &part[i], 4) == 0;
+        }
+        for (int b = 0; b < blocks; b++) {
+            ok &= epoch[b] == call;
+            for (int r = 0; r < world; r++)
+                if (r != rank) ok &= sig[r][b * PEER_MAX_RANKS + rank] == call;
+        }
+        if (!ok) {
+            printf("FAIL %s\n", name);
+            fails++;
+        }
+    }
+    // A peer that never announces the fourth call: the abort word ends the wait.
+    for (auto& w : sig[rank]) w = 3;
+    abort_word[0] = 1;
+    CombineCase cc(h, 4, n, 16);
+    MoeCombine C = cc.args(NONE, true, false);
+    float* op = out.data();
+    emu_launch({(unsigned)blocks, 1, 1}, 64, [&] { moe_combine_peer(P, C, op, count); });
+    if (epoch[0] != 4) {
+        printf("FAIL %s: an aborted call\n", name);
+        fails++;
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -478,7 +579,12 @@ int main() {
     test_delta_rule(2, 4, 128, 64, 4, 2);     // dv < dk: two row blocks per head
     test_delta_rule(2, 4, 64, 128, 3, 2);     // dk < dv: two columns per lane, four row blocks
     for (auto [h, n] : {std::pair{2048, 1}, std::pair{7168, 3}})
-        for (Shared s : {NONE, GATED, PLAIN}) test_moe_combine(h, 8, n, s);
+        for (Shared s : {NONE, GATED, PLAIN})
+            for (bool grouped : {false, true}) test_moe_combine(h, 8, n, s, grouped);
+    test_moe_combine_peer(2, 0, 2048, 1, 2);  // a decode row, two GPUs
+    test_moe_combine_peer(2, 1, 2048, 1, 2);
+    test_moe_combine_peer(3, 1, 200, 5, 3);   // chunks that do not divide the count
+    test_moe_combine_peer(4, 3, 256, 16, 32);
     test_add_rows(3, 2880);  // gpt-oss's o_proj bias (cols past a block of 256)
     test_add_rows(5, 16);    // a router bias
     AttnFlavour qwen35{true, true, false}, qwen3{false, true, false}, glm{false, true, true},

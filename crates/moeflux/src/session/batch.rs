@@ -241,9 +241,10 @@ impl Batch {
                     ));
                 } else if m.gpus() > 1 {
                     note.push_str(&format!(
-                        "; routed experts sharded over {} GPUs, NCCL {}",
+                        "; routed experts sharded over {} GPUs, NCCL {}; partial sums: {}",
                         m.gpus(),
-                        nccl()?
+                        nccl()?,
+                        m.reduce_path()
                     ));
                 }
                 let tier = m.host_tier();

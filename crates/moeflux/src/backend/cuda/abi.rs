@@ -180,6 +180,47 @@ kernel_structs! {
         bias_d: u64 => "const float* bias_d",
         ids: u64 => "const int* ids",
     }
+
+    /// A MoE layer's output rows (`moe_combine_at` in kernels/moe.cu):
+    /// `base` (or zero) plus the routed experts' rows weighted by the
+    /// router, plus the shared expert (times sigmoid of its gate logit).
+    struct MoeCombineC as "MoeCombine" {
+        /// [tokens x k, hidden]: each (token, slot)'s expert output.
+        slot_out: u64 => "const float* slot_out",
+        /// [tokens x k]: the router's weights and experts.
+        wts: u64 => "const float* wts",
+        ids: u64 => "const int* ids",
+        /// In a group: this GPU's experts of the layer (a byte each); the
+        /// other slots are skipped. Null: every slot counts.
+        own: u64 => "const unsigned char* own",
+        /// [tokens, hidden] and [tokens], or null.
+        shared: u64 => "const float* shared",
+        sg: u64 => "const float* sg",
+        /// [tokens, hidden], or null for zero.
+        base: u64 => "const float* base",
+        k: i32 => "int k",
+        h: i32 => "int h",
+    }
+
+    /// The GPUs of one process summing their MoE layer's partial outputs
+    /// through each other's memory (`moe_combine_peer` in kernels/peer.cu;
+    /// `peer.rs`).
+    struct PeerReduceC as "PeerReduce" {
+        /// Each rank's exchange buffer: two halves of `cap` floats, used
+        /// by alternate calls.
+        data: [u64; 8] => "float* data[8]",
+        /// Each rank's signal words, [PEER_MAX_BLOCKS][8]: word (b, s) holds
+        /// the last call whose block b rank s has finished writing.
+        sig: [u64; 8] => "u32* sig[8]",
+        /// This rank's call count per block.
+        epoch: u64 => "u32* epoch",
+        /// A host word the group sets when it aborts (waits give up).
+        abort: u64 => "const u32* abort",
+        cap: i32 => "int cap",
+        rank: i32 => "int rank",
+        world: i32 => "int world",
+        pad: i32 => "int pad",
+    }
 }
 
 #[cfg(test)]

@@ -32,6 +32,7 @@ use super::experts::{CachePolicy, CacheStats, ExpertCache, HostTier, HostTierInf
 use super::linear::{dev_linear, matmuls, mm, rms_norm, DevLinear};
 use super::mla::MlaParams;
 use super::nccl::Comm;
+use super::peer::PeerRank;
 use super::shard::Shard;
 use super::state::{GpuLayerState, GpuState};
 use super::{attention, deltanet, mla, moe, support};
@@ -133,6 +134,10 @@ pub(super) struct Ctx<'a> {
 pub struct Ep {
     pub shard: Shard,
     pub comm: Comm,
+    /// The small sums through peer access (one process, peer-capable GPUs).
+    pub peer: Option<PeerRank>,
+    /// On the device: [`Shard::owned_mask`] (set when the model is loaded).
+    pub own: Option<DevBuf>,
 }
 
 /// Experts at least this large are prefetched by `Prefetch::Auto`. On the
@@ -311,6 +316,11 @@ impl CudaModel {
         support::check(model)?;
         gpu.bind()?;
         let c = model.config.clone();
+        let mut ep = ep;
+        if let Some(ep) = &mut ep {
+            let mask = ep.shard.owned_mask(c.moe.num_experts);
+            ep.own = Some(DevBuf::from_slice(&gpu, &mask)?);
+        }
         let (dense, base) = upload_dense(&gpu, model.weights.dense.file_bytes())?;
         let floats = DevBuf::from_slice(&gpu, model.weights.arena())?;
         let weights = DevWeights {

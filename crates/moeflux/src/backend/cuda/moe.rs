@@ -11,8 +11,8 @@ use crate::error::Result;
 use crate::model::moe::{ComponentLayout, DenseMlp, ExpertLayout, MoeBlock};
 use crate::model::timing::{lap, PhaseTimes};
 
-use super::abi::{ExpertLayoutC, ExpertTask};
-use super::device::{args, copy_dtod, zero_async, Gpu};
+use super::abi::{ExpertLayoutC, ExpertTask, MoeCombineC};
+use super::device::{args, Gpu};
 use super::linear::{
     kernel_suffix, matmuls, mm, mm_add, mma_layout_fits, mma_split, qmv_rows_per_block, qmv_slices,
     qmv_threads, rows_per_block, swiglu_matmul, MMA_MIN_TOKENS, QMV_CHUNKS, QMV_STREAM_CHUNKS,
@@ -124,12 +124,9 @@ pub(super) fn moe(
     layout.ids = d_ids;
     let act = s.get(g, "eact", 4 * n * k * inter)?;
     let slot_out = s.get(g, "slot_out", 4 * n * k * h)?;
-    // In a group, this GPU computes only the slots of its own experts; the
-    // others' rows must add nothing to its partial sum.
+    // In a group, this GPU computes only the slots of its own experts (the
+    // combine skips the others' rows).
     let ep = cx.ep;
-    if ep.is_some() {
-        zero_async(&g.stream, slot_out, 4 * n * k * h)?;
-    }
     // The shared expert runs on one GPU of a group.
     let lead = ep.is_none_or(|ep| ep.shard.rank == 0);
     let owns = |e: usize| ep.is_none_or(|ep| ep.shard.owns(i, e));
@@ -386,38 +383,50 @@ pub(super) fn moe(
     if !cpu_users.is_empty() {
         compute_on_host(cx, b, &cpu_users, &host_xn, slot_out)?;
     }
-    let h_i = h as i32;
-    // In a group: the lead's partial starts from x, the others' from zero;
-    // the all-reduce's sum lands in x on every GPU (the same values).
-    let out = match ep {
-        None => x,
-        Some(_) => {
-            let part = cx.scratch.get(g, "moe_part", 4 * n * h)?;
-            if lead {
-                copy_dtod(&g.stream, part, x, 4 * n * h)?;
-            } else {
-                zero_async(&g.stream, part, 4 * n * h)?;
-            }
-            part
-        }
+    // In a group: the lead's partial starts from x and holds the shared
+    // expert, the others' from zero; the sum lands in x on every GPU (the
+    // same values).
+    let own = ep
+        .and_then(|ep| ep.own.as_ref())
+        .map_or(0, |m| m.ptr() + (i * e) as u64);
+    let combine = MoeCombineC {
+        slot_out,
+        wts: d_wts,
+        ids: d_ids,
+        own,
+        shared: sy,
+        sg,
+        base: if lead { x } else { 0 },
+        k: k as i32,
+        h: h as i32,
     };
-    // SAFETY: `moe_combine` in kernels/moe.cu; sy and sg are null or hold n
-    // rows (shared output, gate logit).
-    unsafe {
-        g.launch(
-            "moe_combine",
-            (n as u32, h.div_ceil(256) as u32, 1),
-            256,
-            0,
-            &mut args!(slot_out, d_wts, k_i, h_i, sy, sg, out),
-        )?;
-    }
-    if let Some(ep) = ep {
-        // Profiled as a kernel: its share of a step in MOEFLUX_CUDA_PROFILE.
-        g.profiled(
-            || format!("nccl_all_reduce [{n}x{h}]"),
-            || ep.comm.all_reduce_f32(out, x, n * h, &g.stream),
-        )?;
+    let by_peers = match ep.and_then(|ep| ep.peer.as_ref()) {
+        Some(p) => p.combine_all_reduce(g, combine, x, n * h)?,
+        None => false,
+    };
+    if !by_peers {
+        let out = match ep {
+            None => x,
+            Some(_) => cx.scratch.get(g, "moe_part", 4 * n * h)?,
+        };
+        // SAFETY: `moe_combine` in kernels/moe.cu; the combine's buffers
+        // hold n tokens (shared and sg null or n rows), out n rows.
+        unsafe {
+            g.launch(
+                "moe_combine",
+                (n as u32, h.div_ceil(256) as u32, 1),
+                256,
+                0,
+                &mut args!(combine, out),
+            )?;
+        }
+        if let Some(ep) = ep {
+            // Profiled as a kernel: its share of a step in MOEFLUX_CUDA_PROFILE.
+            g.profiled(
+                || format!("nccl_all_reduce [{n}x{h}]"),
+                || ep.comm.all_reduce_f32(out, x, n * h, &g.stream),
+            )?;
+        }
     }
     lap(&mut clock, &mut times.expert_compute);
     Ok(())

@@ -60,6 +60,16 @@ impl Shard {
             .is_some_and(|&r| r as usize == self.rank)
     }
 
+    /// 1 for each expert this rank owns, 0 otherwise, [layers x experts]
+    /// (rows of layers without routed experts all 0): the device's copy
+    /// tells the combine which slots are this GPU's.
+    pub fn owned_mask(&self, experts: usize) -> Vec<u8> {
+        (0..self.owner.len())
+            .flat_map(|l| (0..experts).map(move |e| (l, e)))
+            .map(|(l, e)| u8::from(self.owns(l, e)))
+            .collect()
+    }
+
     /// The most experts this rank owns in any layer.
     pub fn max_owned_per_layer(&self) -> usize {
         self.owner
@@ -94,6 +104,11 @@ mod tests {
         assert_eq!(s[0].owned_total() + s[1].owned_total(), 10);
         assert_eq!(s[0].owned_total(), 5);
         assert_eq!(s[0].max_owned_per_layer(), 3);
+        // The device's mask: [layers x experts], dense layers all 0.
+        assert_eq!(
+            s[1].owned_mask(5),
+            [[0; 5], [0, 1, 0, 1, 0], [0; 5], [1, 0, 1, 0, 1]].concat()
+        );
     }
 
     #[test]

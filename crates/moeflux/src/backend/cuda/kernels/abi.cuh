@@ -164,3 +164,67 @@ static_assert(offsetof(ExpertLayout, bias_u) == 128, "ExpertLayout.bias_u");
 static_assert(offsetof(ExpertLayout, bias_d) == 136, "ExpertLayout.bias_d");
 static_assert(offsetof(ExpertLayout, ids) == 144, "ExpertLayout.ids");
 #endif
+
+// A MoE layer's output rows (`moe_combine_at` in kernels/moe.cu):
+// `base` (or zero) plus the routed experts' rows weighted by the
+// router, plus the shared expert (times sigmoid of its gate logit).
+struct MoeCombine {
+    // [tokens x k, hidden]: each (token, slot)'s expert output.
+    const float* slot_out;
+    // [tokens x k]: the router's weights and experts.
+    const float* wts;
+    const int* ids;
+    // In a group: this GPU's experts of the layer (a byte each); the
+    // other slots are skipped. Null: every slot counts.
+    const unsigned char* own;
+    // [tokens, hidden] and [tokens], or null.
+    const float* shared;
+    const float* sg;
+    // [tokens, hidden], or null for zero.
+    const float* base;
+    int k;
+    int h;
+};
+static_assert(sizeof(MoeCombine) == 64, "MoeCombine as Rust lays it out");
+#ifndef __CUDACC_RTC__
+static_assert(offsetof(MoeCombine, slot_out) == 0, "MoeCombine.slot_out");
+static_assert(offsetof(MoeCombine, wts) == 8, "MoeCombine.wts");
+static_assert(offsetof(MoeCombine, ids) == 16, "MoeCombine.ids");
+static_assert(offsetof(MoeCombine, own) == 24, "MoeCombine.own");
+static_assert(offsetof(MoeCombine, shared) == 32, "MoeCombine.shared");
+static_assert(offsetof(MoeCombine, sg) == 40, "MoeCombine.sg");
+static_assert(offsetof(MoeCombine, base) == 48, "MoeCombine.base");
+static_assert(offsetof(MoeCombine, k) == 56, "MoeCombine.k");
+static_assert(offsetof(MoeCombine, h) == 60, "MoeCombine.h");
+#endif
+
+// The GPUs of one process summing their MoE layer's partial outputs
+// through each other's memory (`moe_combine_peer` in kernels/peer.cu;
+// `peer.rs`).
+struct PeerReduce {
+    // Each rank's exchange buffer: two halves of `cap` floats, used
+    // by alternate calls.
+    float* data[8];
+    // Each rank's signal words, [PEER_MAX_BLOCKS][8]: word (b, s) holds
+    // the last call whose block b rank s has finished writing.
+    u32* sig[8];
+    // This rank's call count per block.
+    u32* epoch;
+    // A host word the group sets when it aborts (waits give up).
+    const u32* abort;
+    int cap;
+    int rank;
+    int world;
+    int pad;
+};
+static_assert(sizeof(PeerReduce) == 160, "PeerReduce as Rust lays it out");
+#ifndef __CUDACC_RTC__
+static_assert(offsetof(PeerReduce, data) == 0, "PeerReduce.data");
+static_assert(offsetof(PeerReduce, sig) == 64, "PeerReduce.sig");
+static_assert(offsetof(PeerReduce, epoch) == 128, "PeerReduce.epoch");
+static_assert(offsetof(PeerReduce, abort) == 136, "PeerReduce.abort");
+static_assert(offsetof(PeerReduce, cap) == 144, "PeerReduce.cap");
+static_assert(offsetof(PeerReduce, rank) == 148, "PeerReduce.rank");
+static_assert(offsetof(PeerReduce, world) == 152, "PeerReduce.world");
+static_assert(offsetof(PeerReduce, pad) == 156, "PeerReduce.pad");
+#endif

@@ -24,3 +24,4 @@
 #include "mma.cu"
 #include "attn_mma.cu"
 #include "deltanet_chunk.cu"
+#include "peer.cu"

@@ -134,19 +134,32 @@ extern "C" __global__ void moe_down_bx(const ExpertTask* t, ExpertLayout L, cons
 extern "C" __global__ void moe_gate_up_mx(const ExpertTask* t, ExpertLayout L, const int* s, int k, const float* x, float* a) { PDL_ENTER(); moe_gate_up_body<MXB>(t, L, s, k, x, a); }
 extern "C" __global__ void moe_down_mx(const ExpertTask* t, ExpertLayout L, const int* s, const float* a, float* y) { PDL_ENTER(); moe_down_body<MXB>(t, L, s, a, y); }
 
-// out[t] += sum_j w[t,j] * slot_out[t*k+j] (slot order) + g[t] * shared[t]
-// (when `shared` is not null), g = sigmoid(sg[t]) for Qwen's gated shared
-// expert, 1 for DeepSeek's ungated ones (`sg` null): the MoE block's output
-// added to the residual stream. Grid (token, column blocks).
-extern "C" __global__ void moe_combine(const float* slot_out, const float* wts, int k, int h,
-                                       const float* shared, const float* sg, float* out) { PDL_ENTER();
+// The MoE block's output, column i of token t, before it is added to the
+// residual stream: sum_j w[t,j] * slot_out[t*k+j] in slot order (this GPU's
+// experts only, in a group), then s * shared[t], s = sigmoid(sg[t]) for
+// Qwen's gated shared expert, 1 for DeepSeek's ungated ones (`sg` null).
+__device__ __forceinline__ float moe_combine_at(const MoeCombine& C, float s, int t, int i) {
+    float acc = 0.0f;
+    for (int j = 0; j < C.k; j++) {
+        if (C.own && !C.own[C.ids[t * C.k + j]]) continue;
+        acc += C.wts[t * C.k + j] * C.slot_out[((long)t * C.k + j) * C.h + i];
+    }
+    if (C.shared) acc += s * C.shared[(long)t * C.h + i];
+    return acc;
+}
+
+__device__ __forceinline__ float moe_shared_scale(const MoeCombine& C, int t) {
+    return C.shared ? (C.sg ? sigmoidf_(C.sg[t]) : 1.0f) : 0.0f;
+}
+
+// out = base (or zero) + the combine, [tokens, hidden]; out may be base.
+// Grid (token, column blocks).
+extern "C" __global__ void moe_combine(MoeCombine C, float* out) { PDL_ENTER();
     int t = blockIdx.x;
-    float s = shared ? (sg ? sigmoidf_(sg[t]) : 1.0f) : 0.0f;
-    for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < h; i += gridDim.y * blockDim.x) {
-        float acc = 0.0f;
-        for (int j = 0; j < k; j++) acc += wts[t * k + j] * slot_out[((long)t * k + j) * h + i];
-        if (shared) acc += s * shared[(long)t * h + i];
-        out[(long)t * h + i] += acc;
+    float s = moe_shared_scale(C, t);
+    for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < C.h; i += gridDim.y * blockDim.x) {
+        long o = (long)t * C.h + i;
+        out[o] = (C.base ? C.base[o] : 0.0f) + moe_combine_at(C, s, t, i);
     }
 }
 
