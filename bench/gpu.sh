@@ -37,10 +37,10 @@
 #   f  two GPUs (--gpus 0,1) against one, in the same run (needs 2 GPUs): c's 397B widths (12
 #      layers, top-10) with each GPU's --gpu-memory holding 30% of the experts (60% together),
 #      the rest in the pinned host tier, extrapolated to 60 layers; qwen3.6-35b-a3b widths
-#      fully resident: pp4096 and tg128 (CUDA graphs), tg128 with every sum through NCCL
-#      (MOEFLUX_EP_ALLREDUCE=nccl; the default sums decode rows through peer access), tg128
-#      eager (MOEFLUX_EP_GRAPHS=0); and the all-reduce's share of a decode step
-#      (MOEFLUX_CUDA_PROFILE, eager). F397=0 skips the 397B rows (their 21 GB synth).
+#      fully resident: pp4096 and tg128 (CUDA graphs), and tg128 eager (MOEFLUX_EP_GRAPHS=0);
+#      the NCCL all-reduce's share of a decode step (MOEFLUX_CUDA_PROFILE, eager); one GPU's
+#      prefill profile (the routed experts' share: what a group splits). F397=0 skips the
+#      397B rows (their 43 GB synth).
 #
 # $MOEFLUX names the binary (default: target/release/moeflux). Models go to --dir (default
 # /tmp/moeflux-bench) and are deleted when their part ends (the disk holds one at a time).
@@ -248,9 +248,9 @@ if has f; then
     synth "$A3B" --preset qwen3.6-35b-a3b
     bench f-a3b-resident-1gpu "$A3B" --prompt-len $PPL --gen $TG
     bench f-a3b-resident-2gpu "$A3B" --prompt-len $PPL --gen $TG --gpus 0,1
-    MOEFLUX_EP_ALLREDUCE=nccl bench f-a3b-resident-2gpu-nccl "$A3B" --prompt-len 0 --gen $TG --gpus 0,1
     export MOEFLUX_CUDA_PROFILE=1
     bench f-a3b-2gpu-profile "$A3B" --prompt-len 0 --gen 32 --gpus 0,1 --no-cuda-graphs
+    bench f-a3b-1gpu-prefill-profile "$A3B" --prompt-len $PPL --gen 1 --no-cuda-graphs
     unset MOEFLUX_CUDA_PROFILE
     MOEFLUX_EP_GRAPHS=0 bench f-a3b-resident-2gpu-eager "$A3B" --prompt-len 0 --gen $TG --gpus 0,1
     rm -rf "$A3B"
@@ -377,17 +377,32 @@ if one and two:
         print(f"f 397B {name}: {ms:.2f} ms per layer -> {1e3 / (ms * 60):.2f} tok/s at 60 layers")
     print(f"f 397B: 2 GPUs / 1 GPU decode = {two['decode_tok_s'] / one['decode_tok_s']:.2f}x")
 a, b, e = load("f-a3b-resident-1gpu"), load("f-a3b-resident-2gpu"), load("f-a3b-resident-2gpu-eager")
-n = load("f-a3b-resident-2gpu-nccl")
 if a and b:
     print(f"f A3B resident: decode {b['decode_tok_s'] / a['decode_tok_s']:.2f}x one GPU (graphs)"
-          + (f", {n['decode_tok_s'] / a['decode_tok_s']:.2f}x with every sum through NCCL" if n else "")
           + (f", {e['decode_tok_s'] / a['decode_tok_s']:.2f}x eager" if e else "")
           + f"; pp{a['prefill']['tokens']} {b['prefill_tok_s'] / a['prefill_tok_s']:.2f}x")
+# One GPU's prefill: the routed experts' share of the GPU time, the part a group splits
+# (every GPU runs the rest: attention, GatedDeltaNet, routers, shared expert, LM head).
+log = os.path.join(out, "f-a3b-1gpu-prefill-profile.log")
+if os.path.exists(log):
+    total = routed = 0.0
+    for line in open(log):
+        f = line.split()
+        if "ms" in f and "launches" in f:
+            ms = float(f[f.index("ms") - 1])
+            total += ms
+            if f[0].startswith(("moe_gate_up", "moe_down")):
+                routed += ms
+    if total:
+        s = routed / total
+        print(f"f A3B 1-GPU prefill profile: routed experts {routed:.0f} of {total:.0f} ms GPU time "
+              f"({s * 100:.0f}%); splitting only them over 2 GPUs bounds prefill at "
+              f"{1 / ((1 - s) + s / 2):.2f}x")
 # The profile's all-reduce line per GPU: name, ms, share of the GPU's time, launches.
 log = os.path.join(out, "f-a3b-2gpu-profile.log")
 if os.path.exists(log):
     for line in open(log):
-        if "nccl_all_reduce" in line or "peer_all_reduce" in line:
+        if "nccl_all_reduce" in line:
             print("f all-reduce (per GPU, share of the eager decode's GPU time):", line.strip())
 EOF
 fi

@@ -47,7 +47,6 @@ inline int __float2int_rn(float f) {
 }
 template <class T> T __ldg(const T* p) { return *p; }
 template <class T> T __ldcg(const T* p) { return *p; }
-template <class T> T __ldcv(const T* p) { return *p; }
 // Blocks run one after another, so a fence only has to order the threads of a
 // block (and the atomics below make their updates visible to each other).
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }

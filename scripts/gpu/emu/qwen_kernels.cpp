@@ -7,11 +7,7 @@
 //   gated_norm    the gated RMSNorm; y, out and the state over two launches in a row.
 //   moe_combine   the routed experts' weighted sum plus the (gated or plain) shared expert
 //                 added to the residual.
-//                 In a group: only this GPU's experts, from a base or from zero.
-//   moe_combine_peer  one rank of a group: its partial (moe_combine's bits) written to the
-//                 half the call's parity picks, the call announced to every peer per block,
-//                 the ranks' rows summed in rank order (exactly), the epoch advanced; a
-//                 wait the abort word ends.
+//                 In a group: only this GPU's experts, from zero.
 //   attn_prep     backend/cpu/attention.rs: q/k/v biases, q/k RMS norms (each optional),
 //                 half-split rope (partial or full), the gate copied when gated, k and v
 //                 appended to the caches at rows pos..pos+n, the other cache rows untouched.
@@ -167,7 +163,7 @@ static void test_delta_rule(int nk, int nv, int dk, int dv, int n, int calls) {
 
 enum Shared { NONE, GATED, PLAIN };
 
-// One rank's inputs of a MoE layer's combine: slot rows, weights, experts
+// The inputs of a MoE layer's combine: slot rows, weights, experts
 // (of `experts`), the shared expert and its gate, a base.
 struct CombineCase {
     int h, k, n, experts;
@@ -225,72 +221,6 @@ static void test_moe_combine(int h, int k, int n, Shared sh, bool grouped) {
     char name[128];
     snprintf(name, sizeof name, "moe_combine h%d k%d n%d %s%s", h, k, n, shn[sh], grouped ? " grouped" : "");
     check(name, out, rout, 1e-5);
-}
-
-// ---------------------------------------------------------------------------------------
-// moe_combine_peer (blocks run one after another here, so the peers' writes and
-// announcements are made before the launch of the rank under test)
-
-static void test_moe_combine_peer(int world, int rank, int h, int n, int blocks) {
-    const int cap = 4096, count = n * h;
-    std::vector<std::vector<float>> data(world, std::vector<float>(2 * cap));
-    std::vector<std::vector<u32>> sig(world, std::vector<u32>(PEER_MAX_BLOCKS * PEER_MAX_RANKS));
-    std::vector<u32> epoch(PEER_MAX_BLOCKS), abort_word(1);
-    PeerReduce P{};
-    for (int r = 0; r < world; r++) {
-        P.data[r] = data[r].data();
-        P.sig[r] = sig[r].data();
-    }
-    P.epoch = epoch.data();
-    P.abort = abort_word.data();
-    P.cap = cap, P.rank = rank, P.world = world;
-    std::vector<float> part(count), out(count);
-    char name[128];
-    for (u32 call = 1; call <= 3; call++) {
-        // The lead adds the residual and the shared expert.
-        CombineCase cc(h, 4, n, 16);
-        MoeCombine C = cc.args(rank == 0 ? GATED : NONE, true, rank == 0);
-        // This rank's partial as the NCCL path computes it.
-        float* pp = part.data();
-        emu_launch({(unsigned)n, (unsigned)((h + 255) / 256), 1}, 256, [&] { moe_combine(C, pp); });
-        long half = (long)(call & 1) * cap;
-        for (int r = 0; r < world; r++) {
-            if (r == rank) continue;
-            for (int i = 0; i < count; i++) data[r][half + i] = urand(-4, 4);
-            // Peers announce this call (the third: one ahead, as a fast peer may).
-            for (int b = 0; b < blocks; b++) sig[rank][b * PEER_MAX_RANKS + r] = call == 3 ? 4 : call;
-        }
-        float* op = out.data();
-        emu_launch({(unsigned)blocks, 1, 1}, 64, [&] { moe_combine_peer(P, C, op, count); });
-        snprintf(name, sizeof name, "moe_combine_peer world %d rank %d h %d n %d blocks %d call %u", world, rank,
-                 h, n, blocks, call);
-        bool ok = true;
-        for (int i = 0; i < count; i++) {
-            float want = rank == 0 ? part[i] : data[0][half + i];
-            for (int r = 1; r < world; r++) want += r == rank ? part[i] : data[r][half + i];
-            ok &= memcmp(&want, &out[i], 4) == 0 && memcmp(&data[rank][half + i], &part[i], 4) == 0;
-        }
-        for (int b = 0; b < blocks; b++) {
-            ok &= epoch[b] == call;
-            for (int r = 0; r < world; r++)
-                if (r != rank) ok &= sig[r][b * PEER_MAX_RANKS + rank] == call;
-        }
-        if (!ok) {
-            printf("FAIL %s\n", name);
-            fails++;
-        }
-    }
-    // A peer that never announces the fourth call: the abort word ends the wait.
-    for (auto& w : sig[rank]) w = 3;
-    abort_word[0] = 1;
-    CombineCase cc(h, 4, n, 16);
-    MoeCombine C = cc.args(NONE, true, false);
-    float* op = out.data();
-    emu_launch({(unsigned)blocks, 1, 1}, 64, [&] { moe_combine_peer(P, C, op, count); });
-    if (epoch[0] != 4) {
-        printf("FAIL %s: an aborted call\n", name);
-        fails++;
-    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -581,10 +511,6 @@ int main() {
     for (auto [h, n] : {std::pair{2048, 1}, std::pair{7168, 3}})
         for (Shared s : {NONE, GATED, PLAIN})
             for (bool grouped : {false, true}) test_moe_combine(h, 8, n, s, grouped);
-    test_moe_combine_peer(2, 0, 2048, 1, 2);  // a decode row, two GPUs
-    test_moe_combine_peer(2, 1, 2048, 1, 2);
-    test_moe_combine_peer(3, 1, 200, 5, 3);   // chunks that do not divide the count
-    test_moe_combine_peer(4, 3, 256, 16, 32);
     test_add_rows(3, 2880);  // gpt-oss's o_proj bias (cols past a block of 256)
     test_add_rows(5, 16);    // a router bias
     AttnFlavour qwen35{true, true, false}, qwen3{false, true, false}, glm{false, true, true},

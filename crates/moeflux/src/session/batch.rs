@@ -241,10 +241,9 @@ impl Batch {
                     ));
                 } else if m.gpus() > 1 {
                     note.push_str(&format!(
-                        "; routed experts sharded over {} GPUs, NCCL {}; partial sums: {}",
+                        "; routed experts sharded over {} GPUs, NCCL {}",
                         m.gpus(),
-                        nccl()?,
-                        m.reduce_path()
+                        nccl()?
                     ));
                 }
                 let tier = m.host_tier();

@@ -201,26 +201,6 @@ kernel_structs! {
         k: i32 => "int k",
         h: i32 => "int h",
     }
-
-    /// The GPUs of one process summing their MoE layer's partial outputs
-    /// through each other's memory (`moe_combine_peer` in kernels/peer.cu;
-    /// `peer.rs`).
-    struct PeerReduceC as "PeerReduce" {
-        /// Each rank's exchange buffer: two halves of `cap` floats, used
-        /// by alternate calls.
-        data: [u64; 8] => "float* data[8]",
-        /// Each rank's signal words, [PEER_MAX_BLOCKS][8]: word (b, s) holds
-        /// the last call whose block b rank s has finished writing.
-        sig: [u64; 8] => "u32* sig[8]",
-        /// This rank's call count per block.
-        epoch: u64 => "u32* epoch",
-        /// A host word the group sets when it aborts (waits give up).
-        abort: u64 => "const u32* abort",
-        cap: i32 => "int cap",
-        rank: i32 => "int rank",
-        world: i32 => "int world",
-        pad: i32 => "int pad",
-    }
 }
 
 #[cfg(test)]

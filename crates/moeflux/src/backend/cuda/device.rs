@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 
 /// The parts of the kernel source in `kernels/all.cuh`'s order (a test
 /// checks the two agree).
-const KERNEL_PARTS: [(&str, &str); 16] = [
+const KERNEL_PARTS: [(&str, &str); 15] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("abi.cuh", include_str!("kernels/abi.cuh")),
     ("quant.cuh", include_str!("kernels/quant.cuh")),
@@ -36,7 +36,6 @@ const KERNEL_PARTS: [(&str, &str); 16] = [
         "deltanet_chunk.cu",
         include_str!("kernels/deltanet_chunk.cu"),
     ),
-    ("peer.cu", include_str!("kernels/peer.cu")),
 ];
 
 /// The kernels, compiled at run time as one source (NVRTC gets no include
@@ -143,7 +142,6 @@ const KERNEL_NAMES: &[&str] = &[
     "attention_mma_plain",
     "gdn_chunk_prep",
     "gdn_chunk_scan",
-    "moe_combine_peer",
 ];
 
 /// Kernels that may take more than the default 48 KiB of dynamic shared

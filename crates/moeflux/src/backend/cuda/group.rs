@@ -19,7 +19,6 @@ use super::device::Gpu;
 use super::experts::{CacheStats, HostTierInfo};
 use super::model::{CudaModel, CudaOptions, Ep, GpuSegment};
 use super::nccl::{self, Aborter, Comm, UniqueId};
-use super::peer::{self, AbortWord};
 use super::rendezvous::{self, DistInit};
 use super::shard::Shard;
 use super::state::GpuState;
@@ -130,10 +129,6 @@ pub struct CudaGroup {
     shared_seed: Option<u64>,
     /// In a group of processes: notices a peer that is gone.
     watchdog: Option<Watchdog>,
-    /// Set when a GPU fails: its peers' peer-access sums stop waiting.
-    peer_abort: Option<std::sync::Arc<AbortWord>>,
-    /// How the partial sums are reduced, for the backend note.
-    reduce: String,
 }
 
 /// How long a process waits for the others at `--dist-init`
@@ -199,25 +194,10 @@ impl CudaGroup {
                 broken: None,
                 shared_seed: None,
                 watchdog: None,
-                peer_abort: None,
-                reduce: String::new(),
             });
         }
         let ordinals: Vec<usize> = gpus.iter().map(|g| g.info.ordinal).collect();
         let comms = Comm::init_all(&ordinals)?;
-        let (peers, peer_abort, reduce) = if peer::nccl_only() {
-            (None, None, "NCCL (MOEFLUX_EP_ALLREDUCE=nccl)".to_string())
-        } else {
-            match peer::open(&gpus.iter().collect::<Vec<_>>()) {
-                Ok((ranks, abort)) => (
-                    Some(ranks),
-                    Some(abort),
-                    "small sums through peer access, larger through NCCL".to_string(),
-                ),
-                Err(why) => (None, None, format!("NCCL (no peer access: {why})")),
-            }
-        };
-        let mut peers = peers.map(Vec::into_iter);
         let aborters = comms.iter().map(Comm::aborter).collect();
         let shards = Shard::balanced(
             &moe_extents(model),
@@ -231,11 +211,9 @@ impl CudaGroup {
             .zip(comms)
             .zip(shards)
             .map(|((gpu, comm), shard)| {
-                let peer = peers.as_mut().and_then(Iterator::next);
                 let ep = Some(Ep {
                     shard,
                     comm,
-                    peer,
                     own: None,
                 });
                 CudaModel::new_in_group(gpu, model, store, opts, ep, &mut host)
@@ -247,8 +225,6 @@ impl CudaGroup {
             broken: None,
             shared_seed: None,
             watchdog: None,
-            peer_abort,
-            reduce,
         })
     }
 
@@ -290,7 +266,6 @@ impl CudaGroup {
         let ep = Some(Ep {
             shard,
             comm,
-            peer: None,
             own: None,
         });
         let m =
@@ -304,8 +279,6 @@ impl CudaGroup {
             broken: None,
             shared_seed: Some(joined.seed),
             watchdog: Some(watchdog),
-            peer_abort: None,
-            reduce: "NCCL".into(),
         })
     }
 
@@ -318,11 +291,6 @@ impl CudaGroup {
     /// The lead GPU's model (rank 0).
     pub fn lead(&self) -> &CudaModel {
         &self.ranks[0]
-    }
-
-    /// How a group sums its GPUs' partial outputs (empty for one GPU).
-    pub fn reduce_path(&self) -> &str {
-        &self.reduce
     }
 
     /// GPUs in the group.
@@ -462,13 +430,6 @@ impl CudaGroup {
             return out;
         }
         let aborters = &self.aborters;
-        let peer_abort = self.peer_abort.as_deref();
-        let abort = || {
-            if let Some(w) = peer_abort {
-                w.set();
-            }
-            Aborter::abort(aborters);
-        };
         let first_failed = std::sync::atomic::AtomicUsize::new(usize::MAX);
         let run = |r: usize,
                    m: &mut CudaModel,
@@ -479,7 +440,7 @@ impl CudaGroup {
             if out.is_err() {
                 use std::sync::atomic::Ordering::SeqCst;
                 let _ = first_failed.compare_exchange(usize::MAX, r, SeqCst, SeqCst);
-                abort();
+                Aborter::abort(aborters);
             }
             out
         };
@@ -507,7 +468,7 @@ impl CudaGroup {
                         .join()
                         .unwrap_or_else(|_| Err(Error::Gpu("a GPU's thread panicked".into()))),
                     Err(e) => {
-                        abort();
+                        Aborter::abort(aborters);
                         Err(Error::Gpu(format!("cannot start a GPU's thread: {e}")))
                     }
                 });

@@ -26,7 +26,6 @@ mod mla;
 pub mod model;
 mod moe;
 pub mod nccl;
-mod peer;
 mod read_ahead;
 pub mod rendezvous;
 mod ring;

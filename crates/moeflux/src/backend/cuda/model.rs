@@ -32,7 +32,6 @@ use super::experts::{CachePolicy, CacheStats, ExpertCache, HostTier, HostTierInf
 use super::linear::{dev_linear, matmuls, mm, rms_norm, DevLinear};
 use super::mla::MlaParams;
 use super::nccl::Comm;
-use super::peer::PeerRank;
 use super::shard::Shard;
 use super::state::{GpuLayerState, GpuState};
 use super::{attention, deltanet, mla, moe, support};
@@ -134,8 +133,6 @@ pub(super) struct Ctx<'a> {
 pub struct Ep {
     pub shard: Shard,
     pub comm: Comm,
-    /// The small sums through peer access (one process, peer-capable GPUs).
-    pub peer: Option<PeerRank>,
     /// On the device: [`Shard::owned_mask`] (set when the model is loaded).
     pub own: Option<DevBuf>,
 }

@@ -384,8 +384,8 @@ pub(super) fn moe(
         compute_on_host(cx, b, &cpu_users, &host_xn, slot_out)?;
     }
     // In a group: the lead's partial starts from x and holds the shared
-    // expert, the others' from zero; the sum lands in x on every GPU (the
-    // same values).
+    // expert, the others' from zero; NCCL's sum lands in x on every GPU
+    // (the same values).
     let own = ep
         .and_then(|ep| ep.own.as_ref())
         .map_or(0, |m| m.ptr() + (i * e) as u64);
@@ -400,33 +400,27 @@ pub(super) fn moe(
         k: k as i32,
         h: h as i32,
     };
-    let by_peers = match ep.and_then(|ep| ep.peer.as_ref()) {
-        Some(p) => p.combine_all_reduce(g, combine, x, n * h)?,
-        None => false,
+    let out = match ep {
+        None => x,
+        Some(_) => cx.scratch.get(g, "moe_part", 4 * n * h)?,
     };
-    if !by_peers {
-        let out = match ep {
-            None => x,
-            Some(_) => cx.scratch.get(g, "moe_part", 4 * n * h)?,
-        };
-        // SAFETY: `moe_combine` in kernels/moe.cu; the combine's buffers
-        // hold n tokens (shared and sg null or n rows), out n rows.
-        unsafe {
-            g.launch(
-                "moe_combine",
-                (n as u32, h.div_ceil(256) as u32, 1),
-                256,
-                0,
-                &mut args!(combine, out),
-            )?;
-        }
-        if let Some(ep) = ep {
-            // Profiled as a kernel: its share of a step in MOEFLUX_CUDA_PROFILE.
-            g.profiled(
-                || format!("nccl_all_reduce [{n}x{h}]"),
-                || ep.comm.all_reduce_f32(out, x, n * h, &g.stream),
-            )?;
-        }
+    // SAFETY: `moe_combine` in kernels/moe.cu; the combine's buffers hold n
+    // tokens (shared and sg null or n rows), out n rows.
+    unsafe {
+        g.launch(
+            "moe_combine",
+            (n as u32, h.div_ceil(256) as u32, 1),
+            256,
+            0,
+            &mut args!(combine, out),
+        )?;
+    }
+    if let Some(ep) = ep {
+        // Profiled as a kernel: its share of a step in MOEFLUX_CUDA_PROFILE.
+        g.profiled(
+            || format!("nccl_all_reduce [{n}x{h}]"),
+            || ep.comm.all_reduce_f32(out, x, n * h, &g.stream),
+        )?;
     }
     lap(&mut clock, &mut times.expert_compute);
     Ok(())

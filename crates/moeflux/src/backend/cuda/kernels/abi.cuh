@@ -197,34 +197,3 @@ static_assert(offsetof(MoeCombine, base) == 48, "MoeCombine.base");
 static_assert(offsetof(MoeCombine, k) == 56, "MoeCombine.k");
 static_assert(offsetof(MoeCombine, h) == 60, "MoeCombine.h");
 #endif
-
-// The GPUs of one process summing their MoE layer's partial outputs
-// through each other's memory (`moe_combine_peer` in kernels/peer.cu;
-// `peer.rs`).
-struct PeerReduce {
-    // Each rank's exchange buffer: two halves of `cap` floats, used
-    // by alternate calls.
-    float* data[8];
-    // Each rank's signal words, [PEER_MAX_BLOCKS][8]: word (b, s) holds
-    // the last call whose block b rank s has finished writing.
-    u32* sig[8];
-    // This rank's call count per block.
-    u32* epoch;
-    // A host word the group sets when it aborts (waits give up).
-    const u32* abort;
-    int cap;
-    int rank;
-    int world;
-    int pad;
-};
-static_assert(sizeof(PeerReduce) == 160, "PeerReduce as Rust lays it out");
-#ifndef __CUDACC_RTC__
-static_assert(offsetof(PeerReduce, data) == 0, "PeerReduce.data");
-static_assert(offsetof(PeerReduce, sig) == 64, "PeerReduce.sig");
-static_assert(offsetof(PeerReduce, epoch) == 128, "PeerReduce.epoch");
-static_assert(offsetof(PeerReduce, abort) == 136, "PeerReduce.abort");
-static_assert(offsetof(PeerReduce, cap) == 144, "PeerReduce.cap");
-static_assert(offsetof(PeerReduce, rank) == 148, "PeerReduce.rank");
-static_assert(offsetof(PeerReduce, world) == 152, "PeerReduce.world");
-static_assert(offsetof(PeerReduce, pad) == 156, "PeerReduce.pad");
-#endif

@@ -24,4 +24,3 @@
 #include "mma.cu"
 #include "attn_mma.cu"
 #include "deltanet_chunk.cu"
-#include "peer.cu"
