@@ -113,8 +113,9 @@ pub struct ModelArgs {
     /// bounds.
     #[arg(long, default_value = "f32", value_parser = parse_activations)]
     pub cpu_activations: Activations,
-    /// CPU: hold MXFP4 experts (gpt-oss) in RAM with eight rows
-    /// interleaved, made at load: faster `q8` products, same results.
+    /// CPU: hold 4-bit experts (MXFP4, or MLX affine in groups of 64) in
+    /// RAM with eight rows interleaved, made at load: faster `q8`
+    /// products, same results.
     /// `auto` does it with `--cpu-activations q8`, without `--direct-io`,
     /// when the experts fit in available memory with 2 GiB to spare; `on`
     /// always; `off` never (experts stream from the files).

@@ -143,8 +143,8 @@ fn gpt_oss_mxfp4_experts_from_mlx_lm() {
 }
 
 /// Weights interleaved by eight rows for the CPU (`--cpu-repack`: MXFP4
-/// experts held in RAM, 4-bit affine dense matrices with 8-bit
-/// activations) give the bits of the weights as stored, with 8-bit
+/// and 4-bit affine experts held in RAM, 4-bit affine dense matrices with
+/// 8-bit activations) give the bits of the weights as stored, with 8-bit
 /// activations (the interleaved kernels) and with f32 (their fallback),
 /// every way of feeding the tokens.
 #[test]
@@ -152,10 +152,20 @@ fn weights_interleaved_for_the_cpu_give_the_stored_bits() {
     for (fixture, q8_note, f32_note) in [
         (
             "gptoss-mxfp4",
-            "MXFP4 experts interleaved in RAM",
-            Some("MXFP4 experts"),
+            "routed experts interleaved in RAM",
+            Some("routed experts interleaved"),
         ),
-        ("gptoss-q4", "dense 4-bit matrices interleaved", None),
+        (
+            "gptoss-q4",
+            "dense 4-bit matrices interleaved",
+            Some("routed experts interleaved"),
+        ),
+        // MLX affine 4-bit experts (and dense matrices), groups of 64.
+        (
+            "qwen35moe-q4",
+            "routed experts interleaved in RAM",
+            Some("routed experts interleaved"),
+        ),
     ] {
         let golden = Golden::load(&fixtures().join(fixture));
         let (_tmp, dir) = convert_fixture(&format!("{fixture}/src"), None);

@@ -24,7 +24,7 @@ use crate::config::{Architecture, LayerKind, MlpKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::format::Manifest;
 use attention::FullAttention;
-use deltanet::GatedDeltaNet;
+use deltanet::{DeltaProjections, GatedDeltaNet};
 use layer::{Layer, Mixer, Mlp};
 use mla::MlaAttention;
 use moe::{DenseMlp, ExpertLayout, MoeBlock};
@@ -211,8 +211,8 @@ impl Model {
     }
 
     /// The dense linears a step multiplies by (not the routers, the
-    /// embedding or an LM head tied to it, or MLA's and GatedDeltaNet's
-    /// input projections): what a CPU session may interleave
+    /// embedding or an LM head tied to it, or MLA's projections): what a
+    /// CPU session may interleave
     /// (`Weights::interleave_affine`).
     pub fn dense_products(&self) -> Vec<LinearRef> {
         let mut v = Vec::new();
@@ -222,7 +222,13 @@ impl Model {
         for l in &self.layers {
             match &l.mixer {
                 Mixer::Full(a) => v.extend([a.q_proj, a.k_proj, a.v_proj, a.o_proj]),
-                Mixer::Linear(d) => v.push(d.out_proj),
+                Mixer::Linear(d) => {
+                    match &d.proj {
+                        DeltaProjections::Split { qkv, z, b, a } => v.extend([*qkv, *z, *b, *a]),
+                        DeltaProjections::Fused { qkvz, ba } => v.extend([*qkvz, *ba]),
+                    }
+                    v.push(d.out_proj);
+                }
                 Mixer::Mla(_) => {}
             }
             let mlp = match &l.mlp {

@@ -10,7 +10,9 @@ use crate::format::ExpertLayer;
 use crate::model::weights::{LinearRef, VectorRef, WeightsLoader};
 use crate::quant::interleave;
 use crate::quant::mxfp4::GROUP;
-use crate::quant::{affine, Mxfp4Matrix, Mxfp4x8Matrix, QMatrix, ScaleData, Weight};
+use crate::quant::{
+    affine, Affine4x8Matrix, Mxfp4Matrix, Mxfp4x8Matrix, QMatrix, ScaleData, Weight,
+};
 
 /// A shared expert: a SwiGLU MLP, scaled by `sigmoid(gate x)` when it has
 /// a gate.
@@ -286,43 +288,113 @@ impl ExpertLayout {
 }
 
 impl ExpertLayout {
-    /// Writes one expert's bytes `src` into `dst` (as long) with its MXFP4
-    /// projections interleaved by eight rows ([`interleave`]), everything
-    /// else copied; the error says why the expert does not interleave (an
-    /// affine projection, a shape or a scale byte the layout refuses).
+    /// Why this layer's experts cannot be interleaved, from the layout
+    /// alone (None: they can, unless an MXFP4 scale byte refuses).
+    pub fn interleave_refusal(&self) -> Option<String> {
+        [("gate", &self.gate), ("up", &self.up), ("down", &self.down)]
+            .into_iter()
+            .find_map(|(name, c)| {
+                c.interleave_refusal()
+                    .map(|why| format!("the {name} projection: {why}"))
+            })
+    }
+
+    /// Writes one expert's bytes `src` into `dst` (as long) with its
+    /// 4-bit projections interleaved by eight rows ([`interleave`]):
+    /// MXFP4 codes and scale bytes in place, MLX affine codes in place and
+    /// their bf16 scales and biases together where the two stood (they
+    /// must be adjacent); everything else copied. The error says why the
+    /// expert does not interleave.
     pub fn interleave_extent(&self, src: &[u8], dst: &mut [u8]) -> std::result::Result<(), String> {
+        if let Some(why) = self.interleave_refusal() {
+            return Err(why);
+        }
         dst.copy_from_slice(src);
         for (name, c) in [("gate", &self.gate), ("up", &self.up), ("down", &self.down)] {
-            let Weight::Mxfp4(m) = c.view(src) else {
-                return Err(format!("the {name} projection is not MXFP4"));
-            };
-            if let Some(why) = interleave::interleavable(&m) {
-                return Err(format!("the {name} projection: {why}"));
+            match c.view(src) {
+                Weight::Mxfp4(m) => {
+                    if let Some(why) = interleave::interleavable(&m) {
+                        return Err(format!("the {name} projection: {why}"));
+                    }
+                    let (mut codes, mut scales) =
+                        (vec![0u8; m.codes.len() * 4], vec![0u8; m.scales.len()]);
+                    interleave::interleave(&m, &mut codes, &mut scales);
+                    dst[c.weight..c.weight + codes.len()].copy_from_slice(&codes);
+                    dst[c.scales..c.scales + scales.len()].copy_from_slice(&scales);
+                }
+                Weight::Quantized(q) => {
+                    let m = interleave::interleave_affine(&q)
+                        .map_err(|why| format!("the {name} projection: {why}"))?;
+                    let params: &[u8] = bytemuck::cast_slice(&m.params);
+                    dst[c.weight..c.weight + m.codes.len()].copy_from_slice(&m.codes);
+                    dst[c.scales..c.scales + params.len()].copy_from_slice(params);
+                }
+                _ => return Err(format!("the {name} projection is neither MXFP4 nor affine")),
             }
-            let (mut codes, mut scales) = (vec![0u8; m.codes.len() * 4], vec![0u8; m.scales.len()]);
-            interleave::interleave(&m, &mut codes, &mut scales);
-            dst[c.weight..c.weight + codes.len()].copy_from_slice(&codes);
-            dst[c.scales..c.scales + scales.len()].copy_from_slice(&scales);
         }
         Ok(())
     }
 }
 
 impl ComponentLayout {
-    /// The projection inside one expert's bytes (a buffer or the mapping,
-    /// both 4096-aligned; offsets were validated against the extent).
-    /// The projection in bytes made by [`ExpertLayout::interleave_extent`]
-    /// (MXFP4 only).
+    /// Why this projection cannot be interleaved, from the layout alone:
+    /// MXFP4, or MLX affine 4-bit codes in groups of a multiple of 64 with
+    /// bf16 biases right after the scales (their interleaved form takes
+    /// both regions), eight-row and 64-column multiples.
+    fn interleave_refusal(&self) -> Option<String> {
+        if !self.rows.is_multiple_of(interleave::ROWS)
+            || !self.cols.is_multiple_of(interleave::UNIT_COLS)
+        {
+            return Some(format!(
+                "{} x {} is not a multiple of {} x {}",
+                self.rows,
+                self.cols,
+                interleave::ROWS,
+                interleave::UNIT_COLS
+            ));
+        }
+        let Some(biases) = self.biases else {
+            return None;
+        };
+        let groups = self.rows * self.cols / self.spec.group_size;
+        if self.spec.bits != 4 || !self.spec.group_size.is_multiple_of(interleave::UNIT_COLS) {
+            Some(format!(
+                "{}-bit codes in groups of {}",
+                self.spec.bits, self.spec.group_size
+            ))
+        } else if self.scales_f32 {
+            Some("f32 scales".into())
+        } else if biases != self.scales + 2 * groups {
+            Some("biases not right after the scales".into())
+        } else {
+            None
+        }
+    }
+
+    /// The projection in bytes made by [`ExpertLayout::interleave_extent`].
     pub fn view_interleaved<'a>(&self, bytes: &'a [u8]) -> Weight<'a> {
-        debug_assert!(self.biases.is_none(), "only MXFP4 projections interleave");
+        let codes = &bytes[self.weight..self.weight + self.rows * self.cols / 2];
+        if self.biases.is_some() {
+            let groups = self.rows * self.cols / self.spec.group_size;
+            return Weight::Affine4x8(Affine4x8Matrix {
+                rows: self.rows,
+                cols: self.cols,
+                group_size: self.spec.group_size,
+                codes,
+                params: cast(&bytes[self.scales..self.scales + 4 * groups]),
+            });
+        }
         let groups = self.rows * self.cols / GROUP;
         Weight::Mxfp4x8(Mxfp4x8Matrix {
             rows: self.rows,
             cols: self.cols,
-            codes: &bytes[self.weight..self.weight + self.rows * self.cols / 2],
+            codes,
             scales: &bytes[self.scales..self.scales + groups],
         })
     }
+
+    /// The projection inside one expert's bytes (a buffer or the mapping,
+    /// both 4096-aligned; offsets were validated against the extent).
 
     pub fn view<'a>(&self, bytes: &'a [u8]) -> Weight<'a> {
         let words = self.rows * affine::words_per_row(self.cols, self.spec.bits);
@@ -356,4 +428,45 @@ impl ComponentLayout {
 
 fn cast<T: bytemuck::Pod>(b: &[u8]) -> &[T] {
     bytemuck::try_cast_slice(b).expect("expert layout validated for alignment")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ComponentLayout;
+    use crate::config::QuantSpec;
+
+    /// A 64 x 128 affine projection whose biases start `gap` bytes after
+    /// its scales end.
+    fn affine(bits: u32, group_size: usize, gap: usize, scales_f32: bool) -> ComponentLayout {
+        let groups = 64 * 128 / group_size;
+        let scale_bytes = if scales_f32 { 4 } else { 2 } * groups;
+        ComponentLayout {
+            rows: 64,
+            cols: 128,
+            spec: QuantSpec::affine(bits, group_size),
+            weight: 0,
+            scales: 4096,
+            biases: Some(4096 + scale_bytes + gap),
+            scales_f32,
+        }
+    }
+
+    #[test]
+    fn affine_projections_interleave_with_4_bit_codes_and_adjacent_bf16_parameters() {
+        assert_eq!(affine(4, 64, 0, false).interleave_refusal(), None);
+        assert_eq!(affine(4, 128, 0, false).interleave_refusal(), None);
+        for (c, why) in [
+            (affine(4, 64, 2, false), "biases not right after the scales"),
+            (affine(4, 64, 0, true), "f32 scales"),
+            (affine(8, 64, 0, false), "8-bit codes in groups of 64"),
+            (affine(4, 32, 0, false), "4-bit codes in groups of 32"),
+        ] {
+            assert_eq!(c.interleave_refusal().as_deref(), Some(why));
+        }
+        let odd = ComponentLayout {
+            rows: 60,
+            ..affine(4, 64, 0, false)
+        };
+        assert!(odd.interleave_refusal().unwrap().contains("60 x 128"));
+    }
 }

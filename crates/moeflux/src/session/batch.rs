@@ -305,7 +305,7 @@ impl Batch {
                 }
                 if let Some(r) = &repacked {
                     note.push_str(&format!(
-                        "; MXFP4 experts interleaved in RAM ({:.1} GB, {:.1} s)",
+                        "; routed experts interleaved in RAM ({:.1} GB, {:.1} s)",
                         r.bytes() as f64 / 1e9,
                         r.seconds()
                     ));

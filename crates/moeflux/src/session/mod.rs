@@ -78,7 +78,7 @@ pub struct SessionOptions {
     /// weights (faster one-token products; the accuracy cost is in
     /// docs/PERFORMANCE.md). Set on this session's compute threads only.
     pub cpu_activations: Activations,
-    /// CPU backend: when to hold MXFP4 experts interleaved in RAM (faster
+    /// CPU backend: when to hold 4-bit experts interleaved in RAM (faster
     /// 8-bit-activation products, same bits; see
     /// [`crate::backend::cpu::repack`]).
     pub cpu_repack: Repack,

@@ -1,5 +1,6 @@
-//! Routed experts held in RAM with their MXFP4 projections interleaved by
-//! eight rows ([`crate::quant::interleave`]), made once at load.
+//! Routed experts held in RAM with their 4-bit projections (MXFP4, or MLX
+//! affine in groups of a multiple of 64) interleaved by eight rows
+//! ([`crate::quant::interleave`]), made once at load.
 //! The 8-bit-activation product streams that layout at about 1.6x the rate
 //! of the row-major files (one sequential stream per eight rows instead of
 //! eight short ones; `examples/stream_rate.rs`), and gives the same bits.
@@ -18,15 +19,15 @@ use crate::io::{procfs, ExpertBuf, ExpertStore};
 use crate::model::moe::MoeBlock;
 use crate::model::Model;
 
-/// When a CPU session interleaves MXFP4 experts into RAM at load.
+/// When a CPU session interleaves 4-bit experts into RAM at load.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Repack {
     /// With 8-bit activations, without O_DIRECT, and when the experts fit
     /// in available memory less [`RESERVE_BYTES`].
     #[default]
     Auto,
-    /// Whenever the model has MXFP4 experts (an error if one does not
-    /// interleave).
+    /// Whenever the model has experts that interleave (an error if one of
+    /// them does not).
     On,
     Off,
 }
@@ -55,7 +56,7 @@ struct Layer {
     num_experts: usize,
 }
 
-/// The interleaved experts of every MXFP4 MoE layer.
+/// The interleaved experts of every MoE layer whose layout interleaves.
 pub struct RepackedExperts {
     layers: Vec<Option<Layer>>,
     bytes: u64,
@@ -63,9 +64,9 @@ pub struct RepackedExperts {
 }
 
 impl RepackedExperts {
-    /// Bytes of the MXFP4 experts `model` routes to (what repacking holds).
-    fn mxfp4_bytes(model: &Model, store: &ExpertStore) -> u64 {
-        mxfp4_blocks(model)
+    /// Bytes of the experts that interleave (what repacking holds).
+    fn interleavable_bytes(model: &Model, store: &ExpertStore) -> u64 {
+        interleavable_blocks(model)
             .filter_map(|b| {
                 let l = b.layer;
                 store
@@ -84,7 +85,7 @@ impl RepackedExperts {
         model: &Model,
         store: &ExpertStore,
     ) -> Result<Option<RepackedExperts>> {
-        let bytes = Self::mxfp4_bytes(model, store);
+        let bytes = Self::interleavable_bytes(model, store);
         let go = match policy {
             Repack::Off => false,
             Repack::On => true,
@@ -106,7 +107,7 @@ impl RepackedExperts {
         }
     }
 
-    /// Reads every MXFP4 layer's experts and interleaves them into
+    /// Reads every interleavable layer's experts and interleaves them into
     /// anonymous memory; the inner error says which expert does not
     /// interleave and why.
     pub fn build(
@@ -116,7 +117,7 @@ impl RepackedExperts {
         let start = Instant::now();
         let mut layers: Vec<Option<Layer>> = Vec::new();
         let mut total = 0u64;
-        for b in mxfp4_blocks(model) {
+        for b in interleavable_blocks(model) {
             let l = b.layer;
             let num_experts = store
                 .num_experts(l)
@@ -196,11 +197,12 @@ impl RepackedExperts {
     }
 }
 
-/// MoE blocks whose routed experts are MXFP4 (no affine biases).
-fn mxfp4_blocks(model: &Model) -> impl Iterator<Item = &MoeBlock> {
+/// MoE blocks whose routed experts' layout interleaves (4-bit codes in
+/// the shapes [`crate::quant::interleave`] takes).
+fn interleavable_blocks(model: &Model) -> impl Iterator<Item = &MoeBlock> {
     model
         .layers
         .iter()
         .filter_map(|l| l.mlp.moe())
-        .filter(|b| b.experts.gate.biases.is_none())
+        .filter(|b| b.experts.interleave_refusal().is_none())
 }
