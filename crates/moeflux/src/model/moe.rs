@@ -353,9 +353,8 @@ impl ComponentLayout {
                 interleave::UNIT_COLS
             ));
         }
-        let Some(biases) = self.biases else {
-            return None;
-        };
+        // MXFP4 (no biases) interleaves whenever the shape does.
+        let biases = self.biases?;
         let groups = self.rows * self.cols / self.spec.group_size;
         if self.spec.bits != 4 || !self.spec.group_size.is_multiple_of(interleave::UNIT_COLS) {
             Some(format!(
@@ -395,7 +394,6 @@ impl ComponentLayout {
 
     /// The projection inside one expert's bytes (a buffer or the mapping,
     /// both 4096-aligned; offsets were validated against the extent).
-
     pub fn view<'a>(&self, bytes: &'a [u8]) -> Weight<'a> {
         let words = self.rows * affine::words_per_row(self.cols, self.spec.bits);
         let groups = self.rows * self.cols / self.spec.group_size;
