@@ -28,9 +28,9 @@
 #      reserve), misses from the pinned host tier; ms per MoE layer (the difference of the
 #      two depths) extrapolated to the full depth
 #   g  the disk path: qwen3.6-35b-a3b widths, the first 16 layers, zipf:1 routing, 25% of the
-#      expert bytes in VRAM, every miss read with --direct-io: no host tier with and without
-#      the read-ahead of the next layer's predicted experts (--prefetch), and with a host tier
-#      of 25% of the experts in between (three levels); decode against the disk-bound
+#      expert bytes in VRAM, every miss read with --direct-io: a host tier of 25% of the experts
+#      in between (three levels; --prefetch auto and off), then no host tier with and without
+#      the read-ahead of the next layer's predicted experts (--prefetch); decode against the disk-bound
 #      ceiling (needed file bytes per token / the sequential O_DIRECT bandwidth measured in
 #      the same run, plus host-tier bytes / pinned H2D bandwidth, plus the resident time:
 #      the token's time outside the expert wait). --dir must be on a real disk (not tmpfs).
@@ -222,11 +222,11 @@ if has g; then
   budget=$(( $(expert_bytes "$D16") / 4 ))
   df -h "$D16" >&2
   G=(--prompt-len 0 --gen 64 --gpu-memory $budget --direct-io)
+  bench g-disk-host25 "$D16" "${G[@]}" --host-cache $budget
+  bench g-disk-host25-noprefetch "$D16" "${G[@]}" --host-cache $budget --prefetch off
   bench g-disk "$D16" "${G[@]}" --prefetch off
   bench g-disk-ahead "$D16" "${G[@]}" --prefetch on
   bench g-disk-ahead-io16 "$D16" "${G[@]}" --prefetch on --io-threads 16
-  bench g-disk-host25 "$D16" "${G[@]}" --host-cache $budget
-  bench g-disk-host25-noprefetch "$D16" "${G[@]}" --host-cache $budget --prefetch off
   rm -rf "$D16"
 fi
 
