@@ -7,6 +7,8 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
+use rayon::prelude::*;
+
 use crate::backend::cpu::experts::{ExpertRun, Prefetched};
 use crate::backend::cpu::ops;
 use crate::backend::cpu::qmatmul::{matmul, matmul_f32_activations, matmul_group};
@@ -257,22 +259,21 @@ pub fn forward(
     if let Some(mem) = resident {
         let held: Vec<usize> = users.keys().copied().collect();
         run.store.count_held(b.layer, &held);
-        for (&e, slots) in &users {
-            let bytes = mem
-                .expert(b.layer, e)
-                .expect("the router picks experts in range");
-            apply_expert(
-                &b.experts,
-                &act,
-                e,
-                bytes,
-                true,
-                slots,
-                xn,
-                k,
-                h,
-                &mut slot_out,
-            );
+        // The experts side by side on the pool's threads, each one's
+        // products nested: the threads meet once per layer rather than
+        // twice per expert. (Each expert's rows come out the same.)
+        let work: Vec<(usize, &[usize])> = users.iter().map(|(&e, s)| (e, &s[..])).collect();
+        let ys: Vec<Vec<f32>> = work
+            .par_iter()
+            .map(|&(e, slots)| {
+                let bytes = mem
+                    .expert(b.layer, e)
+                    .expect("the router picks experts in range");
+                expert_rows(&b.experts, &act, e, bytes, true, slots, xn, k, h)
+            })
+            .collect();
+        for ((_, slots), y) in work.iter().zip(&ys) {
+            scatter_rows(slots, y, h, &mut slot_out);
         }
         lap(&mut clock, &mut times.expert_compute);
     }
@@ -361,6 +362,23 @@ fn apply_expert(
     h: usize,
     slot_out: &mut [f32],
 ) {
+    let y = expert_rows(layout, act, e, bytes, interleaved, slots, xn, k, h);
+    scatter_rows(slots, &y, h, slot_out);
+}
+
+/// [`apply_expert`]'s output rows, one per slot in `slots`' order.
+#[allow(clippy::too_many_arguments)]
+fn expert_rows(
+    layout: &ExpertLayout,
+    act: &ExpertAct<'_>,
+    e: usize,
+    bytes: &[u8],
+    interleaved: bool,
+    slots: &[usize],
+    xn: &[f32],
+    k: usize,
+    h: usize,
+) -> Vec<f32> {
     let m = slots.len();
     let mut x = vec![0.0f32; m * h];
     for (r, &s) in slots.iter().enumerate() {
@@ -369,6 +387,11 @@ fn apply_expert(
     }
     let mut y = vec![0.0f32; m * h];
     expert_forward_with(layout, act, e, bytes, interleaved, &x, m, &mut y);
+    y
+}
+
+/// Row `r` of `y` to slot `slots[r]`'s row of `slot_out`.
+fn scatter_rows(slots: &[usize], y: &[f32], h: usize, slot_out: &mut [f32]) {
     for (r, &s) in slots.iter().enumerate() {
         slot_out[s * h..(s + 1) * h].copy_from_slice(&y[r * h..(r + 1) * h]);
     }
