@@ -247,6 +247,31 @@ pub fn forward(
             None => None,
         };
         lap(&mut clock, &mut times.expert_io);
+        if run.store.mapped(b.layer, wave_ids[0]).is_some() {
+            // Served from the mapping: the wave's experts side by side on
+            // the pool's threads, as for the experts held in RAM below.
+            let mut landed_ids = Vec::with_capacity(wave_ids.len());
+            while let Some(landed) = fetch.next_landed() {
+                landed.result?;
+                landed_ids.push(wave_ids[landed.index]);
+            }
+            lap(&mut clock, &mut times.expert_io);
+            let ys: Vec<Vec<f32>> = landed_ids
+                .par_iter()
+                .map(|&e| {
+                    let bytes = run
+                        .store
+                        .mapped(b.layer, e)
+                        .expect("mapped layer serves its experts");
+                    expert_rows(&b.experts, &act, e, bytes, false, &users[&e], xn, k, h)
+                })
+                .collect();
+            for (e, y) in landed_ids.iter().zip(&ys) {
+                scatter_rows(&users[e], y, h, &mut slot_out);
+            }
+            lap(&mut clock, &mut times.expert_compute);
+            continue;
+        }
         while let Some(landed) = fetch.next_landed() {
             lap(&mut clock, &mut times.expert_io);
             let e = wave_ids[landed.index];
