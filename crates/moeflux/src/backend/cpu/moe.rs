@@ -248,27 +248,20 @@ pub fn forward(
         };
         lap(&mut clock, &mut times.expert_io);
         if run.store.mapped(b.layer, wave_ids[0]).is_some() {
-            // Served from the mapping: the wave's experts side by side on
-            // the pool's threads, as for the experts held in RAM below.
-            let mut landed_ids = Vec::with_capacity(wave_ids.len());
+            // Served from the mapping: the wave's experts side by side once
+            // it has landed, as for the experts held in RAM below.
+            let mut work = Vec::with_capacity(wave_ids.len());
             while let Some(landed) = fetch.next_landed() {
                 landed.result?;
-                landed_ids.push(wave_ids[landed.index]);
+                let e = wave_ids[landed.index];
+                let bytes = run
+                    .store
+                    .mapped(b.layer, e)
+                    .expect("mapped layer serves its experts");
+                work.push((e, bytes, &users[&e][..]));
             }
             lap(&mut clock, &mut times.expert_io);
-            let ys: Vec<Vec<f32>> = landed_ids
-                .par_iter()
-                .map(|&e| {
-                    let bytes = run
-                        .store
-                        .mapped(b.layer, e)
-                        .expect("mapped layer serves its experts");
-                    expert_rows(&b.experts, &act, e, bytes, false, &users[&e], xn, k, h)
-                })
-                .collect();
-            for (e, y) in landed_ids.iter().zip(&ys) {
-                scatter_rows(&users[e], y, h, &mut slot_out);
-            }
+            apply_experts(&b.experts, &act, false, &work, xn, k, h, &mut slot_out);
             lap(&mut clock, &mut times.expert_compute);
             continue;
         }
@@ -284,22 +277,16 @@ pub fn forward(
     if let Some(mem) = resident {
         let held: Vec<usize> = users.keys().copied().collect();
         run.store.count_held(b.layer, &held);
-        // The experts side by side on the pool's threads, each one's
-        // products nested: the threads meet once per layer rather than
-        // twice per expert. (Each expert's rows come out the same.)
-        let work: Vec<(usize, &[usize])> = users.iter().map(|(&e, s)| (e, &s[..])).collect();
-        let ys: Vec<Vec<f32>> = work
-            .par_iter()
-            .map(|&(e, slots)| {
+        let work: Vec<_> = users
+            .iter()
+            .map(|(&e, slots)| {
                 let bytes = mem
                     .expert(b.layer, e)
                     .expect("the router picks experts in range");
-                expert_rows(&b.experts, &act, e, bytes, true, slots, xn, k, h)
+                (e, bytes, &slots[..])
             })
             .collect();
-        for ((_, slots), y) in work.iter().zip(&ys) {
-            scatter_rows(slots, y, h, &mut slot_out);
-        }
+        apply_experts(&b.experts, &act, true, &work, xn, k, h, &mut slot_out);
         lap(&mut clock, &mut times.expert_compute);
     }
 
@@ -367,58 +354,55 @@ fn apply_landed(
             .mapped(b.layer, e)
             .expect("mapped layer serves its experts"),
     };
-    apply_expert(&b.experts, act, e, bytes, false, slots, xn, k, h, slot_out);
+    apply_experts(
+        &b.experts,
+        act,
+        false,
+        &[(e, bytes, slots)],
+        xn,
+        k,
+        h,
+        slot_out,
+    );
     Ok(landed.buf)
 }
 
-/// One routed expert's SwiGLU over the tokens that chose it, written to
-/// their (token, slot) rows of `slot_out`; `interleaved`: `bytes` were made
-/// by [`ExpertLayout::interleave_extent`].
+/// Routed experts `(expert, its bytes, its slots)`, each a SwiGLU over the
+/// tokens that chose it, written to their (token, slot) rows of
+/// `slot_out`; `interleaved`: the bytes were made by
+/// [`ExpertLayout::interleave_extent`]. Several run side by side on the
+/// pool's threads, each one's products nested, so the threads meet once
+/// per call rather than twice per expert (each expert's rows come out the
+/// same either way).
 #[allow(clippy::too_many_arguments)]
-fn apply_expert(
+fn apply_experts(
     layout: &ExpertLayout,
     act: &ExpertAct<'_>,
-    e: usize,
-    bytes: &[u8],
     interleaved: bool,
-    slots: &[usize],
+    work: &[(usize, &[u8], &[usize])],
     xn: &[f32],
     k: usize,
     h: usize,
     slot_out: &mut [f32],
 ) {
-    let y = expert_rows(layout, act, e, bytes, interleaved, slots, xn, k, h);
-    scatter_rows(slots, &y, h, slot_out);
-}
-
-/// [`apply_expert`]'s output rows, one per slot in `slots`' order.
-#[allow(clippy::too_many_arguments)]
-fn expert_rows(
-    layout: &ExpertLayout,
-    act: &ExpertAct<'_>,
-    e: usize,
-    bytes: &[u8],
-    interleaved: bool,
-    slots: &[usize],
-    xn: &[f32],
-    k: usize,
-    h: usize,
-) -> Vec<f32> {
-    let m = slots.len();
-    let mut x = vec![0.0f32; m * h];
-    for (r, &s) in slots.iter().enumerate() {
-        let t = s / k;
-        x[r * h..(r + 1) * h].copy_from_slice(&xn[t * h..(t + 1) * h]);
-    }
-    let mut y = vec![0.0f32; m * h];
-    expert_forward_with(layout, act, e, bytes, interleaved, &x, m, &mut y);
-    y
-}
-
-/// Row `r` of `y` to slot `slots[r]`'s row of `slot_out`.
-fn scatter_rows(slots: &[usize], y: &[f32], h: usize, slot_out: &mut [f32]) {
-    for (r, &s) in slots.iter().enumerate() {
-        slot_out[s * h..(s + 1) * h].copy_from_slice(&y[r * h..(r + 1) * h]);
+    let ys: Vec<Vec<f32>> = work
+        .par_iter()
+        .map(|&(e, bytes, slots)| {
+            let m = slots.len();
+            let mut x = vec![0.0f32; m * h];
+            for (r, &s) in slots.iter().enumerate() {
+                let t = s / k;
+                x[r * h..(r + 1) * h].copy_from_slice(&xn[t * h..(t + 1) * h]);
+            }
+            let mut y = vec![0.0f32; m * h];
+            expert_forward_with(layout, act, e, bytes, interleaved, &x, m, &mut y);
+            y
+        })
+        .collect();
+    for ((_, _, slots), y) in work.iter().zip(&ys) {
+        for (r, &s) in slots.iter().enumerate() {
+            slot_out[s * h..(s + 1) * h].copy_from_slice(&y[r * h..(r + 1) * h]);
+        }
     }
 }
 
