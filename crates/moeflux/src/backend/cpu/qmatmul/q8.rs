@@ -287,8 +287,8 @@ pub(super) fn job<'a>(
     Some(match w {
         Weight::Quantized(q) => make_job::<QMatrix>(kind, simd, q, x, n, out),
         Weight::Mxfp4(m) => make_job::<Mxfp4Matrix>(kind, simd, m, x, n, out),
-        Weight::Mxfp4x8(m) => interleaved::job_mxfp4(simd, m, x, n, out),
-        Weight::Affine4x8(m) => interleaved::job_affine(simd, m, x, n, out),
+        Weight::Mxfp4x8(m) => interleaved::job_mxfp4(level, m, x, n, out),
+        Weight::Affine4x8(m) => interleaved::job_affine(level, m, x, n, out),
         Weight::Dense(_) => unreachable!("Kind::of excludes dense weights"),
     })
 }
