@@ -37,8 +37,10 @@
 #   f  two GPUs (--gpus 0,1) against one, in the same run (needs 2 GPUs): c's 397B widths (12
 #      layers, top-10) with each GPU's --gpu-memory holding 30% of the experts (60% together),
 #      the rest in the pinned host tier, extrapolated to 60 layers; qwen3.6-35b-a3b widths
-#      fully resident: pp4096 and tg128 (CUDA graphs), and tg128 eager (MOEFLUX_EP_GRAPHS=0);
-#      the NCCL all-reduce's share of a decode step (MOEFLUX_CUDA_PROFILE, eager); one GPU's
+#      fully resident: pp4096 and tg128 (CUDA graphs) with every expert on both GPUs (the
+#      default) and sharded (--replicate-experts off), and sharded tg128 eager
+#      (MOEFLUX_EP_GRAPHS=0); the NCCL all-reduce's share of a sharded decode step
+#      (MOEFLUX_CUDA_PROFILE, eager); one GPU's
 #      prefill profile (the routed experts' share: what a group splits). F397=0 skips the
 #      397B rows (their 43 GB synth).
 #
@@ -248,11 +250,12 @@ if has f; then
     synth "$A3B" --preset qwen3.6-35b-a3b
     bench f-a3b-resident-1gpu "$A3B" --prompt-len $PPL --gen $TG
     bench f-a3b-resident-2gpu "$A3B" --prompt-len $PPL --gen $TG --gpus 0,1
+    bench f-a3b-resident-2gpu-sharded "$A3B" --prompt-len $PPL --gen $TG --gpus 0,1 --replicate-experts off
     export MOEFLUX_CUDA_PROFILE=1
-    bench f-a3b-2gpu-profile "$A3B" --prompt-len 0 --gen 32 --gpus 0,1 --no-cuda-graphs
+    bench f-a3b-2gpu-profile "$A3B" --prompt-len 0 --gen 32 --gpus 0,1 --no-cuda-graphs --replicate-experts off
     bench f-a3b-1gpu-prefill-profile "$A3B" --prompt-len $PPL --gen 1 --no-cuda-graphs
     unset MOEFLUX_CUDA_PROFILE
-    MOEFLUX_EP_GRAPHS=0 bench f-a3b-resident-2gpu-eager "$A3B" --prompt-len 0 --gen $TG --gpus 0,1
+    MOEFLUX_EP_GRAPHS=0 bench f-a3b-resident-2gpu-eager "$A3B" --prompt-len 0 --gen $TG --gpus 0,1 --replicate-experts off
     rm -rf "$A3B"
   fi
 fi
@@ -376,11 +379,17 @@ if one and two:
         ms = 1e3 / r["decode_tok_s"] / r["layers"]
         print(f"f 397B {name}: {ms:.2f} ms per layer -> {1e3 / (ms * 60):.2f} tok/s at 60 layers")
     print(f"f 397B: 2 GPUs / 1 GPU decode = {two['decode_tok_s'] / one['decode_tok_s']:.2f}x")
-a, b, e = load("f-a3b-resident-1gpu"), load("f-a3b-resident-2gpu"), load("f-a3b-resident-2gpu-eager")
+a, b = load("f-a3b-resident-1gpu"), load("f-a3b-resident-2gpu")
+c, e = load("f-a3b-resident-2gpu-sharded"), load("f-a3b-resident-2gpu-eager")
 if a and b:
-    print(f"f A3B resident: decode {b['decode_tok_s'] / a['decode_tok_s']:.2f}x one GPU (graphs)"
+    print(f"f A3B resident, experts on both GPUs (the default): decode "
+          f"{b['decode_tok_s'] / a['decode_tok_s']:.2f}x one GPU; "
+          f"pp{a['prefill']['tokens']} {b['prefill_tok_s'] / a['prefill_tok_s']:.2f}x")
+if a and c:
+    print(f"f A3B resident, sharded (--replicate-experts off): decode "
+          f"{c['decode_tok_s'] / a['decode_tok_s']:.2f}x one GPU (graphs)"
           + (f", {e['decode_tok_s'] / a['decode_tok_s']:.2f}x eager" if e else "")
-          + f"; pp{a['prefill']['tokens']} {b['prefill_tok_s'] / a['prefill_tok_s']:.2f}x")
+          + f"; pp{a['prefill']['tokens']} {c['prefill_tok_s'] / a['prefill_tok_s']:.2f}x")
 # One GPU's prefill: the routed experts' share of the GPU time, the part a group splits
 # (every GPU runs the rest: attention, GatedDeltaNet, routers, shared expert, LM head).
 log = os.path.join(out, "f-a3b-1gpu-prefill-profile.log")

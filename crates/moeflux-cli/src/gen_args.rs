@@ -69,6 +69,13 @@ pub struct ModelArgs {
     /// not a CPU fallback, when a GPU or NCCL is missing.
     #[arg(long, value_parser = parse_gpus)]
     pub gpus: Option<GpuSelection>,
+    /// Several GPUs: `auto` loads every routed expert on every GPU when
+    /// each GPU's expert budget (`--gpu-memory`, or its free memory) holds
+    /// them all; steps of up to 16 tokens (decode) then run on each GPU
+    /// alone, at one GPU's speed with no all-reduce, and prefill still
+    /// splits the experts. `off`: each GPU holds only its shard.
+    #[arg(long, default_value = "auto", value_parser = parse_replicate, action = clap::ArgAction::Set)]
+    pub replicate_experts: bool,
     /// Join a group of processes, one GPU each, on this or other hosts:
     /// `tcp://HOST:PORT` where rank 0 listens and hands NCCL's id to the
     /// others (NCCL then carries the traffic). Needs --rank and --world;
@@ -154,6 +161,14 @@ fn parse_threads(s: &str) -> std::result::Result<usize, String> {
 
 fn parse_repack(s: &str) -> std::result::Result<Repack, String> {
     Repack::parse(s).ok_or_else(|| format!("`{s}`: expected auto, on or off"))
+}
+
+fn parse_replicate(s: &str) -> std::result::Result<bool, String> {
+    match s.trim() {
+        "auto" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("`{s}`: expected auto or off")),
+    }
 }
 
 fn parse_activations(s: &str) -> std::result::Result<Activations, String> {
@@ -297,6 +312,7 @@ impl ModelArgs {
                 cuda_graphs: !self.no_cuda_graphs,
                 host_cache: self.host_cache,
                 cpu_experts: self.cpu_experts,
+                replicate_experts: self.replicate_experts,
                 cpu_activations: self.cpu_activations,
                 cpu_repack: self.cpu_repack,
                 ..Default::default()

@@ -221,6 +221,7 @@ impl Batch {
                     host_cache: opts.host_cache,
                     prefetch: opts.prefetch,
                     cpu_experts: opts.cpu_experts,
+                    replicate_experts: opts.replicate_experts,
                 };
                 let m = match &opts.dist {
                     Some(d) => {
@@ -245,6 +246,12 @@ impl Batch {
                         m.gpus(),
                         nccl()?
                     ));
+                }
+                if m.replicated() {
+                    note.push_str(
+                        "; every GPU holds every expert: steps of up to 16 tokens run \
+                         on each GPU alone",
+                    );
                 }
                 let tier = m.host_tier();
                 if tier.is_some() {

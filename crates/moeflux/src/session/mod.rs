@@ -73,6 +73,10 @@ pub struct SessionOptions {
     /// experts that are neither in VRAM nor being uploaded are computed by
     /// the CPU instead (see `CudaOptions::cpu_experts`).
     pub cpu_experts: usize,
+    /// GPU backend, several GPUs: when every GPU can hold every routed
+    /// expert, each does (see `CudaOptions::replicate_experts`); `false`
+    /// always shards them.
+    pub replicate_experts: bool,
     /// CPU products: exact f32 activations (the default) or activations
     /// rounded to 8 bits per group of 32 for 4/8-bit affine and MXFP4
     /// weights (faster one-token products; the accuracy cost is in
@@ -125,6 +129,7 @@ impl Default for SessionOptions {
             cuda_graphs: true,
             host_cache: None,
             cpu_experts: 0,
+            replicate_experts: true,
             cpu_activations: Activations::F32,
             cpu_repack: Repack::Auto,
         }

@@ -57,18 +57,45 @@ fn two_default(dir: &std::path::Path) -> Session {
     two(dir, SessionOptions::default())
 }
 
+/// Two GPUs that each hold every expert (`replicate`, what a small model
+/// gets by default) or only their shard.
+fn two_replicating(dir: &std::path::Path, replicate: bool) -> Session {
+    let s = two(
+        dir,
+        SessionOptions {
+            replicate_experts: replicate,
+            ..Default::default()
+        },
+    );
+    assert_eq!(
+        s.backend().contains("every GPU holds every expert"),
+        replicate,
+        "{}",
+        s.backend()
+    );
+    s
+}
+
 /// A fixture on two GPUs, three ways, against its golden (`check`) and
-/// against one GPU (the GPU guard).
+/// against one GPU (the GPU guard), with the experts sharded and
+/// replicated; replicated, one token at a time is one GPU's arithmetic,
+/// bit for bit.
 fn fixture_on_two(name: &str, check: Check) {
     let golden = Golden::load(&fixtures().join(name));
     let (_tmp, dir) = convert_fixture(&format!("{name}/src"), None);
-    let rows2 = eval_three_ways(&golden, || two_default(&dir));
     let rows1 = eval_three_ways(&golden, || gpu(&dir));
-    for ((mode, got), one) in EVAL_MODES.iter().zip(&rows2).zip(&rows1) {
-        check(&format!("{name} 2 GPUs {mode}"), &golden, got);
-        let d = max_rel_diff(got, one);
-        eprintln!("{name} {mode}: 2 GPUs vs 1 max rel diff {d:e}");
-        assert!(d <= GUARD, "{name} {mode}: 2 GPUs vs 1 max rel diff {d:e}");
+    for replicate in [false, true] {
+        let rows2 = eval_three_ways(&golden, || two_replicating(&dir, replicate));
+        for ((mode, got), one) in EVAL_MODES.iter().zip(&rows2).zip(&rows1) {
+            let what = format!("{name} 2 GPUs (replicated: {replicate}) {mode}");
+            check(&what, &golden, got);
+            let d = max_rel_diff(got, one);
+            eprintln!("{what}: vs 1 GPU max rel diff {d:e}");
+            assert!(d <= GUARD, "{what}: vs 1 GPU max rel diff {d:e}");
+            if replicate && *mode == "incremental" {
+                assert!(got == one, "{what}: not one GPU's bits");
+            }
+        }
     }
 }
 
@@ -152,11 +179,34 @@ fn synth_on_two(dir: &std::path::Path) {
         assert_eq!(stats.cpu_computed > 0, cpu_experts > 0);
         assert_eq!(stats.prefetched > 0, prefetch == Prefetch::On);
     }
-    // Every expert resident on its GPU (decode by the device's table).
-    let mut g = two_default(dir);
-    let rows = one_token_at_a_time(&mut g, &toks);
-    let d = max_rel_diff(&rows, &want);
-    assert!(d <= GUARD, "resident incremental: 2 GPUs vs 1 {d:e}");
+    // Every expert resident on its GPU (decode by the device's table),
+    // sharded and replicated (then one GPU's bits: one token per step runs
+    // on each GPU alone); a batch of 40 tokens splits the experts either way.
+    let mut one_rows = gpu(dir);
+    let want_rows = one_token_at_a_time(&mut one_rows, &toks);
+    for replicate in [false, true] {
+        let mut g = two_replicating(dir, replicate);
+        let rows = one_token_at_a_time(&mut g, &toks);
+        let d = max_rel_diff(&rows, &want);
+        assert!(
+            d <= GUARD,
+            "resident incremental ({replicate}): 2 GPUs vs 1 {d:e}"
+        );
+        if replicate {
+            assert!(rows == want_rows, "replicated decode: not one GPU's bits");
+            // The group counts each use once (the lead), graphs or not.
+            let k = g.config().moe.num_experts_per_tok;
+            let uses = toks.len() * k * g.expert_store().layers().count();
+            assert_eq!(g.gpu_cache_stats().hits, uses as u64);
+        }
+        let mut g = two_replicating(dir, replicate);
+        let got = g.eval(&toks, LogitsMode::All).unwrap();
+        let d = max_rel_diff(&got, &want);
+        assert!(
+            d <= GUARD,
+            "resident batch ({replicate}): 2 GPUs vs 1 {d:e}"
+        );
+    }
 }
 
 #[test]
@@ -274,13 +324,14 @@ fn two_gpus_graph_decode_equals_eager_decode() {
     // Per GPU: a layer's half of the experts and a few, so every layer
     // evicts.
     let small = Some(((experts.div_ceil(2) + 4) * extent) as u64);
-    for gpu_memory in [None, small] {
+    for (gpu_memory, replicate_experts) in [(None, false), (None, true), (small, true)] {
         let open = |graphs: bool| {
             two(
                 &dir,
                 SessionOptions {
                     cuda_graphs: graphs,
                     gpu_memory,
+                    replicate_experts,
                     ..Default::default()
                 },
             )

@@ -215,10 +215,16 @@ impl CudaGroup {
                     shard,
                     comm,
                     own: None,
+                    replicated: false,
                 });
                 CudaModel::new_in_group(gpu, model, store, opts, ep, &mut host)
             })
             .collect::<Result<Vec<_>>>()?;
+        let mut ranks = ranks;
+        let agreed = ranks.iter().all(CudaModel::replicated);
+        for m in &mut ranks {
+            m.set_replicated(agreed);
+        }
         Ok(CudaGroup {
             ranks,
             aborters,
@@ -267,9 +273,15 @@ impl CudaGroup {
             shard,
             comm,
             own: None,
+            replicated: false,
         });
-        let m =
-            CudaModel::new_in_group(gpu, model, store, opts, ep, &mut None).inspect_err(|_| {
+        let m = CudaModel::new_in_group(gpu, model, store, opts, ep, &mut None)
+            .and_then(|mut m| {
+                let agreed = m.all_ranks_replicate()?;
+                m.set_replicated(agreed);
+                Ok(m)
+            })
+            .inspect_err(|_| {
                 // Tell the peers now (they may wait in their first step).
                 watchdog.fail()
             })?;
@@ -291,6 +303,12 @@ impl CudaGroup {
     /// The lead GPU's model (rank 0).
     pub fn lead(&self) -> &CudaModel {
         &self.ranks[0]
+    }
+
+    /// Whether every GPU of a group holds every routed expert (steps of a
+    /// few tokens then run on each GPU alone).
+    pub fn replicated(&self) -> bool {
+        self.ranks[0].replicated()
     }
 
     /// GPUs in the group.

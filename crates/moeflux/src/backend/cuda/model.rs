@@ -135,6 +135,11 @@ pub struct Ep {
     pub comm: Comm,
     /// On the device: [`Shard::owned_mask`] (set when the model is loaded).
     pub own: Option<DevBuf>,
+    /// Every GPU of the group holds every routed expert
+    /// ([`CudaOptions::replicate_experts`]): steps of a few tokens run on
+    /// each GPU alone, the same arithmetic as one GPU, with no all-reduce;
+    /// larger ones still split the experts by `shard`.
+    pub replicated: bool,
 }
 
 /// Experts at least this large are prefetched by `Prefetch::Auto`. On the
@@ -166,6 +171,12 @@ pub struct CudaOptions {
     /// nor on their way are computed by the host from the pinned host tier
     /// (one token at a time), beside the copies of the rest.
     pub cpu_experts: usize,
+    /// Several GPUs: when the expert-cache budget of every GPU holds every
+    /// routed expert, each GPU loads them all and runs the steps of a few
+    /// tokens (decode) alone, so they need no all-reduce and run at one
+    /// GPU's speed; prefill batches still split the experts between the
+    /// GPUs. `false`: each GPU holds only its shard.
+    pub replicate_experts: bool,
 }
 
 impl Default for CudaOptions {
@@ -177,6 +188,7 @@ impl Default for CudaOptions {
             prefetch: Prefetch::Auto,
             cpu_experts: 0,
             host_cache: None,
+            replicate_experts: true,
         }
     }
 }
@@ -365,21 +377,34 @@ impl CudaModel {
         };
         if max_extent > 0 {
             let e = m.config.moe.num_experts;
-            let (owned, per_layer) = match &m.ep {
-                Some(ep) => (ep.shard.owned_total(), ep.shard.max_owned_per_layer()),
-                None => (store.layers().count() * e, e),
-            };
-            let all = owned * max_extent;
+            let every = store.layers().count() * e;
             let budget = match opts.gpu_memory {
                 Some(b) => b as usize,
                 None => m.gpu.free_bytes()?.saturating_sub(RESERVE),
+            };
+            // A group's GPUs each hold every expert when each can (the
+            // group then agrees, `CudaGroup::agree_on_replicas`).
+            if let Some(ep) = &mut m.ep {
+                ep.replicated = opts.replicate_experts && budget >= every * max_extent;
             }
-            .min(all);
+            let (owned, per_layer) = match &m.ep {
+                Some(ep) if !ep.replicated => {
+                    (ep.shard.owned_total(), ep.shard.max_owned_per_layer())
+                }
+                _ => (every, e),
+            };
+            let budget = budget.min(owned * max_extent);
             let mut cache =
                 ExpertCache::new(&m.gpu, budget, max_extent, per_layer, opts.cache_policy)?;
-            let shard = m.ep.as_ref().map(|ep| &ep.shard);
+            let shard =
+                m.ep.as_ref()
+                    .filter(|ep| !ep.replicated)
+                    .map(|ep| &ep.shard);
             let owns = |l: usize, x: usize| shard.is_none_or(|s| s.owns(l, x));
             if !cache.preload_all(&m.gpu, store, model.layers.len(), e, owns)? {
+                if let Some(ep) = &mut m.ep {
+                    ep.replicated = false;
+                }
                 match (opts.host_cache, host.as_ref()) {
                     (Some(_), Some((tier, counts))) => {
                         cache.share_host_tier(tier.clone());
@@ -406,6 +431,38 @@ impl CudaModel {
 
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
+    }
+
+    /// In a group: whether this GPU holds every routed expert and runs the
+    /// steps of a few tokens alone (`Ep::replicated`).
+    pub fn replicated(&self) -> bool {
+        self.ep.as_ref().is_some_and(|ep| ep.replicated)
+    }
+
+    /// Sets what the group agreed on: a GPU that holds every expert in a
+    /// group where another GPU could not shards its work like the others
+    /// (its table then also holds experts it does not own, which the
+    /// combine's mask leaves out).
+    pub fn set_replicated(&mut self, agreed: bool) {
+        if let Some(ep) = &mut self.ep {
+            ep.replicated &= agreed;
+        }
+    }
+
+    /// `--dist-init`: whether every rank of the group holds every expert,
+    /// by an all-reduce of one flag over the group's communicator.
+    pub fn all_ranks_replicate(&self) -> Result<bool> {
+        let Some(ep) = &self.ep else {
+            return Ok(false);
+        };
+        self.gpu.bind()?;
+        let flag = DevBuf::from_slice(&self.gpu, &[f32::from(u8::from(ep.replicated))])?;
+        ep.comm
+            .all_reduce_f32(flag.ptr(), flag.ptr(), 1, &self.gpu.stream)?;
+        self.gpu.sync()?;
+        let mut sum = [0.0f32];
+        flag.download(&mut sum)?;
+        Ok(sum[0] as usize == ep.shard.world)
     }
 
     pub fn cache_stats(&self) -> CacheStats {
@@ -568,6 +625,9 @@ impl CudaModel {
             .as_ref()
             .is_some_and(|(e, s)| *e == self.epoch && *s == states);
         if graphable && !self.graph_valid(&states, picks) && stable {
+            // Capturing only records the step (the replay below runs and
+            // counts it).
+            let counted = self.cache.as_ref().map(|c| c.stats);
             begin_capture(&self.gpu)?;
             let recorded = self.layers_forward(
                 model,
@@ -580,6 +640,9 @@ impl CudaModel {
                 None,
             );
             let graph = end_capture(&self.gpu, recorded)?;
+            if let (Some(c), Some(s)) = (self.cache.as_mut(), counted) {
+                c.stats = s;
+            }
             if self.scratch.grew {
                 // Allocated during capture: the layout moved, the graph is
                 // stale; run eagerly.
@@ -601,8 +664,10 @@ impl CudaModel {
                 .0
                 .launch()
                 .map_err(|e| Error::Gpu(format!("CUDA graph launch: {e}")))?;
+            // In a group, the lead counts the group's uses (as eager steps do).
             let uses = (n * k * self.moe_layers) as u64;
-            if let Some(c) = self.cache.as_mut() {
+            let counts = self.ep.as_ref().is_none_or(|ep| ep.shard.rank == 0);
+            if let Some(c) = self.cache.as_mut().filter(|_| counts) {
                 c.count_hits(uses);
             }
             self.gpu.sync()?;

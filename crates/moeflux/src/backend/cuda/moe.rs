@@ -125,10 +125,17 @@ pub(super) fn moe(
     let act = s.get(g, "eact", 4 * n * k * inter)?;
     let slot_out = s.get(g, "slot_out", 4 * n * k * h)?;
     // In a group, this GPU computes only the slots of its own experts (the
-    // combine skips the others' rows).
-    let ep = cx.ep;
-    // The shared expert runs on one GPU of a group.
+    // combine skips the others' rows), unless every GPU holds every expert
+    // and the step is small: then each GPU runs the layer alone, as one GPU
+    // does (the same values on every GPU, no all-reduce).
+    let alone = cx
+        .ep
+        .is_some_and(|ep| ep.replicated && n <= RESIDENT_SLOT_PATH_MAX_TOKENS);
+    let ep = cx.ep.filter(|_| !alone);
+    // The shared expert runs on one GPU of a group; the group's first GPU
+    // counts the cache's uses.
     let lead = ep.is_none_or(|ep| ep.shard.rank == 0);
+    let counts = cx.ep.is_none_or(|ep| ep.shard.rank == 0);
     let owns = |e: usize| ep.is_none_or(|ep| ep.shard.owns(i, e));
 
     // Router and shared expert: one launch for the products of xn.
@@ -215,7 +222,7 @@ pub(super) fn moe(
     if slot_path && table.is_some() {
         // Every expert resident: the router's choice never leaves the GPU
         // (in a group, the lead counts the group's uses).
-        if lead {
+        if counts {
             cache.count_hits((n * k) as u64);
         }
     } else {
