@@ -444,6 +444,9 @@ const CHILD_OUT: &str = "MOEFLUX_TEST_DIST_OUT";
 /// waits; the parent then kills it (SIGKILL: a crash, without the core
 /// dump an abort may spend minutes writing while its sockets stay open).
 const CHILD_KILL_AFTER: &str = "MOEFLUX_TEST_DIST_KILL_AFTER";
+/// Set: the child keeps to its shard of the experts (every step then
+/// waits on the other rank's all-reduce).
+const CHILD_SHARDED: &str = "MOEFLUX_TEST_DIST_SHARDED";
 /// A child's exit status when an eval or the open failed (its error in
 /// `OUT.err`).
 const CHILD_FAILED: i32 = 3;
@@ -476,6 +479,7 @@ fn dist_rank_child() {
         SessionOptions {
             backend: Backend::Cuda,
             dist: Some(dist),
+            replicate_experts: std::env::var_os(CHILD_SHARDED).is_none(),
             ..Default::default()
         },
     )
@@ -641,7 +645,8 @@ fn one_vocab(dir: &std::path::Path) -> usize {
 
 /// A rank killed mid-run: the other fails within the watchdog's grace
 /// (and `ABORT_WAIT`), naming the rank gone, instead of waiting on its
-/// all-reduce forever.
+/// all-reduce forever. (Sharded: with every expert on both ranks, decode
+/// steps never wait on the other, and the survivor may finish first.)
 #[test]
 #[ignore]
 fn a_rank_that_is_killed_stops_the_other() {
@@ -652,9 +657,12 @@ fn a_rank_that_is_killed_stops_the_other() {
     let dir = tmp.path().join("synth");
     super::synth_model(&dir);
     let toks = random_tokens(24, one_vocab(&dir));
-    let env = |rank: usize| match rank {
-        1 => vec![(CHILD_KILL_AFTER, "5".to_string())],
-        _ => Vec::new(),
+    let env = |rank: usize| {
+        let mut e = vec![(CHILD_SHARDED, "1".to_string())];
+        if rank == 1 {
+            e.push((CHILD_KILL_AFTER, "5".to_string()));
+        }
+        e
     };
     let limit = std::time::Duration::from_secs(60);
     let (children, took) = run_two_ranks(tmp.path(), &dir, &toks, env, limit);

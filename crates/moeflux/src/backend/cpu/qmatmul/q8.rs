@@ -186,7 +186,7 @@ impl Acts {
         for t in 0..n {
             let xt = &x[t * cols..(t + 1) * cols];
             for b in 0..blocks {
-                let dx = quantize_block(&xt[b * BLOCK..(b + 1) * BLOCK], &mut q);
+                let dx = quantize_block_fast(&xt[b * BLOCK..(b + 1) * BLOCK], &mut q);
                 let u = b / kind.unit_blocks();
                 let first = (t * units + u) * 8 + (b % kind.unit_blocks()) * lanes_per_block;
                 dxv[first..first + lanes_per_block].fill(dx);
@@ -263,6 +263,66 @@ fn quantize_block(x: &[f32], q: &mut [i8; BLOCK]) -> f32 {
     for (o, &v) in q.iter_mut().zip(x) {
         *o = (v * inv).round().clamp(-127.0, 127.0) as i8;
     }
+    amax / 127.0
+}
+
+/// [`quantize_block`]'s result, by AVX2 where the CPU has it (`round`
+/// is a libm call per input, a tenth of a batched product's time).
+fn quantize_block_fast(x: &[f32], q: &mut [i8; BLOCK]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2.
+        return unsafe { quantize_block_avx2(x, q) };
+    }
+    quantize_block(x, q)
+}
+
+/// [`quantize_block`] with eight inputs per vector: the same maximum (exact
+/// in any order), the same product by `127 / amax`, and round half away
+/// from zero as `trunc(y + copysign(0.49999997, y))` (exact for every f32:
+/// the constant is the float below one half), so the same bytes.
+///
+/// # Safety
+/// The CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_block_avx2(x: &[f32], q: &mut [i8; BLOCK]) -> f32 {
+    use std::arch::x86_64::*;
+    assert_eq!(x.len(), BLOCK);
+    let sign = _mm256_set1_ps(-0.0);
+    let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(x.as_ptr().add(8 * i)));
+    let a: [__m256; 4] = std::array::from_fn(|i| _mm256_andnot_ps(sign, v[i]));
+    // Finite: |v| < inf (false for NaN too).
+    let inf = _mm256_set1_ps(f32::INFINITY);
+    let finite = a
+        .iter()
+        .fold(0xff, |m, &ai| m & _mm256_movemask_ps(_mm256_cmp_ps(ai, inf, _CMP_LT_OQ)));
+    if finite != 0xff {
+        q.fill(0);
+        return f32::NAN;
+    }
+    let m = _mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3]));
+    let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+    if amax == 0.0 {
+        q.fill(0);
+        return 0.0;
+    }
+    let inv = _mm256_set1_ps(127.0 / amax);
+    let half = _mm256_set1_ps(0.49999997);
+    let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+    let r: [__m256i; 4] = std::array::from_fn(|i| {
+        let y = _mm256_mul_ps(v[i], inv);
+        let y = _mm256_add_ps(y, _mm256_or_ps(half, _mm256_and_ps(sign, y)));
+        let y = _mm256_round_ps(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(y, lo), hi))
+    });
+    // i32 -> i8 in order: the packs work per 128-bit lane, the permute
+    // puts the dwords back in order.
+    let w = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+    let w = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, w);
     amax / 127.0
 }
 

@@ -351,6 +351,31 @@ fn the_thread_mode_picks_the_product() {
 }
 
 #[test]
+fn the_vector_quantizer_gives_the_scalar_bytes() {
+    let mut rng = Rng(0x5eed_0042);
+    let (mut a, mut b) = ([0i8; 32], [0i8; 32]);
+    for case in 0..4000 {
+        let mut x: Vec<f32> = (0..32).map(|_| (rng.f32() - 0.5) * 8.0).collect();
+        match case % 8 {
+            // Inputs that land on halves: amax 127 makes y = x.
+            0 => {
+                x = (0..32).map(|i| (i as f32 - 16.0) * 0.5).collect();
+                x[0] = 127.0;
+            }
+            1 => x = (0..32).map(|i| (i as f32 - 15.5) * 8.0).collect(),
+            2 => x[case % 32] = f32::NAN,
+            3 => x[(case / 8) % 32] = f32::NEG_INFINITY,
+            4 => x.fill(0.0),
+            5 => x.iter_mut().for_each(|v| *v *= 1e-30),
+            _ => {}
+        }
+        let (da, db) = (quantize_block(&x, &mut a), quantize_block_fast(&x, &mut b));
+        assert_eq!(da.to_bits(), db.to_bits(), "case {case}: {x:?}");
+        assert_eq!(a, b, "case {case}: {x:?}");
+    }
+}
+
+#[test]
 fn activation_blocks_round_to_127_steps() {
     let mut q = [0i8; 32];
     let mut x = [0.25f32; 32];
