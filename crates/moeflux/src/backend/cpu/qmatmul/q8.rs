@@ -294,9 +294,9 @@ unsafe fn quantize_block_avx2(x: &[f32], q: &mut [i8; BLOCK]) -> f32 {
     let a: [__m256; 4] = std::array::from_fn(|i| _mm256_andnot_ps(sign, v[i]));
     // Finite: |v| < inf (false for NaN too).
     let inf = _mm256_set1_ps(f32::INFINITY);
-    let finite = a
-        .iter()
-        .fold(0xff, |m, &ai| m & _mm256_movemask_ps(_mm256_cmp_ps(ai, inf, _CMP_LT_OQ)));
+    let finite = a.iter().fold(0xff, |m, &ai| {
+        m & _mm256_movemask_ps(_mm256_cmp_ps(ai, inf, _CMP_LT_OQ))
+    });
     if finite != 0xff {
         q.fill(0);
         return f32::NAN;
@@ -320,7 +320,10 @@ unsafe fn quantize_block_avx2(x: &[f32], q: &mut [i8; BLOCK]) -> f32 {
     });
     // i32 -> i8 in order: the packs work per 128-bit lane, the permute
     // puts the dwords back in order.
-    let w = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+    let w = _mm256_packs_epi16(
+        _mm256_packs_epi32(r[0], r[1]),
+        _mm256_packs_epi32(r[2], r[3]),
+    );
     let w = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, w);
     amax / 127.0
