@@ -34,6 +34,8 @@
 #      ceiling (needed file bytes per token / the sequential O_DIRECT bandwidth measured in
 #      the same run, plus host-tier bytes / pinned H2D bandwidth, plus the resident time:
 #      the token's time outside the expert wait). --dir must be on a real disk (not tmpfs).
+#      Then the same three ways at qwen3.5-397b-a17b widths, G397_LAYERS layers (default 8,
+#      27 GB of experts; 0 skips them); G_A3B=0 skips the A3B rows.
 #   f  two GPUs (--gpus 0,1) against one, in the same run (needs 2 GPUs): c's 397B widths (12
 #      layers, top-10) with each GPU's --gpu-memory holding 30% of the experts (60% together),
 #      the rest in the pinned host tier, extrapolated to 60 layers; qwen3.6-35b-a3b widths
@@ -218,18 +220,34 @@ if has e; then
 fi
 
 if has g; then
-  D16=$DIR/a3b-16-zipf
-  synth "$D16" --preset qwen3.6-35b-a3b --layers 16 --router-skew zipf:1
-  sync
-  budget=$(( $(expert_bytes "$D16") / 4 ))
-  df -h "$D16" >&2
-  G=(--prompt-len 0 --gen 64 --gpu-memory $budget --direct-io)
-  bench g-disk-host25 "$D16" "${G[@]}" --host-cache $budget
-  bench g-disk-host25-noprefetch "$D16" "${G[@]}" --host-cache $budget --prefetch off
-  bench g-disk "$D16" "${G[@]}" --prefetch off
-  bench g-disk-ahead "$D16" "${G[@]}" --prefetch on
-  bench g-disk-ahead-io16 "$D16" "${G[@]}" --prefetch on --io-threads 16
-  rm -rf "$D16"
+  if [[ ${G_A3B:-1} != 0 ]]; then
+    D16=$DIR/a3b-16-zipf
+    synth "$D16" --preset qwen3.6-35b-a3b --layers 16 --router-skew zipf:1
+    sync
+    budget=$(( $(expert_bytes "$D16") / 4 ))
+    df -h "$D16" >&2
+    G=(--prompt-len 0 --gen 64 --gpu-memory $budget --direct-io)
+    bench g-disk-host25 "$D16" "${G[@]}" --host-cache $budget
+    bench g-disk-host25-noprefetch "$D16" "${G[@]}" --host-cache $budget --prefetch off
+    bench g-disk "$D16" "${G[@]}" --prefetch off
+    bench g-disk-ahead "$D16" "${G[@]}" --prefetch on
+    bench g-disk-ahead-io16 "$D16" "${G[@]}" --prefetch on --io-threads 16
+    rm -rf "$D16"
+  fi
+  if [[ ${G397_LAYERS:-8} != 0 ]]; then
+    # 397B widths (6.75 MB experts, top-10), as many layers as a 64 GB disk holds beside
+    # nothing else: 8 by default (27 GB of experts).
+    D397=$DIR/397b-zipf
+    synth "$D397" --preset qwen3.5-397b-a17b --layers "${G397_LAYERS:-8}" --router-skew zipf:1
+    sync
+    budget=$(( $(expert_bytes "$D397") / 4 ))
+    df -h "$D397" >&2
+    G=(--prompt-len 0 --gen 64 --gpu-memory $budget --direct-io)
+    bench g-397b-disk-host25 "$D397" "${G[@]}" --host-cache $budget
+    bench g-397b-disk "$D397" "${G[@]}" --prefetch off
+    bench g-397b-disk-ahead "$D397" "${G[@]}" --prefetch on
+    rm -rf "$D397"
+  fi
 fi
 
 if has f; then
