@@ -129,6 +129,11 @@ pub struct CudaGroup {
     shared_seed: Option<u64>,
     /// In a group of processes: notices a peer that is gone.
     watchdog: Option<Watchdog>,
+    /// In a group of GPUs of this process: threads that drive the GPUs
+    /// after the first (which the caller's thread drives), kept for the
+    /// session: a thread started per step, with the CUDA driver's
+    /// per-thread setup, cost a decode step a quarter of a millisecond.
+    workers: Option<rayon::ThreadPool>,
 }
 
 /// How long a process waits for the others at `--dist-init`
@@ -194,6 +199,7 @@ impl CudaGroup {
                 broken: None,
                 shared_seed: None,
                 watchdog: None,
+                workers: None,
             });
         }
         let ordinals: Vec<usize> = gpus.iter().map(|g| g.info.ordinal).collect();
@@ -225,12 +231,18 @@ impl CudaGroup {
         for m in &mut ranks {
             m.set_replicated(agreed);
         }
+        let workers = rayon::ThreadPoolBuilder::new()
+            .num_threads(ranks.len() - 1)
+            .thread_name(|i| format!("moeflux-gpu-{}", i + 1))
+            .build()
+            .map_err(|e| Error::Gpu(format!("cannot start the GPUs' threads: {e}")))?;
         Ok(CudaGroup {
             ranks,
             aborters,
             broken: None,
             shared_seed: None,
             watchdog: None,
+            workers: Some(workers),
         })
     }
 
@@ -291,6 +303,7 @@ impl CudaGroup {
             broken: None,
             shared_seed: Some(joined.seed),
             watchdog: Some(watchdog),
+            workers: None,
         })
     }
 
@@ -466,33 +479,33 @@ impl CudaGroup {
         let lead = ranks.next().expect("a group has a lead");
         let mut segs = per_rank.into_iter();
         let lead_segs = segs.next().expect("a lead's segments");
-        let results: Vec<Result<Vec<SegmentOutput>>> = std::thread::scope(|sc| {
-            let handles: Vec<_> = ranks
-                .zip(segs)
-                .enumerate()
-                .map(|(i, (m, segs))| {
-                    let run = &run;
-                    std::thread::Builder::new()
-                        .name(format!("moeflux-gpu-{}", i + 1))
-                        .spawn_scoped(sc, move || {
-                            run(i + 1, m, segs, &mut PhaseTimes::default(), None)
-                        })
-                })
-                .collect();
-            let mut results = vec![run(0, lead, lead_segs, times, trace)];
-            for h in handles {
-                results.push(match h {
-                    Ok(h) => h
-                        .join()
-                        .unwrap_or_else(|_| Err(Error::Gpu("a GPU's thread panicked".into()))),
-                    Err(e) => {
+        let workers = self.workers.as_ref().expect("a group of GPUs has workers");
+        let mut others: Vec<Option<Result<Vec<SegmentOutput>>>> =
+            (1..world).map(|_| None).collect();
+        // The caller's thread drives the lead while the workers drive the
+        // others; the scope ends when all are done.
+        let lead_out = workers.in_place_scope(|sc| {
+            for (i, ((m, segs), slot)) in ranks.zip(segs).zip(others.iter_mut()).enumerate() {
+                let run = &run;
+                sc.spawn(move |_| {
+                    let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        run(i + 1, m, segs, &mut PhaseTimes::default(), None)
+                    }));
+                    *slot = Some(out.unwrap_or_else(|_| {
                         Aborter::abort(aborters);
-                        Err(Error::Gpu(format!("cannot start a GPU's thread: {e}")))
-                    }
+                        Err(Error::Gpu("a GPU's thread panicked".into()))
+                    }));
                 });
             }
-            results
+            run(0, lead, lead_segs, times, trace)
         });
+        let results: Vec<Result<Vec<SegmentOutput>>> = std::iter::once(lead_out)
+            .chain(
+                others
+                    .into_iter()
+                    .map(|o| o.expect("the scope ran every GPU's step")),
+            )
+            .collect();
         let failed = first_failed.into_inner();
         let mut results = results.into_iter();
         let lead_out = results.next().expect("the lead's result");
