@@ -212,7 +212,7 @@ impl CudaGroup {
             gpus.len(),
         );
         let mut host = None;
-        let ranks = gpus
+        let mut ranks = gpus
             .into_iter()
             .zip(comms)
             .zip(shards)
@@ -226,7 +226,6 @@ impl CudaGroup {
                 CudaModel::new_in_group(gpu, model, store, opts, ep, &mut host)
             })
             .collect::<Result<Vec<_>>>()?;
-        let mut ranks = ranks;
         let agreed = ranks.iter().all(CudaModel::replicated);
         for m in &mut ranks {
             m.set_replicated(agreed);
