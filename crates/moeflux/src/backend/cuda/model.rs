@@ -142,6 +142,14 @@ pub struct Ep {
     pub replicated: bool,
 }
 
+impl Ep {
+    /// Whether `ep` (none: one GPU) is the group's lead, which runs the
+    /// shared expert in sharded layers and counts the group's cache uses.
+    pub fn leads(ep: Option<&Ep>) -> bool {
+        ep.is_none_or(|ep| ep.shard.rank == 0)
+    }
+}
+
 /// Experts at least this large are prefetched by `Prefetch::Auto`. On the
 /// H100, Qwen3.6-35B-A3B widths (1.77 MB experts) decode 35% faster with
 /// prefetch from the host tier, the demo model (28 KB) ~15% slower: its
@@ -383,7 +391,7 @@ impl CudaModel {
                 None => m.gpu.free_bytes()?.saturating_sub(RESERVE),
             };
             // A group's GPUs each hold every expert when each can (the
-            // group then agrees, `CudaGroup::agree_on_replicas`).
+            // group then agrees: `CudaGroup::new` / `new_dist`).
             if let Some(ep) = &mut m.ep {
                 ep.replicated = opts.replicate_experts && budget >= every * max_extent;
             }
@@ -666,7 +674,7 @@ impl CudaModel {
                 .map_err(|e| Error::Gpu(format!("CUDA graph launch: {e}")))?;
             // In a group, the lead counts the group's uses (as eager steps do).
             let uses = (n * k * self.moe_layers) as u64;
-            let counts = self.ep.as_ref().is_none_or(|ep| ep.shard.rank == 0);
+            let counts = Ep::leads(self.ep.as_ref());
             if let Some(c) = self.cache.as_mut().filter(|_| counts) {
                 c.count_hits(uses);
             }

@@ -17,7 +17,7 @@ use super::linear::{
     kernel_suffix, matmuls, mm, mm_add, mma_layout_fits, mma_split, qmv_rows_per_block, qmv_slices,
     qmv_threads, rows_per_block, swiglu_matmul, MMA_MIN_TOKENS, QMV_CHUNKS, QMV_STREAM_CHUNKS,
 };
-use super::model::{Ctx, DevWeights};
+use super::model::{Ctx, DevWeights, Ep};
 use super::support::unsupported;
 
 /// Up to this many tokens, the routed experts run per (token, slot) with
@@ -134,8 +134,8 @@ pub(super) fn moe(
     let ep = cx.ep.filter(|_| !alone);
     // The shared expert runs on one GPU of a group; the group's first GPU
     // counts the cache's uses.
-    let lead = ep.is_none_or(|ep| ep.shard.rank == 0);
-    let counts = cx.ep.is_none_or(|ep| ep.shard.rank == 0);
+    let lead = Ep::leads(ep);
+    let counts = Ep::leads(cx.ep);
     let owns = |e: usize| ep.is_none_or(|ep| ep.shard.owns(i, e));
 
     // Router and shared expert: one launch for the products of xn.
