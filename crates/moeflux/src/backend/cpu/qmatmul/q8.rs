@@ -30,8 +30,8 @@
 //! `g % 8`) summed by the same tree, `isum[u][k]` is the exact integer sum
 //! of `code * xq` over the lane's eight (or four) inputs and `xsum_g` the
 //! f32 sum of the group's unrounded activations. The integer sums are
-//! exact, so the AVX2 kernel (also used at the AVX-512 level) and the
-//! portable one give the same bits, and as with f32 activations a token's
+//! exact, so the AVX2 kernel (also used at the AVX-512 level, where the
+//! interleaved one takes VNNI) and the portable one give the same bits, and as with f32 activations a token's
 //! result is independent of the number of tokens and of the thread count.
 
 use std::cell::Cell;
