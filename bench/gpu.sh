@@ -35,16 +35,20 @@
 #      the same run, plus host-tier bytes / pinned H2D bandwidth, plus the resident time:
 #      the token's time outside the expert wait). --dir must be on a real disk (not tmpfs).
 #      Then the same three ways at qwen3.5-397b-a17b widths, G397_LAYERS layers (default 8,
-#      27 GB of experts; 0 skips them); G_A3B=0 skips the A3B rows.
+#      27 GB of experts; 0 skips them); G_A3B=0 skips the A3B rows. Each depth also reads
+#      its misses by cuFile (--gds on: GPUDirect Storage where nvidia-fs is loaded, cuFile's
+#      compatibility mode elsewhere; needs libcufile, G_GDS=0 skips those rows).
 #   f  two GPUs (--gpus 0,1) against one, in the same run (needs 2 GPUs): c's 397B widths (12
 #      layers, top-10) with each GPU's --gpu-memory holding 30% of the experts (60% together),
-#      the rest in the pinned host tier, extrapolated to 60 layers; qwen3.6-35b-a3b widths
+#      the rest in the pinned host tier, extrapolated to 60 layers; the same with a host tier
+#      of 25% of the experts (one arena the GPUs share) and the rest read from the disk
+#      (--direct-io; in part g's disk table, rows `-arena`); qwen3.6-35b-a3b widths
 #      fully resident: pp4096 and tg128 (CUDA graphs) with every expert on both GPUs (the
 #      default) and sharded (--replicate-experts off), and sharded tg128 eager
 #      (MOEFLUX_EP_GRAPHS=0); the NCCL all-reduce's share of a sharded decode step
 #      (MOEFLUX_CUDA_PROFILE, eager); one GPU's
 #      prefill profile (the routed experts' share: what a group splits). F397=0 skips the
-#      397B rows (their 43 GB synth).
+#      397B rows (their 43 GB synth), F_A3B=0 the A3B rows.
 #
 # $MOEFLUX names the binary (default: target/release/moeflux). Models go to --dir (default
 # /tmp/moeflux-bench) and are deleted when their part ends (the disk holds one at a time).
@@ -70,7 +74,7 @@ while [[ $# -gt 0 ]]; do
     --dir) DIR=${2:?}; shift 2 ;;
     --out) OUTDIR=${2:?}; shift 2 ;;
     --quick) QUICK=1; REPS=1; shift ;;
-    -h|--help) sed -n '2,48p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,56p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac
 done
@@ -232,6 +236,7 @@ if has g; then
     bench g-disk "$D16" "${G[@]}" --prefetch off
     bench g-disk-ahead "$D16" "${G[@]}" --prefetch on
     bench g-disk-ahead-io16 "$D16" "${G[@]}" --prefetch on --io-threads 16
+    [[ ${G_GDS:-1} == 0 ]] || bench g-disk-gds "$D16" "${G[@]}" --prefetch off --gds on
     rm -rf "$D16"
   fi
   if [[ ${G397_LAYERS:-8} != 0 ]]; then
@@ -246,6 +251,7 @@ if has g; then
     bench g-397b-disk-host25 "$D397" "${G[@]}" --host-cache $budget
     bench g-397b-disk "$D397" "${G[@]}" --prefetch off
     bench g-397b-disk-ahead "$D397" "${G[@]}" --prefetch on
+    [[ ${G_GDS:-1} == 0 ]] || bench g-397b-disk-gds "$D397" "${G[@]}" --prefetch off --gds on
     rm -rf "$D397"
   fi
 fi
@@ -262,8 +268,16 @@ if has f; then
       find "$BIG"/experts -type f -exec cat {} + >/dev/null
       bench f-397b-12l-top10-1gpu "$BIG" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G
       bench f-397b-12l-top10-2gpu "$BIG" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G --gpus 0,1
+      # The same VRAM shares over an expert-granular host tier of 25% of the experts (one
+      # arena, shared by the GPUs), every other miss read from the disk with O_DIRECT.
+      arena=$(( $(expert_bytes "$BIG") / 4 ))
+      sync
+      A=(--prompt-len 0 --gen 64 --gpu-memory $budget --host-cache $arena --direct-io)
+      bench f-397b-12l-top10-1gpu-arena "$BIG" "${A[@]}"
+      bench f-397b-12l-top10-2gpu-arena "$BIG" "${A[@]}" --gpus 0,1
       rm -rf "$BIG"
     fi
+    if [[ ${F_A3B:-1} != 0 ]]; then
     A3B=$DIR/a3b-40
     synth "$A3B" --preset qwen3.6-35b-a3b
     bench f-a3b-resident-1gpu "$A3B" --prompt-len $PPL --gen $TG
@@ -275,6 +289,7 @@ if has f; then
     unset MOEFLUX_CUDA_PROFILE
     MOEFLUX_EP_GRAPHS=0 bench f-a3b-resident-2gpu-eager "$A3B" --prompt-len 0 --gen $TG --gpus 0,1 --replicate-experts off
     rm -rf "$A3B"
+    fi
   fi
 fi
 
@@ -282,14 +297,15 @@ echo
 echo "| run | prefill tok/s | decode tok/s | expert I/O ms/tok | of roofline | cache hits | MB uploaded/tok | PCIe ceiling tok/s | H2D GB/s | HBM GB/s |"
 echo "|---|---|---|---|---|---|---|---|---|---|"
 printf '%s\n' "${ROWS[@]}"
-if has g; then
+if has g || has f; then
   echo
   echo "| run | decode tok/s | VRAM hits | host-tier MB/tok | file MB/tok (needed) | read-ahead used/read | seq O_DIRECT GB/s | disk ceiling tok/s | reached | disk + host + resident ms/tok | expert wait ms/tok |"
   echo "|---|---|---|---|---|---|---|---|---|---|---|"
   python3 - "$OUTDIR" <<'EOF'
 import json, sys, os
 out = sys.argv[1]
-for name in sorted(n[:-5] for n in os.listdir(out) if n.startswith("g-") and n.endswith(".json")):
+for name in sorted(n[:-5] for n in os.listdir(out)
+                   if (n.startswith("g-") or n.endswith("-arena.json")) and n.endswith(".json")):
     r = json.load(open(os.path.join(out, name + ".json")))
     t, c = r["decode"], r.get("decode_disk_ceiling") or {}
     f = lambda x, fmt="{:.1f}": "-" if x is None else fmt.format(x)
@@ -384,7 +400,7 @@ for line in open(os.path.join(out, "e-depths.txt")):
               f"at {moe} MoE layers")
 EOF
 fi
-if has f && [[ -f $OUTDIR/f-a3b-resident-1gpu.json ]]; then
+if has f; then
   python3 - "$OUTDIR" <<'EOF'
 import json, sys, os
 out = sys.argv[1]
@@ -397,6 +413,10 @@ if one and two:
         ms = 1e3 / r["decode_tok_s"] / r["layers"]
         print(f"f 397B {name}: {ms:.2f} ms per layer -> {1e3 / (ms * 60):.2f} tok/s at 60 layers")
     print(f"f 397B: 2 GPUs / 1 GPU decode = {two['decode_tok_s'] / one['decode_tok_s']:.2f}x")
+one, two = load("f-397b-12l-top10-1gpu-arena"), load("f-397b-12l-top10-2gpu-arena")
+if one and two:
+    print(f"f 397B, host-tier arena + disk: 2 GPUs / 1 GPU decode = "
+          f"{two['decode_tok_s'] / one['decode_tok_s']:.2f}x")
 a, b = load("f-a3b-resident-1gpu"), load("f-a3b-resident-2gpu")
 c, e = load("f-a3b-resident-2gpu-sharded"), load("f-a3b-resident-2gpu-eager")
 if a and b:

@@ -10,7 +10,7 @@ use clap::Args;
 use moeflux::backend::cuda::CachePolicy;
 use moeflux::generate::GenerateOptions;
 use moeflux::sample::SamplerConfig;
-use moeflux::session::{Activations, Backend, DistInit, GpuSelection, Prefetch, Repack};
+use moeflux::session::{Activations, Backend, DistInit, Gds, GpuSelection, Prefetch, Repack};
 use moeflux::text::chat::ChatTemplate;
 use moeflux::text::tokenizer::Tokenizer;
 use moeflux::{Session, SessionOptions};
@@ -39,6 +39,14 @@ pub struct ModelArgs {
     /// memory mapping of the expert files.
     #[arg(long, conflicts_with = "direct_io")]
     pub no_mmap: bool,
+    /// GPU with --direct-io: read missed experts from the files straight
+    /// into VRAM with GPUDirect Storage (NVIDIA's cuFile, loaded at run
+    /// time: the `nvidia-cufile` wheel or the CUDA toolkit's libcufile).
+    /// `auto` uses it where the nvidia-fs kernel module is loaded (the
+    /// startup line says which path reads), `on` always (cuFile's
+    /// compatibility mode included; an error without cuFile), `off` never.
+    #[arg(long, default_value = "auto", value_parser = parse_gds)]
+    pub gds: Gds,
     /// Threads that read experts from the files (each holds one read in
     /// flight; a disk wants a few more than a layer's misses).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=256))]
@@ -207,6 +215,10 @@ fn parse_gpus(s: &str) -> std::result::Result<GpuSelection, String> {
     GpuSelection::parse(s)
 }
 
+fn parse_gds(s: &str) -> std::result::Result<Gds, String> {
+    Gds::parse(s).ok_or_else(|| format!("`{s}` is not one of auto, on, off"))
+}
+
 fn parse_prefetch(s: &str) -> std::result::Result<Prefetch, String> {
     Prefetch::parse(s).ok_or_else(|| format!("`{s}` is not one of auto, on, off"))
 }
@@ -313,6 +325,7 @@ impl ModelArgs {
                 host_cache: self.host_cache,
                 cpu_experts: self.cpu_experts,
                 replicate_experts: self.replicate_experts,
+                gds: self.gds,
                 cpu_activations: self.cpu_activations,
                 cpu_repack: self.cpu_repack,
                 ..Default::default()

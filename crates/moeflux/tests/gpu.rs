@@ -22,7 +22,7 @@ use common::{
     EVAL_MODES,
 };
 use moeflux::backend::cuda::CachePolicy;
-use moeflux::session::Prefetch;
+use moeflux::session::{Gds, Prefetch};
 use moeflux::{Backend, LogitsMode, Session, SessionOptions};
 
 /// GPU acceptance bound (the issue's) and the regression guard: f32 on the
@@ -459,7 +459,9 @@ fn gpu_matches_cpu_through_small_caches(dir: &Path) {
 /// prefetch, through the mapping and through reads; and with no host tier,
 /// every miss read from the files with `O_DIRECT` (pread where the file
 /// system refuses it), with and without the read-ahead of the next layer's
-/// predicted experts. Then an expert file truncated under the running
+/// predicted experts, and read into VRAM by cuFile (`--gds on`) where it
+/// can be loaded (`MOEFLUX_TEST_GDS=1` makes its absence a failure). Then
+/// an expert file truncated under the running
 /// session fails a step naming the file, and once restored the same caches
 /// give the resident logits again (no slot was left claiming an expert it
 /// does not hold).
@@ -472,6 +474,41 @@ fn gpu_through_an_evicting_host_tier_equals_the_resident_gpu_bit_for_bit() {
     evicting_host_tier_equals_resident("synth", &dir);
     let (_tmp, dir) = convert_fixture("qwen35moe-q4/src", None);
     evicting_host_tier_equals_resident("qwen35moe-q4", &dir);
+}
+
+/// Whether cuFile can read `dir`'s expert files here: it loads and the
+/// files take O_DIRECT. Says why not; `MOEFLUX_TEST_GDS=1` makes that a
+/// failure.
+fn gds_usable(dir: &Path) -> bool {
+    let why = match moeflux::backend::cuda::gds::choose(Gds::On) {
+        Err(e) => Some(e.to_string()),
+        Ok(_) => {
+            let s = Session::open(
+                dir,
+                SessionOptions {
+                    backend: Backend::Cuda,
+                    direct_io: true,
+                    gds: Gds::Off,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            let store = s.expert_store();
+            let refused = store.buffered_fallbacks();
+            (!refused.is_empty())
+                .then(|| format!("the file system refuses O_DIRECT: {:?}", refused))
+        }
+    };
+    match why {
+        None => true,
+        Some(why) if std::env::var_os("MOEFLUX_TEST_GDS").is_some_and(|v| v == "1") => {
+            panic!("MOEFLUX_TEST_GDS=1 but cuFile cannot be used: {why}")
+        }
+        Some(why) => {
+            eprintln!("skipped the cuFile rows: {why}");
+            false
+        }
+    }
 }
 
 fn same_bits(a: &[f32], b: &[f32]) -> bool {
@@ -493,12 +530,15 @@ fn evicting_host_tier_equals_resident(name: &str, dir: &Path) {
     let host_slots = (slots * 3 / 2).min(total - 1);
     assert!(slots < total && host_slots > 0 && host_slots < total);
     // `Tier::Host`: the host tier over the mapping or reads (`mmap`);
-    // `Tier::Disk`: no host tier, misses read with O_DIRECT.
+    // `Tier::Disk`: no host tier, misses read with O_DIRECT; `Tier::Gds`:
+    // the same read into VRAM by cuFile.
     #[derive(Debug, Clone, Copy, PartialEq)]
     enum Tier {
         Host { mmap: bool },
         Disk,
+        Gds,
     }
+    let from_files = |tier| matches!(tier, Tier::Disk | Tier::Gds);
     let open = |tier, prefetch| {
         let s = Session::open(
             dir,
@@ -509,27 +549,39 @@ fn evicting_host_tier_equals_resident(name: &str, dir: &Path) {
                     .then_some((host_slots * extent) as u64),
                 prefetch,
                 mmap: tier == Tier::Host { mmap: true },
-                direct_io: tier == Tier::Disk,
+                direct_io: from_files(tier),
+                gds: if tier == Tier::Gds { Gds::On } else { Gds::Off },
                 ..Default::default()
             },
         )
         .unwrap();
         assert_eq!(
             s.backend().contains("pinned expert slots"),
-            tier != Tier::Disk,
+            !from_files(tier),
+            "{}",
+            s.backend()
+        );
+        assert_eq!(
+            s.backend().contains("cuFile"),
+            tier == Tier::Gds,
             "{}",
             s.backend()
         );
         s
     };
-    for (tier, prefetch) in [
+    let gds = gds_usable(dir);
+    let mut tiers = vec![
         (Tier::Host { mmap: true }, Prefetch::Off),
         (Tier::Host { mmap: true }, Prefetch::On),
         (Tier::Host { mmap: false }, Prefetch::Off),
         (Tier::Host { mmap: false }, Prefetch::On),
         (Tier::Disk, Prefetch::Off),
         (Tier::Disk, Prefetch::On),
-    ] {
+    ];
+    if gds {
+        tiers.extend([(Tier::Gds, Prefetch::Off), (Tier::Gds, Prefetch::On)]);
+    }
+    for (tier, prefetch) in tiers {
         let what = format!("{name}, {tier:?}, prefetch {prefetch:?}");
         let mut g = open(tier, prefetch);
         let got = one_token_at_a_time(&mut g, &toks);
@@ -543,7 +595,7 @@ fn evicting_host_tier_equals_resident(name: &str, dir: &Path) {
         assert_eq!(st.file_bytes, st.file_reads * extent as u64);
         // Read-ahead (no host tier, prefetch on) reads guesses that are
         // not misses; what the layers needed is counted apart.
-        let ahead = tier == Tier::Disk && prefetch == Prefetch::On;
+        let ahead = from_files(tier) && prefetch == Prefetch::On;
         assert_eq!(st.ahead_reads > 0, ahead, "{what}: {st:?}");
         assert!(st.ahead_used <= st.ahead_reads, "{what}: {st:?}");
         assert_eq!(
@@ -556,7 +608,7 @@ fn evicting_host_tier_equals_resident(name: &str, dir: &Path) {
             (st.file_reads - st.ahead_reads + st.ahead_used) * extent as u64,
             "{what}: {st:?}"
         );
-        if tier == Tier::Disk {
+        if from_files(tier) {
             assert_eq!(st.host_hits, 0, "{what}: {st:?}");
         } else {
             // Every level served: VRAM hits, host-tier hits, and reads
@@ -565,11 +617,15 @@ fn evicting_host_tier_equals_resident(name: &str, dir: &Path) {
             assert!(st.file_reads > host_slots as u64, "{what}: {st:?}");
         }
     }
-    for (tier, prefetch) in [
+    let mut tiers = vec![
         (Tier::Host { mmap: true }, Prefetch::Off),
         (Tier::Host { mmap: false }, Prefetch::Off),
         (Tier::Disk, Prefetch::On),
-    ] {
+    ];
+    if gds {
+        tiers.push((Tier::Gds, Prefetch::Off));
+    }
+    for (tier, prefetch) in tiers {
         let what = format!("{name}, {tier:?}, prefetch {prefetch:?}");
         let mut g = open(tier, prefetch);
         // Warm both caches on the first half, then empty every expert file.

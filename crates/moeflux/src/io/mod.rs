@@ -405,6 +405,71 @@ impl ExpertStore {
         })
     }
 
+    /// [`ExpertStore::fetch`] of a layer read with `O_DIRECT`, into memory
+    /// the caller addresses (device memory, by GPUDirect Storage): expert
+    /// `ids[i]`'s extent is read by `reader` to `dsts[i]` on the I/O pool.
+    /// The [`Landed`] experts carry no buffer.
+    pub fn fetch_to(
+        &self,
+        layer: usize,
+        ids: &[usize],
+        dsts: &[u64],
+        reader: Arc<dyn ExtentReader>,
+    ) -> Result<Fetch> {
+        let lf = self.layer(layer).ok_or_else(|| no_layer(layer))?;
+        self.check_ids(lf, ids)?;
+        if !lf.direct {
+            return Err(Error::Invalid(format!(
+                "fetch_to: layer {layer} is not read with O_DIRECT ({})",
+                lf.path.display()
+            )));
+        }
+        if ids.len() != dsts.len() {
+            return Err(Error::Invalid(format!(
+                "fetch_to: {} expert ids but {} destinations",
+                ids.len(),
+                dsts.len()
+            )));
+        }
+        let (tx, rx) = mpsc::channel();
+        let start = Instant::now();
+        let left = Arc::new(AtomicUsize::new(ids.len()));
+        for (index, (&id, &dst)) in ids.iter().zip(dsts).enumerate() {
+            let (lf, tx, left) = (Arc::clone(lf), tx.clone(), Arc::clone(&left));
+            let counters = Arc::clone(&self.counters);
+            let reader = Arc::clone(&reader);
+            self.pool.spawn(move || {
+                let result = read_fully(&lf, id, lf.extent, |done, offset| {
+                    reader.read(&lf.file, dst + done as u64, lf.extent - done, offset)
+                });
+                if result.is_ok() {
+                    counters.landed(&lf, id, false);
+                }
+                if left.fetch_sub(1, Ordering::AcqRel) == 1 {
+                    counters
+                        .busy_ns
+                        .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                    counters.calls.fetch_add(1, Ordering::Relaxed);
+                }
+                let _ = tx.send(Landed {
+                    index,
+                    buf: None,
+                    result,
+                });
+            });
+        }
+        Ok(Fetch {
+            rx,
+            left: ids.len(),
+        })
+    }
+
+    /// The open expert file of `layer` when it is read with `O_DIRECT`
+    /// (GPUDirect Storage registers it).
+    pub fn direct_file(&self, layer: usize) -> Option<&File> {
+        self.layer(layer).filter(|l| l.direct).map(|l| &l.file)
+    }
+
     /// Counts experts `ids` of `layer` as read from memory without a fetch
     /// (a caller that holds copies of them, `backend::cpu::repack`), so the
     /// statistics still show every expert a step used.
@@ -652,6 +717,14 @@ pub struct Landed {
     pub result: Result<()>,
 }
 
+/// Reads file bytes into memory the process cannot address as a slice
+/// (device memory), for [`ExpertStore::fetch_to`].
+pub trait ExtentReader: Send + Sync {
+    /// Reads up to `len` bytes at `offset` of `file` to address `dst`;
+    /// returns the bytes read (0 at the end of the file).
+    fn read(&self, file: &File, dst: u64, len: usize, offset: u64) -> std::io::Result<usize>;
+}
+
 /// Experts being fetched by [`ExpertStore::fetch`]. Dropping it early is
 /// fine: reads still in flight finish and free their buffers.
 #[derive(Debug)]
@@ -780,20 +853,32 @@ fn read_batch(lf: &LayerFile, ids: &[usize], bufs: &mut [ExpertBuf], c: &Counter
 /// `pread`s expert `id` in full, continuing after short reads and retrying
 /// on EINTR.
 fn read_extent(lf: &LayerFile, id: usize, dst: &mut [u8]) -> Result<()> {
+    read_fully(lf, id, dst.len(), |done, offset| {
+        lf.file.read_at(&mut dst[done..], offset)
+    })
+}
+
+/// Reads the `len` bytes of expert `id` by `read(done, file_offset)` (the
+/// bytes read, 0 at the end of the file), continuing after short reads and
+/// retrying on EINTR; errors name the file, layer, expert and offset.
+fn read_fully(
+    lf: &LayerFile,
+    id: usize,
+    len: usize,
+    mut read: impl FnMut(usize, u64) -> std::io::Result<usize>,
+) -> Result<()> {
     let base = id as u64 * lf.stride;
     let mut done = 0usize;
-    while done < dst.len() {
+    while done < len {
         let offset = base + done as u64;
-        match lf.file.read_at(&mut dst[done..], offset) {
+        match read(done, offset) {
             Ok(0) => {
                 return Err(Error::format(
                     &lf.path,
                     format!(
                         "unexpected end of file reading expert {id} of layer {} at offset {offset} \
-                         ({} of {} bytes read)",
+                         ({done} of {len} bytes read)",
                         lf.layer,
-                        done,
-                        dst.len()
                     ),
                 ))
             }

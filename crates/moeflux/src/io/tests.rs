@@ -451,6 +451,78 @@ fn expert_file_truncated_after_open_fails_the_fetch() {
     }
 }
 
+/// Reads into host memory by address, at most 4096 bytes per call (so
+/// `fetch_to` must continue after short reads), as a device reader would.
+struct ByAddress;
+
+impl ExtentReader for ByAddress {
+    fn read(&self, file: &File, dst: u64, len: usize, offset: u64) -> std::io::Result<usize> {
+        // SAFETY: the test's destinations are live, aligned `ExpertBuf`s of
+        // at least an extent each, one per read in flight.
+        let dst = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len.min(4096)) };
+        file.read_at(dst, offset)
+    }
+}
+
+/// `fetch_to` reads every expert of a direct layer to the addresses given,
+/// continuing after short reads; a file cut short fails with the file,
+/// layer and expert named; only direct layers are accepted.
+#[test]
+fn fetch_to_reads_direct_layers_to_the_given_addresses() {
+    let (dir, m) = fixture();
+    let opts = ExpertStoreOptions {
+        direct_io: true,
+        ..Default::default()
+    };
+    let store = ExpertStore::open(dir.path(), &m, &opts).unwrap();
+    if store.is_direct(1) != Some(true) {
+        eprintln!("skipped: the temporary directory's file system refuses O_DIRECT");
+        return;
+    }
+    let ids = [5usize, 1, 5, 0];
+    let mut bufs = bufs_for(&store, 1, ids.len());
+    let dsts: Vec<u64> = bufs
+        .iter_mut()
+        .map(|b| b.as_bytes_mut().as_mut_ptr() as u64)
+        .collect();
+    let mut f = store.fetch_to(1, &ids, &dsts, Arc::new(ByAddress)).unwrap();
+    while let Some(l) = f.next_landed() {
+        l.result.unwrap();
+        assert!(l.buf.is_none());
+    }
+    for (&e, b) in ids.iter().zip(&bufs) {
+        check_expert(&m, 1, e, b);
+    }
+    assert_eq!(store.stats().reads, 4);
+    assert!(store.direct_file(1).is_some());
+    let e = store
+        .fetch_to(1, &[0], &[], Arc::new(ByAddress))
+        .unwrap_err();
+    assert!(e.to_string().contains("destinations"), "{e}");
+    let mapped = ExpertStore::open(dir.path(), &m, &Default::default()).unwrap();
+    assert!(mapped.direct_file(1).is_none());
+    let e = mapped
+        .fetch_to(1, &[0], &dsts[..1], Arc::new(ByAddress))
+        .unwrap_err();
+    assert!(e.to_string().contains("not read with O_DIRECT"), "{e}");
+
+    let path = dir.path().join(expert_file_name(1));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(12_288)
+        .unwrap();
+    let mut f = store
+        .fetch_to(1, &[5], &dsts[..1], Arc::new(ByAddress))
+        .unwrap();
+    let e = f.next_landed().unwrap().result.unwrap_err().to_string();
+    assert!(
+        e.contains("layer_001.bin") && e.contains("expert 5 of layer 1"),
+        "{e}"
+    );
+}
+
 #[test]
 fn io_pool_threads_are_named() {
     let (dir, m) = fixture();

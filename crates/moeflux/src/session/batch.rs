@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use crate::backend::cpu::qmatmul::set_thread_activations;
 use crate::backend::cpu::qmatmul::Activations;
 use crate::backend::cpu::repack::{Repack, RepackedExperts};
+use crate::backend::cuda::gds::Choice;
 use crate::backend::cuda::group::open_gpus;
 use crate::backend::cuda::GpuSelection;
 use crate::backend::cuda::{support, CacheStats, CudaGroup, CudaOptions};
@@ -222,6 +223,7 @@ impl Batch {
                     prefetch: opts.prefetch,
                     cpu_experts: opts.cpu_experts,
                     replicate_experts: opts.replicate_experts,
+                    gds: opts.gds,
                 };
                 let m = match &opts.dist {
                     Some(d) => {
@@ -252,6 +254,15 @@ impl Batch {
                         "; every GPU holds every expert: steps of up to 16 tokens run \
                          on each GPU alone",
                     );
+                }
+                match m.gds() {
+                    Some(Choice::Use(how)) => {
+                        note.push_str(&format!("; misses read from the files by {how}"))
+                    }
+                    Some(Choice::Plain(Some(why))) => {
+                        note.push_str(&format!("; GPUDirect Storage not used: {why}"))
+                    }
+                    _ => {}
                 }
                 let tier = m.host_tier();
                 if tier.is_some() {

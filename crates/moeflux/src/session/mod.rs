@@ -10,6 +10,7 @@ use std::path::Path;
 
 pub use crate::backend::cpu::qmatmul::Activations;
 pub use crate::backend::cpu::repack::Repack;
+pub use crate::backend::cuda::gds::Gds;
 pub use crate::backend::cuda::rendezvous::DistInit;
 pub use crate::backend::cuda::GpuSelection;
 use crate::backend::cuda::{CachePolicy, CacheStats};
@@ -77,6 +78,10 @@ pub struct SessionOptions {
     /// expert, each does (see `CudaOptions::replicate_experts`); `false`
     /// always shards them.
     pub replicate_experts: bool,
+    /// GPU backend with `direct_io`: read expert misses from the files
+    /// straight into VRAM through cuFile (GPUDirect Storage; see
+    /// `CudaOptions::gds`).
+    pub gds: Gds,
     /// CPU products: exact f32 activations (the default) or activations
     /// rounded to 8 bits per group of 32 for 4/8-bit affine and MXFP4
     /// weights (faster one-token products; the accuracy cost is in
@@ -130,6 +135,7 @@ impl Default for SessionOptions {
             host_cache: None,
             cpu_experts: 0,
             replicate_experts: true,
+            gds: Gds::Auto,
             cpu_activations: Activations::F32,
             cpu_repack: Repack::Auto,
         }

@@ -10,7 +10,7 @@
 //! Skipped, with a message, where fewer than two GPUs exist.
 
 use moeflux::backend::cuda::{CachePolicy, GpuSelection};
-use moeflux::session::Prefetch;
+use moeflux::session::{Gds, Prefetch};
 use moeflux::{Backend, LogitsMode, Session, SessionOptions};
 
 use super::common::EVAL_MODES;
@@ -155,6 +155,26 @@ fn synth_on_two(dir: &std::path::Path) {
             "{policy:?} incremental: 2 GPUs vs 1 max rel diff {d:e}"
         );
         eprintln!("2 GPUs {policy:?}: {:?}", g.gpu_cache_stats());
+    }
+    // Misses read by cuFile into each GPU's slots (the group registers the
+    // files once).
+    if super::gds_usable(dir) {
+        let mut g = two(
+            dir,
+            SessionOptions {
+                gpu_memory: budget,
+                direct_io: true,
+                gds: Gds::On,
+                ..Default::default()
+            },
+        );
+        assert!(g.backend().contains("cuFile"), "{}", g.backend());
+        let rows = one_token_at_a_time(&mut g, &toks);
+        let d = max_rel_diff(&rows, &want);
+        assert!(d <= GUARD, "cuFile incremental: 2 GPUs vs 1 {d:e}");
+        let s = g.gpu_cache_stats();
+        eprintln!("2 GPUs cuFile: {s:?}");
+        assert!(s.file_reads > 0 && s.host_hits == 0, "{s:?}");
     }
     for (prefetch, cpu_experts) in [(Prefetch::Off, 0), (Prefetch::On, 1)] {
         let mut g = two(

@@ -10,6 +10,7 @@ use crate::error::{Error, Result};
 use crate::io::{ExpertBuf, ExpertStore};
 
 use super::device::{copy_htod_async, stream_wait, DevBuf, Gpu, Pinned};
+use super::gds::GdsReader;
 use super::host_tier::{serve, Claim, PinnedArena, Source};
 use super::read_ahead::ReadAhead;
 pub use super::slots::CachePolicy;
@@ -175,6 +176,9 @@ pub struct ExpertCache {
     ahead: Option<ReadAhead>,
     /// Slots holding an expert read ahead from the files, not used since.
     ahead_slot: Vec<bool>,
+    /// Misses of files read with `O_DIRECT` go straight to their slots
+    /// through cuFile (`--gds`).
+    gds: Option<Arc<GdsReader>>,
     pub stats: CacheStats,
 }
 
@@ -217,8 +221,14 @@ impl ExpertCache {
             ahead_plan: None,
             ahead: None,
             ahead_slot: vec![false; n_slots],
+            gds: None,
             stats: CacheStats::default(),
         })
+    }
+
+    /// Reads the misses of files opened with `O_DIRECT` through cuFile.
+    pub fn use_gds(&mut self, reader: GdsReader) {
+        self.gds = Some(Arc::new(reader));
     }
 
     /// Uploads every expert of every layer that `owns(layer, expert)` (all
@@ -802,6 +812,13 @@ impl ExpertCache {
         if misses.is_empty() {
             return Ok(());
         }
+        if let Some(gds) = self
+            .gds
+            .clone()
+            .filter(|_| store.is_direct(layer) == Some(true))
+        {
+            return self.upload_gds(gpu, store, layer, ids, misses, slot_of, gds);
+        }
         let extent = store.extent_bytes(layer);
         let mapped = store.is_mapped(layer) == Some(true);
         for (w, wave) in misses.chunks(STAGING).enumerate() {
@@ -883,6 +900,62 @@ impl ExpertCache {
             }
         }
         stream_wait(&gpu.stream, &gpu.copy)
+    }
+
+    /// [`ExpertCache::upload`] by cuFile: every miss read from its file
+    /// into its slot at once on the store's I/O threads; each read returns
+    /// with the bytes in VRAM, so the compute stream has nothing to wait
+    /// for.
+    #[allow(clippy::too_many_arguments)]
+    fn upload_gds(
+        &mut self,
+        gpu: &Gpu,
+        store: &ExpertStore,
+        layer: usize,
+        ids: &[usize],
+        misses: &[usize],
+        slot_of: &[usize],
+        reader: Arc<GdsReader>,
+    ) -> Result<()> {
+        let extent = store.extent_bytes(layer) as u64;
+        let miss_ids: Vec<usize> = misses.iter().map(|&i| ids[i]).collect();
+        let dsts: Vec<u64> = misses.iter().map(|&i| self.slot_ptr(slot_of[i])).collect();
+        let read_start = Instant::now();
+        let fetched = store.fetch_to(layer, &miss_ids, &dsts, reader);
+        // The next layer's guesses queue behind this layer's reads.
+        self.start_read_ahead(gpu, store)?;
+        let mut first_err = None;
+        match fetched {
+            Err(e) => first_err = Some(e),
+            Ok(mut fetch) => {
+                while let Some(l) = fetch.next_landed() {
+                    match l.result {
+                        Ok(()) => {
+                            let st = &mut self.stats;
+                            st.uploaded_bytes += extent;
+                            st.file_reads += 1;
+                            st.file_bytes += extent;
+                            st.needed_file_bytes += extent;
+                        }
+                        Err(e) => {
+                            first_err.get_or_insert(e);
+                        }
+                    }
+                }
+                self.stats.read_batches += 1;
+                self.stats.read_ns += read_start.elapsed().as_nanos() as u64;
+            }
+        }
+        match first_err {
+            Some(e) => {
+                // A failed read may have written part of its slot.
+                for &i in misses {
+                    self.invalidate(slot_of[i]);
+                }
+                Err(e)
+            }
+            None => Ok(()),
+        }
     }
 }
 

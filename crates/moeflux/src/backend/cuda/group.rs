@@ -17,7 +17,7 @@ use crate::model::Model;
 
 use super::device::Gpu;
 use super::experts::{CacheStats, HostTierInfo};
-use super::model::{CudaModel, CudaOptions, Ep, GpuSegment};
+use super::model::{CudaModel, CudaOptions, Ep, GpuSegment, GroupShared};
 use super::nccl::{self, Aborter, Comm, UniqueId};
 use super::rendezvous::{self, DistInit};
 use super::shard::Shard;
@@ -211,7 +211,7 @@ impl CudaGroup {
             model.config.moe.num_experts,
             gpus.len(),
         );
-        let mut host = None;
+        let mut shared = GroupShared::default();
         let mut ranks = gpus
             .into_iter()
             .zip(comms)
@@ -223,7 +223,7 @@ impl CudaGroup {
                     own: None,
                     replicated: false,
                 });
-                CudaModel::new_in_group(gpu, model, store, opts, ep, &mut host)
+                CudaModel::new_in_group(gpu, model, store, opts, ep, &mut shared)
             })
             .collect::<Result<Vec<_>>>()?;
         let agreed = ranks.iter().all(CudaModel::replicated);
@@ -286,7 +286,7 @@ impl CudaGroup {
             own: None,
             replicated: false,
         });
-        let m = CudaModel::new_in_group(gpu, model, store, opts, ep, &mut None)
+        let m = CudaModel::new_in_group(gpu, model, store, opts, ep, &mut GroupShared::default())
             .and_then(|mut m| {
                 let agreed = m.all_ranks_replicate()?;
                 m.set_replicated(agreed);
@@ -352,6 +352,12 @@ impl CudaGroup {
             .map(|m| m.host_tier())
             .find(HostTierInfo::is_some)
             .unwrap_or_default()
+    }
+
+    /// Whether misses read from the files go through cuFile (the lead's
+    /// choice; every GPU makes the same one).
+    pub fn gds(&self) -> Option<&super::gds::Choice> {
+        self.ranks[0].gds()
     }
 
     pub fn prefetching(&self) -> bool {

@@ -19,6 +19,7 @@ mod attention;
 mod deltanet;
 pub mod device;
 pub mod experts;
+pub mod gds;
 pub mod group;
 mod host_tier;
 mod linear;

@@ -10,6 +10,8 @@
 //! Routers run on the device with the CPU's rules (ties to the lower index),
 //! so both backends pick the same experts.
 
+use std::sync::Arc;
+
 use crate::backend::prefetch::Prefetch;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
@@ -29,6 +31,7 @@ use crate::model::{LogitsMode, Model};
 use super::abi::Qw;
 use super::device::{args, begin_capture, end_capture, DevBuf, Gpu, PinnedArena, PinnedDownload};
 use super::experts::{CachePolicy, CacheStats, ExpertCache, HostTier, HostTierInfo};
+use super::gds::{self, Gds, GdsFiles, GdsReader};
 use super::linear::{dev_linear, matmuls, mm, rms_norm, DevLinear};
 use super::mla::MlaParams;
 use super::nccl::Comm;
@@ -185,6 +188,9 @@ pub struct CudaOptions {
     /// GPU's speed; prefill batches still split the experts between the
     /// GPUs. `false`: each GPU holds only its shard.
     pub replicate_experts: bool,
+    /// Misses read from files opened with `O_DIRECT` go straight to VRAM
+    /// through cuFile (GPUDirect Storage); see `gds.rs`.
+    pub gds: Gds,
 }
 
 impl Default for CudaOptions {
@@ -197,8 +203,18 @@ impl Default for CudaOptions {
             cpu_experts: 0,
             host_cache: None,
             replicate_experts: true,
+            gds: Gds::Auto,
         }
     }
+}
+
+/// What the GPUs of a group set up once and share.
+#[derive(Default)]
+pub struct GroupShared {
+    /// The host tier, once a GPU has pinned it.
+    pub host: Option<(HostTier, HostTierInfo)>,
+    /// The expert files registered with cuFile, once a GPU has.
+    pub gds: Option<Arc<GdsFiles>>,
 }
 
 /// Memory kept free for scratch and the attention caches' growth when the
@@ -276,6 +292,9 @@ pub struct CudaModel {
     graph: Option<DecodeGraph>,
     /// What the host tier holds.
     host_tier: HostTierInfo,
+    /// Whether misses from the files go through cuFile, when any are read
+    /// with `O_DIRECT` and not every expert is resident.
+    gds: Option<gds::Choice>,
     /// In a multi-GPU group: this GPU's shard and communicator.
     ep: Option<Ep>,
 }
@@ -315,20 +334,20 @@ impl CudaModel {
         store: &ExpertStore,
         opts: &CudaOptions,
     ) -> Result<CudaModel> {
-        CudaModel::new_in_group(gpu, model, store, opts, None, &mut None)
+        CudaModel::new_in_group(gpu, model, store, opts, None, &mut GroupShared::default())
     }
 
     /// [`CudaModel::new`] for one GPU of a multi-GPU group (`ep`): only the
-    /// experts its shard owns are cached. `host`: the group's host tier
-    /// once a GPU has pinned it (shared, so the files are pinned once), or
-    /// `None` for this GPU to pin it when it needs one.
+    /// experts its shard owns are cached. `shared`: what an earlier GPU of
+    /// the group set up (the host tier, pinned once; the cuFile
+    /// registrations), or empty for this GPU to set it up when it needs it.
     pub fn new_in_group(
         gpu: Gpu,
         model: &Model,
         store: &ExpertStore,
         opts: &CudaOptions,
         ep: Option<Ep>,
-        host: &mut Option<(HostTier, HostTierInfo)>,
+        shared: &mut GroupShared,
     ) -> Result<CudaModel> {
         support::check(model)?;
         gpu.bind()?;
@@ -380,6 +399,7 @@ impl CudaModel {
             stable_epoch: None,
             graph: None,
             host_tier: HostTierInfo::default(),
+            gds: None,
             ep,
             gpu,
         };
@@ -413,17 +433,18 @@ impl CudaModel {
                 if let Some(ep) = &mut m.ep {
                     ep.replicated = false;
                 }
-                match (opts.host_cache, host.as_ref()) {
+                match (opts.host_cache, shared.host.as_ref()) {
                     (Some(_), Some((tier, counts))) => {
                         cache.share_host_tier(tier.clone());
                         m.host_tier = *counts;
                     }
                     (Some(budget), None) => {
                         m.host_tier = cache.pin_host_tier(&m.gpu, store, budget)?;
-                        *host = Some((cache.host_tier(), m.host_tier));
+                        shared.host = Some((cache.host_tier(), m.host_tier));
                     }
                     (None, _) => {}
                 }
+                m.gds = m.read_through_cufile(&mut cache, store, shared)?;
                 m.prefetch = match opts.prefetch {
                     Prefetch::On => true,
                     Prefetch::Off => false,
@@ -437,8 +458,51 @@ impl CudaModel {
         Ok(m)
     }
 
+    /// Decides `opts.gds` for a cache that reads misses from the files and
+    /// sets cuFile up when it is used; `None` when no file is read with
+    /// `O_DIRECT`.
+    fn read_through_cufile(
+        &self,
+        cache: &mut ExpertCache,
+        store: &ExpertStore,
+        shared: &mut GroupShared,
+    ) -> Result<Option<gds::Choice>> {
+        if !store.layers().any(|l| store.is_direct(l) == Some(true)) {
+            if self.opts.gds == Gds::On {
+                return Err(Error::Invalid(
+                    "--gds on reads expert files opened with O_DIRECT: add --direct-io \
+                     (or the file system refused direct I/O)"
+                        .into(),
+                ));
+            }
+            return Ok(None);
+        }
+        let choice = gds::choose(self.opts.gds)?;
+        if let gds::Choice::Use(_) = &choice {
+            let files = match &shared.gds {
+                Some(f) => Arc::clone(f),
+                None => {
+                    let f = Arc::new(GdsFiles::register(store)?);
+                    shared.gds = Some(Arc::clone(&f));
+                    f
+                }
+            };
+            cache.use_gds(GdsReader {
+                files,
+                ctx: Arc::clone(&self.gpu.ctx),
+            });
+        }
+        Ok(Some(choice))
+    }
+
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
+    }
+
+    /// Whether misses read from the files go through cuFile (see
+    /// [`CudaOptions::gds`]); `None` when none are read with `O_DIRECT`.
+    pub fn gds(&self) -> Option<&gds::Choice> {
+        self.gds.as_ref()
     }
 
     /// In a group: whether this GPU holds every routed expert and runs the
