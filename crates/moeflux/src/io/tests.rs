@@ -523,6 +523,89 @@ fn fetch_to_reads_direct_layers_to_the_given_addresses() {
     );
 }
 
+/// An extent's pieces cover it once, in order, 4096-aligned, as many as
+/// leave no I/O thread idle and none under `MIN_PIECE` (one when small).
+#[test]
+fn extents_split_into_aligned_pieces_that_cover_them() {
+    for (extent, n, threads, want) in [
+        (1_769_472, 1, 8, 6),
+        (1_769_472, 3, 8, 2),
+        (1_769_472, 8, 8, 1),
+        (1_769_472, 20, 8, 1),
+        (7_077_888, 2, 16, 8),
+        (12_288, 1, 8, 1),
+        (4096, 0, 8, 1),
+    ] {
+        let p = pieces(extent, n, threads);
+        assert_eq!(
+            p.len(),
+            want,
+            "{extent} bytes, {n} experts, {threads} threads: {p:?}"
+        );
+        let mut next = 0;
+        for &(from, len) in &p {
+            assert_eq!(from, next);
+            assert!(len > 0 && from % 4096 == 0 && (len % 4096 == 0 || from + len == extent));
+            assert!(p.len() == 1 || len >= MIN_PIECE || from + len == extent);
+            next = from + len;
+        }
+        assert_eq!(next, extent);
+    }
+}
+
+/// Experts large enough to be read in pieces land whole (buffered and
+/// direct), and a piece past a shrunk end of file fails its expert with the
+/// file named.
+#[test]
+fn experts_read_in_pieces_land_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let layers = [FakeLayer {
+        layer: 2,
+        num_experts: 3,
+        expert_bytes: 1_000_000,
+        stride: 245 * 4096,
+    }];
+    write_layer_file(dir.path(), &layers[0]);
+    let m = manifest(&layers);
+    assert!(pieces(1_003_520, 2, 8).len() > 1);
+    for direct_io in [false, true] {
+        let opts = ExpertStoreOptions {
+            mmap: false,
+            direct_io,
+            ..Default::default()
+        };
+        let store = ExpertStore::open(dir.path(), &m, &opts).unwrap();
+        fetch_and_check(&store, &m, 2, &[2, 0]);
+        fetch_and_check(&store, &m, 2, &[1]);
+        assert_eq!(store.stats().reads, 3);
+    }
+    let path = dir.path().join(expert_file_name(2));
+    let store = ExpertStore::open(
+        dir.path(),
+        &m,
+        &ExpertStoreOptions {
+            mmap: false,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(2 * 245 * 4096 + 300_000)
+        .unwrap();
+    let mut f = store.fetch(2, &[2], bufs_for(&store, 2, 1)).unwrap();
+    let l = f.next_landed().unwrap();
+    assert!(l.buf.is_some(), "the buffer comes back with the error");
+    let e = l.result.unwrap_err().to_string();
+    assert!(
+        e.contains("layer_002.bin") && e.contains("expert 2 of layer 2"),
+        "{e}"
+    );
+    assert_eq!(store.stats().reads, 0);
+}
+
 #[test]
 fn io_pool_threads_are_named() {
     let (dir, m) = fixture();

@@ -249,8 +249,7 @@ impl GdsFiles {
             let st = unsafe { (api.handle_register)(&mut h, &mut descr) };
             if st.err != 0 {
                 return Err(Error::Gpu(format!(
-                    "registering the expert file of layer {l} with cuFile: {} \
-                     (--gds off reads it the plain way)",
+                    "registering the expert file of layer {l} with cuFile: {}",
                     status_text(st.err)
                 )));
             }

@@ -478,20 +478,32 @@ impl CudaModel {
             return Ok(None);
         }
         let choice = gds::choose(self.opts.gds)?;
-        if let gds::Choice::Use(_) = &choice {
-            let files = match &shared.gds {
-                Some(f) => Arc::clone(f),
-                None => {
-                    let f = Arc::new(GdsFiles::register(store)?);
+        if !matches!(choice, gds::Choice::Use(_)) {
+            return Ok(Some(choice));
+        }
+        let files = match &shared.gds {
+            Some(f) => Arc::clone(f),
+            None => match GdsFiles::register(store) {
+                Ok(f) => {
+                    let f = Arc::new(f);
                     shared.gds = Some(Arc::clone(&f));
                     f
                 }
-            };
-            cache.use_gds(GdsReader {
-                files,
-                ctx: Arc::clone(&self.gpu.ctx),
-            });
-        }
+                // `auto`: a file system cuFile cannot take is read the plain way.
+                Err(e) if self.opts.gds == Gds::Auto => {
+                    return Ok(Some(gds::Choice::Plain(Some(e.to_string()))))
+                }
+                Err(e) => {
+                    return Err(Error::Gpu(format!(
+                        "--gds on: {e} (--gds off reads the plain way)"
+                    )))
+                }
+            },
+        };
+        cache.use_gds(GdsReader {
+            files,
+            ctx: Arc::clone(&self.gpu.ctx),
+        });
         Ok(Some(choice))
     }
 
