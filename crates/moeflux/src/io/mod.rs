@@ -378,29 +378,26 @@ impl ExpertStore {
                     continue;
                 }
             }
-            let done = Done {
-                lf: Arc::clone(lf),
-                id,
-                index,
-                tx: tx.clone(),
-                left: Arc::clone(&left),
-                counters: Arc::clone(&self.counters),
-                start,
-            };
-            match bufs.next() {
-                None => self.pool.spawn(move || {
-                    let result = populate(&done.lf, id);
-                    done.land(None, result);
-                }),
-                Some(buf) => {
-                    let pieces = pieces(lf.extent, ids.len(), self.opts.io_threads);
-                    let read = Arc::new(PieceRead::new(buf, pieces.len(), done));
-                    for (from, len) in pieces {
-                        let read = Arc::clone(&read);
-                        self.pool.spawn(move || read.read_piece(from, len));
-                    }
+            let (lf, tx, left) = (Arc::clone(lf), tx.clone(), Arc::clone(&left));
+            let counters = Arc::clone(&self.counters);
+            let mut buf = bufs.next();
+            self.pool.spawn(move || {
+                let result = match &mut buf {
+                    Some(b) => read_extent(&lf, id, &mut b.as_bytes_mut()[..lf.extent]),
+                    None => populate(&lf, id),
+                };
+                if result.is_ok() {
+                    counters.landed(&lf, id, false);
                 }
-            }
+                if left.fetch_sub(1, Ordering::AcqRel) == 1 {
+                    counters
+                        .busy_ns
+                        .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                    counters.calls.fetch_add(1, Ordering::Relaxed);
+                }
+                // The receiver may be gone (the caller gave up): nothing to do.
+                let _ = tx.send(Landed { index, buf, result });
+            });
         }
         Ok(Fetch {
             rx,
@@ -442,7 +439,7 @@ impl ExpertStore {
             let counters = Arc::clone(&self.counters);
             let reader = Arc::clone(&reader);
             self.pool.spawn(move || {
-                let result = read_fully(&lf, id, 0, lf.extent, |done, offset| {
+                let result = read_fully(&lf, id, lf.extent, |done, offset| {
                     reader.read(&lf.file, dst + done as u64, lf.extent - done, offset)
                 });
                 if result.is_ok() {
@@ -763,126 +760,6 @@ fn no_layer(layer: usize) -> Error {
     ))
 }
 
-/// Reads of one extent shorter than this are not split.
-const MIN_PIECE: usize = 256 << 10;
-
-/// How [`ExpertStore::fetch`] splits one extent of a request of `n`
-/// experts into reads (`(start, len)`, 4096-aligned for `O_DIRECT`): into
-/// as many as leave no I/O thread idle, none under [`MIN_PIECE`]. A disk
-/// serves a few large reads in flight slower than many smaller ones (a
-/// decode's layer misses only a handful of experts), and the pieces of one
-/// expert land in parallel.
-fn pieces(extent: usize, n: usize, threads: usize) -> Vec<(usize, usize)> {
-    let by_threads = threads / n.max(1);
-    let by_size = extent / MIN_PIECE;
-    let count = by_threads.min(by_size).max(1);
-    let len = extent
-        .div_ceil(count)
-        .next_multiple_of(EXPERT_ALIGN)
-        .min(extent.next_multiple_of(EXPERT_ALIGN));
-    (0..extent)
-        .step_by(len.max(1))
-        .map(|from| (from, len.min(extent - from)))
-        .collect()
-}
-
-/// What reports one expert of a [`Fetch`] once it has landed.
-struct Done {
-    lf: Arc<LayerFile>,
-    id: usize,
-    index: usize,
-    tx: mpsc::Sender<Landed>,
-    /// Experts of the fetch not landed yet.
-    left: Arc<AtomicUsize>,
-    counters: Arc<Counters>,
-    start: Instant,
-}
-
-impl Done {
-    fn land(self, buf: Option<ExpertBuf>, result: Result<()>) {
-        if result.is_ok() {
-            self.counters.landed(&self.lf, self.id, false);
-        }
-        if self.left.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.counters
-                .busy_ns
-                .fetch_add(self.start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            self.counters.calls.fetch_add(1, Ordering::Relaxed);
-        }
-        // The receiver may be gone (the caller gave up): nothing to do.
-        let _ = self.tx.send(Landed {
-            index: self.index,
-            buf,
-            result,
-        });
-    }
-}
-
-/// One expert read into its buffer as several pieces in parallel; the last
-/// piece to finish hands the buffer back.
-struct PieceRead {
-    /// Taken by the last piece; until then each piece writes only its own
-    /// range through `base`.
-    buf: Mutex<Option<ExpertBuf>>,
-    base: *mut u8,
-    lf: Arc<LayerFile>,
-    id: usize,
-    left: AtomicUsize,
-    first_err: Mutex<Option<Error>>,
-    done: Mutex<Option<Done>>,
-}
-
-// SAFETY: `base` points into `buf`'s allocation, which lives until the last
-// piece takes it; pieces write disjoint ranges of it.
-unsafe impl Send for PieceRead {}
-unsafe impl Sync for PieceRead {}
-
-impl PieceRead {
-    fn new(mut buf: ExpertBuf, pieces: usize, done: Done) -> PieceRead {
-        let base = buf.as_bytes_mut().as_mut_ptr();
-        PieceRead {
-            buf: Mutex::new(Some(buf)),
-            base,
-            lf: Arc::clone(&done.lf),
-            id: done.id,
-            left: AtomicUsize::new(pieces),
-            first_err: Mutex::new(None),
-            done: Mutex::new(Some(done)),
-        }
-    }
-
-    fn read_piece(&self, from: usize, len: usize) {
-        // SAFETY: `from..from + len` lies within the buffer (at least an
-        // extent long, checked by `fetch`) and no other piece writes it; the
-        // buffer is not moved or freed before the last piece ends.
-        let dst = unsafe { std::slice::from_raw_parts_mut(self.base.add(from), len) };
-        let result = read_fully(&self.lf, self.id, from, len, |done, offset| {
-            self.lf.file.read_at(&mut dst[done..], offset)
-        });
-        if let Err(e) = result {
-            self.first_err
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .get_or_insert(e);
-        }
-        if self.left.fetch_sub(1, Ordering::AcqRel) == 1 {
-            let buf = self.buf.lock().unwrap_or_else(|p| p.into_inner()).take();
-            let result = match self
-                .first_err
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .take()
-            {
-                Some(e) => Err(e),
-                None => Ok(()),
-            };
-            if let Some(done) = self.done.lock().unwrap_or_else(|p| p.into_inner()).take() {
-                done.land(buf, result);
-            }
-        }
-    }
-}
-
 /// Fails when the mapped file of `lf` has shrunk since it was opened
 /// (truncated under a running process): touching a mapped page past the new
 /// end of file would kill the process with SIGBUS, so the request fails
@@ -976,23 +853,21 @@ fn read_batch(lf: &LayerFile, ids: &[usize], bufs: &mut [ExpertBuf], c: &Counter
 /// `pread`s expert `id` in full, continuing after short reads and retrying
 /// on EINTR.
 fn read_extent(lf: &LayerFile, id: usize, dst: &mut [u8]) -> Result<()> {
-    read_fully(lf, id, 0, dst.len(), |done, offset| {
+    read_fully(lf, id, dst.len(), |done, offset| {
         lf.file.read_at(&mut dst[done..], offset)
     })
 }
 
-/// Reads bytes `start..start + len` of expert `id`'s extent by
-/// `read(done, file_offset)` (the bytes read, 0 at the end of the file),
-/// continuing after short reads and retrying on EINTR; errors name the
-/// file, layer, expert and offset.
+/// Reads the `len` bytes of expert `id` by `read(done, file_offset)` (the
+/// bytes read, 0 at the end of the file), continuing after short reads and
+/// retrying on EINTR; errors name the file, layer, expert and offset.
 fn read_fully(
     lf: &LayerFile,
     id: usize,
-    start: usize,
     len: usize,
     mut read: impl FnMut(usize, u64) -> std::io::Result<usize>,
 ) -> Result<()> {
-    let base = id as u64 * lf.stride + start as u64;
+    let base = id as u64 * lf.stride;
     let mut done = 0usize;
     while done < len {
         let offset = base + done as u64;
