@@ -167,6 +167,21 @@ fn backend_choice_without_a_gpu() {
     let out = moeflux(&["bench", "--model", m, "--gpus", "0,0"]);
     assert!(!out.status.success());
     assert!(text(&out.stderr).contains("GPU 0 is listed twice"));
+    // GPUDirect Storage reads into VRAM: asked for on the CPU, an error.
+    let e = one_line_error(&moeflux(&[
+        "bench",
+        "--model",
+        m,
+        "--backend",
+        "cpu",
+        "--direct-io",
+        "--gds",
+        "on",
+    ]));
+    assert!(e.contains("--gds on") && e.contains("GPU backend"), "{e}");
+    let out = moeflux(&["bench", "--model", m, "--gds", "maybe"]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("auto, on, off"));
 }
 
 /// `--prefetch` takes auto|on|off and, bare, means on: on the CPU `auto`

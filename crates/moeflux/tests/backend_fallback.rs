@@ -70,3 +70,27 @@ fn cuda_refuses_an_unsupported_model_and_auto_falls_back_to_the_cpu() {
         .gpu_unsupported()
         .is_none());
 }
+
+/// `--gds on` asks for reads into GPU memory: on the CPU it is an error
+/// naming the option, not silently ignored.
+#[test]
+fn gds_on_needs_the_gpu_backend() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("m");
+    synth(&dir, &SynthOptions::new("m", common::small_moe_spec())).unwrap();
+    let open = |gds| {
+        Session::open(
+            &dir,
+            SessionOptions {
+                backend: Backend::Cpu,
+                direct_io: true,
+                gds,
+                threads: Some(2),
+                ..Default::default()
+            },
+        )
+    };
+    let err = open(moeflux::session::Gds::On).err().expect("refused");
+    assert!(err.to_string().contains("--gds on"), "{err}");
+    assert!(open(moeflux::session::Gds::Auto).is_ok());
+}

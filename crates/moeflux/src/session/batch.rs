@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use crate::backend::cpu::qmatmul::set_thread_activations;
 use crate::backend::cpu::qmatmul::Activations;
 use crate::backend::cpu::repack::{Repack, RepackedExperts};
-use crate::backend::cuda::gds::Choice;
+use crate::backend::cuda::gds::{Choice, Gds};
 use crate::backend::cuda::group::open_gpus;
 use crate::backend::cuda::GpuSelection;
 use crate::backend::cuda::{support, CacheStats, CudaGroup, CudaOptions};
@@ -290,6 +290,11 @@ impl Batch {
                     }
                 }
                 (Engine::Cuda(Box::new(m)), note)
+            }
+            Err(_) if opts.gds == Gds::On => {
+                return Err(Error::Invalid(
+                    "--gds on reads experts into GPU memory: it needs the GPU backend".into(),
+                ))
             }
             Err(why) => {
                 // The 8-bit-activation products read interleaved 4-bit
