@@ -147,6 +147,21 @@ impl Counters {
     }
 }
 
+impl Counters {
+    /// One expert of a fetch is done: counted if it landed, and once the
+    /// fetch's last expert is done, the fetch and its time.
+    fn one_done(&self, lf: &LayerFile, id: usize, ok: bool, left: &AtomicUsize, start: Instant) {
+        if ok {
+            self.landed(lf, id, false);
+        }
+        if left.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.busy_ns
+                .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            self.calls.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
 /// One open expert file.
 #[derive(Debug)]
 struct LayerFile {
@@ -386,15 +401,7 @@ impl ExpertStore {
                     Some(b) => read_extent(&lf, id, &mut b.as_bytes_mut()[..lf.extent]),
                     None => populate(&lf, id),
                 };
-                if result.is_ok() {
-                    counters.landed(&lf, id, false);
-                }
-                if left.fetch_sub(1, Ordering::AcqRel) == 1 {
-                    counters
-                        .busy_ns
-                        .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-                    counters.calls.fetch_add(1, Ordering::Relaxed);
-                }
+                counters.one_done(&lf, id, result.is_ok(), &left, start);
                 // The receiver may be gone (the caller gave up): nothing to do.
                 let _ = tx.send(Landed { index, buf, result });
             });
@@ -442,15 +449,7 @@ impl ExpertStore {
                 let result = read_fully(&lf, id, lf.extent, |done, offset| {
                     reader.read(&lf.file, dst + done as u64, lf.extent - done, offset)
                 });
-                if result.is_ok() {
-                    counters.landed(&lf, id, false);
-                }
-                if left.fetch_sub(1, Ordering::AcqRel) == 1 {
-                    counters
-                        .busy_ns
-                        .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-                    counters.calls.fetch_add(1, Ordering::Relaxed);
-                }
+                counters.one_done(&lf, id, result.is_ok(), &left, start);
                 let _ = tx.send(Landed {
                     index,
                     buf: None,

@@ -94,6 +94,14 @@ impl CacheStats {
         }
     }
 
+    /// A miss read from the files and uploaded, `bytes` long.
+    fn count_miss_read(&mut self, bytes: u64) {
+        self.uploaded_bytes += bytes;
+        self.file_reads += 1;
+        self.file_bytes += bytes;
+        self.needed_file_bytes += bytes;
+    }
+
     pub fn hit_rate(&self) -> Option<f64> {
         let n = self.hits + self.misses;
         (n > 0).then(|| self.hits as f64 / n as f64)
@@ -862,12 +870,7 @@ impl ExpertCache {
                             // touched again until the copy stream is
                             // synchronised below; a mapping outlives the copy.
                             match unsafe { copy_htod_async(&gpu.copy, dst, src) } {
-                                Ok(()) => {
-                                    self.stats.uploaded_bytes += extent as u64;
-                                    self.stats.file_reads += 1;
-                                    self.stats.file_bytes += extent as u64;
-                                    self.stats.needed_file_bytes += extent as u64;
-                                }
+                                Ok(()) => self.stats.count_miss_read(extent as u64),
                                 Err(e) => {
                                     first_err.get_or_insert(e);
                                 }
@@ -930,13 +933,7 @@ impl ExpertCache {
             Ok(mut fetch) => {
                 while let Some(l) = fetch.next_landed() {
                     match l.result {
-                        Ok(()) => {
-                            let st = &mut self.stats;
-                            st.uploaded_bytes += extent;
-                            st.file_reads += 1;
-                            st.file_bytes += extent;
-                            st.needed_file_bytes += extent;
-                        }
+                        Ok(()) => self.stats.count_miss_read(extent),
                         Err(e) => {
                             first_err.get_or_insert(e);
                         }

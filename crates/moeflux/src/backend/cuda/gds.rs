@@ -118,30 +118,11 @@ fn status_text(err: c_int) -> String {
 }
 
 fn load() -> std::result::Result<Api, String> {
-    let mut tried = Vec::new();
-    let lib = candidates()
-        .into_iter()
-        .find_map(|name| {
-            // SAFETY: loading cuFile runs its initialisers, which only set
-            // up the library.
-            match unsafe { libloading::Library::new(&name) } {
-                Ok(l) => Some(l),
-                Err(e) => {
-                    tried.push(format!("{}: {e}", name.to_string_lossy()));
-                    None
-                }
-            }
-        })
-        .ok_or_else(|| format!("cuFile could not be loaded ({})", tried.join("; ")))?;
+    let lib = super::dynlib::open_first(candidates(), "cuFile")?;
     macro_rules! sym {
         ($name:literal) => {
             // SAFETY: the symbol's type is cuFile's C declaration.
-            *unsafe { lib.get($name) }.map_err(|e| {
-                format!(
-                    "the cuFile library lacks {}: {e}",
-                    String::from_utf8_lossy(&$name[..$name.len() - 1])
-                )
-            })?
+            unsafe { super::dynlib::function(&lib, $name, "cuFile") }?
         };
     }
     let driver_open: unsafe extern "C" fn() -> Status = sym!(b"cuFileDriverOpen\0");

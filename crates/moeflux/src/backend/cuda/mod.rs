@@ -18,6 +18,7 @@ mod abi;
 mod attention;
 mod deltanet;
 pub mod device;
+mod dynlib;
 pub mod experts;
 pub mod gds;
 pub mod group;

@@ -76,30 +76,11 @@ fn load() -> std::result::Result<Api, String> {
         // no environment concurrently here (the model is being opened).
         unsafe { std::env::set_var("NCCL_NVLS_ENABLE", "0") };
     }
-    let mut tried = Vec::new();
-    let lib = candidates()
-        .into_iter()
-        .find_map(|name| {
-            // SAFETY: loading NCCL runs its initialisers, which only set up
-            // the library.
-            match unsafe { libloading::Library::new(&name) } {
-                Ok(l) => Some(l),
-                Err(e) => {
-                    tried.push(format!("{}: {e}", name.to_string_lossy()));
-                    None
-                }
-            }
-        })
-        .ok_or_else(|| format!("NCCL could not be loaded ({})", tried.join("; ")))?;
+    let lib = super::dynlib::open_first(candidates(), "NCCL")?;
     macro_rules! sym {
         ($name:literal) => {
             // SAFETY: the symbol's type is NCCL 2's C declaration.
-            *unsafe { lib.get($name) }.map_err(|e| {
-                format!(
-                    "the NCCL library lacks {}: {e}",
-                    String::from_utf8_lossy(&$name[..$name.len() - 1])
-                )
-            })?
+            unsafe { super::dynlib::function(&lib, $name, "NCCL") }?
         };
     }
     let get_version: unsafe extern "C" fn(*mut c_int) -> NcclResult = sym!(b"ncclGetVersion\0");
