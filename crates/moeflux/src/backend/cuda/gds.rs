@@ -64,6 +64,9 @@ struct Descr {
 
 const HANDLE_TYPE_OPAQUE_FD: c_uint = 1;
 
+/// Where the `nvidia-fs` kernel module shows itself when loaded.
+const NVFS_PROC: &str = "/proc/driver/nvidia-fs";
+
 type Handle = *mut c_void;
 
 struct Api {
@@ -171,6 +174,14 @@ pub enum Choice {
 pub fn choose(mode: Gds) -> Result<Choice> {
     if mode == Gds::Off {
         return Ok(Choice::Plain(None));
+    }
+    // Without the kernel module `auto` would read the plain way anyway:
+    // cuFile is not loaded at all (opening it writes `cufile.log` into the
+    // working directory).
+    if mode == Gds::Auto && !std::path::Path::new(NVFS_PROC).exists() {
+        return Ok(Choice::Plain(Some(format!(
+            "the nvidia-fs kernel module is not loaded ({NVFS_PROC} is missing)"
+        ))));
     }
     match (api(), mode) {
         (
@@ -283,6 +294,27 @@ impl ExtentReader for GdsReader {
             n if n >= 0 => Ok(n as usize),
             -1 => Err(std::io::Error::last_os_error()),
             n => Err(std::io::Error::other(status_text((-n) as c_int))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn modes_parse_and_auto_needs_the_kernel_module() {
+        assert_eq!(Gds::parse("auto"), Some(Gds::Auto));
+        assert_eq!(Gds::parse("on"), Some(Gds::On));
+        assert_eq!(Gds::parse("off"), Some(Gds::Off));
+        assert_eq!(Gds::parse("yes"), None);
+        assert_eq!(choose(Gds::Off).unwrap(), Choice::Plain(None));
+        if !std::path::Path::new(NVFS_PROC).exists() {
+            // Decided without loading cuFile.
+            match choose(Gds::Auto).unwrap() {
+                Choice::Plain(Some(why)) => assert!(why.contains("nvidia-fs"), "{why}"),
+                other => panic!("auto without nvidia-fs: {other:?}"),
+            }
         }
     }
 }
