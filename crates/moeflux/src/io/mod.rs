@@ -145,9 +145,7 @@ impl Counters {
         self.cached.fetch_add(cached as u64, Ordering::Relaxed);
         self.bytes.fetch_add(lf.extent as u64, Ordering::Relaxed);
     }
-}
 
-impl Counters {
     /// One expert of a fetch is done: counted if it landed, and once the
     /// fetch's last expert is done, the fetch and its time.
     fn one_done(&self, lf: &LayerFile, id: usize, ok: bool, left: &AtomicUsize, start: Instant) {
