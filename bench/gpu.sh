@@ -35,9 +35,10 @@
 #      the same run, plus host-tier bytes / pinned H2D bandwidth, plus the resident time:
 #      the token's time outside the expert wait). --dir must be on a real disk (not tmpfs).
 #      Then the same three ways at qwen3.5-397b-a17b widths, G397_LAYERS layers (default 8,
-#      27 GB of experts; 0 skips them); G_A3B=0 skips the A3B rows. Each depth also reads
-#      its misses by cuFile (--gds on: GPUDirect Storage where nvidia-fs is loaded, cuFile's
-#      compatibility mode elsewhere; needs libcufile, G_GDS=0 skips those rows).
+#      27 GB of experts; 0 skips them); G_A3B=0 skips the A3B rows. G_GDS=1 adds, at each
+#      depth, the misses read by cuFile (--gds on: GPUDirect Storage where nvidia-fs is
+#      loaded, cuFile's compatibility mode elsewhere; needs libcufile and a file system cuFile
+#      can register: on a VM whose /run/udev has no record of the disk it cannot).
 #   f  two GPUs (--gpus 0,1) against one, in the same run (needs 2 GPUs): c's 397B widths (12
 #      layers, top-10) with each GPU's --gpu-memory holding 30% of the experts (60% together),
 #      the rest in the pinned host tier, extrapolated to 60 layers; the same with a host tier
@@ -74,7 +75,7 @@ while [[ $# -gt 0 ]]; do
     --dir) DIR=${2:?}; shift 2 ;;
     --out) OUTDIR=${2:?}; shift 2 ;;
     --quick) QUICK=1; REPS=1; shift ;;
-    -h|--help) sed -n '2,56p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,57p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac
 done
@@ -236,7 +237,7 @@ if has g; then
     bench g-disk "$D16" "${G[@]}" --prefetch off
     bench g-disk-ahead "$D16" "${G[@]}" --prefetch on
     bench g-disk-ahead-io16 "$D16" "${G[@]}" --prefetch on --io-threads 16
-    [[ ${G_GDS:-1} == 0 ]] || bench g-disk-gds "$D16" "${G[@]}" --prefetch off --gds on
+    [[ ${G_GDS:-0} == 0 ]] || bench g-disk-gds "$D16" "${G[@]}" --prefetch off --gds on
     rm -rf "$D16"
   fi
   if [[ ${G397_LAYERS:-8} != 0 ]]; then
@@ -251,7 +252,7 @@ if has g; then
     bench g-397b-disk-host25 "$D397" "${G[@]}" --host-cache $budget
     bench g-397b-disk "$D397" "${G[@]}" --prefetch off
     bench g-397b-disk-ahead "$D397" "${G[@]}" --prefetch on
-    [[ ${G_GDS:-1} == 0 ]] || bench g-397b-disk-gds "$D397" "${G[@]}" --prefetch off --gds on
+    [[ ${G_GDS:-0} == 0 ]] || bench g-397b-disk-gds "$D397" "${G[@]}" --prefetch off --gds on
     rm -rf "$D397"
   fi
 fi
