@@ -103,6 +103,17 @@ pub(crate) fn check_expert(m: &Manifest, layer: usize, e: usize, buf: &ExpertBuf
     );
 }
 
+/// Cuts the file at `path` to `len` bytes (a model directory changed under
+/// an open store).
+fn shrink(path: &Path, len: u64) {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .unwrap()
+        .set_len(len)
+        .unwrap();
+}
+
 fn bufs_for(store: &ExpertStore, layer: usize, n: usize) -> Vec<ExpertBuf> {
     (0..n)
         .map(|_| {
@@ -417,12 +428,7 @@ fn expert_file_truncated_after_open_fails_the_fetch() {
         let store = ExpertStore::open(dir.path(), &m, &opts).unwrap();
         fetch_and_check(&store, &m, 1, &[5, 0]);
         let path = dir.path().join(expert_file_name(1));
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&path)
-            .unwrap()
-            .set_len(12_288)
-            .unwrap();
+        shrink(&path, 12_288);
         let what = format!("mmap {mmap}, direct {direct_io}, no populate {no_populate}");
         sys::tests_hook::set_refuse_populate(no_populate);
         let bufs = if store.is_mapped(1).unwrap() {
@@ -507,12 +513,7 @@ fn fetch_to_reads_direct_layers_to_the_given_addresses() {
     assert!(e.to_string().contains("not read with O_DIRECT"), "{e}");
 
     let path = dir.path().join(expert_file_name(1));
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&path)
-        .unwrap()
-        .set_len(12_288)
-        .unwrap();
+    shrink(&path, 12_288);
     let mut f = store
         .fetch_to(1, &[5], &dsts[..1], Arc::new(ByAddress))
         .unwrap();

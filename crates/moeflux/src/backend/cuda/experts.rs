@@ -1,7 +1,8 @@
 //! The VRAM expert cache: a fixed number of expert-sized slots in one device
 //! allocation, filled on demand on the copy stream from the host tier
 //! (`host_tier.rs`) when there is one, else from the expert files through
-//! pinned staging buffers. Which slot to overwrite is `slots.rs`'s policy.
+//! pinned staging buffers, or by cuFile straight into the slots (`gds.rs`).
+//! Which slot to overwrite is `slots.rs`'s policy.
 
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
