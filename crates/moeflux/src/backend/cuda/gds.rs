@@ -207,10 +207,10 @@ pub fn choose(mode: Gds) -> Result<Choice> {
 }
 
 /// The expert files of a store registered with cuFile (one registration per
-/// file, shared by the GPUs of a group), by model layer.
+/// file, shared by the GPUs of a group): each file's descriptor and handle.
 pub struct GdsFiles {
     api: &'static Api,
-    handles: Vec<Option<(c_int, usize)>>,
+    handles: Vec<(c_int, usize)>,
 }
 
 // SAFETY: cuFile handles may be used from any thread (cuFile is thread
@@ -245,10 +245,7 @@ impl GdsFiles {
                     status_text(st.err)
                 )));
             }
-            if files.handles.len() <= l {
-                files.handles.resize(l + 1, None);
-            }
-            files.handles[l] = Some((file.as_raw_fd(), h as usize));
+            files.handles.push((file.as_raw_fd(), h as usize));
         }
         Ok(files)
     }
@@ -256,7 +253,6 @@ impl GdsFiles {
     fn handle(&self, fd: c_int) -> Option<Handle> {
         self.handles
             .iter()
-            .flatten()
             .find(|(f, _)| *f == fd)
             .map(|&(_, h)| h as Handle)
     }
@@ -264,7 +260,7 @@ impl GdsFiles {
 
 impl Drop for GdsFiles {
     fn drop(&mut self) {
-        for &(_, h) in self.handles.iter().flatten() {
+        for &(_, h) in &self.handles {
             // SAFETY: registered by `register`, deregistered once.
             unsafe { (self.api.handle_deregister)(h as Handle) };
         }
