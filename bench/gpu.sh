@@ -45,10 +45,12 @@
 #      of 25% of the experts (one arena the GPUs share) and the rest read from the disk
 #      (--direct-io; in part g's disk table, rows `-arena`); qwen3.6-35b-a3b widths
 #      fully resident: pp4096 and tg128 (CUDA graphs) with every expert on both GPUs (the
-#      default) and sharded (--replicate-experts off), and sharded tg128 eager
+#      default: prefill split by tokens), pp4096 split by experts only (MOEFLUX_TOKEN_SPLIT=0),
+#      pp512 on 1 and 2 GPUs, and sharded (--replicate-experts off), and sharded tg128 eager
 #      (MOEFLUX_EP_GRAPHS=0); the NCCL all-reduce's share of a sharded decode step
 #      (MOEFLUX_CUDA_PROFILE, eager); one GPU's
-#      prefill profile (the routed experts' share: what a group splits). F397=0 skips the
+#      prefill profile (the shares an expert split and a token split divide) and two GPUs'
+#      (the broadcasts' share). F397=0 skips the
 #      397B rows (their 43 GB synth), F_A3B=0 the A3B rows.
 #
 # $MOEFLUX names the binary (default: target/release/moeflux). Models go to --dir (default
@@ -284,9 +286,14 @@ if has f; then
     bench f-a3b-resident-1gpu "$A3B" --prompt-len $PPL --gen $TG
     bench f-a3b-resident-2gpu "$A3B" --prompt-len $PPL --gen $TG --gpus 0,1
     bench f-a3b-resident-2gpu-sharded "$A3B" --prompt-len $PPL --gen $TG --gpus 0,1 --replicate-experts off
+    # Prefill split by experts only (what the group did before splitting by tokens).
+    MOEFLUX_TOKEN_SPLIT=0 bench f-a3b-resident-2gpu-expert-split "$A3B" --prompt-len $PPL --gen 0 --gpus 0,1
+    bench f-a3b-pp$PP-1gpu "$A3B" --prompt-len $PP --gen 0
+    bench f-a3b-pp$PP-2gpu "$A3B" --prompt-len $PP --gen 0 --gpus 0,1
     export MOEFLUX_CUDA_PROFILE=1
     bench f-a3b-2gpu-profile "$A3B" --prompt-len 0 --gen 32 --gpus 0,1 --no-cuda-graphs --replicate-experts off
     bench f-a3b-1gpu-prefill-profile "$A3B" --prompt-len $PPL --gen 1 --no-cuda-graphs
+    bench f-a3b-2gpu-prefill-profile "$A3B" --prompt-len $PPL --gen 1 --gpus 0,1 --no-cuda-graphs
     unset MOEFLUX_CUDA_PROFILE
     MOEFLUX_EP_GRAPHS=0 bench f-a3b-resident-2gpu-eager "$A3B" --prompt-len 0 --gen $TG --gpus 0,1 --replicate-experts off
     rm -rf "$A3B"
@@ -424,28 +431,63 @@ if a and b:
     print(f"f A3B resident, experts on both GPUs (the default): decode "
           f"{b['decode_tok_s'] / a['decode_tok_s']:.2f}x one GPU; "
           f"pp{a['prefill']['tokens']} {b['prefill_tok_s'] / a['prefill_tok_s']:.2f}x")
+x = load("f-a3b-resident-2gpu-expert-split")
+if a and x:
+    print(f"f A3B resident, prefill split by experts only (MOEFLUX_TOKEN_SPLIT=0): "
+          f"pp{a['prefill']['tokens']} {x['prefill_tok_s'] / a['prefill_tok_s']:.2f}x one GPU")
+for name in os.listdir(out):
+    if name.startswith("f-a3b-pp") and name.endswith("-1gpu.json"):
+        p1, p2 = load(name[:-5]), load(name[:-10] + "-2gpu")
+        if p1 and p2:
+            print(f"f A3B resident, pp{p1['prefill']['tokens']}: 2 GPUs "
+                  f"{p2['prefill_tok_s']:.0f} / 1 GPU {p1['prefill_tok_s']:.0f} tok/s = "
+                  f"{p2['prefill_tok_s'] / p1['prefill_tok_s']:.2f}x")
 if a and c:
     print(f"f A3B resident, sharded (--replicate-experts off): decode "
           f"{c['decode_tok_s'] / a['decode_tok_s']:.2f}x one GPU (graphs)"
           + (f", {e['decode_tok_s'] / a['decode_tok_s']:.2f}x eager" if e else "")
           + f"; pp{a['prefill']['tokens']} {c['prefill_tok_s'] / a['prefill_tok_s']:.2f}x")
-# One GPU's prefill: the routed experts' share of the GPU time, the part a group splits
-# (every GPU runs the rest: attention, GatedDeltaNet, routers, shared expert, LM head).
-log = os.path.join(out, "f-a3b-1gpu-prefill-profile.log")
-if os.path.exists(log):
-    total = routed = 0.0
+# A profile's kernels: (name, ms).
+def profile(log):
+    rows = []
     for line in open(log):
         f = line.split()
         if "ms" in f and "launches" in f:
-            ms = float(f[f.index("ms") - 1])
-            total += ms
-            if f[0].startswith(("moe_gate_up", "moe_down")):
-                routed += ms
+            rows.append((f[0], float(f[f.index("ms") - 1])))
+    return rows
+# One GPU's prefill: the routed experts' share of the GPU time, the part an expert split
+# divides (every GPU runs the rest: attention, GatedDeltaNet, routers, shared expert, LM head).
+log = os.path.join(out, "f-a3b-1gpu-prefill-profile.log")
+if os.path.exists(log):
+    rows = profile(log)
+    total = sum(ms for _, ms in rows)
+    routed = sum(ms for k, ms in rows if k.startswith(("moe_gate_up", "moe_down")))
     if total:
         s = routed / total
         print(f"f A3B 1-GPU prefill profile: routed experts {routed:.0f} of {total:.0f} ms GPU time "
               f"({s * 100:.0f}%); splitting only them over 2 GPUs bounds prefill at "
               f"{1 / ((1 - s) + s / 2):.2f}x")
+# Split by tokens, every GPU repeats only the mixers' sequence part (rotary and the KV
+# append, attention, the conv, the delta rule) and the LM head's rows: its share of one GPU's
+# prefill bounds what two GPUs gain.
+SEQ = ("attn_prep", "attn_kv_split", "attention", "conv_", "gdn_chunk", "delta_rule")
+if os.path.exists(log):
+    rows = profile(log)
+    total = sum(ms for _, ms in rows)
+    seq = sum(ms for k, ms in rows if k.startswith(SEQ))
+    if total:
+        s = seq / total
+        print(f"f A3B 1-GPU prefill profile: the mixers' sequence part {seq:.0f} of {total:.0f} ms "
+              f"({s * 100:.0f}%); splitting the rest by tokens over 2 GPUs bounds prefill at "
+              f"{1 / (s + (1 - s) / 2):.2f}x")
+log = os.path.join(out, "f-a3b-2gpu-prefill-profile.log")
+if os.path.exists(log):
+    rows = profile(log)
+    share = sum(ms for k, ms in rows if k.startswith("nccl_share_rows"))
+    total = sum(ms for _, ms in rows)
+    if total:
+        print(f"f A3B 2-GPU prefill profile (both GPUs' lines): broadcasts of the projections "
+              f"{share:.0f} of {total:.0f} ms GPU time ({share / total * 100:.0f}%)")
 # The profile's all-reduce line per GPU: name, ms, share of the GPU's time, launches.
 log = os.path.join(out, "f-a3b-2gpu-profile.log")
 if os.path.exists(log):

@@ -476,9 +476,10 @@ fn gpu_through_an_evicting_host_tier_equals_the_resident_gpu_bit_for_bit() {
     evicting_host_tier_equals_resident("qwen35moe-q4", &dir);
 }
 
-/// Whether cuFile can read `dir`'s expert files here: it loads and the
-/// files take O_DIRECT. Says why not; `MOEFLUX_TEST_GDS=1` makes that a
-/// failure.
+/// Whether cuFile can read `dir`'s expert files here: it loads, the files
+/// take O_DIRECT and cuFile registers them (on a VM whose `/run/udev` has
+/// no record of the disk it cannot). Says why not; `MOEFLUX_TEST_GDS=1`
+/// makes that a failure.
 fn gds_usable(dir: &Path) -> bool {
     let why = match moeflux::backend::cuda::gds::choose(Gds::On) {
         Err(e) => Some(e.to_string()),
@@ -495,8 +496,13 @@ fn gds_usable(dir: &Path) -> bool {
             .unwrap();
             let store = s.expert_store();
             let refused = store.buffered_fallbacks();
-            (!refused.is_empty())
-                .then(|| format!("the file system refuses O_DIRECT: {:?}", refused))
+            if !refused.is_empty() {
+                Some(format!("the file system refuses O_DIRECT: {refused:?}"))
+            } else {
+                moeflux::backend::cuda::gds::GdsFiles::register(store)
+                    .err()
+                    .map(|e| e.to_string())
+            }
         }
     };
     match why {

@@ -244,6 +244,85 @@ fn two_gpus_match_one_through_evicting_caches() {
     synth_on_two(&dir);
 }
 
+/// A long batch on two GPUs that each hold every expert is split by tokens
+/// (`token_split.rs`): each GPU projects and runs the MLP of its half of
+/// the rows, every GPU runs the mixers' sequence part on all of them. Each
+/// token's products are one GPU's, so the logits are one GPU's bits: a
+/// prompt of odd length (the halves differ by a row), the decode steps
+/// after it (the states every GPU built), and a batch of several
+/// sequences that the split cuts inside a sequence. (Unsplit, the group
+/// would sum the experts' partials in another order: not one GPU's bits.)
+fn split_batches_are_one_gpus_bits(name: &str, dir: &std::path::Path) {
+    use moeflux::{Batch, Work};
+    let mut one = gpu(dir);
+    let mut two = two_replicating(dir, true);
+    let toks = random_tokens(301 + 8 + 400, one.vocab_size());
+    let (prompt, rest) = toks.split_at(301);
+    let want = one.eval(prompt, LogitsMode::All).unwrap();
+    let got = two.eval(prompt, LogitsMode::All).unwrap();
+    let d = max_rel_diff(&got, &want);
+    assert!(got == want, "{name}: 301-token prompt: max rel diff {d:e}");
+    for (i, t) in rest[..8].iter().enumerate() {
+        let want = one.eval(&[*t], LogitsMode::Last).unwrap();
+        let got = two.eval(&[*t], LogitsMode::Last).unwrap();
+        assert!(
+            got == want,
+            "{name}: decode step {i} after the split prompt"
+        );
+    }
+    // Three sequences in one step of 337 rows: the halves meet inside the
+    // second prompt; then a step of their three decodes.
+    let opts = |gpus: Vec<usize>| SessionOptions {
+        backend: moeflux::Backend::Cuda,
+        gpus: GpuSelection::List(gpus),
+        ..Default::default()
+    };
+    let mut b1 = Batch::open(dir, opts(vec![0])).unwrap();
+    let mut b2 = Batch::open(dir, opts(vec![0, 1])).unwrap();
+    let prompts = [&rest[8..158], &rest[158..165], &rest[165..345]];
+    let next = [&rest[345..346], &rest[346..347], &rest[347..348]];
+    let ids1: Vec<_> = (0..3).map(|_| b1.add_sequence().unwrap()).collect();
+    let ids2: Vec<_> = (0..3).map(|_| b2.add_sequence().unwrap()).collect();
+    for (what, parts) in [("prompts", prompts), ("decodes", next)] {
+        let work = |ids: &[moeflux::SeqId]| -> Vec<Work> {
+            ids.iter()
+                .zip(parts)
+                .map(|(&seq, tokens)| Work {
+                    seq,
+                    tokens,
+                    logits: Some(LogitsMode::Last),
+                })
+                .collect()
+        };
+        let want = b1.step(&work(&ids1)).unwrap();
+        let got = b2.step(&work(&ids2)).unwrap();
+        for (s, (g, w)) in got.into_iter().zip(want).enumerate() {
+            let (g, w) = (g.unwrap().into_logits(), w.unwrap().into_logits());
+            let d = max_rel_diff(&g, &w);
+            assert!(g == w, "{name}: batch of {what}, sequence {s}: {d:e}");
+        }
+    }
+    eprintln!("{name}: split by tokens on 2 GPUs == 1 GPU bit for bit");
+}
+
+#[test]
+#[ignore]
+fn two_gpus_split_long_batches_by_tokens_bit_for_bit() {
+    if !two_gpus() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("synth");
+    super::synth_model(&dir);
+    split_batches_are_one_gpus_bits("synth", &dir);
+    // Fused GatedDeltaNet projections, attention biases and GLM's dense
+    // first layer, gpt-oss's sinks, windows and MXFP4 experts.
+    for name in ["qwen3next-q4", "glm4moe-q4", "gptoss-mxfp4"] {
+        let (_tmp, dir) = convert_fixture(&format!("{name}/src"), None);
+        split_batches_are_one_gpus_bits(name, &dir);
+    }
+}
+
 #[test]
 #[ignore]
 fn snapshots_from_two_gpus_load_on_one_and_the_cpu() {

@@ -14,6 +14,7 @@ use super::linear::{matmuls, mm, mm_add, MMA_MIN_TOKENS};
 use super::model::{Ctx, MixerRun, SeqRows};
 use super::state::{GpuLayerState, RowCache};
 use super::support::unsupported;
+use super::token_split::row;
 
 /// The head widths the kernels take (a warp's lanes over a head's channels).
 pub(super) fn check_shape(c: &ModelConfig) -> Result<()> {
@@ -105,11 +106,16 @@ pub(super) fn forward(
         mscale: cx.rope_mscale,
     };
     let q_rows = wq.rows();
+    let kv_rows = nkv * hd;
+    // Split by tokens, this GPU projects its own rows (`m` of them from
+    // `lo`) and the others' are broadcast to it before rotary.
+    let own = cx.own_rows(n);
+    let (lo, m) = (own.start, own.len());
     let g = cx.gpu;
     let s = &mut *cx.scratch;
     let qg = s.get(g, "qg", 4 * n * q_rows)?;
-    let k = s.get(g, "k", 4 * n * nkv * hd)?;
-    let v = s.get(g, "v", 4 * n * nkv * hd)?;
+    let k = s.get(g, "k", 4 * n * kv_rows)?;
+    let v = s.get(g, "v", 4 * n * kv_rows)?;
     let q = s.get(g, "q", 4 * n * nh * hd)?;
     let gate = if a.output_gate {
         s.get(g, "gate", 4 * n * nh * hd)?
@@ -117,13 +123,19 @@ pub(super) fn forward(
         0
     };
     let attn = s.get(g, "attn", 4 * n * nh * hd)?;
-    matmuls(g, &[mm(wq, qg), mm(wk, k), mm(wv, v)], xn, n)?;
+    let ops = [
+        mm(wq, row(qg, lo, q_rows)),
+        mm(wk, row(k, lo, kv_rows)),
+        mm(wv, row(v, lo, kv_rows)),
+    ];
+    matmuls(g, &ops, row(xn, lo, c.hidden_size), m)?;
+    cx.share_rows(&[(qg, q_rows), (k, kv_rows), (v, kv_rows)])?;
     let half = (c.rope.rotary_dim / 2) as i32;
     let (nh_i, nkv_i, hd_i) = (nh as i32, nkv as i32, hd as i32);
     let (eps, ps) = (c.rms_norm_eps, c.rope.position_scale);
     let inv_freq = cx.inv_freq;
     let scale = 1.0 / (hd as f32).sqrt();
-    let (qs, ks) = (4 * q_rows as u64, 4 * (nkv * hd) as u64);
+    let (qs, ks) = (4 * q_rows as u64, 4 * kv_rows as u64);
     let hs = 4 * (nh * hd) as u64;
     for run in MixerRun::split(seqs) {
         let sq = match run {
@@ -287,5 +299,6 @@ pub(super) fn forward(
         }
     }
     let o_bias = a.o_bias.map(|b| w.vec(b));
-    matmuls(g, &[mm_add(wo, x).with_bias(o_bias)], attn, n)
+    let out = mm_add(wo, row(x, lo, c.hidden_size)).with_bias(o_bias);
+    matmuls(g, &[out], row(attn, lo, nh * hd), m)
 }

@@ -13,6 +13,7 @@ use super::linear::{matmuls, mm, mm_add};
 use super::model::{Ctx, MixerRun, SeqRows};
 use super::state::{GpuLayerState, GpuLinearState};
 use super::support::unsupported;
+use super::token_split::row;
 
 /// The shapes the kernels take (a warp's lanes over a head's channels, a
 /// thread per conv tap).
@@ -78,6 +79,11 @@ pub(super) fn forward(
     let (kd, vd, cd) = (l.key_dim(), l.value_dim(), l.conv_dim());
     let conv_kernel = l.conv_kernel;
     let eps = cx.config.rms_norm_eps;
+    let h = cx.config.hidden_size;
+    // Split by tokens, this GPU projects its own rows (`m` of them from `lo`)
+    // and the others' are broadcast to it before the conv.
+    let own = cx.own_rows(n);
+    let (lo, m) = (own.start, own.len());
     let g = cx.gpu;
     let s = &mut *cx.scratch;
     let mixed = s.get(g, "mixed", 4 * n * cd)?;
@@ -101,20 +107,33 @@ pub(super) fn forward(
             a: aw,
         } => {
             let (qkv, zw, bw, aw) = (w.lin(qkv), w.lin(zw), w.lin(bw), w.lin(aw));
-            matmuls(g, &[mm(qkv, raw), mm(zw, z), mm(bw, b), mm(aw, a)], xn, n)?;
+            let ops = [
+                mm(qkv, row(raw, lo, cd)),
+                mm(zw, row(z, lo, vd)),
+                mm(bw, row(b, lo, nv)),
+                mm(aw, row(a, lo, nv)),
+            ];
+            matmuls(g, &ops, row(xn, lo, h), m)?;
         }
         DeltaProjections::Fused { qkvz, ba } => {
             let (qkvz, ba) = (w.lin(qkvz), w.lin(ba));
-            let fused = s.get(g, "fused", 4 * n * (2 * kd + 2 * vd))?;
-            let fba = s.get(g, "fba", 4 * n * 2 * nv)?;
-            matmuls(g, &[mm(qkvz, fused), mm(ba, fba)], xn, n)?;
+            let fused = s.get(g, "fused", 4 * m * (2 * kd + 2 * vd))?;
+            let fba = s.get(g, "fba", 4 * m * 2 * nv)?;
+            matmuls(g, &[mm(qkvz, fused), mm(ba, fba)], row(xn, lo, h), m)?;
             let r = (nv / nk) as i32;
             let (nk_i, dk_i, dv_i) = (nk as i32, dk as i32, dv as i32);
-            // SAFETY: `deltanet_split` in kernels/deltanet.cu, buffers sized above.
+            let (raw, z, b, a) = (
+                row(raw, lo, cd),
+                row(z, lo, vd),
+                row(b, lo, nv),
+                row(a, lo, nv),
+            );
+            // SAFETY: `deltanet_split` in kernels/deltanet.cu, buffers sized
+            // above (m rows from lo).
             unsafe {
                 g.launch(
                     "deltanet_split",
-                    (nk as u32, n as u32, 1),
+                    (nk as u32, m as u32, 1),
                     128,
                     0,
                     &mut args!(fused, fba, nk_i, dk_i, dv_i, r, raw, z, b, a),
@@ -122,6 +141,8 @@ pub(super) fn forward(
             };
         }
     }
+    // The gated norm and the output projection need only this GPU's z.
+    cx.share_rows(&[(raw, cd), (b, nv), (a, nv)])?;
     let (conv_w, a_log, dt_bias, norm) = (
         w.vec(gdn.conv),
         w.vec(gdn.a_log),
@@ -220,17 +241,19 @@ pub(super) fn forward(
             launch_delta_rule(g, l, m, [mixed, a, b, a_log, dt_bias, ssm, y])?;
         }
     }
-    // SAFETY: `gated_norm` in kernels/deltanet.cu, over every row of the batch.
+    let (y, z, o) = (row(y, lo, vd), row(z, lo, vd), row(o, lo, vd));
+    // SAFETY: `gated_norm` in kernels/deltanet.cu, over this GPU's m rows
+    // from lo (every row of the batch unless it is split).
     unsafe {
         g.launch(
             "gated_norm",
-            (nv as u32, n as u32, 1),
+            (nv as u32, m as u32, 1),
             dv as u32,
             0,
             &mut args!(y, z, norm, eps, dv_i, o),
         )?;
     }
-    matmuls(g, &[mm_add(w.lin(&gdn.out_proj), x)], o, n)
+    matmuls(g, &[mm_add(w.lin(&gdn.out_proj), row(x, lo, h))], o, m)
 }
 
 /// Batches of at least this many tokens (one chunk) run the delta rule in

@@ -10,7 +10,8 @@
 //! `mla.rs` (multi-head latent attention) and `moe.rs` (dense MLP, MoE);
 //! `support.rs` says which models it can run, without a GPU. `group.rs`
 //! runs one model on several GPUs (routed experts sharded by `shard.rs`,
-//! MoE outputs summed through NCCL, `nccl.rs`), or one GPU of a group of
+//! MoE outputs summed through NCCL, `nccl.rs`; long batches split by tokens
+//! when every GPU holds every expert, `token_split.rs`), or one GPU of a group of
 //! processes joined by `rendezvous.rs` (`--dist-init`), whose peers'
 //! exits `watchdog.rs` notices.
 
@@ -35,6 +36,7 @@ pub mod shard;
 mod slots;
 pub mod state;
 pub mod support;
+mod token_split;
 mod watchdog;
 
 pub use device::{probe, Gpu, GpuInfo};

@@ -10,6 +10,7 @@
 //! Routers run on the device with the CPU's rules (ties to the lower index),
 //! so both backends pick the same experts.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use crate::backend::prefetch::Prefetch;
@@ -37,6 +38,7 @@ use super::mla::MlaParams;
 use super::nccl::Comm;
 use super::shard::Shard;
 use super::state::{GpuLayerState, GpuState};
+use super::token_split::{row, RowSplit};
 use super::{attention, deltanet, mla, moe, support};
 
 /// Where a model's weights are on the device: the dense file (matrices by
@@ -128,6 +130,33 @@ pub(super) struct Ctx<'a> {
     pub downloads: &'a mut PinnedDownload,
     /// In a multi-GPU group: this GPU's experts and its communicator.
     pub ep: Option<&'a Ep>,
+    /// A long batch of a group that holds every expert on every GPU: the
+    /// rows whose per-token work each GPU does (`token_split.rs`).
+    pub split: Option<RowSplit>,
+}
+
+impl Ctx<'_> {
+    /// The rows of an `n`-row eval whose per-token work this GPU does.
+    pub fn own_rows(&self, n: usize) -> Range<usize> {
+        self.split.as_ref().map_or(0..n, RowSplit::own)
+    }
+
+    /// In a batch split by tokens, once each GPU has computed its own rows
+    /// of `bufs` (`(address, floats per row)`): every row on every GPU.
+    pub fn share_rows(&self, bufs: &[(u64, usize)]) -> Result<()> {
+        let (Some(split), Some(ep)) = (&self.split, self.ep) else {
+            return Ok(());
+        };
+        let g = self.gpu;
+        let n = split.rows.last().map_or(0, |r| r.end);
+        g.profiled(
+            || {
+                let widths: Vec<String> = bufs.iter().map(|b| b.1.to_string()).collect();
+                format!("nccl_share_rows [{n}x({})]", widths.join("+"))
+            },
+            || ep.comm.share_rows(bufs, &split.rows, &g.stream),
+        )
+    }
 }
 
 /// A GPU's part in an expert-parallel group: the routed experts it owns
@@ -860,6 +889,17 @@ impl CudaModel {
             })
             .collect();
         let first = seqs.first().ok_or(Error::EmptyTokens)?;
+        // MLA runs its projections and attention per sequence in one piece,
+        // and a trace reads whole activations: neither splits.
+        let mla = model
+            .layers
+            .iter()
+            .any(|l| matches!(l.mixer, Mixer::Mla(_)));
+        let split = self
+            .ep
+            .as_ref()
+            .filter(|ep| ep.replicated && !mla && trace.is_none())
+            .and_then(|ep| RowSplit::for_batch(n, ep.comm.world, ep.comm.rank));
         let cx = Ctx {
             gpu: g,
             config: &self.config,
@@ -884,6 +924,7 @@ impl CudaModel {
             host_weights: &model.weights,
             downloads: &mut self.route_host,
             ep: self.ep.as_ref(),
+            split,
         };
         let ids = cx.scratch.get(g, "ids", 4 * n)?;
         let x = cx.scratch.get(g, "x", 4 * n * h)?;
@@ -1001,6 +1042,18 @@ impl<'a> GpuStep<'a, '_> {
         self.seqs.iter().map(|s| s.seg.logit_rows().len()).sum()
     }
 
+    /// `xn`, the row count and `x` of the rows whose per-token work this
+    /// GPU does (all of them unless the batch is split by tokens).
+    fn own_rows(&self) -> (u64, usize, u64) {
+        let h = self.cx.config.hidden_size;
+        let own = self.cx.own_rows(self.n);
+        (
+            row(self.xn, own.start, h),
+            own.len(),
+            row(self.x, own.start, h),
+        )
+    }
+
     /// Runs a mixer per sequence (MLA: its absorbed products per
     /// sequence): `f(cx, xn, n, x)` on its rows, with the context's state
     /// and positions its own.
@@ -1045,15 +1098,8 @@ impl BlockExecutor for GpuStep<'_, '_> {
     fn norm(&mut self, weight: VectorRef) -> Result<()> {
         let c = self.cx.config;
         let w = self.cx.weights.vec(weight);
-        rms_norm(
-            self.cx.gpu,
-            self.x,
-            w,
-            self.n,
-            c.hidden_size,
-            c.rms_norm_eps,
-            self.xn,
-        )
+        let (xn, m, x) = self.own_rows();
+        rms_norm(self.cx.gpu, x, w, m, c.hidden_size, c.rms_norm_eps, xn)
     }
 
     fn full_attention(&mut self, layer: usize, a: &FullAttention) -> Result<()> {
@@ -1069,11 +1115,13 @@ impl BlockExecutor for GpuStep<'_, '_> {
     }
 
     fn dense_mlp(&mut self, _layer: usize, d: &DenseMlp) -> Result<()> {
-        moe::dense_mlp(&mut self.cx, d, self.xn, self.n, self.x)
+        let (xn, m, x) = self.own_rows();
+        moe::dense_mlp(&mut self.cx, d, xn, m, x)
     }
 
     fn moe(&mut self, b: &MoeBlock, next: Option<&MoeBlock>) -> Result<()> {
-        moe::moe(&mut self.cx, b, next, self.xn, self.n, self.x, self.times)
+        let (xn, m, x) = self.own_rows();
+        moe::moe(&mut self.cx, b, next, xn, m, x, self.times)
     }
 
     fn logits(&mut self, final_norm: VectorRef, lm_head: &LinearRef) -> Result<()> {
@@ -1084,6 +1132,8 @@ impl BlockExecutor for GpuStep<'_, '_> {
         if m == 0 {
             return Ok(());
         }
+        // Split by tokens, each GPU updated only its own rows.
+        cx.share_rows(&[(self.x, h)])?;
         let normed = cx.scratch.get(g, "normed", 4 * m * h)?;
         let w = cx.weights;
         let mut at = 0;

@@ -1,5 +1,7 @@
 //! NCCL, loaded at run time: the communicators of a multi-GPU run and the
-//! one collective the MoE layers need (a sum all-reduce of f32).
+//! collectives they use (a sum all-reduce of f32 for sharded MoE layers,
+//! and grouped broadcasts that give every GPU the rows the others computed
+//! in a prefill split by tokens).
 //!
 //! Why not cudarc's `nccl` feature: its loader looks for `libnccl.so` and
 //! `libnccl.so.{1,9..13}`, but NVIDIA's `nvidia-nccl-cu13` wheel and the
@@ -51,6 +53,17 @@ struct Api {
         RawComm,
         *mut c_void,
     ) -> NcclResult,
+    broadcast: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        c_int,
+        c_int,
+        RawComm,
+        *mut c_void,
+    ) -> NcclResult,
+    group_start: unsafe extern "C" fn() -> NcclResult,
+    group_end: unsafe extern "C" fn() -> NcclResult,
 }
 
 /// Where NCCL is looked for: `MOEFLUX_NCCL` (a path), else the soname and
@@ -101,6 +114,9 @@ fn load() -> std::result::Result<Api, String> {
         comm_destroy: sym!(b"ncclCommDestroy\0"),
         comm_abort: sym!(b"ncclCommAbort\0"),
         all_reduce: sym!(b"ncclAllReduce\0"),
+        broadcast: sym!(b"ncclBroadcast\0"),
+        group_start: sym!(b"ncclGroupStart\0"),
+        group_end: sym!(b"ncclGroupEnd\0"),
         _lib: lib,
     })
 }
@@ -224,12 +240,7 @@ impl Comm {
         count: usize,
         stream: &CudaStream,
     ) -> Result<()> {
-        let guard = self.flag.0.read().unwrap_or_else(|e| e.into_inner());
-        if *guard {
-            return Err(Error::Gpu(
-                "another GPU of this group failed; the group is stopped".into(),
-            ));
-        }
+        let _guard = self.live()?;
         let a = api()?;
         // SAFETY: `send` and `recv` are device buffers of `count` floats on
         // this rank's GPU, valid until `stream` has run the reduction; the
@@ -245,6 +256,60 @@ impl Comm {
                 stream.cu_stream() as *mut c_void,
             )
         })
+    }
+
+    /// Every rank's rows of `bufs` onto every rank, in place: a buffer
+    /// `(ptr, width)` holds rows of `width` floats, rank `r` computed rows
+    /// `rows[r]` of each, and they are broadcast from it. One NCCL group
+    /// for all the broadcasts, queued on `stream`.
+    pub fn share_rows(
+        &self,
+        bufs: &[(u64, usize)],
+        rows: &[std::ops::Range<usize>],
+        stream: &CudaStream,
+    ) -> Result<()> {
+        let _guard = self.live()?;
+        let a = api()?;
+        // SAFETY: no arguments; paired with the group end below.
+        check("group start", unsafe { (a.group_start)() })?;
+        let mut queued = Ok(());
+        'all: for &(buf, width) in bufs {
+            for (root, r) in rows.iter().enumerate() {
+                let at = buf + (4 * r.start * width) as u64;
+                // SAFETY: every rank's `buf` holds all rows of `width`
+                // floats on its GPU, valid until `stream` has run the
+                // group; in place (send == recv), as NCCL allows.
+                queued = check("broadcast", unsafe {
+                    (a.broadcast)(
+                        at as *const c_void,
+                        at as *mut c_void,
+                        r.len() * width,
+                        NCCL_FLOAT32,
+                        root as c_int,
+                        self.raw,
+                        stream.cu_stream() as *mut c_void,
+                    )
+                });
+                if queued.is_err() {
+                    break 'all;
+                }
+            }
+        }
+        // SAFETY: closes the group opened above, whatever was queued.
+        let ended = check("group end", unsafe { (a.group_end)() });
+        queued.and(ended)
+    }
+
+    /// A read lock on the abort flag while a collective is queued (an
+    /// abort waits for it), or the error of a group already stopped.
+    fn live(&self) -> Result<std::sync::RwLockReadGuard<'_, bool>> {
+        let guard = self.flag.0.read().unwrap_or_else(|e| e.into_inner());
+        if *guard {
+            return Err(Error::Gpu(
+                "another GPU of this group failed; the group is stopped".into(),
+            ));
+        }
+        Ok(guard)
     }
 
     /// What aborts this group from any thread (see [`Aborter::abort`]).

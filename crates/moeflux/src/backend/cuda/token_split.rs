@@ -1,0 +1,99 @@
+//! Long batches (prefill) on a group whose GPUs all hold every routed
+//! expert, split by tokens: each GPU does the per-token work of its own
+//! share of the rows (norms, the mixers' input and output projections, the
+//! MLP: router, shared and routed experts), and the mixers' sequence part
+//! (the KV append and attention, the conv and the delta rule) on every row,
+//! after NCCL has given every GPU the projections the others computed.
+//! Every GPU's state therefore ends the same, and decode runs as before.
+//!
+//! Splitting only the experts (what a sharded group does) leaves the dense
+//! products, half of a one-GPU prefill, on every GPU; by tokens only the
+//! sequence part (about a tenth at Qwen3.6-35B-A3B's widths) is repeated.
+//! Each token's products are computed as one GPU computes them, so the
+//! logits are one GPU's bits.
+
+use std::ops::Range;
+
+/// Batches of at least this many tokens are split (below, a GPU's share
+/// fills too little of a tensor-core tile to gain on the broadcasts).
+/// `MOEFLUX_TOKEN_SPLIT` overrides it: `0` never splits, another number is
+/// the minimum.
+const MIN_TOKENS: usize = 256;
+
+fn min_tokens() -> Option<usize> {
+    static MIN: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *MIN.get_or_init(|| match std::env::var("MOEFLUX_TOKEN_SPLIT") {
+        Ok(v) => match v.trim().parse::<usize>() {
+            Ok(0) => None,
+            Ok(n) => Some(n.max(2)),
+            Err(_) => Some(MIN_TOKENS),
+        },
+        Err(_) => Some(MIN_TOKENS),
+    })
+}
+
+/// Which rows of an eval each GPU of the group computes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct RowSplit {
+    /// Per rank, its rows (consecutive, together all of them).
+    pub rows: Vec<Range<usize>>,
+    pub rank: usize,
+}
+
+impl RowSplit {
+    /// `n` rows over `world` GPUs as evenly as they go, or `None` when the
+    /// batch is too short to split.
+    pub fn for_batch(n: usize, world: usize, rank: usize) -> Option<RowSplit> {
+        let min = min_tokens()?;
+        (world > 1 && n >= min).then(|| RowSplit::even(n, world, rank))
+    }
+
+    fn even(n: usize, world: usize, rank: usize) -> RowSplit {
+        let rows = (0..world)
+            .map(|r| r * n / world..(r + 1) * n / world)
+            .collect();
+        RowSplit { rows, rank }
+    }
+
+    /// This GPU's rows.
+    pub fn own(&self) -> Range<usize> {
+        self.rows[self.rank].clone()
+    }
+}
+
+/// Device address of row `row` of a buffer of rows of `width` floats.
+pub(super) fn row(buf: u64, row: usize, width: usize) -> u64 {
+    buf + (4 * row * width) as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RowSplit;
+
+    #[test]
+    fn rows_cover_the_batch_once_and_evenly() {
+        for n in [2, 3, 255, 256, 4097] {
+            for world in 1..=5 {
+                let all: Vec<_> = (0..world)
+                    .map(|r| RowSplit::even(n, world, r).own())
+                    .collect();
+                assert_eq!(all[0].start, 0);
+                assert_eq!(all[world - 1].end, n);
+                for w in all.windows(2) {
+                    assert_eq!(w[0].end, w[1].start);
+                }
+                let lens: Vec<usize> = all.iter().map(|r| r.len()).collect();
+                let (lo, hi) = (lens.iter().min().unwrap(), lens.iter().max().unwrap());
+                assert!(hi - lo <= 1, "{n} over {world}: {lens:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn short_batches_and_one_gpu_are_not_split() {
+        assert_eq!(RowSplit::for_batch(4096, 1, 0), None);
+        assert_eq!(RowSplit::for_batch(16, 2, 0), None);
+        let s = RowSplit::for_batch(4096, 2, 1).expect("split");
+        assert_eq!(s.own(), 2048..4096);
+    }
+}
