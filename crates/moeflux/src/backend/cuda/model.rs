@@ -898,8 +898,8 @@ impl CudaModel {
         let split = self
             .ep
             .as_ref()
-            .filter(|ep| ep.replicated && !mla && trace.is_none())
-            .and_then(|ep| RowSplit::for_batch(n, ep.comm.world, ep.comm.rank));
+            .filter(|_| !mla && trace.is_none())
+            .and_then(|ep| RowSplit::for_batch(n, ep.comm.world, ep.comm.rank, ep.replicated));
         let cx = Ctx {
             gpu: g,
             config: &self.config,
@@ -1042,16 +1042,28 @@ impl<'a> GpuStep<'a, '_> {
         self.seqs.iter().map(|s| s.seg.logit_rows().len()).sum()
     }
 
-    /// `xn`, the row count and `x` of the rows whose per-token work this
-    /// GPU does (all of them unless the batch is split by tokens).
-    fn own_rows(&self) -> (u64, usize, u64) {
+    /// `xn`, the row count and `x` of the rows whose norms and MLP this GPU
+    /// computes (all of them unless the batch is split by tokens and every
+    /// GPU holds every expert).
+    fn mlp_rows(&self) -> (u64, usize, u64) {
         let h = self.cx.config.hidden_size;
-        let own = self.cx.own_rows(self.n);
+        let rows = self.cx.split.as_ref().map_or(0..self.n, RowSplit::mlp_rows);
         (
-            row(self.xn, own.start, h),
-            own.len(),
-            row(self.x, own.start, h),
+            row(self.xn, rows.start, h),
+            rows.len(),
+            row(self.x, rows.start, h),
         )
+    }
+
+    /// After a mixer of a batch split by tokens whose experts are sharded:
+    /// every GPU's output rows on every GPU (the MLP runs on all of them).
+    fn share_mixer_rows(&self) -> Result<()> {
+        match &self.cx.split {
+            Some(s) if !s.experts_local => {
+                self.cx.share_rows(&[(self.x, self.cx.config.hidden_size)])
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Runs a mixer per sequence (MLA: its absorbed products per
@@ -1098,16 +1110,18 @@ impl BlockExecutor for GpuStep<'_, '_> {
     fn norm(&mut self, weight: VectorRef) -> Result<()> {
         let c = self.cx.config;
         let w = self.cx.weights.vec(weight);
-        let (xn, m, x) = self.own_rows();
+        let (xn, m, x) = self.mlp_rows();
         rms_norm(self.cx.gpu, x, w, m, c.hidden_size, c.rms_norm_eps, xn)
     }
 
     fn full_attention(&mut self, layer: usize, a: &FullAttention) -> Result<()> {
-        attention::forward(&mut self.cx, layer, a, self.xn, self.n, self.x, &self.seqs)
+        attention::forward(&mut self.cx, layer, a, self.xn, self.n, self.x, &self.seqs)?;
+        self.share_mixer_rows()
     }
 
     fn gated_deltanet(&mut self, layer: usize, g: &GatedDeltaNet) -> Result<()> {
-        deltanet::forward(&mut self.cx, layer, g, self.xn, self.n, self.x, &self.seqs)
+        deltanet::forward(&mut self.cx, layer, g, self.xn, self.n, self.x, &self.seqs)?;
+        self.share_mixer_rows()
     }
 
     fn mla(&mut self, layer: usize, a: &MlaAttention) -> Result<()> {
@@ -1115,12 +1129,12 @@ impl BlockExecutor for GpuStep<'_, '_> {
     }
 
     fn dense_mlp(&mut self, _layer: usize, d: &DenseMlp) -> Result<()> {
-        let (xn, m, x) = self.own_rows();
+        let (xn, m, x) = self.mlp_rows();
         moe::dense_mlp(&mut self.cx, d, xn, m, x)
     }
 
     fn moe(&mut self, b: &MoeBlock, next: Option<&MoeBlock>) -> Result<()> {
-        let (xn, m, x) = self.own_rows();
+        let (xn, m, x) = self.mlp_rows();
         moe::moe(&mut self.cx, b, next, xn, m, x, self.times)
     }
 
@@ -1132,8 +1146,11 @@ impl BlockExecutor for GpuStep<'_, '_> {
         if m == 0 {
             return Ok(());
         }
-        // Split by tokens, each GPU updated only its own rows.
-        cx.share_rows(&[(self.x, h)])?;
+        // Split by tokens with every expert local, each GPU updated only
+        // its own rows.
+        if cx.split.as_ref().is_some_and(|s| s.experts_local) {
+            cx.share_rows(&[(self.x, h)])?;
+        }
         let normed = cx.scratch.get(g, "normed", 4 * m * h)?;
         let w = cx.weights;
         let mut at = 0;

@@ -126,12 +126,11 @@ pub(super) fn moe(
     let slot_out = s.get(g, "slot_out", 4 * n * k * h)?;
     // In a group, this GPU computes only the slots of its own experts (the
     // combine skips the others' rows), unless every GPU holds every expert
-    // and the step is small, or the batch is split by tokens: then each GPU
-    // runs the layer alone on its rows, as one GPU does (no all-reduce).
-    let alone = cx.split.is_some()
-        || cx
-            .ep
-            .is_some_and(|ep| ep.replicated && n <= RESIDENT_SLOT_PATH_MAX_TOKENS);
+    // and the step is small or split by tokens: then each GPU runs the
+    // layer alone on its rows, as one GPU does (no all-reduce).
+    let alone = cx.ep.is_some_and(|ep| {
+        ep.replicated && (n <= RESIDENT_SLOT_PATH_MAX_TOKENS || cx.split.is_some())
+    });
     let ep = cx.ep.filter(|_| !alone);
     // The shared expert runs on one GPU of a group; the group's first GPU
     // counts the cache's uses.

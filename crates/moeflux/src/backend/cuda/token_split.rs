@@ -1,16 +1,21 @@
-//! Long batches (prefill) on a group whose GPUs all hold every routed
-//! expert, split by tokens: each GPU does the per-token work of its own
-//! share of the rows (norms, the mixers' input and output projections, the
-//! MLP: router, shared and routed experts), and the mixers' sequence part
-//! (the KV append and attention, the conv and the delta rule) on every row,
-//! after NCCL has given every GPU the projections the others computed.
-//! Every GPU's state therefore ends the same, and decode runs as before.
+//! Long batches (prefill) of a group, split by tokens: each GPU does the
+//! per-token work of its own share of the rows (norms, the mixers' input
+//! and output projections) and the mixers' sequence part (the KV append
+//! and attention, the conv and the delta rule) on every row, after NCCL
+//! has given every GPU the projections the others computed. Every GPU's
+//! state therefore ends the same, and decode runs as before.
 //!
-//! Splitting only the experts (what a sharded group does) leaves the dense
-//! products, half of a one-GPU prefill, on every GPU; by tokens only the
-//! sequence part (about a tenth at Qwen3.6-35B-A3B's widths) is repeated.
-//! Each token's products are computed as one GPU computes them, so the
-//! logits are one GPU's bits.
+//! When every GPU holds every routed expert, the MLP (router, shared and
+//! routed experts) runs on the GPU's own rows too, and the rows meet again
+//! only before the LM head. When each holds a shard, the mixer's output
+//! rows are shared and the MLP runs on every row with the experts split,
+//! as without the token split.
+//!
+//! Splitting only the experts leaves the dense products, half of a one-GPU
+//! prefill at Qwen3.6-35B-A3B's widths, on every GPU; by tokens only the
+//! sequence part (about a tenth there) is repeated. Each token's products
+//! are computed as one GPU computes them, so a group holding every expert
+//! gives one GPU's bits, and a sharded one the bits it gives unsplit.
 
 use std::ops::Range;
 
@@ -38,26 +43,41 @@ pub(super) struct RowSplit {
     /// Per rank, its rows (consecutive, together all of them).
     pub rows: Vec<Range<usize>>,
     pub rank: usize,
+    /// Every GPU holds every routed expert: the MLP runs on its own rows.
+    pub experts_local: bool,
 }
 
 impl RowSplit {
     /// `n` rows over `world` GPUs as evenly as they go, or `None` when the
     /// batch is too short to split.
-    pub fn for_batch(n: usize, world: usize, rank: usize) -> Option<RowSplit> {
+    pub fn for_batch(n: usize, world: usize, rank: usize, experts_local: bool) -> Option<RowSplit> {
         let min = min_tokens()?;
-        (world > 1 && n >= min).then(|| RowSplit::even(n, world, rank))
+        (world > 1 && n >= min).then(|| RowSplit::even(n, world, rank, experts_local))
     }
 
-    fn even(n: usize, world: usize, rank: usize) -> RowSplit {
+    fn even(n: usize, world: usize, rank: usize, experts_local: bool) -> RowSplit {
         let rows = (0..world)
             .map(|r| r * n / world..(r + 1) * n / world)
             .collect();
-        RowSplit { rows, rank }
+        RowSplit {
+            rows,
+            rank,
+            experts_local,
+        }
     }
 
     /// This GPU's rows.
     pub fn own(&self) -> Range<usize> {
         self.rows[self.rank].clone()
+    }
+
+    /// The rows of the norms and the MLP this GPU computes: its own, or
+    /// all of them when the experts are sharded.
+    pub fn mlp_rows(&self) -> Range<usize> {
+        match self.experts_local {
+            true => self.own(),
+            false => 0..self.rows.last().map_or(0, |r| r.end),
+        }
     }
 }
 
@@ -75,7 +95,7 @@ mod tests {
         for n in [2, 3, 255, 256, 4097] {
             for world in 1..=5 {
                 let all: Vec<_> = (0..world)
-                    .map(|r| RowSplit::even(n, world, r).own())
+                    .map(|r| RowSplit::even(n, world, r, true).own())
                     .collect();
                 assert_eq!(all[0].start, 0);
                 assert_eq!(all[world - 1].end, n);
@@ -91,9 +111,11 @@ mod tests {
 
     #[test]
     fn short_batches_and_one_gpu_are_not_split() {
-        assert_eq!(RowSplit::for_batch(4096, 1, 0), None);
-        assert_eq!(RowSplit::for_batch(16, 2, 0), None);
-        let s = RowSplit::for_batch(4096, 2, 1).expect("split");
-        assert_eq!(s.own(), 2048..4096);
+        assert_eq!(RowSplit::for_batch(4096, 1, 0, true), None);
+        assert_eq!(RowSplit::for_batch(16, 2, 0, true), None);
+        let s = RowSplit::for_batch(4096, 2, 1, true).expect("split");
+        assert_eq!((s.own(), s.mlp_rows()), (2048..4096, 2048..4096));
+        let s = RowSplit::for_batch(4097, 2, 0, false).expect("split");
+        assert_eq!((s.own(), s.mlp_rows()), (0..2048, 0..4097));
     }
 }
