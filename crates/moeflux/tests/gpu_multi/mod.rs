@@ -716,7 +716,8 @@ fn run_two_ranks(
 const NO_ENV: fn(usize) -> Vec<(&'static str, String)> = |_| Vec::new();
 
 /// Two processes, one GPU each, give exactly the logits of one process on
-/// the same two GPUs, in one batch and one token at a time, on both ranks.
+/// the same two GPUs, in one batch (long enough to be split by tokens) and
+/// one token at a time, on both ranks.
 #[test]
 #[ignore]
 fn two_processes_match_one_process_on_two_gpus() {
@@ -728,7 +729,7 @@ fn two_processes_match_one_process_on_two_gpus() {
     super::synth_model(&dir);
     let mut one = two_default(&dir);
     let vocab = one.vocab_size();
-    let toks = random_tokens(24, vocab);
+    let toks = random_tokens(260, vocab);
     let mut want = one.eval(&toks, LogitsMode::All).unwrap();
     one.clear();
     want.extend(one_token_at_a_time(&mut one, &toks));
