@@ -50,7 +50,8 @@
 #      (MOEFLUX_EP_GRAPHS=0); the NCCL all-reduce's share of a sharded decode step
 #      (MOEFLUX_CUDA_PROFILE, eager); one GPU's
 #      prefill profile (the shares an expert split and a token split divide) and two GPUs'
-#      (the broadcasts' share). F397=0 skips the
+#      (the broadcasts' share); with F_MLA=1, cogito-v2-671b widths (MLA, 4 layers, resident)
+#      prefill on 1 and 2 GPUs, split by tokens and by experts only. F397=0 skips the
 #      397B rows (their 43 GB synth), F_A3B=0 the A3B rows.
 #
 # $MOEFLUX names the binary (default: target/release/moeflux). Models go to --dir (default
@@ -298,6 +299,15 @@ if has f; then
     MOEFLUX_EP_GRAPHS=0 bench f-a3b-resident-2gpu-eager "$A3B" --prompt-len 0 --gen $TG --gpus 0,1 --replicate-experts off
     rm -rf "$A3B"
     fi
+    if [[ ${F_MLA:-0} != 0 ]]; then
+    # MLA prefill split by tokens: cogito-v2-671b widths, 4 layers (3 dense, 1 MoE), resident.
+    DS=$DIR/cogito-4
+    synth "$DS" --preset cogito-v2-671b --layers 4
+    bench f-mla-4l-1gpu "$DS" --prompt-len $PPL --gen 0
+    bench f-mla-4l-2gpu "$DS" --prompt-len $PPL --gen 0 --gpus 0,1
+    MOEFLUX_TOKEN_SPLIT=0 bench f-mla-4l-2gpu-expert-split "$DS" --prompt-len $PPL --gen 0 --gpus 0,1
+    rm -rf "$DS"
+    fi
   fi
 fi
 
@@ -431,6 +441,11 @@ if a and b:
     print(f"f A3B resident, experts on both GPUs (the default): decode "
           f"{b['decode_tok_s'] / a['decode_tok_s']:.2f}x one GPU; "
           f"pp{a['prefill']['tokens']} {b['prefill_tok_s'] / a['prefill_tok_s']:.2f}x")
+m1, m2, mx = load("f-mla-4l-1gpu"), load("f-mla-4l-2gpu"), load("f-mla-4l-2gpu-expert-split")
+if m1 and m2 and mx:
+    print(f"f MLA (cogito widths, 4 layers) pp{m1['prefill']['tokens']}: 2 GPUs split by tokens "
+          f"{m2['prefill_tok_s'] / m1['prefill_tok_s']:.2f}x one GPU, by experts only "
+          f"{mx['prefill_tok_s'] / m1['prefill_tok_s']:.2f}x")
 x = load("f-a3b-resident-2gpu-expert-split")
 if a and x:
     print(f"f A3B resident, prefill split by experts only (MOEFLUX_TOKEN_SPLIT=0): "

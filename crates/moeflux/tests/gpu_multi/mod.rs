@@ -271,8 +271,11 @@ fn split_batches_are_one_gpus_bits(name: &str, dir: &std::path::Path) {
             "{name}: decode step {i} after the split prompt"
         );
     }
-    // Three sequences in one step of 337 rows: the halves meet inside the
-    // second prompt; then a step of their three decodes.
+    // Three sequences in one step of 337 rows: the second GPU's half
+    // starts inside the third prompt (the first two lie wholly in the
+    // first GPU's; MLA attends per sequence, each GPU its share, at least
+    // 16 rows so every product takes one GPU's kernels); then a step of
+    // their three decodes.
     let opts = |gpus: Vec<usize>| SessionOptions {
         backend: moeflux::Backend::Cuda,
         gpus: GpuSelection::List(gpus),
@@ -280,7 +283,7 @@ fn split_batches_are_one_gpus_bits(name: &str, dir: &std::path::Path) {
     };
     let mut b1 = Batch::open(dir, opts(vec![0])).unwrap();
     let mut b2 = Batch::open(dir, opts(vec![0, 1])).unwrap();
-    let prompts = [&rest[8..158], &rest[158..165], &rest[165..345]];
+    let prompts = [&rest[8..128], &rest[128..135], &rest[135..345]];
     let next = [&rest[345..346], &rest[346..347], &rest[347..348]];
     let ids1: Vec<_> = (0..3).map(|_| b1.add_sequence().unwrap()).collect();
     let ids2: Vec<_> = (0..3).map(|_| b2.add_sequence().unwrap()).collect();
@@ -334,8 +337,17 @@ fn two_gpus_split_long_batches_by_tokens() {
     let d = max_rel_diff(&got, &want);
     assert!(d <= GUARD, "sharded: decode after the split prompt: {d:e}");
     // Fused GatedDeltaNet projections, attention biases and GLM's dense
-    // first layer, gpt-oss's sinks, windows and MXFP4 experts.
-    for name in ["qwen3next-q4", "glm4moe-q4", "gptoss-mxfp4"] {
+    // first layer, gpt-oss's sinks, windows and MXFP4 experts, DeepSeek's
+    // MLA (latents shared, queries and attention split).
+    let dir = tmp.path().join("synth-ds");
+    super::synth_deepseek(&dir);
+    split_batches_are_one_gpus_bits("synth-ds", &dir);
+    for name in [
+        "qwen3next-q4",
+        "glm4moe-q4",
+        "gptoss-mxfp4",
+        "deepseekv3-q4",
+    ] {
         let (_tmp, dir) = convert_fixture(&format!("{name}/src"), None);
         split_batches_are_one_gpus_bits(name, &dir);
     }

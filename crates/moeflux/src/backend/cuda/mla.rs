@@ -23,6 +23,7 @@ use super::linear::{
 use super::model::Ctx;
 use super::state::{GpuLayerState, RowCache};
 use super::support::unsupported;
+use super::token_split::row;
 
 /// Bytes of the per-head latent buffers (absorbed queries, attended
 /// latents) one chunk of a batch may take.
@@ -111,7 +112,8 @@ fn chunk_tokens(p: &MlaParams) -> usize {
 
 /// Attention of layer `i` for `n` normed tokens at the eval's positions,
 /// their latents appended to the layer's cache (already grown to take
-/// them); the output projection is added to `x`.
+/// them); the output projection is added to `x`. One sequence's rows:
+/// `cx.split`, if any, is this sequence's share of the split.
 pub(super) fn forward(
     cx: &mut Ctx,
     i: usize,
@@ -133,12 +135,21 @@ pub(super) fn forward(
         d.qk_nope_head_dim,
         d.v_head_dim,
     );
+    let h = cx.config.hidden_size;
+    // Split by tokens, this GPU projects and attends its own rows (`mine`
+    // of them from `lo`); the others' latents are broadcast to it, so every
+    // GPU appends every row to its cache.
+    let own = cx.own_rows(n);
+    let (lo, mine) = (own.start, own.len());
     let g = cx.gpu;
     let s = &mut *cx.scratch;
     let q = s.get(g, "mla_q", 4 * n * nh * qhd)?;
     let kv = s.get(g, "mla_kv", 4 * n * (kvl + r))?;
     let kv_a = w.lin(&a.kv_a);
+    let (xn, q_own, kv_own) = (row(xn, lo, h), row(q, lo, nh * qhd), row(kv, lo, kvl + r));
+    // (A sequence of a split batch may lie wholly in the other GPUs' rows.)
     match &a.q {
+        _ if mine == 0 => {}
         QueryProj::Lora {
             a: qa_proj,
             norm,
@@ -146,14 +157,16 @@ pub(super) fn forward(
         } => {
             let (wa, wb, norm) = (w.lin(qa_proj), w.lin(b), w.vec(*norm));
             let rank = wa.rows();
-            let qa = s.get(g, "mla_qa", 4 * n * rank)?;
-            let qn = s.get(g, "mla_qn", 4 * n * rank)?;
-            matmuls(g, &[mm(wa, qa), mm(kv_a, kv)], xn, n)?;
-            rms_norm(g, qa, norm, n, rank, LORA_NORM_EPS, qn)?;
-            matmuls(g, &[mm(wb, q)], qn, n)?;
+            let qa = s.get(g, "mla_qa", 4 * mine * rank)?;
+            let qn = s.get(g, "mla_qn", 4 * mine * rank)?;
+            matmuls(g, &[mm(wa, qa), mm(kv_a, kv_own)], xn, mine)?;
+            rms_norm(g, qa, norm, mine, rank, LORA_NORM_EPS, qn)?;
+            matmuls(g, &[mm(wb, q_own)], qn, mine)?;
         }
-        QueryProj::Plain(wq) => matmuls(g, &[mm(w.lin(wq), q), mm(kv_a, kv)], xn, n)?,
+        QueryProj::Plain(wq) => matmuls(g, &[mm(w.lin(wq), q_own), mm(kv_a, kv_own)], xn, mine)?,
     }
+    cx.share_rows(&[(kv, kvl + r)])?;
+    let s = &mut *cx.scratch;
     let Some(GpuLayerState::Mla(cache)) = cx.state.layers.get(i) else {
         return Err(Error::Invalid(format!(
             "layer {i}: GPU state is not an MLA cache"
@@ -165,7 +178,8 @@ pub(super) fn forward(
     let (kv_norm, inv_freq, pos) = (w.vec(a.kv_norm), cx.inv_freq, cx.pos);
     let (eps, mscale, ps, scale) = (LORA_NORM_EPS, p.mscale, p.position_scale, p.scale);
     // SAFETY: `mla_prep` in mla.cu; q and kv hold n tokens, the cache
-    // rows *pos .. *pos + n exist.
+    // rows *pos .. *pos + n exist. (Split by tokens, it also rotates the
+    // other GPUs' query rows here, which nothing reads.)
     unsafe {
         g.launch(
             "mla_prep",
@@ -180,7 +194,7 @@ pub(super) fn forward(
     };
     let embed_q = quantized(w.lin(&a.embed_q), "embed_q")?;
     let unembed_out = quantized(w.lin(&a.unembed_out), "unembed_out")?;
-    let chunk = chunk_tokens(p).min(n);
+    let chunk = chunk_tokens(p).min(mine.max(1));
     let qa = s.get(g, "mla_qlat", 4 * chunk * nh * kvl)?;
     let ctx_lat = s.get(g, "mla_ctx", 4 * chunk * nh * kvl)?;
     let attn = s.get(g, "mla_attn", 4 * n * nh * v)?;
@@ -194,8 +208,8 @@ pub(super) fn forward(
         x_token: nh * kvl,
         x_head: kvl,
     };
-    for t0 in (0..n).step_by(chunk) {
-        let m = chunk.min(n - t0);
+    for t0 in (lo..lo + mine).step_by(chunk) {
+        let m = chunk.min(lo + mine - t0);
         let q_t0 = q + (4 * t0 * nh * qhd) as u64;
         head_matmul(g, embed_q, into_latent, q_t0, m, qa)?;
         let t0_i = t0 as i32;
@@ -217,7 +231,11 @@ pub(super) fn forward(
         let attn_t0 = attn + (4 * t0 * nh * v) as u64;
         head_matmul(g, unembed_out, out_of_latent, ctx_lat, m, attn_t0)?;
     }
-    matmuls(g, &[mm_add(w.lin(&a.o_proj), x)], attn, n)
+    if mine == 0 {
+        return Ok(());
+    }
+    let out = mm_add(w.lin(&a.o_proj), row(x, lo, h));
+    matmuls(g, &[out], row(attn, lo, nh * v), mine)
 }
 
 #[cfg(test)]

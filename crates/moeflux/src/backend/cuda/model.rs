@@ -889,16 +889,11 @@ impl CudaModel {
             })
             .collect();
         let first = seqs.first().ok_or(Error::EmptyTokens)?;
-        // MLA runs its projections and attention per sequence in one piece,
-        // and a trace reads whole activations: neither splits.
-        let mla = model
-            .layers
-            .iter()
-            .any(|l| matches!(l.mixer, Mixer::Mla(_)));
+        // A trace reads whole activations: it is not split.
         let split = self
             .ep
             .as_ref()
-            .filter(|_| !mla && trace.is_none())
+            .filter(|_| trace.is_none())
             .and_then(|ep| RowSplit::for_batch(n, ep.comm.world, ep.comm.rank, ep.replicated));
         let cx = Ctx {
             gpu: g,
@@ -1067,21 +1062,28 @@ impl<'a> GpuStep<'a, '_> {
     }
 
     /// Runs a mixer per sequence (MLA: its absorbed products per
-    /// sequence): `f(cx, xn, n, x)` on its rows, with the context's state
-    /// and positions its own.
+    /// sequence): `f(cx, xn, n, x)` on its rows, with the context's state,
+    /// positions and share of a split its own.
     fn per_sequence(
         &mut self,
         mut f: impl FnMut(&mut Ctx<'a>, u64, usize, u64) -> Result<()>,
     ) -> Result<()> {
         let row = 4 * self.cx.config.hidden_size as u64;
+        let whole = self.cx.split.take();
+        let mut done = Ok(());
         for s in &self.seqs {
             self.cx.state = s.state;
             self.cx.pos = s.pos;
             self.cx.start = s.seg.start;
+            self.cx.split = whole.as_ref().map(|w| w.within(&s.seg.rows));
             let off = s.seg.rows.start as u64 * row;
-            f(&mut self.cx, self.xn + off, s.seg.rows.len(), self.x + off)?;
+            done = f(&mut self.cx, self.xn + off, s.seg.rows.len(), self.x + off);
+            if done.is_err() {
+                break;
+            }
         }
-        Ok(())
+        self.cx.split = whole;
+        done
     }
 }
 
@@ -1125,7 +1127,8 @@ impl BlockExecutor for GpuStep<'_, '_> {
     }
 
     fn mla(&mut self, layer: usize, a: &MlaAttention) -> Result<()> {
-        self.per_sequence(|cx, xn, n, x| mla::forward(cx, layer, a, xn, n, x))
+        self.per_sequence(|cx, xn, n, x| mla::forward(cx, layer, a, xn, n, x))?;
+        self.share_mixer_rows()
     }
 
     fn dense_mlp(&mut self, _layer: usize, d: &DenseMlp) -> Result<()> {

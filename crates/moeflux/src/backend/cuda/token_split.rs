@@ -71,6 +71,21 @@ impl RowSplit {
         self.rows[self.rank].clone()
     }
 
+    /// The split of the rows `rows` of the eval (one sequence's), counted
+    /// from its first: each GPU's share of them, empty for a GPU whose
+    /// rows lie elsewhere.
+    pub fn within(&self, rows: &Range<usize>) -> RowSplit {
+        let clip = |i: usize| i.clamp(rows.start, rows.end) - rows.start;
+        RowSplit {
+            rows: self
+                .rows
+                .iter()
+                .map(|r| clip(r.start)..clip(r.end))
+                .collect(),
+            ..self.clone()
+        }
+    }
+
     /// The rows of the norms and the MLP this GPU computes: its own, or
     /// all of them when the experts are sharded.
     pub fn mlp_rows(&self) -> Range<usize> {
@@ -107,6 +122,18 @@ mod tests {
                 assert!(hi - lo <= 1, "{n} over {world}: {lens:?}");
             }
         }
+    }
+
+    #[test]
+    fn a_sequences_share_is_counted_from_its_first_row() {
+        let s = RowSplit::even(301, 2, 1, true);
+        let within = |rows| {
+            let w = s.within(&rows);
+            (w.rows.clone(), w.own())
+        };
+        assert_eq!(within(100..200), (vec![0..50, 50..100], 50..100));
+        assert_eq!(within(0..120), (vec![0..120, 120..120], 120..120));
+        assert_eq!(within(200..301), (vec![0..0, 0..101], 0..101));
     }
 
     #[test]
