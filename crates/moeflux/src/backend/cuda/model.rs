@@ -130,8 +130,8 @@ pub(super) struct Ctx<'a> {
     pub downloads: &'a mut PinnedDownload,
     /// In a multi-GPU group: this GPU's experts and its communicator.
     pub ep: Option<&'a Ep>,
-    /// A long batch of a group that holds every expert on every GPU: the
-    /// rows whose per-token work each GPU does (`token_split.rs`).
+    /// A long batch of a group, split by tokens: the rows whose per-token
+    /// work each GPU does (`token_split.rs`).
     pub split: Option<RowSplit>,
 }
 
@@ -169,8 +169,9 @@ pub struct Ep {
     pub own: Option<DevBuf>,
     /// Every GPU of the group holds every routed expert
     /// ([`CudaOptions::replicate_experts`]): steps of a few tokens run on
-    /// each GPU alone, the same arithmetic as one GPU, with no all-reduce;
-    /// larger ones still split the experts by `shard`.
+    /// each GPU alone, the same arithmetic as one GPU, with no all-reduce,
+    /// and so do batches split by tokens, each on its own rows; the others
+    /// split the experts by `shard`.
     pub replicated: bool,
 }
 
@@ -214,8 +215,8 @@ pub struct CudaOptions {
     /// Several GPUs: when the expert-cache budget of every GPU holds every
     /// routed expert, each GPU loads them all and runs the steps of a few
     /// tokens (decode) alone, so they need no all-reduce and run at one
-    /// GPU's speed; prefill batches still split the experts between the
-    /// GPUs. `false`: each GPU holds only its shard.
+    /// GPU's speed, and prefill batches split by tokens run their MLPs on
+    /// each GPU's own rows. `false`: each GPU holds only its shard.
     pub replicate_experts: bool,
     /// Misses read from files opened with `O_DIRECT` go straight to VRAM
     /// through cuFile (GPUDirect Storage); see `gds.rs`.
