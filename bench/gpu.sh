@@ -46,7 +46,8 @@
 #      (--direct-io; in part g's disk table, rows `-arena`); qwen3.6-35b-a3b widths
 #      fully resident: pp4096 and tg128 (CUDA graphs) with every expert on both GPUs (the
 #      default: prefill split by tokens), pp4096 split by experts only (MOEFLUX_TOKEN_SPLIT=0),
-#      pp512 on 1 and 2 GPUs, and sharded (--replicate-experts off), and sharded tg128 eager
+#      pp512 on 1 and 2 GPUs, on a host of 4 GPUs pp4096 and tg128 on all four, and sharded
+#      (--replicate-experts off), and sharded tg128 eager
 #      (MOEFLUX_EP_GRAPHS=0); the NCCL all-reduce's share of a sharded decode step
 #      (MOEFLUX_CUDA_PROFILE, eager); one GPU's
 #      prefill profile (the shares an expert split and a token split divide) and two GPUs'
@@ -286,6 +287,9 @@ if has f; then
     synth "$A3B" --preset qwen3.6-35b-a3b
     bench f-a3b-resident-1gpu "$A3B" --prompt-len $PPL --gen $TG
     bench f-a3b-resident-2gpu "$A3B" --prompt-len $PPL --gen $TG --gpus 0,1
+    if (( ngpu >= 4 )); then
+      bench f-a3b-resident-4gpu "$A3B" --prompt-len $PPL --gen $TG --gpus 0,1,2,3
+    fi
     bench f-a3b-resident-2gpu-sharded "$A3B" --prompt-len $PPL --gen $TG --gpus 0,1 --replicate-experts off
     # Prefill split by experts only (what the group did before splitting by tokens).
     MOEFLUX_TOKEN_SPLIT=0 bench f-a3b-resident-2gpu-expert-split "$A3B" --prompt-len $PPL --gen 0 --gpus 0,1
@@ -441,6 +445,10 @@ if a and b:
     print(f"f A3B resident, experts on both GPUs (the default): decode "
           f"{b['decode_tok_s'] / a['decode_tok_s']:.2f}x one GPU; "
           f"pp{a['prefill']['tokens']} {b['prefill_tok_s'] / a['prefill_tok_s']:.2f}x")
+q = load("f-a3b-resident-4gpu")
+if a and q:
+    print(f"f A3B resident, 4 GPUs: decode {q['decode_tok_s'] / a['decode_tok_s']:.2f}x one GPU; "
+          f"pp{a['prefill']['tokens']} {q['prefill_tok_s'] / a['prefill_tok_s']:.2f}x")
 m1, m2, mx = load("f-mla-4l-1gpu"), load("f-mla-4l-2gpu"), load("f-mla-4l-2gpu-expert-split")
 if m1 and m2 and mx:
     print(f"f MLA (cogito widths, 4 layers) pp{m1['prefill']['tokens']}: 2 GPUs split by tokens "
