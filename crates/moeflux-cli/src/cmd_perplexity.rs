@@ -33,10 +33,11 @@ pub struct PerplexityArgs {
     /// Print the result as one JSON object on stdout.
     #[arg(long)]
     pub json: bool,
-    /// Also score the text on the CPU with exact f32 activations (a second
-    /// session) and report how far this run's next-token distributions are
-    /// from those: mean and largest KL divergence, and how often the most
-    /// likely token agrees (for `--cpu-activations q8` or the GPU).
+    /// Also score the text on the CPU with exact f32 activations and the
+    /// model's own experts (a second session) and report how far this
+    /// run's next-token distributions are from those: mean and largest KL
+    /// divergence, and how often the most likely token agrees (for
+    /// `--cpu-activations q8`, `--low-width-experts` or the GPU).
     #[arg(long)]
     pub kl: bool,
 }
@@ -80,6 +81,7 @@ pub fn run(mut args: PerplexityArgs) -> Result<()> {
         let mut r = args.model.clone();
         r.backend = Backend::Cpu;
         r.cpu_activations = Activations::F32;
+        r.low_width_experts = false;
         (r.gpus, r.dist_init, r.rank, r.world) = (None, None, None, None);
         (r.gpu_memory, r.host_cache, r.cpu_experts) = (None, None, 0);
         eprintln!("reference: the CPU with f32 activations");

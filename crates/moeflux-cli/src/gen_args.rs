@@ -136,6 +136,12 @@ pub struct ModelArgs {
     /// always; `off` never (experts stream from the files).
     #[arg(long, default_value = "auto", value_parser = parse_repack)]
     pub cpu_repack: Repack,
+    /// Use the model's low-width copies of its routed experts (made by
+    /// `moeflux convert --low-width-copies 2`) in place of the experts:
+    /// fewer bytes per expert read, uploaded and cached, at a quality cost
+    /// (`moeflux perplexity --kl` reports it against the experts).
+    #[arg(long)]
+    pub low_width_experts: bool,
     /// GPU: launch every kernel of a decode step one by one instead of
     /// replaying the step as a CUDA graph (for comparison and debugging).
     #[arg(long)]
@@ -328,6 +334,7 @@ impl ModelArgs {
                 gds: self.gds,
                 cpu_activations: self.cpu_activations,
                 cpu_repack: self.cpu_repack,
+                low_width_experts: self.low_width_experts,
                 ..Default::default()
             },
         )

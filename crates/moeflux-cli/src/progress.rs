@@ -170,13 +170,18 @@ pub fn spinner(msg: &str) -> ProgressBar {
 /// A bar counting tokens, `label` first, on stderr when it is a terminal,
 /// else hidden; its length is set by the caller.
 pub fn token_bar(label: &str) -> ProgressBar {
+    count_bar(label, "tokens")
+}
+
+/// A bar counting `unit`s, as [`token_bar`] does tokens.
+pub fn count_bar(label: &str, unit: &str) -> ProgressBar {
     if !std::io::stderr().is_terminal() {
         return ProgressBar::hidden();
     }
     let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
     bar.set_style(
         ProgressStyle::with_template(&format!(
-            "{label} [{{elapsed_precise}}] {{wide_bar}} {{pos}}/{{len}} tokens {{per_sec}} ETA {{eta}}"
+            "{label} [{{elapsed_precise}}] {{wide_bar}} {{pos}}/{{len}} {unit} {{per_sec}} ETA {{eta}}"
         ))
         .expect("valid template")
         .progress_chars("=> "),

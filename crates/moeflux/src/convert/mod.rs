@@ -17,6 +17,7 @@ pub mod experts;
 pub mod fp8;
 pub mod gguf;
 pub mod kvb;
+pub mod low_width;
 pub mod output;
 pub mod plan;
 pub mod sanitize;
@@ -300,9 +301,9 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions) -> Result<ConvertR
         tensors,
         quantized: plan.quantized.clone(),
         experts: plan.layers.iter().map(|l| l.manifest.clone()).collect(),
+        low_width_experts: Vec::new(),
     };
-    let mut text = manifest.to_json();
-    text.push('\n');
+    let text = manifest.file_text();
     output::write_file(&tmp.path.join(MANIFEST_FILE), text.as_bytes())?;
     ctx.check_cancel()?;
     tmp.commit(dst, opts.force)?;

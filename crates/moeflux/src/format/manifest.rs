@@ -32,6 +32,11 @@ pub struct Manifest {
     pub quantized: BTreeMap<String, QuantSpec>,
     /// Routed experts of every MoE layer, in layer order.
     pub experts: Vec<ExpertLayer>,
+    /// Copies of the same experts at fewer bits (`moeflux convert
+    /// --low-width-copies`), used in their place when a session asks
+    /// (`SessionOptions::low_width`). Empty: none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub low_width_experts: Vec<ExpertLayer>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -146,89 +151,26 @@ impl Manifest {
                 ));
             }
         }
-        let mut seen = vec![false; config.num_layers];
         let mut files = std::collections::BTreeSet::new();
-        for (i, el) in self.experts.iter().enumerate() {
-            let f = |name: &str| format!("experts[{i}].{name}");
-            if el.layer >= config.num_layers {
-                return Err(bad(
-                    f("layer"),
-                    format!(
-                        "{} is not a layer of this model (config.json: num_hidden_layers {})",
-                        el.layer, config.num_layers
-                    ),
-                ));
-            }
-            if !config.is_moe_layer(el.layer) {
-                return Err(bad(
-                    f("layer"),
-                    if config.moe.num_experts == 0 {
-                        format!(
-                            "layer {} is not a MoE layer: config.json: num_experts is 0 \
-                             (a model without routed experts)",
-                            el.layer
-                        )
-                    } else {
-                        format!("layer {} is not a MoE layer in config.json", el.layer)
-                    },
-                ));
-            }
-            if std::mem::replace(&mut seen[el.layer], true) {
-                return Err(bad(f("layer"), format!("layer {} listed twice", el.layer)));
-            }
-            super::check_relative(&el.file).map_err(|r| bad(f("file"), r))?;
-            // Lexically normalised, so `experts/./a.bin` and `experts/a.bin` match.
-            let norm: std::path::PathBuf = Path::new(&el.file).components().collect();
-            if !files.insert(norm) {
-                return Err(bad(
-                    f("file"),
-                    format!("`{}` is also the file of another layer", el.file),
-                ));
-            }
-            if el.num_experts != config.moe.num_experts {
-                return Err(bad(
-                    f("num_experts"),
-                    format!(
-                        "{}, but config.json says {}",
-                        el.num_experts, config.moe.num_experts
-                    ),
-                ));
-            }
-            if el.stride == 0 || !el.stride.is_multiple_of(super::EXPERT_ALIGN as u64) {
-                return Err(bad(
-                    f("stride"),
-                    format!(
-                        "{} is not a positive multiple of {}",
-                        el.stride,
-                        super::EXPERT_ALIGN
-                    ),
-                ));
-            }
-            if el.expert_bytes == 0 || el.expert_bytes > el.stride {
-                return Err(bad(
-                    f("expert_bytes"),
-                    format!(
-                        "{} is not in 1..={} (the stride)",
-                        el.expert_bytes, el.stride
-                    ),
-                ));
-            }
-            let total = (el.num_experts as u64).checked_mul(el.stride);
-            if total.is_none_or(|t| usize::try_from(t).is_err()) {
-                return Err(bad(
-                    f("stride"),
-                    format!(
-                        "{} experts x stride {} does not fit in memory",
-                        el.num_experts, el.stride
-                    ),
-                ));
-            }
-        }
-        Ok(())
+        check_experts(&self.experts, "experts", &mut files, path, config)?;
+        check_experts(
+            &self.low_width_experts,
+            "low_width_experts",
+            &mut files,
+            path,
+            config,
+        )
     }
 
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).expect("manifest serializes")
+    }
+
+    /// What `moeflux.json` holds: the JSON and a newline.
+    pub fn file_text(&self) -> String {
+        let mut text = self.to_json();
+        text.push('\n');
+        text
     }
 
     pub fn expert_layer(&self, layer: usize) -> Option<&ExpertLayer> {
@@ -275,4 +217,95 @@ impl ExpertLayer {
     pub fn component(&self, name: &str) -> Option<&ExpertComponent> {
         self.components.iter().find(|c| c.name == name)
     }
+}
+
+/// Checks one list of expert layers (`field`: its name in errors) against
+/// `config`: see [`Manifest::check`]. `files` collects the files of every
+/// list, so no two layers of any list share one.
+fn check_experts(
+    list: &[ExpertLayer],
+    field: &str,
+    files: &mut std::collections::BTreeSet<std::path::PathBuf>,
+    path: &Path,
+    config: &ModelConfig,
+) -> Result<()> {
+    let bad = |field: String, reason: String| Error::format(path, format!("{field}: {reason}"));
+    let mut seen = vec![false; config.num_layers];
+    for (i, el) in list.iter().enumerate() {
+        let f = |name: &str| format!("{field}[{i}].{name}");
+        if el.layer >= config.num_layers {
+            return Err(bad(
+                f("layer"),
+                format!(
+                    "{} is not a layer of this model (config.json: num_hidden_layers {})",
+                    el.layer, config.num_layers
+                ),
+            ));
+        }
+        if !config.is_moe_layer(el.layer) {
+            return Err(bad(
+                f("layer"),
+                if config.moe.num_experts == 0 {
+                    format!(
+                        "layer {} is not a MoE layer: config.json: num_experts is 0 \
+                         (a model without routed experts)",
+                        el.layer
+                    )
+                } else {
+                    format!("layer {} is not a MoE layer in config.json", el.layer)
+                },
+            ));
+        }
+        if std::mem::replace(&mut seen[el.layer], true) {
+            return Err(bad(f("layer"), format!("layer {} listed twice", el.layer)));
+        }
+        super::check_relative(&el.file).map_err(|r| bad(f("file"), r))?;
+        // Lexically normalised, so `experts/./a.bin` and `experts/a.bin` match.
+        let norm: std::path::PathBuf = Path::new(&el.file).components().collect();
+        if !files.insert(norm) {
+            return Err(bad(
+                f("file"),
+                format!("`{}` is also the file of another layer", el.file),
+            ));
+        }
+        if el.num_experts != config.moe.num_experts {
+            return Err(bad(
+                f("num_experts"),
+                format!(
+                    "{}, but config.json says {}",
+                    el.num_experts, config.moe.num_experts
+                ),
+            ));
+        }
+        if el.stride == 0 || !el.stride.is_multiple_of(super::EXPERT_ALIGN as u64) {
+            return Err(bad(
+                f("stride"),
+                format!(
+                    "{} is not a positive multiple of {}",
+                    el.stride,
+                    super::EXPERT_ALIGN
+                ),
+            ));
+        }
+        if el.expert_bytes == 0 || el.expert_bytes > el.stride {
+            return Err(bad(
+                f("expert_bytes"),
+                format!(
+                    "{} is not in 1..={} (the stride)",
+                    el.expert_bytes, el.stride
+                ),
+            ));
+        }
+        let total = (el.num_experts as u64).checked_mul(el.stride);
+        if total.is_none_or(|t| usize::try_from(t).is_err()) {
+            return Err(bad(
+                f("stride"),
+                format!(
+                    "{} experts x stride {} does not fit in memory",
+                    el.num_experts, el.stride
+                ),
+            ));
+        }
+    }
+    Ok(())
 }

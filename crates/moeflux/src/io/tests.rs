@@ -58,6 +58,7 @@ fn manifest(layers: &[FakeLayer]) -> Manifest {
                 components: Vec::new(),
             })
             .collect(),
+        low_width_experts: Vec::new(),
     }
 }
 

@@ -55,6 +55,18 @@ impl<'a> QMatrix<'a> {
     pub fn groups_per_row(&self) -> usize {
         self.cols / self.spec.group_size
     }
+    /// Row `r` dequantized into `out` (`cols` floats): `q * scale + bias`
+    /// per element, as `mx.dequantize`.
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        let (wpr, groups) = (self.words_per_row(), self.groups_per_row());
+        let s: Vec<f32> = (0..groups)
+            .map(|g| self.scales.get(r * groups + g))
+            .collect();
+        let b: Vec<f32> = (0..groups)
+            .map(|g| self.biases.get(r * groups + g))
+            .collect();
+        affine::dequantize_row(&self.packed[r * wpr..(r + 1) * wpr], &s, &b, self.spec, out);
+    }
     /// Checks that the slices have the sizes the shape implies.
     pub fn check(&self) -> Result<(), String> {
         self.spec.validate()?;

@@ -20,7 +20,7 @@ use crate::backend::cuda::{support, CacheStats, CudaGroup, CudaOptions};
 use crate::backend::prefetch::PrefetchStats;
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
-use crate::format::MANIFEST_FILE;
+use crate::format::{Manifest, MANIFEST_FILE};
 use crate::io::{ExpertStore, ExpertStoreOptions, IoStats};
 use crate::model::forward::{Segment, SegmentOutput};
 use crate::model::state::RewindState;
@@ -129,15 +129,46 @@ pub struct Batch {
     next_id: u64,
 }
 
+/// What a snapshot of this model is bound to: its manifest's bytes, as
+/// `convert` wrote them (low-width copies added later leave it unchanged,
+/// so snapshots taken before stay loadable), and whether the session uses
+/// those copies.
+fn model_fingerprint(manifest: &Manifest, bytes: Vec<u8>, low_width: bool) -> u64 {
+    let bytes = if manifest.low_width_experts.is_empty() {
+        bytes
+    } else {
+        let mut m = manifest.clone();
+        m.low_width_experts.clear();
+        m.file_text().into_bytes()
+    };
+    let h = crate::hash::fnv1a(&bytes);
+    match low_width {
+        true => h ^ crate::hash::fnv1a(b"low-width experts"),
+        false => h,
+    }
+}
+
 impl Batch {
     /// Opens a model directory written by `moeflux convert`, with no
     /// sequence yet.
     pub fn open(dir: &Path, opts: SessionOptions) -> Result<Self> {
         let manifest_path = dir.join(MANIFEST_FILE);
         // Read (size-checked) and parsed before its bytes are hashed.
-        let (manifest, config) = Model::read_dir(dir)?;
+        let (mut manifest, config) = Model::read_dir(dir)?;
         let manifest_bytes =
             std::fs::read(&manifest_path).map_err(|e| Error::io(&manifest_path, e))?;
+        let fingerprint = model_fingerprint(&manifest, manifest_bytes, opts.low_width_experts);
+        if opts.low_width_experts {
+            if manifest.low_width_experts.is_empty() {
+                return Err(Error::Invalid(format!(
+                    "{}: the model has no low-width copies of its experts (make them with \
+                     `moeflux convert --low-width-copies 2 --model {}`)",
+                    dir.display(),
+                    dir.display()
+                )));
+            }
+            manifest.experts = std::mem::take(&mut manifest.low_width_experts);
+        }
         let k_max = config.moe.num_experts_per_tok;
         let k_active = match opts.experts_per_token {
             None => k_max,
@@ -370,7 +401,7 @@ impl Batch {
             k_active,
             max_context,
             max_checkpoints: opts.max_checkpoints,
-            fingerprint: crate::hash::fnv1a(&manifest_bytes),
+            fingerprint,
             decode_bytes_per_token,
             times: PhaseTimes::default(),
             // The CPU path prefetches only when asked (see `Prefetch::Auto`).

@@ -91,6 +91,11 @@ pub struct SessionOptions {
     /// 8-bit-activation products, same bits; see
     /// [`crate::backend::cpu::repack`]).
     pub cpu_repack: Repack,
+    /// Use the model's low-width copies of its routed experts (`moeflux
+    /// convert --low-width-copies`) in place of the experts, on every
+    /// backend: fewer bytes per expert read, uploaded and cached, at a
+    /// quality cost (`moeflux perplexity --kl` measures it).
+    pub low_width_experts: bool,
 }
 
 /// Where a session computes.
@@ -138,6 +143,7 @@ impl Default for SessionOptions {
             gds: Gds::Auto,
             cpu_activations: Activations::F32,
             cpu_repack: Repack::Auto,
+            low_width_experts: false,
         }
     }
 }

@@ -330,9 +330,9 @@ pub fn synth(dst: &Path, opts: &SynthOptions) -> Result<SynthReport> {
             .collect(),
         quantized,
         experts: expert_layers,
+        low_width_experts: Vec::new(),
     };
-    let mut text = manifest.to_json();
-    text.push('\n');
+    let text = manifest.file_text();
     output::write_file(&tmp.path.join(MANIFEST_FILE), text.as_bytes())?;
     ctx.check_cancel()?;
     tmp.commit(dst, opts.force)?;
