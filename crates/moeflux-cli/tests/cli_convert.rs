@@ -55,6 +55,65 @@ fn convert_then_inspect() {
     assert!(text(&out.stdout).contains("2-bit g64 (BF16 scales)"));
 }
 
+/// `--low-width-copies`: at conversion, or added to a model later; then
+/// runs with `--low-width-experts` and `inspect` checks the copies.
+#[test]
+fn low_width_copies_at_conversion_and_later() {
+    let t = tempfile::tempdir().unwrap();
+    let dst = t.path().join("m");
+    let src = fixture("qwen35moe-q4/src");
+    let out = moeflux(&["convert", "--low-width-copies", "2", s(&src), s(&dst)]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("copied at 2 bits"),
+        "{}",
+        text(&out.stdout)
+    );
+    assert!(dst.join("experts/low2").is_dir());
+    let out = moeflux(&["inspect", s(&dst)]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let later = t.path().join("later");
+    let out = moeflux(&["convert", s(&src), s(&later)]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let run = |dir: &std::path::Path| {
+        moeflux(&[
+            "run",
+            "--model",
+            s(dir),
+            "-p",
+            "Hello",
+            "-n",
+            "2",
+            "--low-width-experts",
+        ])
+    };
+    let line = one_line_error(&run(&later));
+    assert!(line.contains("--low-width-copies"), "{line}");
+    let out = moeflux(&["convert", "--model", s(&later), "--low-width-copies", "2"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    // Both ways give the same copies.
+    assert_eq!(
+        std::fs::read(dst.join("experts/low2/layer_000.bin")).unwrap(),
+        std::fs::read(later.join("experts/low2/layer_000.bin")).unwrap()
+    );
+    let out = run(&later);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    // A truncated copy is named by inspect.
+    let copy = later.join("experts/low2/layer_001.bin");
+    let f = std::fs::OpenOptions::new().write(true).open(&copy).unwrap();
+    f.set_len(4096).unwrap();
+    let line = one_line_error(&moeflux(&["inspect", s(&later)]));
+    assert!(line.contains("layer_001.bin"), "{line}");
+    // Widths the copies cannot have.
+    let out = moeflux(&["convert", "--model", s(&later), "--low-width-copies", "4"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("not one of"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
 #[test]
 fn convert_hf_checkpoint() {
     let t = tempfile::tempdir().unwrap();

@@ -166,20 +166,29 @@ impl Model {
     /// the manifest and config.json agree, every dense tensor matches the
     /// manifest, the file and the architecture's schema (dtype, shape, byte
     /// range), every expert layout fits its extent, and every expert file
-    /// lies inside `dir` with exactly the size the manifest implies.
-    /// Returns what it read (for `inspect`).
+    /// lies inside `dir` with exactly the size the manifest implies; the
+    /// same for the experts' low-width copies. Returns what it read (for
+    /// `inspect`).
     pub fn check_dir(dir: &Path) -> Result<(Manifest, ModelConfig)> {
         let (manifest, config) = Self::read_dir(dir)?;
-        Model::load(dir, &manifest, config.clone())?;
-        crate::io::ExpertStore::open(
-            dir,
-            &manifest,
-            &crate::io::ExpertStoreOptions {
-                mmap: false,
-                io_threads: 1,
-                ..Default::default()
-            },
-        )?;
+        let copies = Manifest {
+            experts: manifest.low_width_experts.clone(),
+            low_width_experts: Vec::new(),
+            ..manifest.clone()
+        };
+        // The experts, then their low-width copies (if any) in their place.
+        for m in std::iter::once(&manifest).chain((!copies.experts.is_empty()).then_some(&copies)) {
+            Model::load(dir, m, config.clone())?;
+            crate::io::ExpertStore::open(
+                dir,
+                m,
+                &crate::io::ExpertStoreOptions {
+                    mmap: false,
+                    io_threads: 1,
+                    ..Default::default()
+                },
+            )?;
+        }
         Ok((manifest, config))
     }
 
