@@ -3,8 +3,8 @@
 //! group size, bf16 scales and biases) at fewer bits, written beside the
 //! experts (`experts/low<bits>/layer_NNN.bin`) and listed in the manifest's
 //! `low_width_experts`. A session may use them in place of the experts
-//! (`SessionOptions::low_width`): fewer bytes per expert read or uploaded, at
-//! the quality cost `moeflux perplexity --kl` measures.
+//! (`SessionOptions::low_width_experts`): fewer bytes per expert read or
+//! uploaded, at the quality cost `moeflux perplexity --kl` measures.
 
 use std::io::Write;
 use std::path::Path;

@@ -34,7 +34,7 @@ pub struct Manifest {
     pub experts: Vec<ExpertLayer>,
     /// Copies of the same experts at fewer bits (`moeflux convert
     /// --low-width-copies`), used in their place when a session asks
-    /// (`SessionOptions::low_width`). Empty: none.
+    /// (`SessionOptions::low_width_experts`). Empty: none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub low_width_experts: Vec<ExpertLayer>,
 }
