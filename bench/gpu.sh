@@ -439,16 +439,14 @@ one, two = load("f-397b-12l-top10-1gpu-arena"), load("f-397b-12l-top10-2gpu-aren
 if one and two:
     print(f"f 397B, host-tier arena + disk: 2 GPUs / 1 GPU decode = "
           f"{two['decode_tok_s'] / one['decode_tok_s']:.2f}x")
-a, b = load("f-a3b-resident-1gpu"), load("f-a3b-resident-2gpu")
+a = load("f-a3b-resident-1gpu")
 c, e = load("f-a3b-resident-2gpu-sharded"), load("f-a3b-resident-2gpu-eager")
-if a and b:
-    print(f"f A3B resident, experts on both GPUs (the default): decode "
-          f"{b['decode_tok_s'] / a['decode_tok_s']:.2f}x one GPU; "
-          f"pp{a['prefill']['tokens']} {b['prefill_tok_s'] / a['prefill_tok_s']:.2f}x")
-q = load("f-a3b-resident-4gpu")
-if a and q:
-    print(f"f A3B resident, 4 GPUs: decode {q['decode_tok_s'] / a['decode_tok_s']:.2f}x one GPU; "
-          f"pp{a['prefill']['tokens']} {q['prefill_tok_s'] / a['prefill_tok_s']:.2f}x")
+for name, what in (("f-a3b-resident-2gpu", "experts on both GPUs (the default)"),
+                   ("f-a3b-resident-4gpu", "4 GPUs, experts on each")):
+    b = load(name)
+    if a and b:
+        print(f"f A3B resident, {what}: decode {b['decode_tok_s'] / a['decode_tok_s']:.2f}x "
+              f"one GPU; pp{a['prefill']['tokens']} {b['prefill_tok_s'] / a['prefill_tok_s']:.2f}x")
 m1, m2, mx = load("f-mla-4l-1gpu"), load("f-mla-4l-2gpu"), load("f-mla-4l-2gpu-expert-split")
 if m1 and m2 and mx:
     print(f"f MLA (cogito widths, 4 layers) pp{m1['prefill']['tokens']}: 2 GPUs split by tokens "
