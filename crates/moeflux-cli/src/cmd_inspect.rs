@@ -206,6 +206,10 @@ pub fn summary(m: &Manifest, c: &ModelConfig) -> Value {
         "expert_bytes": m.expert_bytes(),
         "bytes_per_expert": first.map(|l| l.expert_bytes),
         "expert_stride": first.map(|l| l.stride),
+        "low_width_copies": m.low_width_experts.first().map(|l| json!({
+            "bits": l.components.first().map(|c| c.quant.bits),
+            "bytes": m.low_width_bytes(),
+        })),
         "source": m.source,
     })
 }
@@ -337,6 +341,13 @@ fn print_text(s: &Value) {
         n("/bytes_per_expert"),
         n("/expert_stride")
     );
+    if let Some(c) = s.get("low_width_copies").filter(|c| !c.is_null()) {
+        println!(
+            "low-width      {}-bit copies of the experts, {} (--low-width-experts)",
+            c["bits"].as_u64().unwrap_or(0),
+            size(c["bytes"].as_u64().unwrap_or(0))
+        );
+    }
     let src = g("/source");
     let mut line = format!(
         "source         {} ({})",

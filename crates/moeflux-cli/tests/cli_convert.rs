@@ -72,6 +72,15 @@ fn low_width_copies_at_conversion_and_later() {
     assert!(dst.join("experts/low2").is_dir());
     let out = moeflux(&["inspect", s(&dst)]);
     assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("2-bit copies of the experts"),
+        "{}",
+        text(&out.stdout)
+    );
+    let out = moeflux(&["inspect", "--json", s(&dst)]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["low_width_copies"]["bits"], 2);
+    assert!(v["low_width_copies"]["bytes"].as_u64().unwrap() > 0);
     let later = t.path().join("later");
     let out = moeflux(&["convert", s(&src), s(&later)]);
     assert!(out.status.success(), "{}", text(&out.stderr));

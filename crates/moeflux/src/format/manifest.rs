@@ -207,10 +207,21 @@ impl Manifest {
 
     /// Total bytes of all expert files.
     pub fn expert_bytes(&self) -> u64 {
-        self.experts.iter().fold(0u64, |a, l| {
-            a.saturating_add(l.stride.saturating_mul(l.num_experts as u64))
-        })
+        layers_bytes(&self.experts)
     }
+
+    /// Total bytes of the low-width copies' files (0: none).
+    pub fn low_width_bytes(&self) -> u64 {
+        layers_bytes(&self.low_width_experts)
+    }
+}
+
+/// Bytes of the files of `layers` (saturating: `inspect` may describe a
+/// manifest that fails its checks).
+fn layers_bytes(layers: &[ExpertLayer]) -> u64 {
+    layers.iter().fold(0u64, |a, l| {
+        a.saturating_add(l.stride.saturating_mul(l.num_experts as u64))
+    })
 }
 
 impl ExpertLayer {
