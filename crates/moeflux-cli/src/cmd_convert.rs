@@ -117,16 +117,13 @@ fn low_width_copies(dir: &std::path::Path, bits: u32) -> Result<()> {
     let result = moeflux::convert::low_width::write_low_width_copies(dir, bits, &progress);
     bar.finish_and_clear();
     let m = result.with_context(|| format!("writing low-width copies in {}", dir.display()))?;
-    let bytes = |l: &[moeflux::format::ExpertLayer]| -> u64 {
-        l.iter().map(|e| e.num_experts as u64 * e.stride).sum()
-    };
     println!(
         "{} layers of experts copied at {bits} bits in {:.1} s: {} -> {} (use them with \
          --low-width-experts)",
         m.low_width_experts.len(),
         t0.elapsed().as_secs_f64(),
-        human_bytes(bytes(&m.experts)),
-        human_bytes(bytes(&m.low_width_experts)),
+        human_bytes(m.expert_bytes()),
+        human_bytes(m.low_width_bytes()),
     );
     Ok(())
 }

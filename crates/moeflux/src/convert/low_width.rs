@@ -134,7 +134,7 @@ fn write_layer(
         let at = e * el.stride as usize;
         let src = &map[at..at + layout.extent];
         for (c, lc) in parts.iter().zip(&low.components) {
-            requantize(c, src, lc.quant, dst, lc);
+            requantize(c, src, dst, lc);
         }
     });
     let dst_path = dir.join(&low.file);
@@ -145,11 +145,10 @@ fn write_layer(
 }
 
 /// Component `c` of the expert in `src`, dequantized in f32 and quantized
-/// at `spec` into its place in `dst`.
+/// as its copy `lc` says, into the copy's place in `dst`.
 fn requantize(
     c: &ComponentLayout,
     src: &[u8],
-    spec: QuantSpec,
     dst: &mut [u8],
     lc: &crate::format::ExpertComponent,
 ) {
@@ -161,7 +160,7 @@ fn requantize(
     for (r, out) in w.chunks_mut(cols).enumerate() {
         q.dequantize_row(r, out);
     }
-    let low = affine::quantize(&w, rows, cols, spec);
+    let low = affine::quantize(&w, rows, cols, lc.quant);
     let piece =
         |r: &crate::format::ExpertTensorRef| r.offset as usize..(r.offset + r.bytes) as usize;
     dtype::encode_u32(&low.packed, &mut dst[piece(&lc.weight)]);
