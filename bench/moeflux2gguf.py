@@ -55,6 +55,7 @@ Dependencies: numpy and gguf (bench/requirements.txt; bench/setup.sh makes a ven
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import shutil
@@ -389,6 +390,14 @@ def mxfp4_rows(codes, e, cols) -> np.ndarray:
 
 
 ROW_CHUNK = 8192
+_POOL = None
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
+    return _POOL
 
 
 def convert_q(q: QTensor, native: bool, what: str) -> np.ndarray:
@@ -404,17 +413,25 @@ def convert_q(q: QTensor, native: bool, what: str) -> np.ndarray:
     sc = q.scales.reshape((-1,) + q.scales.shape[-2:])
     bi = None if mx else q.biases.reshape((-1,) + q.biases.shape[-2:])
     o = out.reshape((-1,) + out.shape[-2:])
-    for e in range(codes.shape[0]):
-        for r0 in range(0, codes.shape[1], ROW_CHUNK):
-            r1 = min(r0 + ROW_CHUNK, codes.shape[1])
-            c = np.asarray(codes[e, r0:r1])
-            if mx:
-                o[e, r0:r1] = (mxfp4_rows(c, sc[e, r0:r1], q.cols) if native
-                               else mxfp4_dequant_rows(c, sc[e, r0:r1], q.cols))
-            elif native:
-                o[e, r0:r1] = q41_rows(c, sc[e, r0:r1], bi[e, r0:r1], q.group_size, q.cols, what)
-            else:
-                o[e, r0:r1] = dequant_rows(c, sc[e, r0:r1], bi[e, r0:r1], q.bits, q.group_size, q.cols)
+
+    def chunk(job):
+        e, r0, r1 = job
+        c = np.asarray(codes[e, r0:r1])
+        if mx:
+            o[e, r0:r1] = (mxfp4_rows(c, sc[e, r0:r1], q.cols) if native
+                           else mxfp4_dequant_rows(c, sc[e, r0:r1], q.cols))
+        elif native:
+            o[e, r0:r1] = q41_rows(c, sc[e, r0:r1], bi[e, r0:r1], q.group_size, q.cols, what)
+        else:
+            o[e, r0:r1] = dequant_rows(c, sc[e, r0:r1], bi[e, r0:r1], q.bits, q.group_size, q.cols)
+
+    rows = codes.shape[1]
+    jobs = [(e, r0, min(r0 + ROW_CHUNK, rows)) for e in range(codes.shape[0]) for r0 in range(0, rows, ROW_CHUNK)]
+    # Chunks write disjoint rows and numpy drops the GIL in their element loops, so threads
+    # spread a stacked expert tensor (hundreds of chunks) over the cores.
+    run = _pool().map if len(jobs) > 1 else map
+    for _ in run(chunk, jobs):
+        pass
     return out
 
 
