@@ -189,8 +189,10 @@ build_llama() {
       [[ " ${rpath[*]} " == *" $d "* ]] || rpath+=("$d")
     done
     ((${#rpath[@]})) && flags+=("-DCMAKE_BUILD_RPATH=$(IFS=';'; echo "${rpath[*]}")")
+    # NCCL where the machine has it (found by CMake, else left out with a warning): llama.cpp's
+    # `-sm tensor` all-reduces through it on several GPUs
     flags+=(-DGGML_CUDA=ON "-DCMAKE_CUDA_COMPILER=$nvcc" "-DCMAKE_CUDA_ARCHITECTURES=$CUDA_ARCH"
-      -DGGML_CUDA_FA=ON -DGGML_CUDA_FA_ALL_QUANTS=OFF -DGGML_CUDA_FA_QUANTS=f16-f16 -DGGML_CUDA_NCCL=OFF
+      -DGGML_CUDA_FA=ON -DGGML_CUDA_FA_ALL_QUANTS=OFF -DGGML_CUDA_FA_QUANTS=f16-f16 -DGGML_CUDA_NCCL=ON
       -DGGML_CUDA_GRAPHS=ON)
   else
     flags+=(-DGGML_CUDA=OFF)

@@ -16,11 +16,15 @@
 #          repack of the same codes)
 #   run    moeflux bench on the GPUs (--gpus; the default, which replicates the experts when every
 #          GPU holds them all, and --replicate-experts off, each GPU holding its quarter, the layout
-#          the full 60 layers need), then llama-bench -sm layer and -sm row on the same GPUs
-#          (CUDA_VISIBLE_DEVICES); one table: pp and tg tok/s at L layers, each extrapolated to 60
-#          layers by its time per layer (t * 60 / L, the LM head counted as layers: the same
+#          the full 60 layers need), then llama-bench -sm layer, -sm row and -sm tensor on the
+#          same GPUs (CUDA_VISIBLE_DEVICES; a split the llama.cpp build refuses for this model is
+#          reported with its error); one table: pp and tg tok/s at L layers, each extrapolated to
+#          60 layers by its time per layer (t * 60 / L, the LM head counted as layers: the same
 #          conservative rule for both engines), and moeflux with the experts sharded (what 60
-#          layers need) over llama.cpp's better split.
+#          layers need) over llama.cpp's best split.
+# Timing on four H200 (64 cores): the build 103 s, synth 70 s and export 164 s at 16 layers (57 GB
+# each), the run part about 2.5 minutes; --layers 16 fits one 10-minute call with the build
+# beside synth and export (parts build and synth started as two processes).
 #
 # $MOEFLUX names the binary (default gpu-stage/moeflux, else target/release/moeflux). Results in
 # $OUT/multi-llama (or ./gpu-out/multi-llama).
@@ -88,9 +92,17 @@ if has run; then
   }
   mf moeflux
   mf moeflux-sharded --replicate-experts off
-  for sm in layer row; do
-    CUDA_VISIBLE_DEVICES=$GPUS "${LLAMA[@]}" --out "$OUTDIR/llama-$sm" \
-      --llama-arg -sm --llama-arg "$sm" "$MODEL" >&2 || die "llama-bench -sm $sm failed"
+  for sm in layer row tensor; do
+    rm -rf "$OUTDIR/llama-$sm"
+    if ! CUDA_VISIBLE_DEVICES=$GPUS "${LLAMA[@]}" --out "$OUTDIR/llama-$sm" \
+      --llama-arg -sm --llama-arg "$sm" "$MODEL" >&2; then
+      # a split this llama.cpp cannot run on this model is a row of the table, not the end of it
+      why=$(grep -h -m1 -E "error loading model|not implemented|not supported|error:" \
+        "$OUTDIR/llama-$sm"/*.log 2>/dev/null | head -1)
+      mkdir -p "$OUTDIR/llama-$sm"
+      echo "${why:-llama-bench failed}" >"$OUTDIR/llama-$sm/failed.txt"
+      note "llama-bench -sm $sm failed: ${why:-see $OUTDIR/llama-$sm}"
+    fi
   done
 fi
 
@@ -108,8 +120,14 @@ for name, label in (("moeflux.json", "moeflux (default)"),
     r = load(name)
     if r:
         rows.append((label, r.get("prefill_tok_s"), r.get("decode_tok_s")))
-for sm in ("layer", "row"):
+failed = []
+for sm in ("layer", "row", "tensor"):
     r = load(f"llama-{sm}/llama-gpu.json")
+    try:
+        failed.append((sm, open(os.path.join(out, f"llama-{sm}", "failed.txt")).read().strip()))
+        continue
+    except OSError:
+        pass
     if r and r["runs"]:
         run = r["runs"][0]
         rows.append((f"llama.cpp -sm {sm}", run["pp"] and run["pp"]["avg_ts"],
@@ -134,6 +152,8 @@ if sharded and ll:
         mine = sharded[0][i]
         best_ll = max((r[i] or 0) for r in ll)
         if mine and best_ll:
-            print(f"{what}: moeflux (experts sharded) / llama.cpp's better split = "
+            print(f"{what}: moeflux (experts sharded) / llama.cpp's best split = "
                   f"{mine / best_ll:.2f}x")
+for sm, why in failed:
+    print(f"llama.cpp -sm {sm}: did not run ({why})")
 EOF
