@@ -54,6 +54,10 @@
 #      (the broadcasts' share); with F_MLA=1, cogito-v2-671b widths (MLA, 4 layers, resident)
 #      prefill on 1 and 2 GPUs, split by tokens and by experts only. F397=0 skips the
 #      397B rows (their 43 GB synth), F_A3B=0 the A3B rows.
+#   l  low-width copies (--low-width-experts): qwen3.5-397b-a17b widths, L_LAYERS layers (default
+#      4), `moeflux convert --model DIR --low-width-copies 2`, then c's set-up (--gpu-memory 30% of
+#      the 4-bit experts' bytes, the rest in the pinned host tier, top-10) decoded with the 4-bit
+#      experts and with their 2-bit copies: hit rate, MB uploaded per token, tok/s
 #
 # $MOEFLUX names the binary (default: target/release/moeflux). Models go to --dir (default
 # /tmp/moeflux-bench) and are deleted when their part ends (the disk holds one at a time).
@@ -226,6 +230,20 @@ if has e; then
     done
     echo "$preset $l1 $l2 $dense $moe" >>"$OUTDIR/e-depths.txt"
   done
+fi
+
+if has l; then
+  LW=$DIR/397b-low
+  synth "$LW" --preset qwen3.5-397b-a17b --layers "${L_LAYERS:-4}"
+  # The same VRAM bytes for both rows: 30% of the 4-bit experts (measured before the copies).
+  budget=$(( $(expert_bytes "$LW") * 3 / 10 ))
+  t0=$SECONDS
+  "$MOEFLUX" convert --model "$LW" --low-width-copies 2 >&2 || die "low-width copies failed"
+  note "l: 2-bit copies took $((SECONDS - t0)) s"
+  find "$LW"/experts -type f -exec cat {} + >/dev/null
+  bench l-397b-4bit "$LW" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G
+  bench l-397b-2bit-copies "$LW" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G --low-width-experts
+  rm -rf "$LW"
 fi
 
 if has g; then

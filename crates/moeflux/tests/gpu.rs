@@ -379,6 +379,63 @@ fn deepseek_gpu_matches_cpu_with_a_small_evicting_cache() {
     gpu_matches_cpu_through_small_caches(&dir);
 }
 
+/// `--low-width-experts` on the GPU: the 2-bit copies of the synthetic
+/// model's 4-bit experts (written by `convert::low_width`) decoded with every
+/// expert resident and through an evicting cache over the pinned host tier,
+/// where every upload is a 2-bit copy: the CPU's logits with the same copies
+/// (batch and one token at a time), and not the full-width logits.
+#[test]
+#[ignore]
+fn low_width_experts_on_the_gpu_match_the_cpu() {
+    use moeflux::convert::low_width::write_low_width_copies;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("synth");
+    synth_model(&dir);
+    write_low_width_copies(&dir, 2, &|_, _| {}).unwrap();
+    let low = |backend: Backend, gpu_memory: Option<u64>, host_cache: Option<u64>| {
+        Session::open(
+            &dir,
+            SessionOptions {
+                backend,
+                gpu_memory,
+                host_cache,
+                low_width_experts: true,
+                ..Default::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("opening {} with low-width experts: {e}", dir.display()))
+    };
+    let mut c = low(Backend::Cpu, None, None);
+    let toks = gpu_ties::random_tokens_clear_of_ties(&mut c, &dir, 40);
+    let want = c.eval(&toks, LogitsMode::All).unwrap();
+    let full = cpu(&dir).eval(&toks, LogitsMode::All).unwrap();
+    let apart = max_rel_diff(&full, &want);
+    assert!(
+        apart > 10.0 * GUARD,
+        "2-bit experts moved the logits by only {apart:e}: the copies were not used"
+    );
+    let mut g = low(Backend::Cuda, None, None);
+    assert!(g.on_gpu());
+    let d = max_rel_diff(&g.eval(&toks, LogitsMode::All).unwrap(), &want);
+    assert!(d <= GUARD, "resident, batch: GPU vs CPU max rel diff {d:e}");
+    let mut g = low(Backend::Cuda, None, None);
+    let d = max_rel_diff(&one_token_at_a_time(&mut g, &toks), &want);
+    assert!(d <= GUARD, "resident, one at a time: max rel diff {d:e}");
+    // A cache of one layer's experts plus eight, over the host tier: every
+    // miss is a 2-bit copy's upload.
+    let store = c.expert_store();
+    let layer = store.layers().next().unwrap();
+    let slots = c.config().moe.num_experts + 8;
+    let budget = (slots * store.extent_bytes(layer)) as u64;
+    let mut g = low(Backend::Cuda, Some(budget), Some(1 << 40));
+    assert!(g.backend().contains("host tier"), "{}", g.backend());
+    let d = max_rel_diff(&one_token_at_a_time(&mut g, &toks), &want);
+    let stats = g.gpu_cache_stats();
+    eprintln!("low-width host tier: {stats:?}, full vs low {apart:e}");
+    assert!(stats.misses > 0, "the cache of {slots} slots never missed");
+    assert!(d <= GUARD, "host tier, one at a time: max rel diff {d:e}");
+}
+
 /// Random tokens through an expert cache that holds one layer's experts
 /// plus a few (every layer evicts; LFU-DA and LRU), in one batch and one
 /// token at a time, and through the pinned host tier: the CPU's logits.
