@@ -91,6 +91,93 @@ static MultiMatmul one(const QW& q, float* out, int blocks) {
     mm.first_block[0] = 0; for (int j = 1; j < 5; j++) mm.first_block[j] = blocks; return mm;
 }
 
+
+// ---- Experiment: 8-bit activations and dp4a for 4-bit affine products (not in moeflux) ----
+// The one-token products above multiply exact f32 activations: about 7 instructions a weight
+// (docs/PERFORMANCE.md), instruction-bound at 1.0-1.6 TB/s. llama.cpp quantizes the activations
+// to 8 bits per 32 (q8_1) and sums codes x activations with dp4a, four a instruction. Here the
+// same: x -> xq (int8, dx = max|x|/127 per block of 32, plus the block's exact f32 sum for the
+// biases), laid out so that a code word's even nibbles (w & 0x0F0F0F0F: codes 0,2,4,6) and odd
+// ones ((w >> 4) & 0x0F0F0F0F) each meet one int32 of activations. A lane takes one block of
+// 32 codes (one 16-byte load) per step; a warp R rows (their loads issued together).
+__global__ void kb_quant_x_q8(const float* x, int cols, int* xq, float* dx, float* xsum) {
+    int b = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+    if (b >= cols / 32) return;
+    float v = x[b * 32 + lane];
+    float m = warp_max(fabsf(v)), sum = warp_sum(v);
+    float d = m / 127.0f;
+    int q = d > 0.0f ? __float2int_rn(v / d) : 0;
+    int word = (lane & 1) ? 4 + lane / 8 : lane / 8;
+    ((signed char*)(xq + b * 8))[word * 4 + (lane % 8) / 2] = (signed char)q;
+    if (lane == 0) { dx[b] = d; xsum[b] = sum; }
+}
+
+template <int R>
+__global__ void kb_qmv_dp4a_b4(QW q, const int* __restrict__ xq, const float* __restrict__ dx,
+                               const float* __restrict__ xsum, float* __restrict__ out) {
+    int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+    int r0 = warp * R;
+    if (r0 >= q.rows) return;
+    int nb = q.cols / 32, groups = q.cols / q.gs, bpg = q.gs / 32;
+    const uint4* w = (const uint4*)q.w;
+    const u16* sc = (const u16*)q.s;
+    const u16* bi = (const u16*)q.b;
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r] = 0.0f;
+    for (int b = lane; b < nb; b += 32) {
+        uint4 c[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) c[r] = r0 + r < q.rows ? __ldg(w + (size_t)(r0 + r) * nb + b) : make_uint4(0, 0, 0, 0);
+        const int4* xb = (const int4*)(xq + b * 8);
+        int4 xe = __ldg(xb), xo = __ldg(xb + 1);
+        float d = __ldg(dx + b), xs = __ldg(xsum + b);
+        int g = b / bpg;
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            int i = 0;
+            i = __dp4a((int)(c[r].x & 0x0F0F0F0Fu), xe.x, i); i = __dp4a((int)((c[r].x >> 4) & 0x0F0F0F0Fu), xo.x, i);
+            i = __dp4a((int)(c[r].y & 0x0F0F0F0Fu), xe.y, i); i = __dp4a((int)((c[r].y >> 4) & 0x0F0F0F0Fu), xo.y, i);
+            i = __dp4a((int)(c[r].z & 0x0F0F0F0Fu), xe.z, i); i = __dp4a((int)((c[r].z >> 4) & 0x0F0F0F0Fu), xo.z, i);
+            i = __dp4a((int)(c[r].w & 0x0F0F0F0Fu), xe.w, i); i = __dp4a((int)((c[r].w >> 4) & 0x0F0F0F0Fu), xo.w, i);
+            size_t k = (size_t)(r0 + r) * groups + g;
+            acc[r] = fmaf(bf16f(__ldg(sc + k)) * d, (float)i, acc[r]);
+            acc[r] = fmaf(bf16f(__ldg(bi + k)), xs, acc[r]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        float v = warp_sum(acc[r]);
+        if (lane == 0 && r0 + r < q.rows) out[r0 + r] = v;
+    }
+}
+
+// The dp4a products against qmv_b4 (f32 activations) on one product's weights: time per launch
+// (rotating weight copies, as above) and the relative difference the rounding of x costs.
+static void bench_dp4a(const std::vector<QW>& qs, int copies, const float* x, const float* ref, float* o, size_t bytes, int n) {
+    const QW& q0 = qs[0];
+    if (q0.bits != 4 || q0.gs % 32 || q0.cols % 32) return;
+    int nb = q0.cols / 32;
+    int* xq; float *dxs, *xs;
+    CK(cudaMalloc(&xq, nb * 32)); CK(cudaMalloc(&dxs, nb * 4)); CK(cudaMalloc(&xs, nb * 4));
+    double tq = time_graph([&](cudaStream_t s, int) { kb_quant_x_q8<<<(nb + 7) / 8, 256, 0, s>>>(x, q0.cols, xq, dxs, xs); }, n);
+    auto run = [&](auto kernel, int R) {
+        int blocks = (q0.rows + 8 * R - 1) / (8 * R);
+        double t = time_graph([&](cudaStream_t s, int i) { kernel<<<blocks, 256, 0, s>>>(qs[i % copies], (const int*)xq, (const float*)dxs, (const float*)xs, o); }, n);
+        CK(cudaMemset(o, 0, q0.rows * 4)); kernel<<<blocks, 256>>>(q0, (const int*)xq, (const float*)dxs, (const float*)xs, o); CK(cudaDeviceSynchronize());
+        std::vector<float> a(q0.rows), b(q0.rows);
+        CK(cudaMemcpy(a.data(), ref, q0.rows * 4, cudaMemcpyDeviceToHost)); CK(cudaMemcpy(b.data(), o, q0.rows * 4, cudaMemcpyDeviceToHost));
+        double md = 0, mx = 0; for (int i = 0; i < q0.rows; i++) { md = std::max(md, (double)fabsf(a[i] - b[i])); mx = std::max(mx, (double)fabsf(a[i])); }
+        double rel = md / std::max(mx, 1e-30);
+        printf("    dp4a, 8-bit x, %d row%s a warp  %8.2f us %6.0f GB/s (+ x quantized: %.2f us)  vs f32 x: rel %.2e %s\n",
+               R, R > 1 ? "s" : " ", t, bytes / t / 1e3, tq, rel, rel < 0.05 ? "(rounding)" : "WRONG");
+    };
+    run(kb_qmv_dp4a_b4<1>, 1);
+    run(kb_qmv_dp4a_b4<2>, 2);
+    run(kb_qmv_dp4a_b4<4>, 4);
+    CK(cudaFree(xq)); CK(cudaFree(dxs)); CK(cudaFree(xs));
+}
+
 static void bench_product(const char* name, int rows, int cols, int bits, int gs) {
     QW probe = make_qw(rows, cols, bits, gs);
     size_t bytes = qw_bytes(probe);
@@ -128,6 +215,7 @@ static void bench_product(const char* name, int rows, int cols, int bits, int gs
         double tb = time_graph([&](cudaStream_t s, int i) { launch_pdl(qmv_b4, dim3(sg), 256, s, one(qs[i % copies], o2, sets), (const float*)x); }, n);
         printf("    qmv_b4 2/SM, PDL                         %8.2f us %6.0f GB/s\n", tb, bytes / tb / 1e3);
     }
+    bench_dp4a(qs, copies, x, o1, o2, bytes, n);
     // The same bytes (codes only) read by a plain grid-stride loop: what this size allows.
     size_t wb = (size_t)rows * cols * bits / 8;
     u32* sink; CK(cudaMalloc(&sink, 4));
@@ -389,6 +477,8 @@ int main(int argc, char** argv) {
     if (strstr("A3B shared down (2048x512)", only)) bench_product("A3B shared down (2048x512)", 2048, 512, 4, 64);
     if (strstr("A3B router (256x2048)", only)) bench_product("A3B router (256x2048)", 256, 2048, 4, 64);
     if (strstr("397B deltanet in (16384x4096)", only)) bench_product("397B deltanet in (16384x4096)", 16384, 4096, 4, 64);
+    if (strstr("397B out proj (4096x8192)", only)) bench_product("397B out proj (4096x8192)", 4096, 8192, 4, 64);
+    if (strstr("397B LM head (248320x4096)", only)) bench_product("397B LM head (248320x4096)", 248320, 4096, 4, 64);
     if (strstr("A3B LM head (248320x2048)", only)) bench_product("A3B LM head (248320x2048)", 248320, 2048, 4, 64);
     if (strstr("A3B experts (256, top-8)", only)) bench_slots("A3B experts (256, top-8)", 256, 8, 2048, 512, 4, 64);
     if (strstr("gpt-oss-20b experts (32, top-4)", only)) bench_slots_mx("gpt-oss-20b experts (32, top-4)", 32, 4, 2880, 2880);
