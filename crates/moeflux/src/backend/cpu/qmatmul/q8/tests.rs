@@ -394,11 +394,11 @@ fn activation_blocks_round_to_127_steps() {
 }
 
 /// q8 and f32 products of `w` and of its interleaved form `x8`, every
-/// level, one, three and four tokens (the AVX-512 kernel's pairs and a last
-/// odd token), and on three threads: the same bits.
+/// level, one, three, four and nine tokens (the AVX-512 kernel's pairs and
+/// a last odd token), and on three threads: the same bits.
 fn assert_interleaved_agrees(rng: &mut Rng, w: &Weight, x8: &Weight, what: &str) {
     let (rows, cols) = (w.rows(), w.cols());
-    for n in [1, 3, 4] {
+    for n in [1, 3, 4, 9] {
         let x = activations(rng, n, cols);
         for level in supported_levels() {
             let want = run_q8(level, w, &x, n);
