@@ -2,7 +2,7 @@
 # moeflux on one NVIDIA GPU: the benchmarks of docs/PERFORMANCE.md's GPU section.
 # Runs on the GPU machine (scripts/gpu/run.sh bench), with synth models made there.
 #
-#   bench/gpu.sh [--parts a,b,c,d,e] [--reps R] [--dir DIR] [--out DIR] [--quick]
+#   bench/gpu.sh [--parts a,b,c,d,e,f,g,l] [--reps R] [--dir DIR] [--out DIR] [--quick]
 #
 #   a  qwen3.6-35b-a3b widths, all 40 layers, every expert in VRAM: pp512, pp4096, tg128;
 #      decode against the roofline (weight bytes per token / measured device-memory bandwidth)
