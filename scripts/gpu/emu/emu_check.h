@@ -6,6 +6,8 @@
 #include <cstdio>
 #include <random>
 #include <numeric>
+#include <algorithm>
+#include <cmath>
 
 static std::mt19937_64 rng(42);
 static float urand(float a = -1, float b = 1) { return std::uniform_real_distribution<float>(a, b)(rng); }
@@ -39,6 +41,15 @@ struct HostQ {
                 deq[(size_t)i * c + j] = code * sc + bi;
             }
     }
+    u32 code(int r, int j) const {
+        size_t at = (size_t)r * (cols * bits / 32) + (size_t)j * bits / 32;
+        int sh = (j * bits) % 32;
+        u32 c = w[at] >> sh;
+        if (sh + bits > 32) c |= w[at + 1] << (32 - sh);
+        return c & ((1u << bits) - 1);
+    }
+    float scale(int r, int j) const { return from_bf16(s[(size_t)r * (cols / gs) + j / gs]); }
+    float bias(int r, int j) const { return from_bf16(b[(size_t)r * (cols / gs) + j / gs]); }
     QW qw() const {
         QW q;
         q.w = w.data(); q.s = s.data(); q.b = b.data();
@@ -74,6 +85,33 @@ static std::vector<double> two_products_ref(const HostQ& A, const HostQ& B, cons
                 want.push_back(acc);
             }
     return want;
+}
+
+// The CPU's q8 rounding of a token's activations (backend/cpu/qmatmul/q8.rs
+// quantize_block): per 32, xq = round(x * (127 / max|x|)) in f32, dx = max|x| / 127;
+// returns xq * dx per input, in double.
+static std::vector<double> q8_round(const float* x, int cols) {
+    std::vector<double> r(cols);
+    for (int b = 0; b < cols; b += 32) {
+        float m = 0.0f;
+        for (int j = b; j < b + 32; j++) m = std::max(m, std::fabs(x[j]));
+        float inv = m > 0.0f ? 127.0f / m : 0.0f, dx = m / 127.0f;
+        for (int j = b; j < b + 32; j++) r[j] = (double)std::clamp(std::round(x[j] * inv), -127.0f, 127.0f) * dx;
+    }
+    return r;
+}
+
+// W x under the q8 contract (`--gpu-activations q8`, 4-bit W): the codes times the rounded
+// activations, by their scales, plus the biases times the sums of the unrounded ones.
+static std::vector<double> q8_product(const HostQ& W, const float* x) {
+    std::vector<double> xr = q8_round(x, W.cols), out(W.rows);
+    for (int r = 0; r < W.rows; r++) {
+        double acc = 0;
+        for (int j = 0; j < W.cols; j++)
+            acc += (double)W.code(r, j) * W.scale(r, j) * xr[j] + (double)W.bias(r, j) * x[j];
+        out[r] = acc;
+    }
+    return out;
 }
 
 // Passes when max |got - want| <= rel * max |want| (a NaN in got fails).

@@ -4,7 +4,8 @@
 // (moe_route_c*) against backend/cpu/moe.rs Routing::from_logits at Qwen's widths; the grouped
 // one-token products (qmv_b4, qmv_b4_nc2 and their _glu variants, which apply the SwiGLU of
 // [gate | up] to their input) against dequantized dot products. The Qwen (GatedDeltaNet,
-// attention, MoE combine) kernels are checked by qwen_kernels.cpp.
+// attention, MoE combine) kernels are checked by qwen_kernels.cpp. The same products with
+// 8-bit activations (qmv_b4q8*, qmv_b48q8*) against the CPU's q8 contract.
 #include "cuda_emu.h"
 #include KERNELS_SOURCE  // the kernel parts of all.cuh, made by run.sh
 #include "emu_check.h"
@@ -174,6 +175,121 @@ static void test_qmv_tokens(int rows_a, int rows_b, int cols, int bits, int n, u
              n, grid, sets);
     check(name, got, want, 1e-5);
     snprintf(name, sizeof name, "qmv_b%d_t4 n%d = qmv_b%d per token", bits, n, bits);
+    check(name, got, std::vector<double>(alone.begin(), alone.end()), 0.0);
+}
+
+// The one-token products with 8-bit activations (`--gpu-activations q8`: qmv_b4q8 and its
+// _nc2 / _glu variants, qmv_b48q8 with an 8-bit matrix that keeps f32 activations) against
+// the CPU's q8 contract in double (q8_product: the activations rounded per 32 as the CPU
+// rounds them), and away from the f32 product (so the rounding did happen). A block of
+// zeros stays exact; a non-finite activation makes its rows' sums NaN.
+static void test_qmv_q8_group(int rows_a, int rows_b, int cols, bool nc2, bool glu = false, bool b8 = false,
+                              unsigned grid = 0) {
+    HostQ A(rows_a, cols, b8 ? 8 : 4), B(rows_b, cols);
+    std::vector<float> x(glu ? 2 * cols : cols);
+    for (auto& v : x) v = urand(glu ? -3 : -1, glu ? 3 : 1);
+    for (int j = 0; j < 32; j++) x[j] = 0.0f;  // one block of zeros
+    std::vector<float> in(cols);  // the product's input, as the kernel computes it
+    for (int j = 0; j < cols; j++) in[j] = glu ? x[j] / (1.0f + expf(-x[j])) * x[cols + j] : x[j];
+    std::vector<float> oa(rows_a, NAN), ob(rows_b);
+    for (auto& v : ob) v = urand();
+    std::vector<float> ob0 = ob;
+    int nc = nc2 ? 2 : b8 ? 8 : 4;
+    int ba = (rows_a + qmv_rpb(cols, nc, A.bits) - 1) / qmv_rpb(cols, nc, A.bits);
+    int bb = (rows_b + qmv_rpb(cols, nc) - 1) / qmv_rpb(cols, nc);
+    MultiMatmul mm = two_products(A, B, oa.data(), ob.data(), ba, bb);
+    const float* xp = x.data();
+    unsigned sets = ba + bb;
+    if (b8 || grid == 0 || grid > sets) grid = sets;
+    emu_launch({grid, 1, 1}, 256, [&] {
+        if (b8) {
+            if (nc2) qmv_b48q8_nc2(mm, xp); else qmv_b48q8(mm, xp);
+        } else if (glu) {
+            if (nc2) qmv_b4q8_nc2_glu(mm, xp); else qmv_b4q8_glu(mm, xp);
+        } else {
+            if (nc2) qmv_b4q8_nc2(mm, xp); else qmv_b4q8(mm, xp);
+        }
+    });
+    std::vector<float> got(oa);
+    got.insert(got.end(), ob.begin(), ob.end());
+    std::vector<double> want, exact;
+    std::vector<double> qa = q8_product(A, in.data()), qb = q8_product(B, in.data());
+    for (int r = 0; r < rows_a; r++) {
+        double e = 0;
+        for (int j = 0; j < cols; j++) e += (double)A.deq[(size_t)r * cols + j] * in[j];
+        exact.push_back(e);
+        want.push_back(b8 ? e : qa[r]);  // the 8-bit matrix keeps f32 activations
+    }
+    for (int r = 0; r < rows_b; r++) {
+        double e = ob0[r];
+        for (int j = 0; j < cols; j++) e += (double)B.deq[(size_t)r * cols + j] * in[j];
+        exact.push_back(e);
+        want.push_back(ob0[r] + qb[r]);
+    }
+    char name[128];
+    snprintf(name, sizeof name, "qmv_b%sq8%s%s %dx%d + %dx%d, %u of %u blocks", b8 ? "48" : "4", nc2 ? "_nc2" : "",
+             glu ? "_glu" : "", rows_a, cols, rows_b, cols, grid, sets);
+    check(name, got, want, 1e-5);
+    double scale = 0, apart = 0;
+    for (size_t i = 0; i < exact.size(); i++) {
+        scale = std::max(scale, std::fabs(exact[i]));
+        apart = std::max(apart, std::fabs(got[i] - exact[i]));
+    }
+    bool rounded = apart > 1e-4 * scale;
+    if (!rounded) fails++;
+    printf("  %-46s %.3e of %.3e from f32 %s\n", "rounded:", apart, scale, rounded ? "ok" : "FAIL");
+    // A NaN or an infinity in the input: NaN sums for the 4-bit rows, no fault.
+    x[40] = INFINITY;
+    std::fill(ob.begin(), ob.end(), 0.0f);
+    emu_launch({grid, 1, 1}, 256, [&] {
+        if (b8) qmv_b48q8(mm, xp); else if (glu) qmv_b4q8_glu(mm, xp); else qmv_b4q8(mm, xp);
+    });
+    bool nan = true;
+    for (float v : ob) nan = nan && std::isnan(v);
+    if (!nan) fails++;
+    printf("  %-46s %s\n", "an infinite input gives NaN:", nan ? "ok" : "FAIL");
+}
+
+// qmv_b4q8_t4: every token's rows equal, bit for bit, qmv_b4q8 on that token alone (the
+// property that makes a decode batch equal each sequence alone), and the q8 contract.
+static void test_qmv_q8_tokens(int rows_a, int rows_b, int cols, int n, unsigned grid = 0) {
+    HostQ A(rows_a, cols), B(rows_b, cols);
+    std::vector<float> x((size_t)n * cols);
+    for (auto& v : x) v = urand();
+    std::vector<float> oa((size_t)n * rows_a, NAN), ob((size_t)n * rows_b);
+    for (auto& v : ob) v = urand();
+    std::vector<float> ob0 = ob;
+    int ba = (rows_a + qmv_rpb(cols, 2) - 1) / qmv_rpb(cols, 2);
+    int bb = (rows_b + qmv_rpb(cols, 2) - 1) / qmv_rpb(cols, 2);
+    unsigned sets = ba + bb;
+    if (grid == 0 || grid > sets) grid = sets;
+    {
+        MultiMatmul mm = two_products(A, B, oa.data(), ob.data(), ba, bb);
+        const float* xp = x.data();
+        emu_launch({grid, (unsigned)((n + 3) / 4), 1}, 256, [&] { qmv_b4q8_t4(mm, xp, n); });
+    }
+    std::vector<float> sa((size_t)n * rows_a, NAN), sb = ob0;
+    int ba1 = (rows_a + qmv_rpb(cols, 4) - 1) / qmv_rpb(cols, 4);
+    int bb1 = (rows_b + qmv_rpb(cols, 4) - 1) / qmv_rpb(cols, 4);
+    for (int t = 0; t < n; t++) {
+        MultiMatmul mm = two_products(A, B, &sa[(size_t)t * rows_a], &sb[(size_t)t * rows_b], ba1, bb1);
+        const float* xp = &x[(size_t)t * cols];
+        emu_launch({(unsigned)(ba1 + bb1), 1, 1}, 256, [&] { qmv_b4q8(mm, xp); });
+    }
+    std::vector<float> got(oa), alone(sa);
+    got.insert(got.end(), ob.begin(), ob.end());
+    alone.insert(alone.end(), sb.begin(), sb.end());
+    std::vector<double> want;
+    for (const HostQ* W : {&A, &B})
+        for (int t = 0; t < n; t++) {
+            std::vector<double> p = q8_product(*W, &x[(size_t)t * cols]);
+            for (int r = 0; r < W->rows; r++) want.push_back(p[r] + (W == &B ? ob0[(size_t)t * W->rows + r] : 0.0));
+        }
+    char name[128];
+    snprintf(name, sizeof name, "qmv_b4q8_t4 %dx%d + %dx%d, n%d, %u of %u blocks", rows_a, cols, rows_b, cols, n,
+             grid, sets);
+    check(name, got, want, 1e-5);
+    snprintf(name, sizeof name, "qmv_b4q8_t4 n%d = qmv_b4q8 per token", n);
     check(name, got, std::vector<double>(alone.begin(), alone.end()), 0.0);
 }
 
@@ -470,6 +586,20 @@ int main() {
         test_qmv_group(40, 48, 512, nc2, false, true);    // 512 and 256 bytes
         test_qmv_group(24, 40, 256, nc2, false, true);    // 256 and 128 bytes: rows per chunk differ
     }
+    // 8-bit activations (`--gpu-activations q8`)
+    for (bool nc2 : {false, true}) {
+        test_qmv_q8_group(72, 40, 2048, nc2);
+        test_qmv_q8_group(96, 64, 512, nc2);                      // two rows per chunk
+        test_qmv_q8_group(200, 64, 512, nc2, false, false, 1);    // one block streams every set
+        test_qmv_q8_group(24, 16, 7168, nc2, false, false, 2);    // 7 slices: the set-by-set path
+        test_qmv_q8_group(64, 32, 2048, nc2, true);               // SwiGLU input
+        test_qmv_q8_group(48, 40, 512, nc2, true);
+        test_qmv_q8_group(256, 64, 2048, nc2, false, true);       // 8-bit router + 4-bit gate
+        test_qmv_q8_group(24, 40, 256, nc2, false, true);
+    }
+    test_qmv_q8_tokens(72, 40, 2048, 3);
+    test_qmv_q8_tokens(96, 64, 512, 8);
+    test_qmv_q8_tokens(40, 24, 4096, 13, 3);
     test_argmax_rows(1000, 256);
     test_argmax_rows(248320, 1024);  // Qwen3.5/3.6's vocabulary
     test_argmax_rows(40, 64);        // fewer values than threads

@@ -15,6 +15,8 @@
 //                     rows (moe_*_rows_mx*) equal to streamed bit for bit) and tensor-core
 //                     paths (sums past the limit);
 //                     MXFP4 scale extremes (0, 1, 254, 255 = NaN).
+//   experts, q8       Qwen's per-slot expert kernels with 8-bit activations (moe_*_qmv_b4q8,
+//                     moe_*_stream_b4q8) against the CPU's q8 contract.
 //   GGUF K-quants     groups of 16 (2-, 3-, 6- and 8-bit codes) through the general
 //                     products (qmatmul1, qmatmul) and the embedding lookup (qgather_rows),
 //                     and experts whose down projection has another width and group size
@@ -791,6 +793,87 @@ static void test_mixed_experts(int hidden, int inter, int gbits, int ggs, int db
     check(name, got, want, 1e-5);
 }
 
+// Qwen's routed experts (4-bit affine, SwiGLU, no biases) for one token in k slots with
+// 8-bit activations (`--gpu-activations q8`): the one-pass (moe_*_qmv_b4q8) and streamed
+// (moe_*_stream_b4q8) per-slot kernels against the CPU's q8 contract (q8_product) in double:
+// gate and up on the rounded x, down on the rounded act as the kernel left it; a slot with
+// base 0 (the host's) left alone.
+static void test_experts_q8(int hidden, int inter, int k, bool stream) {
+    std::vector<HostQ> w;  // gate, up, down of each slot's expert
+    for (int e = 0; e < k; e++) {
+        w.emplace_back(inter, hidden);
+        w.emplace_back(inter, hidden);
+        w.emplace_back(hidden, inter);
+    }
+    ExpertLayout L{};
+    memset(&L, 0, sizeof L);
+    long off = 0;
+    long* fields[3][3] = {{&L.gate_w, &L.gate_s, &L.gate_b}, {&L.up_w, &L.up_s, &L.up_b},
+                          {&L.down_w, &L.down_s, &L.down_b}};
+    for (int m = 0; m < 3; m++) {
+        size_t sz[3] = {w[m].w.size() * 4, w[m].s.size() * 2, w[m].b.size() * 2};
+        for (int f = 0; f < 3; f++) {
+            *fields[m][f] = off;
+            off += (long)((sz[f] + 15) / 16 * 16);
+        }
+    }
+    L.inter = inter, L.hidden = hidden, L.bits = 4, L.gs = 64, L.down_bits = 4, L.down_gs = 64;
+    std::vector<std::vector<uint4>> extents(k, std::vector<uint4>((size_t)(off / 16) + 1));
+    std::vector<unsigned long long> bases(k);
+    for (int e = 0; e < k; e++) {
+        char* base = (char*)extents[e].data();
+        for (int m = 0; m < 3; m++) {
+            const HostQ& q = w[3 * e + m];
+            memcpy(base + *fields[m][0], q.w.data(), q.w.size() * 4);
+            memcpy(base + *fields[m][1], q.s.data(), q.s.size() * 2);
+            memcpy(base + *fields[m][2], q.b.data(), q.b.size() * 2);
+        }
+        bases[e] = (unsigned long long)base;
+    }
+    bases[k - 1] = 0;  // computed by the host: the kernels skip it
+    std::vector<float> x(hidden), act((size_t)k * inter, NAN), out((size_t)k * hidden, NAN);
+    for (auto& v : x) v = urand(-2, 2);
+    const unsigned long long* pb = bases.data();
+    const float* px = x.data();
+    float* pa = act.data();
+    float* po = out.data();
+    auto grid = [&](int rows, int cols, int chunks) {
+        int per = qmv_rows_per_block(cols, 4, chunks);
+        return stream ? 2u : (unsigned)((rows + per - 1) / per);
+    };
+    emu_launch({grid(inter, hidden, stream ? 2 : 4), (unsigned)k, 1}, qmv_threads(hidden, 4), [&] {
+        if (stream) moe_gate_up_stream_b4q8(pb, L, k, px, pa); else moe_gate_up_qmv_b4q8(pb, L, k, px, pa);
+    });
+    emu_launch({grid(hidden, inter, stream ? 4 : 8), (unsigned)k, 1}, qmv_threads(inter, 4), [&] {
+        if (stream) moe_down_stream_b4q8(pb, L, pa, po); else moe_down_qmv_b4q8(pb, L, pa, po);
+    });
+    std::vector<float> got_a, got_o;
+    std::vector<double> want_a, want_o;
+    for (int e = 0; e < k - 1; e++) {
+        std::vector<double> g = q8_product(w[3 * e], x.data()), u = q8_product(w[3 * e + 1], x.data());
+        for (int r = 0; r < inter; r++) {
+            want_a.push_back(g[r] / (1.0 + exp(-g[r])) * u[r]);
+            got_a.push_back(act[(size_t)e * inter + r]);
+        }
+        std::vector<double> d = q8_product(w[3 * e + 2], &act[(size_t)e * inter]);
+        for (int r = 0; r < hidden; r++) {
+            want_o.push_back(d[r]);
+            got_o.push_back(out[(size_t)e * hidden + r]);
+        }
+    }
+    bool skipped = true;
+    for (int r = 0; r < inter; r++) skipped = skipped && std::isnan(act[(size_t)(k - 1) * inter + r]);
+    for (int r = 0; r < hidden; r++) skipped = skipped && std::isnan(out[(size_t)(k - 1) * hidden + r]);
+    char name[160];
+    const char* kind = stream ? "stream" : "qmv";
+    snprintf(name, sizeof name, "experts q8 gate_up %s %dx%d, %d slots", kind, inter, hidden, k);
+    check(name, got_a, want_a, 1e-5);
+    snprintf(name, sizeof name, "experts q8 down %s %dx%d", kind, hidden, inter);
+    check(name, got_o, want_o, 1e-5);
+    if (!skipped) fails++;
+    printf("  %-46s %s\n", "the host's slot left alone:", skipped ? "ok" : "FAIL");
+}
+
 int main() {
     test_qmma(80, 48, 256, 37, 4, 64);   // partial row and token tiles
     test_qmma(64, 16, 128, 70, 8, 64);   // 8-bit codes, two token blocks
@@ -798,6 +881,10 @@ int main() {
     test_qmma(16, 40, 256, 5, 8, 32);
     test_qmma(72, 8, 512, 20, 4, 128);   // groups of 128
     test_qmma(24, 16, 256, 33, 8, 128);
+    for (bool stream : {false, true}) {
+        test_experts_q8(2048, 512, 4, stream);  // Qwen3.6-35B-A3B's widths
+        test_experts_q8(512, 256, 3, stream);   // rows of 256 and 128 bytes: several rows per chunk
+    }
     test_moe_mma(128, 64, 4, 64, {1, 9, 70, 3});
     test_moe_mma(64, 96, 8, 32, {5, 33});
     // gpt-oss experts: MXFP4 and affine, biases and the clamped SwiGLU, each path

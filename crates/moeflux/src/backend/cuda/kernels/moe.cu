@@ -347,6 +347,7 @@ __device__ void moe_down_stream_body(const unsigned long long* bases, ExpertLayo
 STREAM_SLOT_KERNELS(4, b4, QMV_STREAM_NC)
 STREAM_SLOT_KERNELS(8, b8, QMV_STREAM_NC)
 STREAM_SLOT_KERNELS(MXI, mx, MX_STREAM_NC)
+STREAM_SLOT_KERNELS(B4Q8, b4q8, QMV_STREAM_NC)
 
 // --------------------------------------------------------------------------
 // MXFP4 per-slot products by whole rows (gpt-oss's decode). The streaming
@@ -608,6 +609,7 @@ QMV_SLOT_KERNELS(4, b4)
 QMV_SLOT_KERNELS(8, b8)
 QMV_SLOT_KERNELS(2, b2)
 QMV_SLOT_KERNELS(MXB, mx)
+QMV_SLOT_KERNELS(B4Q8, b4q8)
 
 #define SLOT_KERNELS(B, SFX)                                                                          \
     extern "C" __global__ void moe_gate_up_slots_##SFX(const unsigned long long* bs, ExpertLayout L,  \

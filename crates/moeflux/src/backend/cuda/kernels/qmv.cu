@@ -21,8 +21,8 @@ struct QmvGeom {
     int wpb;     // row groups per block of 8 warps: warps from wpb * parts on idle
 };
 
-// Bits of a code: the BITS of an instantiation, 4 for MXFP4.
-__host__ __device__ constexpr int code_bits(int bits) { return is_mx(bits) ? 4 : bits; }
+// Bits of a code: the BITS of an instantiation, 4 for MXFP4 and B4Q8.
+__host__ __device__ constexpr int code_bits(int bits) { return bits < 0 ? 4 : bits; }
 
 __device__ __forceinline__ QmvGeom qmv_geom(int cols, int bits) {
     QmvGeom g;
@@ -160,12 +160,58 @@ __device__ __forceinline__ float mx_int_dot(const uint4& wv, const float* xv) {
     return (float)t * xv[25];
 }
 
+// 8-bit activations, the CPU's `--cpu-activations q8` contract
+// (backend/cpu/qmatmul/q8.rs): a lane's chunk of 4-bit codes covers 32
+// columns, one block, whose activations become dx * xq with dx = max|x| /
+// 127 and xq = round(x * (127 / max|x|)) (half away from zero, as Rust's
+// `round`; 0 for a zero block; dx NaN when the block holds a NaN or an
+// infinity, so the dot is NaN as a float dot would be). xv[0..4) takes the
+// xq of the even columns of each code word (byte j of xv[k]: column 8k + 2j),
+// xv[4..8) the odd ones, the order in which a word's nibbles masked in place
+// (w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F) meet them in dp4a; xv[8] = dx.
+// The integer sum is exact, so against the CPU's q8 only the order of the
+// float sums over blocks differs (and an activation that lands within an
+// f32 rounding of a half between two codes).
+__device__ __forceinline__ void q8_prep(float* xv) {
+    float m = 0.0f, bad = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 32; i++) {
+        m = fmaxf(m, fabsf(xv[i]));
+        bad += xv[i] * 0.0f;  // NaN for a NaN or an infinity
+    }
+    float inv = m > 0.0f ? 127.0f / m : 0.0f;
+    u32 w[8];
+#pragma unroll
+    for (int k = 0; k < 8; k++) w[k] = 0u;
+#pragma unroll
+    for (int i = 0; i < 32; i++) {
+        int q = (int)fminf(fmaxf(roundf(xv[i] * inv), -127.0f), 127.0f);
+        w[(i & 1) * 4 + i / 8] |= (u32)(q & 0xFF) << (8 * ((i % 8) / 2));
+    }
+#pragma unroll
+    for (int k = 0; k < 8; k++) xv[k] = __uint_as_float(w[k]);
+    xv[8] = m / 127.0f + bad;
+}
+
+// A chunk's 32 codes dotted with q8_prep's activations: dx * sum(code * xq).
+__device__ __forceinline__ float q8_dot(const uint4& wv, const float* xv) {
+    int s = 0;
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        u32 word = kk == 0 ? wv.x : kk == 1 ? wv.y : kk == 2 ? wv.z : wv.w;
+        s = dp4a_us(word & 0x0F0F0F0Fu, __float_as_uint(xv[kk]), s);
+        s = dp4a_us((word >> 4) & 0x0F0F0F0Fu, __float_as_uint(xv[4 + kk]), s);
+    }
+    return (float)s * xv[8];
+}
+
 // A chunk's codes dotted with the lane's activations (as chunk_dot; MXFP4
 // codes as twice their values, plain activations or mx_int_prep's digits).
 template <int BITS>
 __device__ __forceinline__ float chunk_dot_any(const uint4& wv, const float* xv) {
     if constexpr (BITS == MXB) return mx_chunk_dot(wv, xv);
     else if constexpr (BITS == MXI) return mx_int_dot(wv, xv);
+    else if constexpr (BITS == B4Q8) return q8_dot(wv, xv);
     else return chunk_dot<BITS>(wv, xv);
 }
 
@@ -183,6 +229,8 @@ __device__ __forceinline__ float qmv_load_acts(const float* x, int cols, int c0,
     }
     if constexpr (BITS == MXI) {
         mx_int_prep(xv);
+    } else if constexpr (BITS == B4Q8) {
+        q8_prep(xv);
     } else if constexpr (BITS != MXB) {
         constexpr int EPW = 32 / BITS;
 #pragma unroll
@@ -409,7 +457,7 @@ __device__ __forceinline__ void qmv_stream_sets(const QmvGeom& G, int nsets, Fet
 template <int BITS, int NC, bool GLU, int T = 1>
 __device__ __forceinline__ void qmv_stream_body(const MultiMatmul& mm, const float* x, int n = 1) {
     static_assert(T == 1 || !GLU, "SwiGLU inputs are one token's");
-    constexpr int EPL = 128 / BITS;
+    constexpr int EPL = 128 / code_bits(BITS);
     const int nsets = mm.first_block[mm.count];
     QmvGeom G = qmv_geom(mm.q[0].cols, BITS);
     if (G.slices > G.parts) {
@@ -472,52 +520,57 @@ __device__ __forceinline__ void qmv_stream_body(const MultiMatmul& mm, const flo
 // set, or two (`_nc2`: four times the warps for the same rows, so products
 // of a few hundred KB, routers and shared experts, spread over every SM and
 // each warp's chain of loads and FMAs is shorter); `_glu`: the input is the
-// SwiGLU of [gate | up] (an MLP's down product).
+// SwiGLU of [gate | up] (an MLP's down product). `b4q8`: 4-bit codes with
+// 8-bit activations (B4Q8).
 #define QMV_KERNEL(NAME, B, NC, GLU)                                                              \
     extern "C" __global__ void __launch_bounds__(256) NAME(MultiMatmul mm, const float* x) {      \
         PDL_TRIGGER();                                                                            \
         qmv_stream_body<B, NC, GLU>(mm, x);                                                       \
     }
-#define QMV_KERNELS(B)                                 \
-    QMV_KERNEL(qmv_b##B, B, QMV_STREAM_NC, false)      \
-    QMV_KERNEL(qmv_b##B##_nc2, B, 2, false)            \
-    QMV_KERNEL(qmv_b##B##_glu, B, QMV_STREAM_NC, true) \
-    QMV_KERNEL(qmv_b##B##_nc2_glu, B, 2, true)
-QMV_KERNELS(4)
-QMV_KERNELS(8)
-QMV_KERNELS(2)
+#define QMV_KERNELS(SFX, B)                             \
+    QMV_KERNEL(qmv_##SFX, B, QMV_STREAM_NC, false)      \
+    QMV_KERNEL(qmv_##SFX##_nc2, B, 2, false)            \
+    QMV_KERNEL(qmv_##SFX##_glu, B, QMV_STREAM_NC, true) \
+    QMV_KERNEL(qmv_##SFX##_nc2_glu, B, 2, true)
+QMV_KERNELS(b4, 4)
+QMV_KERNELS(b8, 8)
+QMV_KERNELS(b2, 2)
+QMV_KERNELS(b4q8, B4Q8)
 
 // A few tokens (the decode steps of several sequences): QMV_TOKENS per
 // blockIdx.y, two chunks per warp and set (the activations of four tokens
 // take the registers), 4- and 8-bit codes, plain inputs.
 #define QMV_TOKENS 4
-#define QMV_MULTI_KERNEL(B)                                                                        \
-    extern "C" __global__ void __launch_bounds__(256, 1) qmv_b##B##_t4(MultiMatmul mm, const float* x, int n) { \
+#define QMV_MULTI_KERNEL(SFX, B)                                                                   \
+    extern "C" __global__ void __launch_bounds__(256, 1) qmv_##SFX##_t4(MultiMatmul mm, const float* x, int n) { \
         PDL_TRIGGER();                                                                             \
         qmv_stream_body<B, 2, false, QMV_TOKENS>(mm, x, n);                                        \
     }
-QMV_MULTI_KERNEL(4)
-QMV_MULTI_KERNEL(8)
+QMV_MULTI_KERNEL(b4, 4)
+QMV_MULTI_KERNEL(b8, 8)
+QMV_MULTI_KERNEL(b4q8, B4Q8)
 
 // A group of 4- and 8-bit matrices in one launch (a MoE block's 8-bit
 // router and gate with its 4-bit shared expert): the width is chosen per
-// block.
-template <int NC>
+// block. B4: how the 4-bit matrices are dotted (4, or B4Q8 for `qmv_b48q8`;
+// the 8-bit ones keep f32 activations either way).
+template <int NC, int B4>
 __device__ __forceinline__ void qmv_b48_body(const MultiMatmul& mm, const float* x) {
     int m = set_matrix(mm, blockIdx.x);
     if (mm.q[m].bits == 8)
         qmv_body<8, NC, false>(mm, m, blockIdx.x, x);
     else
-        qmv_body<4, NC, false>(mm, m, blockIdx.x, x);
+        qmv_body<B4, NC, false>(mm, m, blockIdx.x, x);
 }
-extern "C" __global__ void __launch_bounds__(256) qmv_b48(MultiMatmul mm, const float* x) {
-    PDL_TRIGGER();
-    qmv_b48_body<QMV_NC>(mm, x);
-}
-extern "C" __global__ void __launch_bounds__(256) qmv_b48_nc2(MultiMatmul mm, const float* x) {
-    PDL_TRIGGER();
-    qmv_b48_body<2>(mm, x);
-}
+#define QMV_B48_KERNEL(NAME, NC, B4)                                                         \
+    extern "C" __global__ void __launch_bounds__(256) NAME(MultiMatmul mm, const float* x) { \
+        PDL_TRIGGER();                                                                       \
+        qmv_b48_body<NC, B4>(mm, x);                                                         \
+    }
+QMV_B48_KERNEL(qmv_b48, QMV_NC, 4)
+QMV_B48_KERNEL(qmv_b48_nc2, 2, 4)
+QMV_B48_KERNEL(qmv_b48q8, QMV_NC, B4Q8)
+QMV_B48_KERNEL(qmv_b48q8_nc2, 2, B4Q8)
 
 // Dense (bf16 or f32) weights: a warp per row, 8 rows per block.
 extern "C" __global__ void dmatmul(const void* w, int f32, int rows, int cols, const float* x, int n,

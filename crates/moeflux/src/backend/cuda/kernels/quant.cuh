@@ -119,6 +119,10 @@ __device__ __forceinline__ float load_glu(const float* g, const float* u, float*
 #define MXB (-1)  // the BITS of the MXFP4 instantiations
 #define MXI (-2)  // MXFP4 dotted in integers (mx_int_dot): the streaming expert kernels
 __host__ __device__ constexpr bool is_mx(int bits) { return bits == MXB || bits == MXI; }
+// 4-bit affine codes with the activations rounded to 8 bits per 32 columns
+// and dotted in integers (q8_prep, q8_dot in qmv.cu): the one-token kernels
+// under `--gpu-activations q8`.
+#define B4Q8 (-3)
 
 // Twice the code's value plus 12 (0..24) by code, as bytes for
 // __byte_perm: codes 0-3, 4-7 (positive), 8-11, 12-15 (negative).
