@@ -5,7 +5,8 @@
 #   bench/gpu.sh [--parts a,b,c,d,e,f,g,l] [--reps R] [--dir DIR] [--out DIR] [--quick]
 #
 #   a  qwen3.6-35b-a3b widths, all 40 layers, every expert in VRAM: pp512, pp4096, tg128;
-#      decode against the roofline (weight bytes per token / measured device-memory bandwidth)
+#      decode against the roofline (weight bytes per token / measured device-memory bandwidth);
+#      tg128 without CUDA graphs and with --gpu-activations q8
 #   b  the same model with --gpu-memory holding 25% of the expert bytes: tg128 with uniform
 #      routing and with --router-skew zipf:1, LFU-DA and LRU, staging reads or the pinned host
 #      tier (with and without prefetch); decode against the PCIe ceiling
@@ -152,6 +153,7 @@ if has a; then
   bench a-resident-pp$PP "$A3B" --prompt-len $PP --gen $TG
   bench a-resident-pp$PPL "$A3B" --prompt-len $PPL --gen 0
   bench a-resident-no-graphs "$A3B" --prompt-len 0 --gen $TG --no-cuda-graphs
+  bench a-resident-q8 "$A3B" --prompt-len 0 --gen $TG --gpu-activations q8
 fi
 
 if has b; then

@@ -128,6 +128,13 @@ pub struct ModelArgs {
     /// bounds.
     #[arg(long, default_value = "f32", value_parser = parse_activations)]
     pub cpu_activations: Activations,
+    /// GPU: `q8` rounds the activations of the one- and few-token products
+    /// of 4-bit affine matrices (decode steps) to 8 bits per 32 inputs, as
+    /// `--cpu-activations q8` does, and multiplies them in integers
+    /// (`dp4a`): faster decode, at the same small accuracy cost
+    /// (docs/PERFORMANCE.md). Routers and prefill stay as with `f32`.
+    #[arg(long, default_value = "f32", value_parser = parse_activations)]
+    pub gpu_activations: Activations,
     /// CPU: hold 4-bit experts (MXFP4, or MLX affine in groups of 64) in
     /// RAM with eight rows interleaved, made at load: faster `q8`
     /// products, same results.
@@ -333,6 +340,7 @@ impl ModelArgs {
                 replicate_experts: self.replicate_experts,
                 gds: self.gds,
                 cpu_activations: self.cpu_activations,
+                gpu_activations: self.gpu_activations,
                 cpu_repack: self.cpu_repack,
                 low_width_experts: self.low_width_experts,
                 ..Default::default()
@@ -360,6 +368,10 @@ impl ModelArgs {
                 ("--gpu-memory", self.gpu_memory.is_some()),
                 ("--host-cache", self.host_cache.is_some()),
                 ("--no-cuda-graphs", self.no_cuda_graphs),
+                (
+                    "--gpu-activations",
+                    self.gpu_activations != Activations::F32,
+                ),
             ];
             for (flag, _) in gpu_only.iter().filter(|(_, given)| *given) {
                 eprintln!("warning: {flag} has no effect on the CPU");

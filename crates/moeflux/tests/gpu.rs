@@ -22,7 +22,7 @@ use common::{
     EVAL_MODES,
 };
 use moeflux::backend::cuda::CachePolicy;
-use moeflux::session::{Gds, Prefetch};
+use moeflux::session::{Activations, Gds, Prefetch};
 use moeflux::{Backend, LogitsMode, Session, SessionOptions};
 
 /// GPU acceptance bound (the issue's) and the regression guard: f32 on the
@@ -434,6 +434,65 @@ fn low_width_experts_on_the_gpu_match_the_cpu() {
     eprintln!("low-width host tier: {stats:?}, full vs low {apart:e}");
     assert!(stats.misses > 0, "the cache of {slots} slots never missed");
     assert!(d <= GUARD, "host tier, one at a time: max rel diff {d:e}");
+}
+
+/// `--gpu-activations q8`: decode steps on the GPU with the 4-bit products
+/// (dense, experts, LM head) dotted on 8-bit activations against the CPU's
+/// `--cpu-activations q8` one token at a time, every expert resident and
+/// through an evicting cache over the host tier. Both round each block of
+/// 32 activations alike and sum codes times activations exactly in
+/// integers, so they differ by the f32 summation order (and an activation
+/// that lands within a rounding of a half between two codes), within the
+/// f32 GPU's own bound, while the rounding moves the logits much further
+/// from the exact ones.
+#[test]
+#[ignore]
+fn q8_activations_on_the_gpu_match_the_cpus() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("synth");
+    synth_model(&dir);
+    let open = |backend: Backend, gpu_memory: Option<u64>, host_cache: Option<u64>| {
+        Session::open(
+            &dir,
+            SessionOptions {
+                backend,
+                gpu_memory,
+                host_cache,
+                cpu_activations: Activations::Q8,
+                gpu_activations: Activations::Q8,
+                ..Default::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("opening {} with q8 activations: {e}", dir.display()))
+    };
+    let mut c = open(Backend::Cpu, None, None);
+    let toks = gpu_ties::random_tokens_clear_of_ties(&mut c, &dir, 32);
+    let want = one_token_at_a_time(&mut c, &toks);
+    let exact = one_token_at_a_time(&mut cpu(&dir), &toks);
+    let apart = max_rel_diff(&want, &exact);
+    let mut g = open(Backend::Cuda, None, None);
+    assert!(g.on_gpu());
+    let d = max_rel_diff(&one_token_at_a_time(&mut g, &toks), &want);
+    eprintln!("q8: GPU vs CPU {d:e}; CPU q8 vs exact {apart:e}");
+    assert!(
+        apart > GUARD,
+        "q8 moved the CPU's logits by only {apart:e}: the test cannot tell the modes apart"
+    );
+    assert!(d <= GUARD, "resident: GPU q8 vs CPU q8 max rel diff {d:e}");
+    assert!(
+        4.0 * d < apart,
+        "resident: GPU q8 {d:e} from CPU q8, which is {apart:e} from exact"
+    );
+    let store = c.expert_store();
+    let layer = store.layers().next().unwrap();
+    let slots = c.config().moe.num_experts + 8;
+    let budget = (slots * store.extent_bytes(layer)) as u64;
+    let mut g = open(Backend::Cuda, Some(budget), Some(1 << 40));
+    let d = max_rel_diff(&one_token_at_a_time(&mut g, &toks), &want);
+    let stats = g.gpu_cache_stats();
+    eprintln!("q8 through the host tier: {d:e}, {stats:?}");
+    assert!(stats.misses > 0, "the cache of {slots} slots never missed");
+    assert!(d <= GUARD, "host tier: GPU q8 vs CPU q8 max rel diff {d:e}");
 }
 
 /// Random tokens through an expert cache that holds one layer's experts
@@ -1050,10 +1109,13 @@ fn gpu_batches_through_an_evicting_cache_and_the_host_tier_match_the_cpu_alone()
 /// GPU workspace; the decode graph captured before must not be replayed.
 /// Half the sequences of most steps ask for their greedy token instead of
 /// logits: it must be the first argmax of the same logits alone.
-fn gpu_decode_batch_is_bitwise_alone(name: &str, dir: &Path) {
+/// `gpu_activations`: the same with 8-bit activations (`qmv_b4q8_t4`
+/// against `qmv_b4q8`).
+fn gpu_decode_batch_is_bitwise_alone(name: &str, dir: &Path, gpu_activations: Activations) {
     use moeflux::{Batch, Work};
     let opts = || SessionOptions {
         backend: Backend::Cuda,
+        gpu_activations,
         ..Default::default()
     };
     let mut together = Batch::open(dir, opts()).unwrap();
@@ -1150,10 +1212,11 @@ fn gpu_decode_batches_equal_each_sequence_alone_bit_for_bit() {
         ("qwen3next", "qwen3next-q4/src"),
     ] {
         let (_tmp, dir) = convert_fixture(src, None);
-        gpu_decode_batch_is_bitwise_alone(name, &dir);
+        gpu_decode_batch_is_bitwise_alone(name, &dir, Activations::F32);
     }
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("synth");
     synth_model(&dir);
-    gpu_decode_batch_is_bitwise_alone("synth", &dir);
+    gpu_decode_batch_is_bitwise_alone("synth", &dir, Activations::F32);
+    gpu_decode_batch_is_bitwise_alone("synth, q8 activations", &dir, Activations::Q8);
 }

@@ -255,6 +255,7 @@ impl Batch {
                     cpu_experts: opts.cpu_experts,
                     replicate_experts: opts.replicate_experts,
                     gds: opts.gds,
+                    activations: opts.gpu_activations,
                 };
                 let m = match &opts.dist {
                     Some(d) => {

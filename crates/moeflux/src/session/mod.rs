@@ -87,6 +87,10 @@ pub struct SessionOptions {
     /// weights (faster one-token products; the accuracy cost is in
     /// docs/PERFORMANCE.md). Set on this session's compute threads only.
     pub cpu_activations: Activations,
+    /// GPU backend: the same choice for the one- and few-token products of
+    /// 4-bit affine matrices (decode steps; routers stay exact, prefill's
+    /// tensor-core products are unchanged), computed with `dp4a`.
+    pub gpu_activations: Activations,
     /// CPU backend: when to hold 4-bit experts interleaved in RAM (faster
     /// 8-bit-activation products, same bits; see
     /// [`crate::backend::cpu::repack`]).
@@ -142,6 +146,7 @@ impl Default for SessionOptions {
             replicate_experts: true,
             gds: Gds::Auto,
             cpu_activations: Activations::F32,
+            gpu_activations: Activations::F32,
             cpu_repack: Repack::Auto,
             low_width_experts: false,
         }

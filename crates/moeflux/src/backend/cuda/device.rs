@@ -260,6 +260,10 @@ pub struct Gpu {
     /// Products of many tokens on the tensor cores (sm_80+;
     /// `MOEFLUX_CUDA_MMA=0` keeps them on the CUDA cores).
     pub mma: bool,
+    /// One- and few-token 4-bit affine products take their activations
+    /// rounded to 8 bits (`--gpu-activations q8`, the `b4q8` kernels; set
+    /// by the model from `CudaOptions::activations`).
+    pub q8: bool,
     /// Dynamic shared memory one block may take (the opt-in maximum, set on
     /// the kernels of `LARGE_SMEM_KERNELS`).
     pub smem_optin: usize,
@@ -347,6 +351,7 @@ impl Gpu {
             pdl,
             sms,
             mma,
+            q8: false,
             smem_optin: smem_optin as usize,
             workspace: Default::default(),
         })

@@ -166,12 +166,26 @@ pub(super) fn qmv_rows_per_block(
 
 /// The activation-stationary one-token product kernel for matrices of
 /// `bits` bits (`None`: 4- and 8-bit ones together), `chunks` per warp (2,
-/// else the kernel's own) and the input `act`.
-fn qmv_kernel(bits: Option<i32>, chunks: usize, act: Input) -> String {
+/// else the kernel's own) and the input `act`; `q8`: its 4-bit matrices
+/// take 8-bit activations (the `b4q8` kernels; other widths have none).
+fn qmv_kernel(bits: Option<i32>, chunks: usize, act: Input, q8: bool) -> String {
     let nc = if chunks == 2 { "_nc2" } else { "" };
     let glu = if act == Input::Glu { "_glu" } else { "" };
-    let width = bits.map_or("b48", kernel_suffix);
+    let width = match bits {
+        None if q8 => "b48q8",
+        None => "b48",
+        Some(4) if q8 => "b4q8",
+        Some(b) => kernel_suffix(b),
+    };
     format!("qmv_{width}{nc}{glu}")
+}
+
+/// Whether product `o` of matrix `q` may share a launch of the one- and
+/// few-token kernels that take 8-bit activations for 4-bit matrices
+/// (`--gpu-activations q8`): every product but the 4-bit ones that keep
+/// exact activations (routers); other widths are dotted in f32 either way.
+fn in_q8_launch(gpu: &Gpu, q: &Qw, o: &Mm) -> bool {
+    gpu.q8 && !(q.bits == 4 && o.exact)
 }
 
 /// Which one-token products may share a launch: 4- and 8-bit matrices
@@ -239,11 +253,15 @@ fn qmv_multi_fit(q: &Qw) -> bool {
 fn qmv_multi_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
     const CHUNKS: usize = 2; // the kernels' chunks per warp and set
     let nn = n as i32;
-    for bits in [4, 8] {
+    for (bits, q8) in [(4, false), (4, true), (8, false)] {
         let same: Vec<(Qw, &Mm)> = ops
             .iter()
             .filter_map(|o| match o.w {
-                DevLinear::Quant(q) if q.bits == bits => Some((q, o)),
+                DevLinear::Quant(q)
+                    if q.bits == bits && (bits != 4 || in_q8_launch(gpu, &q, o) == q8) =>
+                {
+                    Some((q, o))
+                }
                 _ => None,
             })
             .collect();
@@ -259,7 +277,7 @@ fn qmv_multi_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
             // layouts, the caller sized x and every output for n tokens.
             unsafe {
                 gpu.launch(
-                    &format!("qmv_{}_t4", kernel_suffix(bits)),
+                    &format!("qmv_{}_t4", if q8 { "b4q8" } else { kernel_suffix(bits) }),
                     grid,
                     threads,
                     0,
@@ -271,9 +289,10 @@ fn qmv_multi_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
     Ok(())
 }
 
-/// Products of one launch: the `qmv` width class (`None`: the general
-/// kernels) and each matrix.
-type LaunchGroup<'a> = (Option<i32>, Vec<(Qw, &'a Mm)>);
+/// Products of one launch: the `qmv` width class and whether its 4-bit
+/// matrices take 8-bit activations (`None`: the general kernels), and
+/// each matrix.
+type LaunchGroup<'a> = (Option<(i32, bool)>, Vec<(Qw, &'a Mm)>);
 
 /// A matrix product of a [`matmuls`] group: `out (+)= x W^T (+ bias)`.
 #[derive(Clone, Copy)]
@@ -284,6 +303,9 @@ pub(super) struct Mm {
     /// A vector added to every output row after the product (0: none):
     /// inside the one-token kernels, by an `add_rows` launch after others.
     pub bias: u64,
+    /// Exact f32 activations even under `--gpu-activations q8` (a router,
+    /// whose rounding would change which experts run, as on the CPU).
+    pub exact: bool,
 }
 
 /// `out = x W^T`.
@@ -293,6 +315,7 @@ pub(super) fn mm(w: DevLinear, out: u64) -> Mm {
         out,
         accumulate: false,
         bias: 0,
+        exact: false,
     }
 }
 
@@ -310,6 +333,14 @@ impl Mm {
     pub(super) fn with_bias(self, bias: Option<u64>) -> Mm {
         Mm {
             bias: bias.unwrap_or(0),
+            ..self
+        }
+    }
+
+    /// The product with exact f32 activations whatever the GPU's mode.
+    pub(super) fn exact(self) -> Mm {
+        Mm {
+            exact: true,
             ..self
         }
     }
@@ -527,7 +558,8 @@ fn launch_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize, input: Input) -> Res
     let mut groups: Vec<LaunchGroup> = Vec::new();
     for o in ops {
         let DevLinear::Quant(q) = o.w else { continue };
-        let key = (n == 1 && qmv_fit(&q).is_some()).then_some(qmv_class(q.bits));
+        let key = (n == 1 && qmv_fit(&q).is_some())
+            .then(|| (qmv_class(q.bits), in_q8_launch(gpu, &q, o)));
         debug_assert!(
             input == Input::Plain || key.is_some(),
             "only qmv applies a SwiGLU"
@@ -558,7 +590,7 @@ fn launch_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize, input: Input) -> Res
         // sized x and every output for n tokens.
         unsafe {
             match key {
-                Some(_) => {
+                Some((_, q8)) => {
                     // The streaming kernels loop over the sets (`blocks`
                     // counts them) with a few blocks per SM.
                     let per_sm = match chunks {
@@ -574,7 +606,7 @@ fn launch_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize, input: Input) -> Res
                         None => (blocks as u32, 256),
                     };
                     gpu.launch(
-                        &qmv_kernel(width, chunks, input),
+                        &qmv_kernel(width, chunks, input, *q8),
                         (grid, 1, 1),
                         threads,
                         0,

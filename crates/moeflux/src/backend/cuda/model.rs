@@ -13,6 +13,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
+use crate::backend::cpu::qmatmul::Activations;
 use crate::backend::prefetch::Prefetch;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
@@ -221,6 +222,10 @@ pub struct CudaOptions {
     /// Misses read from files opened with `O_DIRECT` go straight to VRAM
     /// through cuFile (GPUDirect Storage); see `gds.rs`.
     pub gds: Gds,
+    /// How the one- and few-token products of 4-bit affine matrices take
+    /// their activations: exact f32, or rounded to 8 bits per 32 inputs as
+    /// the CPU's `Activations::Q8` rounds them (routers stay exact).
+    pub activations: Activations,
 }
 
 impl Default for CudaOptions {
@@ -234,6 +239,7 @@ impl Default for CudaOptions {
             host_cache: None,
             replicate_experts: true,
             gds: Gds::Auto,
+            activations: Activations::F32,
         }
     }
 }
@@ -381,6 +387,8 @@ impl CudaModel {
     ) -> Result<CudaModel> {
         support::check(model)?;
         gpu.bind()?;
+        let mut gpu = gpu;
+        gpu.q8 = opts.activations == Activations::Q8;
         let c = model.config.clone();
         let mut ep = ep;
         if let Some(ep) = &mut ep {

@@ -140,7 +140,9 @@ pub(super) fn moe(
 
     // Router and shared expert: one launch for the products of xn.
     let router_bias = b.router_bias.map(|v| w.vec(v));
-    let mut ops = vec![mm(w.lin(&b.router), logits_d).with_bias(router_bias)];
+    let mut ops = vec![mm(w.lin(&b.router), logits_d)
+        .with_bias(router_bias)
+        .exact()];
     let (mut sy, mut sg) = (0u64, 0u64);
     if let Some(sh) = b.shared.as_ref().filter(|_| lead) {
         let (sgate, sup, sdown) = (w.lin(&sh.mlp.gate), w.lin(&sh.mlp.up), w.lin(&sh.mlp.down));
@@ -190,7 +192,8 @@ pub(super) fn moe(
             let p_wts = s.get(g, "p_wts", 4 * n * k)?;
             let p_bases = s.get(g, "p_bases", 8 * n * k)?;
             let bias = nx.router_bias.map(|v| w.vec(v));
-            matmuls(g, &[mm(w.lin(&nx.router), p_logits).with_bias(bias)], xn, n)?;
+            let router = mm(w.lin(&nx.router), p_logits).with_bias(bias).exact();
+            matmuls(g, &[router], xn, n)?;
             let bufs = [p_ids, p_wts, p_bases];
             route(g, w, cx.config, nx, p_logits, n, k, 0, bufs)?;
             Some((nx.layer, p_ids))
@@ -689,6 +692,8 @@ fn slot_launches(
     slots: usize,
     grids: (u32, u32),
 ) -> [SlotLaunch; 2] {
+    // 4-bit affine experts with `--gpu-activations q8`: the `b4q8` kernels.
+    let sfx = if g.q8 && sfx == "b4" { "b4q8" } else { sfx };
     let [gate_up, down] = slot_launches_qmv(g, l, sfx, slots, grids);
     if sfx != "mx" {
         return [gate_up, down];
@@ -725,7 +730,7 @@ fn slot_launches_qmv(
         (g.blocks_per_sm(&format!("moe_gate_up_qmv_{sfx}"), gate_up_threads) * g.sms) as usize,
     );
     let stream = slot_stream_enabled()
-        && matches!(sfx, "b4" | "b8" | "mx")
+        && matches!(sfx, "b4" | "b8" | "mx" | "b4q8")
         && streams(h)
         && streams(inter)
         && waves >= STREAM_MIN_WAVES;
