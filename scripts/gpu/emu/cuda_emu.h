@@ -64,6 +64,7 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
+inline int __float2int_rz(float x) { return (int)x; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 using std::min;
 using std::max;

@@ -293,6 +293,56 @@ static void test_qmv_q8_tokens(int rows_a, int rows_b, int cols, int n, unsigned
     check(name, got, std::vector<double>(alone.begin(), alone.end()), 0.0);
 }
 
+// The one- and few-token q8 products a warp per two rows (qdot_b4q8, _glu, _t4): the q8
+// contract (q8_product) within 1e-5 over grids that loop over the sets (`grid` blocks), and
+// qdot_b4q8_t4's tokens equal qdot_b4q8 on each alone, bit for bit.
+static void test_qdot(int rows_a, int rows_b, int cols, bool glu, unsigned grid, int n = 1) {
+    HostQ A(rows_a, cols), B(rows_b, cols);
+    std::vector<float> x(glu ? 2 * cols : (size_t)n * cols);
+    for (auto& v : x) v = urand(glu ? -3 : -1, glu ? 3 : 1);
+    std::vector<float> in(x);  // the product's input, as the kernel computes it
+    if (glu) {
+        in.resize(cols);
+        for (int j = 0; j < cols; j++) in[j] = x[j] / (1.0f + expf(-x[j])) * x[cols + j];
+    }
+    std::vector<float> oa((size_t)n * rows_a, NAN), ob((size_t)n * rows_b);
+    for (auto& v : ob) v = urand();
+    std::vector<float> ob0 = ob;
+    int ba = (rows_a + 15) / 16, bb = (rows_b + 15) / 16;
+    unsigned sets = ba + bb;
+    grid = std::min(grid, sets);
+    MultiMatmul mm = two_products(A, B, oa.data(), ob.data(), ba, bb);
+    const float* xp = x.data();
+    emu_launch({grid, (unsigned)((n + 3) / 4), 1}, 256, [&] {
+        if (glu) qdot_b4q8_glu(mm, xp, 1);
+        else if (n > 1) qdot_b4q8_t4(mm, xp, n);
+        else qdot_b4q8(mm, xp, 1);
+    });
+    std::vector<float> got(oa);
+    got.insert(got.end(), ob.begin(), ob.end());
+    std::vector<double> want;
+    for (const HostQ* W : {&A, &B})
+        for (int t = 0; t < n; t++) {
+            std::vector<double> p = q8_product(*W, &in[(size_t)t * cols]);
+            for (int r = 0; r < W->rows; r++) want.push_back(p[r] + (W == &B ? ob0[(size_t)t * W->rows + r] : 0.0));
+        }
+    char name[128];
+    snprintf(name, sizeof name, "qdot_b4q8%s %dx%d + %dx%d, n%d, %u of %u blocks", glu ? "_glu" : n > 1 ? "_t4" : "",
+             rows_a, cols, rows_b, cols, n, grid, sets);
+    check(name, got, want, 1e-5);
+    if (n == 1) return;
+    std::vector<float> sa((size_t)n * rows_a, NAN), sb = ob0;
+    for (int t = 0; t < n; t++) {
+        MultiMatmul m1 = two_products(A, B, &sa[(size_t)t * rows_a], &sb[(size_t)t * rows_b], ba, bb);
+        const float* xt = &x[(size_t)t * cols];
+        emu_launch({sets, 1, 1}, 256, [&] { qdot_b4q8(m1, xt, 1); });
+    }
+    std::vector<float> alone(sa);
+    alone.insert(alone.end(), sb.begin(), sb.end());
+    snprintf(name, sizeof name, "qdot_b4q8_t4 n%d = qdot_b4q8 per token", n);
+    check(name, got, std::vector<double>(alone.begin(), alone.end()), 0.0);
+}
+
 // argmax_rows: per row the first index of its largest value (sample.rs argmax on finite
 // logits), -1 for a row with a NaN or an infinity.
 static void test_argmax_rows(int v, unsigned threads) {
@@ -597,6 +647,13 @@ int main() {
         test_qmv_q8_group(256, 64, 2048, nc2, false, true);       // 8-bit router + 4-bit gate
         test_qmv_q8_group(24, 40, 256, nc2, false, true);
     }
+    test_qdot(72, 40, 2048, false, 100);   // a block per set
+    test_qdot(72, 40, 2048, false, 3);     // three blocks looping over the sets
+    test_qdot(100, 20, 4096, false, 2);    // partial sets at both matrices' ends
+    test_qdot(40, 24, 512, false, 4);
+    test_qdot(64, 32, 2048, true, 3);      // SwiGLU input
+    test_qdot(48, 40, 1024, false, 3, 3);  // a few tokens: one partial token group
+    test_qdot(40, 24, 2048, false, 2, 6);  // two token groups
     test_qmv_q8_tokens(72, 40, 2048, 3);
     test_qmv_q8_tokens(96, 64, 512, 8);
     test_qmv_q8_tokens(40, 24, 4096, 13, 3);

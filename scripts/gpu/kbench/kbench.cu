@@ -106,7 +106,7 @@ __global__ void kb_quant_x_q8(const float* x, int cols, int* xq, float* dx, floa
     float v = x[b * 32 + lane];
     float m = warp_max(fabsf(v)), sum = warp_sum(v);
     float d = m / 127.0f;
-    int q = d > 0.0f ? __float2int_rn(v / d) : 0;
+    int q = m > 0.0f ? (int)roundf(v * (127.0f / m)) : 0;  // the q8 contract's rounding (q8_prep)
     int word = (lane & 1) ? 4 + lane / 8 : lane / 8;
     ((signed char*)(xq + b * 8))[word * 4 + (lane % 8) / 2] = (signed char)q;
     if (lane == 0) { dx[b] = d; xsum[b] = sum; }
@@ -152,6 +152,32 @@ __global__ void kb_qmv_dp4a_b4(QW q, const int* __restrict__ xq, const float* __
     }
 }
 
+// moeflux's streaming one-token kernel with 8-bit activations (qmv_b4q8) at other chunk counts
+// and register bounds (MINB blocks per SM guaranteed by __launch_bounds__).
+template <int NC, int MINB>
+__global__ void __launch_bounds__(256, MINB) kb_qmv_q8(MultiMatmul mm, const float* x) {
+    PDL_TRIGGER();
+    qmv_stream_body<B4Q8, NC, false>(mm, x);
+}
+template <int NC, int MINB>
+__global__ void __launch_bounds__(256, MINB) kb_gate_up_stream_q8(const unsigned long long* bs, ExpertLayout L, int k,
+                                                                  const float* x, float* a) {
+    PDL_ENTER();
+    moe_gate_up_stream_body<B4Q8, NC>(bs, L, k, x, a);
+}
+template <int NC, int MINB>
+__global__ void __launch_bounds__(256, MINB) kb_down_stream_q8(const unsigned long long* bs, ExpertLayout L,
+                                                               const float* a, float* y) {
+    PDL_ENTER();
+    moe_down_stream_body<B4Q8, NC>(bs, L, a, y);
+}
+template <class K>
+static int resident_blocks(K kernel, int threads) {
+    int b = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, threads, 0));
+    return b;
+}
+
 // The dp4a products against qmv_b4 (f32 activations) on one product's weights: time per launch
 // (rotating weight copies, as above) and the relative difference the rounding of x costs.
 static void bench_dp4a(const std::vector<QW>& qs, int copies, const float* x, const float* ref, float* o, size_t bytes, int n) {
@@ -175,6 +201,29 @@ static void bench_dp4a(const std::vector<QW>& qs, int copies, const float* x, co
     run(kb_qmv_dp4a_b4<1>, 1);
     run(kb_qmv_dp4a_b4<2>, 2);
     run(kb_qmv_dp4a_b4<4>, 4);
+    // The dp4a reference (one row a warp) for the streaming q8 kernels: the same rounding.
+    float* ref8; CK(cudaMalloc(&ref8, q0.rows * 4));
+    kb_quant_x_q8<<<(nb + 7) / 8, 256>>>(x, q0.cols, xq, dxs, xs);
+    kb_qmv_dp4a_b4<1><<<(q0.rows + 7) / 8, 256>>>(q0, (const int*)xq, (const float*)dxs, (const float*)xs, ref8);
+    CK(cudaDeviceSynchronize());
+    auto q8 = [&](auto kernel, const char* what, int nc) {
+        int threads = qmv_threads(q0.cols, 4);
+        int sets = (q0.rows + qmv_rows_per_block(q0.cols, 4, nc) - 1) / qmv_rows_per_block(q0.cols, 4, nc);
+        int per_sm = resident_blocks(kernel, threads);
+        int blocks = std::min(sets, g_sms * per_sm);
+        double t = time_graph([&](cudaStream_t s, int i) { launch_pdl(kernel, dim3(blocks), threads, s, one(qs[i % copies], o, sets), (const float*)x); }, n);
+        CK(cudaMemset(o, 0, q0.rows * 4)); kernel<<<blocks, threads>>>(one(q0, o, sets), x); CK(cudaDeviceSynchronize());
+        printf("    %-22s %d/SM PDL (%5d of %5d sets) %8.2f us %6.0f GB/s", what, per_sm, blocks, sets, t, bytes / t / 1e3);
+        compare("vs dp4a", ref8, o, q0.rows);
+    };
+    q8(qmv_b4q8, "qmv_b4q8 (moeflux)", QMV_STREAM_NC);
+    q8(kb_qmv_q8<4, 2>, "q8 NC4 minB2", 4);
+    q8(kb_qmv_q8<4, 4>, "q8 NC4 minB4", 4);
+    q8(kb_qmv_q8<8, 2>, "q8 NC8 minB2", 8);
+    q8(kb_qmv_q8<8, 3>, "q8 NC8 minB3", 8);
+    q8(kb_qmv_q8<2, 4>, "q8 NC2 minB4", 2);
+    q8(kb_qmv_q8<2, 8>, "q8 NC2 minB8", 2);
+    CK(cudaFree(ref8));
     CK(cudaFree(xq)); CK(cudaFree(dxs)); CK(cudaFree(xs));
 }
 
@@ -228,7 +277,9 @@ static void bench_product(const char* name, int rows, int cols, int bits, int gs
 // Experts of one layer in one buffer (MLX layout per expert: gate, up, down;
 // each weights, scales, biases), `k` random distinct experts per token.
 static void bench_slots(const char* name, int n_exp, int k, int hidden, int inter, int bits, int gs) {
-    ExpertLayout L; long off = 0;
+    ExpertLayout L;
+    memset(&L, 0, sizeof L);  // no biases, plain SwiGLU
+    long off = 0;
     auto seg = [&](long n) { long o = off; off += (n + 255) / 256 * 256; return o; };
     L.gate_w = seg((long)inter * hidden * bits / 8); L.gate_s = seg((long)inter * (hidden / gs) * 2); L.gate_b = seg((long)inter * (hidden / gs) * 2);
     L.up_w = seg((long)inter * hidden * bits / 8); L.up_s = seg((long)inter * (hidden / gs) * 2); L.up_b = seg((long)inter * (hidden / gs) * 2);
@@ -276,6 +327,29 @@ static void bench_slots(const char* name, int n_exp, int k, int hidden, int inte
     compare("gate/up", a1, a2, (size_t)k * inter);
     printf("%-28s down    %6.1f MB | old %7.2f us %6.0f GB/s (%dx%d) | qmv %7.2f us %6.0f GB/s (%dx%d)\n", name, dn_bytes / 1e6, d_old, dn_bytes / d_old / 1e3, dn_old, k, d_new, dn_bytes / d_new / 1e3, dn_new, k);
     compare("down", y1, y2, (size_t)k * hidden);
+    // The streaming per-slot kernels as moeflux launches them (as many blocks as fit, shared by
+    // the slots), f32 and 8-bit activations, and the q8 ones at other chunk counts and bounds.
+    auto stream = [&](const char* what, auto gu, auto dn, int nc, float* yref) {
+        int tg = qmv_threads(hidden, bits), td = qmv_threads(inter, bits);
+        int sg = (inter + qmv_rows_per_block(hidden, bits, nc / 2) - 1) / qmv_rows_per_block(hidden, bits, nc / 2);
+        int sd = (hidden + qmv_rows_per_block(inter, bits, nc) - 1) / qmv_rows_per_block(inter, bits, nc);
+        int bg = std::max(1, std::min(sg, resident_blocks(gu, tg) * g_sms / k));
+        int bd = std::max(1, std::min(sd, resident_blocks(dn, td) * g_sms / k));
+        double tgu = time_graph([&](cudaStream_t s, int i) { launch_pdl(gu, dim3(bg, k), tg, s, (const unsigned long long*)bases + (i % T) * k, L, k, (const float*)x, a2); }, n);
+        double tdn = time_graph([&](cudaStream_t s, int i) { launch_pdl(dn, dim3(bd, k), td, s, (const unsigned long long*)bases + (i % T) * k, L, (const float*)a1, y2); }, n);
+        gu<<<dim3(bg, k), tg>>>(bases, L, k, x, a2); dn<<<dim3(bd, k), td>>>(bases, L, a1, y2); CK(cudaDeviceSynchronize());
+        printf("    %-26s gate/up %7.2f us %6.0f GB/s (%dx%d) | down %7.2f us %6.0f GB/s (%dx%d)", what, tgu, gu_bytes / tgu / 1e3, bg, k, tdn, dn_bytes / tdn / 1e3, bd, k);
+        if (yref) compare("down", yref, y2, (size_t)k * hidden); else printf("\n");
+    };
+    stream("stream_b4 (moeflux)", moe_gate_up_stream_b4, moe_down_stream_b4, QMV_STREAM_NC, y1);
+    float* yq; CK(cudaMalloc(&yq, k * hidden * 4));
+    stream("stream_b4q8 (moeflux)", moe_gate_up_stream_b4q8, moe_down_stream_b4q8, QMV_STREAM_NC, nullptr);
+    CK(cudaMemcpy(yq, y2, (size_t)k * hidden * 4, cudaMemcpyDeviceToDevice));
+    stream("q8 NC4 minB4", kb_gate_up_stream_q8<4, 4>, kb_down_stream_q8<4, 4>, 4, yq);
+    stream("q8 NC8 minB2", kb_gate_up_stream_q8<8, 2>, kb_down_stream_q8<8, 2>, 8, yq);
+    stream("q8 NC8 minB3", kb_gate_up_stream_q8<8, 3>, kb_down_stream_q8<8, 3>, 8, yq);
+    stream("q8 NC2 minB8", kb_gate_up_stream_q8<2, 8>, kb_down_stream_q8<2, 8>, 2, yq);
+    CK(cudaFree(yq));
 }
 
 // The by-rows MXFP4 kernels (moe.cu) at other unit depths, register

@@ -17,12 +17,13 @@ use crate::error::{Error, Result};
 
 /// The parts of the kernel source in `kernels/all.cuh`'s order (a test
 /// checks the two agree).
-const KERNEL_PARTS: [(&str, &str); 15] = [
+const KERNEL_PARTS: [(&str, &str); 16] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("abi.cuh", include_str!("kernels/abi.cuh")),
     ("quant.cuh", include_str!("kernels/quant.cuh")),
     ("qmatmul.cu", include_str!("kernels/qmatmul.cu")),
     ("qmv.cu", include_str!("kernels/qmv.cu")),
+    ("qdot.cu", include_str!("kernels/qdot.cu")),
     ("elementwise.cu", include_str!("kernels/elementwise.cu")),
     ("attention.cu", include_str!("kernels/attention.cu")),
     ("deltanet.cu", include_str!("kernels/deltanet.cu")),
@@ -109,6 +110,9 @@ const KERNEL_NAMES: &[&str] = &[
     "qmv_b48q8",
     "qmv_b48q8_nc2",
     "qmv_b4q8_t4",
+    "qdot_b4q8",
+    "qdot_b4q8_glu",
+    "qdot_b4q8_t4",
     "moe_gate_up_qmv_b4q8",
     "moe_down_qmv_b4q8",
     "moe_gate_up_stream_b4q8",

@@ -14,6 +14,7 @@
 #include "quant.cuh"
 #include "qmatmul.cu"
 #include "qmv.cu"
+#include "qdot.cu"
 #include "elementwise.cu"
 #include "attention.cu"
 #include "deltanet.cu"

@@ -163,34 +163,42 @@ __device__ __forceinline__ float mx_int_dot(const uint4& wv, const float* xv) {
 // 8-bit activations, the CPU's `--cpu-activations q8` contract
 // (backend/cpu/qmatmul/q8.rs): a lane's chunk of 4-bit codes covers 32
 // columns, one block, whose activations become dx * xq with dx = max|x| /
-// 127 and xq = round(x * (127 / max|x|)) (half away from zero, as Rust's
-// `round`; 0 for a zero block; dx NaN when the block holds a NaN or an
-// infinity, so the dot is NaN as a float dot would be). xv[0..4) takes the
-// xq of the even columns of each code word (byte j of xv[k]: column 8k + 2j),
-// xv[4..8) the odd ones, the order in which a word's nibbles masked in place
-// (w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F) meet them in dp4a; xv[8] = dx.
-// The integer sum is exact, so against the CPU's q8 only the order of the
-// float sums over blocks differs (and an activation that lands within an
-// f32 rounding of a half between two codes).
-__device__ __forceinline__ void q8_prep(float* xv) {
-    float m = 0.0f, bad = 0.0f;
+// 127 and xq = round(x * (127 / max|x|)), half away from zero as Rust's
+// `round` (here trunc(y + copysign(0.49999997, y)), the CPU's AVX2 form,
+// unfused), 0 for a zero block. xv[0..4) takes the xq of the even columns of
+// each code word (byte j of xv[k]: column 8k + 2j), xv[4..8) the odd ones,
+// the order in which a word's nibbles masked in place (w & 0x0F0F0F0F,
+// (w >> 4) & 0x0F0F0F0F) meet them in dp4a; xv[8] = dx, NaN when the sum
+// of the block's activations (xs, which the biases take) is not finite, so
+// a NaN or an infinity makes the dot NaN as a float dot would. The maximum
+// is a tree, so the lane's first dot waits a few steps, not 32. The
+// integer sum is exact, so against the CPU's q8 only the order of the float
+// sums over blocks differs (and an activation within an f32 rounding of a
+// half between two codes).
+__device__ __forceinline__ void q8_prep(float* xv, float xs) {
+    float m[16];
+#pragma unroll
+    for (int i = 0; i < 16; i++) m[i] = fmaxf(fabsf(xv[2 * i]), fabsf(xv[2 * i + 1]));
+#pragma unroll
+    for (int w = 8; w > 0; w >>= 1)
+#pragma unroll
+        for (int i = 0; i < w; i++) m[i] = fmaxf(m[i], m[i + w]);
+    float inv = m[0] > 0.0f ? 127.0f / m[0] : 0.0f;
+    int q[32];
 #pragma unroll
     for (int i = 0; i < 32; i++) {
-        m = fmaxf(m, fabsf(xv[i]));
-        bad += xv[i] * 0.0f;  // NaN for a NaN or an infinity
-    }
-    float inv = m > 0.0f ? 127.0f / m : 0.0f;
-    u32 w[8];
-#pragma unroll
-    for (int k = 0; k < 8; k++) w[k] = 0u;
-#pragma unroll
-    for (int i = 0; i < 32; i++) {
-        int q = (int)fminf(fmaxf(roundf(xv[i] * inv), -127.0f), 127.0f);
-        w[(i & 1) * 4 + i / 8] |= (u32)(q & 0xFF) << (8 * ((i % 8) / 2));
+        float y = __fmul_rn(xv[i], inv);
+        q[i] = __float2int_rz(__fadd_rn(y, copysignf(0.49999997f, y)));
     }
 #pragma unroll
-    for (int k = 0; k < 8; k++) xv[k] = __uint_as_float(w[k]);
-    xv[8] = m / 127.0f + bad;
+    for (int k = 0; k < 4; k++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int* c = q + 8 * k + h;  // columns 8k + h, + 2, + 4, + 6
+            u32 lo = __byte_perm((u32)c[0], (u32)c[2], 0x0040), hi = __byte_perm((u32)c[4], (u32)c[6], 0x0040);
+            xv[4 * h + k] = __uint_as_float(__byte_perm(lo, hi, 0x5410));
+        }
+    xv[8] = m[0] / 127.0f + xs * 0.0f;
 }
 
 // A chunk's 32 codes dotted with q8_prep's activations: dx * sum(code * xq).
@@ -230,7 +238,7 @@ __device__ __forceinline__ float qmv_load_acts(const float* x, int cols, int c0,
     if constexpr (BITS == MXI) {
         mx_int_prep(xv);
     } else if constexpr (BITS == B4Q8) {
-        q8_prep(xv);
+        q8_prep(xv, xs);
     } else if constexpr (BITS != MXB) {
         constexpr int EPW = 32 / BITS;
 #pragma unroll

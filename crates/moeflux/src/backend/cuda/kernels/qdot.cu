@@ -1,0 +1,164 @@
+// One- and few-token products of 4-bit affine matrices on 8-bit activations
+// (`--gpu-activations q8`), a warp per QD_ROWS rows.
+//
+// The activation-stationary qmv kernels give each lane a fixed 16-byte slice
+// of every row and stream the rows past it: with f32 activations that saves
+// reloading them, but the per-chunk bookkeeping (row and group offsets, a
+// block reduction per set) costs about as much as the 8-bit dot itself
+// (kbench: qmv_b4q8 reaches 1.2-1.6 TB/s where a plain read reaches 3-4.4).
+// Here a block first rounds its input into shared memory once (the q8
+// contract of q8_prep: per 32 columns xq = round(x * 127 / max|x|), half
+// away from zero, dx = max|x| / 127, and the f32 sum of the unrounded
+// block for the biases), then each warp takes QD_ROWS whole rows at a time,
+// lane l the 32-column blocks l, l + 32, ... of each (16 bytes of codes a
+// row: coalesced 512-byte reads), dotting codes and xq in integers (dp4a)
+// and adding scale * dx * sum + bias * xsum per block in f32; a row's sum is
+// a warp reduction. Blocks loop over the row sets (grid-stride), so the
+// rounding is paid once per block, not once per set.
+//
+// Every token's sums are computed the same way whatever T (tokens per
+// launch) and the grid: a decode batch equals each sequence alone bit for
+// bit. Shared memory per block: T * cols * 5 / 4 bytes (QD_MAX_COLS caps
+// it at 40 KB for T = 4).
+#define QD_ROWS 2         // rows per warp: QDOT_ROWS in linear.rs
+#define QD_MAX_COLS 8192  // QDOT_MAX_COLS in linear.rs
+
+// Rounds tokens t0 .. t0 + T - 1 of x (n tokens of `cols`; tokens past n
+// repeat the last) into smem: per token cols / 4 ints of xq (block b: ints
+// 8b .. 8b + 4 the even columns of its four code words, byte j of int 8b + k
+// column 32b + 8k + 2j; ints 8b + 4 .. 8b + 8 the odd ones), then cols / 32
+// dx, then cols / 32 sums. GLU (one token): x holds [g | u] and the input
+// is silu(g) * u. A thread takes one code word (8 columns) at a time; the
+// four of a block agree on its maximum and sum through two shuffles.
+template <int T, bool GLU>
+__device__ __forceinline__ void qdot_round(const float* x, int cols, int n, int t0, int* smem) {
+    const int words = cols / 8, nb = cols / 32;
+    for (int base = 0; base < T * words; base += blockDim.x) {
+        int j = base + threadIdx.x;
+        bool on = j < T * words;
+        int t = on ? j / words : 0, w = on ? j % words : 0;
+        long tok = min(t0 + t, n - 1);
+        float v[8];
+        if (GLU) {
+            const float* g = x + 8 * w;
+            float4 a0 = ((const float4*)g)[0], a1 = ((const float4*)g)[1];
+            float4 b0 = ((const float4*)(g + cols))[0], b1 = ((const float4*)(g + cols))[1];
+            v[0] = siluf_(a0.x) * b0.x; v[1] = siluf_(a0.y) * b0.y; v[2] = siluf_(a0.z) * b0.z; v[3] = siluf_(a0.w) * b0.w;
+            v[4] = siluf_(a1.x) * b1.x; v[5] = siluf_(a1.y) * b1.y; v[6] = siluf_(a1.z) * b1.z; v[7] = siluf_(a1.w) * b1.w;
+        } else {
+            const float4* p = (const float4*)(x + tok * cols + 8 * w);
+            float4 a = p[0], b = p[1];
+            v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+        }
+        if (!on)
+#pragma unroll
+            for (int i = 0; i < 8; i++) v[i] = 0.0f;
+        float m = fmaxf(fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))),
+                        fmaxf(fmaxf(fabsf(v[4]), fabsf(v[5])), fmaxf(fabsf(v[6]), fabsf(v[7]))));
+        float s = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        float inv = m > 0.0f ? 127.0f / m : 0.0f;
+        u32 q[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            float y = __fmul_rn(v[i], inv);
+            q[i] = (u32)__float2int_rz(__fadd_rn(y, copysignf(0.49999997f, y)));
+        }
+        if (!on) continue;
+        int b = w / 4, k = w % 4;
+        int* xq = smem + t * (cols / 4);
+        xq[8 * b + k] = (int)__byte_perm(__byte_perm(q[0], q[2], 0x0040), __byte_perm(q[4], q[6], 0x0040), 0x5410);
+        xq[8 * b + 4 + k] = (int)__byte_perm(__byte_perm(q[1], q[3], 0x0040), __byte_perm(q[5], q[7], 0x0040), 0x5410);
+        if (k == 0) {
+            float* dx = (float*)(smem + T * (cols / 4)) + t * nb;
+            dx[b] = m / 127.0f + s * 0.0f;  // NaN when the block holds a NaN or an infinity
+            dx[T * nb + b] = s;
+        }
+    }
+}
+
+// `out (+)= W x (+ bias)` for up to four 4-bit matrices of one input (a
+// MultiMatmul whose first_block counts sets of 8 * QD_ROWS rows), tokens
+// T * blockIdx.y .. of n.
+template <int T, bool GLU>
+__device__ __forceinline__ void qdot_body(const MultiMatmul& mm, const float* x, int n) {
+    static_assert(T == 1 || !GLU, "SwiGLU inputs are one token's");
+    extern __shared__ float qd_dyn[];  // 16-byte aligned, as attn_mma's uint4 tiles rely on
+    int* qd_smem = (int*)qd_dyn;
+    const int cols = mm.q[0].cols, nb = cols / 32, t0 = blockIdx.y * T, nt = min(T, n - t0);
+    const int nsets = mm.first_block[mm.count];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    PDL_WAIT();
+    qdot_round<T, GLU>(x, cols, n, t0, qd_smem);
+    __syncthreads();
+    const int* xq = qd_smem;
+    const float* dxs = (const float*)(qd_smem + T * (cols / 4));
+    for (int set = blockIdx.x; set < nsets; set += gridDim.x) {
+        int m = set_matrix(mm, set);
+        const QW& q = mm.q[m];
+        long r0 = ((long)(set - mm.first_block[m]) * 8 + warp) * QD_ROWS;
+        const uint4* w = (const uint4*)q.w;
+        int gpr = cols / q.gs, bpg = q.gs / 32;
+        float acc[T][QD_ROWS];
+#pragma unroll
+        for (int t = 0; t < T; t++)
+#pragma unroll
+            for (int r = 0; r < QD_ROWS; r++) acc[t][r] = 0.0f;
+        for (int b = lane; b < nb; b += 32) {
+            uint4 c[QD_ROWS];
+            float sc[QD_ROWS], bi[QD_ROWS];
+#pragma unroll
+            for (int r = 0; r < QD_ROWS; r++) {
+                long row = min(r0 + r, (long)q.rows - 1);
+                c[r] = __ldg(w + row * nb + b);
+                sc[r] = qparam(q.s, row * gpr + b / bpg, q.sf32);
+                bi[r] = qparam(q.b, row * gpr + b / bpg, q.sf32);
+            }
+#pragma unroll
+            for (int t = 0; t < T; t++) {
+                const uint4* xb = (const uint4*)(xq + t * (cols / 4) + 8 * b);
+                uint4 xe = xb[0], xo = xb[1];
+                float dx = dxs[t * nb + b], xs = dxs[(T + t) * nb + b];
+#pragma unroll
+                for (int r = 0; r < QD_ROWS; r++) {
+                    int i = dp4a_us(c[r].x & 0x0F0F0F0Fu, xe.x, 0);
+                    i = dp4a_us((c[r].x >> 4) & 0x0F0F0F0Fu, xo.x, i);
+                    i = dp4a_us(c[r].y & 0x0F0F0F0Fu, xe.y, i);
+                    i = dp4a_us((c[r].y >> 4) & 0x0F0F0F0Fu, xo.y, i);
+                    i = dp4a_us(c[r].z & 0x0F0F0F0Fu, xe.z, i);
+                    i = dp4a_us((c[r].z >> 4) & 0x0F0F0F0Fu, xo.z, i);
+                    i = dp4a_us(c[r].w & 0x0F0F0F0Fu, xe.w, i);
+                    i = dp4a_us((c[r].w >> 4) & 0x0F0F0F0Fu, xo.w, i);
+                    acc[t][r] = fmaf(sc[r] * dx, (float)i, acc[t][r]);
+                    acc[t][r] = fmaf(bi[r], xs, acc[t][r]);
+                }
+            }
+        }
+        bool add = (mm.accumulate >> m) & 1;
+        const float* bias = mm.bias[m];
+#pragma unroll
+        for (int t = 0; t < T; t++)
+#pragma unroll
+            for (int r = 0; r < QD_ROWS; r++) {
+                float v = warp_sum(acc[t][r]);
+                long row = r0 + r;
+                if (lane == 0 && t < nt && row < q.rows) {
+                    float* out = mm.out[m] + (long)(t0 + t) * q.rows;
+                    float o = add ? out[row] + v : v;
+                    out[row] = bias ? o + bias[row] : o;
+                }
+            }
+    }
+}
+
+#define QDOT_KERNEL(NAME, T, GLU)                                                                      \
+    extern "C" __global__ void __launch_bounds__(256) NAME(MultiMatmul mm, const float* x, int n) {    \
+        PDL_TRIGGER();                                                                                 \
+        qdot_body<T, GLU>(mm, x, n);                                                                   \
+    }
+QDOT_KERNEL(qdot_b4q8, 1, false)
+QDOT_KERNEL(qdot_b4q8_glu, 1, true)
+QDOT_KERNEL(qdot_b4q8_t4, 4, false)
