@@ -86,6 +86,17 @@ static void launch_pdl(void (*k)(A...), dim3 grid, int block, cudaStream_t s, A.
     CK(cudaLaunchKernelEx(&c, k, args...));
 }
 
+// The same with dynamic shared memory.
+template <class... A>
+static void launch_pdl_smem(void (*k)(A...), dim3 grid, int block, size_t smem, cudaStream_t s, A... args) {
+    cudaLaunchConfig_t c = {};
+    c.gridDim = grid; c.blockDim = dim3(block); c.dynamicSmemBytes = smem; c.stream = s;
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization; at[0].val.programmaticStreamSerializationAllowed = 1;
+    c.attrs = at; c.numAttrs = 1;
+    CK(cudaLaunchKernelEx(&c, k, args...));
+}
+
 static MultiMatmul one(const QW& q, float* out, int blocks) {
     MultiMatmul mm; memset(&mm, 0, sizeof mm); mm.q[0] = q; mm.out[0] = out; mm.count = 1; mm.accumulate = 0;
     mm.first_block[0] = 0; for (int j = 1; j < 5; j++) mm.first_block[j] = blocks; return mm;
@@ -216,13 +227,21 @@ static void bench_dp4a(const std::vector<QW>& qs, int copies, const float* x, co
         printf("    %-22s %d/SM PDL (%5d of %5d sets) %8.2f us %6.0f GB/s", what, per_sm, blocks, sets, t, bytes / t / 1e3);
         compare("vs dp4a", ref8, o, q0.rows);
     };
+    // qdot_b4q8 (a warp per two rows, the input rounded into shared memory once per block,
+    // blocks looping over the sets of 16 rows) over grids of 2, 4, 8 blocks per SM and one per set.
+    if (q0.cols <= QD_MAX_COLS) {
+        int sets = (q0.rows + 8 * QD_ROWS - 1) / (8 * QD_ROWS);
+        size_t smem = (size_t)q0.cols * 5 / 4;
+        for (int bps : {2, 4, 8, 0}) {
+            int blocks = bps ? std::min(sets, g_sms * bps) : sets;
+            double t = time_graph([&](cudaStream_t s, int i) { launch_pdl_smem(qdot_b4q8, dim3(blocks), 256, smem, s, one(qs[i % copies], o, sets), (const float*)x, 1); }, n);
+            CK(cudaMemset(o, 0, q0.rows * 4)); qdot_b4q8<<<blocks, 256, smem>>>(one(q0, o, sets), x, 1); CK(cudaDeviceSynchronize());
+            printf("    qdot_b4q8 %d/SM PDL      (%5d of %5d sets) %8.2f us %6.0f GB/s", bps, blocks, sets, t, bytes / t / 1e3);
+            compare("vs dp4a", ref8, o, q0.rows);
+        }
+    }
     q8(qmv_b4q8, "qmv_b4q8 (moeflux)", QMV_STREAM_NC);
-    q8(kb_qmv_q8<4, 2>, "q8 NC4 minB2", 4);
-    q8(kb_qmv_q8<4, 4>, "q8 NC4 minB4", 4);
     q8(kb_qmv_q8<8, 2>, "q8 NC8 minB2", 8);
-    q8(kb_qmv_q8<8, 3>, "q8 NC8 minB3", 8);
-    q8(kb_qmv_q8<2, 4>, "q8 NC2 minB4", 2);
-    q8(kb_qmv_q8<2, 8>, "q8 NC2 minB8", 2);
     CK(cudaFree(ref8));
     CK(cudaFree(xq)); CK(cudaFree(dxs)); CK(cudaFree(xs));
 }

@@ -289,6 +289,64 @@ fn qmv_multi_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
     Ok(())
 }
 
+/// Rows per warp of the 8-bit-activation products (`QD_ROWS` in
+/// kernels/qdot.cu); a block of 8 warps takes a set of 16 rows.
+const QDOT_ROWS: usize = 2;
+/// The widest input they round into shared memory (`QD_MAX_COLS`).
+const QDOT_MAX_COLS: usize = 8192;
+/// Tokens per block row of `qdot_b4q8_t4` (`T`).
+const QDOT_TOKENS: usize = 4;
+/// Blocks per SM of the `qdot` grid, which loops over the row sets: each
+/// block rounds its input once, so fewer blocks round less; four keep
+/// enough rows' loads in flight (`scripts/gpu/kbench`).
+const QDOT_BLOCKS_PER_SM: u32 = 4;
+
+/// Whether the `qdot` kernels take `q`: 4-bit codes in groups of a
+/// multiple of 32, whole 32-column blocks, an input that fits shared
+/// memory, 16-byte aligned codes.
+fn qdot_fit(q: &Qw) -> bool {
+    q.bits == 4
+        && q.gs % 32 == 0
+        && q.cols % 32 == 0
+        && q.cols as usize <= QDOT_MAX_COLS
+        && q.w.is_multiple_of(16)
+}
+
+/// Products of 1 to [`MMA_MIN_TOKENS`] - 1 tokens of 4-bit matrices on
+/// 8-bit activations (`--gpu-activations q8`; [`qdot_fit`] must hold):
+/// up to four matrices a launch, each block rounding the input into shared
+/// memory once, biases and residual adds inside; every token's sums are
+/// what that token alone would get.
+fn qdot_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize, input: Input) -> Result<()> {
+    let quant: Vec<(Qw, &Mm)> = ops
+        .iter()
+        .filter_map(|o| match o.w {
+            DevLinear::Quant(q) => Some((q, o)),
+            DevLinear::Dense { .. } => None,
+        })
+        .collect();
+    let (kernel, tokens) = match input {
+        Input::Glu => ("qdot_b4q8_glu", 1),
+        Input::Plain if n == 1 => ("qdot_b4q8", 1),
+        Input::Plain => ("qdot_b4q8_t4", QDOT_TOKENS),
+    };
+    let nn = n as i32;
+    for group in quant.chunks(4) {
+        let (p, sets) = multi_matmul(group, |_| 8 * QDOT_ROWS, true);
+        let grid = (
+            (sets as u32).min(QDOT_BLOCKS_PER_SM * gpu.sms),
+            n.div_ceil(tokens) as u32,
+            1,
+        );
+        let smem = (tokens * group[0].0.cols as usize * 5 / 4) as u32;
+        // SAFETY: `qdot_b4q8*` in kernels/qdot.cu; qdot_fit accepted every
+        // matrix, all share x's width, the caller sized x and every output
+        // for n tokens; smem holds the rounded input of `tokens` tokens.
+        unsafe { gpu.launch(kernel, grid, 256, smem, &mut args!(p, x, nn))? };
+    }
+    Ok(())
+}
+
 /// Products of one launch: the `qmv` width class and whether its 4-bit
 /// matrices take 8-bit activations (`None`: the general kernels), and
 /// each matrix.
@@ -533,6 +591,15 @@ fn mma_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
 }
 
 fn launch_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize, input: Input) -> Result<()> {
+    if gpu.q8 && n < MMA_MIN_TOKENS && (input == Input::Plain || n == 1) {
+        let (dot, rest): (Vec<Mm>, Vec<Mm>) = ops
+            .iter()
+            .partition(|o| matches!(o.w, DevLinear::Quant(q) if !o.exact && qdot_fit(&q)));
+        if !dot.is_empty() {
+            qdot_products(gpu, &dot, x, n, input)?;
+            return launch_products(gpu, &rest, x, n, input);
+        }
+    }
     if n > 1 && n < MMA_MIN_TOKENS && input == Input::Plain {
         let (few, rest): (Vec<Mm>, Vec<Mm>) = ops
             .iter()
