@@ -9,7 +9,9 @@
 #                     (qmv_b4, qmv_b4_nc2, their SwiGLU-input _glu variants, and
 #                     qmv_b48/_nc2 over 4- and 8-bit matrices in one launch), the few-token
 #                     products (qmv_b4_t4, qmv_b8_t4) equal to the one-token ones per token,
-#                     argmax_rows (greedy picks on the device)
+#                     argmax_rows (greedy picks on the device); with 8-bit activations
+#                     (qmv_b4q8*, qmv_b48q8*, qmv_b4q8_t4, qdot_b4q8/_glu/_t4) against the CPU's q8
+#                     contract, the few-token ones equal the one-token ones per token
 #   qwen_kernels.cpp  GatedDeltaNet (conv_qk_norm, delta_rule, gated_norm), moe_combine,
 #                     attn_prep; decode batches (the sequence table of conv_qk_norm,
 #                     delta_rule, attn_prep and attention) equal to each sequence alone
@@ -18,7 +20,8 @@
 #                     through an emulated mma.sync; gpt-oss's experts (MXFP4 and affine,
 #                     per-expert biases, the clamped SwiGLU) through the grouped, per-slot
 #                     (one-pass, streamed and MXFP4 by whole rows, MXFP4 dotted in
-#                     integers; by rows equal to streamed bit for bit) and tensor-core
+#                     integers; by rows equal to streamed bit for bit; Qwen's per-slot
+#                     kernels with 8-bit activations, moe_*_qmv_b4q8 and moe_*_stream_b4q8) and tensor-core
 #                     paths, MXFP4 scale extremes; GGUF's K-quants (groups of 16 at 2, 3,
 #                     6 and 8 bits through the general products and the embedding lookup,
 #                     experts whose down projection differs from gate/up)
