@@ -312,19 +312,23 @@ fn qdot_fit(q: &Qw) -> bool {
         && q.w.is_multiple_of(16)
 }
 
+/// The quantized products of `ops` with their matrices.
+fn quantized(ops: &[Mm]) -> Vec<(Qw, &Mm)> {
+    ops.iter()
+        .filter_map(|o| match o.w {
+            DevLinear::Quant(q) => Some((q, o)),
+            DevLinear::Dense { .. } => None,
+        })
+        .collect()
+}
+
 /// Products of 1 to [`MMA_MIN_TOKENS`] - 1 tokens of 4-bit matrices on
 /// 8-bit activations (`--gpu-activations q8`; [`qdot_fit`] must hold):
 /// up to four matrices a launch, each block rounding the input into shared
 /// memory once, biases and residual adds inside; every token's sums are
 /// what that token alone would get.
 fn qdot_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize, input: Input) -> Result<()> {
-    let quant: Vec<(Qw, &Mm)> = ops
-        .iter()
-        .filter_map(|o| match o.w {
-            DevLinear::Quant(q) => Some((q, o)),
-            DevLinear::Dense { .. } => None,
-        })
-        .collect();
+    let quant = quantized(ops);
     let (kernel, tokens) = match input {
         Input::Glu => ("qdot_b4q8_glu", 1),
         Input::Plain if n == 1 => ("qdot_b4q8", 1),
@@ -556,13 +560,7 @@ pub(super) fn mma_split(gpu: &Gpu, x: u64, n: usize, cols: usize, gs: usize) -> 
 /// Quantized products of many tokens on the tensor cores: `x` split once
 /// per group size, then up to four matrices per `qmma` launch.
 fn mma_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
-    let quant: Vec<(Qw, &Mm)> = ops
-        .iter()
-        .filter_map(|o| match o.w {
-            DevLinear::Quant(q) => Some((q, o)),
-            DevLinear::Dense { .. } => None,
-        })
-        .collect();
+    let quant = quantized(ops);
     let mut sizes: Vec<i32> = quant.iter().map(|(q, _)| q.gs).collect();
     sizes.sort_unstable();
     sizes.dedup();
