@@ -20,7 +20,7 @@
 #          and -sm tensor on the same GPUs and on the first alone (CUDA_VISIBLE_DEVICES; a split the
 #          llama.cpp build refuses for this model is reported with its error); pp P (default 512)
 #          and tg G (64), and a long prefill of N tokens (--pp-long, default 4096; 0 skips it) on
-#          all GPUs. One table: tok/s at L layers, pp and tg also extrapolated to 60 layers by the
+#          all GPUs; moeflux's default layout and one GPU also with --gpu-activations q8. One table: tok/s at L layers, pp and tg also extrapolated to 60 layers by the
 #          time per layer (t * 60 / L, the LM head counted as layers: the same conservative rule for
 #          both engines), and per test moeflux's better layout over llama.cpp's best split.
 # Timing on four H200 (64 cores), 16 layers (57 GB in each format): the build 103-151 s beside
@@ -98,6 +98,9 @@ if has run; then
   mf moeflux "$PP" "$TG" --gpus "$GPUS"
   mf moeflux-sharded "$PP" "$TG" --gpus "$GPUS" --replicate-experts off
   mf moeflux-1gpu "$PP" "$TG" --gpus "${GPUS%%,*}"
+  # Decode's 4-bit products on 8-bit activations, as llama.cpp's CUDA kernels compute them.
+  mf moeflux-q8 "$PP" "$TG" --gpus "$GPUS" --gpu-activations q8
+  mf moeflux-1gpu-q8 "$PP" "$TG" --gpus "${GPUS%%,*}" --gpu-activations q8
   if ((PPL > 0)); then
     mf moeflux-pp$PPL "$PPL" 0 --gpus "$GPUS"
     mf moeflux-sharded-pp$PPL "$PPL" 0 --gpus "$GPUS" --replicate-experts off
@@ -139,7 +142,9 @@ def llama_long(sm):
 rows, failed = [], []  # (label, pp, pp long, tg, on every GPU)
 for name, label, every in (("moeflux", "moeflux (default)", True),
                            ("moeflux-sharded", "moeflux, --replicate-experts off", True),
-                           ("moeflux-1gpu", "moeflux, 1 GPU", False)):
+                           ("moeflux-1gpu", "moeflux, 1 GPU", False),
+                           ("moeflux-q8", "moeflux (default), --gpu-activations q8", True),
+                           ("moeflux-1gpu-q8", "moeflux, 1 GPU, --gpu-activations q8", False)):
     r = load(f"{name}.json")
     long = load(f"{name}-pp{ppl_n}.json")
     if r:
