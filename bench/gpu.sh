@@ -14,7 +14,7 @@
 #   c  qwen3.5-397b-a17b widths, the first 12 layers (what the disk holds), --gpu-memory set
 #      to hold 30% of the experts (an 80 GB card's share of the 60-layer model), experts from
 #      the pinned host tier: ms per layer and tok/s extrapolated to 60 layers, at top-10 and
-#      K=4, with and without prefetch
+#      K=4, with and without prefetch; top-10 with --gpu-activations q8
 #   d  cogito-v2-671b widths (DeepSeek-V3: MLA, 256 experts top-8), the first 4 and 8 layers
 #      (3 dense + 1 or 5 MoE): every expert in VRAM (pp and tg), then the 8 layers with one
 #      layer's worth of expert slots (20% of them; an 80 GB card holds ~18% of the 61-layer
@@ -188,6 +188,7 @@ if has c; then
   bench c-397b-12l-k4 "$BIG" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G --experts-per-token 4
   bench c-397b-12l-top10-noprefetch "$BIG" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G --prefetch off
   bench c-397b-12l-k4-noprefetch "$BIG" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G --experts-per-token 4 --prefetch off
+  bench c-397b-12l-top10-q8 "$BIG" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G --gpu-activations q8
   rm -rf "$BIG"
 fi
 
