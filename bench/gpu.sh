@@ -367,7 +367,7 @@ fi
 if has c; then
   python3 - "$OUTDIR" <<'EOF'
 import json, sys, os
-for name in ("c-397b-12l-top10", "c-397b-12l-k4"):
+for name in ("c-397b-12l-top10", "c-397b-12l-k4", "c-397b-12l-top10-q8"):
     p = os.path.join(sys.argv[1], name + ".json")
     if not os.path.exists(p):
         continue
