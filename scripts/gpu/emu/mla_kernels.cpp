@@ -293,10 +293,11 @@ static void test_qmv_q8_tokens(int rows_a, int rows_b, int cols, int n, unsigned
     check(name, got, std::vector<double>(alone.begin(), alone.end()), 0.0);
 }
 
-// The one- and few-token q8 products a warp per two rows (qdot_b4q8, _glu, _t4): the q8
-// contract (q8_product) within 1e-5 over grids that loop over the sets (`grid` blocks), and
-// qdot_b4q8_t4's tokens equal qdot_b4q8 on each alone, bit for bit.
-static void test_qdot(int rows_a, int rows_b, int cols, bool glu, unsigned grid, int n = 1) {
+// The one- and few-token q8 products a warp per `rw` rows (qdot_b4q8, _glu, _t4; _r1: one
+// row): the q8 contract (q8_product) within 1e-5 over grids that loop over the sets (`grid`
+// blocks), and the few-token kernels' tokens equal the two-row qdot_b4q8 on each alone, bit for
+// bit.
+static void test_qdot(int rows_a, int rows_b, int cols, bool glu, unsigned grid, int n = 1, int rw = 2) {
     HostQ A(rows_a, cols), B(rows_b, cols);
     std::vector<float> x(glu ? 2 * cols : (size_t)n * cols);
     for (auto& v : x) v = urand(glu ? -3 : -1, glu ? 3 : 1);
@@ -308,15 +309,15 @@ static void test_qdot(int rows_a, int rows_b, int cols, bool glu, unsigned grid,
     std::vector<float> oa((size_t)n * rows_a, NAN), ob((size_t)n * rows_b);
     for (auto& v : ob) v = urand();
     std::vector<float> ob0 = ob;
-    int ba = (rows_a + 15) / 16, bb = (rows_b + 15) / 16;
+    int ba = (rows_a + 8 * rw - 1) / (8 * rw), bb = (rows_b + 8 * rw - 1) / (8 * rw);
     unsigned sets = ba + bb;
     grid = std::min(grid, sets);
     MultiMatmul mm = two_products(A, B, oa.data(), ob.data(), ba, bb);
     const float* xp = x.data();
     emu_launch({grid, (unsigned)((n + 3) / 4), 1}, 256, [&] {
-        if (glu) qdot_b4q8_glu(mm, xp, 1);
-        else if (n > 1) qdot_b4q8_t4(mm, xp, n);
-        else qdot_b4q8(mm, xp, 1);
+        if (glu) rw == 1 ? qdot_b4q8_glu_r1(mm, xp, 1) : qdot_b4q8_glu(mm, xp, 1);
+        else if (n > 1) rw == 1 ? qdot_b4q8_t4_r1(mm, xp, n) : qdot_b4q8_t4(mm, xp, n);
+        else rw == 1 ? qdot_b4q8_r1(mm, xp, 1) : qdot_b4q8(mm, xp, 1);
     });
     std::vector<float> got(oa);
     got.insert(got.end(), ob.begin(), ob.end());
@@ -327,19 +328,20 @@ static void test_qdot(int rows_a, int rows_b, int cols, bool glu, unsigned grid,
             for (int r = 0; r < W->rows; r++) want.push_back(p[r] + (W == &B ? ob0[(size_t)t * W->rows + r] : 0.0));
         }
     char name[128];
-    snprintf(name, sizeof name, "qdot_b4q8%s %dx%d + %dx%d, n%d, %u of %u blocks", glu ? "_glu" : n > 1 ? "_t4" : "",
-             rows_a, cols, rows_b, cols, n, grid, sets);
+    snprintf(name, sizeof name, "qdot_b4q8%s%s %dx%d + %dx%d, n%d, %u of %u blocks", glu ? "_glu" : n > 1 ? "_t4" : "",
+             rw == 1 ? "_r1" : "", rows_a, cols, rows_b, cols, n, grid, sets);
     check(name, got, want, 1e-5);
     if (n == 1) return;
     std::vector<float> sa((size_t)n * rows_a, NAN), sb = ob0;
+    int ba2 = (rows_a + 15) / 16, bb2 = (rows_b + 15) / 16;
     for (int t = 0; t < n; t++) {
-        MultiMatmul m1 = two_products(A, B, &sa[(size_t)t * rows_a], &sb[(size_t)t * rows_b], ba, bb);
+        MultiMatmul m1 = two_products(A, B, &sa[(size_t)t * rows_a], &sb[(size_t)t * rows_b], ba2, bb2);
         const float* xt = &x[(size_t)t * cols];
-        emu_launch({sets, 1, 1}, 256, [&] { qdot_b4q8(m1, xt, 1); });
+        emu_launch({(unsigned)(ba2 + bb2), 1, 1}, 256, [&] { qdot_b4q8(m1, xt, 1); });
     }
     std::vector<float> alone(sa);
     alone.insert(alone.end(), sb.begin(), sb.end());
-    snprintf(name, sizeof name, "qdot_b4q8_t4 n%d = qdot_b4q8 per token", n);
+    snprintf(name, sizeof name, "qdot_b4q8_t4%s n%d = qdot_b4q8 per token", rw == 1 ? "_r1" : "", n);
     check(name, got, std::vector<double>(alone.begin(), alone.end()), 0.0);
 }
 
@@ -654,6 +656,10 @@ int main() {
     test_qdot(64, 32, 2048, true, 3);      // SwiGLU input
     test_qdot(48, 40, 1024, false, 3, 3);  // a few tokens: one partial token group
     test_qdot(40, 24, 2048, false, 2, 6);  // two token groups
+    // One row a warp (matrices of few rows): the same sums as two rows a warp
+    test_qdot(72, 40, 2048, false, 3, 1, 1);
+    test_qdot(64, 32, 2048, true, 5, 1, 1);
+    test_qdot(40, 24, 2048, false, 2, 6, 1);
     test_qmv_q8_tokens(72, 40, 2048, 3);
     test_qmv_q8_tokens(96, 64, 512, 8);
     test_qmv_q8_tokens(40, 24, 4096, 13, 3);

@@ -230,14 +230,17 @@ static void bench_dp4a(const std::vector<QW>& qs, int copies, const float* x, co
     // qdot_b4q8 (a warp per two rows, the input rounded into shared memory once per block,
     // blocks looping over the sets of 16 rows) over grids of 2, 4, 8 blocks per SM and one per set.
     if (q0.cols <= QD_MAX_COLS) {
-        int sets = (q0.rows + 8 * QD_ROWS - 1) / (8 * QD_ROWS);
         size_t smem = (size_t)q0.cols * 5 / 4;
-        for (int bps : {2, 4, 8, 0}) {
-            int blocks = bps ? std::min(sets, g_sms * bps) : sets;
-            double t = time_graph([&](cudaStream_t s, int i) { launch_pdl_smem(qdot_b4q8, dim3(blocks), 256, smem, s, one(qs[i % copies], o, sets), (const float*)x, 1); }, n);
-            CK(cudaMemset(o, 0, q0.rows * 4)); qdot_b4q8<<<blocks, 256, smem>>>(one(q0, o, sets), x, 1); CK(cudaDeviceSynchronize());
-            printf("    qdot_b4q8 %d/SM PDL      (%5d of %5d sets) %8.2f us %6.0f GB/s", bps, blocks, sets, t, bytes / t / 1e3);
-            compare("vs dp4a", ref8, o, q0.rows);
+        for (int rw : {2, 1}) {
+            auto k = rw == 2 ? qdot_b4q8 : qdot_b4q8_r1;
+            int sets = (q0.rows + 8 * rw - 1) / (8 * rw);
+            for (int bps : {4, 8, 0}) {
+                int blocks = bps ? std::min(sets, g_sms * bps) : sets;
+                double t = time_graph([&](cudaStream_t s, int i) { launch_pdl_smem(k, dim3(blocks), 256, smem, s, one(qs[i % copies], o, sets), (const float*)x, 1); }, n);
+                CK(cudaMemset(o, 0, q0.rows * 4)); k<<<blocks, 256, smem>>>(one(q0, o, sets), x, 1); CK(cudaDeviceSynchronize());
+                printf("    qdot_b4q8 R%d %d/SM PDL   (%5d of %5d sets) %8.2f us %6.0f GB/s", rw, bps, blocks, sets, t, bytes / t / 1e3);
+                compare("vs dp4a", ref8, o, q0.rows);
+            }
         }
     }
     q8(qmv_b4q8, "qmv_b4q8 (moeflux)", QMV_STREAM_NC);

@@ -1,5 +1,6 @@
 // One- and few-token products of 4-bit affine matrices on 8-bit activations
-// (`--gpu-activations q8`), a warp per QD_ROWS rows.
+// (`--gpu-activations q8`), a warp per R rows (2, or 1 for matrices of few
+// rows, so that their sets still cover the SMs).
 //
 // The activation-stationary qmv kernels give each lane a fixed 16-byte slice
 // of every row and stream the rows past it: with f32 activations that saves
@@ -9,7 +10,7 @@
 // Here a block first rounds its input into shared memory once (the q8
 // contract of q8_prep: per 32 columns xq = round(x * 127 / max|x|), half
 // away from zero, dx = max|x| / 127, and the f32 sum of the unrounded
-// block for the biases), then each warp takes QD_ROWS whole rows at a time,
+// block for the biases), then each warp takes R whole rows at a time,
 // lane l the 32-column blocks l, l + 32, ... of each (16 bytes of codes a
 // row: coalesced 512-byte reads), dotting codes and xq in integers (dp4a)
 // and adding scale * dx * sum + bias * xsum per block in f32; a row's sum is
@@ -17,10 +18,9 @@
 // rounding is paid once per block, not once per set.
 //
 // Every token's sums are computed the same way whatever T (tokens per
-// launch) and the grid: a decode batch equals each sequence alone bit for
-// bit. Shared memory per block: T * cols * 5 / 4 bytes (QD_MAX_COLS caps
+// launch), R and the grid: a decode batch equals each sequence alone bit
+// for bit. Shared memory per block: T * cols * 5 / 4 bytes (QD_MAX_COLS caps
 // it at 40 KB for T = 4).
-#define QD_ROWS 2         // rows per warp: QDOT_ROWS in linear.rs
 #define QD_MAX_COLS 8192  // QDOT_MAX_COLS in linear.rs
 
 // Rounds tokens t0 .. t0 + T - 1 of x (n tokens of `cols`; tokens past n
@@ -81,9 +81,9 @@ __device__ __forceinline__ void qdot_round(const float* x, int cols, int n, int 
 }
 
 // `out (+)= W x (+ bias)` for up to four 4-bit matrices of one input (a
-// MultiMatmul whose first_block counts sets of 8 * QD_ROWS rows), tokens
+// MultiMatmul whose first_block counts sets of 8 * R rows), tokens
 // T * blockIdx.y .. of n.
-template <int T, bool GLU>
+template <int T, bool GLU, int R>
 __device__ __forceinline__ void qdot_body(const MultiMatmul& mm, const float* x, int n) {
     static_assert(T == 1 || !GLU, "SwiGLU inputs are one token's");
     extern __shared__ float qd_dyn[];  // 16-byte aligned, as attn_mma's uint4 tiles rely on
@@ -99,19 +99,19 @@ __device__ __forceinline__ void qdot_body(const MultiMatmul& mm, const float* x,
     for (int set = blockIdx.x; set < nsets; set += gridDim.x) {
         int m = set_matrix(mm, set);
         const QW& q = mm.q[m];
-        long r0 = ((long)(set - mm.first_block[m]) * 8 + warp) * QD_ROWS;
+        long r0 = ((long)(set - mm.first_block[m]) * 8 + warp) * R;
         const uint4* w = (const uint4*)q.w;
         int gpr = cols / q.gs, bpg = q.gs / 32;
-        float acc[T][QD_ROWS];
+        float acc[T][R];
 #pragma unroll
         for (int t = 0; t < T; t++)
 #pragma unroll
-            for (int r = 0; r < QD_ROWS; r++) acc[t][r] = 0.0f;
+            for (int r = 0; r < R; r++) acc[t][r] = 0.0f;
         for (int b = lane; b < nb; b += 32) {
-            uint4 c[QD_ROWS];
-            float sc[QD_ROWS], bi[QD_ROWS];
+            uint4 c[R];
+            float sc[R], bi[R];
 #pragma unroll
-            for (int r = 0; r < QD_ROWS; r++) {
+            for (int r = 0; r < R; r++) {
                 long row = min(r0 + r, (long)q.rows - 1);
                 c[r] = __ldg(w + row * nb + b);
                 sc[r] = qparam(q.s, row * gpr + b / bpg, q.sf32);
@@ -123,7 +123,7 @@ __device__ __forceinline__ void qdot_body(const MultiMatmul& mm, const float* x,
                 uint4 xe = xb[0], xo = xb[1];
                 float dx = dxs[t * nb + b], xs = dxs[(T + t) * nb + b];
 #pragma unroll
-                for (int r = 0; r < QD_ROWS; r++) {
+                for (int r = 0; r < R; r++) {
                     int i = dp4a_us(c[r].x & 0x0F0F0F0Fu, xe.x, 0);
                     i = dp4a_us((c[r].x >> 4) & 0x0F0F0F0Fu, xo.x, i);
                     i = dp4a_us(c[r].y & 0x0F0F0F0Fu, xe.y, i);
@@ -142,7 +142,7 @@ __device__ __forceinline__ void qdot_body(const MultiMatmul& mm, const float* x,
 #pragma unroll
         for (int t = 0; t < T; t++)
 #pragma unroll
-            for (int r = 0; r < QD_ROWS; r++) {
+            for (int r = 0; r < R; r++) {
                 float v = warp_sum(acc[t][r]);
                 long row = r0 + r;
                 if (lane == 0 && t < nt && row < q.rows) {
@@ -154,11 +154,14 @@ __device__ __forceinline__ void qdot_body(const MultiMatmul& mm, const float* x,
     }
 }
 
-#define QDOT_KERNEL(NAME, T, GLU)                                                                      \
+#define QDOT_KERNEL(NAME, T, GLU, R)                                                                   \
     extern "C" __global__ void __launch_bounds__(256) NAME(MultiMatmul mm, const float* x, int n) {    \
         PDL_TRIGGER();                                                                                 \
-        qdot_body<T, GLU>(mm, x, n);                                                                   \
+        qdot_body<T, GLU, R>(mm, x, n);                                                                \
     }
-QDOT_KERNEL(qdot_b4q8, 1, false)
-QDOT_KERNEL(qdot_b4q8_glu, 1, true)
-QDOT_KERNEL(qdot_b4q8_t4, 4, false)
+#define QDOT_KERNELS(SFX, R)                         \
+    QDOT_KERNEL(qdot_b4q8##SFX, 1, false, R)         \
+    QDOT_KERNEL(qdot_b4q8_glu##SFX, 1, true, R)      \
+    QDOT_KERNEL(qdot_b4q8_t4##SFX, 4, false, R)
+QDOT_KERNELS(, 2)
+QDOT_KERNELS(_r1, 1)
