@@ -289,7 +289,8 @@ fn qmv_multi_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
     Ok(())
 }
 
-/// The widest input they round into shared memory (`QD_MAX_COLS`).
+/// The widest input the `qdot` kernels (4-bit products on 8-bit
+/// activations) round into shared memory (`QD_MAX_COLS` in kernels/qdot.cu).
 const QDOT_MAX_COLS: usize = 8192;
 /// Tokens per block row of `qdot_b4q8_t4` (`T`).
 const QDOT_TOKENS: usize = 4;
