@@ -379,6 +379,36 @@ fn deepseek_gpu_matches_cpu_with_a_small_evicting_cache() {
     gpu_matches_cpu_through_small_caches(&dir);
 }
 
+/// Sessions on `dir` with `base`'s options, on a backend, with a GPU
+/// expert budget and host tier; `what` names the options in a failure.
+fn opener<'a>(
+    dir: &'a Path,
+    what: &'a str,
+    base: SessionOptions,
+) -> impl Fn(Backend, Option<u64>, Option<u64>) -> Session + 'a {
+    move |backend, gpu_memory, host_cache| {
+        Session::open(
+            dir,
+            SessionOptions {
+                backend,
+                gpu_memory,
+                host_cache,
+                ..base.clone()
+            },
+        )
+        .unwrap_or_else(|e| panic!("opening {} {what}: {e}", dir.display()))
+    }
+}
+
+/// Slots for one layer's experts plus eight, and their bytes: a GPU cache
+/// that evicts in every layer.
+fn one_layer_plus_eight(c: &Session) -> (usize, u64) {
+    let store = c.expert_store();
+    let layer = store.layers().next().unwrap();
+    let slots = c.config().moe.num_experts + 8;
+    (slots, (slots * store.extent_bytes(layer)) as u64)
+}
+
 /// `--low-width-experts` on the GPU: the 2-bit copies of the synthetic
 /// model's 4-bit experts (written by `convert::low_width`) decoded with every
 /// expert resident and through an evicting cache over the pinned host tier,
@@ -392,19 +422,14 @@ fn low_width_experts_on_the_gpu_match_the_cpu() {
     let dir = tmp.path().join("synth");
     synth_model(&dir);
     write_low_width_copies(&dir, 2, &|_, _| {}).unwrap();
-    let low = |backend: Backend, gpu_memory: Option<u64>, host_cache: Option<u64>| {
-        Session::open(
-            &dir,
-            SessionOptions {
-                backend,
-                gpu_memory,
-                host_cache,
-                low_width_experts: true,
-                ..Default::default()
-            },
-        )
-        .unwrap_or_else(|e| panic!("opening {} with low-width experts: {e}", dir.display()))
-    };
+    let low = opener(
+        &dir,
+        "with low-width experts",
+        SessionOptions {
+            low_width_experts: true,
+            ..Default::default()
+        },
+    );
     let mut c = low(Backend::Cpu, None, None);
     let toks = gpu_ties::random_tokens_clear_of_ties(&mut c, &dir, 40);
     let want = c.eval(&toks, LogitsMode::All).unwrap();
@@ -423,10 +448,7 @@ fn low_width_experts_on_the_gpu_match_the_cpu() {
     assert!(d <= GUARD, "resident, one at a time: max rel diff {d:e}");
     // A cache of one layer's experts plus eight, over the host tier: every
     // miss is a 2-bit copy's upload.
-    let store = c.expert_store();
-    let layer = store.layers().next().unwrap();
-    let slots = c.config().moe.num_experts + 8;
-    let budget = (slots * store.extent_bytes(layer)) as u64;
+    let (slots, budget) = one_layer_plus_eight(&c);
     let mut g = low(Backend::Cuda, Some(budget), Some(1 << 40));
     assert!(g.backend().contains("host tier"), "{}", g.backend());
     let d = max_rel_diff(&one_token_at_a_time(&mut g, &toks), &want);
@@ -458,20 +480,15 @@ fn q8_activations_on_the_gpu_round_as_the_cpus_do() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("synth");
     synth_model(&dir);
-    let open = |backend: Backend, gpu_memory: Option<u64>, host_cache: Option<u64>| {
-        Session::open(
-            &dir,
-            SessionOptions {
-                backend,
-                gpu_memory,
-                host_cache,
-                cpu_activations: Activations::Q8,
-                gpu_activations: Activations::Q8,
-                ..Default::default()
-            },
-        )
-        .unwrap_or_else(|e| panic!("opening {} with q8 activations: {e}", dir.display()))
-    };
+    let open = opener(
+        &dir,
+        "with q8 activations",
+        SessionOptions {
+            cpu_activations: Activations::Q8,
+            gpu_activations: Activations::Q8,
+            ..Default::default()
+        },
+    );
     let mut c = open(Backend::Cpu, None, None);
     let toks = gpu_ties::random_tokens_clear_of_ties(&mut c, &dir, 32);
     let exact = one_token_at_a_time(&mut cpu(&dir), &toks);
@@ -482,10 +499,7 @@ fn q8_activations_on_the_gpu_round_as_the_cpus_do() {
         cpu_q8 > 10.0 * GUARD,
         "q8 moved the CPU's logits by only {cpu_q8:e}: the test cannot tell the modes apart"
     );
-    let store = c.expert_store();
-    let layer = store.layers().next().unwrap();
-    let slots = c.config().moe.num_experts + 8;
-    let budget = (slots * store.extent_bytes(layer)) as u64;
+    let (slots, budget) = one_layer_plus_eight(&c);
     for (what, gpu_memory, host_cache) in [
         ("resident", None, None),
         ("host tier", Some(budget), Some(1 << 40)),

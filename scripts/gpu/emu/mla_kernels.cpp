@@ -80,6 +80,38 @@ static void test_qmv_heads(int nh, int rph, int cols, int x_head) {
     check(name, out, want, 1e-5);
 }
 
+// Two matrices of one input as the grouped one-token kernels take them: A (8-bit codes with
+// `b8`) into oa, B added to ob (random), the sets of `nc` chunks per warp (8 with b8) run over
+// `grid` blocks (0, more than the sets, or b8: a block per set); x random, [g | u] with `glu`.
+struct QmvGroup {
+    HostQ A, B;
+    std::vector<float> x, oa, ob, ob0;
+    MultiMatmul mm;
+    unsigned sets, grid;
+    QmvGroup(int rows_a, int rows_b, int cols, bool nc2, bool glu, bool b8, unsigned blocks)
+        : A(rows_a, cols, b8 ? 8 : 4), B(rows_b, cols), x(glu ? 2 * cols : cols), oa(rows_a, NAN), ob(rows_b) {
+        for (auto& v : x) v = urand(glu ? -3 : -1, glu ? 3 : 1);
+        for (auto& v : ob) v = urand();
+        ob0 = ob;
+        int nc = nc2 ? 2 : b8 ? 8 : 4;
+        int ba = (rows_a + qmv_rpb(cols, nc, A.bits) - 1) / qmv_rpb(cols, nc, A.bits);
+        int bb = (rows_b + qmv_rpb(cols, nc) - 1) / qmv_rpb(cols, nc);
+        mm = two_products(A, B, oa.data(), ob.data(), ba, bb);
+        sets = ba + bb;
+        grid = b8 || blocks == 0 || blocks > sets ? sets : blocks;
+    }
+    // kernel(mm, x) over the grid.
+    template <class K> void run(K kernel) {
+        const float* xp = x.data();
+        emu_launch({grid, 1, 1}, 256, [&] { kernel(mm, xp); });
+    }
+    std::vector<float> got() const {
+        std::vector<float> g(oa);
+        g.insert(g.end(), ob.begin(), ob.end());
+        return g;
+    }
+};
+
 // The one-token grouped products (qmv_b4 with 4 chunks per warp and set, qmv_b4_nc2 with 2):
 // two matrices of one input in one launch, the second added to its output (a residual).
 // `glu`: the _glu variants, whose x holds [g | u] (cols each) and whose input is silu(g) * u.
@@ -88,23 +120,13 @@ static void test_qmv_heads(int nh, int rph, int cols, int x_head) {
 // one per set.
 static void test_qmv_group(int rows_a, int rows_b, int cols, bool nc2, bool glu = false, bool b8 = false,
                            unsigned grid = 0) {
-    HostQ A(rows_a, cols, b8 ? 8 : 4), B(rows_b, cols);
-    std::vector<float> x(glu ? 2 * cols : cols);
-    for (auto& v : x) v = urand(glu ? -3 : -1, glu ? 3 : 1);
+    QmvGroup G(rows_a, rows_b, cols, nc2, glu, b8, grid);
+    const HostQ &A = G.A, &B = G.B;
+    const std::vector<float>& x = G.x;
     std::vector<double> in(cols);  // the product's input
     for (int j = 0; j < cols; j++)
         in[j] = glu ? (double)x[j] / (1.0 + exp(-(double)x[j])) * x[cols + j] : x[j];
-    std::vector<float> oa(rows_a, NAN), ob(rows_b);
-    for (auto& v : ob) v = urand();
-    std::vector<float> ob0 = ob;
-    int nc = nc2 ? 2 : b8 ? 8 : 4;
-    int ba = (rows_a + qmv_rpb(cols, nc, A.bits) - 1) / qmv_rpb(cols, nc, A.bits);
-    int bb = (rows_b + qmv_rpb(cols, nc) - 1) / qmv_rpb(cols, nc);
-    MultiMatmul mm = two_products(A, B, oa.data(), ob.data(), ba, bb);
-    const float* xp = x.data();
-    unsigned sets = ba + bb;
-    if (b8 || grid == 0 || grid > sets) grid = sets;
-    emu_launch({grid, 1, 1}, 256, [&] {
+    G.run([&](const MultiMatmul& mm, const float* xp) {
         if (b8) {
             if (nc2) qmv_b48_nc2(mm, xp); else qmv_b48(mm, xp);
         } else if (glu) {
@@ -113,8 +135,9 @@ static void test_qmv_group(int rows_a, int rows_b, int cols, bool nc2, bool glu 
             if (nc2) qmv_b4_nc2(mm, xp); else qmv_b4(mm, xp);
         }
     });
-    std::vector<float> got(oa);
-    got.insert(got.end(), ob.begin(), ob.end());
+    std::vector<float> got = G.got(), ob0 = G.ob0;
+    unsigned sets = G.sets;
+    grid = G.grid;
     std::vector<double> want;
     for (int r = 0; r < rows_a; r++) {
         double acc = 0;
@@ -185,23 +208,13 @@ static void test_qmv_tokens(int rows_a, int rows_b, int cols, int bits, int n, u
 // zeros stays exact; a non-finite activation makes its rows' sums NaN.
 static void test_qmv_q8_group(int rows_a, int rows_b, int cols, bool nc2, bool glu = false, bool b8 = false,
                               unsigned grid = 0) {
-    HostQ A(rows_a, cols, b8 ? 8 : 4), B(rows_b, cols);
-    std::vector<float> x(glu ? 2 * cols : cols);
-    for (auto& v : x) v = urand(glu ? -3 : -1, glu ? 3 : 1);
+    QmvGroup G(rows_a, rows_b, cols, nc2, glu, b8, grid);
+    const HostQ &A = G.A, &B = G.B;
+    std::vector<float>& x = G.x;
     for (int j = 0; j < 32; j++) x[j] = 0.0f;  // one block of zeros
     std::vector<float> in(cols);  // the product's input, as the kernel computes it
     for (int j = 0; j < cols; j++) in[j] = glu ? x[j] / (1.0f + expf(-x[j])) * x[cols + j] : x[j];
-    std::vector<float> oa(rows_a, NAN), ob(rows_b);
-    for (auto& v : ob) v = urand();
-    std::vector<float> ob0 = ob;
-    int nc = nc2 ? 2 : b8 ? 8 : 4;
-    int ba = (rows_a + qmv_rpb(cols, nc, A.bits) - 1) / qmv_rpb(cols, nc, A.bits);
-    int bb = (rows_b + qmv_rpb(cols, nc) - 1) / qmv_rpb(cols, nc);
-    MultiMatmul mm = two_products(A, B, oa.data(), ob.data(), ba, bb);
-    const float* xp = x.data();
-    unsigned sets = ba + bb;
-    if (b8 || grid == 0 || grid > sets) grid = sets;
-    emu_launch({grid, 1, 1}, 256, [&] {
+    G.run([&](const MultiMatmul& mm, const float* xp) {
         if (b8) {
             if (nc2) qmv_b48q8_nc2(mm, xp); else qmv_b48q8(mm, xp);
         } else if (glu) {
@@ -210,8 +223,9 @@ static void test_qmv_q8_group(int rows_a, int rows_b, int cols, bool nc2, bool g
             if (nc2) qmv_b4q8_nc2(mm, xp); else qmv_b4q8(mm, xp);
         }
     });
-    std::vector<float> got(oa);
-    got.insert(got.end(), ob.begin(), ob.end());
+    std::vector<float> got = G.got(), ob0 = G.ob0;
+    unsigned sets = G.sets;
+    grid = G.grid;
     std::vector<double> want, exact;
     std::vector<double> qa = q8_product(A, in.data()), qb = q8_product(B, in.data());
     for (int r = 0; r < rows_a; r++) {
@@ -240,12 +254,12 @@ static void test_qmv_q8_group(int rows_a, int rows_b, int cols, bool nc2, bool g
     printf("  %-46s %.3e of %.3e from f32 %s\n", "rounded:", apart, scale, rounded ? "ok" : "FAIL");
     // A NaN or an infinity in the input: NaN sums for the 4-bit rows, no fault.
     x[40] = INFINITY;
-    std::fill(ob.begin(), ob.end(), 0.0f);
-    emu_launch({grid, 1, 1}, 256, [&] {
+    std::fill(G.ob.begin(), G.ob.end(), 0.0f);
+    G.run([&](const MultiMatmul& mm, const float* xp) {
         if (b8) qmv_b48q8(mm, xp); else if (glu) qmv_b4q8_glu(mm, xp); else qmv_b4q8(mm, xp);
     });
     bool nan = true;
-    for (float v : ob) nan = nan && std::isnan(v);
+    for (float v : G.ob) nan = nan && std::isnan(v);
     if (!nan) fails++;
     printf("  %-46s %s\n", "an infinite input gives NaN:", nan ? "ok" : "FAIL");
 }

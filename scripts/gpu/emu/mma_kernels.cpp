@@ -799,37 +799,12 @@ static void test_mixed_experts(int hidden, int inter, int gbits, int ggs, int db
 // gate and up on the rounded x, down on the rounded act as the kernel left it; a slot with
 // base 0 (the host's) left alone.
 static void test_experts_q8(int hidden, int inter, int k, bool stream) {
-    std::vector<HostQ> w;  // gate, up, down of each slot's expert
-    for (int e = 0; e < k; e++) {
-        w.emplace_back(inter, hidden);
-        w.emplace_back(inter, hidden);
-        w.emplace_back(hidden, inter);
-    }
+    auto [gate, up, down] = random_experts(k, hidden, inter, 4, 64, 4, 64);  // slot e: expert e
     ExpertLayout L{};
-    memset(&L, 0, sizeof L);
-    long off = 0;
-    long* fields[3][3] = {{&L.gate_w, &L.gate_s, &L.gate_b}, {&L.up_w, &L.up_s, &L.up_b},
-                          {&L.down_w, &L.down_s, &L.down_b}};
-    for (int m = 0; m < 3; m++) {
-        size_t sz[3] = {w[m].w.size() * 4, w[m].s.size() * 2, w[m].b.size() * 2};
-        for (int f = 0; f < 3; f++) {
-            *fields[m][f] = off;
-            off += (long)((sz[f] + 15) / 16 * 16);
-        }
-    }
+    auto extents = pack_extents(gate, up, down, L);
     L.inter = inter, L.hidden = hidden, L.bits = 4, L.gs = 64, L.down_bits = 4, L.down_gs = 64;
-    std::vector<std::vector<uint4>> extents(k, std::vector<uint4>((size_t)(off / 16) + 1));
     std::vector<unsigned long long> bases(k);
-    for (int e = 0; e < k; e++) {
-        char* base = (char*)extents[e].data();
-        for (int m = 0; m < 3; m++) {
-            const HostQ& q = w[3 * e + m];
-            memcpy(base + *fields[m][0], q.w.data(), q.w.size() * 4);
-            memcpy(base + *fields[m][1], q.s.data(), q.s.size() * 2);
-            memcpy(base + *fields[m][2], q.b.data(), q.b.size() * 2);
-        }
-        bases[e] = (unsigned long long)base;
-    }
+    for (int e = 0; e < k; e++) bases[e] = (unsigned long long)extents[e].data();
     bases[k - 1] = 0;  // computed by the host: the kernels skip it
     std::vector<float> x(hidden), act((size_t)k * inter, NAN), out((size_t)k * hidden, NAN);
     for (auto& v : x) v = urand(-2, 2);
@@ -850,12 +825,12 @@ static void test_experts_q8(int hidden, int inter, int k, bool stream) {
     std::vector<float> got_a, got_o;
     std::vector<double> want_a, want_o;
     for (int e = 0; e < k - 1; e++) {
-        std::vector<double> g = q8_product(w[3 * e], x.data()), u = q8_product(w[3 * e + 1], x.data());
+        std::vector<double> g = q8_product(gate[e], x.data()), u = q8_product(up[e], x.data());
         for (int r = 0; r < inter; r++) {
             want_a.push_back(g[r] / (1.0 + exp(-g[r])) * u[r]);
             got_a.push_back(act[(size_t)e * inter + r]);
         }
-        std::vector<double> d = q8_product(w[3 * e + 2], &act[(size_t)e * inter]);
+        std::vector<double> d = q8_product(down[e], &act[(size_t)e * inter]);
         for (int r = 0; r < hidden; r++) {
             want_o.push_back(d[r]);
             got_o.push_back(out[(size_t)e * hidden + r]);

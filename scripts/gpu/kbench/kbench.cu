@@ -77,17 +77,6 @@ static void compare(const char* what, const float* da, const float* db, size_t n
 
 // Launches with programmatic dependent launch (as moeflux does on sm_90).
 template <class... A>
-static void launch_pdl(void (*k)(A...), dim3 grid, int block, cudaStream_t s, A... args) {
-    cudaLaunchConfig_t c = {};
-    c.gridDim = grid; c.blockDim = dim3(block); c.stream = s;
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization; at[0].val.programmaticStreamSerializationAllowed = 1;
-    c.attrs = at; c.numAttrs = 1;
-    CK(cudaLaunchKernelEx(&c, k, args...));
-}
-
-// The same with dynamic shared memory.
-template <class... A>
 static void launch_pdl_smem(void (*k)(A...), dim3 grid, int block, size_t smem, cudaStream_t s, A... args) {
     cudaLaunchConfig_t c = {};
     c.gridDim = grid; c.blockDim = dim3(block); c.dynamicSmemBytes = smem; c.stream = s;
@@ -95,6 +84,10 @@ static void launch_pdl_smem(void (*k)(A...), dim3 grid, int block, size_t smem, 
     at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization; at[0].val.programmaticStreamSerializationAllowed = 1;
     c.attrs = at; c.numAttrs = 1;
     CK(cudaLaunchKernelEx(&c, k, args...));
+}
+template <class... A>
+static void launch_pdl(void (*k)(A...), dim3 grid, int block, cudaStream_t s, A... args) {
+    launch_pdl_smem(k, grid, block, 0, s, args...);
 }
 
 static MultiMatmul one(const QW& q, float* out, int blocks) {

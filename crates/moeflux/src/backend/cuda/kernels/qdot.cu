@@ -8,7 +8,7 @@
 // block reduction per set) costs about as much as the 8-bit dot itself
 // (kbench: qmv_b4q8 reaches 1.2-1.6 TB/s where a plain read reaches 3-4.4).
 // Here a block first rounds its input into shared memory once (the q8
-// contract of q8_prep: per 32 columns xq = round(x * 127 / max|x|), half
+// contract of q8_prep, with its q8_code and q8_pack4: per 32 columns xq = round(x * 127 / max|x|), half
 // away from zero, dx = max|x| / 127, and the f32 sum of the unrounded
 // block for the biases), then each warp takes R whole rows at a time,
 // lane l the 32-column blocks l, l + 32, ... of each (16 bytes of codes a
@@ -63,15 +63,12 @@ __device__ __forceinline__ void qdot_round(const float* x, int cols, int n, int 
         float inv = m > 0.0f ? 127.0f / m : 0.0f;
         u32 q[8];
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            float y = __fmul_rn(v[i], inv);
-            q[i] = (u32)__float2int_rz(__fadd_rn(y, copysignf(0.49999997f, y)));
-        }
+        for (int i = 0; i < 8; i++) q[i] = q8_code(v[i], inv);
         if (!on) continue;
         int b = w / 4, k = w % 4;
         int* xq = smem + t * (cols / 4);
-        xq[8 * b + k] = (int)__byte_perm(__byte_perm(q[0], q[2], 0x0040), __byte_perm(q[4], q[6], 0x0040), 0x5410);
-        xq[8 * b + 4 + k] = (int)__byte_perm(__byte_perm(q[1], q[3], 0x0040), __byte_perm(q[5], q[7], 0x0040), 0x5410);
+        xq[8 * b + k] = (int)q8_pack4(q[0], q[2], q[4], q[6]);
+        xq[8 * b + 4 + k] = (int)q8_pack4(q[1], q[3], q[5], q[7]);
         if (k == 0) {
             float* dx = (float*)(smem + T * (cols / 4)) + t * nb;
             dx[b] = m / 127.0f + s * 0.0f;  // NaN when the block holds a NaN or an infinity

@@ -175,6 +175,16 @@ __device__ __forceinline__ float mx_int_dot(const uint4& wv, const float* xv) {
 // integer sum is exact, so against the CPU's q8 only the order of the float
 // sums over blocks differs (and an activation within an f32 rounding of a
 // half between two codes).
+// One activation's code: round(v * inv) half away from zero, unfused.
+__device__ __forceinline__ u32 q8_code(float v, float inv) {
+    float y = __fmul_rn(v, inv);
+    return (u32)__float2int_rz(__fadd_rn(y, copysignf(0.49999997f, y)));
+}
+// The low bytes of four codes as one int32's bytes 0..3.
+__device__ __forceinline__ u32 q8_pack4(u32 a, u32 b, u32 c, u32 d) {
+    return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
+}
+
 __device__ __forceinline__ void q8_prep(float* xv, float xs) {
     float m[16];
 #pragma unroll
@@ -184,19 +194,15 @@ __device__ __forceinline__ void q8_prep(float* xv, float xs) {
 #pragma unroll
         for (int i = 0; i < w; i++) m[i] = fmaxf(m[i], m[i + w]);
     float inv = m[0] > 0.0f ? 127.0f / m[0] : 0.0f;
-    int q[32];
+    u32 q[32];
 #pragma unroll
-    for (int i = 0; i < 32; i++) {
-        float y = __fmul_rn(xv[i], inv);
-        q[i] = __float2int_rz(__fadd_rn(y, copysignf(0.49999997f, y)));
-    }
+    for (int i = 0; i < 32; i++) q[i] = q8_code(xv[i], inv);
 #pragma unroll
     for (int k = 0; k < 4; k++)
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            const int* c = q + 8 * k + h;  // columns 8k + h, + 2, + 4, + 6
-            u32 lo = __byte_perm((u32)c[0], (u32)c[2], 0x0040), hi = __byte_perm((u32)c[4], (u32)c[6], 0x0040);
-            xv[4 * h + k] = __uint_as_float(__byte_perm(lo, hi, 0x5410));
+            const u32* c = q + 8 * k + h;  // columns 8k + h, + 2, + 4, + 6
+            xv[4 * h + k] = __uint_as_float(q8_pack4(c[0], c[2], c[4], c[6]));
         }
     xv[8] = m[0] / 127.0f + xs * 0.0f;
 }
