@@ -794,59 +794,91 @@ static void test_mixed_experts(int hidden, int inter, int gbits, int ggs, int db
 }
 
 // Qwen's routed experts (4-bit affine, SwiGLU, no biases) for one token in k slots with
-// 8-bit activations (`--gpu-activations q8`): the one-pass (moe_*_qmv_b4q8) and streamed
-// (moe_*_stream_b4q8) per-slot kernels against the CPU's q8 contract (q8_product) in double:
-// gate and up on the rounded x, down on the rounded act as the kernel left it; a slot with
-// base 0 (the host's) left alone.
-static void test_experts_q8(int hidden, int inter, int k, bool stream) {
-    auto [gate, up, down] = random_experts(k, hidden, inter, 4, 64, 4, 64);  // slot e: expert e
+// 8-bit activations (`--gpu-activations q8`): the one-pass (moe_*_qmv_b4q8), streamed
+// (moe_*_stream_b4q8) and row (moe_*_qdot{lpr}, `blocks` per slot) per-slot kernels
+// against the CPU's q8 contract (q8_product) in double: gate and up on the rounded x, down
+// on the rounded act as the kernel left it; a slot with base 0 (the host's) left alone.
+enum class Q8Slots { QMV, STREAM, QDOT };
+static void test_experts_q8(int hidden, int inter, int k, Q8Slots path, int lpr = 32, bool r1 = false,
+                            unsigned blocks = 3, int gs = 64, int dlpr = 0) {
+    if (!dlpr) dlpr = lpr;
+    auto [gate, up, down] = random_experts(k, hidden, inter, 4, gs, 4, gs);  // slot e: expert e
     ExpertLayout L{};
     auto extents = pack_extents(gate, up, down, L);
-    L.inter = inter, L.hidden = hidden, L.bits = 4, L.gs = 64, L.down_bits = 4, L.down_gs = 64;
+    L.inter = inter, L.hidden = hidden, L.bits = 4, L.gs = gs, L.down_bits = 4, L.down_gs = gs;
     std::vector<unsigned long long> bases(k);
     for (int e = 0; e < k; e++) bases[e] = (unsigned long long)extents[e].data();
     bases[k - 1] = 0;  // computed by the host: the kernels skip it
-    std::vector<float> x(hidden), act((size_t)k * inter, NAN), out((size_t)k * hidden, NAN);
+    std::vector<float> x(hidden);
     for (auto& v : x) v = urand(-2, 2);
     const unsigned long long* pb = bases.data();
     const float* px = x.data();
-    float* pa = act.data();
-    float* po = out.data();
-    auto grid = [&](int rows, int cols, int chunks) {
-        int per = qmv_rows_per_block(cols, 4, chunks);
-        return stream ? 2u : (unsigned)((rows + per - 1) / per);
+    // The two products into act / out (NaN first, so that rows left unwritten show).
+    auto run = [&](unsigned nblocks, std::vector<float>& act, std::vector<float>& out) {
+        act.assign((size_t)k * inter, NAN);
+        out.assign((size_t)k * hidden, NAN);
+        float* pa = act.data();
+        float* po = out.data();
+        if (path == Q8Slots::QDOT) {
+            // lpr: gate/up's lanes a row; down's: dlpr.
+            auto gu = lpr == 32 ? moe_gate_up_qdot32 : lpr == 16 ? moe_gate_up_qdot16
+                      : lpr == 8 ? moe_gate_up_qdot8 : lpr == 4 ? moe_gate_up_qdot4 : moe_gate_up_qdot2;
+            auto dn = dlpr == 32 ? (r1 ? moe_down_qdot32_r1 : moe_down_qdot32)
+                      : dlpr == 16 ? (r1 ? moe_down_qdot16_r1 : moe_down_qdot16)
+                      : dlpr == 8 ? (r1 ? moe_down_qdot8_r1 : moe_down_qdot8)
+                      : dlpr == 4 ? (r1 ? moe_down_qdot4_r1 : moe_down_qdot4)
+                                  : (r1 ? moe_down_qdot2_r1 : moe_down_qdot2);
+            emu_launch({nblocks, (unsigned)k, 1}, 256, [&] { gu(pb, L, k, px, pa); });
+            emu_launch({nblocks, (unsigned)k, 1}, 256, [&] { dn(pb, L, pa, po); });
+            return;
+        }
+        bool stream = path == Q8Slots::STREAM;
+        auto grid = [&](int rows, int cols, int chunks) {
+            int per = qmv_rows_per_block(cols, 4, chunks);
+            return stream ? 2u : (unsigned)((rows + per - 1) / per);
+        };
+        emu_launch({grid(inter, hidden, stream ? 2 : 4), (unsigned)k, 1}, qmv_threads(hidden, 4), [&] {
+            if (stream) moe_gate_up_stream_b4q8(pb, L, k, px, pa); else moe_gate_up_qmv_b4q8(pb, L, k, px, pa);
+        });
+        emu_launch({grid(hidden, inter, stream ? 4 : 8), (unsigned)k, 1}, qmv_threads(inter, 4), [&] {
+            if (stream) moe_down_stream_b4q8(pb, L, pa, po); else moe_down_qmv_b4q8(pb, L, pa, po);
+        });
     };
-    emu_launch({grid(inter, hidden, stream ? 2 : 4), (unsigned)k, 1}, qmv_threads(hidden, 4), [&] {
-        if (stream) moe_gate_up_stream_b4q8(pb, L, k, px, pa); else moe_gate_up_qmv_b4q8(pb, L, k, px, pa);
-    });
-    emu_launch({grid(hidden, inter, stream ? 4 : 8), (unsigned)k, 1}, qmv_threads(inter, 4), [&] {
-        if (stream) moe_down_stream_b4q8(pb, L, pa, po); else moe_down_qmv_b4q8(pb, L, pa, po);
-    });
-    std::vector<float> got_a, got_o;
+    std::vector<float> act, out;
+    run(blocks, act, out);
+    // The computed slots' act rows, then their out rows.
+    auto computed = [&](const std::vector<float>& a, const std::vector<float>& o) {
+        std::vector<float> v(a.begin(), a.begin() + (size_t)(k - 1) * inter);
+        v.insert(v.end(), o.begin(), o.begin() + (size_t)(k - 1) * hidden);
+        return v;
+    };
+    std::vector<float> got = computed(act, out);
     std::vector<double> want_a, want_o;
     for (int e = 0; e < k - 1; e++) {
         std::vector<double> g = q8_product(gate[e], x.data()), u = q8_product(up[e], x.data());
-        for (int r = 0; r < inter; r++) {
-            want_a.push_back(g[r] / (1.0 + exp(-g[r])) * u[r]);
-            got_a.push_back(act[(size_t)e * inter + r]);
-        }
+        for (int r = 0; r < inter; r++) want_a.push_back(g[r] / (1.0 + exp(-g[r])) * u[r]);
         std::vector<double> d = q8_product(down[e], &act[(size_t)e * inter]);
-        for (int r = 0; r < hidden; r++) {
-            want_o.push_back(d[r]);
-            got_o.push_back(out[(size_t)e * hidden + r]);
-        }
+        want_o.insert(want_o.end(), d.begin(), d.end());
     }
     bool skipped = true;
     for (int r = 0; r < inter; r++) skipped = skipped && std::isnan(act[(size_t)(k - 1) * inter + r]);
     for (int r = 0; r < hidden; r++) skipped = skipped && std::isnan(out[(size_t)(k - 1) * hidden + r]);
-    char name[160];
-    const char* kind = stream ? "stream" : "qmv";
+    char kind[32], name[160];
+    if (path == Q8Slots::QDOT) snprintf(kind, sizeof kind, "qdot%d/%d%s", lpr, dlpr, r1 ? "_r1" : "");
+    else snprintf(kind, sizeof kind, "%s", path == Q8Slots::STREAM ? "stream" : "qmv");
+    size_t na = want_a.size();
     snprintf(name, sizeof name, "experts q8 gate_up %s %dx%d, %d slots", kind, inter, hidden, k);
-    check(name, got_a, want_a, 1e-5);
+    check(name, std::vector<float>(got.begin(), got.begin() + na), want_a, 1e-5);
     snprintf(name, sizeof name, "experts q8 down %s %dx%d", kind, hidden, inter);
-    check(name, got_o, want_o, 1e-5);
+    check(name, std::vector<float>(got.begin() + na, got.end()), want_o, 1e-5);
     if (!skipped) fails++;
     printf("  %-46s %s\n", "the host's slot left alone:", skipped ? "ok" : "FAIL");
+    if (path != Q8Slots::QDOT) return;
+    // The row kernels' sums do not depend on the grid: one block a slot gives the same bits.
+    std::vector<float> act1, out1;
+    run(1, act1, out1);
+    snprintf(name, sizeof name, "experts q8 %s: 1 block a slot = %u", kind, blocks);
+    check(name, computed(act1, out1), std::vector<double>(got.begin(), got.end()), 0.0);
 }
 
 int main() {
@@ -856,10 +888,26 @@ int main() {
     test_qmma(16, 40, 256, 5, 8, 32);
     test_qmma(72, 8, 512, 20, 4, 128);   // groups of 128
     test_qmma(24, 16, 256, 33, 8, 128);
-    for (bool stream : {false, true}) {
-        test_experts_q8(2048, 512, 4, stream);  // Qwen3.6-35B-A3B's widths
-        test_experts_q8(512, 256, 3, stream);   // rows of 256 and 128 bytes: several rows per chunk
+    for (Q8Slots p : {Q8Slots::QMV, Q8Slots::STREAM}) {
+        test_experts_q8(2048, 512, 4, p);  // Qwen3.6-35B-A3B's widths
+        test_experts_q8(512, 256, 3, p);   // rows of 256 and 128 bytes: several rows per chunk
     }
+    // By rows: A3B's widths (down's 512 columns: half the lanes idle at 32 a row, two rows a
+    // warp at 16), 397B's (4096 x 1024), rows of 8 to 10 blocks (four rows a warp), groups of
+    // 32, a partial last set of down (288 rows in sets of 64)
+    test_experts_q8(2048, 512, 3, Q8Slots::QDOT, 32);
+    test_experts_q8(2048, 512, 3, Q8Slots::QDOT, 16, true);
+    test_experts_q8(4096, 1024, 2, Q8Slots::QDOT, 32, false, 5);
+    test_experts_q8(4096, 1024, 2, Q8Slots::QDOT, 32, true, 7);
+    test_experts_q8(512, 256, 3, Q8Slots::QDOT, 16);
+    test_experts_q8(256, 320, 3, Q8Slots::QDOT, 8, false, 2);
+    test_experts_q8(288, 224, 2, Q8Slots::QDOT, 8, false, 2, 32);
+    test_experts_q8(288, 224, 2, Q8Slots::QDOT, 8, true, 3, 32);
+    // The GPU tests' model (256 x 64: down's rows of 2 blocks), rows of 4 and 3 blocks
+    test_experts_q8(256, 64, 4, Q8Slots::QDOT, 8, false, 2, 64, 2);
+    test_experts_q8(256, 64, 3, Q8Slots::QDOT, 8, true, 1, 64, 2);
+    test_experts_q8(128, 96, 3, Q8Slots::QDOT, 4, false, 2, 32, 2);
+    test_experts_q8(128, 96, 2, Q8Slots::QDOT, 4, true, 2, 32, 2);
     test_moe_mma(128, 64, 4, 64, {1, 9, 70, 3});
     test_moe_mma(64, 96, 8, 32, {5, 33});
     // gpt-oss experts: MXFP4 and affine, biases and the clamped SwiGLU, each path

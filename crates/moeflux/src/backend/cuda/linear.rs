@@ -297,17 +297,25 @@ const QDOT_TOKENS: usize = 4;
 /// Blocks per SM of the `qdot` grid, which loops over the row sets: each
 /// block rounds its input once, so fewer blocks round less; four keep
 /// enough rows' loads in flight (`scripts/gpu/kbench`).
-const QDOT_BLOCKS_PER_SM: u32 = 4;
+pub(super) const QDOT_BLOCKS_PER_SM: u32 = 4;
 
 /// Whether the `qdot` kernels take `q`: 4-bit codes in groups of a
 /// multiple of 32, whole 32-column blocks, an input that fits shared
 /// memory, 16-byte aligned codes.
 fn qdot_fit(q: &Qw) -> bool {
-    q.bits == 4
-        && q.gs % 32 == 0
-        && q.cols % 32 == 0
-        && q.cols as usize <= QDOT_MAX_COLS
-        && q.w.is_multiple_of(16)
+    qdot_fit_width(q.bits as usize, q.gs as usize, q.cols as usize) && q.w.is_multiple_of(16)
+}
+
+/// Whether the `qdot` kernels take rows of `cols` codes of `bits` bits in
+/// groups of `gs` (the codes' alignment aside).
+pub(super) fn qdot_fit_width(bits: usize, gs: usize, cols: usize) -> bool {
+    bits == 4 && gs % 32 == 0 && cols % 32 == 0 && cols <= QDOT_MAX_COLS
+}
+
+/// Shared memory of a `qdot` block rounding `tokens` inputs of `cols`:
+/// a byte a column, and a dx and a sum per 32 columns.
+pub(super) fn qdot_smem(tokens: usize, cols: usize) -> u32 {
+    (tokens * cols * 5 / 4) as u32
 }
 
 /// The quantized products of `ops` with their matrices.
@@ -353,7 +361,7 @@ fn qdot_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize, input: Input) -> Resul
             n.div_ceil(tokens) as u32,
             1,
         );
-        let smem = (tokens * group[0].0.cols as usize * 5 / 4) as u32;
+        let smem = qdot_smem(tokens, group[0].0.cols as usize);
         // SAFETY: `qdot_b4q8*` in kernels/qdot.cu; qdot_fit accepted every
         // matrix, all share x's width, the caller sized x and every output
         // for n tokens; smem holds the rounded input of `tokens` tokens.

@@ -14,8 +14,9 @@ use crate::model::timing::{lap, PhaseTimes};
 use super::abi::{ExpertLayoutC, ExpertTask, MoeCombineC};
 use super::device::{args, Gpu};
 use super::linear::{
-    kernel_suffix, matmuls, mm, mm_add, mma_layout_fits, mma_split, qmv_rows_per_block, qmv_slices,
-    qmv_threads, rows_per_block, swiglu_matmul, MMA_MIN_TOKENS, QMV_CHUNKS, QMV_STREAM_CHUNKS,
+    kernel_suffix, matmuls, mm, mm_add, mma_layout_fits, mma_split, qdot_fit_width, qdot_smem,
+    qmv_rows_per_block, qmv_slices, qmv_threads, rows_per_block, swiglu_matmul, MMA_MIN_TOKENS,
+    QDOT_BLOCKS_PER_SM, QMV_CHUNKS, QMV_STREAM_CHUNKS,
 };
 use super::model::{Ctx, DevWeights, Ep};
 use super::support::unsupported;
@@ -373,14 +374,14 @@ pub(super) fn moe(
                 &gate_up.kernel,
                 (gate_up.blocks, slots, 1),
                 gate_up.threads,
-                0,
+                gate_up.smem,
                 &mut args!(d_bases, layout, k_i, xn, act),
             )?;
             g.launch(
                 &down.kernel,
                 (down.blocks, slots, 1),
                 down.threads,
-                0,
+                down.smem,
                 &mut args!(d_bases, layout, act, slot_out),
             )?;
         }
@@ -599,16 +600,23 @@ struct SlotLaunch {
     kernel: String,
     blocks: u32,
     threads: u32,
+    /// Dynamic shared memory bytes.
+    smem: u32,
 }
 
 impl SlotLaunch {
-    /// The general per-slot kernels (rows split across warps).
-    fn rows(kernel: String, blocks: u32) -> SlotLaunch {
+    fn new(kernel: String, blocks: u32, threads: u32) -> SlotLaunch {
         SlotLaunch {
             kernel,
             blocks,
-            threads: 256,
+            threads,
+            smem: 0,
         }
+    }
+
+    /// The general per-slot kernels (rows split across warps).
+    fn rows(kernel: String, blocks: u32) -> SlotLaunch {
+        SlotLaunch::new(kernel, blocks, 256)
     }
 }
 
@@ -665,11 +673,7 @@ fn mx_rows_launch(
     let threads = 256;
     let resident = (g.blocks_per_sm(&kernel, threads) * g.sms) as usize;
     let blocks = (resident / slots).clamp(1, units.div_ceil(8)) as u32;
-    Some(SlotLaunch {
-        kernel,
-        blocks,
-        threads,
-    })
+    Some(SlotLaunch::new(kernel, blocks, threads))
 }
 
 /// Whether the streaming per-slot kernels are used where they fit
@@ -692,7 +696,13 @@ fn slot_launches(
     slots: usize,
     grids: (u32, u32),
 ) -> [SlotLaunch; 2] {
-    // 4-bit affine experts with `--gpu-activations q8`: the `b4q8` kernels.
+    // 4-bit affine experts with `--gpu-activations q8`: by rows where the
+    // widths fit, else the streaming `b4q8` kernels.
+    if g.q8 && sfx == "b4" {
+        if let Some(launches) = qdot_slot_launches(g, l, slots) {
+            return launches;
+        }
+    }
     let sfx = if g.q8 && sfx == "b4" { "b4q8" } else { sfx };
     let [gate_up, down] = slot_launches_qmv(g, l, sfx, slots, grids);
     if sfx != "mx" {
@@ -703,6 +713,56 @@ fn slot_launches(
         mx_rows_launch(g, "moe_gate_up_rows_mx", h, inter, slots).unwrap_or(gate_up),
         mx_rows_launch(g, "moe_down_rows_mx", inter, h.div_ceil(2), slots).unwrap_or(down),
     ]
+}
+
+/// Whether the per-slot row kernels on 8-bit activations are used where
+/// they fit (`MOEFLUX_CUDA_SLOT_QDOT=0`: the streaming `b4q8` ones instead,
+/// to compare the two).
+fn slot_qdot_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("MOEFLUX_CUDA_SLOT_QDOT").map_or(true, |v| v != "0"))
+}
+
+/// The per-slot row kernels on 8-bit activations (`moe_gate_up_qdot{LPR}`,
+/// `moe_down_qdot{LPR}[_r1]` in kernels/moe.cu) for `slots` slots of 4-bit
+/// affine experts (gate/up and down alike, [`qdot_fit_width`]'s widths):
+/// LPR lanes a row (32, or the largest power of two of at most the input's
+/// 32-column blocks, so that every lane has blocks), the down projection one row a
+/// lane group where two would not fill the grid; the grid as the `qdot`
+/// products', shared by the slots. Every slot's sums are the same whatever
+/// the grid (a decode batch equals each sequence alone).
+fn qdot_slot_launches(g: &Gpu, l: &ExpertLayoutC, slots: usize) -> Option<[SlotLaunch; 2]> {
+    let (h, inter) = (l.hidden as usize, l.inter as usize);
+    let fits = |cols: usize| qdot_fit_width(4, l.gs as usize, cols);
+    if !slot_qdot_enabled() || l.mx != 0 || l.bits != 4 || !uniform(l) || !fits(h) || !fits(inter) {
+        return None;
+    }
+    let lanes = |cols: usize| [32, 16, 8, 4, 2].into_iter().find(|&lpr| cols / 32 >= lpr);
+    let (gate_up_lanes, down_lanes) = (lanes(h)?, lanes(inter)?);
+    let grid = (QDOT_BLOCKS_PER_SM * g.sms) as usize;
+    let per_slot = |sets: usize| (grid / slots).clamp(1, sets) as u32;
+    // Rows a set: 8 warps of 32 / LPR lane groups, each one (gate/up: one
+    // intermediate row of both) or two rows.
+    let group_rows = |lanes: usize, rows: usize| 8 * 32 / lanes * rows;
+    let (down_rows, r_sfx) = if h.div_ceil(group_rows(down_lanes, 2)) * slots < grid {
+        (1, "_r1")
+    } else {
+        (2, "")
+    };
+    Some([
+        SlotLaunch {
+            kernel: format!("moe_gate_up_qdot{gate_up_lanes}"),
+            blocks: per_slot(inter.div_ceil(group_rows(gate_up_lanes, 1))),
+            threads: 256,
+            smem: qdot_smem(1, h),
+        },
+        SlotLaunch {
+            kernel: format!("moe_down_qdot{down_lanes}{r_sfx}"),
+            blocks: per_slot(h.div_ceil(group_rows(down_lanes, down_rows))),
+            threads: 256,
+            smem: qdot_smem(1, inter),
+        },
+    ])
 }
 
 /// The streaming per-slot kernels where every slice of a row has its own
@@ -736,16 +796,8 @@ fn slot_launches_qmv(
         && waves >= STREAM_MIN_WAVES;
     if !stream {
         return [
-            SlotLaunch {
-                kernel: format!("moe_gate_up_qmv_{sfx}"),
-                blocks: grids.0,
-                threads: gate_up_threads,
-            },
-            SlotLaunch {
-                kernel: format!("moe_down_qmv_{sfx}"),
-                blocks: grids.1,
-                threads: down_threads,
-            },
+            SlotLaunch::new(format!("moe_gate_up_qmv_{sfx}"), grids.0, gate_up_threads),
+            SlotLaunch::new(format!("moe_down_qmv_{sfx}"), grids.1, down_threads),
         ];
     }
     let gs = l.gs as usize;
@@ -758,11 +810,7 @@ fn slot_launches_qmv(
         let sets = rows.div_ceil(rows_per_set.expect("qmv_slot_grids accepted the layout"));
         let resident = (g.blocks_per_sm(&kernel, threads) * g.sms) as usize;
         let blocks = (resident / slots).clamp(1, sets) as u32;
-        SlotLaunch {
-            kernel,
-            blocks,
-            threads,
-        }
+        SlotLaunch::new(kernel, blocks, threads)
     };
     [
         launch(

@@ -627,3 +627,134 @@ SLOT_KERNELS(8, b8)
 SLOT_KERNELS(2, b2)
 SLOT_KERNELS(0, bx)
 SLOT_KERNELS(MXB, mx)
+
+// Per-slot products of 4-bit affine experts on 8-bit activations
+// (`--gpu-activations q8`), in qdot.cu's form: blockIdx.y = slot; a block
+// rounds the slot's input into shared memory once (gate/up: its token's
+// x; down: its act row; the q8 contract of qdot_round) and loops over the
+// slot's row sets; LPR lanes take a row (32 / LPR rows side by side in a
+// warp, so that inputs of fewer than 1024 columns still busy every lane),
+// lane s of them the 32-column blocks s, s + LPR, ... Gate/up: a lane group takes
+// intermediate row r of gate and of up, and its SwiGLU; down: R hidden rows.
+// A row's sums do not depend on the grid. Shared memory: cols * 5 / 4 bytes.
+
+// The sum of v over each aligned group of LPR lanes (every lane of a group
+// ends with it).
+template <int LPR>
+__device__ __forceinline__ float lane_group_sum(float v) {
+#pragma unroll
+    for (int o = LPR / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Rows row[r] of the matrices *q[r] (all of one width) on the rounded input
+// in smem, each lane group's share summed: acc[r] on every lane of the group.
+template <int R, int LPR>
+__device__ __forceinline__ void qdot_slot_rows(const QW* const (&q)[R], const long (&row)[R], const int* smem,
+                                               int sub, float (&acc)[R]) {
+    const int cols = q[0]->cols, nb = cols / 32;
+    const float* dxs = (const float*)(smem + cols / 4);
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r] = 0.0f;
+    for (int b = sub; b < nb; b += LPR) {
+        uint4 c[R];
+        float sc[R], bi[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const QW& w = *q[r];
+            long g = row[r] * (cols / w.gs) + b / (w.gs / 32);
+            c[r] = __ldg((const uint4*)w.w + row[r] * nb + b);
+            sc[r] = qparam(w.s, g, w.sf32);
+            bi[r] = qparam(w.b, g, w.sf32);
+        }
+        const uint4* xb = (const uint4*)(smem + 8 * b);
+        uint4 xe = xb[0], xo = xb[1];
+        float dx = dxs[b], xs = dxs[nb + b];
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[r] = qdot_block_acc(c[r], xe, xo, sc[r], bi[r], dx, xs, acc[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r] = lane_group_sum<LPR>(acc[r]);
+}
+
+template <int LPR>
+__device__ void moe_gate_up_qdot_body(const unsigned long long* bases, const ExpertLayout& L, int k, const float* x,
+                                      float* act) {
+    extern __shared__ float qd_dyn[];
+    int* smem = (int*)qd_dyn;
+    constexpr int G = 32 / LPR;
+    const int j = blockIdx.y, lane = threadIdx.x & 31, sub = lane % LPR;
+    const char* base = (const char*)bases[j];
+    const QW gq = expert_qw(base, L.gate_w, L.gate_s, L.gate_b, L.inter, L.hidden, L);
+    const QW uq = expert_qw(base, L.up_w, L.up_s, L.up_b, L.inter, L.hidden, L);
+    const QW* const q[2] = {&gq, &uq};
+    qdot_round<1, false>(x + (long)(j / k) * L.hidden, L.hidden, 1, 0, smem);
+    __syncthreads();
+    const int unit = (threadIdx.x >> 5) * G + lane / LPR, per_set = 8 * G;
+    const int nsets = (L.inter + per_set - 1) / per_set;
+    for (int set = blockIdx.x; set < nsets; set += gridDim.x) {
+        int r = set * per_set + unit;
+        long row = min(r, L.inter - 1);
+        const long rows[2] = {row, row};
+        float acc[2];
+        qdot_slot_rows<2, LPR>(q, rows, smem, sub, acc);
+        if (sub == 0 && r < L.inter) act[(long)j * L.inter + r] = expert_glu(L, j, r, acc[0], acc[1]);
+    }
+}
+
+template <int LPR, int R>
+__device__ void moe_down_qdot_body(const unsigned long long* bases, const ExpertLayout& L, const float* act,
+                                   float* slot_out) {
+    extern __shared__ float qd_dyn[];
+    int* smem = (int*)qd_dyn;
+    constexpr int G = 32 / LPR;
+    const int j = blockIdx.y, lane = threadIdx.x & 31, sub = lane % LPR;
+    const QW dq = expert_down_qw((const char*)bases[j], L);
+    const QW* q[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) q[r] = &dq;
+    qdot_round<1, false>(act + (long)j * L.inter, L.inter, 1, 0, smem);
+    __syncthreads();
+    const int unit = (threadIdx.x >> 5) * G + lane / LPR, per_set = 8 * G * R;
+    const int nsets = (L.hidden + per_set - 1) / per_set;
+    for (int set = blockIdx.x; set < nsets; set += gridDim.x) {
+        long r0 = ((long)set * 8 * G + unit) * R;
+        long rows[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) rows[r] = min(r0 + r, (long)L.hidden - 1);
+        float acc[R];
+        qdot_slot_rows<R, LPR>(q, rows, smem, sub, acc);
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            if (sub == 0 && r0 + r < L.hidden)
+                slot_out[(long)j * L.hidden + r0 + r] = acc[r] + expert_down_bias(L, j, (int)(r0 + r));
+    }
+}
+
+// moe_gate_up_qdot{LPR}, moe_down_qdot{LPR} (two hidden rows a lane group)
+// and moe_down_qdot{LPR}_r1 (one), 256 threads, the other slot kernels'
+// arguments.
+#define QDOT_SLOT_KERNELS(LPR)                                                                              \
+    extern "C" __global__ void __launch_bounds__(256) moe_gate_up_qdot##LPR(                               \
+        const unsigned long long* bs, ExpertLayout L, int k, const float* x, float* a) {                   \
+        PDL_ENTER(); /* the bases are the router's */                                                       \
+        if (bs[blockIdx.y] == 0) return; /* a slot the host computes */                                    \
+        moe_gate_up_qdot_body<LPR>(bs, L, k, x, a);                                                         \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256) moe_down_qdot##LPR(                                  \
+        const unsigned long long* bs, ExpertLayout L, const float* a, float* y) {                          \
+        PDL_ENTER();                                                                                        \
+        if (bs[blockIdx.y] == 0) return;                                                                    \
+        moe_down_qdot_body<LPR, 2>(bs, L, a, y);                                                            \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256) moe_down_qdot##LPR##_r1(                             \
+        const unsigned long long* bs, ExpertLayout L, const float* a, float* y) {                          \
+        PDL_ENTER();                                                                                        \
+        if (bs[blockIdx.y] == 0) return;                                                                    \
+        moe_down_qdot_body<LPR, 1>(bs, L, a, y);                                                            \
+    }
+QDOT_SLOT_KERNELS(32)
+QDOT_SLOT_KERNELS(16)
+QDOT_SLOT_KERNELS(8)
+QDOT_SLOT_KERNELS(4)
+QDOT_SLOT_KERNELS(2)

@@ -77,6 +77,24 @@ __device__ __forceinline__ void qdot_round(const float* x, int cols, int n, int 
     }
 }
 
+// One 32-column block of a row: its 16 bytes of 4-bit codes c dotted with
+// the block's rounded input (xe: the even columns of its four code words,
+// xo: the odd ones, as qdot_round lays them out) in integers, added to acc
+// as scale * dx * sum + bias * xs (xs: the unrounded block's sum).
+__device__ __forceinline__ float qdot_block_acc(uint4 c, uint4 xe, uint4 xo, float scale, float bias, float dx,
+                                                float xs, float acc) {
+    int i = dp4a_us(c.x & 0x0F0F0F0Fu, xe.x, 0);
+    i = dp4a_us((c.x >> 4) & 0x0F0F0F0Fu, xo.x, i);
+    i = dp4a_us(c.y & 0x0F0F0F0Fu, xe.y, i);
+    i = dp4a_us((c.y >> 4) & 0x0F0F0F0Fu, xo.y, i);
+    i = dp4a_us(c.z & 0x0F0F0F0Fu, xe.z, i);
+    i = dp4a_us((c.z >> 4) & 0x0F0F0F0Fu, xo.z, i);
+    i = dp4a_us(c.w & 0x0F0F0F0Fu, xe.w, i);
+    i = dp4a_us((c.w >> 4) & 0x0F0F0F0Fu, xo.w, i);
+    acc = fmaf(scale * dx, (float)i, acc);
+    return fmaf(bias, xs, acc);
+}
+
 // `out (+)= W x (+ bias)` for up to four 4-bit matrices of one input (a
 // MultiMatmul whose first_block counts sets of 8 * R rows), tokens
 // T * blockIdx.y .. of n.
@@ -120,18 +138,7 @@ __device__ __forceinline__ void qdot_body(const MultiMatmul& mm, const float* x,
                 uint4 xe = xb[0], xo = xb[1];
                 float dx = dxs[t * nb + b], xs = dxs[(T + t) * nb + b];
 #pragma unroll
-                for (int r = 0; r < R; r++) {
-                    int i = dp4a_us(c[r].x & 0x0F0F0F0Fu, xe.x, 0);
-                    i = dp4a_us((c[r].x >> 4) & 0x0F0F0F0Fu, xo.x, i);
-                    i = dp4a_us(c[r].y & 0x0F0F0F0Fu, xe.y, i);
-                    i = dp4a_us((c[r].y >> 4) & 0x0F0F0F0Fu, xo.y, i);
-                    i = dp4a_us(c[r].z & 0x0F0F0F0Fu, xe.z, i);
-                    i = dp4a_us((c[r].z >> 4) & 0x0F0F0F0Fu, xo.z, i);
-                    i = dp4a_us(c[r].w & 0x0F0F0F0Fu, xe.w, i);
-                    i = dp4a_us((c[r].w >> 4) & 0x0F0F0F0Fu, xo.w, i);
-                    acc[t][r] = fmaf(sc[r] * dx, (float)i, acc[t][r]);
-                    acc[t][r] = fmaf(bi[r], xs, acc[t][r]);
-                }
+                for (int r = 0; r < R; r++) acc[t][r] = qdot_block_acc(c[r], xe, xo, sc[r], bi[r], dx, xs, acc[t][r]);
             }
         }
         bool add = (mm.accumulate >> m) & 1;
