@@ -309,7 +309,7 @@ fn qdot_fit(q: &Qw) -> bool {
 /// Whether the `qdot` kernels take rows of `cols` codes of `bits` bits in
 /// groups of `gs` (the codes' alignment aside).
 pub(super) fn qdot_fit_width(bits: usize, gs: usize, cols: usize) -> bool {
-    bits == 4 && gs % 32 == 0 && cols % 32 == 0 && cols <= QDOT_MAX_COLS
+    bits == 4 && gs.is_multiple_of(32) && cols.is_multiple_of(32) && cols <= QDOT_MAX_COLS
 }
 
 /// Shared memory of a `qdot` block rounding `tokens` inputs of `cols`:
