@@ -799,9 +799,8 @@ static void test_mixed_experts(int hidden, int inter, int gbits, int ggs, int db
 // against the CPU's q8 contract (q8_product) in double: gate and up on the rounded x, down
 // on the rounded act as the kernel left it; a slot with base 0 (the host's) left alone.
 enum class Q8Slots { QMV, STREAM, QDOT };
-static void test_experts_q8(int hidden, int inter, int k, Q8Slots path, int lpr = 32, bool r1 = false,
-                            unsigned blocks = 3, int gs = 64, int dlpr = 0) {
-    if (!dlpr) dlpr = lpr;
+static void test_experts_q8(int hidden, int inter, int k, Q8Slots path, int lpr = 32, int dlpr = 32,
+                            unsigned blocks = 3, int gs = 64) {
     auto [gate, up, down] = random_experts(k, hidden, inter, 4, gs, 4, gs);  // slot e: expert e
     ExpertLayout L{};
     auto extents = pack_extents(gate, up, down, L);
@@ -814,7 +813,7 @@ static void test_experts_q8(int hidden, int inter, int k, Q8Slots path, int lpr 
     const unsigned long long* pb = bases.data();
     const float* px = x.data();
     // The two products into act / out (NaN first, so that rows left unwritten show).
-    auto run = [&](unsigned nblocks, std::vector<float>& act, std::vector<float>& out, bool r1) {
+    auto run = [&](unsigned nblocks, std::vector<float>& act, std::vector<float>& out) {
         act.assign((size_t)k * inter, NAN);
         out.assign((size_t)k * hidden, NAN);
         float* pa = act.data();
@@ -823,11 +822,8 @@ static void test_experts_q8(int hidden, int inter, int k, Q8Slots path, int lpr 
             // lpr: gate/up's lanes a row; down's: dlpr.
             auto gu = lpr == 32 ? moe_gate_up_qdot32 : lpr == 16 ? moe_gate_up_qdot16
                       : lpr == 8 ? moe_gate_up_qdot8 : lpr == 4 ? moe_gate_up_qdot4 : moe_gate_up_qdot2;
-            auto dn = dlpr == 32 ? (r1 ? moe_down_qdot32_r1 : moe_down_qdot32)
-                      : dlpr == 16 ? (r1 ? moe_down_qdot16_r1 : moe_down_qdot16)
-                      : dlpr == 8 ? (r1 ? moe_down_qdot8_r1 : moe_down_qdot8)
-                      : dlpr == 4 ? (r1 ? moe_down_qdot4_r1 : moe_down_qdot4)
-                                  : (r1 ? moe_down_qdot2_r1 : moe_down_qdot2);
+            auto dn = dlpr == 32 ? moe_down_qdot32 : dlpr == 16 ? moe_down_qdot16
+                      : dlpr == 8 ? moe_down_qdot8 : dlpr == 4 ? moe_down_qdot4 : moe_down_qdot2;
             emu_launch({nblocks, (unsigned)k, 1}, 256, [&] { gu(pb, L, k, px, pa); });
             emu_launch({nblocks, (unsigned)k, 1}, 256, [&] { dn(pb, L, pa, po); });
             return;
@@ -845,7 +841,7 @@ static void test_experts_q8(int hidden, int inter, int k, Q8Slots path, int lpr 
         });
     };
     std::vector<float> act, out;
-    run(blocks, act, out, r1);
+    run(blocks, act, out);
     // The computed slots' act rows, then their out rows.
     auto computed = [&](const std::vector<float>& a, const std::vector<float>& o) {
         std::vector<float> v(a.begin(), a.begin() + (size_t)(k - 1) * inter);
@@ -864,7 +860,7 @@ static void test_experts_q8(int hidden, int inter, int k, Q8Slots path, int lpr 
     for (int r = 0; r < inter; r++) skipped = skipped && std::isnan(act[(size_t)(k - 1) * inter + r]);
     for (int r = 0; r < hidden; r++) skipped = skipped && std::isnan(out[(size_t)(k - 1) * hidden + r]);
     char kind[32], name[160];
-    if (path == Q8Slots::QDOT) snprintf(kind, sizeof kind, "qdot%d/%d%s", lpr, dlpr, r1 ? "_r1" : "");
+    if (path == Q8Slots::QDOT) snprintf(kind, sizeof kind, "qdot%d/%d", lpr, dlpr);
     else snprintf(kind, sizeof kind, "%s", path == Q8Slots::STREAM ? "stream" : "qmv");
     size_t na = want_a.size();
     snprintf(name, sizeof name, "experts q8 gate_up %s %dx%d, %d slots", kind, inter, hidden, k);
@@ -874,11 +870,10 @@ static void test_experts_q8(int hidden, int inter, int k, Q8Slots path, int lpr 
     if (!skipped) fails++;
     printf("  %-46s %s\n", "the host's slot left alone:", skipped ? "ok" : "FAIL");
     if (path != Q8Slots::QDOT) return;
-    // The row kernels' sums depend neither on the grid nor on down's rows a lane group: one
-    // block a slot, and the other down kernel, give the same bits.
+    // The row kernels' sums do not depend on the grid: one block a slot gives the same bits.
     std::vector<float> act1, out1;
-    run(1, act1, out1, !r1);
-    snprintf(name, sizeof name, "experts q8 %s: 1 block a slot, %s = %u", kind, r1 ? "r2" : "r1", blocks);
+    run(1, act1, out1);
+    snprintf(name, sizeof name, "experts q8 %s: 1 block a slot = %u", kind, blocks);
     check(name, computed(act1, out1), std::vector<double>(got.begin(), got.end()), 0.0);
 }
 
@@ -893,22 +888,19 @@ int main() {
         test_experts_q8(2048, 512, 4, p);  // Qwen3.6-35B-A3B's widths
         test_experts_q8(512, 256, 3, p);   // rows of 256 and 128 bytes: several rows per chunk
     }
-    // By rows: A3B's widths (down's 512 columns: half the lanes idle at 32 a row, two rows a
-    // warp at 16), 397B's (4096 x 1024), rows of 8 to 10 blocks (four rows a warp), groups of
-    // 32, a partial last set of down (288 rows in sets of 64)
-    test_experts_q8(2048, 512, 3, Q8Slots::QDOT, 32);
-    test_experts_q8(2048, 512, 3, Q8Slots::QDOT, 16, true);
-    test_experts_q8(4096, 1024, 2, Q8Slots::QDOT, 32, false, 5);
-    test_experts_q8(4096, 1024, 2, Q8Slots::QDOT, 32, true, 7);
-    test_experts_q8(512, 256, 3, Q8Slots::QDOT, 16);
-    test_experts_q8(256, 320, 3, Q8Slots::QDOT, 8, false, 2);
-    test_experts_q8(288, 224, 2, Q8Slots::QDOT, 8, false, 2, 32);
-    test_experts_q8(288, 224, 2, Q8Slots::QDOT, 8, true, 3, 32);
-    // The GPU tests' model (256 x 64: down's rows of 2 blocks), rows of 4 and 3 blocks
-    test_experts_q8(256, 64, 4, Q8Slots::QDOT, 8, false, 2, 64, 2);
-    test_experts_q8(256, 64, 3, Q8Slots::QDOT, 8, true, 1, 64, 2);
-    test_experts_q8(128, 96, 3, Q8Slots::QDOT, 4, false, 2, 32, 2);
-    test_experts_q8(128, 96, 2, Q8Slots::QDOT, 4, true, 2, 32, 2);
+    // By rows (lanes a row of gate/up and of down): A3B's widths (down's 512 columns: half the
+    // lanes idle at 32 a row), 397B's (4096 x 1024), rows of 8 to 10 blocks (four rows a
+    // warp), groups of 32 and a partial last set of down (288 rows in sets of 64), the GPU
+    // tests' model (256 x 64: down's rows of 2 blocks), rows of 4 and 3 blocks
+    test_experts_q8(2048, 512, 3, Q8Slots::QDOT, 32, 32);
+    test_experts_q8(2048, 512, 3, Q8Slots::QDOT, 16, 16);
+    test_experts_q8(4096, 1024, 2, Q8Slots::QDOT, 32, 32, 5);
+    test_experts_q8(4096, 1024, 2, Q8Slots::QDOT, 16, 16, 7);
+    test_experts_q8(512, 256, 3, Q8Slots::QDOT, 16, 8);
+    test_experts_q8(256, 320, 3, Q8Slots::QDOT, 8, 8, 2);
+    test_experts_q8(288, 224, 2, Q8Slots::QDOT, 8, 4, 2, 32);
+    test_experts_q8(256, 64, 4, Q8Slots::QDOT, 8, 2, 2);
+    test_experts_q8(128, 96, 3, Q8Slots::QDOT, 4, 2, 2, 32);
     test_moe_mma(128, 64, 4, 64, {1, 9, 70, 3});
     test_moe_mma(64, 96, 8, 32, {5, 33});
     // gpt-oss experts: MXFP4 and affine, biases and the clamped SwiGLU, each path

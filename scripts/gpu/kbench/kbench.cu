@@ -364,33 +364,30 @@ static void bench_slots(const char* name, int n_exp, int k, int hidden, int inte
     CK(cudaMemcpy(aq, a2, (size_t)k * inter * 4, cudaMemcpyDeviceToDevice));
     stream("q8 NC4 minB4", kb_gate_up_stream_q8<4, 4>, kb_down_stream_q8<4, 4>, 4, yq);
     stream("q8 NC8 minB2", kb_gate_up_stream_q8<8, 2>, kb_down_stream_q8<8, 2>, 8, yq);
-    // By rows on 8-bit activations (moe_*_qdot{LPR}[_r1]: LPR lanes a row, two or one down
-    // rows a lane group), `per_sm` blocks per SM shared by the slots; moeflux takes 4 per SM,
-    // LPR 32 where the input has 1024 columns or more, else 16, and _r1 where two-row sets
-    // would not fill the grid. Checked against the streaming q8 kernels (other sum order).
-    auto qdot = [&](const char* what, auto gu, auto dn, int gl, int dl, int drows, int per_sm) {
-        int grid = per_sm * g_sms;
-        int gsets = (inter + 8 * 32 / gl - 1) / (8 * 32 / gl), dsets = (hidden + 8 * 32 / dl * drows - 1) / (8 * 32 / dl * drows);
-        int bg = std::max(1, std::min(gsets, grid / k)), bd = std::max(1, std::min(dsets, grid / k));
+    // By rows on 8-bit activations (moe_*_qdot{LPR}: LPR lanes a row; gate/up a row of each in
+    // a lane group, down two rows), blocks per slot as moeflux sizes them: every set in one
+    // wave of the resident blocks where they fit, else the fewest waves with every block
+    // taking the same number of sets. Checked against the streaming q8 kernels (other order).
+    auto qdot = [&](auto gu, auto dn, int gl, int dl) {
+        auto balanced = [&](auto kern, int sets) {
+            int cap = resident_blocks(kern, 256) * g_sms, waves = std::max(1, (sets * k + cap - 1) / cap);
+            return (sets + waves - 1) / waves;
+        };
+        int bg = balanced(gu, (inter + 8 * 32 / gl - 1) / (8 * 32 / gl));
+        int bd = balanced(dn, (hidden + 8 * 32 / dl * 2 - 1) / (8 * 32 / dl * 2));
         size_t sg = (size_t)hidden * 5 / 4, sd = (size_t)inter * 5 / 4;
         double tgu = time_graph([&](cudaStream_t s, int i) { launch_pdl_smem(gu, dim3(bg, k), 256, sg, s, (const unsigned long long*)bases + (i % T) * k, L, k, (const float*)x, a2); }, n);
         double tdn = time_graph([&](cudaStream_t s, int i) { launch_pdl_smem(dn, dim3(bd, k), 256, sd, s, (const unsigned long long*)bases + (i % T) * k, L, (const float*)a1, y2); }, n);
         gu<<<dim3(bg, k), 256, sg>>>(bases, L, k, x, a2); dn<<<dim3(bd, k), 256, sd>>>(bases, L, a1, y2); CK(cudaDeviceSynchronize());
+        char what[64]; snprintf(what, sizeof what, "qdot%d / qdot%d (%d, %d/SM)", gl, dl, resident_blocks(gu, 256), resident_blocks(dn, 256));
         printf("    %-26s gate/up %7.2f us %6.0f GB/s (%dx%d) | down %7.2f us %6.0f GB/s (%dx%d)\n", what, tgu, gu_bytes / tgu / 1e3, bg, k, tdn, dn_bytes / tdn / 1e3, bd, k);
         compare("gate/up", aq, a2, (size_t)k * inter);
         compare("down", yq, y2, (size_t)k * hidden);
     };
-    char what[64];
-    for (int per_sm : {4, 8}) {
-        snprintf(what, sizeof what, "qdot32 r2, %d/SM", per_sm); qdot(what, moe_gate_up_qdot32, moe_down_qdot32, 32, 32, 2, per_sm);
-        snprintf(what, sizeof what, "qdot32 r1, %d/SM", per_sm); qdot(what, moe_gate_up_qdot32, moe_down_qdot32_r1, 32, 32, 1, per_sm);
-        if (inter < 1024) {
-            snprintf(what, sizeof what, "qdot32 down16 r2, %d/SM", per_sm); qdot(what, moe_gate_up_qdot32, moe_down_qdot16, 32, 16, 2, per_sm);
-            snprintf(what, sizeof what, "qdot32 down16 r1, %d/SM", per_sm); qdot(what, moe_gate_up_qdot32, moe_down_qdot16_r1, 32, 16, 1, per_sm);
-        } else {
-            snprintf(what, sizeof what, "qdot16 r1, %d/SM", per_sm); qdot(what, moe_gate_up_qdot16, moe_down_qdot16_r1, 16, 16, 1, per_sm);
-        }
-    }
+    qdot(moe_gate_up_qdot32, moe_down_qdot32, 32, 32);
+    qdot(moe_gate_up_qdot16, moe_down_qdot16, 16, 16);
+    qdot(moe_gate_up_qdot8, moe_down_qdot8, 8, 8);
+    if (inter < 1024) qdot(moe_gate_up_qdot32, moe_down_qdot16, 32, 16);
     CK(cudaFree(yq)); CK(cudaFree(aq));
 }
 

@@ -297,7 +297,7 @@ const QDOT_TOKENS: usize = 4;
 /// Blocks per SM of the `qdot` grid, which loops over the row sets: each
 /// block rounds its input once, so fewer blocks round less; four keep
 /// enough rows' loads in flight (`scripts/gpu/kbench`).
-pub(super) const QDOT_BLOCKS_PER_SM: u32 = 4;
+const QDOT_BLOCKS_PER_SM: u32 = 4;
 
 /// Whether the `qdot` kernels take `q`: 4-bit codes in groups of a
 /// multiple of 32, whole 32-column blocks, an input that fits shared

@@ -16,7 +16,7 @@ use super::device::{args, Gpu};
 use super::linear::{
     kernel_suffix, matmuls, mm, mm_add, mma_layout_fits, mma_split, qdot_fit_width, qdot_smem,
     qmv_rows_per_block, qmv_slices, qmv_threads, rows_per_block, swiglu_matmul, MMA_MIN_TOKENS,
-    QDOT_BLOCKS_PER_SM, QMV_CHUNKS, QMV_STREAM_CHUNKS,
+    QMV_CHUNKS, QMV_STREAM_CHUNKS,
 };
 use super::model::{Ctx, DevWeights, Ep};
 use super::support::unsupported;
@@ -724,13 +724,15 @@ fn slot_qdot_enabled() -> bool {
 }
 
 /// The per-slot row kernels on 8-bit activations (`moe_gate_up_qdot{LPR}`,
-/// `moe_down_qdot{LPR}[_r1]` in kernels/moe.cu) for `slots` slots of 4-bit
-/// affine experts (gate/up and down alike, [`qdot_fit_width`]'s widths):
-/// LPR lanes a row (32, or the largest power of two of at most the input's
-/// 32-column blocks, so that every lane has blocks), the down projection one row a
-/// lane group where two would not fill the grid; the grid as the `qdot`
-/// products', shared by the slots. Every slot's sums are the same whatever
-/// the grid (a decode batch equals each sequence alone).
+/// `moe_down_qdot{LPR}` in kernels/moe.cu) for `slots` slots of 4-bit affine
+/// experts (gate/up and down alike, [`qdot_fit_width`]'s widths): LPR
+/// lanes a row (32, or the largest power of two of at most the input's
+/// 32-column blocks, so that every lane has blocks); blocks per slot so that
+/// every set runs in one wave of the resident blocks where they fit, else in
+/// the fewest waves with every block taking as many sets (kbench, H200: 397B
+/// gate/up 22.6 µs with 2-3 sets a block, 17.3 with one). Every slot's sums
+/// are the same whatever the grid (a decode batch equals each sequence
+/// alone).
 fn qdot_slot_launches(g: &Gpu, l: &ExpertLayoutC, slots: usize) -> Option<[SlotLaunch; 2]> {
     let (h, inter) = (l.hidden as usize, l.inter as usize);
     let fits = |cols: usize| qdot_fit_width(4, l.gs as usize, cols);
@@ -738,30 +740,22 @@ fn qdot_slot_launches(g: &Gpu, l: &ExpertLayoutC, slots: usize) -> Option<[SlotL
         return None;
     }
     let lanes = |cols: usize| [32, 16, 8, 4, 2].into_iter().find(|&lpr| cols / 32 >= lpr);
-    let (gate_up_lanes, down_lanes) = (lanes(h)?, lanes(inter)?);
-    let grid = (QDOT_BLOCKS_PER_SM * g.sms) as usize;
-    let per_slot = |sets: usize| (grid / slots).clamp(1, sets) as u32;
-    // Rows a set: 8 warps of 32 / LPR lane groups, each one (gate/up: one
-    // intermediate row of both) or two rows.
-    let group_rows = |lanes: usize, rows: usize| 8 * 32 / lanes * rows;
-    let (down_rows, r_sfx) = if h.div_ceil(group_rows(down_lanes, 2)) * slots < grid {
-        (1, "_r1")
-    } else {
-        (2, "")
+    // `rows` rows of `units` rows a lane group (gate/up: a row of both).
+    let launch = |kernel: String, lanes: usize, rows: usize, units: usize, cols: usize| {
+        let sets = rows.div_ceil(8 * 32 / lanes * units);
+        let resident = (g.blocks_per_sm(&kernel, 256) * g.sms) as usize;
+        let waves = (sets * slots).div_ceil(resident).max(1);
+        SlotLaunch {
+            kernel,
+            blocks: sets.div_ceil(waves) as u32,
+            threads: 256,
+            smem: qdot_smem(1, cols),
+        }
     };
+    let (gate_up, down) = (lanes(h)?, lanes(inter)?);
     Some([
-        SlotLaunch {
-            kernel: format!("moe_gate_up_qdot{gate_up_lanes}"),
-            blocks: per_slot(inter.div_ceil(group_rows(gate_up_lanes, 1))),
-            threads: 256,
-            smem: qdot_smem(1, h),
-        },
-        SlotLaunch {
-            kernel: format!("moe_down_qdot{down_lanes}{r_sfx}"),
-            blocks: per_slot(h.div_ceil(group_rows(down_lanes, down_rows))),
-            threads: 256,
-            smem: qdot_smem(1, inter),
-        },
+        launch(format!("moe_gate_up_qdot{gate_up}"), gate_up, inter, 1, h),
+        launch(format!("moe_down_qdot{down}"), down, h, 2, inter),
     ])
 }
 

@@ -634,8 +634,9 @@ SLOT_KERNELS(MXB, mx)
 // x; down: its act row; the q8 contract of qdot_round) and loops over the
 // slot's row sets; LPR lanes take a row (32 / LPR rows side by side in a
 // warp, so that inputs of fewer than 1024 columns still busy every lane),
-// lane s of them the 32-column blocks s, s + LPR, ... Gate/up: a lane group takes
-// intermediate row r of gate and of up, and its SwiGLU; down: R hidden rows.
+// lane s of them the 32-column blocks s, s + LPR, ... Gate/up: a lane group
+// takes intermediate row r of gate and of up, and its SwiGLU; down: two
+// hidden rows (kbench, H200: one row a lane group read 1.4-1.6x slower).
 // A row's sums do not depend on the grid. Shared memory: cols * 5 / 4 bytes.
 
 // The sum of v over each aligned group of LPR lanes (every lane of a group
@@ -702,12 +703,12 @@ __device__ void moe_gate_up_qdot_body(const unsigned long long* bases, const Exp
     }
 }
 
-template <int LPR, int R>
+template <int LPR>
 __device__ void moe_down_qdot_body(const unsigned long long* bases, const ExpertLayout& L, const float* act,
                                    float* slot_out) {
     extern __shared__ float qd_dyn[];
     int* smem = (int*)qd_dyn;
-    constexpr int G = 32 / LPR;
+    constexpr int G = 32 / LPR, R = 2;
     const int j = blockIdx.y, lane = threadIdx.x & 31, sub = lane % LPR;
     const QW dq = expert_down_qw((const char*)bases[j], L);
     const QW* q[R];
@@ -731,9 +732,8 @@ __device__ void moe_down_qdot_body(const unsigned long long* bases, const Expert
     }
 }
 
-// moe_gate_up_qdot{LPR}, moe_down_qdot{LPR} (two hidden rows a lane group)
-// and moe_down_qdot{LPR}_r1 (one), 256 threads, the other slot kernels'
-// arguments.
+// moe_gate_up_qdot{LPR} and moe_down_qdot{LPR}: 256 threads, the other
+// slot kernels' arguments.
 #define QDOT_SLOT_KERNELS(LPR)                                                                              \
     extern "C" __global__ void __launch_bounds__(256) moe_gate_up_qdot##LPR(                               \
         const unsigned long long* bs, ExpertLayout L, int k, const float* x, float* a) {                   \
@@ -745,13 +745,7 @@ __device__ void moe_down_qdot_body(const unsigned long long* bases, const Expert
         const unsigned long long* bs, ExpertLayout L, const float* a, float* y) {                          \
         PDL_ENTER();                                                                                        \
         if (bs[blockIdx.y] == 0) return;                                                                    \
-        moe_down_qdot_body<LPR, 2>(bs, L, a, y);                                                            \
-    }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(256) moe_down_qdot##LPR##_r1(                             \
-        const unsigned long long* bs, ExpertLayout L, const float* a, float* y) {                          \
-        PDL_ENTER();                                                                                        \
-        if (bs[blockIdx.y] == 0) return;                                                                    \
-        moe_down_qdot_body<LPR, 1>(bs, L, a, y);                                                            \
+        moe_down_qdot_body<LPR>(bs, L, a, y);                                                               \
     }
 QDOT_SLOT_KERNELS(32)
 QDOT_SLOT_KERNELS(16)
