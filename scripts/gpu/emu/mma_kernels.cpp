@@ -799,7 +799,7 @@ static void test_mixed_experts(int hidden, int inter, int gbits, int ggs, int db
 // against the CPU's q8 contract (q8_product) in double: gate and up on the rounded x, down
 // on the rounded act as the kernel left it; a slot with base 0 (the host's) left alone.
 enum class Q8Slots { QMV, STREAM, QDOT };
-static void test_experts_q8(int hidden, int inter, int k, Q8Slots path, int lpr = 32, int dlpr = 32,
+static void test_experts_q8(int hidden, int inter, int k, Q8Slots path, int lpr = 16, int dlpr = 8,
                             unsigned blocks = 3, int gs = 64) {
     auto [gate, up, down] = random_experts(k, hidden, inter, 4, gs, 4, gs);  // slot e: expert e
     ExpertLayout L{};
@@ -820,10 +820,10 @@ static void test_experts_q8(int hidden, int inter, int k, Q8Slots path, int lpr 
         float* po = out.data();
         if (path == Q8Slots::QDOT) {
             // lpr: gate/up's lanes a row; down's: dlpr.
-            auto gu = lpr == 32 ? moe_gate_up_qdot32 : lpr == 16 ? moe_gate_up_qdot16
-                      : lpr == 8 ? moe_gate_up_qdot8 : lpr == 4 ? moe_gate_up_qdot4 : moe_gate_up_qdot2;
-            auto dn = dlpr == 32 ? moe_down_qdot32 : dlpr == 16 ? moe_down_qdot16
-                      : dlpr == 8 ? moe_down_qdot8 : dlpr == 4 ? moe_down_qdot4 : moe_down_qdot2;
+            auto gu = lpr == 16 ? moe_gate_up_qdot16 : lpr == 8 ? moe_gate_up_qdot8
+                      : lpr == 4 ? moe_gate_up_qdot4 : moe_gate_up_qdot2;
+            auto dn = dlpr == 16 ? moe_down_qdot16 : dlpr == 8 ? moe_down_qdot8
+                      : dlpr == 4 ? moe_down_qdot4 : moe_down_qdot2;
             emu_launch({nblocks, (unsigned)k, 1}, 256, [&] { gu(pb, L, k, px, pa); });
             emu_launch({nblocks, (unsigned)k, 1}, 256, [&] { dn(pb, L, pa, po); });
             return;
@@ -888,13 +888,13 @@ int main() {
         test_experts_q8(2048, 512, 4, p);  // Qwen3.6-35B-A3B's widths
         test_experts_q8(512, 256, 3, p);   // rows of 256 and 128 bytes: several rows per chunk
     }
-    // By rows (lanes a row of gate/up and of down): A3B's widths (down's 512 columns: half the
-    // lanes idle at 32 a row), 397B's (4096 x 1024), rows of 8 to 10 blocks (four rows a
-    // warp), groups of 32 and a partial last set of down (288 rows in sets of 64), the GPU
-    // tests' model (256 x 64: down's rows of 2 blocks), rows of 4 and 3 blocks
-    test_experts_q8(2048, 512, 3, Q8Slots::QDOT, 32, 32);
-    test_experts_q8(2048, 512, 3, Q8Slots::QDOT, 16, 16);
-    test_experts_q8(4096, 1024, 2, Q8Slots::QDOT, 32, 32, 5);
+    // By rows (lanes a row of gate/up and of down): A3B's widths (at 16 lanes a row, down's
+    // 512 columns leave one block a lane), 397B's (4096 x 1024), rows of 8 to 10 blocks (four
+    // rows a warp), groups of 32 and a partial last set of down (288 rows in sets of 64), the
+    // GPU tests' model (256 x 64: down's rows of 2 blocks), rows of 4 and 3 blocks
+    test_experts_q8(2048, 512, 3, Q8Slots::QDOT, 16, 8);
+    test_experts_q8(2048, 512, 3, Q8Slots::QDOT, 8, 16);
+    test_experts_q8(4096, 1024, 2, Q8Slots::QDOT, 16, 8, 5);
     test_experts_q8(4096, 1024, 2, Q8Slots::QDOT, 16, 16, 7);
     test_experts_q8(512, 256, 3, Q8Slots::QDOT, 16, 8);
     test_experts_q8(256, 320, 3, Q8Slots::QDOT, 8, 8, 2);

@@ -120,8 +120,6 @@ const KERNEL_NAMES: &[&str] = &[
     "moe_down_qmv_b4q8",
     "moe_gate_up_stream_b4q8",
     "moe_down_stream_b4q8",
-    "moe_gate_up_qdot32",
-    "moe_down_qdot32",
     "moe_gate_up_qdot16",
     "moe_down_qdot16",
     "moe_gate_up_qdot8",

@@ -723,11 +723,19 @@ fn slot_qdot_enabled() -> bool {
     *ON.get_or_init(|| std::env::var("MOEFLUX_CUDA_SLOT_QDOT").map_or(true, |v| v != "0"))
 }
 
+/// Lanes a row of the experts' row kernels on 8-bit activations: fewer
+/// lanes a row put more rows' loads in flight a warp. kbench, H200, µs per
+/// layer's experts by lanes 32 / 16 / 8 (balanced grids): A3B gate/up 7.34 /
+/// **6.55** / 8.56 and down 6.34 / 4.36 / **4.24**; 397B gate/up 18.16 /
+/// **17.16** / 19.94 and down 10.57 / 8.88 / **8.48**.
+const QDOT_GATE_UP_LANES: usize = 16;
+const QDOT_DOWN_LANES: usize = 8;
+
 /// The per-slot row kernels on 8-bit activations (`moe_gate_up_qdot{LPR}`,
 /// `moe_down_qdot{LPR}` in kernels/moe.cu) for `slots` slots of 4-bit affine
 /// experts (gate/up and down alike, [`qdot_fit_width`]'s widths): LPR
-/// lanes a row (32, or the largest power of two of at most the input's
-/// 32-column blocks, so that every lane has blocks); blocks per slot so that
+/// lanes a row ([`QDOT_GATE_UP_LANES`], [`QDOT_DOWN_LANES`], fewer where
+/// the input has fewer 32-column blocks); blocks per slot so that
 /// every set runs in one wave of the resident blocks where they fit, else in
 /// the fewest waves with every block taking as many sets (kbench, H200: 397B
 /// gate/up 22.6 µs with 2-3 sets a block, 17.3 with one). Every slot's sums
@@ -739,7 +747,11 @@ fn qdot_slot_launches(g: &Gpu, l: &ExpertLayoutC, slots: usize) -> Option<[SlotL
     if !slot_qdot_enabled() || l.mx != 0 || l.bits != 4 || !uniform(l) || !fits(h) || !fits(inter) {
         return None;
     }
-    let lanes = |cols: usize| [32, 16, 8, 4, 2].into_iter().find(|&lpr| cols / 32 >= lpr);
+    let lanes = |most: usize, cols: usize| {
+        [16, 8, 4, 2]
+            .into_iter()
+            .find(|&lpr| lpr <= most && cols / 32 >= lpr)
+    };
     // `rows` rows of `units` rows a lane group (gate/up: a row of both).
     let launch = |kernel: String, lanes: usize, rows: usize, units: usize, cols: usize| {
         let sets = rows.div_ceil(8 * 32 / lanes * units);
@@ -752,7 +764,10 @@ fn qdot_slot_launches(g: &Gpu, l: &ExpertLayoutC, slots: usize) -> Option<[SlotL
             smem: qdot_smem(1, cols),
         }
     };
-    let (gate_up, down) = (lanes(h)?, lanes(inter)?);
+    let (gate_up, down) = (
+        lanes(QDOT_GATE_UP_LANES, h)?,
+        lanes(QDOT_DOWN_LANES, inter)?,
+    );
     Some([
         launch(format!("moe_gate_up_qdot{gate_up}"), gate_up, inter, 1, h),
         launch(format!("moe_down_qdot{down}"), down, h, 2, inter),

@@ -747,7 +747,6 @@ __device__ void moe_down_qdot_body(const unsigned long long* bases, const Expert
         if (bs[blockIdx.y] == 0) return;                                                                    \
         moe_down_qdot_body<LPR>(bs, L, a, y);                                                               \
     }
-QDOT_SLOT_KERNELS(32)
 QDOT_SLOT_KERNELS(16)
 QDOT_SLOT_KERNELS(8)
 QDOT_SLOT_KERNELS(4)
