@@ -286,7 +286,7 @@ pub struct Gpu {
     /// (the tensor-core kernels' split activations), grown on demand.
     workspace: std::sync::Mutex<Option<DevBuf>>,
     /// [`Gpu::blocks_per_sm`]'s answers by kernel and block size.
-    occupancy: std::sync::Mutex<HashMap<(String, u32), u32>>,
+    occupancy: std::sync::Mutex<HashMap<(String, u32, u32), u32>>,
 }
 
 impl Drop for Gpu {
@@ -403,13 +403,21 @@ impl Gpu {
     /// Blocks of `threads` threads of kernel `name` that one SM holds at
     /// once (its registers and shared memory decide), at least 1.
     pub fn blocks_per_sm(&self, name: &str, threads: u32) -> u32 {
+        self.blocks_per_sm_smem(name, threads, 0)
+    }
+
+    /// [`Gpu::blocks_per_sm`] for launches with `smem` bytes of dynamic
+    /// shared memory.
+    pub fn blocks_per_sm_smem(&self, name: &str, threads: u32, smem: u32) -> u32 {
         let mut known = self.occupancy.lock().unwrap_or_else(|e| e.into_inner());
-        *known.entry((name.to_string(), threads)).or_insert_with(|| {
-            let f = self.funcs.get(name).expect("kernel listed in KERNEL_NAMES");
-            f.occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
-                .unwrap_or(1)
-                .max(1)
-        })
+        *known
+            .entry((name.to_string(), threads, smem))
+            .or_insert_with(|| {
+                let f = self.funcs.get(name).expect("kernel listed in KERNEL_NAMES");
+                f.occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
+                    .unwrap_or(1)
+                    .max(1)
+            })
     }
 
     /// Launches kernel `name` on the compute stream. `params` point at the

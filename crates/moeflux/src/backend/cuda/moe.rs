@@ -14,9 +14,9 @@ use crate::model::timing::{lap, PhaseTimes};
 use super::abi::{ExpertLayoutC, ExpertTask, MoeCombineC};
 use super::device::{args, Gpu};
 use super::linear::{
-    kernel_suffix, matmuls, mm, mm_add, mma_layout_fits, mma_split, qdot_fit_width, qdot_smem,
-    qmv_rows_per_block, qmv_slices, qmv_threads, rows_per_block, swiglu_matmul, MMA_MIN_TOKENS,
-    QMV_CHUNKS, QMV_STREAM_CHUNKS,
+    balanced_blocks, kernel_suffix, matmuls, mm, mm_add, mma_layout_fits, mma_split,
+    qdot_fit_width, qdot_smem, qmv_rows_per_block, qmv_slices, qmv_threads, rows_per_block,
+    swiglu_matmul, MMA_MIN_TOKENS, QMV_CHUNKS, QMV_STREAM_CHUNKS,
 };
 use super::model::{Ctx, DevWeights, Ep};
 use super::support::unsupported;
@@ -735,10 +735,8 @@ const QDOT_DOWN_LANES: usize = 8;
 /// `moe_down_qdot{LPR}` in kernels/moe.cu) for `slots` slots of 4-bit affine
 /// experts (gate/up and down alike, [`qdot_fit_width`]'s widths): LPR
 /// lanes a row ([`QDOT_GATE_UP_LANES`], [`QDOT_DOWN_LANES`], fewer where
-/// the input has fewer 32-column blocks); blocks per slot so that
-/// every set runs in one wave of the resident blocks where they fit, else in
-/// the fewest waves with every block taking as many sets (kbench, H200: 397B
-/// gate/up 22.6 µs with 2-3 sets a block, 17.3 with one). Every slot's sums
+/// the input has fewer 32-column blocks); blocks per slot balanced
+/// ([`balanced_blocks`]). Every slot's sums
 /// are the same whatever the grid (a decode batch equals each sequence
 /// alone).
 fn qdot_slot_launches(g: &Gpu, l: &ExpertLayoutC, slots: usize) -> Option<[SlotLaunch; 2]> {
@@ -755,13 +753,13 @@ fn qdot_slot_launches(g: &Gpu, l: &ExpertLayoutC, slots: usize) -> Option<[SlotL
     // `rows` rows of `units` rows a lane group (gate/up: a row of both).
     let launch = |kernel: String, lanes: usize, rows: usize, units: usize, cols: usize| {
         let sets = rows.div_ceil(8 * 32 / lanes * units);
-        let resident = (g.blocks_per_sm(&kernel, 256) * g.sms) as usize;
-        let waves = (sets * slots).div_ceil(resident).max(1);
+        let smem = qdot_smem(1, cols);
+        let resident = g.blocks_per_sm_smem(&kernel, 256, smem) * g.sms;
         SlotLaunch {
+            blocks: balanced_blocks(sets, slots, resident as usize),
             kernel,
-            blocks: sets.div_ceil(waves) as u32,
             threads: 256,
-            smem: qdot_smem(1, cols),
+            smem,
         }
     };
     let (gate_up, down) = (
