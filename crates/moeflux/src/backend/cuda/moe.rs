@@ -736,9 +736,8 @@ const QDOT_DOWN_LANES: usize = 8;
 /// experts (gate/up and down alike, [`qdot_fit_width`]'s widths): LPR
 /// lanes a row ([`QDOT_GATE_UP_LANES`], [`QDOT_DOWN_LANES`], fewer where
 /// the input has fewer 32-column blocks); blocks per slot balanced
-/// ([`balanced_blocks`]). Every slot's sums
-/// are the same whatever the grid (a decode batch equals each sequence
-/// alone).
+/// ([`balanced_blocks`]). Every slot's sums are the same whatever the grid
+/// (a decode batch equals each sequence alone).
 fn qdot_slot_launches(g: &Gpu, l: &ExpertLayoutC, slots: usize) -> Option<[SlotLaunch; 2]> {
     let (h, inter) = (l.hidden as usize, l.inter as usize);
     let fits = |cols: usize| qdot_fit_width(4, l.gs as usize, cols);

@@ -633,8 +633,8 @@ SLOT_KERNELS(MXB, mx)
 // rounds the slot's input into shared memory once (gate/up: its token's
 // x; down: its act row; the q8 contract of qdot_round) and loops over the
 // slot's row sets; LPR lanes take a row (32 / LPR rows side by side in a
-// warp, so that inputs of fewer than 1024 columns still busy every lane),
-// lane s of them the 32-column blocks s, s + LPR, ... Gate/up: a lane group
+// warp: more rows' loads in flight, and every lane busy on narrow inputs;
+// the host picks LPR), lane s of them the 32-column blocks s, s + LPR, ... Gate/up: a lane group
 // takes intermediate row r of gate and of up, and its SwiGLU; down: two
 // hidden rows (kbench, H200: one row a lane group read 1.4-1.6x slower).
 // A row's sums do not depend on the grid. Shared memory: cols * 5 / 4 bytes.
