@@ -175,6 +175,13 @@ __global__ void __launch_bounds__(256, MINB) kb_down_stream_q8(const unsigned lo
     PDL_ENTER();
     moe_down_stream_body<B4Q8, NC>(bs, L, a, y);
 }
+// qdot_b4q8 (one token) at other lanes a row than moeflux's.
+template <int R, int LPR>
+__global__ void __launch_bounds__(256) kb_qdot(MultiMatmul mm, const float* x, int n) {
+    PDL_TRIGGER();
+    qdot_body<1, false, R, LPR>(mm, x, n);
+}
+
 template <class K>
 static int resident_blocks(K kernel, int threads) {
     int b = 0;
@@ -235,6 +242,26 @@ static void bench_dp4a(const std::vector<QW>& qs, int copies, const float* x, co
                 compare("vs dp4a", ref8, o, q0.rows);
             }
         }
+    }
+    // qdot_b4q8 with LPR lanes a row (32 / LPR rows side by side in a warp; moeflux's: 32), R
+    // rows a lane group, grids balanced over the fewest waves of the resident blocks.
+    if (q0.cols <= QD_MAX_COLS) {
+        size_t smem = (size_t)q0.cols * 5 / 4;
+        auto lanes = [&](auto k, int lpr, int rw) {
+            int sets = (q0.rows + 8 * 32 / lpr * rw - 1) / (8 * 32 / lpr * rw);
+            int cap = std::max(1, resident_blocks(k, 256)) * g_sms, waves = std::max(1, (sets + cap - 1) / cap);
+            int blocks = (sets + waves - 1) / waves;
+            double t = time_graph([&](cudaStream_t s, int i) { launch_pdl_smem(k, dim3(blocks), 256, smem, s, one(qs[i % copies], o, sets), (const float*)x, 1); }, n);
+            CK(cudaMemset(o, 0, q0.rows * 4)); k<<<blocks, 256, smem>>>(one(q0, o, sets), x, 1); CK(cudaDeviceSynchronize());
+            printf("    qdot LPR%-2d R%d balanced (%5d of %5d sets) %8.2f us %6.0f GB/s", lpr, rw, blocks, sets, t, bytes / t / 1e3);
+            compare("vs dp4a", ref8, o, q0.rows);
+        };
+        lanes(kb_qdot<2, 32>, 32, 2);
+        lanes(kb_qdot<1, 32>, 32, 1);
+        lanes(kb_qdot<2, 16>, 16, 2);
+        lanes(kb_qdot<1, 16>, 16, 1);
+        lanes(kb_qdot<2, 8>, 8, 2);
+        lanes(kb_qdot<1, 8>, 8, 1);
     }
     q8(qmv_b4q8, "qmv_b4q8 (moeflux)", QMV_STREAM_NC);
     q8(kb_qmv_q8<8, 2>, "q8 NC8 minB2", 8);

@@ -639,15 +639,6 @@ SLOT_KERNELS(MXB, mx)
 // hidden rows (kbench, H200: one row a lane group read 1.4-1.6x slower).
 // A row's sums do not depend on the grid. Shared memory: cols * 5 / 4 bytes.
 
-// The sum of v over each aligned group of LPR lanes (every lane of a group
-// ends with it).
-template <int LPR>
-__device__ __forceinline__ float lane_group_sum(float v) {
-#pragma unroll
-    for (int o = LPR / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
 // Rows row[r] of the matrices *q[r] (all of one width) on the rounded input
 // in smem, each lane group's share summed: acc[r] on every lane of the group.
 template <int R, int LPR>

@@ -95,17 +95,28 @@ __device__ __forceinline__ float qdot_block_acc(uint4 c, uint4 xe, uint4 xo, flo
     return fmaf(bias, xs, acc);
 }
 
+// The sum of v over each aligned group of LPR lanes (every lane of a group
+// ends with it; LPR 32: warp_sum).
+template <int LPR>
+__device__ __forceinline__ float lane_group_sum(float v) {
+#pragma unroll
+    for (int o = LPR / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
 // `out (+)= W x (+ bias)` for up to four 4-bit matrices of one input (a
-// MultiMatmul whose first_block counts sets of 8 * R rows), tokens
-// T * blockIdx.y .. of n.
-template <int T, bool GLU, int R>
+// MultiMatmul whose first_block counts sets of 8 * (32 / LPR) * R rows),
+// tokens T * blockIdx.y .. of n. LPR lanes a row (moeflux's kernels: 32;
+// scripts/gpu/kbench compares fewer).
+template <int T, bool GLU, int R, int LPR = 32>
 __device__ __forceinline__ void qdot_body(const MultiMatmul& mm, const float* x, int n) {
     static_assert(T == 1 || !GLU, "SwiGLU inputs are one token's");
     extern __shared__ float qd_dyn[];  // 16-byte aligned, as attn_mma's uint4 tiles rely on
     int* qd_smem = (int*)qd_dyn;
     const int cols = mm.q[0].cols, nb = cols / 32, t0 = blockIdx.y * T, nt = min(T, n - t0);
     const int nsets = mm.first_block[mm.count];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    constexpr int G = 32 / LPR;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sub = lane % LPR;
     PDL_WAIT();
     qdot_round<T, GLU>(x, cols, n, t0, qd_smem);
     __syncthreads();
@@ -114,7 +125,7 @@ __device__ __forceinline__ void qdot_body(const MultiMatmul& mm, const float* x,
     for (int set = blockIdx.x; set < nsets; set += gridDim.x) {
         int m = set_matrix(mm, set);
         const QW& q = mm.q[m];
-        long r0 = ((long)(set - mm.first_block[m]) * 8 + warp) * R;
+        long r0 = ((long)(set - mm.first_block[m]) * 8 * G + warp * G + lane / LPR) * R;
         const uint4* w = (const uint4*)q.w;
         int gpr = cols / q.gs, bpg = q.gs / 32;
         float acc[T][R];
@@ -122,7 +133,7 @@ __device__ __forceinline__ void qdot_body(const MultiMatmul& mm, const float* x,
         for (int t = 0; t < T; t++)
 #pragma unroll
             for (int r = 0; r < R; r++) acc[t][r] = 0.0f;
-        for (int b = lane; b < nb; b += 32) {
+        for (int b = sub; b < nb; b += LPR) {
             uint4 c[R];
             float sc[R], bi[R];
 #pragma unroll
@@ -147,9 +158,9 @@ __device__ __forceinline__ void qdot_body(const MultiMatmul& mm, const float* x,
         for (int t = 0; t < T; t++)
 #pragma unroll
             for (int r = 0; r < R; r++) {
-                float v = warp_sum(acc[t][r]);
+                float v = lane_group_sum<LPR>(acc[t][r]);
                 long row = r0 + r;
-                if (lane == 0 && t < nt && row < q.rows) {
+                if (sub == 0 && t < nt && row < q.rows) {
                     float* out = mm.out[m] + (long)(t0 + t) * q.rows;
                     float o = add ? out[row] + v : v;
                     out[row] = bias ? o + bias[row] : o;
