@@ -307,11 +307,25 @@ static void test_qmv_q8_tokens(int rows_a, int rows_b, int cols, int n, unsigned
     check(name, got, std::vector<double>(alone.begin(), alone.end()), 0.0);
 }
 
-// The one- and few-token q8 products a warp per `rw` rows (qdot_b4q8, _glu, _t4; _r1: one
-// row): the q8 contract (q8_product) within 1e-5 over grids that loop over the sets (`grid`
-// blocks), and the few-token kernels' tokens equal the two-row qdot_b4q8 on each alone, bit for
-// bit.
-static void test_qdot(int rows_a, int rows_b, int cols, bool glu, unsigned grid, int n = 1, int rw = 2) {
+// The one- and few-token q8 products in each launch shape (qdot_b4q8, _glu, _t4 with suffix ""
+// 32 lanes a row and two rows, _r1 32 and one, _l16 16 and two, _l8 8 and two): the q8
+// contract (q8_product) within 1e-5 over grids that loop over the sets (`grid` blocks), and
+// the few-token kernels' tokens equal the shape's one-token kernel on each alone, bit for bit.
+struct QdotShape {
+    const char* sfx;
+    int rows_a_set;
+    void (*one)(MultiMatmul, const float*, int);
+    void (*glu)(MultiMatmul, const float*, int);
+    void (*t4)(MultiMatmul, const float*, int);
+};
+static const QdotShape QDOT_SHAPES[] = {
+    {"", 16, qdot_b4q8, qdot_b4q8_glu, qdot_b4q8_t4},
+    {"_r1", 8, qdot_b4q8_r1, qdot_b4q8_glu_r1, qdot_b4q8_t4_r1},
+    {"_l16", 32, qdot_b4q8_l16, qdot_b4q8_glu_l16, qdot_b4q8_t4_l16},
+    {"_l8", 64, qdot_b4q8_l8, qdot_b4q8_glu_l8, qdot_b4q8_t4_l8},
+};
+static void test_qdot(int rows_a, int rows_b, int cols, bool glu, unsigned grid, int n = 1, int shape = 0) {
+    const QdotShape& sh = QDOT_SHAPES[shape];
     HostQ A(rows_a, cols), B(rows_b, cols);
     std::vector<float> x(glu ? 2 * cols : (size_t)n * cols);
     for (auto& v : x) v = urand(glu ? -3 : -1, glu ? 3 : 1);
@@ -323,15 +337,16 @@ static void test_qdot(int rows_a, int rows_b, int cols, bool glu, unsigned grid,
     std::vector<float> oa((size_t)n * rows_a, NAN), ob((size_t)n * rows_b);
     for (auto& v : ob) v = urand();
     std::vector<float> ob0 = ob;
-    int ba = (rows_a + 8 * rw - 1) / (8 * rw), bb = (rows_b + 8 * rw - 1) / (8 * rw);
+    int per = sh.rows_a_set;
+    int ba = (rows_a + per - 1) / per, bb = (rows_b + per - 1) / per;
     unsigned sets = ba + bb;
     grid = std::min(grid, sets);
     MultiMatmul mm = two_products(A, B, oa.data(), ob.data(), ba, bb);
     const float* xp = x.data();
     emu_launch({grid, (unsigned)((n + 3) / 4), 1}, 256, [&] {
-        if (glu) rw == 1 ? qdot_b4q8_glu_r1(mm, xp, 1) : qdot_b4q8_glu(mm, xp, 1);
-        else if (n > 1) rw == 1 ? qdot_b4q8_t4_r1(mm, xp, n) : qdot_b4q8_t4(mm, xp, n);
-        else rw == 1 ? qdot_b4q8_r1(mm, xp, 1) : qdot_b4q8(mm, xp, 1);
+        if (glu) sh.glu(mm, xp, 1);
+        else if (n > 1) sh.t4(mm, xp, n);
+        else sh.one(mm, xp, 1);
     });
     std::vector<float> got(oa);
     got.insert(got.end(), ob.begin(), ob.end());
@@ -343,19 +358,18 @@ static void test_qdot(int rows_a, int rows_b, int cols, bool glu, unsigned grid,
         }
     char name[128];
     snprintf(name, sizeof name, "qdot_b4q8%s%s %dx%d + %dx%d, n%d, %u of %u blocks", glu ? "_glu" : n > 1 ? "_t4" : "",
-             rw == 1 ? "_r1" : "", rows_a, cols, rows_b, cols, n, grid, sets);
+             sh.sfx, rows_a, cols, rows_b, cols, n, grid, sets);
     check(name, got, want, 1e-5);
     if (n == 1) return;
     std::vector<float> sa((size_t)n * rows_a, NAN), sb = ob0;
-    int ba2 = (rows_a + 15) / 16, bb2 = (rows_b + 15) / 16;
     for (int t = 0; t < n; t++) {
-        MultiMatmul m1 = two_products(A, B, &sa[(size_t)t * rows_a], &sb[(size_t)t * rows_b], ba2, bb2);
+        MultiMatmul m1 = two_products(A, B, &sa[(size_t)t * rows_a], &sb[(size_t)t * rows_b], ba, bb);
         const float* xt = &x[(size_t)t * cols];
-        emu_launch({(unsigned)(ba2 + bb2), 1, 1}, 256, [&] { qdot_b4q8(m1, xt, 1); });
+        emu_launch({(unsigned)(ba + bb), 1, 1}, 256, [&] { sh.one(m1, xt, 1); });
     }
     std::vector<float> alone(sa);
     alone.insert(alone.end(), sb.begin(), sb.end());
-    snprintf(name, sizeof name, "qdot_b4q8_t4%s n%d = qdot_b4q8 per token", rw == 1 ? "_r1" : "", n);
+    snprintf(name, sizeof name, "qdot_b4q8_t4%s n%d = qdot_b4q8%s per token", sh.sfx, n, sh.sfx);
     check(name, got, std::vector<double>(alone.begin(), alone.end()), 0.0);
 }
 
@@ -670,10 +684,20 @@ int main() {
     test_qdot(64, 32, 2048, true, 3);      // SwiGLU input
     test_qdot(48, 40, 1024, false, 3, 3);  // a few tokens: one partial token group
     test_qdot(40, 24, 2048, false, 2, 6);  // two token groups
-    // One row a warp (matrices of few rows): the same sums as two rows a warp
+    // One row a warp (matrices of few rows)
     test_qdot(72, 40, 2048, false, 3, 1, 1);
     test_qdot(64, 32, 2048, true, 5, 1, 1);
     test_qdot(40, 24, 2048, false, 2, 6, 1);
+    // 16 lanes a row (products of many rows): partial sets, a grid looping, few tokens, SwiGLU
+    test_qdot(72, 40, 2048, false, 3, 1, 2);
+    test_qdot(100, 20, 4096, false, 2, 1, 2);
+    test_qdot(64, 32, 1024, true, 2, 1, 2);
+    test_qdot(40, 24, 2048, false, 2, 6, 2);
+    // 8 lanes a row (inputs under 1024 columns)
+    test_qdot(72, 40, 512, false, 1, 1, 3);
+    test_qdot(100, 36, 256, false, 2, 1, 3);
+    test_qdot(64, 32, 512, true, 1, 1, 3);
+    test_qdot(40, 24, 768, false, 2, 5, 3);
     test_qmv_q8_tokens(72, 40, 2048, 3);
     test_qmv_q8_tokens(96, 64, 512, 8);
     test_qmv_q8_tokens(40, 24, 4096, 13, 3);

@@ -345,6 +345,50 @@ fn quantized(ops: &[Mm]) -> Vec<(Qw, &Mm)> {
         .collect()
 }
 
+/// Whether the `qdot` products pick their lanes a row by shape
+/// ([`qdot_shape`]; `MOEFLUX_CUDA_QDOT_LANES=32`: always 32, to compare).
+fn qdot_lanes_by_shape() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("MOEFLUX_CUDA_QDOT_LANES").map_or(true, |v| v != "32"))
+}
+
+/// Sets of four rows a warp a group of products must number at least to
+/// take them (16 lanes a row, two rows each): below, the grid would be
+/// short of sets.
+const QDOT_MANY_ROW_SETS: usize = 384;
+
+/// Rows a set and the kernel suffix of one `qdot` launch over `group`
+/// (lanes a row `LPR` and rows a lane group `R` in kernels/qdot.cu; a
+/// row's sums depend on the group's shape only, never on the tokens, so a
+/// decode batch still equals each sequence alone). kbench, H200, µs:
+/// inputs under 1024 columns take 8 lanes a row, two rows each (A3B shared
+/// down 3.11 -> 2.65); products of many rows 16 lanes, two rows (A3B
+/// GatedDeltaNet input 9.77 -> 8.62, 397B's 16.34 -> 15.56, A3B LM head
+/// 90.6 -> 81.4); the rest 32 lanes, two rows, or one where the two-row sets
+/// would not fill `grid` blocks (A3B's 2048-row output projection 9.1 ->
+/// 7.3, 397B's 4096-row one 16.6 -> 12.8; fewer lanes lose there).
+fn qdot_shape(group: &[(Qw, &Mm)], grid: usize) -> (usize, &'static str) {
+    let sets = |rows_a_set: usize| -> usize {
+        group
+            .iter()
+            .map(|(q, _)| (q.rows as usize).div_ceil(rows_a_set))
+            .sum()
+    };
+    if qdot_lanes_by_shape() {
+        if group[0].0.cols < 1024 {
+            return (64, "_l8");
+        }
+        if sets(32) >= QDOT_MANY_ROW_SETS {
+            return (32, "_l16");
+        }
+    }
+    if sets(16) < grid {
+        (8, "_r1")
+    } else {
+        (16, "")
+    }
+}
+
 /// Products of 1 to [`MMA_MIN_TOKENS`] - 1 tokens of 4-bit matrices on
 /// 8-bit activations (`--gpu-activations q8`; [`qdot_fit`] must hold):
 /// up to four matrices a launch, each block rounding the input into shared
@@ -359,20 +403,8 @@ fn qdot_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize, input: Input) -> Resul
     };
     let nn = n as i32;
     for group in quant.chunks(4) {
-        // Two rows a warp (sets of 16 rows), or one where the sets of two
-        // would not fill the grid (`R` in kernels/qdot.cu; a row's sums are
-        // the same either way). kbench, H200: A3B's 2048-row output
-        // projection 9.2 -> 7.3 µs, 397B's 4096-row one 16.6 -> 12.9.
-        let sets2: usize = group
-            .iter()
-            .map(|(q, _)| (q.rows as usize).div_ceil(16))
-            .sum();
-        let (rows, sfx) = if sets2 < (QDOT_BLOCKS_PER_SM * gpu.sms) as usize {
-            (1, "_r1")
-        } else {
-            (2, "")
-        };
-        let (p, sets) = multi_matmul(group, |_| 8 * rows, true);
+        let (rows_a_set, sfx) = qdot_shape(group, (QDOT_BLOCKS_PER_SM * gpu.sms) as usize);
+        let (p, sets) = multi_matmul(group, |_| rows_a_set, true);
         let name = format!("{kernel}{sfx}");
         let token_groups = n.div_ceil(tokens);
         let smem = qdot_smem(tokens, group[0].0.cols as usize);

@@ -106,8 +106,9 @@ __device__ __forceinline__ float lane_group_sum(float v) {
 
 // `out (+)= W x (+ bias)` for up to four 4-bit matrices of one input (a
 // MultiMatmul whose first_block counts sets of 8 * (32 / LPR) * R rows),
-// tokens T * blockIdx.y .. of n. LPR lanes a row (moeflux's kernels: 32;
-// scripts/gpu/kbench compares fewer).
+// tokens T * blockIdx.y .. of n. LPR lanes a row: 32 / LPR row groups side
+// by side in a warp. A row's sums depend on LPR only, not on T, R or the
+// grid.
 template <int T, bool GLU, int R, int LPR = 32>
 __device__ __forceinline__ void qdot_body(const MultiMatmul& mm, const float* x, int n) {
     static_assert(T == 1 || !GLU, "SwiGLU inputs are one token's");
@@ -169,14 +170,19 @@ __device__ __forceinline__ void qdot_body(const MultiMatmul& mm, const float* x,
     }
 }
 
-#define QDOT_KERNEL(NAME, T, GLU, R)                                                                   \
+#define QDOT_KERNEL(NAME, T, GLU, R, LPR)                                                              \
     extern "C" __global__ void __launch_bounds__(256) NAME(MultiMatmul mm, const float* x, int n) {    \
         PDL_TRIGGER();                                                                                 \
-        qdot_body<T, GLU, R>(mm, x, n);                                                                \
+        qdot_body<T, GLU, R, LPR>(mm, x, n);                                                           \
     }
-#define QDOT_KERNELS(SFX, R)                         \
-    QDOT_KERNEL(qdot_b4q8##SFX, 1, false, R)         \
-    QDOT_KERNEL(qdot_b4q8_glu##SFX, 1, true, R)      \
-    QDOT_KERNEL(qdot_b4q8_t4##SFX, 4, false, R)
-QDOT_KERNELS(, 2)
-QDOT_KERNELS(_r1, 1)
+// Suffixes by lanes a row and rows a lane group (the host picks, qdot_shape
+// in linear.rs): "" 32 lanes and two rows, _r1 32 and one, _l16 16 and two,
+// _l8 8 and two.
+#define QDOT_KERNELS(SFX, R, LPR)                         \
+    QDOT_KERNEL(qdot_b4q8##SFX, 1, false, R, LPR)         \
+    QDOT_KERNEL(qdot_b4q8_glu##SFX, 1, true, R, LPR)      \
+    QDOT_KERNEL(qdot_b4q8_t4##SFX, 4, false, R, LPR)
+QDOT_KERNELS(, 2, 32)
+QDOT_KERNELS(_r1, 1, 32)
+QDOT_KERNELS(_l16, 2, 16)
+QDOT_KERNELS(_l8, 2, 8)
