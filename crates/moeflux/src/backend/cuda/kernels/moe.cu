@@ -632,42 +632,12 @@ SLOT_KERNELS(MXB, mx)
 // (`--gpu-activations q8`), in qdot.cu's form: blockIdx.y = slot; a block
 // rounds the slot's input into shared memory once (gate/up: its token's
 // x; down: its act row; the q8 contract of qdot_round) and loops over the
-// slot's row sets; LPR lanes take a row (32 / LPR rows side by side in a
-// warp: more rows' loads in flight, and every lane busy on narrow inputs;
-// the host picks LPR), lane s of them the 32-column blocks s, s + LPR, ... Gate/up: a lane group
-// takes intermediate row r of gate and of up, and its SwiGLU; down: two
-// hidden rows (kbench, H200: one row a lane group read 1.4-1.6x slower).
-// A row's sums do not depend on the grid. Shared memory: cols * 5 / 4 bytes.
-
-// Rows row[r] of the matrices *q[r] (all of one width) on the rounded input
-// in smem, each lane group's share summed: acc[r] on every lane of the group.
-template <int R, int LPR>
-__device__ __forceinline__ void qdot_slot_rows(const QW* const (&q)[R], const long (&row)[R], const int* smem,
-                                               int sub, float (&acc)[R]) {
-    const int cols = q[0]->cols, nb = cols / 32;
-    const float* dxs = (const float*)(smem + cols / 4);
-#pragma unroll
-    for (int r = 0; r < R; r++) acc[r] = 0.0f;
-    for (int b = sub; b < nb; b += LPR) {
-        uint4 c[R];
-        float sc[R], bi[R];
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-            const QW& w = *q[r];
-            long g = row[r] * (cols / w.gs) + b / (w.gs / 32);
-            c[r] = __ldg((const uint4*)w.w + row[r] * nb + b);
-            sc[r] = qparam(w.s, g, w.sf32);
-            bi[r] = qparam(w.b, g, w.sf32);
-        }
-        const uint4* xb = (const uint4*)(smem + 8 * b);
-        uint4 xe = xb[0], xo = xb[1];
-        float dx = dxs[b], xs = dxs[nb + b];
-#pragma unroll
-        for (int r = 0; r < R; r++) acc[r] = qdot_block_acc(c[r], xe, xo, sc[r], bi[r], dx, xs, acc[r]);
-    }
-#pragma unroll
-    for (int r = 0; r < R; r++) acc[r] = lane_group_sum<LPR>(acc[r]);
-}
+// slot's row sets (qdot_rows); LPR lanes take a row (32 / LPR rows side by
+// side in a warp: more rows' loads in flight, and every lane busy on narrow
+// inputs; the host picks LPR). Gate/up: a lane group takes intermediate row
+// r of gate and of up, and its SwiGLU; down: two hidden rows (kbench, H200:
+// one row a lane group read 1.4-1.6x slower). A row's sums do not depend on
+// the grid. Shared memory: cols * 5 / 4 bytes.
 
 template <int LPR>
 __device__ void moe_gate_up_qdot_body(const unsigned long long* bases, const ExpertLayout& L, int k, const float* x,
@@ -688,9 +658,9 @@ __device__ void moe_gate_up_qdot_body(const unsigned long long* bases, const Exp
         int r = set * per_set + unit;
         long row = min(r, L.inter - 1);
         const long rows[2] = {row, row};
-        float acc[2];
-        qdot_slot_rows<2, LPR>(q, rows, smem, sub, acc);
-        if (sub == 0 && r < L.inter) act[(long)j * L.inter + r] = expert_glu(L, j, r, acc[0], acc[1]);
+        float acc[1][2];
+        qdot_rows<1, 2, LPR>(q, rows, smem, sub, acc);
+        if (sub == 0 && r < L.inter) act[(long)j * L.inter + r] = expert_glu(L, j, r, acc[0][0], acc[0][1]);
     }
 }
 
@@ -714,12 +684,12 @@ __device__ void moe_down_qdot_body(const unsigned long long* bases, const Expert
         long rows[R];
 #pragma unroll
         for (int r = 0; r < R; r++) rows[r] = min(r0 + r, (long)L.hidden - 1);
-        float acc[R];
-        qdot_slot_rows<R, LPR>(q, rows, smem, sub, acc);
+        float acc[1][R];
+        qdot_rows<1, R, LPR>(q, rows, smem, sub, acc);
 #pragma unroll
         for (int r = 0; r < R; r++)
             if (sub == 0 && r0 + r < L.hidden)
-                slot_out[(long)j * L.hidden + r0 + r] = acc[r] + expert_down_bias(L, j, (int)(r0 + r));
+                slot_out[(long)j * L.hidden + r0 + r] = acc[0][r] + expert_down_bias(L, j, (int)(r0 + r));
     }
 }
 

@@ -1,6 +1,6 @@
 // One- and few-token products of 4-bit affine matrices on 8-bit activations
-// (`--gpu-activations q8`), a warp per R rows (2, or 1 for matrices of few
-// rows, so that their sets still cover the SMs).
+// (`--gpu-activations q8`), rows side by side in a warp (LPR lanes a row,
+// R rows a lane group: the host picks them by the products' shape).
 //
 // The activation-stationary qmv kernels give each lane a fixed 16-byte slice
 // of every row and stream the rows past it: with f32 activations that saves
@@ -8,18 +8,19 @@
 // block reduction per set) costs about as much as the 8-bit dot itself
 // (kbench: qmv_b4q8 reaches 1.2-1.6 TB/s where a plain read reaches 3-4.4).
 // Here a block first rounds its input into shared memory once (the q8
-// contract of q8_prep, with its q8_code and q8_pack4: per 32 columns xq = round(x * 127 / max|x|), half
-// away from zero, dx = max|x| / 127, and the f32 sum of the unrounded
-// block for the biases), then each warp takes R whole rows at a time,
-// lane l the 32-column blocks l, l + 32, ... of each (16 bytes of codes a
-// row: coalesced 512-byte reads), dotting codes and xq in integers (dp4a)
-// and adding scale * dx * sum + bias * xsum per block in f32; a row's sum is
-// a warp reduction. Blocks loop over the row sets (grid-stride), so the
-// rounding is paid once per block, not once per set.
+// contract of q8_prep, with its q8_code and q8_pack4: per 32 columns
+// xq = round(x * 127 / max|x|), half away from zero, dx = max|x| / 127, and
+// the f32 sum of the unrounded block for the biases), then each group of
+// LPR lanes takes R whole rows at a time, lane s the 32-column blocks s,
+// s + LPR, ... of each (16 bytes of codes a row), dotting codes and xq in
+// integers (dp4a) and adding scale * dx * sum + bias * xsum per block in
+// f32; a row's sum is a reduction over its lane group. Blocks loop over the
+// row sets (grid-stride), so the rounding is paid once per block, not once
+// per set.
 //
 // Every token's sums are computed the same way whatever T (tokens per
-// launch), R and the grid: a decode batch equals each sequence alone bit
-// for bit. Shared memory per block: T * cols * 5 / 4 bytes (QD_MAX_COLS caps
+// launch), R and the grid (they depend on LPR only): a decode batch equals
+// each sequence alone bit for bit. Shared memory per block: T * cols * 5 / 4 bytes (QD_MAX_COLS caps
 // it at 40 KB for T = 4).
 #define QD_MAX_COLS 8192  // QDOT_MAX_COLS in linear.rs
 
@@ -104,6 +105,44 @@ __device__ __forceinline__ float lane_group_sum(float v) {
     return v;
 }
 
+// Rows row[r] of the matrices *q[r] (all of one width; the same matrix may
+// repeat) for the T tokens qdot_round left in smem, each lane group's share
+// summed: acc[t][r] on every lane of the group (sub: the lane in its group).
+template <int T, int R, int LPR>
+__device__ __forceinline__ void qdot_rows(const QW* const (&q)[R], const long (&row)[R], const int* smem, int sub,
+                                          float (&acc)[T][R]) {
+    const int cols = q[0]->cols, nb = cols / 32;
+    const float* dxs = (const float*)(smem + T * (cols / 4));
+#pragma unroll
+    for (int t = 0; t < T; t++)
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[t][r] = 0.0f;
+    for (int b = sub; b < nb; b += LPR) {
+        uint4 c[R];
+        float sc[R], bi[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const QW& w = *q[r];
+            long g = row[r] * (cols / w.gs) + b / (w.gs / 32);
+            c[r] = __ldg((const uint4*)w.w + row[r] * nb + b);
+            sc[r] = qparam(w.s, g, w.sf32);
+            bi[r] = qparam(w.b, g, w.sf32);
+        }
+#pragma unroll
+        for (int t = 0; t < T; t++) {
+            const uint4* xb = (const uint4*)(smem + t * (cols / 4) + 8 * b);
+            uint4 xe = xb[0], xo = xb[1];
+            float dx = dxs[t * nb + b], xs = dxs[(T + t) * nb + b];
+#pragma unroll
+            for (int r = 0; r < R; r++) acc[t][r] = qdot_block_acc(c[r], xe, xo, sc[r], bi[r], dx, xs, acc[t][r]);
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < T; t++)
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[t][r] = lane_group_sum<LPR>(acc[t][r]);
+}
+
 // `out (+)= W x (+ bias)` for up to four 4-bit matrices of one input (a
 // MultiMatmul whose first_block counts sets of 8 * (32 / LPR) * R rows),
 // tokens T * blockIdx.y .. of n. LPR lanes a row: 32 / LPR row groups side
@@ -114,52 +153,33 @@ __device__ __forceinline__ void qdot_body(const MultiMatmul& mm, const float* x,
     static_assert(T == 1 || !GLU, "SwiGLU inputs are one token's");
     extern __shared__ float qd_dyn[];  // 16-byte aligned, as attn_mma's uint4 tiles rely on
     int* qd_smem = (int*)qd_dyn;
-    const int cols = mm.q[0].cols, nb = cols / 32, t0 = blockIdx.y * T, nt = min(T, n - t0);
+    const int cols = mm.q[0].cols, t0 = blockIdx.y * T, nt = min(T, n - t0);
     const int nsets = mm.first_block[mm.count];
     constexpr int G = 32 / LPR;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sub = lane % LPR;
     PDL_WAIT();
     qdot_round<T, GLU>(x, cols, n, t0, qd_smem);
     __syncthreads();
-    const int* xq = qd_smem;
-    const float* dxs = (const float*)(qd_smem + T * (cols / 4));
     for (int set = blockIdx.x; set < nsets; set += gridDim.x) {
         int m = set_matrix(mm, set);
         const QW& q = mm.q[m];
         long r0 = ((long)(set - mm.first_block[m]) * 8 * G + warp * G + lane / LPR) * R;
-        const uint4* w = (const uint4*)q.w;
-        int gpr = cols / q.gs, bpg = q.gs / 32;
-        float acc[T][R];
+        const QW* qs[R];
+        long rows[R];
 #pragma unroll
-        for (int t = 0; t < T; t++)
-#pragma unroll
-            for (int r = 0; r < R; r++) acc[t][r] = 0.0f;
-        for (int b = sub; b < nb; b += LPR) {
-            uint4 c[R];
-            float sc[R], bi[R];
-#pragma unroll
-            for (int r = 0; r < R; r++) {
-                long row = min(r0 + r, (long)q.rows - 1);
-                c[r] = __ldg(w + row * nb + b);
-                sc[r] = qparam(q.s, row * gpr + b / bpg, q.sf32);
-                bi[r] = qparam(q.b, row * gpr + b / bpg, q.sf32);
-            }
-#pragma unroll
-            for (int t = 0; t < T; t++) {
-                const uint4* xb = (const uint4*)(xq + t * (cols / 4) + 8 * b);
-                uint4 xe = xb[0], xo = xb[1];
-                float dx = dxs[t * nb + b], xs = dxs[(T + t) * nb + b];
-#pragma unroll
-                for (int r = 0; r < R; r++) acc[t][r] = qdot_block_acc(c[r], xe, xo, sc[r], bi[r], dx, xs, acc[t][r]);
-            }
+        for (int r = 0; r < R; r++) {
+            qs[r] = &q;
+            rows[r] = min(r0 + r, (long)q.rows - 1);
         }
+        float acc[T][R];
+        qdot_rows<T, R, LPR>(qs, rows, qd_smem, sub, acc);
         bool add = (mm.accumulate >> m) & 1;
         const float* bias = mm.bias[m];
 #pragma unroll
         for (int t = 0; t < T; t++)
 #pragma unroll
             for (int r = 0; r < R; r++) {
-                float v = lane_group_sum<LPR>(acc[t][r]);
+                float v = acc[t][r];
                 long row = r0 + r;
                 if (sub == 0 && t < nt && row < q.rows) {
                     float* out = mm.out[m] + (long)(t0 + t) * q.rows;
