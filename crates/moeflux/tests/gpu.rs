@@ -461,7 +461,8 @@ fn low_width_experts_on_the_gpu_match_the_cpu() {
 /// `--gpu-activations q8` on a whole model: decode steps with the 4-bit
 /// products (dense, experts, LM head) dotted on 8-bit activations, every
 /// expert resident and through an evicting cache over the host tier, one
-/// token at a time, against the CPU's exact logits. The kernels follow the
+/// token at a time and in one batch (the tensor-core products on 8-bit
+/// activations), against the CPU's exact logits. The kernels follow the
 /// CPU's q8 contract exactly (checked product by product against it under
 /// the CPU emulation, `scripts/gpu/emu`, and on the GPU by `kbench`); a
 /// whole model cannot be compared with the CPU's q8 logit for logit,
@@ -499,6 +500,11 @@ fn q8_activations_on_the_gpu_round_as_the_cpus_do() {
         cpu_q8 > 10.0 * GUARD,
         "q8 moved the CPU's logits by only {cpu_q8:e}: the test cannot tell the modes apart"
     );
+    // One batch (prefill: the tensor-core products and experts, 8-bit there
+    // too since they round by the same contract).
+    let batch = |s: &mut Session| s.eval(&toks, LogitsMode::All).unwrap();
+    let exact_batch = batch(&mut cpu(&dir));
+    let cpu_q8_batch = max_rel_diff(&batch(&mut open(Backend::Cpu, None, None)), &exact_batch);
     let (slots, budget) = one_layer_plus_eight(&c);
     for (what, gpu_memory, host_cache) in [
         ("resident", None, None),
@@ -508,14 +514,23 @@ fn q8_activations_on_the_gpu_round_as_the_cpus_do() {
         assert!(g.on_gpu());
         let gpu_q8 = max_rel_diff(&one_token_at_a_time(&mut g, &toks), &exact);
         let stats = g.gpu_cache_stats();
+        let gpu_q8_batch = max_rel_diff(
+            &batch(&mut open(Backend::Cuda, gpu_memory, host_cache)),
+            &exact_batch,
+        );
         eprintln!(
             "{what}: GPU q8 {gpu_q8:e} from exact, CPU q8 {cpu_q8:e}, f32 GPU {f32_gpu:e}; \
-             {} misses",
+             {} misses; one batch: GPU q8 {gpu_q8_batch:e}, CPU q8 {cpu_q8_batch:e}",
             stats.misses
         );
         assert!(
             gpu_q8 > cpu_q8 / 2.0 && gpu_q8 < 2.0 * cpu_q8,
             "{what}: GPU q8 {gpu_q8:e} from the exact logits, CPU q8 {cpu_q8:e}"
+        );
+        assert!(
+            gpu_q8_batch > cpu_q8_batch / 2.0 && gpu_q8_batch < 2.0 * cpu_q8_batch,
+            "{what}, one batch: GPU q8 {gpu_q8_batch:e} from the exact logits, CPU q8 \
+             {cpu_q8_batch:e}"
         );
         if gpu_memory.is_some() {
             assert!(stats.misses > 0, "the cache of {slots} slots never missed");

@@ -18,10 +18,12 @@
 
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
 struct float4 { float x, y, z, w; };
+struct float2 { float x, y; };
 struct uint4 { unsigned x, y, z, w; };
 struct uint2 { unsigned x, y; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+inline float2 make_float2(float a, float b) { return {a, b}; }
 
 inline dim3 threadIdx;  // the running fiber's (set at each switch)
 inline dim3 blockIdx, blockDim, gridDim;
@@ -155,6 +157,34 @@ inline void emu_mma_bf16(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, u
         double s = 0;
         for (int k = 0; k < 16; k++) s += (double)A(row, k) * B(k, col);
         d[c] += (float)s;
+    }
+    ws.bar.arrive_and_wait();
+}
+// mma.sync m16n8k32 (u8 a, s8 b, s32 accumulate): a0 (row g, k 4t .. 4t + 3),
+// a1 (row g + 8, the same k), a2 / a3 (k + 16); b0 (k 4t .. 4t + 3 of column g),
+// b1 (k + 16); d as emu_mma_bf16's. Exact in integers.
+inline void emu_mma_u8s8(int (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                         unsigned b1) {
+    int w = threadIdx.x / 32, l = threadIdx.x % 32;
+    auto& ws = *g_warps[w];
+    unsigned a[4] = {a0, a1, a2, a3};
+    memcpy(ws.mma_a[l], a, sizeof a);
+    ws.mma_b[l][0] = b0, ws.mma_b[l][1] = b1;
+    ws.bar.arrive_and_wait();
+    auto A = [&](int row, int k) {
+        unsigned r = ws.mma_a[(row % 8) * 4 + (k % 16) / 4][(row >= 8) + 2 * (k >= 16)];
+        return (int)((r >> (8 * (k % 4))) & 0xffu);
+    };
+    auto B = [&](int k, int col) {
+        unsigned r = ws.mma_b[col * 4 + (k % 16) / 4][k >= 16];
+        return (int)(signed char)((r >> (8 * (k % 4))) & 0xffu);
+    };
+    int g = l / 4, t = l % 4;
+    for (int c = 0; c < 4; c++) {
+        int row = g + 8 * (c / 2), col = 2 * t + c % 2;
+        int s = 0;
+        for (int k = 0; k < 32; k++) s += A(row, k) * B(k, col);
+        d[c] += s;
     }
     ws.bar.arrive_and_wait();
 }

@@ -15,6 +15,8 @@
 //                     rows (moe_*_rows_mx*) equal to streamed bit for bit) and tensor-core
 //                     paths (sums past the limit);
 //                     MXFP4 scale extremes (0, 1, 254, 255 = NaN).
+//   q8_rows, qmma_q8, the tensor-core products on 8-bit activations (mma.sync m16n8k32,
+//   moe_*_mma_q8      u8 codes x s8 activations) against the CPU's q8 contract.
 //   experts, q8       Qwen's per-slot expert kernels with 8-bit activations (moe_*_qmv_b4q8,
 //                     moe_*_stream_b4q8) against the CPU's q8 contract.
 //   GGUF K-quants     groups of 16 (2-, 3-, 6- and 8-bit codes) through the general
@@ -186,6 +188,111 @@ static void test_moe_mma(int hidden, int inter, int bits, int gs, std::vector<in
     check(name, got, want, 1e-5);
 }
 
+
+// q8_rows of x[n][cols] into xq / dxs (sized here).
+static void round_rows(const std::vector<float>& x, int n, int cols, std::vector<u32>& xq, std::vector<float2>& dxs) {
+    xq.assign((size_t)n * cols / 4, 0xdeadbeefu);
+    dxs.assign((size_t)n * cols / 32, float2{NAN, NAN});
+    long total = (long)n * cols / 8;
+    const float* px = x.data();
+    u32* pq = xq.data();
+    float2* pd = dxs.data();
+    emu_launch({(unsigned)((total + 255) / 256), 1, 1}, 256, [&] { q8_rows(px, n, cols, pq, pd); });
+}
+
+// qmma_q8: two 4-bit matrices of one input on 8-bit activations (the second adds to its
+// output) against the CPU's q8 contract per token, in double.
+static void test_qmma_q8(int rows_a, int rows_b, int cols, int n, int gs) {
+    HostQ A(rows_a, cols, 4, gs), B(rows_b, cols, 4, gs);
+    std::vector<float> x((size_t)n * cols);
+    for (auto& v : x) v = urand(-2, 2);
+    for (int j = 0; j < 32; j++) x[j] = 0.0f;  // a block of zeros (dx 0)
+    std::vector<u32> xq;
+    std::vector<float2> dxs;
+    round_rows(x, n, cols, xq, dxs);
+    std::vector<float> oa((size_t)n * rows_a, NAN), ob((size_t)n * rows_b);
+    for (auto& v : ob) v = urand();
+    std::vector<float> ob0 = ob;
+    int ba = (rows_a + 63) / 64, bb = (rows_b + 63) / 64;
+    MultiMatmul mm = two_products(A, B, oa.data(), ob.data(), ba, bb);
+    const u32* pq = xq.data();
+    const float2* pd = dxs.data();
+    emu_launch({(unsigned)(ba + bb), (unsigned)((n + 63) / 64), 1}, 128, [&] { qmma_q8(mm, pq, pd, n); });
+    std::vector<float> got(oa);
+    got.insert(got.end(), ob.begin(), ob.end());
+    std::vector<double> want;
+    for (const HostQ* W : {&A, &B})
+        for (int t = 0; t < n; t++) {
+            std::vector<double> y = q8_product(*W, &x[(size_t)t * cols]);
+            for (int r = 0; r < W->rows; r++) want.push_back(y[r] + (W == &B ? ob0[(size_t)t * W->rows + r] : 0.0));
+        }
+    char name[128];
+    snprintf(name, sizeof name, "qmma_q8 g%d %dx%d + %dx%d, %d tokens", gs, rows_a, cols, rows_b, cols, n);
+    check(name, got, want, 1e-5);
+}
+
+// moe_gate_up_mma_q8 / moe_down_mma_q8 (task e serves tokens 0 .. counts[e] - 1) against the
+// q8 contract: gate and up on the rounded x, down on the rounded act as the kernel left it.
+static void test_moe_mma_q8(int hidden, int inter, int gs, std::vector<int> counts) {
+    int ne = (int)counts.size(), k = ne;
+    int n = 0;
+    for (int c : counts) n = std::max(n, c);
+    auto [gate, up, down] = random_experts(ne, hidden, inter, 4, gs, 4, gs);
+    ExpertLayout L{};
+    auto extents = pack_extents(gate, up, down, L);
+    L.inter = inter, L.hidden = hidden, L.bits = 4, L.gs = gs, L.down_bits = 4, L.down_gs = gs;
+    std::vector<ExpertTask> tasks;
+    std::vector<int> slot_list;
+    for (int e = 0; e < ne; e++) {
+        tasks.push_back({(const char*)extents[e].data(), (int)slot_list.size(), counts[e]});
+        for (int t = 0; t < counts[e]; t++) slot_list.push_back(t * k + e);
+    }
+    int used = (int)slot_list.size();
+    std::vector<float> x((size_t)n * hidden);
+    for (auto& v : x) v = urand(-1, 1);
+    std::vector<u32> xq;
+    std::vector<float2> dxs;
+    round_rows(x, n, hidden, xq, dxs);
+    std::vector<float> act((size_t)used * inter, NAN), slot_out((size_t)n * k * hidden, NAN);
+    const ExpertTask* pt = tasks.data();
+    const int* ps = slot_list.data();
+    {
+        const u32* pq = xq.data();
+        const float2* pd = dxs.data();
+        float* pa = act.data();
+        emu_launch({(unsigned)((inter + 63) / 64), (unsigned)ne, 1}, 128,
+                   [&] { moe_gate_up_mma_q8(pt, L, ps, k, pq, pd, pa); });
+    }
+    std::vector<double> want_act;
+    for (int e = 0; e < ne; e++)
+        for (int i = 0; i < counts[e]; i++) {
+            const float* xt = &x[(size_t)(slot_list[tasks[e].first + i] / k) * hidden];
+            std::vector<double> g = q8_product(gate[e], xt), u = q8_product(up[e], xt);
+            for (int r = 0; r < inter; r++) want_act.push_back(g[r] / (1.0 + exp(-g[r])) * u[r]);
+        }
+    char name[128];
+    snprintf(name, sizeof name, "moe_gate_up_mma_q8 g%d %dx%d, %d tasks", gs, inter, hidden, ne);
+    check(name, act, want_act, 1e-5);
+    round_rows(act, used, inter, xq, dxs);
+    {
+        const u32* pq = xq.data();
+        const float2* pd = dxs.data();
+        float* po = slot_out.data();
+        emu_launch({(unsigned)((hidden + 127) / 128), (unsigned)ne, 1}, 128,
+                   [&] { moe_down_mma_q8(pt, L, ps, pq, pd, po); });
+    }
+    std::vector<float> got;
+    std::vector<double> want;
+    for (int e = 0; e < ne; e++)
+        for (int i = 0; i < counts[e]; i++) {
+            int pos = tasks[e].first + i, slot = slot_list[pos];
+            std::vector<double> d = q8_product(down[e], &act[(size_t)pos * inter]);
+            want.insert(want.end(), d.begin(), d.end());
+            for (int r = 0; r < hidden; r++) got.push_back(slot_out[(size_t)slot * hidden + r]);
+        }
+    snprintf(name, sizeof name, "moe_down_mma_q8 g%d %dx%d, %d tasks", gs, hidden, inter, ne);
+    check(name, got, want, 1e-5);
+}
 
 // ---------------------------------------------------------------------------------------
 // gpt-oss's routed experts: MXFP4 or affine codes, per-expert biases, the clamped SwiGLU,
@@ -884,6 +991,9 @@ int main() {
     test_qmma(16, 40, 256, 5, 8, 32);
     test_qmma(72, 8, 512, 20, 4, 128);   // groups of 128
     test_qmma(24, 16, 256, 33, 8, 128);
+    test_qmma_q8(80, 48, 256, 37, 64);  // partial row and token tiles
+    test_qmma_q8(40, 24, 256, 70, 32);  // groups of 32, two token blocks
+    test_qmma_q8(72, 8, 512, 9, 128);   // groups of 128
     for (Q8Slots p : {Q8Slots::QMV, Q8Slots::STREAM}) {
         test_experts_q8(2048, 512, 4, p);  // Qwen3.6-35B-A3B's widths
         test_experts_q8(512, 256, 3, p);   // rows of 256 and 128 bytes: several rows per chunk
@@ -903,6 +1013,8 @@ int main() {
     test_experts_q8(128, 96, 3, Q8Slots::QDOT, 4, 2, 2, 32);
     test_moe_mma(128, 64, 4, 64, {1, 9, 70, 3});
     test_moe_mma(64, 96, 8, 32, {5, 33});
+    test_moe_mma_q8(128, 64, 64, {1, 9, 70, 3});
+    test_moe_mma_q8(96, 160, 32, {5, 33});
     // gpt-oss experts: MXFP4 and affine, biases and the clamped SwiGLU, each path
     for (ExpertPath p : {GROUPED, SLOTS, MMA}) {
         test_gptoss_experts(128, 64, true, p, {1, 6, 37});

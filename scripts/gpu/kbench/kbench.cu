@@ -318,8 +318,10 @@ static void bench_product(const char* name, int rows, int cols, int bits, int gs
 
 // Experts of one layer in one buffer (MLX layout per expert: gate, up, down;
 // each weights, scales, biases), `k` random distinct experts per token.
-static void bench_slots(const char* name, int n_exp, int k, int hidden, int inter, int bits, int gs) {
-    ExpertLayout L;
+// n_exp experts of one layer in one buffer of extents `ext` apart (MLX layout per expert:
+// gate, up, down; each weights, scales, biases): random codes, bf16 scales and biases in a
+// sane range.
+static char* make_experts(int n_exp, int hidden, int inter, int bits, int gs, ExpertLayout& L, long& ext) {
     memset(&L, 0, sizeof L);  // no biases, plain SwiGLU
     long off = 0;
     auto seg = [&](long n) { long o = off; off += (n + 255) / 256 * 256; return o; };
@@ -328,20 +330,24 @@ static void bench_slots(const char* name, int n_exp, int k, int hidden, int inte
     L.down_w = seg((long)hidden * inter * bits / 8); L.down_s = seg((long)hidden * (inter / gs) * 2); L.down_b = seg((long)hidden * (inter / gs) * 2);
     L.inter = inter; L.hidden = hidden; L.bits = bits; L.gs = gs; L.sf32 = 0;
     L.down_bits = bits; L.down_gs = gs; L.down_sf32 = 0;
-    long ext = off;
-    // Random codes; scales/biases bf16 in a sane range (fill whole extents,
-    // then overwrite the parameter segments).
+    ext = off;
+    // Fill whole extents, then overwrite the parameter segments.
     char* all = (char*)dev_random((size_t)ext * n_exp);
-    {
-        std::uniform_real_distribution<float> ds(0.005f, 0.02f), db(-0.1f, -0.02f);
-        std::vector<u16> hs(inter * (hidden / gs)), hd(hidden * (inter / gs));
-        for (int e = 0; e < n_exp; e++) {
-            for (auto& v : hs) v = to_bf16(ds(rng)); CK(cudaMemcpy(all + e * ext + L.gate_s, hs.data(), hs.size() * 2, cudaMemcpyHostToDevice)); CK(cudaMemcpy(all + e * ext + L.up_s, hs.data(), hs.size() * 2, cudaMemcpyHostToDevice));
-            for (auto& v : hs) v = to_bf16(db(rng)); CK(cudaMemcpy(all + e * ext + L.gate_b, hs.data(), hs.size() * 2, cudaMemcpyHostToDevice)); CK(cudaMemcpy(all + e * ext + L.up_b, hs.data(), hs.size() * 2, cudaMemcpyHostToDevice));
-            for (auto& v : hd) v = to_bf16(ds(rng)); CK(cudaMemcpy(all + e * ext + L.down_s, hd.data(), hd.size() * 2, cudaMemcpyHostToDevice));
-            for (auto& v : hd) v = to_bf16(db(rng)); CK(cudaMemcpy(all + e * ext + L.down_b, hd.data(), hd.size() * 2, cudaMemcpyHostToDevice));
-        }
+    std::uniform_real_distribution<float> ds(0.005f, 0.02f), db(-0.1f, -0.02f);
+    std::vector<u16> hs(inter * (hidden / gs)), hd(hidden * (inter / gs));
+    for (int e = 0; e < n_exp; e++) {
+        for (auto& v : hs) v = to_bf16(ds(rng)); CK(cudaMemcpy(all + e * ext + L.gate_s, hs.data(), hs.size() * 2, cudaMemcpyHostToDevice)); CK(cudaMemcpy(all + e * ext + L.up_s, hs.data(), hs.size() * 2, cudaMemcpyHostToDevice));
+        for (auto& v : hs) v = to_bf16(db(rng)); CK(cudaMemcpy(all + e * ext + L.gate_b, hs.data(), hs.size() * 2, cudaMemcpyHostToDevice)); CK(cudaMemcpy(all + e * ext + L.up_b, hs.data(), hs.size() * 2, cudaMemcpyHostToDevice));
+        for (auto& v : hd) v = to_bf16(ds(rng)); CK(cudaMemcpy(all + e * ext + L.down_s, hd.data(), hd.size() * 2, cudaMemcpyHostToDevice));
+        for (auto& v : hd) v = to_bf16(db(rng)); CK(cudaMemcpy(all + e * ext + L.down_b, hd.data(), hd.size() * 2, cudaMemcpyHostToDevice));
     }
+    return all;
+}
+
+static void bench_slots(const char* name, int n_exp, int k, int hidden, int inter, int bits, int gs) {
+    ExpertLayout L;
+    long ext;
+    char* all = make_experts(n_exp, hidden, inter, bits, gs, L, ext);
     const int T = 64;
     std::vector<unsigned long long> hb(T * k);
     for (int t = 0; t < T; t++) {
@@ -590,6 +596,111 @@ extern "C" __global__ void null_kernel(int* p) { PDL_ENTER(); if (p) *p = 1; }
 
 // Per-launch floor of a graph of dependent launches, with and without PDL,
 // and a small product both ways.
+// ---- Prefill: the tensor-core products of n tokens, bf16 hi/lo (qmma, moe_*_mma, f32
+// activations) against 8-bit activations (qmma_q8, moe_*_mma_q8), each with its input's
+// preparation (mma_split / q8_rows) in the timed launches. Checked: the q8 kernels against
+// the one-token q8 kernels (qdot_b4q8_t4 / the slots' rows: the same contract).
+static void bench_prefill(const char* name, int rows, int cols, int n) {
+    QW q = make_qw(rows, cols, 4, 64);
+    float* x = dev_floats((size_t)n * cols, -1, 1);
+    float *o1, *o2, *o3; CK(cudaMalloc(&o1, (size_t)n * rows * 4)); CK(cudaMalloc(&o2, (size_t)n * rows * 4)); CK(cudaMalloc(&o3, (size_t)n * rows * 4));
+    uint4* xp; float* xs; CK(cudaMalloc(&xp, (size_t)n * cols * 4)); CK(cudaMalloc(&xs, (size_t)n * cols / 64 * 4));
+    u32* xq; float2* dxs; CK(cudaMalloc(&xq, (size_t)n * cols)); CK(cudaMalloc(&dxs, (size_t)n * cols / 32 * 8));
+    int blocks = (rows + 63) / 64, ty = (n + 63) / 64;
+    MultiMatmul mm1 = one(q, o1, blocks), mm2 = one(q, o2, blocks);
+    auto bf16 = [&](cudaStream_t s) {
+        mma_split<<<(unsigned)(((size_t)n * cols / 4 + 255) / 256), 256, 0, s>>>(x, n, cols, 64, xp, xs);
+        qmma<<<dim3(blocks, ty), 128, 0, s>>>(mm1, xp, xs, n);
+    };
+    auto q8 = [&](cudaStream_t s) {
+        q8_rows<<<(unsigned)(((size_t)n * cols / 8 + 255) / 256), 256, 0, s>>>(x, n, cols, xq, dxs);
+        qmma_q8<<<dim3(blocks, ty), 128, 0, s>>>(mm2, xq, dxs, n);
+    };
+    int reps = 20;
+    double tb = time_graph([&](cudaStream_t s, int) { bf16(s); }, reps), tq = time_graph([&](cudaStream_t s, int) { q8(s); }, reps);
+    double flop = 2.0 * rows * cols * n;
+    printf("%-34s %5d tokens | bf16 hi/lo %8.1f us %6.1f TFLOP/s | q8 %8.1f us %6.1f TFLOP/s | %.2fx\n", name, n, tb,
+           flop / tb / 1e6, tq, flop / tq / 1e6, tb / tq);
+    // The one-token q8 contract (four tokens a block row) as the reference.
+    int sets = (rows + 15) / 16;
+    size_t smem = (size_t)4 * cols * 5 / 4;
+    CK(cudaFuncSetAttribute(qdot_b4q8_t4, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    qdot_b4q8_t4<<<dim3(std::min(sets, g_sms * 4), (n + 3) / 4), 256, smem>>>(one(q, o3, sets), x, n);
+    CK(cudaDeviceSynchronize());
+    compare("q8 vs qdot", o3, o2, (size_t)n * rows);
+    std::vector<float> a((size_t)n * rows), b((size_t)n * rows);
+    CK(cudaMemcpy(a.data(), o1, a.size() * 4, cudaMemcpyDeviceToHost)); CK(cudaMemcpy(b.data(), o2, b.size() * 4, cudaMemcpyDeviceToHost));
+    double md = 0, mx = 0; for (size_t i = 0; i < a.size(); i++) { md = std::max(md, (double)fabsf(a[i] - b[i])); mx = std::max(mx, (double)fabsf(a[i])); }
+    printf("    q8 vs bf16 hi/lo (the rounding of 8-bit activations): max|diff| %.3g of %.3g (%.2e)\n", md, mx, md / mx);
+    CK(cudaFree(o1)); CK(cudaFree(o2)); CK(cudaFree(o3)); CK(cudaFree(xp)); CK(cudaFree(xs)); CK(cudaFree(xq)); CK(cudaFree(dxs)); CK(cudaFree(x));
+}
+
+// One layer's routed experts for a prefill of n tokens, k distinct random experts each.
+static void bench_prefill_experts(const char* name, int n_exp, int k, int hidden, int inter, int n) {
+    ExpertLayout L;
+    long ext;
+    char* all = make_experts(n_exp, hidden, inter, 4, 64, L, ext);
+    std::vector<std::vector<int>> users(n_exp);
+    for (int t = 0; t < n; t++) {
+        std::vector<int> ids(n_exp); for (int e = 0; e < n_exp; e++) ids[e] = e; std::shuffle(ids.begin(), ids.end(), rng);
+        for (int j = 0; j < k; j++) users[ids[j]].push_back(t * k + j);
+    }
+    std::vector<ExpertTask> tasks; std::vector<int> slots;
+    for (int e = 0; e < n_exp; e++) {
+        if (users[e].empty()) continue;
+        tasks.push_back({all + (long)e * ext, (int)slots.size(), (int)users[e].size()});
+        slots.insert(slots.end(), users[e].begin(), users[e].end());
+    }
+    int nt = (int)tasks.size(), used = (int)slots.size();
+    ExpertTask* dt; int* ds; CK(cudaMalloc(&dt, nt * sizeof(ExpertTask))); CK(cudaMalloc(&ds, used * 4));
+    CK(cudaMemcpy(dt, tasks.data(), nt * sizeof(ExpertTask), cudaMemcpyHostToDevice)); CK(cudaMemcpy(ds, slots.data(), used * 4, cudaMemcpyHostToDevice));
+    float* x = dev_floats((size_t)n * hidden, -1, 1);
+    float *act, *out1, *out2; CK(cudaMalloc(&act, (size_t)used * inter * 4)); CK(cudaMalloc(&out1, (size_t)n * k * hidden * 4)); CK(cudaMalloc(&out2, (size_t)n * k * hidden * 4));
+    size_t big = (size_t)std::max(n * hidden, used * inter);
+    uint4* xp; float* xs; CK(cudaMalloc(&xp, big * 4)); CK(cudaMalloc(&xs, big / 64 * 4));
+    u32* xq; float2* dxs; CK(cudaMalloc(&xq, big)); CK(cudaMalloc(&dxs, big / 32 * 8));
+    dim3 ggu((inter + 63) / 64, nt), gdn((hidden + 127) / 128, nt);
+    auto bf16 = [&](cudaStream_t s, float* out) {
+        mma_split<<<(unsigned)(((size_t)n * hidden / 4 + 255) / 256), 256, 0, s>>>(x, n, hidden, 64, xp, xs);
+        moe_gate_up_mma<<<ggu, 128, 0, s>>>(dt, L, ds, k, xp, xs, act);
+        mma_split<<<(unsigned)(((size_t)used * inter / 4 + 255) / 256), 256, 0, s>>>(act, used, inter, 64, xp, xs);
+        moe_down_mma<<<gdn, 128, 0, s>>>(dt, L, ds, xp, xs, out);
+    };
+    auto q8 = [&](cudaStream_t s, float* out) {
+        q8_rows<<<(unsigned)(((size_t)n * hidden / 8 + 255) / 256), 256, 0, s>>>(x, n, hidden, xq, dxs);
+        moe_gate_up_mma_q8<<<ggu, 128, 0, s>>>(dt, L, ds, k, xq, dxs, act);
+        q8_rows<<<(unsigned)(((size_t)used * inter / 8 + 255) / 256), 256, 0, s>>>(act, used, inter, xq, dxs);
+        moe_down_mma_q8<<<gdn, 128, 0, s>>>(dt, L, ds, xq, dxs, out);
+    };
+    int reps = 10;
+    double tb = time_graph([&](cudaStream_t s, int) { bf16(s, out1); }, reps), tq = time_graph([&](cudaStream_t s, int) { q8(s, out2); }, reps);
+    double flop = 2.0 * 3 * hidden * inter * (double)n * k;
+    printf("%-34s %5d tokens, %3d experts | bf16 hi/lo %8.1f us %6.1f TFLOP/s | q8 %8.1f us %6.1f TFLOP/s | %.2fx\n", name, n, nt,
+           tb, flop / tb / 1e6, tq, flop / tq / 1e6, tb / tq);
+    // Reference: the one-token q8 row kernels per slot (bases per slot; slots of a token
+    // consecutive), on the same x.
+    std::vector<unsigned long long> hb((size_t)n * k);
+    for (int e = 0; e < n_exp; e++)
+        for (int sl : users[e]) hb[sl] = (unsigned long long)(all + (long)e * ext);
+    unsigned long long* bases; CK(cudaMalloc(&bases, hb.size() * 8)); CK(cudaMemcpy(bases, hb.data(), hb.size() * 8, cudaMemcpyHostToDevice));
+    float *a3, *out3; CK(cudaMalloc(&a3, (size_t)k * inter * 4)); CK(cudaMalloc(&out3, (size_t)n * k * hidden * 4));
+    size_t sgu = (size_t)hidden * 5 / 4, sdn = (size_t)inter * 5 / 4;
+    CK(cudaFuncSetAttribute(moe_gate_up_qdot16, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sgu));
+    CK(cudaFuncSetAttribute(moe_down_qdot8, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sdn));
+    for (int t = 0; t < n; t++) {
+        moe_gate_up_qdot16<<<dim3(8, k), 256, sgu>>>(bases + (size_t)t * k, L, k, x + (size_t)t * hidden, a3);
+        moe_down_qdot8<<<dim3(8, k), 256, sdn>>>(bases + (size_t)t * k, L, a3, out3 + (size_t)t * k * hidden);
+    }
+    CK(cudaDeviceSynchronize());
+    compare("q8 vs rows", out3, out2, (size_t)n * k * hidden);
+    std::vector<float> a((size_t)n * k * hidden), b(a.size());
+    CK(cudaMemcpy(a.data(), out1, a.size() * 4, cudaMemcpyDeviceToHost)); CK(cudaMemcpy(b.data(), out2, b.size() * 4, cudaMemcpyDeviceToHost));
+    double md = 0, mx = 0; for (size_t i = 0; i < a.size(); i++) { md = std::max(md, (double)fabsf(a[i] - b[i])); mx = std::max(mx, (double)fabsf(a[i])); }
+    printf("    q8 vs bf16 hi/lo (the rounding of 8-bit activations): max|diff| %.3g of %.3g (%.2e)\n", md, mx, md / mx);
+    CK(cudaFree(all)); CK(cudaFree(dt)); CK(cudaFree(ds)); CK(cudaFree(x)); CK(cudaFree(act)); CK(cudaFree(out1)); CK(cudaFree(out2));
+    CK(cudaFree(xp)); CK(cudaFree(xs)); CK(cudaFree(xq)); CK(cudaFree(dxs)); CK(cudaFree(bases)); CK(cudaFree(a3)); CK(cudaFree(out3));
+}
+
 static void bench_floor() {
     int* sink; CK(cudaMalloc(&sink, 4));
     double plain = time_graph([&](cudaStream_t s, int) { null_kernel<<<1, 32, 0, s>>>(nullptr); }, 500);
@@ -622,6 +733,16 @@ int main(int argc, char** argv) {
     if (strstr("A3B experts (256, top-8)", only)) bench_slots("A3B experts (256, top-8)", 256, 8, 2048, 512, 4, 64);
     if (strstr("gpt-oss-20b experts (32, top-4)", only)) bench_slots_mx("gpt-oss-20b experts (32, top-4)", 32, 4, 2880, 2880);
     if (strstr("gpt-oss-120b experts (128, top-4)", only)) bench_slots_mx("gpt-oss-120b experts (128, top-4)", 128, 4, 2880, 2880);
+    if (strstr("prefill", only)) {
+        for (int n : {512, 4096}) {
+            bench_prefill("prefill A3B deltanet in (12288x2048)", 12288, 2048, n);
+            bench_prefill("prefill A3B out proj (2048x4096)", 2048, 4096, n);
+            bench_prefill("prefill A3B shared gate/up (1024x2048)", 1024, 2048, n);
+            bench_prefill_experts("prefill A3B experts (256, top-8)", 256, 8, 2048, 512, n);
+        }
+        bench_prefill("prefill 397B deltanet in (16384x4096)", 16384, 4096, 512);
+        bench_prefill_experts("prefill 397B experts (512, top-10)", 512, 10, 4096, 1024, 512);
+    }
     if (strstr("397B experts (512, top-10)", only)) bench_slots("397B experts (512, top-10)", 256, 10, 4096, 1024, 4, 64);
     return 0;
 }

@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 
 /// The parts of the kernel source in `kernels/all.cuh`'s order (a test
 /// checks the two agree).
-const KERNEL_PARTS: [(&str, &str); 16] = [
+const KERNEL_PARTS: [(&str, &str); 17] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("abi.cuh", include_str!("kernels/abi.cuh")),
     ("quant.cuh", include_str!("kernels/quant.cuh")),
@@ -32,6 +32,7 @@ const KERNEL_PARTS: [(&str, &str); 16] = [
     ("probe.cu", include_str!("kernels/probe.cu")),
     ("mla.cu", include_str!("kernels/mla.cu")),
     ("mma.cu", include_str!("kernels/mma.cu")),
+    ("mma_q8.cu", include_str!("kernels/mma_q8.cu")),
     ("attn_mma.cu", include_str!("kernels/attn_mma.cu")),
     (
         "deltanet_chunk.cu",
@@ -169,6 +170,10 @@ const KERNEL_NAMES: &[&str] = &[
     "qmma",
     "moe_gate_up_mma",
     "moe_down_mma",
+    "q8_rows",
+    "qmma_q8",
+    "moe_gate_up_mma_q8",
+    "moe_down_mma_q8",
     "attn_kv_split",
     "attention_mma",
     "attention_mma_plain",

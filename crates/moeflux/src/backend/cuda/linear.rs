@@ -629,15 +629,70 @@ pub(super) fn mma_split(gpu: &Gpu, x: u64, n: usize, cols: usize, gs: usize) -> 
     Ok((xp, xs))
 }
 
-/// Quantized products of many tokens on the tensor cores: `x` split once
-/// per group size, then up to four matrices per `qmma` launch.
+/// Whether the many-token products and experts on the tensor cores take
+/// 8-bit activations under `--gpu-activations q8` (`qmma_q8`,
+/// `moe_*_mma_q8`; `MOEFLUX_CUDA_MMA_Q8=0`: the bf16 hi/lo kernels instead,
+/// to compare).
+pub(super) fn mma_q8_enabled(gpu: &Gpu) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    gpu.q8 && *ON.get_or_init(|| std::env::var("MOEFLUX_CUDA_MMA_Q8").map_or(true, |v| v != "0"))
+}
+
+/// `x[n, cols]` rounded by the q8 contract (`q8_rows` in mma_q8.cu) into
+/// the GPU's workspace: the addresses of the rounded rows (`cols` bytes a
+/// token) and of their `{dx, sum}` per 32 columns. Valid until the next
+/// call that uses the workspace.
+pub(super) fn q8_rows(gpu: &Gpu, x: u64, n: usize, cols: usize) -> Result<(u64, u64)> {
+    let codes = n * cols;
+    let ws = gpu.workspace(codes + 8 * n * (cols / 32))?;
+    let (xq, dxs) = (ws, ws + codes as u64);
+    let (nn, c) = (n as i64, cols as i32);
+    let blocks = (n * cols / 8).div_ceil(256) as u32;
+    // SAFETY: `q8_rows` in mma_q8.cu; x holds n x cols floats (cols a
+    // multiple of 32), the workspace n x cols bytes and n x cols / 32 pairs.
+    unsafe {
+        gpu.launch(
+            "q8_rows",
+            (blocks, 1, 1),
+            256,
+            0,
+            &mut args!(x, nn, c, xq, dxs),
+        )?
+    };
+    Ok((xq, dxs))
+}
+
+/// Quantized products of many tokens on the tensor cores: under
+/// `--gpu-activations q8` the 4-bit ones on `x` rounded once (`qmma_q8`),
+/// the rest on `x` split once per group size (`qmma`), up to four matrices
+/// a launch.
 fn mma_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
-    let quant = quantized(ops);
+    let (on_q8, quant): (Vec<(Qw, &Mm)>, Vec<(Qw, &Mm)>) = quantized(ops)
+        .into_iter()
+        .partition(|(q, o)| mma_q8_enabled(gpu) && q.bits == 4 && !o.exact);
+    let nn = n as i32;
+    let ty = n.div_ceil(MMA_BLOCK_TOKENS) as u32;
+    if !on_q8.is_empty() {
+        let (xq, dxs) = q8_rows(gpu, x, n, on_q8[0].0.cols as usize)?;
+        for group in on_q8.chunks(4) {
+            let (p, blocks) = multi_matmul(group, |_| MMA_BLOCK_ROWS, false);
+            // SAFETY: `qmma_q8` in mma_q8.cu; xq / dxs were rounded from x
+            // (n tokens), every output holds n rows.
+            unsafe {
+                gpu.launch(
+                    "qmma_q8",
+                    (blocks as u32, ty, 1),
+                    128,
+                    0,
+                    &mut args!(p, xq, dxs, nn),
+                )?
+            };
+            add_biases(gpu, group.iter().map(|(_, o)| *o), n)?;
+        }
+    }
     let mut sizes: Vec<i32> = quant.iter().map(|(q, _)| q.gs).collect();
     sizes.sort_unstable();
     sizes.dedup();
-    let nn = n as i32;
-    let ty = n.div_ceil(MMA_BLOCK_TOKENS) as u32;
     for gs in sizes {
         let same: Vec<(Qw, &Mm)> = quant.iter().filter(|(q, _)| q.gs == gs).copied().collect();
         let (xp, xs) = mma_split(gpu, x, n, same[0].0.cols as usize, gs as usize)?;

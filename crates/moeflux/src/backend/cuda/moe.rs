@@ -14,9 +14,9 @@ use crate::model::timing::{lap, PhaseTimes};
 use super::abi::{ExpertLayoutC, ExpertTask, MoeCombineC};
 use super::device::{args, Gpu};
 use super::linear::{
-    balanced_blocks, kernel_suffix, matmuls, mm, mm_add, mma_layout_fits, mma_split,
-    qdot_fit_width, qdot_smem, qmv_rows_per_block, qmv_slices, qmv_threads, rows_per_block,
-    swiglu_matmul, MMA_MIN_TOKENS, QMV_CHUNKS, QMV_STREAM_CHUNKS,
+    balanced_blocks, kernel_suffix, matmuls, mm, mm_add, mma_layout_fits, mma_q8_enabled,
+    mma_split, q8_rows, qdot_fit_width, qdot_smem, qmv_rows_per_block, qmv_slices, qmv_threads,
+    rows_per_block, swiglu_matmul, MMA_MIN_TOKENS, QMV_CHUNKS, QMV_STREAM_CHUNKS,
 };
 use super::model::{Ctx, DevWeights, Ep};
 use super::support::unsupported;
@@ -309,32 +309,62 @@ pub(super) fn moe(
             cx.arena.upload(g, d_slots, &slot_list)?;
             let n_tasks = tasks.len() as u32;
             if n >= MMA_MIN_TOKENS && g.mma && mma_experts_fit(&layout) {
-                let (xp, xs) = mma_split(g, xn, n, h, layout.gs as usize)?;
-                // SAFETY: `moe_gate_up_mma` in mma.cu; tasks point at
-                // resident experts, xp / xs were split from xn (n
-                // tokens), act holds a row per slot_list entry.
-                unsafe {
-                    g.launch(
-                        "moe_gate_up_mma",
-                        (inter.div_ceil(MMA_GATE_UP_ROWS) as u32, n_tasks, 1),
-                        128,
-                        0,
-                        &mut args!(d_tasks, layout, d_slots, k_i, xp, xs, act),
-                    )?
-                };
-                let down_gs = layout.down_gs as usize;
-                let (ap, asum) = mma_split(g, act, slot_list.len(), inter, down_gs)?;
-                // SAFETY: `moe_down_mma` in mma.cu; ap / asum were split
-                // from act, slot_out holds n * k rows.
-                unsafe {
-                    g.launch(
-                        "moe_down_mma",
-                        (h.div_ceil(MMA_DOWN_ROWS) as u32, n_tasks, 1),
-                        128,
-                        0,
-                        &mut args!(d_tasks, layout, d_slots, ap, asum, slot_out),
-                    )?
-                };
+                let grid_gate_up = (inter.div_ceil(MMA_GATE_UP_ROWS) as u32, n_tasks, 1);
+                let grid_down = (h.div_ceil(MMA_DOWN_ROWS) as u32, n_tasks, 1);
+                if mma_q8_enabled(g) && mma_q8_experts_fit(&layout) {
+                    let (xq, dxs) = q8_rows(g, xn, n, h)?;
+                    // SAFETY: `moe_gate_up_mma_q8` in mma_q8.cu; tasks
+                    // point at resident experts, xq / dxs were rounded from
+                    // xn (n tokens), act holds a row per slot_list entry.
+                    unsafe {
+                        g.launch(
+                            "moe_gate_up_mma_q8",
+                            grid_gate_up,
+                            128,
+                            0,
+                            &mut args!(d_tasks, layout, d_slots, k_i, xq, dxs, act),
+                        )?
+                    };
+                    let (aq, adxs) = q8_rows(g, act, slot_list.len(), inter)?;
+                    // SAFETY: `moe_down_mma_q8` in mma_q8.cu; aq / adxs
+                    // were rounded from act, slot_out holds n * k rows.
+                    unsafe {
+                        g.launch(
+                            "moe_down_mma_q8",
+                            grid_down,
+                            128,
+                            0,
+                            &mut args!(d_tasks, layout, d_slots, aq, adxs, slot_out),
+                        )?
+                    };
+                } else {
+                    let (xp, xs) = mma_split(g, xn, n, h, layout.gs as usize)?;
+                    // SAFETY: `moe_gate_up_mma` in mma.cu; tasks point at
+                    // resident experts, xp / xs were split from xn (n
+                    // tokens), act holds a row per slot_list entry.
+                    unsafe {
+                        g.launch(
+                            "moe_gate_up_mma",
+                            grid_gate_up,
+                            128,
+                            0,
+                            &mut args!(d_tasks, layout, d_slots, k_i, xp, xs, act),
+                        )?
+                    };
+                    let down_gs = layout.down_gs as usize;
+                    let (ap, asum) = mma_split(g, act, slot_list.len(), inter, down_gs)?;
+                    // SAFETY: `moe_down_mma` in mma.cu; ap / asum were split
+                    // from act, slot_out holds n * k rows.
+                    unsafe {
+                        g.launch(
+                            "moe_down_mma",
+                            grid_down,
+                            128,
+                            0,
+                            &mut args!(d_tasks, layout, d_slots, ap, asum, slot_out),
+                        )?
+                    };
+                }
             } else {
                 // SAFETY (both launches): arguments match the kernels in
                 // kernels/moe.cu; tasks point at resident experts, buffers are
@@ -593,6 +623,13 @@ fn mma_experts_fit(l: &ExpertLayoutC) -> bool {
     aligned
         && mma_layout_fits(l.bits, l.gs, l.hidden, 0)
         && mma_layout_fits(l.down_bits, l.down_gs, l.inter, 0)
+}
+
+/// Whether the tensor-core experts on 8-bit activations take the layout:
+/// 4-bit affine codes in every projection (MXFP4 and other widths keep
+/// their own kernels).
+fn mma_q8_experts_fit(l: &ExpertLayoutC) -> bool {
+    l.mx == 0 && l.bits == 4 && l.down_bits == 4
 }
 
 /// One per-slot expert kernel's launch: blocks per slot, threads per block.

@@ -23,5 +23,6 @@
 #include "probe.cu"
 #include "mla.cu"
 #include "mma.cu"
+#include "mma_q8.cu"
 #include "attn_mma.cu"
 #include "deltanet_chunk.cu"

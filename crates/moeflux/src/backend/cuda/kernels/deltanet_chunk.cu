@@ -39,13 +39,6 @@
 // head), but as products out of shared memory instead of a chain of warp
 // reductions. Workspace: nv * chunks * 33 KB (68 MB at 4096 tokens).
 
-#ifndef __CUDACC__
-// The CPU emulation (scripts/gpu/emu/cuda_emu.h) has no float2.
-struct float2 {
-    float x, y;
-};
-inline float2 make_float2(float x, float y) { return {x, y}; }
-#endif
 
 #define GDN_C 64           // tokens per chunk
 #define GDN_R 32           // state rows per scan block

@@ -24,13 +24,35 @@
 // it at 40 KB for T = 4).
 #define QD_MAX_COLS 8192  // QDOT_MAX_COLS in linear.rs
 
+// The q8 contract for one code word (8 columns) of a 32-column block whose
+// four words sit in four consecutive lanes (every lane of the warp calls it):
+// the word's rounded inputs as two ints (even, odd: byte j column 2j,
+// 2j + 1 of the word), the block's dx (NaN when it holds a NaN or an
+// infinity) and the f32 sum of its unrounded inputs.
+__device__ __forceinline__ void q8_round_word(const float (&v)[8], u32& even, u32& odd, float& dx, float& sum) {
+    float m = fmaxf(fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))),
+                    fmaxf(fmaxf(fabsf(v[4]), fabsf(v[5])), fmaxf(fabsf(v[6]), fabsf(v[7]))));
+    float s = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    float inv = m > 0.0f ? 127.0f / m : 0.0f;
+    u32 q[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) q[i] = q8_code(v[i], inv);
+    even = q8_pack4(q[0], q[2], q[4], q[6]);
+    odd = q8_pack4(q[1], q[3], q[5], q[7]);
+    dx = m / 127.0f + s * 0.0f;
+    sum = s;
+}
+
 // Rounds tokens t0 .. t0 + T - 1 of x (n tokens of `cols`; tokens past n
 // repeat the last) into smem: per token cols / 4 ints of xq (block b: ints
 // 8b .. 8b + 4 the even columns of its four code words, byte j of int 8b + k
 // column 32b + 8k + 2j; ints 8b + 4 .. 8b + 8 the odd ones), then cols / 32
 // dx, then cols / 32 sums. GLU (one token): x holds [g | u] and the input
-// is silu(g) * u. A thread takes one code word (8 columns) at a time; the
-// four of a block agree on its maximum and sum through two shuffles.
+// is silu(g) * u. A thread takes one code word (8 columns) at a time.
 template <int T, bool GLU>
 __device__ __forceinline__ void qdot_round(const float* x, int cols, int n, int t0, int* smem) {
     const int words = cols / 8, nb = cols / 32;
@@ -54,26 +76,18 @@ __device__ __forceinline__ void qdot_round(const float* x, int cols, int n, int 
         if (!on)
 #pragma unroll
             for (int i = 0; i < 8; i++) v[i] = 0.0f;
-        float m = fmaxf(fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))),
-                        fmaxf(fmaxf(fabsf(v[4]), fabsf(v[5])), fmaxf(fabsf(v[6]), fabsf(v[7]))));
-        float s = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-        s += __shfl_xor_sync(0xffffffffu, s, 1);
-        s += __shfl_xor_sync(0xffffffffu, s, 2);
-        float inv = m > 0.0f ? 127.0f / m : 0.0f;
-        u32 q[8];
-#pragma unroll
-        for (int i = 0; i < 8; i++) q[i] = q8_code(v[i], inv);
+        u32 even, odd;
+        float dx, sum;
+        q8_round_word(v, even, odd, dx, sum);
         if (!on) continue;
         int b = w / 4, k = w % 4;
         int* xq = smem + t * (cols / 4);
-        xq[8 * b + k] = (int)q8_pack4(q[0], q[2], q[4], q[6]);
-        xq[8 * b + 4 + k] = (int)q8_pack4(q[1], q[3], q[5], q[7]);
+        xq[8 * b + k] = (int)even;
+        xq[8 * b + 4 + k] = (int)odd;
         if (k == 0) {
-            float* dx = (float*)(smem + T * (cols / 4)) + t * nb;
-            dx[b] = m / 127.0f + s * 0.0f;  // NaN when the block holds a NaN or an infinity
-            dx[T * nb + b] = s;
+            float* dxs = (float*)(smem + T * (cols / 4)) + t * nb;
+            dxs[b] = dx;
+            dxs[T * nb + b] = sum;
         }
     }
 }
