@@ -202,7 +202,7 @@ static void round_rows(const std::vector<float>& x, int n, int cols, std::vector
 
 // qmma_q8: two 4-bit matrices of one input on 8-bit activations (the second adds to its
 // output) against the CPU's q8 contract per token, in double.
-static void test_qmma_q8(int rows_a, int rows_b, int cols, int n, int gs) {
+static void test_qmma_q8(int rows_a, int rows_b, int cols, int n, int gs, int mt) {
     HostQ A(rows_a, cols, 4, gs), B(rows_b, cols, 4, gs);
     std::vector<float> x((size_t)n * cols);
     for (auto& v : x) v = urand(-2, 2);
@@ -213,11 +213,12 @@ static void test_qmma_q8(int rows_a, int rows_b, int cols, int n, int gs) {
     std::vector<float> oa((size_t)n * rows_a, NAN), ob((size_t)n * rows_b);
     for (auto& v : ob) v = urand();
     std::vector<float> ob0 = ob;
-    int ba = (rows_a + 63) / 64, bb = (rows_b + 63) / 64;
+    int br = 32 * mt, ba = (rows_a + br - 1) / br, bb = (rows_b + br - 1) / br;
     MultiMatmul mm = two_products(A, B, oa.data(), ob.data(), ba, bb);
     const u32* pq = xq.data();
     const float2* pd = dxs.data();
-    emu_launch({(unsigned)(ba + bb), (unsigned)((n + 63) / 64), 1}, 128, [&] { qmma_q8(mm, pq, pd, n); });
+    auto kernel = mt == 4 ? qmma_q8_m4 : qmma_q8;
+    emu_launch({(unsigned)(ba + bb), (unsigned)((n + 63) / 64), 1}, 128, [&] { kernel(mm, pq, pd, n); });
     std::vector<float> got(oa);
     got.insert(got.end(), ob.begin(), ob.end());
     std::vector<double> want;
@@ -227,13 +228,13 @@ static void test_qmma_q8(int rows_a, int rows_b, int cols, int n, int gs) {
             for (int r = 0; r < W->rows; r++) want.push_back(y[r] + (W == &B ? ob0[(size_t)t * W->rows + r] : 0.0));
         }
     char name[128];
-    snprintf(name, sizeof name, "qmma_q8 g%d %dx%d + %dx%d, %d tokens", gs, rows_a, cols, rows_b, cols, n);
+    snprintf(name, sizeof name, "qmma_q8 m%d g%d %dx%d + %dx%d, %d tokens", mt, gs, rows_a, cols, rows_b, cols, n);
     check(name, got, want, 1e-5);
 }
 
 // moe_gate_up_mma_q8 / moe_down_mma_q8 (task e serves tokens 0 .. counts[e] - 1) against the
 // q8 contract: gate and up on the rounded x, down on the rounded act as the kernel left it.
-static void test_moe_mma_q8(int hidden, int inter, int gs, std::vector<int> counts) {
+static void test_moe_mma_q8(int hidden, int inter, int gs, std::vector<int> counts, int mt) {
     int ne = (int)counts.size(), k = ne;
     int n = 0;
     for (int c : counts) n = std::max(n, c);
@@ -260,8 +261,10 @@ static void test_moe_mma_q8(int hidden, int inter, int gs, std::vector<int> coun
         const u32* pq = xq.data();
         const float2* pd = dxs.data();
         float* pa = act.data();
-        emu_launch({(unsigned)((inter + 63) / 64), (unsigned)ne, 1}, 128,
-                   [&] { moe_gate_up_mma_q8(pt, L, ps, k, pq, pd, pa); });
+        auto kernel = mt == 4 ? moe_gate_up_mma_q8_m4 : moe_gate_up_mma_q8;
+        unsigned br = 32 * mt;
+        emu_launch({(unsigned)((inter + br - 1) / br), (unsigned)ne, 1}, 128,
+                   [&] { kernel(pt, L, ps, k, pq, pd, pa); });
     }
     std::vector<double> want_act;
     for (int e = 0; e < ne; e++)
@@ -271,15 +274,17 @@ static void test_moe_mma_q8(int hidden, int inter, int gs, std::vector<int> coun
             for (int r = 0; r < inter; r++) want_act.push_back(g[r] / (1.0 + exp(-g[r])) * u[r]);
         }
     char name[128];
-    snprintf(name, sizeof name, "moe_gate_up_mma_q8 g%d %dx%d, %d tasks", gs, inter, hidden, ne);
+    snprintf(name, sizeof name, "moe_gate_up_mma_q8 m%d g%d %dx%d, %d tasks", mt, gs, inter, hidden, ne);
     check(name, act, want_act, 1e-5);
     round_rows(act, used, inter, xq, dxs);
     {
         const u32* pq = xq.data();
         const float2* pd = dxs.data();
         float* po = slot_out.data();
-        emu_launch({(unsigned)((hidden + 127) / 128), (unsigned)ne, 1}, 128,
-                   [&] { moe_down_mma_q8(pt, L, ps, pq, pd, po); });
+        auto kernel = mt == 4 ? moe_down_mma_q8_m4 : moe_down_mma_q8;
+        unsigned br = 64 * mt;
+        emu_launch({(unsigned)((hidden + br - 1) / br), (unsigned)ne, 1}, 128,
+                   [&] { kernel(pt, L, ps, pq, pd, po); });
     }
     std::vector<float> got;
     std::vector<double> want;
@@ -290,7 +295,7 @@ static void test_moe_mma_q8(int hidden, int inter, int gs, std::vector<int> coun
             want.insert(want.end(), d.begin(), d.end());
             for (int r = 0; r < hidden; r++) got.push_back(slot_out[(size_t)slot * hidden + r]);
         }
-    snprintf(name, sizeof name, "moe_down_mma_q8 g%d %dx%d, %d tasks", gs, hidden, inter, ne);
+    snprintf(name, sizeof name, "moe_down_mma_q8 m%d g%d %dx%d, %d tasks", mt, gs, hidden, inter, ne);
     check(name, got, want, 1e-5);
 }
 
@@ -991,9 +996,12 @@ int main() {
     test_qmma(16, 40, 256, 5, 8, 32);
     test_qmma(72, 8, 512, 20, 4, 128);   // groups of 128
     test_qmma(24, 16, 256, 33, 8, 128);
-    test_qmma_q8(80, 48, 256, 37, 64);  // partial row and token tiles
-    test_qmma_q8(40, 24, 256, 70, 32);  // groups of 32, two token blocks
-    test_qmma_q8(72, 8, 512, 9, 128);   // groups of 128
+    for (int mt : {2, 4}) {  // row tiles a warp
+        test_qmma_q8(80, 48, 256, 37, 64, mt);   // partial row and token tiles
+        test_qmma_q8(40, 24, 256, 70, 32, mt);   // groups of 32, two token blocks
+        test_qmma_q8(72, 8, 512, 9, 128, mt);    // groups of 128
+        test_qmma_q8(136, 16, 128, 20, 64, mt);  // a second row block
+    }
     for (Q8Slots p : {Q8Slots::QMV, Q8Slots::STREAM}) {
         test_experts_q8(2048, 512, 4, p);  // Qwen3.6-35B-A3B's widths
         test_experts_q8(512, 256, 3, p);   // rows of 256 and 128 bytes: several rows per chunk
@@ -1013,8 +1021,11 @@ int main() {
     test_experts_q8(128, 96, 3, Q8Slots::QDOT, 4, 2, 2, 32);
     test_moe_mma(128, 64, 4, 64, {1, 9, 70, 3});
     test_moe_mma(64, 96, 8, 32, {5, 33});
-    test_moe_mma_q8(128, 64, 64, {1, 9, 70, 3});
-    test_moe_mma_q8(96, 160, 32, {5, 33});
+    for (int mt : {2, 4}) {
+        test_moe_mma_q8(128, 64, 64, {1, 9, 70, 3}, mt);
+        test_moe_mma_q8(96, 160, 32, {5, 33}, mt);
+        test_moe_mma_q8(288, 160, 32, {2, 17}, mt);  // partial row blocks in both
+    }
     // gpt-oss experts: MXFP4 and affine, biases and the clamped SwiGLU, each path
     for (ExpertPath p : {GROUPED, SLOTS, MMA}) {
         test_gptoss_experts(128, 64, true, p, {1, 6, 37});

@@ -612,15 +612,21 @@ static void bench_prefill(const char* name, int rows, int cols, int n) {
         mma_split<<<(unsigned)(((size_t)n * cols / 4 + 255) / 256), 256, 0, s>>>(x, n, cols, 64, xp, xs);
         qmma<<<dim3(blocks, ty), 128, 0, s>>>(mm1, xp, xs, n);
     };
-    auto q8 = [&](cudaStream_t s) {
+    int blocks4 = (rows + 127) / 128;
+    MultiMatmul mm4 = one(q, o3, blocks4);
+    auto q8 = [&](cudaStream_t s, int mt) {
         q8_rows<<<(unsigned)(((size_t)n * cols / 8 + 255) / 256), 256, 0, s>>>(x, n, cols, xq, dxs);
-        qmma_q8<<<dim3(blocks, ty), 128, 0, s>>>(mm2, xq, dxs, n);
+        if (mt == 4) qmma_q8_m4<<<dim3(blocks4, ty), 128, 0, s>>>(mm4, xq, dxs, n);
+        else qmma_q8<<<dim3(blocks, ty), 128, 0, s>>>(mm2, xq, dxs, n);
     };
     int reps = 20;
-    double tb = time_graph([&](cudaStream_t s, int) { bf16(s); }, reps), tq = time_graph([&](cudaStream_t s, int) { q8(s); }, reps);
+    double tb = time_graph([&](cudaStream_t s, int) { bf16(s); }, reps), tq = time_graph([&](cudaStream_t s, int) { q8(s, 2); }, reps);
+    double t4 = time_graph([&](cudaStream_t s, int) { q8(s, 4); }, reps);
     double flop = 2.0 * rows * cols * n;
-    printf("%-34s %5d tokens | bf16 hi/lo %8.1f us %6.1f TFLOP/s | q8 %8.1f us %6.1f TFLOP/s | %.2fx\n", name, n, tb,
-           flop / tb / 1e6, tq, flop / tq / 1e6, tb / tq);
+    printf("%-34s %5d tokens | bf16 hi/lo %8.1f us %6.1f TFLOP/s | q8 %8.1f us %6.1f TFLOP/s | %.2fx | q8 4 row tiles %8.1f us %6.1f TFLOP/s (%d x %d blocks)\n", name, n, tb,
+           flop / tb / 1e6, tq, flop / tq / 1e6, tb / tq, t4, flop / t4 / 1e6, blocks4, ty);
+    CK(cudaDeviceSynchronize());
+    compare("q8 m4 vs m2", o2, o3, (size_t)n * rows);
     // The one-token q8 contract (four tokens a block row) as the reference.
     int sets = (rows + 15) / 16;
     size_t smem = (size_t)4 * cols * 5 / 4;
@@ -666,17 +672,35 @@ static void bench_prefill_experts(const char* name, int n_exp, int k, int hidden
         mma_split<<<(unsigned)(((size_t)used * inter / 4 + 255) / 256), 256, 0, s>>>(act, used, inter, 64, xp, xs);
         moe_down_mma<<<gdn, 128, 0, s>>>(dt, L, ds, xp, xs, out);
     };
-    auto q8 = [&](cudaStream_t s, float* out) {
-        q8_rows<<<(unsigned)(((size_t)n * hidden / 8 + 255) / 256), 256, 0, s>>>(x, n, hidden, xq, dxs);
-        moe_gate_up_mma_q8<<<ggu, 128, 0, s>>>(dt, L, ds, k, xq, dxs, act);
-        q8_rows<<<(unsigned)(((size_t)used * inter / 8 + 255) / 256), 256, 0, s>>>(act, used, inter, xq, dxs);
-        moe_down_mma_q8<<<gdn, 128, 0, s>>>(dt, L, ds, xq, dxs, out);
+    dim3 ggu4((inter + 127) / 128, nt), gdn4((hidden + 255) / 256, nt);
+    // mt: row tiles a warp; part: 1 gate/up only, 2 down only, 3 both.
+    auto q8 = [&](cudaStream_t s, float* out, int mt, int part) {
+        if (part & 1) {
+            q8_rows<<<(unsigned)(((size_t)n * hidden / 8 + 255) / 256), 256, 0, s>>>(x, n, hidden, xq, dxs);
+            if (mt == 4) moe_gate_up_mma_q8_m4<<<ggu4, 128, 0, s>>>(dt, L, ds, k, xq, dxs, act);
+            else moe_gate_up_mma_q8<<<ggu, 128, 0, s>>>(dt, L, ds, k, xq, dxs, act);
+        }
+        if (part & 2) {
+            q8_rows<<<(unsigned)(((size_t)used * inter / 8 + 255) / 256), 256, 0, s>>>(act, used, inter, xq, dxs);
+            if (mt == 4) moe_down_mma_q8_m4<<<gdn4, 128, 0, s>>>(dt, L, ds, xq, dxs, out);
+            else moe_down_mma_q8<<<gdn, 128, 0, s>>>(dt, L, ds, xq, dxs, out);
+        }
     };
     int reps = 10;
-    double tb = time_graph([&](cudaStream_t s, int) { bf16(s, out1); }, reps), tq = time_graph([&](cudaStream_t s, int) { q8(s, out2); }, reps);
+    double tb = time_graph([&](cudaStream_t s, int) { bf16(s, out1); }, reps), tq = time_graph([&](cudaStream_t s, int) { q8(s, out2, 2, 3); }, reps);
     double flop = 2.0 * 3 * hidden * inter * (double)n * k;
     printf("%-34s %5d tokens, %3d experts | bf16 hi/lo %8.1f us %6.1f TFLOP/s | q8 %8.1f us %6.1f TFLOP/s | %.2fx\n", name, n, nt,
            tb, flop / tb / 1e6, tq, flop / tq / 1e6, tb / tq);
+    for (int mt : {2, 4}) {
+        double tg = time_graph([&](cudaStream_t s, int) { q8(s, out2, mt, 1); }, reps);
+        double td = time_graph([&](cudaStream_t s, int) { q8(s, out2, mt, 2); }, reps);
+        printf("    q8, %d row tiles a warp: gate/up %8.1f us %6.1f TFLOP/s, down %8.1f us %6.1f TFLOP/s\n", mt, tg,
+               flop * 2 / 3 / tg / 1e6, td, flop / 3 / td / 1e6);
+    }
+    float* out4; CK(cudaMalloc(&out4, (size_t)n * k * hidden * 4));
+    q8(0, out2, 2, 3); q8(0, out4, 4, 3); CK(cudaDeviceSynchronize());
+    compare("q8 m4 vs m2", out2, out4, (size_t)n * k * hidden);
+    CK(cudaFree(out4));
     // Reference: the one-token q8 row kernels per slot (bases per slot; slots of a token
     // consecutive), on the same x.
     std::vector<unsigned long long> hb((size_t)n * k);

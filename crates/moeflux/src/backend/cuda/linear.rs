@@ -638,6 +638,28 @@ pub(super) fn mma_q8_enabled(gpu: &Gpu) -> bool {
     gpu.q8 && *ON.get_or_init(|| std::env::var("MOEFLUX_CUDA_MMA_Q8").map_or(true, |v| v != "0"))
 }
 
+/// Row tiles a warp of the q8 tensor-core kernels: 4 (the `_m4` kernels:
+/// each token's activations loaded once for twice the rows) unless
+/// `MOEFLUX_CUDA_MMA_Q8_TILES=2` (qmma's 2, to compare).
+pub(super) fn mma_q8_tiles() -> usize {
+    static TILES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *TILES.get_or_init(
+        || match std::env::var("MOEFLUX_CUDA_MMA_Q8_TILES").as_deref() {
+            Ok("2") => 2,
+            _ => 4,
+        },
+    )
+}
+
+/// The q8 tensor-core kernel `base` with `tiles` row tiles a warp.
+pub(super) fn mma_q8_kernel(base: &str, tiles: usize) -> String {
+    if tiles == 4 {
+        format!("{base}_m4")
+    } else {
+        base.to_string()
+    }
+}
+
 /// `x[n, cols]` rounded by the q8 contract (`q8_rows` in mma_q8.cu) into
 /// the GPU's workspace: the addresses of the rounded rows (`cols` bytes a
 /// token) and of their `{dx, sum}` per 32 columns. Valid until the next
@@ -674,13 +696,15 @@ fn mma_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
     let ty = n.div_ceil(MMA_BLOCK_TOKENS) as u32;
     if !on_q8.is_empty() {
         let (xq, dxs) = q8_rows(gpu, x, n, on_q8[0].0.cols as usize)?;
+        let tiles = mma_q8_tiles();
         for group in on_q8.chunks(4) {
-            let (p, blocks) = multi_matmul(group, |_| MMA_BLOCK_ROWS, false);
-            // SAFETY: `qmma_q8` in mma_q8.cu; xq / dxs were rounded from x
-            // (n tokens), every output holds n rows.
+            let (p, blocks) = multi_matmul(group, |_| 32 * tiles, false);
+            // SAFETY: `qmma_q8*` in mma_q8.cu (32 * tiles rows a block);
+            // xq / dxs were rounded from x (n tokens), every output holds n
+            // rows.
             unsafe {
                 gpu.launch(
-                    "qmma_q8",
+                    &mma_q8_kernel("qmma_q8", tiles),
                     (blocks as u32, ty, 1),
                     128,
                     0,

@@ -15,8 +15,9 @@ use super::abi::{ExpertLayoutC, ExpertTask, MoeCombineC};
 use super::device::{args, Gpu};
 use super::linear::{
     balanced_blocks, kernel_suffix, matmuls, mm, mm_add, mma_layout_fits, mma_q8_enabled,
-    mma_split, q8_rows, qdot_fit_width, qdot_smem, qmv_rows_per_block, qmv_slices, qmv_threads,
-    rows_per_block, swiglu_matmul, MMA_MIN_TOKENS, QMV_CHUNKS, QMV_STREAM_CHUNKS,
+    mma_q8_kernel, mma_q8_tiles, mma_split, q8_rows, qdot_fit_width, qdot_smem, qmv_rows_per_block,
+    qmv_slices, qmv_threads, rows_per_block, swiglu_matmul, MMA_MIN_TOKENS, QMV_CHUNKS,
+    QMV_STREAM_CHUNKS,
 };
 use super::model::{Ctx, DevWeights, Ep};
 use super::support::unsupported;
@@ -309,29 +310,31 @@ pub(super) fn moe(
             cx.arena.upload(g, d_slots, &slot_list)?;
             let n_tasks = tasks.len() as u32;
             if n >= MMA_MIN_TOKENS && g.mma && mma_experts_fit(&layout) {
-                let grid_gate_up = (inter.div_ceil(MMA_GATE_UP_ROWS) as u32, n_tasks, 1);
-                let grid_down = (h.div_ceil(MMA_DOWN_ROWS) as u32, n_tasks, 1);
                 if mma_q8_enabled(g) && mma_q8_experts_fit(&layout) {
+                    // A warp's row tiles: gate/up half of them of gate.
+                    let tiles = mma_q8_tiles();
                     let (xq, dxs) = q8_rows(g, xn, n, h)?;
-                    // SAFETY: `moe_gate_up_mma_q8` in mma_q8.cu; tasks
-                    // point at resident experts, xq / dxs were rounded from
-                    // xn (n tokens), act holds a row per slot_list entry.
+                    // SAFETY: `moe_gate_up_mma_q8*` in mma_q8.cu (32 *
+                    // tiles intermediate rows a block); tasks point at
+                    // resident experts, xq / dxs were rounded from xn (n
+                    // tokens), act holds a row per slot_list entry.
                     unsafe {
                         g.launch(
-                            "moe_gate_up_mma_q8",
-                            grid_gate_up,
+                            &mma_q8_kernel("moe_gate_up_mma_q8", tiles),
+                            (inter.div_ceil(32 * tiles) as u32, n_tasks, 1),
                             128,
                             0,
                             &mut args!(d_tasks, layout, d_slots, k_i, xq, dxs, act),
                         )?
                     };
                     let (aq, adxs) = q8_rows(g, act, slot_list.len(), inter)?;
-                    // SAFETY: `moe_down_mma_q8` in mma_q8.cu; aq / adxs
-                    // were rounded from act, slot_out holds n * k rows.
+                    // SAFETY: `moe_down_mma_q8*` in mma_q8.cu (64 * tiles
+                    // hidden rows a block); aq / adxs were rounded from act,
+                    // slot_out holds n * k rows.
                     unsafe {
                         g.launch(
-                            "moe_down_mma_q8",
-                            grid_down,
+                            &mma_q8_kernel("moe_down_mma_q8", tiles),
+                            (h.div_ceil(64 * tiles) as u32, n_tasks, 1),
                             128,
                             0,
                             &mut args!(d_tasks, layout, d_slots, aq, adxs, slot_out),
@@ -345,7 +348,7 @@ pub(super) fn moe(
                     unsafe {
                         g.launch(
                             "moe_gate_up_mma",
-                            grid_gate_up,
+                            (inter.div_ceil(MMA_GATE_UP_ROWS) as u32, n_tasks, 1),
                             128,
                             0,
                             &mut args!(d_tasks, layout, d_slots, k_i, xp, xs, act),
@@ -358,7 +361,7 @@ pub(super) fn moe(
                     unsafe {
                         g.launch(
                             "moe_down_mma",
-                            grid_down,
+                            (h.div_ceil(MMA_DOWN_ROWS) as u32, n_tasks, 1),
                             128,
                             0,
                             &mut args!(d_tasks, layout, d_slots, ap, asum, slot_out),

@@ -167,23 +167,28 @@ __device__ __forceinline__ void mma_tokens_q8(const QW* const (&q)[MT], const in
         mma_tile_q8<4, MT, NT>(q, row0, xq_tok, dxs_q, live, acc);
 }
 
-// qmma on q8_rows' input: the same blocks and warps.
-extern "C" __global__ void __launch_bounds__(128) qmma_q8(MultiMatmul mm, const u32* xq, const float2* dxs, int n) {
+// qmma on q8_rows' input: a block of 4 warps covers 32 MT rows x 64 tokens
+// (2 x 2 warps of 16 MT rows x 32 tokens). More row tiles a warp load each
+// token's activations for more rows (qmma's 2: 64 rows a block).
+template <int MT>
+__device__ __forceinline__ void qmma_q8_body(const MultiMatmul& mm, const u32* xq, const float2* dxs, int n) {
     PDL_ENTER();
     int m = 0;
     while (m + 1 < mm.count && (int)blockIdx.x >= mm.first_block[m + 1]) m++;
     const QW& q = mm.q[m];
     int w = threadIdx.x >> 5;
-    int r0 = (blockIdx.x - mm.first_block[m]) * 64 + (w & 1) * 32;
+    int r0 = (blockIdx.x - mm.first_block[m]) * 32 * MT + (w & 1) * 16 * MT;
     int tok0 = blockIdx.y * 64 + (w >> 1) * 32;
     if (r0 >= q.rows || tok0 >= n) return;
-    const QW* qs[MMA_MT] = {&q, &q};
-    int row0[MMA_MT] = {r0, r0 + 16};
-    float acc[MMA_MT][MMA_NT][4];
-    mma_tokens_q8<MMA_MT, MMA_NT>(qs, row0, tok0, n, [](int i) { return i; }, xq, dxs, acc);
+    const QW* qs[MT];
+    int row0[MT];
+#pragma unroll
+    for (int i = 0; i < MT; i++) qs[i] = &q, row0[i] = r0 + 16 * i;
+    float acc[MT][MMA_NT][4];
+    mma_tokens_q8<MT, MMA_NT>(qs, row0, tok0, n, [](int i) { return i; }, xq, dxs, acc);
     bool add = (mm.accumulate >> m) & 1;
     float* out = mm.out[m];
-    mma_each<MMA_MT, MMA_NT>(row0, tok0, [&](int mt, int nn, int c, int r, int tk) {
+    mma_each<MT, MMA_NT>(row0, tok0, [&](int mt, int nn, int c, int r, int tk) {
         if (r < q.rows && tk < n) {
             long oi = (long)tk * q.rows + r;
             out[oi] = add ? out[oi] + acc[mt][nn][c] : acc[mt][nn][c];
@@ -191,47 +196,58 @@ extern "C" __global__ void __launch_bounds__(128) qmma_q8(MultiMatmul mm, const 
     });
 }
 
-// moe_gate_up_mma on q8_rows' input of x (rows = tokens).
-extern "C" __global__ void __launch_bounds__(128) moe_gate_up_mma_q8(const ExpertTask* tasks, ExpertLayout L,
-                                                                      const int* slot_list, int k, const u32* xq,
-                                                                      const float2* dxs, float* act) {
+// moe_gate_up_mma on q8_rows' input of x (rows = tokens): a warp takes GT
+// 16-row tiles of gate and the same of up (a block 64 GT intermediate rows).
+template <int GT>
+__device__ __forceinline__ void moe_gate_up_mma_q8_body(const ExpertTask* tasks, const ExpertLayout& L,
+                                                        const int* slot_list, int k, const u32* xq,
+                                                        const float2* dxs, float* act) {
     PDL_ENTER();
     ExpertTask T = tasks[blockIdx.y];
     int w = threadIdx.x >> 5;
     QW gq = expert_qw(T.base, L.gate_w, L.gate_s, L.gate_b, L.inter, L.hidden, L);
     QW uq = expert_qw(T.base, L.up_w, L.up_s, L.up_b, L.inter, L.hidden, L);
-    int r0 = blockIdx.x * 64 + w * 16;
+    int r0 = blockIdx.x * 64 * GT + w * 16 * GT;
     if (r0 >= L.inter) return;
     const int* sl = slot_list + T.first;
-    const QW* qs[2] = {&gq, &uq};
-    int row0[2] = {r0, r0};
+    const QW* qs[2 * GT];
+    int row0[2 * GT], gate_rows[GT];
+#pragma unroll
+    for (int i = 0; i < GT; i++) {
+        qs[i] = &gq, qs[GT + i] = &uq;
+        row0[i] = row0[GT + i] = gate_rows[i] = r0 + 16 * i;
+    }
     for (int tok0 = 0; tok0 < T.count; tok0 += 8 * MMA_NT) {
-        float acc[2][MMA_NT][4];
-        mma_tokens_q8<2, MMA_NT>(qs, row0, tok0, T.count, [&](int i) { return sl[i] / k; }, xq, dxs, acc);
-        const int gate_rows[1] = {r0};
-        mma_each<1, MMA_NT>(gate_rows, tok0, [&](int, int nn, int c, int r, int i) {
+        float acc[2 * GT][MMA_NT][4];
+        mma_tokens_q8<2 * GT, MMA_NT>(qs, row0, tok0, T.count, [&](int i) { return sl[i] / k; }, xq, dxs, acc);
+        mma_each<GT, MMA_NT>(gate_rows, tok0, [&](int mt, int nn, int c, int r, int i) {
             if (r < L.inter && i < T.count)
-                act[(long)(T.first + i) * L.inter + r] = expert_glu(L, sl[i], r, acc[0][nn][c], acc[1][nn][c]);
+                act[(long)(T.first + i) * L.inter + r] =
+                    expert_glu(L, sl[i], r, acc[mt][nn][c], acc[GT + mt][nn][c]);
         });
     }
 }
 
-// moe_down_mma on q8_rows' input of act (rows = slot positions).
-extern "C" __global__ void __launch_bounds__(128) moe_down_mma_q8(const ExpertTask* tasks, ExpertLayout L,
-                                                                   const int* slot_list, const u32* xq,
-                                                                   const float2* dxs, float* slot_out) {
+// moe_down_mma on q8_rows' input of act (rows = slot positions): a warp
+// takes MT 16-row tiles (a block 64 MT hidden rows).
+template <int MT>
+__device__ __forceinline__ void moe_down_mma_q8_body(const ExpertTask* tasks, const ExpertLayout& L,
+                                                     const int* slot_list, const u32* xq, const float2* dxs,
+                                                     float* slot_out) {
     PDL_ENTER();
     ExpertTask T = tasks[blockIdx.y];
     int w = threadIdx.x >> 5;
     QW dq = expert_down_qw(T.base, L);
-    int r0 = blockIdx.x * 128 + w * 32;
+    int r0 = blockIdx.x * 64 * MT + w * 16 * MT;
     if (r0 >= L.hidden) return;
-    const QW* qs[MMA_MT] = {&dq, &dq};
-    int row0[MMA_MT] = {r0, r0 + 16};
+    const QW* qs[MT];
+    int row0[MT];
+#pragma unroll
+    for (int i = 0; i < MT; i++) qs[i] = &dq, row0[i] = r0 + 16 * i;
     for (int tok0 = 0; tok0 < T.count; tok0 += 8 * MMA_NT) {
-        float acc[MMA_MT][MMA_NT][4];
-        mma_tokens_q8<MMA_MT, MMA_NT>(qs, row0, tok0, T.count, [&](int i) { return T.first + i; }, xq, dxs, acc);
-        mma_each<MMA_MT, MMA_NT>(row0, tok0, [&](int mt, int nn, int c, int r, int i) {
+        float acc[MT][MMA_NT][4];
+        mma_tokens_q8<MT, MMA_NT>(qs, row0, tok0, T.count, [&](int i) { return T.first + i; }, xq, dxs, acc);
+        mma_each<MT, MMA_NT>(row0, tok0, [&](int mt, int nn, int c, int r, int i) {
             if (r < L.hidden && i < T.count) {
                 int slot = slot_list[T.first + i];
                 slot_out[(long)slot * L.hidden + r] = acc[mt][nn][c] + expert_down_bias(L, slot, r);
@@ -239,3 +255,23 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_mma_q8(const ExpertTa
         });
     }
 }
+
+// Suffix by row tiles a warp (the host picks, linear.rs / moe.rs): "" 2
+// (gate/up: one of gate and one of up), _m4 4.
+#define MMA_Q8_KERNELS(SFX, MT)                                                                               \
+    extern "C" __global__ void __launch_bounds__(128)                                                       \
+        qmma_q8##SFX(MultiMatmul mm, const u32* xq, const float2* dxs, int n) {                              \
+        qmma_q8_body<MT>(mm, xq, dxs, n);                                                                    \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(128)                                                       \
+        moe_gate_up_mma_q8##SFX(const ExpertTask* tasks, ExpertLayout L, const int* slot_list, int k,        \
+                                const u32* xq, const float2* dxs, float* act) {                              \
+        moe_gate_up_mma_q8_body<MT / 2>(tasks, L, slot_list, k, xq, dxs, act);                               \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(128)                                                       \
+        moe_down_mma_q8##SFX(const ExpertTask* tasks, ExpertLayout L, const int* slot_list, const u32* xq,  \
+                             const float2* dxs, float* slot_out) {                                           \
+        moe_down_mma_q8_body<MT>(tasks, L, slot_list, xq, dxs, slot_out);                                    \
+    }
+MMA_Q8_KERNELS(, 2)
+MMA_Q8_KERNELS(_m4, 4)
