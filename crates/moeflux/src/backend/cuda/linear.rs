@@ -638,17 +638,24 @@ pub(super) fn mma_q8_enabled(gpu: &Gpu) -> bool {
     gpu.q8 && *ON.get_or_init(|| std::env::var("MOEFLUX_CUDA_MMA_Q8").map_or(true, |v| v != "0"))
 }
 
-/// Row tiles a warp of the q8 tensor-core kernels: 4 (the `_m4` kernels:
-/// each token's activations loaded once for twice the rows) unless
-/// `MOEFLUX_CUDA_MMA_Q8_TILES=2` (qmma's 2, to compare).
-pub(super) fn mma_q8_tiles() -> usize {
-    static TILES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *TILES.get_or_init(
-        || match std::env::var("MOEFLUX_CUDA_MMA_Q8_TILES").as_deref() {
-            Ok("2") => 2,
-            _ => 4,
-        },
-    )
+/// Row tiles a warp of the q8 tensor-core kernels: 4 (the `_m4` kernels,
+/// each token's activations loaded once for twice the rows) where `wide`,
+/// else 2; `MOEFLUX_CUDA_MMA_Q8_TILES=2` or `=4` forces one (to compare).
+/// kbench (H200): 4 tiles win where the launch has several waves of blocks
+/// (A3B GatedDeltaNet input at 512 tokens 363 -> 338 us, output projection
+/// at 4096 tokens 1271 -> 1074) and lose where they leave SMs idle (that
+/// projection at 512 tokens, 128 blocks: 168 -> 197 us).
+pub(super) fn mma_q8_tiles(wide: bool) -> usize {
+    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let forced =
+        FORCED.get_or_init(
+            || match std::env::var("MOEFLUX_CUDA_MMA_Q8_TILES").as_deref() {
+                Ok("2") => Some(2),
+                Ok("4") => Some(4),
+                _ => None,
+            },
+        );
+    forced.unwrap_or(if wide { 4 } else { 2 })
 }
 
 /// The q8 tensor-core kernel `base` with `tiles` row tiles a warp.
@@ -696,8 +703,12 @@ fn mma_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
     let ty = n.div_ceil(MMA_BLOCK_TOKENS) as u32;
     if !on_q8.is_empty() {
         let (xq, dxs) = q8_rows(gpu, x, n, on_q8[0].0.cols as usize)?;
-        let tiles = mma_q8_tiles();
         for group in on_q8.chunks(4) {
+            let blocks_at_4: usize = group
+                .iter()
+                .map(|(q, _)| (q.rows as usize).div_ceil(128))
+                .sum();
+            let tiles = mma_q8_tiles(blocks_at_4 * ty as usize >= 2 * gpu.sms as usize);
             let (p, blocks) = multi_matmul(group, |_| 32 * tiles, false);
             // SAFETY: `qmma_q8*` in mma_q8.cu (32 * tiles rows a block);
             // xq / dxs were rounded from x (n tokens), every output holds n

@@ -311,8 +311,12 @@ pub(super) fn moe(
             let n_tasks = tasks.len() as u32;
             if n >= MMA_MIN_TOKENS && g.mma && mma_experts_fit(&layout) {
                 if mma_q8_enabled(g) && mma_q8_experts_fit(&layout) {
-                    // A warp's row tiles: gate/up half of them of gate.
-                    let tiles = mma_q8_tiles();
+                    // A warp's row tiles (gate/up: half of them gate's).
+                    // kbench (H200, A3B): 4 win gate/up with ~128 tokens a
+                    // task (2870 -> 2668 us at 4096 tokens), not with ~16
+                    // (442 -> 448 at 512), and lose down at both (1201 ->
+                    // 1344, 209 -> 246).
+                    let tiles = mma_q8_tiles(slot_list.len() >= 64 * tasks.len());
                     let (xq, dxs) = q8_rows(g, xn, n, h)?;
                     // SAFETY: `moe_gate_up_mma_q8*` in mma_q8.cu (32 *
                     // tiles intermediate rows a block); tasks point at
@@ -328,13 +332,14 @@ pub(super) fn moe(
                         )?
                     };
                     let (aq, adxs) = q8_rows(g, act, slot_list.len(), inter)?;
+                    let down_tiles = mma_q8_tiles(false);
                     // SAFETY: `moe_down_mma_q8*` in mma_q8.cu (64 * tiles
                     // hidden rows a block); aq / adxs were rounded from act,
                     // slot_out holds n * k rows.
                     unsafe {
                         g.launch(
-                            &mma_q8_kernel("moe_down_mma_q8", tiles),
-                            (h.div_ceil(64 * tiles) as u32, n_tasks, 1),
+                            &mma_q8_kernel("moe_down_mma_q8", down_tiles),
+                            (h.div_ceil(64 * down_tiles) as u32, n_tasks, 1),
                             128,
                             0,
                             &mut args!(d_tasks, layout, d_slots, aq, adxs, slot_out),
