@@ -6,7 +6,7 @@
 #
 #   a  qwen3.6-35b-a3b widths, all 40 layers, every expert in VRAM: pp512, pp4096, tg128;
 #      decode against the roofline (weight bytes per token / measured device-memory bandwidth);
-#      tg128 without CUDA graphs and with --gpu-activations q8
+#      tg128 without CUDA graphs, and tg128, pp512 and pp4096 with --gpu-activations q8
 #   b  the same model with --gpu-memory holding 25% of the expert bytes: tg128 with uniform
 #      routing and with --router-skew zipf:1, LFU-DA and LRU, staging reads or the pinned host
 #      tier (with and without prefetch); decode against the PCIe ceiling
@@ -154,6 +154,8 @@ if has a; then
   bench a-resident-pp$PPL "$A3B" --prompt-len $PPL --gen 0
   bench a-resident-no-graphs "$A3B" --prompt-len 0 --gen $TG --no-cuda-graphs
   bench a-resident-q8 "$A3B" --prompt-len 0 --gen $TG --gpu-activations q8
+  bench a-resident-q8-pp$PP "$A3B" --prompt-len $PP --gen 0 --gpu-activations q8
+  bench a-resident-q8-pp$PPL "$A3B" --prompt-len $PPL --gen 0 --gpu-activations q8
 fi
 
 if has b; then

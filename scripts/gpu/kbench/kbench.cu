@@ -1,8 +1,8 @@
-// Kernel micro-benchmark for the one-token (decode) products: the kernels of
-// moeflux's kernels (kernels/all.cuh) on synthetic weights of real model widths, each
-// timed as a CUDA graph of back-to-back launches over rotating weight
-// copies (so the reads come from device memory, not L2), and checked
-// against each other. Built and run on the GPU machine by run.sh here.
+// Kernel micro-benchmark for the one-token (decode) products, and the prefill products
+// of many tokens (section `prefill`): moeflux's kernels (kernels/all.cuh) on synthetic
+// weights of real model widths, each timed as a CUDA graph of back-to-back launches (the
+// decode products over rotating weight copies, so the reads come from device memory, not
+// L2), and checked against each other. Built and run on the GPU machine by run.sh here.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>

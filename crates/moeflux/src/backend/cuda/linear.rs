@@ -696,7 +696,7 @@ pub(super) fn q8_rows(gpu: &Gpu, x: u64, n: usize, cols: usize) -> Result<(u64, 
 /// the rest on `x` split once per group size (`qmma`), up to four matrices
 /// a launch.
 fn mma_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
-    let (on_q8, quant): (Vec<(Qw, &Mm)>, Vec<(Qw, &Mm)>) = quantized(ops)
+    let (on_q8, quant): (Vec<_>, Vec<_>) = quantized(ops)
         .into_iter()
         .partition(|(q, o)| mma_q8_enabled(gpu) && q.bits == 4 && !o.exact);
     let nn = n as i32;
