@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 
 /// The parts of the kernel source in `kernels/all.cuh`'s order (a test
 /// checks the two agree).
-const KERNEL_PARTS: [(&str, &str); 17] = [
+const KERNEL_PARTS: [(&str, &str); 18] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("abi.cuh", include_str!("kernels/abi.cuh")),
     ("quant.cuh", include_str!("kernels/quant.cuh")),
@@ -33,6 +33,7 @@ const KERNEL_PARTS: [(&str, &str); 17] = [
     ("mla.cu", include_str!("kernels/mla.cu")),
     ("mma.cu", include_str!("kernels/mma.cu")),
     ("mma_q8.cu", include_str!("kernels/mma_q8.cu")),
+    ("mma_products.cu", include_str!("kernels/mma_products.cu")),
     ("attn_mma.cu", include_str!("kernels/attn_mma.cu")),
     (
         "deltanet_chunk.cu",

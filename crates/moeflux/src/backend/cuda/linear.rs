@@ -583,7 +583,7 @@ fn multi_matmul(
 pub(super) const MMA_MIN_TOKENS: usize = 16;
 
 /// Products of at least this many tokens that the few-token kernels do not
-/// take ([`qmv_multi_fit`]) go to the tensor cores (`qmma` in mma.cu) where
+/// take ([`qmv_multi_fit`]) go to the tensor cores (`qmma` in mma_products.cu) where
 /// the matrices fit them: a `qmma` tile reads each weight once for all its
 /// tokens, where the general kernel loads every token's activations per
 /// weight word and its cost grows with the tokens (an LM head of eight
@@ -710,7 +710,7 @@ fn mma_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
                 .sum();
             let tiles = mma_q8_tiles(blocks_at_4 * ty as usize >= 2 * gpu.sms as usize);
             let (p, blocks) = multi_matmul(group, |_| 32 * tiles, false);
-            // SAFETY: `qmma_q8*` in mma_q8.cu (32 * tiles rows a block);
+            // SAFETY: `qmma_q8*` in mma_products.cu (32 * tiles rows a block);
             // xq / dxs were rounded from x (n tokens), every output holds n
             // rows.
             unsafe {
@@ -733,7 +733,7 @@ fn mma_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
         let (xp, xs) = mma_split(gpu, x, n, same[0].0.cols as usize, gs as usize)?;
         for group in same.chunks(4) {
             let (p, blocks) = multi_matmul(group, |_| MMA_BLOCK_ROWS, false);
-            // SAFETY: `qmma` in mma.cu; xp / xs were split from x (n tokens)
+            // SAFETY: `qmma` in mma_products.cu; xp / xs were split from x (n tokens)
             // with this group size, every output holds n rows.
             unsafe {
                 gpu.launch(

@@ -318,7 +318,7 @@ pub(super) fn moe(
                     // 1344, 209 -> 246).
                     let tiles = mma_q8_tiles(slot_list.len() >= 64 * tasks.len());
                     let (xq, dxs) = q8_rows(g, xn, n, h)?;
-                    // SAFETY: `moe_gate_up_mma_q8*` in mma_q8.cu (32 *
+                    // SAFETY: `moe_gate_up_mma_q8*` in mma_products.cu (32 *
                     // tiles intermediate rows a block); tasks point at
                     // resident experts, xq / dxs were rounded from xn (n
                     // tokens), act holds a row per slot_list entry.
@@ -333,7 +333,7 @@ pub(super) fn moe(
                     };
                     let (aq, adxs) = q8_rows(g, act, slot_list.len(), inter)?;
                     let down_tiles = mma_q8_tiles(false);
-                    // SAFETY: `moe_down_mma_q8*` in mma_q8.cu (64 * tiles
+                    // SAFETY: `moe_down_mma_q8*` in mma_products.cu (64 * tiles
                     // hidden rows a block); aq / adxs were rounded from act,
                     // slot_out holds n * k rows.
                     unsafe {
@@ -347,7 +347,7 @@ pub(super) fn moe(
                     };
                 } else {
                     let (xp, xs) = mma_split(g, xn, n, h, layout.gs as usize)?;
-                    // SAFETY: `moe_gate_up_mma` in mma.cu; tasks point at
+                    // SAFETY: `moe_gate_up_mma` in mma_products.cu; tasks point at
                     // resident experts, xp / xs were split from xn (n
                     // tokens), act holds a row per slot_list entry.
                     unsafe {
@@ -361,7 +361,7 @@ pub(super) fn moe(
                     };
                     let down_gs = layout.down_gs as usize;
                     let (ap, asum) = mma_split(g, act, slot_list.len(), inter, down_gs)?;
-                    // SAFETY: `moe_down_mma` in mma.cu; ap / asum were split
+                    // SAFETY: `moe_down_mma` in mma_products.cu; ap / asum were split
                     // from act, slot_out holds n * k rows.
                     unsafe {
                         g.launch(

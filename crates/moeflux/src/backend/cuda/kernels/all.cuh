@@ -24,5 +24,6 @@
 #include "mla.cu"
 #include "mma.cu"
 #include "mma_q8.cu"
+#include "mma_products.cu"
 #include "attn_mma.cu"
 #include "deltanet_chunk.cu"

@@ -289,21 +289,36 @@ __device__ __forceinline__ void mma_tile(const QW* const (&q)[MT], const int (&r
         }                                           \
     } while (0)
 
-// The lane's token rows for NT 8-token tiles from token tok0 (n tokens in
-// all; rows past the end read the last token, their results unused): tok(i)
-// maps a position to its row of xp / xs.
-#define MMA_TOKENS(NT_, tok0, n, tok)                                          \
-    const uint4* xp_tok[NT_];                                                  \
-    const float* xs_q[NT_][2];                                                 \
-    _Pragma("unroll") for (int nn = 0; nn < NT_; nn++) {                       \
-        int lane_ = threadIdx.x & 31;                                          \
-        int mine = min((tok0) + 8 * nn + (lane_ >> 2), (n) - 1);               \
-        int q0 = min((tok0) + 8 * nn + 2 * (lane_ & 3), (n) - 1);              \
-        int q1 = min(q0 + 1, (n) - 1);                                         \
-        xp_tok[nn] = xp + (long)(tok(mine)) * (cols / 4);                      \
-        xs_q[nn][0] = xs + (long)(tok(q0)) * (cols / gs);                      \
-        xs_q[nn][1] = xs + (long)(tok(q1)) * (cols / gs);                      \
+// mma_tile for tokens tok0 .. of `count` (tok(i): a position's row of
+// mma_split's output; rows past the end read the last token, their results
+// unused), the matrices' width and group size (MXFP4 where MX_OK and mx).
+template <int MT, int NT, bool MX_OK, class Tok>
+__device__ __forceinline__ void mma_tokens(const QW* const (&q)[MT], const int (&row0)[MT], int tok0, int count,
+                                           Tok tok, const uint4* xp, const float* xs, bool mx,
+                                           float (&acc)[MT][NT][4]) {
+    const int cols = q[0]->cols, gs = q[0]->gs, lane = threadIdx.x & 31;
+    const uint4* xp_tok[NT];
+    const float* xs_q[NT][2];
+#pragma unroll
+    for (int nn = 0; nn < NT; nn++) {
+        int mine = min(tok0 + 8 * nn + (lane >> 2), count - 1);
+        int q0 = min(tok0 + 8 * nn + 2 * (lane & 3), count - 1);
+        int q1 = min(q0 + 1, count - 1);
+        xp_tok[nn] = xp + (long)tok(mine) * (cols / 4);
+        xs_q[nn][0] = xs + (long)tok(q0) * (cols / gs);
+        xs_q[nn][1] = xs + (long)tok(q1) * (cols / gs);
     }
+    int live = min(NT, (count - tok0 + 7) / 8);
+#define MMA_CALL(B, S) mma_tile<B, S, MT, NT>(q, row0, xp_tok, xs_q, live, acc)
+    if constexpr (MX_OK) {
+        if (mx) {
+            MMA_CALL(MXB, 2);
+            return;
+        }
+    }
+    MMA_DISPATCH(q[0]->bits, gs, MMA_CALL);
+#undef MMA_CALL
+}
 
 // Calls f(m, n, c, row, token) for every element acc[m][n][c] of a warp's
 // tile, with the row and token it holds (the mma C layout: c0, c1 are row
@@ -319,112 +334,3 @@ __device__ __forceinline__ void mma_each(const int (&row0)[MT], int tok0, F f) {
             for (int c = 0; c < 4; c++) f(mt, nn, c, row0[mt] + gq + 8 * (c >> 1), tok0 + 8 * nn + 2 * t + (c & 1));
 }
 
-#define MMA_MT 2
-#define MMA_NT 4
-
-// Grouped products of one input for n tokens (like qmatmul): a block of 4
-// warps covers 64 rows x 64 tokens (2 x 2 warps of 32 x 32); blockIdx.x
-// picks the matrix and row block, blockIdx.y the token block. xp / xs come
-// from mma_split of x with every matrix's group size gs.
-extern "C" __global__ void __launch_bounds__(128) qmma(MultiMatmul mm, const uint4* xp, const float* xs, int n) {
-    PDL_ENTER();
-    int m = 0;
-    while (m + 1 < mm.count && (int)blockIdx.x >= mm.first_block[m + 1]) m++;
-    const QW& q = mm.q[m];
-    int cols = q.cols, gs = q.gs;
-    int w = threadIdx.x >> 5;
-    int r0 = (blockIdx.x - mm.first_block[m]) * 64 + (w & 1) * 32;
-    int tok0 = blockIdx.y * 64 + (w >> 1) * 32;
-    if (r0 >= q.rows || tok0 >= n) return;
-#define MMA_SELF(i) (i)
-    MMA_TOKENS(MMA_NT, tok0, n, MMA_SELF)
-    const QW* qs[MMA_MT] = {&q, &q};
-    int row0[MMA_MT] = {r0, r0 + 16};
-    int live = min(MMA_NT, (n - tok0 + 7) / 8);
-    float acc[MMA_MT][MMA_NT][4];
-#define MMA_CALL(B, S) mma_tile<B, S, MMA_MT, MMA_NT>(qs, row0, xp_tok, xs_q, live, acc)
-    MMA_DISPATCH(q.bits, gs, MMA_CALL);
-#undef MMA_CALL
-    bool add = (mm.accumulate >> m) & 1;
-    float* out = mm.out[m];
-    mma_each<MMA_MT, MMA_NT>(row0, tok0, [&](int mt, int nn, int c, int r, int tk) {
-        if (r < q.rows && tk < n) {
-            long oi = (long)tk * q.rows + r;
-            out[oi] = add ? out[oi] + acc[mt][nn][c] : acc[mt][nn][c];
-        }
-    });
-}
-
-// act = silu(gate_e x) * (up_e x) for every expert task and its tokens (like
-// moe_gate_up_b*): blockIdx.y = task, a block of 4 warps covers 64
-// intermediate rows (16 per warp, gate and up as its two row tiles), the
-// task's tokens 32 at a time. xp / xs: mma_split of x (rows = tokens).
-extern "C" __global__ void __launch_bounds__(128) moe_gate_up_mma(const ExpertTask* tasks, ExpertLayout L,
-                                                                   const int* slot_list, int k, const uint4* xp,
-                                                                   const float* xs, float* act) {
-    PDL_ENTER();
-    ExpertTask T = tasks[blockIdx.y];
-    int w = threadIdx.x >> 5;
-    QW gq = expert_qw(T.base, L.gate_w, L.gate_s, L.gate_b, L.inter, L.hidden, L);
-    QW uq = expert_qw(T.base, L.up_w, L.up_s, L.up_b, L.inter, L.hidden, L);
-    int cols = L.hidden, gs = L.gs;
-    int r0 = blockIdx.x * 64 + w * 16;
-    if (r0 >= L.inter) return;
-    const int* sl = slot_list + T.first;
-    const QW* qs[2] = {&gq, &uq};
-    int row0[2] = {r0, r0};
-    for (int tok0 = 0; tok0 < T.count; tok0 += 8 * MMA_NT) {
-#define MMA_SLOT_TOKEN(i) (sl[i] / k)
-        MMA_TOKENS(MMA_NT, tok0, T.count, MMA_SLOT_TOKEN)
-        int live = min(MMA_NT, (T.count - tok0 + 7) / 8);
-        float acc[2][MMA_NT][4];
-#define MMA_CALL(B, S) mma_tile<B, S, 2, MMA_NT>(qs, row0, xp_tok, xs_q, live, acc)
-        if (L.mx)
-            MMA_CALL(MXB, 2);
-        else
-            MMA_DISPATCH(L.bits, gs, MMA_CALL);
-#undef MMA_CALL
-        // Row tile 0 is gate, 1 is up (the same rows).
-        const int gate_rows[1] = {r0};
-        mma_each<1, MMA_NT>(gate_rows, tok0, [&](int, int nn, int c, int r, int i) {
-            if (r < L.inter && i < T.count)
-                act[(long)(T.first + i) * L.inter + r] = expert_glu(L, sl[i], r, acc[0][nn][c], acc[1][nn][c]);
-        });
-    }
-}
-
-// slot_out[slot] = down_e act for every task and its tokens (like
-// moe_down_b*): a block of 4 warps covers 128 hidden rows (32 per warp),
-// the task's tokens 32 at a time. xp / xs: mma_split of act (rows = slot
-// positions).
-extern "C" __global__ void __launch_bounds__(128) moe_down_mma(const ExpertTask* tasks, ExpertLayout L,
-                                                                const int* slot_list, const uint4* xp,
-                                                                const float* xs, float* slot_out) {
-    PDL_ENTER();
-    ExpertTask T = tasks[blockIdx.y];
-    int w = threadIdx.x >> 5;
-    QW dq = expert_down_qw(T.base, L);
-    int cols = L.inter, gs = L.down_gs;
-    int r0 = blockIdx.x * 128 + w * 32;
-    if (r0 >= L.hidden) return;
-    const QW* qs[MMA_MT] = {&dq, &dq};
-    int row0[MMA_MT] = {r0, r0 + 16};
-    for (int tok0 = 0; tok0 < T.count; tok0 += 8 * MMA_NT) {
-#define MMA_POSITION(i) (T.first + (i))
-        MMA_TOKENS(MMA_NT, tok0, T.count, MMA_POSITION)
-        int live = min(MMA_NT, (T.count - tok0 + 7) / 8);
-        float acc[MMA_MT][MMA_NT][4];
-#define MMA_CALL(B, S) mma_tile<B, S, MMA_MT, MMA_NT>(qs, row0, xp_tok, xs_q, live, acc)
-        if (L.mx)
-            MMA_CALL(MXB, 2);
-        else
-            MMA_DISPATCH(L.down_bits, gs, MMA_CALL);
-#undef MMA_CALL
-        mma_each<MMA_MT, MMA_NT>(row0, tok0, [&](int mt, int nn, int c, int r, int i) {
-            if (r < L.hidden && i < T.count) {
-                int slot = slot_list[T.first + i];
-                slot_out[(long)slot * L.hidden + r] = acc[mt][nn][c] + expert_down_bias(L, slot, r);
-            }
-        });
-    }
-}
