@@ -128,11 +128,12 @@ pub struct ModelArgs {
     /// bounds.
     #[arg(long, default_value = "f32", value_parser = parse_activations)]
     pub cpu_activations: Activations,
-    /// GPU: `q8` rounds the activations of the one- and few-token products
-    /// of 4-bit affine matrices (decode steps) to 8 bits per 32 inputs, as
-    /// `--cpu-activations q8` does, and multiplies them in integers
-    /// (`dp4a`): faster decode, at the same small accuracy cost
-    /// (docs/PERFORMANCE.md). Routers and prefill stay as with `f32`.
+    /// GPU: `q8` rounds the activations of the products of 4-bit affine
+    /// matrices to 8 bits per 32 inputs, as `--cpu-activations q8` does,
+    /// and multiplies them in integers (`dp4a` for decode steps, int8
+    /// tensor cores for prefill): faster decode and prefill, at the same
+    /// small accuracy cost (docs/PERFORMANCE.md). Routers stay as with
+    /// `f32`.
     #[arg(long, default_value = "f32", value_parser = parse_activations)]
     pub gpu_activations: Activations,
     /// CPU: hold 4-bit experts (MXFP4, or MLX affine in groups of 64) in

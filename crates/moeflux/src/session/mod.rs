@@ -87,9 +87,9 @@ pub struct SessionOptions {
     /// weights (faster one-token products; the accuracy cost is in
     /// docs/PERFORMANCE.md). Set on this session's compute threads only.
     pub cpu_activations: Activations,
-    /// GPU backend: the same choice for the one- and few-token products of
-    /// 4-bit affine matrices (decode steps; routers stay exact, prefill's
-    /// tensor-core products are unchanged), computed with `dp4a`.
+    /// GPU backend: the same choice for the products of 4-bit affine
+    /// matrices (routers stay exact), computed with `dp4a` for 1-15 tokens
+    /// and on int8 tensor cores for more (prefill).
     pub gpu_activations: Activations,
     /// CPU backend: when to hold 4-bit experts interleaved in RAM (faster
     /// 8-bit-activation products, same bits; see

@@ -222,7 +222,7 @@ pub struct CudaOptions {
     /// Misses read from files opened with `O_DIRECT` go straight to VRAM
     /// through cuFile (GPUDirect Storage); see `gds.rs`.
     pub gds: Gds,
-    /// How the one- and few-token products of 4-bit affine matrices take
+    /// How the products of 4-bit affine matrices (decode and prefill) take
     /// their activations: exact f32, or rounded to 8 bits per 32 inputs as
     /// the CPU's `Activations::Q8` rounds them (routers stay exact).
     pub activations: Activations,
