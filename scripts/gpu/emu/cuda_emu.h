@@ -128,65 +128,48 @@ template <class T> T __shfl_sync(unsigned, T v, int src) {
     ws.bar.arrive_and_wait();
     return r;
 }
-// mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32 (d += a b) over the warp's
-// fragments, as PTX lays them out: lane = 4 g + t holds A rows g and g + 8 at
-// k = 2t, 2t+1 (regs 0, 1) and 2t+8, 2t+9 (regs 2, 3), B column g at
-// k = 2t, 2t+1 (reg 0) and 2t+8, 2t+9 (reg 1), D rows g, g+8 at columns 2t,
-// 2t+1. Sums in double, so only the inputs' bf16 rounding shows.
+// One mma.sync over the warp's fragments, as PTX lays them out for P elements
+// a register (bf16: 2, 8-bit: 4; K = 8 P): lane = 4 g + t holds A rows g and
+// g + 8 (regs 0, 1) at k = P t .. P t + P - 1 and those + 4 P (regs 2, 3), B
+// column g at the same k (regs 0, 1), D rows g, g + 8 at columns 2t, 2t + 1.
+// fa / fb give element e of a register; products summed in S.
+template <int P, class S, class D, class FA, class FB>
+inline void emu_mma(D (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1,
+                    FA fa, FB fb) {
+    int w = threadIdx.x / 32, l = threadIdx.x % 32;
+    auto& ws = *g_warps[w];
+    unsigned a[4] = {a0, a1, a2, a3};
+    memcpy(ws.mma_a[l], a, sizeof a);
+    ws.mma_b[l][0] = b0, ws.mma_b[l][1] = b1;
+    ws.bar.arrive_and_wait();
+    auto A = [&](int row, int k) {
+        return fa(ws.mma_a[(row % 8) * 4 + (k % (4 * P)) / P][(row >= 8) + 2 * (k >= 4 * P)], k % P);
+    };
+    auto B = [&](int k, int col) { return fb(ws.mma_b[col * 4 + (k % (4 * P)) / P][k >= 4 * P], k % P); };
+    int g = l / 4, t = l % 4;
+    for (int c = 0; c < 4; c++) {
+        int row = g + 8 * (c / 2), col = 2 * t + c % 2;
+        S s = 0;
+        for (int k = 0; k < 8 * P; k++) s += (S)A(row, k) * (S)B(k, col);
+        d[c] += (D)s;
+    }
+    ws.bar.arrive_and_wait();
+}
+// mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32 (d += a b): sums in double, so
+// only the inputs' bf16 rounding shows.
 #define EMU_MMA 1
 inline float emu_bf16(unsigned h) { unsigned u = (h & 0xffffu) << 16; float f; memcpy(&f, &u, 4); return f; }
 inline void emu_mma_bf16(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
                          unsigned b1) {
-    int w = threadIdx.x / 32, l = threadIdx.x % 32;
-    auto& ws = *g_warps[w];
-    unsigned a[4] = {a0, a1, a2, a3};
-    memcpy(ws.mma_a[l], a, sizeof a);
-    ws.mma_b[l][0] = b0, ws.mma_b[l][1] = b1;
-    ws.bar.arrive_and_wait();
-    auto A = [&](int row, int k) {
-        unsigned r = ws.mma_a[(row % 8) * 4 + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)];
-        return emu_bf16(k % 2 ? r >> 16 : r);
-    };
-    auto B = [&](int k, int col) {
-        unsigned r = ws.mma_b[col * 4 + (k % 8) / 2][k >= 8];
-        return emu_bf16(k % 2 ? r >> 16 : r);
-    };
-    int g = l / 4, t = l % 4;
-    for (int c = 0; c < 4; c++) {
-        int row = g + 8 * (c / 2), col = 2 * t + c % 2;
-        double s = 0;
-        for (int k = 0; k < 16; k++) s += (double)A(row, k) * B(k, col);
-        d[c] += (float)s;
-    }
-    ws.bar.arrive_and_wait();
+    auto half = [](unsigned r, int e) { return emu_bf16(r >> (16 * e)); };
+    emu_mma<2, double>(d, a0, a1, a2, a3, b0, b1, half, half);
 }
-// mma.sync m16n8k32 (u8 a, s8 b, s32 accumulate): a0 (row g, k 4t .. 4t + 3),
-// a1 (row g + 8, the same k), a2 / a3 (k + 16); b0 (k 4t .. 4t + 3 of column g),
-// b1 (k + 16); d as emu_mma_bf16's. Exact in integers.
+// mma.sync m16n8k32 (u8 a, s8 b, s32 accumulate): exact in integers.
 inline void emu_mma_u8s8(int (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
                          unsigned b1) {
-    int w = threadIdx.x / 32, l = threadIdx.x % 32;
-    auto& ws = *g_warps[w];
-    unsigned a[4] = {a0, a1, a2, a3};
-    memcpy(ws.mma_a[l], a, sizeof a);
-    ws.mma_b[l][0] = b0, ws.mma_b[l][1] = b1;
-    ws.bar.arrive_and_wait();
-    auto A = [&](int row, int k) {
-        unsigned r = ws.mma_a[(row % 8) * 4 + (k % 16) / 4][(row >= 8) + 2 * (k >= 16)];
-        return (int)((r >> (8 * (k % 4))) & 0xffu);
-    };
-    auto B = [&](int k, int col) {
-        unsigned r = ws.mma_b[col * 4 + (k % 16) / 4][k >= 16];
-        return (int)(signed char)((r >> (8 * (k % 4))) & 0xffu);
-    };
-    int g = l / 4, t = l % 4;
-    for (int c = 0; c < 4; c++) {
-        int row = g + 8 * (c / 2), col = 2 * t + c % 2;
-        int s = 0;
-        for (int k = 0; k < 32; k++) s += A(row, k) * B(k, col);
-        d[c] += s;
-    }
-    ws.bar.arrive_and_wait();
+    emu_mma<4, int>(
+        d, a0, a1, a2, a3, b0, b1, [](unsigned r, int e) { return (int)((r >> (8 * e)) & 0xffu); },
+        [](unsigned r, int e) { return (int)(signed char)((r >> (8 * e)) & 0xffu); });
 }
 inline void __syncwarp(unsigned = 0xffffffffu) { g_warps[threadIdx.x / 32]->bar.arrive_and_wait(); }
 inline void __syncthreads() { g_block_bar->arrive_and_wait(); }

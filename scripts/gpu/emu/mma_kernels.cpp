@@ -114,23 +114,39 @@ static std::vector<std::vector<uint4>> pack_extents(const std::vector<HostQ>& ga
     return extents;
 }
 
-static void test_moe_mma(int hidden, int inter, int bits, int gs, std::vector<int> counts) {
-    int ne = (int)counts.size(), k = ne;
-    int n = 0;
-    for (int c : counts) n = std::max(n, c);  // tokens; task e serves tokens 0..count-1
-    auto [gate, up, down] = random_experts(ne, hidden, inter, bits, gs, bits, gs);
+// The tensor-core experts' set-up: one expert per count (bits-bit codes in groups of gs),
+// task e serving tokens 0 .. counts[e] - 1 (slot t * k + e, k = the experts), and x.
+struct MmaExperts {
+    std::vector<HostQ> gate, up, down;
     ExpertLayout L{};
-    auto extents = pack_extents(gate, up, down, L);
-    L.inter = inter, L.hidden = hidden, L.bits = bits, L.gs = gs, L.sf32 = 0; L.down_bits = L.bits, L.down_gs = L.gs, L.down_sf32 = L.sf32;
+    std::vector<std::vector<uint4>> extents;
     std::vector<ExpertTask> tasks;
     std::vector<int> slot_list;
-    for (int e = 0; e < ne; e++) {
-        tasks.push_back({(const char*)extents[e].data(), (int)slot_list.size(), counts[e]});
-        for (int t = 0; t < counts[e]; t++) slot_list.push_back(t * k + e);
+    std::vector<float> x;
+    int ne, k, n = 0, used;
+};
+static MmaExperts mma_experts(int hidden, int inter, int bits, int gs, const std::vector<int>& counts) {
+    MmaExperts m;
+    m.ne = m.k = (int)counts.size();
+    for (int c : counts) m.n = std::max(m.n, c);
+    auto ex = random_experts(m.ne, hidden, inter, bits, gs, bits, gs);
+    m.gate = std::move(ex.gate), m.up = std::move(ex.up), m.down = std::move(ex.down);
+    m.extents = pack_extents(m.gate, m.up, m.down, m.L);
+    m.L.inter = inter, m.L.hidden = hidden, m.L.bits = bits, m.L.gs = gs, m.L.sf32 = 0;
+    m.L.down_bits = bits, m.L.down_gs = gs, m.L.down_sf32 = 0;
+    for (int e = 0; e < m.ne; e++) {
+        m.tasks.push_back({(const char*)m.extents[e].data(), (int)m.slot_list.size(), counts[e]});
+        for (int t = 0; t < counts[e]; t++) m.slot_list.push_back(t * m.k + e);
     }
-    int used = (int)slot_list.size();
-    std::vector<float> x((size_t)n * hidden);
-    for (auto& v : x) v = urand(-1, 1);
+    m.used = (int)m.slot_list.size();
+    m.x.resize((size_t)m.n * hidden);
+    for (auto& v : m.x) v = urand(-1, 1);
+    return m;
+}
+
+static void test_moe_mma(int hidden, int inter, int bits, int gs, std::vector<int> counts) {
+    MmaExperts m = mma_experts(hidden, inter, bits, gs, counts);
+    auto& [gate, up, down, L, extents, tasks, slot_list, x, ne, k, n, used] = m;
     std::vector<uint4> xp;
     std::vector<float> xs;
     split(x, n, hidden, gs, xp, xs);
@@ -235,22 +251,8 @@ static void test_qmma_q8(int rows_a, int rows_b, int cols, int n, int gs, int mt
 // moe_gate_up_mma_q8 / moe_down_mma_q8 (task e serves tokens 0 .. counts[e] - 1) against the
 // q8 contract: gate and up on the rounded x, down on the rounded act as the kernel left it.
 static void test_moe_mma_q8(int hidden, int inter, int gs, std::vector<int> counts, int mt) {
-    int ne = (int)counts.size(), k = ne;
-    int n = 0;
-    for (int c : counts) n = std::max(n, c);
-    auto [gate, up, down] = random_experts(ne, hidden, inter, 4, gs, 4, gs);
-    ExpertLayout L{};
-    auto extents = pack_extents(gate, up, down, L);
-    L.inter = inter, L.hidden = hidden, L.bits = 4, L.gs = gs, L.down_bits = 4, L.down_gs = gs;
-    std::vector<ExpertTask> tasks;
-    std::vector<int> slot_list;
-    for (int e = 0; e < ne; e++) {
-        tasks.push_back({(const char*)extents[e].data(), (int)slot_list.size(), counts[e]});
-        for (int t = 0; t < counts[e]; t++) slot_list.push_back(t * k + e);
-    }
-    int used = (int)slot_list.size();
-    std::vector<float> x((size_t)n * hidden);
-    for (auto& v : x) v = urand(-1, 1);
+    MmaExperts m = mma_experts(hidden, inter, 4, gs, counts);
+    auto& [gate, up, down, L, extents, tasks, slot_list, x, ne, k, n, used] = m;
     std::vector<u32> xq;
     std::vector<float2> dxs;
     round_rows(x, n, hidden, xq, dxs);

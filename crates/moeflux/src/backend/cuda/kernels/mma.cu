@@ -289,24 +289,37 @@ __device__ __forceinline__ void mma_tile(const QW* const (&q)[MT], const int (&r
         }                                           \
     } while (0)
 
-// mma_tile for tokens tok0 .. of `count` (tok(i): a position's row of
-// mma_split's output; rows past the end read the last token, their results
-// unused), the matrices' width and group size (MXFP4 where MX_OK and mx).
+// The input rows the lane reads for 8-token tile nn from tok0 (count tokens;
+// tok(i): a position's row; rows past the end read the last token, their
+// results unused): its own token's (the B fragment's column) and its
+// quad's two (the C fragment's columns).
+template <class Tok>
+__device__ __forceinline__ void mma_token_rows(int tok0, int nn, int count, Tok tok, long& mine, long& q0,
+                                               long& q1) {
+    int lane = threadIdx.x & 31;
+    int c0 = min(tok0 + 8 * nn + 2 * (lane & 3), count - 1);
+    mine = tok(min(tok0 + 8 * nn + (lane >> 2), count - 1));
+    q0 = tok(c0);
+    q1 = tok(min(c0 + 1, count - 1));
+}
+
+// mma_tile for tokens tok0 .. of `count` (see mma_token_rows) on
+// mma_split's output, the matrices' width and group size (MXFP4 where MX_OK
+// and mx).
 template <int MT, int NT, bool MX_OK, class Tok>
 __device__ __forceinline__ void mma_tokens(const QW* const (&q)[MT], const int (&row0)[MT], int tok0, int count,
                                            Tok tok, const uint4* xp, const float* xs, bool mx,
                                            float (&acc)[MT][NT][4]) {
-    const int cols = q[0]->cols, gs = q[0]->gs, lane = threadIdx.x & 31;
+    const int cols = q[0]->cols, gs = q[0]->gs;
     const uint4* xp_tok[NT];
     const float* xs_q[NT][2];
 #pragma unroll
     for (int nn = 0; nn < NT; nn++) {
-        int mine = min(tok0 + 8 * nn + (lane >> 2), count - 1);
-        int q0 = min(tok0 + 8 * nn + 2 * (lane & 3), count - 1);
-        int q1 = min(q0 + 1, count - 1);
-        xp_tok[nn] = xp + (long)tok(mine) * (cols / 4);
-        xs_q[nn][0] = xs + (long)tok(q0) * (cols / gs);
-        xs_q[nn][1] = xs + (long)tok(q1) * (cols / gs);
+        long mine, q0, q1;
+        mma_token_rows(tok0, nn, count, tok, mine, q0, q1);
+        xp_tok[nn] = xp + mine * (cols / 4);
+        xs_q[nn][0] = xs + q0 * (cols / gs);
+        xs_q[nn][1] = xs + q1 * (cols / gs);
     }
     int live = min(NT, (count - tok0 + 7) / 8);
 #define MMA_CALL(B, S) mma_tile<B, S, MT, NT>(q, row0, xp_tok, xs_q, live, acc)

@@ -141,22 +141,21 @@ __device__ __forceinline__ void mma_tile_q8(const QW* const (&q)[MT], const int 
     }
 }
 
-// mma_tile_q8 for tokens tok0 .. of `count` (tok(i): a position's row of
-// q8_rows' output), groups of gs in {32, 64, 128}.
+// mma_tile_q8 for tokens tok0 .. of `count` (see mma_token_rows) on
+// q8_rows' output, groups of gs in {32, 64, 128}.
 template <int MT, int NT, class Tok>
 __device__ __forceinline__ void mma_tokens_q8(const QW* const (&q)[MT], const int (&row0)[MT], int tok0, int count,
                                               Tok tok, const u32* xq, const float2* dxs, float (&acc)[MT][NT][4]) {
-    const int cols = q[0]->cols, lane = threadIdx.x & 31;
+    const int cols = q[0]->cols;
     const u32* xq_tok[NT];
     const float2* dxs_q[NT][2];
 #pragma unroll
     for (int nn = 0; nn < NT; nn++) {
-        int mine = min(tok0 + 8 * nn + (lane >> 2), count - 1);
-        int q0 = min(tok0 + 8 * nn + 2 * (lane & 3), count - 1);
-        int q1 = min(q0 + 1, count - 1);
-        xq_tok[nn] = xq + (long)tok(mine) * (cols / 4);
-        dxs_q[nn][0] = dxs + (long)tok(q0) * (cols / 32);
-        dxs_q[nn][1] = dxs + (long)tok(q1) * (cols / 32);
+        long mine, q0, q1;
+        mma_token_rows(tok0, nn, count, tok, mine, q0, q1);
+        xq_tok[nn] = xq + mine * (cols / 4);
+        dxs_q[nn][0] = dxs + q0 * (cols / 32);
+        dxs_q[nn][1] = dxs + q1 * (cols / 32);
     }
     int live = min(NT, (count - tok0 + 7) / 8);
     if (q[0]->gs == 64)
