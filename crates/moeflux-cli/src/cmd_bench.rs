@@ -167,6 +167,12 @@ impl Report<'_> {
             "gpu_prefetched": t.gpu_cache.prefetched,
             "gpu_prefetch_used": t.gpu_cache.prefetch_hits,
             "gpu_cpu_computed": t.gpu_cache.cpu_computed,
+            // `--low-width-misses`: the share of expert uses that ran on a
+            // low-width copy, misses uploaded as copies, and copies a
+            // prefetch replaced at full width.
+            "gpu_low_width_share": t.gpu_cache.low_width_share(),
+            "gpu_low_width_misses": t.gpu_cache.low_misses,
+            "gpu_promoted": t.gpu_cache.promoted,
             // Per level, of the timed part: expert uses found in VRAM,
             // VRAM misses copied from the pinned host tier, and those read
             // from the expert files (page cache or disk).
@@ -351,6 +357,13 @@ impl Report<'_> {
                     pct(t.gpu_cache.hit_rate()),
                     human_bytes(t.uploaded_bytes_per_token() as u64)
                 ));
+                if t.gpu_cache.low_misses > 0 {
+                    out.push_str(&format!(
+                        ", {} of expert uses on low-width copies ({} replaced by prefetches)",
+                        pct(t.gpu_cache.low_width_share()),
+                        t.gpu_cache.promoted
+                    ));
+                }
                 if self.cache_outlasts(t) {
                     let per_token = t.expert_uses_per_rep() / t.tokens.max(1) as u64;
                     let enough =

@@ -150,6 +150,15 @@ pub struct ModelArgs {
     /// (`moeflux perplexity --kl` reports it against the experts).
     #[arg(long)]
     pub low_width_experts: bool,
+    /// GPU: keep the expert cache at full width but upload each miss as
+    /// the expert's low-width copy (`convert --low-width-copies 2`): about
+    /// half the bytes over PCIe where the misses wait. Predicted experts
+    /// the prefetch uploads from the host tier travel at full width and
+    /// replace the copies they find. The quality cost lies between the
+    /// experts' and `--low-width-experts`', by the share of uses that ran
+    /// on a copy (`bench` reports it).
+    #[arg(long, conflicts_with = "low_width_experts")]
+    pub low_width_misses: bool,
     /// GPU: launch every kernel of a decode step one by one instead of
     /// replaying the step as a CUDA graph (for comparison and debugging).
     #[arg(long)]
@@ -344,6 +353,7 @@ impl ModelArgs {
                 gpu_activations: self.gpu_activations,
                 cpu_repack: self.cpu_repack,
                 low_width_experts: self.low_width_experts,
+                low_width_misses: self.low_width_misses,
                 ..Default::default()
             },
         )

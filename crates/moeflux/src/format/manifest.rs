@@ -177,6 +177,11 @@ impl Manifest {
         self.experts.iter().find(|l| l.layer == layer)
     }
 
+    /// The low-width copies of layer `layer`'s experts, if the model has them.
+    pub fn low_width_layer(&self, layer: usize) -> Option<&ExpertLayer> {
+        self.low_width_experts.iter().find(|l| l.layer == layer)
+    }
+
     /// Total bytes of the dense tensors.
     pub fn dense_bytes(&self) -> u64 {
         // Saturating: `inspect` may describe a manifest that fails its checks.

@@ -189,6 +189,9 @@ pub struct ExpertStore {
     counters: Arc<Counters>,
     fallbacks: Vec<PathBuf>,
     opts: ExpertStoreOptions,
+    /// The experts' low-width copies, opened beside them for a GPU session
+    /// that uploads misses at low width (`attach_low_width`).
+    low_width: Option<Box<ExpertStore>>,
 }
 
 impl std::fmt::Debug for ExpertStore {
@@ -330,7 +333,19 @@ impl ExpertStore {
             counters: Arc::new(Counters::default()),
             fallbacks,
             opts: opts.clone(),
+            low_width: None,
         })
+    }
+
+    /// Keeps `copies` (a store of this model's low-width copies, opened
+    /// from the manifest's `low_width_experts`) beside the experts.
+    pub fn attach_low_width(&mut self, copies: ExpertStore) {
+        self.low_width = Some(Box::new(copies));
+    }
+
+    /// The low-width copies attached by [`ExpertStore::attach_low_width`].
+    pub fn low_width(&self) -> Option<&ExpertStore> {
+        self.low_width.as_deref()
     }
 
     /// Reads experts `ids` of MoE layer `layer` (the model layer index) into

@@ -116,7 +116,12 @@ impl Model {
                         )
                     })?;
                     let layout = ExpertLayout::from_manifest(el, &config, &manifest_path)?;
-                    Mlp::Moe(MoeBlock::load(&mut w, &config, &p, i, layout)?)
+                    let mut block = MoeBlock::load(&mut w, &config, &p, i, layout)?;
+                    block.low_width = manifest
+                        .low_width_layer(i)
+                        .map(|l| ExpertLayout::from_manifest(l, &config, &manifest_path))
+                        .transpose()?;
+                    Mlp::Moe(block)
                 }
                 MlpKind::Dense => Mlp::Dense(DenseMlp::load(&mut w, &config, &p)?),
             };

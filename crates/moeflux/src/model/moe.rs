@@ -34,6 +34,10 @@ pub struct MoeBlock {
     pub expert_bias: Option<[VectorRef; 3]>,
     pub shared: Option<SharedExpert>,
     pub experts: ExpertLayout,
+    /// The layout of the experts' low-width copies (`convert
+    /// --low-width-copies`), when the model has them: what the GPU's
+    /// `--low-width-misses` uploads on a miss.
+    pub low_width: Option<ExpertLayout>,
 }
 
 impl MoeBlock {
@@ -101,6 +105,7 @@ impl MoeBlock {
             expert_bias,
             shared,
             experts,
+            low_width: None,
         })
     }
 }

@@ -133,7 +133,7 @@ pub struct Batch {
 /// `convert` wrote them (low-width copies added later leave it unchanged,
 /// so snapshots taken before stay loadable), and whether the session uses
 /// those copies.
-fn model_fingerprint(manifest: &Manifest, bytes: Vec<u8>, low_width: bool) -> u64 {
+fn model_fingerprint(manifest: &Manifest, bytes: Vec<u8>, widths: Option<&str>) -> u64 {
     let bytes = if manifest.low_width_experts.is_empty() {
         bytes
     } else {
@@ -142,9 +142,9 @@ fn model_fingerprint(manifest: &Manifest, bytes: Vec<u8>, low_width: bool) -> u6
         m.file_text().into_bytes()
     };
     let h = crate::hash::fnv1a(&bytes);
-    match low_width {
-        true => h ^ crate::hash::fnv1a(b"low-width experts"),
-        false => h,
+    match widths {
+        Some(tag) => h ^ crate::hash::fnv1a(tag.as_bytes()),
+        None => h,
     }
 }
 
@@ -157,16 +157,28 @@ impl Batch {
         let (mut manifest, config) = Model::read_dir(dir)?;
         let manifest_bytes =
             std::fs::read(&manifest_path).map_err(|e| Error::io(&manifest_path, e))?;
-        let fingerprint = model_fingerprint(&manifest, manifest_bytes, opts.low_width_experts);
-        if opts.low_width_experts {
-            if manifest.low_width_experts.is_empty() {
-                return Err(Error::Invalid(format!(
-                    "{}: the model has no low-width copies of its experts (make them with \
-                     `moeflux convert --low-width-copies 2 --model {}`)",
-                    dir.display(),
-                    dir.display()
-                )));
+        let widths = match (opts.low_width_experts, opts.low_width_misses) {
+            (true, true) => {
+                return Err(Error::Invalid(
+                    "--low-width-experts and --low-width-misses exclude each other (every \
+                     expert at low width, or only the GPU cache's misses)"
+                        .into(),
+                ))
             }
+            (true, false) => Some("low-width experts"),
+            (false, true) => Some("low-width misses"),
+            (false, false) => None,
+        };
+        let fingerprint = model_fingerprint(&manifest, manifest_bytes, widths);
+        if widths.is_some() && manifest.low_width_experts.is_empty() {
+            return Err(Error::Invalid(format!(
+                "{}: the model has no low-width copies of its experts (make them with \
+                 `moeflux convert --low-width-copies 2 --model {}`)",
+                dir.display(),
+                dir.display()
+            )));
+        }
+        if opts.low_width_experts {
             manifest.experts = std::mem::take(&mut manifest.low_width_experts);
         }
         let k_max = config.moe.num_experts_per_tok;
@@ -231,18 +243,30 @@ impl Batch {
                 Err(e) => return Err(e),
             },
         };
-        let store = ExpertStore::open(
-            dir,
-            &manifest,
-            &ExpertStoreOptions {
-                direct_io: opts.direct_io,
-                // The GPU uploads experts from pinned buffers: read into
-                // them, unless the mapped files themselves are pinned.
-                mmap: opts.mmap && (gpu.is_err() || opts.host_cache.is_some()),
-                io_threads: opts.io_threads.max(1),
-                ..Default::default()
-            },
-        )?;
+        let store_opts = ExpertStoreOptions {
+            direct_io: opts.direct_io,
+            // The GPU uploads experts from pinned buffers: read into
+            // them, unless the mapped files themselves are pinned.
+            mmap: opts.mmap && (gpu.is_err() || opts.host_cache.is_some()),
+            io_threads: opts.io_threads.max(1),
+            ..Default::default()
+        };
+        let mut store = ExpertStore::open(dir, &manifest, &store_opts)?;
+        if opts.low_width_misses {
+            if let Err(why) = &gpu {
+                return Err(Error::Invalid(format!(
+                    "--low-width-misses uploads the GPU expert cache's misses at low width, but \
+                     this session runs on the CPU ({why}); --low-width-experts runs every \
+                     expert at low width on any backend"
+                )));
+            }
+            let copies = Manifest {
+                experts: manifest.low_width_experts.clone(),
+                low_width_experts: Vec::new(),
+                ..manifest.clone()
+            };
+            store.attach_low_width(ExpertStore::open(dir, &copies, &store_opts)?);
+        }
         let (engine, backend_note) = match gpu {
             // Every family runs on the GPU (the CUDA model takes either).
             Ok(gpus) => {
@@ -296,20 +320,26 @@ impl Batch {
                     }
                     _ => {}
                 }
+                if m.low_width_misses() {
+                    note.push_str("; misses uploaded as the experts' low-width copies");
+                }
                 let tier = m.host_tier();
                 if tier.is_some() {
                     let gb = tier.bytes as f64 / 1e9;
-                    note.push_str(&if tier.layers > 0 {
-                        format!(
-                            "; host tier: the expert files of {} layers ({gb:.1} GB) pinned",
-                            tier.layers
-                        )
-                    } else {
-                        format!(
-                            "; host tier: {} pinned expert slots ({gb:.1} GB), filled on misses",
-                            tier.slots
-                        )
-                    });
+                    let mut held = Vec::new();
+                    if tier.layers > 0 {
+                        held.push(format!("the expert files of {} layers", tier.layers));
+                    }
+                    if tier.slots > 0 {
+                        held.push(format!("{} expert slots filled on misses", tier.slots));
+                    }
+                    if tier.low_layers > 0 {
+                        held.push(format!("the low-width copies of {} layers", tier.low_layers));
+                    }
+                    note.push_str(&format!(
+                        "; host tier: {} pinned ({gb:.1} GB)",
+                        held.join(" and ")
+                    ));
                     if m.prefetching() {
                         note.push_str(", predicted experts uploaded ahead");
                     }

@@ -100,6 +100,14 @@ pub struct SessionOptions {
     /// backend: fewer bytes per expert read, uploaded and cached, at a
     /// quality cost (`moeflux perplexity --kl` measures it).
     pub low_width_experts: bool,
+    /// GPU backend: keep the expert cache's experts at full width but
+    /// upload a miss as its low-width copy (fewer bytes over PCIe on the
+    /// critical path). Predicted experts the prefetch uploads from the host
+    /// tier travel at full width and replace the low copies they find, so
+    /// the experts in use settle at full width. A miss's width depends on
+    /// what the cache held, so results are not reproducible step for step
+    /// as with full-width experts.
+    pub low_width_misses: bool,
 }
 
 /// Where a session computes.
@@ -149,6 +157,7 @@ impl Default for SessionOptions {
             gpu_activations: Activations::F32,
             cpu_repack: Repack::Auto,
             low_width_experts: false,
+            low_width_misses: false,
         }
     }
 }

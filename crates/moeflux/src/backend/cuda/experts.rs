@@ -3,6 +3,13 @@
 //! (`host_tier.rs`) when there is one, else from the expert files through
 //! pinned staging buffers, or by cuFile straight into the slots (`gds.rs`).
 //! Which slot to overwrite is `slots.rs`'s policy.
+//!
+//! With low-width misses (`--low-width-misses`), a miss is uploaded as the
+//! expert's low-width copy and its slot marked low; the prefetch uploads
+//! predicted experts at full width and replaces the low copies it finds,
+//! so the critical path carries the small copies and the experts in use
+//! settle at full width. A slot holds either width (a copy is smaller than
+//! the expert); the MoE block runs each width's slots with its own layout.
 
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -51,6 +58,13 @@ pub struct CacheStats {
     /// Nanoseconds `ensure` waited for a layer's read-ahead to land and
     /// upload.
     pub ahead_wait_ns: u64,
+    /// Of the misses, those uploaded as low-width copies
+    /// (`--low-width-misses`).
+    pub low_misses: u64,
+    /// Of the hits, those on a slot holding a low-width copy.
+    pub low_hits: u64,
+    /// Low-width copies a prefetch replaced with the full-width expert.
+    pub promoted: u64,
 }
 
 impl CacheStats {
@@ -72,6 +86,9 @@ impl CacheStats {
             read_batches: self.read_batches - earlier.read_batches,
             read_ns: self.read_ns - earlier.read_ns,
             ahead_wait_ns: self.ahead_wait_ns - earlier.ahead_wait_ns,
+            low_misses: self.low_misses - earlier.low_misses,
+            low_hits: self.low_hits - earlier.low_hits,
+            promoted: self.promoted - earlier.promoted,
         }
     }
 
@@ -92,6 +109,9 @@ impl CacheStats {
             read_batches: self.read_batches + o.read_batches,
             read_ns: self.read_ns + o.read_ns,
             ahead_wait_ns: self.ahead_wait_ns + o.ahead_wait_ns,
+            low_misses: self.low_misses + o.low_misses,
+            low_hits: self.low_hits + o.low_hits,
+            promoted: self.promoted + o.promoted,
         }
     }
 
@@ -107,6 +127,21 @@ impl CacheStats {
         let n = self.hits + self.misses;
         (n > 0).then(|| self.hits as f64 / n as f64)
     }
+
+    /// The share of expert uses computed with a low-width copy
+    /// (`--low-width-misses`).
+    pub fn low_width_share(&self) -> Option<f64> {
+        let n = self.hits + self.misses;
+        (n > 0).then(|| (self.low_hits + self.low_misses) as f64 / n as f64)
+    }
+}
+
+/// Where `ensure` put an expert: its slot's device address, and whether
+/// the slot holds the expert's low-width copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Resident {
+    pub ptr: u64,
+    pub low: bool,
 }
 
 /// Staging buffers reused for uploads (a wave of reads at a time).
@@ -138,8 +173,16 @@ pub enum Tier {
     Arena(Mutex<PinnedArena>),
 }
 
-/// The host tier, shared by the GPUs of a group.
-pub type HostTier = Arc<Tier>;
+/// The host tier, shared by the GPUs of a group: the experts, and (for
+/// `--low-width-misses`) per model layer the registration pinning its
+/// mapped file of low-width copies.
+#[derive(Default)]
+pub struct HostTiers {
+    pub full: Tier,
+    pub low: Vec<Option<Pinned>>,
+}
+
+pub type HostTier = Arc<HostTiers>;
 
 /// What a host tier holds.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -150,6 +193,9 @@ pub struct HostTierInfo {
     pub slots: usize,
     /// Bytes of host RAM pinned.
     pub bytes: u64,
+    /// Layers whose files of low-width copies are pinned whole (their
+    /// bytes are in `bytes`).
+    pub low_layers: usize,
 }
 
 impl HostTierInfo {
@@ -188,6 +234,10 @@ pub struct ExpertCache {
     /// Misses of files read with `O_DIRECT` go straight to their slots
     /// through cuFile (`--gds`).
     gds: Option<Arc<GdsReader>>,
+    /// Upload misses as the experts' low-width copies (`--low-width-misses`).
+    low_misses: bool,
+    /// Slots holding a low-width copy.
+    low: Vec<bool>,
     pub stats: CacheStats,
 }
 
@@ -231,8 +281,21 @@ impl ExpertCache {
             ahead: None,
             ahead_slot: vec![false; n_slots],
             gds: None,
+            low_misses: false,
+            low: vec![false; n_slots],
             stats: CacheStats::default(),
         })
+    }
+
+    /// From now on, uploads misses as the store's low-width copies (the
+    /// store must have them attached).
+    pub fn use_low_width_misses(&mut self) {
+        self.low_misses = true;
+    }
+
+    /// Whether misses are uploaded as low-width copies.
+    pub fn uploads_low_width(&self) -> bool {
+        self.low_misses
     }
 
     /// Reads the misses of files opened with `O_DIRECT` through cuFile.
@@ -262,9 +325,9 @@ impl ExpertCache {
         }
         let mut table = vec![0u64; num_layers * num_experts];
         for (l, ids) in &layers {
-            let ptrs = self.ensure(gpu, store, *l, ids)?;
-            for (&e, p) in ids.iter().zip(ptrs) {
-                table[l * num_experts + e] = p;
+            let placed = self.ensure(gpu, store, *l, ids)?;
+            for (&e, r) in ids.iter().zip(placed) {
+                table[l * num_experts + e] = r.ptr;
             }
         }
         gpu.copy
@@ -310,6 +373,7 @@ impl ExpertCache {
             .expect("ids.len() <= n_slots leaves a slot this call does not use");
         self.prefetched[s] = false;
         self.ahead_slot[s] = false;
+        self.low[s] = false;
         s
     }
 
@@ -317,45 +381,41 @@ impl ExpertCache {
     fn invalidate(&mut self, s: usize) {
         self.prefetched[s] = false;
         self.ahead_slot[s] = false;
+        self.low[s] = false;
         self.map.invalidate(s);
     }
 
     /// Sets up the host tier in `budget` bytes: when every expert file is
     /// mapped and they all fit, pins the mappings (misses are copied
     /// straight from them); else an arena of expert slots (at most one per
-    /// expert) filled on misses. Returns what it holds.
+    /// expert) filled on misses. With low-width misses, the mapped files of
+    /// the copies are pinned first when they fit (they serve the misses),
+    /// and the experts get the rest. Returns what it holds.
     pub fn pin_host_tier(
         &mut self,
         gpu: &Gpu,
         store: &ExpertStore,
         budget: u64,
     ) -> Result<HostTierInfo> {
-        let mapped: Option<u64> = store
-            .layers()
-            .map(|l| store.mapping(l).map(|m| m.len() as u64))
-            .sum();
-        if let Some(bytes) = mapped.filter(|&b| b <= budget) {
-            let mut host: Vec<Option<Pinned>> = Vec::new();
-            for l in store.layers() {
-                let map = store.mapping(l).expect("every layer is mapped");
-                let pin = Pinned::register_read_only(gpu, map).map_err(|e| {
-                    Error::Gpu(format!(
-                        "pinning the expert file of layer {l} ({:.2} GB) as the host tier: {e} \
-                         (lower --host-cache, or raise the locked-memory limit)",
-                        map.len() as f64 / 1e9
-                    ))
-                })?;
-                if host.len() <= l {
-                    host.resize_with(l + 1, || None);
-                }
-                host[l] = Some(pin);
-            }
+        let copies = store.low_width().filter(|_| self.low_misses);
+        let (low, low_bytes) = match copies.and_then(|c| mapped_bytes(c).map(|b| (c, b))) {
+            Some((c, bytes)) if bytes <= budget => (pin_layers(gpu, c, "low-width copies")?, bytes),
+            _ => (Vec::new(), 0),
+        };
+        let low_layers = low.iter().flatten().count();
+        let budget = budget - low_bytes;
+        if let Some(bytes) = mapped_bytes(store).filter(|&b| b <= budget) {
+            let host = pin_layers(gpu, store, "expert file")?;
             let layers = host.iter().flatten().count();
-            self.host = Arc::new(Tier::Layers(host));
+            self.host = Arc::new(HostTiers {
+                full: Tier::Layers(host),
+                low,
+            });
             return Ok(HostTierInfo {
                 layers,
                 slots: 0,
-                bytes,
+                bytes: bytes + low_bytes,
+                low_layers,
             });
         }
         let experts: usize = store.layers().filter_map(|l| store.num_experts(l)).sum();
@@ -363,6 +423,17 @@ impl ExpertCache {
             .unwrap_or(usize::MAX)
             .min(experts);
         if n == 0 {
+            if low_layers > 0 {
+                self.host = Arc::new(HostTiers {
+                    full: Tier::None,
+                    low,
+                });
+                return Ok(HostTierInfo {
+                    bytes: low_bytes,
+                    low_layers,
+                    ..Default::default()
+                });
+            }
             return Err(Error::Invalid(format!(
                 "--host-cache of {budget} bytes holds no expert ({:.2} MB each)",
                 self.extent as f64 / 1e6
@@ -379,11 +450,15 @@ impl ExpertCache {
                 bytes as f64 / 1e9
             ))
         })?;
-        self.host = Arc::new(Tier::Arena(Mutex::new(arena)));
+        self.host = Arc::new(HostTiers {
+            full: Tier::Arena(Mutex::new(arena)),
+            low,
+        });
         Ok(HostTierInfo {
             layers: 0,
             slots: n,
-            bytes,
+            bytes: bytes + low_bytes,
+            low_layers,
         })
     }
 
@@ -399,7 +474,12 @@ impl ExpertCache {
 
     /// Whether `layer`'s expert files are pinned whole in host RAM.
     pub fn host_pinned(&self, layer: usize) -> bool {
-        matches!(&*self.host, Tier::Layers(l) if l.get(layer).is_some_and(|p| p.is_some()))
+        matches!(&self.host.full, Tier::Layers(l) if l.get(layer).is_some_and(|p| p.is_some()))
+    }
+
+    /// Whether `layer`'s file of low-width copies is pinned whole.
+    fn low_pinned(&self, layer: usize) -> bool {
+        self.host.low.get(layer).is_some_and(|p| p.is_some())
     }
 
     /// Whether expert `e` of `layer` has a slot (resident, or a prefetch
@@ -417,7 +497,7 @@ impl ExpertCache {
         gpu.copy
             .synchronize()
             .map_err(|e| Error::Gpu(format!("expert upload: {e}")))?;
-        if let Tier::Arena(arena) = &*self.host {
+        if let Tier::Arena(arena) = &self.host.full {
             let mut a = arena.lock().unwrap_or_else(|p| p.into_inner());
             for (key, claim) in self.held.drain(..) {
                 a.check_in(key, claim, true);
@@ -426,15 +506,15 @@ impl ExpertCache {
         Ok(())
     }
 
-    /// Makes experts `ids` of `layer` resident and returns their device
-    /// addresses; the compute stream is ordered after their uploads.
+    /// Makes experts `ids` of `layer` resident and returns where each is;
+    /// the compute stream is ordered after their uploads.
     pub fn ensure(
         &mut self,
         gpu: &Gpu,
         store: &ExpertStore,
         layer: usize,
         ids: &[usize],
-    ) -> Result<Vec<u64>> {
+    ) -> Result<Vec<Resident>> {
         let n_slots = self.map.len();
         if ids.len() > n_slots {
             return Err(Error::Gpu(format!(
@@ -452,6 +532,7 @@ impl ExpertCache {
                 Some(s) => {
                     slot_of[i] = s;
                     self.stats.hits += 1;
+                    self.stats.low_hits += self.low[s] as u64;
                     if std::mem::take(&mut self.prefetched[s]) {
                         self.stats.prefetch_hits += 1;
                     }
@@ -473,8 +554,10 @@ impl ExpertCache {
             let victim = self.take_victim(&busy);
             busy[victim] = true;
             self.map.assign(victim, (layer, ids[i]));
+            self.low[victim] = self.low_misses;
             slot_of[i] = victim;
             self.stats.misses += 1;
+            self.stats.low_misses += self.low_misses as u64;
         }
         if misses.is_empty() && self.copies_pending {
             // Hits may be prefetches still on their way.
@@ -486,11 +569,20 @@ impl ExpertCache {
         if misses.is_empty() {
             self.start_read_ahead(gpu, store)?;
         }
-        self.upload(gpu, store, layer, ids, &misses, &slot_of)?;
+        match store.low_width().filter(|_| self.low_misses) {
+            Some(copies) => self.upload_low(gpu, copies, layer, ids, &misses, &slot_of)?,
+            None => self.upload(gpu, store, layer, ids, &misses, &slot_of)?,
+        }
         self.start_read_ahead(gpu, store)?;
         self.copies_pending = false;
         self.in_use = slot_of.clone();
-        Ok(slot_of.iter().map(|&s| self.slot_ptr(s)).collect())
+        Ok(slot_of
+            .iter()
+            .map(|&s| Resident {
+                ptr: self.slot_ptr(s),
+                low: self.low[s],
+            })
+            .collect())
     }
 
     /// Plans reading experts `ids` of `layer` (the next MoE layer's
@@ -506,7 +598,7 @@ impl ExpertCache {
     /// tok/s, so it is never on there and only on by `--prefetch on`.
     pub fn read_ahead(&mut self, store: &ExpertStore, layer: usize, ids: &[usize]) -> bool {
         let applies = self.table.is_none()
-            && matches!(*self.host, Tier::None)
+            && matches!(self.host.full, Tier::None)
             && store.is_mapped(layer) == Some(false);
         if applies {
             self.ahead_plan = Some((layer, ids.to_vec()));
@@ -594,6 +686,7 @@ impl ExpertCache {
             match unsafe { copy_htod_async(&gpu.copy, self.slot_ptr(s), &bytes[..extent]) } {
                 Ok(()) => {
                     self.map.assign(s, (layer, e));
+                    self.low[s] = false;
                     self.prefetched[s] = true;
                     self.ahead_slot[s] = true;
                     let st = &mut self.stats;
@@ -637,8 +730,9 @@ impl ExpertCache {
     /// `ensure` orders it after them. Only from the host tier (a copy
     /// straight from pinned memory; reads from the files would block the
     /// host): a whole-layer tier's layers, an arena's held experts. Never
-    /// overwrites the slots the last `ensure` handed out. Returns how many
-    /// uploads it started.
+    /// overwrites the slots the last `ensure` handed out. A predicted expert
+    /// held as its low-width copy is uploaded at full width into its own
+    /// slot. Returns how many uploads it started.
     pub fn prefetch(
         &mut self,
         gpu: &Gpu,
@@ -649,7 +743,7 @@ impl ExpertCache {
         if self.table.is_some() {
             return Ok(0);
         }
-        let arena = match &*self.host {
+        let arena = match &self.host.full {
             Tier::Arena(_) => true,
             Tier::Layers(_) if self.host_pinned(layer) => false,
             _ => return Ok(0),
@@ -658,19 +752,27 @@ impl ExpertCache {
         for &s in &self.in_use {
             busy[s] = true;
         }
-        let room = self.map.len() - self.in_use.len();
-        let wanted: Vec<usize> = ids
-            .iter()
-            .copied()
-            .filter(|&e| self.map.get((layer, e)).is_none())
-            .take(room)
-            .collect();
+        // Per wanted expert, the slot of the low copy it replaces (`None`:
+        // a new slot, at most as many as are not in use).
+        let mut room = self.map.len() - self.in_use.len();
+        let mut wanted: Vec<(usize, Option<usize>)> = Vec::new();
+        for &e in ids {
+            match self.map.get((layer, e)) {
+                None if room > 0 => {
+                    room -= 1;
+                    wanted.push((e, None));
+                }
+                Some(s) if self.low[s] && !busy[s] => wanted.push((e, Some(s))),
+                _ => {}
+            }
+        }
+        let wanted_ids: Vec<usize> = wanted.iter().map(|&(e, _)| e).collect();
         // Per wanted expert, the pinned bytes to copy (and the arena claim
         // to hold until the copy is done).
         let host = Arc::clone(&self.host);
-        let mut claims = match &*host {
+        let mut claims = match &host.full {
             Tier::Arena(a) => {
-                let keys: Vec<_> = wanted.iter().map(|&e| (layer, e)).collect();
+                let keys: Vec<_> = wanted_ids.iter().map(|&e| (layer, e)).collect();
                 let mut a = a.lock().unwrap_or_else(|p| p.into_inner());
                 a.check_out(&keys, false).into_iter().map(Some).collect()
             }
@@ -678,7 +780,7 @@ impl ExpertCache {
         };
         let extent = store.extent_bytes(layer);
         let mut started = 0;
-        for (j, &e) in wanted.iter().enumerate() {
+        for (j, &(e, low_slot)) in wanted.iter().enumerate() {
             let src: &[u8] = if arena {
                 match claims[j].as_ref().and_then(|c| c.buf()) {
                     Some(buf) => &buf.as_bytes()[..extent],
@@ -687,18 +789,30 @@ impl ExpertCache {
             } else {
                 store.mapped(layer, e).expect("host-tier layers are mapped")
             };
-            let s = self.take_victim(&busy);
+            let s = match low_slot {
+                Some(s) => {
+                    self.low[s] = false;
+                    self.stats.promoted += 1;
+                    s
+                }
+                None => {
+                    let s = self.take_victim(&busy);
+                    self.map.assign(s, (layer, e));
+                    s
+                }
+            };
             busy[s] = true;
-            self.map.assign(s, (layer, e));
             self.prefetched[s] = true;
             // SAFETY: the source is pinned and outlives the copy (a mapping
             // lives as long as the store; an arena slot stays checked out in
             // `held` until `release_held` synchronised the copy stream);
-            // slot `s` is not in use by queued compute (`in_use`), and the
-            // next `ensure` orders the compute stream after this copy.
+            // slot `s` is not in use by queued compute (`in_use`; the steps
+            // before it were synchronised when this layer's choice was
+            // read), and the next `ensure` orders the compute stream after
+            // this copy.
             if let Err(e) = unsafe { copy_htod_async(&gpu.copy, self.slot_ptr(s), src) } {
                 self.invalidate(s);
-                held_claims(&mut self.held, &mut claims, layer, &wanted);
+                held_claims(&mut self.held, &mut claims, layer, &wanted_ids);
                 return Err(e);
             }
             self.stats.uploaded_bytes += extent as u64;
@@ -706,7 +820,7 @@ impl ExpertCache {
             self.copies_pending = true;
             started += 1;
         }
-        held_claims(&mut self.held, &mut claims, layer, &wanted);
+        held_claims(&mut self.held, &mut claims, layer, &wanted_ids);
         Ok(started)
     }
 
@@ -730,27 +844,9 @@ impl ExpertCache {
         }
         let extent = store.extent_bytes(layer);
         let host = Arc::clone(&self.host);
-        match &*host {
+        match &host.full {
             Tier::Layers(_) if self.host_pinned(layer) => {
-                for (n, &i) in misses.iter().enumerate() {
-                    let src = store
-                        .mapped(layer, ids[i])
-                        .expect("host-tier layers are mapped");
-                    // SAFETY: the mapping is pinned and read-only; it lives
-                    // as long as the store, which outlives the copy (the
-                    // compute stream waits for it below).
-                    let copied =
-                        unsafe { copy_htod_async(&gpu.copy, self.slot_ptr(slot_of[i]), src) };
-                    if let Err(e) = copied {
-                        for &i in &misses[n..] {
-                            self.invalidate(slot_of[i]);
-                        }
-                        return Err(e);
-                    }
-                    self.stats.uploaded_bytes += extent as u64;
-                    self.stats.host_hits += 1;
-                }
-                stream_wait(&gpu.stream, &gpu.copy)
+                self.upload_pinned(gpu, store, layer, ids, misses, slot_of)
             }
             Tier::Arena(arena) => {
                 let miss_ids: Vec<usize> = misses.iter().map(|&i| ids[i]).collect();
@@ -802,14 +898,34 @@ impl ExpertCache {
                     }
                     return Err(e);
                 }
-                self.upload_staged(gpu, store, layer, ids, &rest, slot_of)
+                self.upload_staged(gpu, store, layer, ids, &rest, slot_of, true)
             }
-            _ => self.upload_staged(gpu, store, layer, ids, misses, slot_of),
+            _ => self.upload_staged(gpu, store, layer, ids, misses, slot_of, true),
         }
     }
 
-    /// [`ExpertCache::upload`] through the staging buffers (or a mapping).
-    fn upload_staged(
+    /// [`ExpertCache::upload`] of the misses as their low-width copies
+    /// (`copies`): from their pinned files when the host tier holds them,
+    /// else read from the files through the staging buffers.
+    fn upload_low(
+        &mut self,
+        gpu: &Gpu,
+        copies: &ExpertStore,
+        layer: usize,
+        ids: &[usize],
+        misses: &[usize],
+        slot_of: &[usize],
+    ) -> Result<()> {
+        if self.low_pinned(layer) {
+            self.upload_pinned(gpu, copies, layer, ids, misses, slot_of)
+        } else {
+            self.upload_staged(gpu, copies, layer, ids, misses, slot_of, false)
+        }
+    }
+
+    /// [`ExpertCache::upload`] from `store`'s mapping of `layer`, pinned
+    /// whole in the host tier.
+    fn upload_pinned(
         &mut self,
         gpu: &Gpu,
         store: &ExpertStore,
@@ -818,13 +934,48 @@ impl ExpertCache {
         misses: &[usize],
         slot_of: &[usize],
     ) -> Result<()> {
+        let extent = store.extent_bytes(layer);
+        for (n, &i) in misses.iter().enumerate() {
+            let src = store
+                .mapped(layer, ids[i])
+                .expect("host-tier layers are mapped");
+            // SAFETY: the mapping is pinned and read-only; it lives as long
+            // as the store, which outlives the copy (the compute stream
+            // waits for it below).
+            let copied = unsafe { copy_htod_async(&gpu.copy, self.slot_ptr(slot_of[i]), src) };
+            if let Err(e) = copied {
+                for &i in &misses[n..] {
+                    self.invalidate(slot_of[i]);
+                }
+                return Err(e);
+            }
+            self.stats.uploaded_bytes += extent as u64;
+            self.stats.host_hits += 1;
+        }
+        stream_wait(&gpu.stream, &gpu.copy)
+    }
+
+    /// [`ExpertCache::upload`] through the staging buffers (or a mapping),
+    /// or by cuFile when it is on and `by_gds` (it has the experts' files
+    /// registered, not the low-width copies').
+    #[allow(clippy::too_many_arguments)]
+    fn upload_staged(
+        &mut self,
+        gpu: &Gpu,
+        store: &ExpertStore,
+        layer: usize,
+        ids: &[usize],
+        misses: &[usize],
+        slot_of: &[usize],
+        by_gds: bool,
+    ) -> Result<()> {
         if misses.is_empty() {
             return Ok(());
         }
         if let Some(gds) = self
             .gds
             .clone()
-            .filter(|_| store.is_direct(layer) == Some(true))
+            .filter(|_| by_gds && store.is_direct(layer) == Some(true))
         {
             return self.upload_gds(gpu, store, layer, ids, misses, slot_of, gds);
         }
@@ -957,6 +1108,35 @@ impl ExpertCache {
     }
 }
 
+/// Bytes of `store`'s expert files when every layer is mapped.
+fn mapped_bytes(store: &ExpertStore) -> Option<u64> {
+    store
+        .layers()
+        .map(|l| store.mapping(l).map(|m| m.len() as u64))
+        .sum()
+}
+
+/// Pins every layer's mapped file of `store` (`what` names them in an
+/// error), indexed by model layer.
+fn pin_layers(gpu: &Gpu, store: &ExpertStore, what: &str) -> Result<Vec<Option<Pinned>>> {
+    let mut host: Vec<Option<Pinned>> = Vec::new();
+    for l in store.layers() {
+        let map = store.mapping(l).expect("every layer is mapped");
+        let pin = Pinned::register_read_only(gpu, map).map_err(|e| {
+            Error::Gpu(format!(
+                "pinning the {what} of layer {l} ({:.2} GB) as the host tier: {e} \
+                 (lower --host-cache, or raise the locked-memory limit)",
+                map.len() as f64 / 1e9
+            ))
+        })?;
+        if host.len() <= l {
+            host.resize_with(l + 1, || None);
+        }
+        host[l] = Some(pin);
+    }
+    Ok(host)
+}
+
 /// Keeps a prefetch's arena claims (the hits; a bypass holds nothing) until
 /// `release_held`.
 fn held_claims(
@@ -978,7 +1158,7 @@ impl Drop for ExpertCache {
     fn drop(&mut self) {
         // Reads in flight write into pinned staging buffers: let them land.
         self.drop_read_ahead();
-        if let Tier::Arena(arena) = &*self.host {
+        if let Tier::Arena(arena) = &self.host.full {
             let mut a = arena.lock().unwrap_or_else(|p| p.into_inner());
             for (key, claim) in self.held.drain(..) {
                 a.check_in(key, claim, true);

@@ -364,6 +364,10 @@ impl CudaGroup {
         self.ranks.iter().any(|m| m.prefetching())
     }
 
+    pub fn low_width_misses(&self) -> bool {
+        self.ranks.iter().any(|m| m.low_width_misses())
+    }
+
     /// Expert slots in VRAM, all GPUs together.
     pub fn cache_slots(&self) -> usize {
         self.ranks.iter().map(|m| m.cache_slots()).sum()

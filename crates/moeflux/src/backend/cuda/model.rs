@@ -471,6 +471,21 @@ impl CudaModel {
                 if let Some(ep) = &mut m.ep {
                     ep.replicated = false;
                 }
+                if store.low_width().is_some() {
+                    let without = model
+                        .layers
+                        .iter()
+                        .filter_map(|l| l.mlp.moe())
+                        .find(|b| b.low_width.is_none());
+                    if let Some(b) = without {
+                        return Err(Error::Invalid(format!(
+                            "--low-width-misses: MoE layer {} has no low-width copies of its \
+                             experts",
+                            b.layer
+                        )));
+                    }
+                    cache.use_low_width_misses();
+                }
                 match (opts.host_cache, shared.host.as_ref()) {
                     (Some(_), Some((tier, counts))) => {
                         cache.share_host_tier(tier.clone());
@@ -599,6 +614,11 @@ impl CudaModel {
     /// Whether decode steps upload predicted experts ahead.
     pub fn prefetching(&self) -> bool {
         self.prefetch
+    }
+
+    /// Whether the expert cache uploads misses as low-width copies.
+    pub fn low_width_misses(&self) -> bool {
+        self.cache.as_ref().is_some_and(|c| c.uploads_low_width())
     }
 
     /// Expert slots in VRAM.

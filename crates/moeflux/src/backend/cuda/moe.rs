@@ -68,7 +68,11 @@ pub(super) fn check(c: &ModelConfig, b: &MoeBlock) -> Result<()> {
             )));
         }
     }
-    expert_layout(b).map(|_| ())
+    expert_layout(b.layer, &b.experts)?;
+    match &b.low_width {
+        Some(x) => expert_layout(b.layer, x).map(|_| ()),
+        None => Ok(()),
+    }
 }
 
 /// A dense SwiGLU MLP on the normed `xn`, its output added to `x`.
@@ -102,28 +106,28 @@ pub(super) fn moe(
     let mut clock = std::time::Instant::now();
     let w = cx.weights;
     let i = b.layer;
-    let mut layout = expert_layout(b)?;
     let (e, h, k) = (cx.config.moe.num_experts, cx.config.hidden_size, cx.k);
-    let (inter, bits, down_bits) = (
-        layout.inter as usize,
-        layout.bits as usize,
-        layout.down_bits as usize,
-    );
+    let inter = b.experts.gate.rows;
     let g = cx.gpu;
     let s = &mut *cx.scratch;
     let logits_d = s.get(g, "router", 4 * n * e)?;
     let d_ids = s.get(g, "route_ids", 4 * n * k)?;
     let d_wts = s.get(g, "wts", 4 * n * k)?;
     let d_bases = s.get(g, "bases", 8 * n * k)?;
-    // gpt-oss: per-expert biases (rows picked by the router's ids) and the
-    // clamped SwiGLU, in the expert kernels' epilogues.
-    if let ExpertActivation::SwigluOai { alpha, limit } = cx.config.moe.activation {
-        (layout.oai, layout.alpha, layout.limit) = (1, alpha, limit);
-    }
-    if let Some([bg, bu, bd]) = b.expert_bias {
-        (layout.bias_g, layout.bias_u, layout.bias_d) = (w.vec(bg), w.vec(bu), w.vec(bd));
-    }
-    layout.ids = d_ids;
+    let layout_of = |x: &ExpertLayout| -> Result<ExpertLayoutC> {
+        let mut layout = expert_layout(i, x)?;
+        // gpt-oss: per-expert biases (rows picked by the router's ids) and
+        // the clamped SwiGLU, in the expert kernels' epilogues.
+        if let ExpertActivation::SwigluOai { alpha, limit } = cx.config.moe.activation {
+            (layout.oai, layout.alpha, layout.limit) = (1, alpha, limit);
+        }
+        if let Some([bg, bu, bd]) = b.expert_bias {
+            (layout.bias_g, layout.bias_u, layout.bias_d) = (w.vec(bg), w.vec(bu), w.vec(bd));
+        }
+        layout.ids = d_ids;
+        Ok(layout)
+    };
+    let layout = layout_of(&b.experts)?;
     let act = s.get(g, "eact", 4 * n * k * inter)?;
     let slot_out = s.get(g, "slot_out", 4 * n * k * h)?;
     // In a group, this GPU computes only the slots of its own experts (the
@@ -202,23 +206,14 @@ pub(super) fn moe(
         }
         _ => None,
     };
-    // Kernel suffixes of gate/up and of down (whose width may differ).
-    let (sfx, down_sfx) = if layout.mx != 0 {
-        ("mx", "mx")
-    } else {
-        (kernel_suffix(layout.bits), kernel_suffix(layout.down_bits))
+    let kernels = ExpertKernels::new(layout, slot_path);
+    // The low-width copies' kernels, for the experts the cache holds as
+    // copies (`--low-width-misses`).
+    let low_kernels = match &b.low_width {
+        Some(x) if cache.uploads_low_width() => Some(ExpertKernels::new(layout_of(x)?, slot_path)),
+        _ => None,
     };
-    // Per-slot kernels take one token: rows split across warps, or the
-    // activation-stationary kernels when the layout fits them.
-    let qmv = slot_path.then(|| qmv_slot_grids(&layout)).flatten();
-    let (gate_up_blocks, down_blocks) = match qmv {
-        Some(grids) => grids,
-        None => (
-            inter.div_ceil(rows_per_block(h, bits, slot_path)) as u32,
-            h.div_ceil(rows_per_block(inter, down_bits, slot_path)) as u32,
-        ),
-    };
-    let k_i = k as i32;
+    let mut low_bases: Option<u64> = None;
     let mut guess: Vec<i32> = Vec::new();
     let mut next_ids: Option<(usize, Vec<usize>)> = None;
     let mut on_cpu: Vec<usize> = Vec::new();
@@ -279,149 +274,67 @@ pub(super) fn moe(
             cache.read_ahead(cx.store, j, &ids);
             next_ids = Some((j, ids));
         }
-        let ptrs = cache.ensure(g, cx.store, i, &unique)?;
+        let placed = cache.ensure(g, cx.store, i, &unique)?;
         lap(&mut clock, &mut times.expert_io);
+        let kernels_of = |low: bool| match low {
+            false => &kernels,
+            true => low_kernels
+                .as_ref()
+                .expect("the cache uploads low-width copies only of layers that have them"),
+        };
         if slot_path {
-            let mut bases = vec![0u64; n * k];
-            for (p, e) in ptrs.iter().zip(&unique) {
+            // Per width, the slots' experts (0: the other width's slot).
+            let mut bases = [vec![0u64; n * k], vec![0u64; n * k]];
+            for (r, e) in placed.iter().zip(&unique) {
                 for &j in &users[e] {
-                    bases[j as usize] = *p;
+                    bases[r.low as usize][j as usize] = r.ptr;
                 }
             }
-            cx.arena.upload(g, d_bases, &bases)?;
+            cx.arena.upload(g, d_bases, &bases[0])?;
+            if placed.iter().any(|r| r.low) {
+                let d = cx.scratch.get(g, "bases_low", 8 * n * k)?;
+                cx.arena.upload(g, d, &bases[1])?;
+                low_bases = Some(d);
+            }
             cpu_users = on_cpu.iter().map(|e| (*e, users[e].clone())).collect();
         } else if !unique.is_empty() {
             // (A GPU of a group may own none of the chosen experts: no
-            // launch, its partial is the zeroed slots.)
+            // launch, its partial is the zeroed slots.) One list of slots,
+            // so each task's act rows are its own; per width, its tasks.
             let mut slot_list: Vec<i32> = Vec::with_capacity(n * k);
-            let mut tasks = Vec::with_capacity(unique.len());
-            for (p, slots) in ptrs.iter().zip(unique.iter().map(|e| &users[e])) {
-                tasks.push(ExpertTask {
-                    base: *p,
+            let mut tasks: [Vec<ExpertTask>; 2] = Default::default();
+            for (r, slots) in placed.iter().zip(unique.iter().map(|e| &users[e])) {
+                tasks[r.low as usize].push(ExpertTask {
+                    base: r.ptr,
                     first: slot_list.len() as i32,
                     count: slots.len() as i32,
                 });
                 slot_list.extend(slots);
             }
-            let s = &mut *cx.scratch;
-            let d_tasks = s.get(g, "tasks", std::mem::size_of_val(tasks.as_slice()))?;
-            let d_slots = s.get(g, "slots", 4 * slot_list.len())?;
-            cx.arena.upload(g, d_tasks, &tasks)?;
+            let d_slots = cx.scratch.get(g, "slots", 4 * slot_list.len())?;
             cx.arena.upload(g, d_slots, &slot_list)?;
-            let n_tasks = tasks.len() as u32;
-            if n >= MMA_MIN_TOKENS && g.mma && mma_experts_fit(&layout) {
-                if mma_q8_enabled(g) && mma_q8_experts_fit(&layout) {
-                    // A warp's row tiles (gate/up: half of them gate's).
-                    // kbench (H200, A3B): 4 win gate/up with ~128 tokens a
-                    // task (2870 -> 2668 us at 4096 tokens), not with ~16
-                    // (442 -> 448 at 512), and lose down at both (1201 ->
-                    // 1344, 209 -> 246).
-                    let tiles = mma_q8_tiles(slot_list.len() >= 64 * tasks.len());
-                    let (xq, dxs) = q8_rows(g, xn, n, h)?;
-                    // SAFETY: `moe_gate_up_mma_q8*` in mma_products.cu (32 *
-                    // tiles intermediate rows a block); tasks point at
-                    // resident experts, xq / dxs were rounded from xn (n
-                    // tokens), act holds a row per slot_list entry.
-                    unsafe {
-                        g.launch(
-                            &mma_q8_kernel("moe_gate_up_mma_q8", tiles),
-                            (inter.div_ceil(32 * tiles) as u32, n_tasks, 1),
-                            128,
-                            0,
-                            &mut args!(d_tasks, layout, d_slots, k_i, xq, dxs, act),
-                        )?
-                    };
-                    let (aq, adxs) = q8_rows(g, act, slot_list.len(), inter)?;
-                    let down_tiles = mma_q8_tiles(false);
-                    // SAFETY: `moe_down_mma_q8*` in mma_products.cu (64 * tiles
-                    // hidden rows a block); aq / adxs were rounded from act,
-                    // slot_out holds n * k rows.
-                    unsafe {
-                        g.launch(
-                            &mma_q8_kernel("moe_down_mma_q8", down_tiles),
-                            (h.div_ceil(64 * down_tiles) as u32, n_tasks, 1),
-                            128,
-                            0,
-                            &mut args!(d_tasks, layout, d_slots, aq, adxs, slot_out),
-                        )?
-                    };
-                } else {
-                    let (xp, xs) = mma_split(g, xn, n, h, layout.gs as usize)?;
-                    // SAFETY: `moe_gate_up_mma` in mma_products.cu; tasks point at
-                    // resident experts, xp / xs were split from xn (n
-                    // tokens), act holds a row per slot_list entry.
-                    unsafe {
-                        g.launch(
-                            "moe_gate_up_mma",
-                            (inter.div_ceil(MMA_GATE_UP_ROWS) as u32, n_tasks, 1),
-                            128,
-                            0,
-                            &mut args!(d_tasks, layout, d_slots, k_i, xp, xs, act),
-                        )?
-                    };
-                    let down_gs = layout.down_gs as usize;
-                    let (ap, asum) = mma_split(g, act, slot_list.len(), inter, down_gs)?;
-                    // SAFETY: `moe_down_mma` in mma_products.cu; ap / asum were split
-                    // from act, slot_out holds n * k rows.
-                    unsafe {
-                        g.launch(
-                            "moe_down_mma",
-                            (h.div_ceil(MMA_DOWN_ROWS) as u32, n_tasks, 1),
-                            128,
-                            0,
-                            &mut args!(d_tasks, layout, d_slots, ap, asum, slot_out),
-                        )?
-                    };
+            for (low, (tasks, name)) in tasks.iter().zip(["tasks", "tasks_low"]).enumerate() {
+                if tasks.is_empty() {
+                    continue;
                 }
-            } else {
-                // SAFETY (both launches): arguments match the kernels in
-                // kernels/moe.cu; tasks point at resident experts, buffers are
-                // sized for n * k slots.
-                unsafe {
-                    g.launch(
-                        &format!("moe_gate_up_{sfx}"),
-                        (gate_up_blocks, n_tasks, 1),
-                        256,
-                        0,
-                        &mut args!(d_tasks, layout, d_slots, k_i, xn, act),
-                    )?;
-                    g.launch(
-                        &format!("moe_down_{down_sfx}"),
-                        (down_blocks, n_tasks, 1),
-                        256,
-                        0,
-                        &mut args!(d_tasks, layout, d_slots, act, slot_out),
-                    )?;
-                }
+                let d_tasks = cx.scratch.get(g, name, std::mem::size_of_val(tasks.as_slice()))?;
+                cx.arena.upload(g, d_tasks, tasks)?;
+                let rows = TaskRows {
+                    tasks: d_tasks,
+                    n_tasks: tasks.len(),
+                    slots: d_slots,
+                    n_slots: slot_list.len(),
+                    task_slots: tasks.iter().map(|t| t.count as usize).sum(),
+                };
+                kernels_of(low == 1).run_tasks(g, &rows, n, k, xn, act, slot_out)?;
             }
         }
     }
     if slot_path {
-        let slots = n * k;
-        let [gate_up, down] = match qmv {
-            Some(grids) => slot_launches(g, &layout, sfx, slots, grids),
-            None => [
-                SlotLaunch::rows(format!("moe_gate_up_slots_{sfx}"), gate_up_blocks),
-                SlotLaunch::rows(format!("moe_down_slots_{down_sfx}"), down_blocks),
-            ],
-        };
-        let slots = slots as u32;
-        // SAFETY (both launches): as above; bases hold resident experts.
-        unsafe {
-            g.launch(
-                &gate_up.kernel,
-                (gate_up.blocks, slots, 1),
-                gate_up.threads,
-                gate_up.smem,
-                &mut args!(d_bases, layout, k_i, xn, act),
-            )?;
-            g.launch(
-                &down.kernel,
-                (down.blocks, slots, 1),
-                down.threads,
-                down.smem,
-                &mut args!(d_bases, layout, act, slot_out),
-            )?;
+        kernels.run_slots(g, d_bases, n * k, k, xn, act, slot_out)?;
+        if let Some(d) = low_bases {
+            let low = low_kernels.as_ref().expect("low bases come from low slots");
+            low.run_slots(g, d, n * k, k, xn, act, slot_out)?;
         }
     }
     if let Some((j, ids)) = next_ids {
@@ -473,6 +386,215 @@ pub(super) fn moe(
     }
     lap(&mut clock, &mut times.expert_compute);
     Ok(())
+}
+
+/// An MoE step's expert slots grouped by expert (`moe_*` task kernels):
+/// the tasks on the device, and the one list of slots they index (a
+/// slot_list entry's position is its row of the activations).
+struct TaskRows {
+    tasks: u64,
+    n_tasks: usize,
+    slots: u64,
+    /// Entries of the slot list (all widths' tasks).
+    n_slots: usize,
+    /// Slots of these tasks.
+    task_slots: usize,
+}
+
+/// One expert width's layout and the kernels a step of it takes: the
+/// experts, or their low-width copies (`--low-width-misses`).
+struct ExpertKernels {
+    layout: ExpertLayoutC,
+    /// Kernel suffixes of gate/up and of down (whose width may differ).
+    sfx: &'static str,
+    down_sfx: &'static str,
+    /// The activation-stationary per-slot kernels' grids, when the step
+    /// takes the per-slot path and the layout fits them.
+    qmv: Option<(u32, u32)>,
+    gate_up_blocks: u32,
+    down_blocks: u32,
+}
+
+impl ExpertKernels {
+    fn new(layout: ExpertLayoutC, slot_path: bool) -> ExpertKernels {
+        let (sfx, down_sfx) = if layout.mx != 0 {
+            ("mx", "mx")
+        } else {
+            (kernel_suffix(layout.bits), kernel_suffix(layout.down_bits))
+        };
+        let (h, inter) = (layout.hidden as usize, layout.inter as usize);
+        let (bits, down_bits) = (layout.bits as usize, layout.down_bits as usize);
+        // Per-slot kernels take one token: rows split across warps, or the
+        // activation-stationary kernels when the layout fits them.
+        let qmv = slot_path.then(|| qmv_slot_grids(&layout)).flatten();
+        let (gate_up_blocks, down_blocks) = match qmv {
+            Some(grids) => grids,
+            None => (
+                inter.div_ceil(rows_per_block(h, bits, slot_path)) as u32,
+                h.div_ceil(rows_per_block(inter, down_bits, slot_path)) as u32,
+            ),
+        };
+        ExpertKernels {
+            layout,
+            sfx,
+            down_sfx,
+            qmv,
+            gate_up_blocks,
+            down_blocks,
+        }
+    }
+
+    /// The per-slot path: each of `slots` (token, rank) slots with its
+    /// expert's address at `bases` (0: skipped, its `slot_out` row left
+    /// as it is).
+    #[allow(clippy::too_many_arguments)]
+    fn run_slots(
+        &self,
+        g: &Gpu,
+        bases: u64,
+        slots: usize,
+        k: usize,
+        xn: u64,
+        act: u64,
+        slot_out: u64,
+    ) -> Result<()> {
+        let (layout, k_i) = (self.layout, k as i32);
+        let [gate_up, down] = match self.qmv {
+            Some(grids) => slot_launches(g, &layout, self.sfx, slots, grids),
+            None => [
+                SlotLaunch::rows(
+                    format!("moe_gate_up_slots_{}", self.sfx),
+                    self.gate_up_blocks,
+                ),
+                SlotLaunch::rows(format!("moe_down_slots_{}", self.down_sfx), self.down_blocks),
+            ],
+        };
+        let slots = slots as u32;
+        // SAFETY (both launches): arguments match the kernels in
+        // kernels/moe.cu; bases hold resident experts of this layout or 0,
+        // buffers are sized for n * k slots.
+        unsafe {
+            g.launch(
+                &gate_up.kernel,
+                (gate_up.blocks, slots, 1),
+                gate_up.threads,
+                gate_up.smem,
+                &mut args!(bases, layout, k_i, xn, act),
+            )?;
+            g.launch(
+                &down.kernel,
+                (down.blocks, slots, 1),
+                down.threads,
+                down.smem,
+                &mut args!(bases, layout, act, slot_out),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The grouped path: `rows`' tasks over the `n` tokens of `xn`, each
+    /// expert's weights read once for its tokens (on tensor cores from
+    /// [`MMA_MIN_TOKENS`] tokens where the layout fits them).
+    #[allow(clippy::too_many_arguments)]
+    fn run_tasks(
+        &self,
+        g: &Gpu,
+        rows: &TaskRows,
+        n: usize,
+        k: usize,
+        xn: u64,
+        act: u64,
+        slot_out: u64,
+    ) -> Result<()> {
+        let (layout, k_i) = (self.layout, k as i32);
+        let (h, inter) = (layout.hidden as usize, layout.inter as usize);
+        let (d_tasks, d_slots, n_tasks) = (rows.tasks, rows.slots, rows.n_tasks as u32);
+        if n >= MMA_MIN_TOKENS && g.mma && mma_experts_fit(&layout) {
+            if mma_q8_enabled(g) && mma_q8_experts_fit(&layout) {
+                // A warp's row tiles (gate/up: half of them gate's). kbench
+                // (H200, A3B): 4 win gate/up with ~128 tokens a task (2870
+                // -> 2668 us at 4096 tokens), not with ~16 (442 -> 448 at
+                // 512), and lose down at both (1201 -> 1344, 209 -> 246).
+                let tiles = mma_q8_tiles(rows.task_slots >= 64 * rows.n_tasks);
+                let (xq, dxs) = q8_rows(g, xn, n, h)?;
+                // SAFETY: `moe_gate_up_mma_q8*` in mma_products.cu (32 *
+                // tiles intermediate rows a block); tasks point at resident
+                // experts, xq / dxs were rounded from xn (n tokens), act
+                // holds a row per slot list entry.
+                unsafe {
+                    g.launch(
+                        &mma_q8_kernel("moe_gate_up_mma_q8", tiles),
+                        (inter.div_ceil(32 * tiles) as u32, n_tasks, 1),
+                        128,
+                        0,
+                        &mut args!(d_tasks, layout, d_slots, k_i, xq, dxs, act),
+                    )?
+                };
+                let (aq, adxs) = q8_rows(g, act, rows.n_slots, inter)?;
+                let down_tiles = mma_q8_tiles(false);
+                // SAFETY: `moe_down_mma_q8*` in mma_products.cu (64 * tiles
+                // hidden rows a block); aq / adxs were rounded from act,
+                // slot_out holds n * k rows.
+                unsafe {
+                    g.launch(
+                        &mma_q8_kernel("moe_down_mma_q8", down_tiles),
+                        (h.div_ceil(64 * down_tiles) as u32, n_tasks, 1),
+                        128,
+                        0,
+                        &mut args!(d_tasks, layout, d_slots, aq, adxs, slot_out),
+                    )?
+                };
+            } else {
+                let (xp, xs) = mma_split(g, xn, n, h, layout.gs as usize)?;
+                // SAFETY: `moe_gate_up_mma` in mma_products.cu; tasks point
+                // at resident experts, xp / xs were split from xn (n
+                // tokens), act holds a row per slot list entry.
+                unsafe {
+                    g.launch(
+                        "moe_gate_up_mma",
+                        (inter.div_ceil(MMA_GATE_UP_ROWS) as u32, n_tasks, 1),
+                        128,
+                        0,
+                        &mut args!(d_tasks, layout, d_slots, k_i, xp, xs, act),
+                    )?
+                };
+                let down_gs = layout.down_gs as usize;
+                let (ap, asum) = mma_split(g, act, rows.n_slots, inter, down_gs)?;
+                // SAFETY: `moe_down_mma` in mma_products.cu; ap / asum were
+                // split from act, slot_out holds n * k rows.
+                unsafe {
+                    g.launch(
+                        "moe_down_mma",
+                        (h.div_ceil(MMA_DOWN_ROWS) as u32, n_tasks, 1),
+                        128,
+                        0,
+                        &mut args!(d_tasks, layout, d_slots, ap, asum, slot_out),
+                    )?
+                };
+            }
+            return Ok(());
+        }
+        // SAFETY (both launches): arguments match the kernels in
+        // kernels/moe.cu; tasks point at resident experts, buffers are sized
+        // for n * k slots.
+        unsafe {
+            g.launch(
+                &format!("moe_gate_up_{}", self.sfx),
+                (self.gate_up_blocks, n_tasks, 1),
+                256,
+                0,
+                &mut args!(d_tasks, layout, d_slots, k_i, xn, act),
+            )?;
+            g.launch(
+                &format!("moe_down_{}", self.down_sfx),
+                (self.down_blocks, n_tasks, 1),
+                256,
+                0,
+                &mut args!(d_tasks, layout, d_slots, act, slot_out),
+            )?;
+        }
+        Ok(())
+    }
 }
 
 /// The experts `users` (expert, its slots) of layer `i` computed by the
@@ -879,8 +1001,7 @@ fn slot_launches_qmv(
     ]
 }
 
-fn expert_layout(m: &MoeBlock) -> Result<ExpertLayoutC> {
-    let x: &ExpertLayout = &m.experts;
+fn expert_layout(layer: usize, x: &ExpertLayout) -> Result<ExpertLayoutC> {
     let same =
         |a: &ComponentLayout, b: &ComponentLayout| a.spec == b.spec && a.scales_f32 == b.scales_f32;
     // Gate and up share one kernel launch; down has its own (and its own
@@ -889,7 +1010,7 @@ fn expert_layout(m: &MoeBlock) -> Result<ExpertLayoutC> {
         return Err(unsupported(format!(
             "layer {}: routed expert gate and up projections quantized differently, or \
              MXFP4 beside affine",
-            m.layer
+            layer
         )));
     }
     let (inter, hidden) = (x.gate.rows, x.gate.cols);
@@ -908,7 +1029,7 @@ fn expert_layout(m: &MoeBlock) -> Result<ExpertLayoutC> {
                 "layer {}: MXFP4 routed experts of {inter} x {hidden} with codes at byte offsets \
                  {}, {}, {} (the kernels take groups of 32 columns, widths that are multiples of \
                  32 and 16-byte aligned codes)",
-                m.layer, x.gate.weight, x.up.weight, x.down.weight
+                layer, x.gate.weight, x.up.weight, x.down.weight
             )));
         }
         (0, 0, 0)
@@ -918,7 +1039,7 @@ fn expert_layout(m: &MoeBlock) -> Result<ExpertLayoutC> {
             _ => {
                 return Err(unsupported(format!(
                     "layer {}: affine routed experts without group biases",
-                    m.layer
+                    layer
                 )))
             }
         }
