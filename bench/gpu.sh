@@ -58,7 +58,9 @@
 #   l  low-width copies (--low-width-experts): qwen3.5-397b-a17b widths, L_LAYERS layers (default
 #      4), `moeflux convert --model DIR --low-width-copies 2`, then c's set-up (--gpu-memory 30% of
 #      the 4-bit experts' bytes, the rest in the pinned host tier, top-10) decoded with the 4-bit
-#      experts and with their 2-bit copies: hit rate, MB uploaded per token, tok/s
+#      experts, with their 2-bit copies, and with 4-bit experts cached and misses uploaded as
+#      copies (--low-width-misses; with and without the prefetch that replaces copies at full
+#      width): hit rate, MB uploaded per token, tok/s, share of expert uses on copies
 #
 # $MOEFLUX names the binary (default: target/release/moeflux). Models go to --dir (default
 # /tmp/moeflux-bench) and are deleted when their part ends (the disk holds one at a time).
@@ -248,6 +250,17 @@ if has l; then
   find "$LW"/experts -type f -exec cat {} + >/dev/null
   bench l-397b-4bit "$LW" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G
   bench l-397b-2bit-copies "$LW" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G --low-width-experts
+  bench l-397b-2bit-misses "$LW" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G --low-width-misses
+  bench l-397b-2bit-misses-noprefetch "$LW" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G --low-width-misses --prefetch off
+  for name in l-397b-2bit-misses l-397b-2bit-misses-noprefetch; do
+    note "$name: $(python3 - "$OUTDIR/$name.json" <<'EOF'
+import json, sys
+t = json.load(open(sys.argv[1]))["decode"]
+print("%.1f%% of expert uses on 2-bit copies, %d copies replaced by prefetches"
+      % (t["gpu_low_width_share"] * 100, t["gpu_promoted"]))
+EOF
+)"
+  done
   rm -rf "$LW"
 fi
 

@@ -98,6 +98,20 @@ fn low_width_copies_at_conversion_and_later() {
     };
     let line = one_line_error(&run(&later));
     assert!(line.contains("--low-width-copies"), "{line}");
+    // `--low-width-misses` is the GPU cache's, and excludes every expert
+    // at low width.
+    let misses = |dir: &std::path::Path, more: &[&str]| {
+        let mut a = vec!["run", "--model", s(dir), "-p", "Hello", "-n", "2"];
+        a.extend(["--backend", "cpu", "--low-width-misses"]);
+        a.extend(more);
+        moeflux(&a)
+    };
+    let line = one_line_error(&misses(&later, &[]));
+    assert!(line.contains("--low-width-copies"), "{line}");
+    let line = one_line_error(&misses(&dst, &[]));
+    assert!(line.contains("--low-width-misses") && line.contains("CPU"), "{line}");
+    let out = misses(&dst, &["--low-width-experts"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
     let out = moeflux(&["convert", "--model", s(&later), "--low-width-copies", "2"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     // Both ways give the same copies.

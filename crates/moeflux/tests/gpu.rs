@@ -458,6 +458,89 @@ fn low_width_experts_on_the_gpu_match_the_cpu() {
     assert!(d <= GUARD, "host tier, one at a time: max rel diff {d:e}");
 }
 
+/// Mean absolute difference of `a` from `b`, relative to `b`'s largest
+/// magnitude: steadier than the largest difference where a run mixes
+/// widths step by step.
+fn mean_rel_diff(a: &[f32], b: &[f32]) -> f32 {
+    let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let sum: f64 = a.iter().zip(b).map(|(x, y)| (x - y).abs() as f64).sum();
+    (sum / a.len() as f64) as f32 / scale
+}
+
+/// `--low-width-misses` on the GPU, against the CPU with the experts and
+/// with their 2-bit copies: every expert resident (preloaded at full
+/// width): the experts' logits; an evicting cache with no prefetch (every
+/// use a copy uploaded on a miss, or a hit on one): the copies' logits,
+/// batch and one token at a time; over the host tier with the prefetch
+/// (predicted experts at full width, copies replaced): both widths in
+/// use, and logits nearer the experts' than the copies' are.
+#[test]
+#[ignore]
+fn low_width_misses_on_the_gpu_keep_the_cache_at_full_width() {
+    use moeflux::convert::low_width::write_low_width_copies;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("synth");
+    synth_model(&dir);
+    write_low_width_copies(&dir, 2, &|_, _| {}).unwrap();
+    let mixed = |prefetch| {
+        opener(
+            &dir,
+            "with low-width misses",
+            SessionOptions {
+                low_width_misses: true,
+                prefetch,
+                ..Default::default()
+            },
+        )
+    };
+    let low = opener(
+        &dir,
+        "with low-width experts",
+        SessionOptions {
+            low_width_experts: true,
+            ..Default::default()
+        },
+    );
+    let mut c = cpu(&dir);
+    let toks = gpu_ties::random_tokens_clear_of_ties(&mut c, &dir, 40);
+    let full = c.eval(&toks, LogitsMode::All).unwrap();
+    let copies = low(Backend::Cpu, None, None)
+        .eval(&toks, LogitsMode::All)
+        .unwrap();
+    let apart = max_rel_diff(&copies, &full);
+    assert!(apart > 10.0 * GUARD, "the copies moved the logits by only {apart:e}");
+
+    let mut g = mixed(Prefetch::Auto)(Backend::Cuda, None, None);
+    assert!(!g.backend().contains("low-width"), "{}", g.backend());
+    let d = max_rel_diff(&g.eval(&toks, LogitsMode::All).unwrap(), &full);
+    assert!(d <= GUARD, "resident: GPU vs the CPU's experts, max rel diff {d:e}");
+
+    let (slots, budget) = one_layer_plus_eight(&c);
+    let evicting = mixed(Prefetch::Off);
+    let mut g = evicting(Backend::Cuda, Some(budget), None);
+    assert!(g.backend().contains("low-width copies"), "{}", g.backend());
+    let d = max_rel_diff(&g.eval(&toks, LogitsMode::All).unwrap(), &copies);
+    assert!(d <= GUARD, "evicting, batch: GPU vs the CPU's copies, max rel diff {d:e}");
+    let mut g = evicting(Backend::Cuda, Some(budget), None);
+    let d = max_rel_diff(&one_token_at_a_time(&mut g, &toks), &copies);
+    let st = g.gpu_cache_stats();
+    assert!(st.misses > 0, "the cache of {slots} slots never missed: {st:?}");
+    assert_eq!((st.low_misses, st.low_hits), (st.misses, st.hits), "{st:?}");
+    assert!(d <= GUARD, "evicting, one at a time: max rel diff {d:e}");
+
+    let mut g = mixed(Prefetch::On)(Backend::Cuda, Some(budget), Some(1 << 40));
+    assert!(g.backend().contains("low-width copies of"), "{}", g.backend());
+    let got = one_token_at_a_time(&mut g, &toks);
+    let st = g.gpu_cache_stats();
+    let share = st.low_width_share().unwrap();
+    eprintln!("low-width misses over the host tier: {st:?}, {share:.3} of uses on copies");
+    assert!(st.promoted > 0 && st.prefetched > st.promoted, "{st:?}");
+    assert!(share > 0.0 && share < 1.0, "{st:?}");
+    let (m, l) = (mean_rel_diff(&got, &full), mean_rel_diff(&copies, &full));
+    eprintln!("mean rel diff from the experts: mixed {m:e}, copies {l:e}");
+    assert!(m > 0.0 && m < l, "mixed {m:e}, copies {l:e}");
+}
+
 /// `--gpu-activations q8` on a whole model: decode steps with the 4-bit
 /// products (dense, experts, LM head) dotted on 8-bit activations, every
 /// expert resident and through an evicting cache over the host tier, one

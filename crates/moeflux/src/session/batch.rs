@@ -328,18 +328,18 @@ impl Batch {
                     let gb = tier.bytes as f64 / 1e9;
                     let mut held = Vec::new();
                     if tier.layers > 0 {
-                        held.push(format!("the expert files of {} layers", tier.layers));
+                        held.push(format!("the expert files of {} layers pinned", tier.layers));
                     }
                     if tier.slots > 0 {
-                        held.push(format!("{} expert slots filled on misses", tier.slots));
+                        held.push(format!("{} pinned expert slots, filled on misses", tier.slots));
                     }
                     if tier.low_layers > 0 {
-                        held.push(format!("the low-width copies of {} layers", tier.low_layers));
+                        held.push(format!(
+                            "the low-width copies of {} layers pinned",
+                            tier.low_layers
+                        ));
                     }
-                    note.push_str(&format!(
-                        "; host tier: {} pinned ({gb:.1} GB)",
-                        held.join(" and ")
-                    ));
+                    note.push_str(&format!("; host tier: {} ({gb:.1} GB)", held.join(", ")));
                     if m.prefetching() {
                         note.push_str(", predicted experts uploaded ahead");
                     }
