@@ -60,7 +60,8 @@
 #      the 4-bit experts' bytes, the rest in the pinned host tier, top-10) decoded with the 4-bit
 #      experts, with their 2-bit copies, and with 4-bit experts cached and misses uploaded as
 #      copies (--low-width-misses; with and without the prefetch that replaces copies at full
-#      width): hit rate, MB uploaded per token, tok/s, share of expert uses on copies
+#      width, and only for misses weighed below the mean weight 1/K, --low-width-below 0.1):
+#      hit rate, MB uploaded per token, tok/s, share of expert uses on copies
 #
 # $MOEFLUX names the binary (default: target/release/moeflux). Models go to --dir (default
 # /tmp/moeflux-bench) and are deleted when their part ends (the disk holds one at a time).
@@ -252,7 +253,8 @@ if has l; then
   bench l-397b-2bit-copies "$LW" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G --low-width-experts
   bench l-397b-2bit-misses "$LW" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G --low-width-misses
   bench l-397b-2bit-misses-noprefetch "$LW" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G --low-width-misses --prefetch off
-  for name in l-397b-2bit-misses l-397b-2bit-misses-noprefetch; do
+  bench l-397b-2bit-misses-below-0.1 "$LW" --prompt-len 0 --gen $TG --gpu-memory $budget --host-cache 100G --low-width-misses --low-width-below 0.1
+  for name in l-397b-2bit-misses l-397b-2bit-misses-noprefetch l-397b-2bit-misses-below-0.1; do
     note "$name: $(python3 - "$OUTDIR/$name.json" <<'EOF'
 import json, sys
 t = json.load(open(sys.argv[1]))["decode"]

@@ -114,6 +114,11 @@ pub fn run(mut args: PerplexityArgs) -> Result<()> {
             "same_top": d.same_top as f64 / p.scored as f64,
         })
     });
+    // `--low-width-misses`: how many of the expert uses ran on a copy.
+    let cache = session.gpu_cache_stats();
+    let low_share = (cache.low_misses > 0)
+        .then(|| cache.low_width_share())
+        .flatten();
     if args.json {
         println!(
             "{}",
@@ -129,6 +134,8 @@ pub fn run(mut args: PerplexityArgs) -> Result<()> {
                 "window": opts.window,
                 "stride": opts.stride,
                 "seconds": secs,
+                "gpu_cache_hit_rate": cache.hit_rate(),
+                "gpu_low_width_share": low_share,
             })
         );
     } else {
@@ -143,6 +150,13 @@ pub fn run(mut args: PerplexityArgs) -> Result<()> {
             secs,
             p.scored as f64 / secs
         );
+        if let Some(share) = low_share {
+            println!(
+                "{:.1}% of expert uses on low-width copies (GPU cache hits {:.1}%)",
+                100.0 * share,
+                100.0 * cache.hit_rate().unwrap_or(0.0)
+            );
+        }
         if let Some(d) = p.reference {
             let n = p.scored as f64;
             println!(

@@ -109,8 +109,13 @@ fn low_width_copies_at_conversion_and_later() {
     let line = one_line_error(&misses(&later, &[]));
     assert!(line.contains("--low-width-copies"), "{line}");
     let line = one_line_error(&misses(&dst, &[]));
-    assert!(line.contains("--low-width-misses") && line.contains("CPU"), "{line}");
+    assert!(
+        line.contains("--low-width-misses") && line.contains("CPU"),
+        "{line}"
+    );
     let out = misses(&dst, &["--low-width-experts"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    let out = moeflux(&["run", "--model", s(&dst), "--low-width-below", "0.1"]);
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
     let out = moeflux(&["convert", "--model", s(&later), "--low-width-copies", "2"]);
     assert!(out.status.success(), "{}", text(&out.stderr));

@@ -471,9 +471,11 @@ fn mean_rel_diff(a: &[f32], b: &[f32]) -> f32 {
 /// with their 2-bit copies: every expert resident (preloaded at full
 /// width): the experts' logits; an evicting cache with no prefetch (every
 /// use a copy uploaded on a miss, or a hit on one): the copies' logits,
-/// batch and one token at a time; over the host tier with the prefetch
-/// (predicted experts at full width, copies replaced): both widths in
-/// use, and logits nearer the experts' than the copies' are.
+/// batch and one token at a time; with a routing weight bound below or
+/// above every weight, the experts' or the copies' logits, and between,
+/// both widths; over the host tier with the prefetch (predicted experts at
+/// full width, copies replaced): both widths in use, and logits nearer the
+/// experts' than the copies' are.
 #[test]
 #[ignore]
 fn low_width_misses_on_the_gpu_keep_the_cache_at_full_width() {
@@ -482,17 +484,19 @@ fn low_width_misses_on_the_gpu_keep_the_cache_at_full_width() {
     let dir = tmp.path().join("synth");
     synth_model(&dir);
     write_low_width_copies(&dir, 2, &|_, _| {}).unwrap();
-    let mixed = |prefetch| {
+    let mixed_below = |prefetch, low_width_below| {
         opener(
             &dir,
             "with low-width misses",
             SessionOptions {
                 low_width_misses: true,
+                low_width_below,
                 prefetch,
                 ..Default::default()
             },
         )
     };
+    let mixed = |prefetch| mixed_below(prefetch, None);
     let low = opener(
         &dir,
         "with low-width experts",
@@ -508,28 +512,64 @@ fn low_width_misses_on_the_gpu_keep_the_cache_at_full_width() {
         .eval(&toks, LogitsMode::All)
         .unwrap();
     let apart = max_rel_diff(&copies, &full);
-    assert!(apart > 10.0 * GUARD, "the copies moved the logits by only {apart:e}");
+    assert!(
+        apart > 10.0 * GUARD,
+        "the copies moved the logits by only {apart:e}"
+    );
 
     let mut g = mixed(Prefetch::Auto)(Backend::Cuda, None, None);
     assert!(!g.backend().contains("low-width"), "{}", g.backend());
     let d = max_rel_diff(&g.eval(&toks, LogitsMode::All).unwrap(), &full);
-    assert!(d <= GUARD, "resident: GPU vs the CPU's experts, max rel diff {d:e}");
+    assert!(
+        d <= GUARD,
+        "resident: GPU vs the CPU's experts, max rel diff {d:e}"
+    );
 
     let (slots, budget) = one_layer_plus_eight(&c);
     let evicting = mixed(Prefetch::Off);
     let mut g = evicting(Backend::Cuda, Some(budget), None);
     assert!(g.backend().contains("low-width copies"), "{}", g.backend());
     let d = max_rel_diff(&g.eval(&toks, LogitsMode::All).unwrap(), &copies);
-    assert!(d <= GUARD, "evicting, batch: GPU vs the CPU's copies, max rel diff {d:e}");
+    assert!(
+        d <= GUARD,
+        "evicting, batch: GPU vs the CPU's copies, max rel diff {d:e}"
+    );
     let mut g = evicting(Backend::Cuda, Some(budget), None);
     let d = max_rel_diff(&one_token_at_a_time(&mut g, &toks), &copies);
     let st = g.gpu_cache_stats();
-    assert!(st.misses > 0, "the cache of {slots} slots never missed: {st:?}");
+    assert!(
+        st.misses > 0,
+        "the cache of {slots} slots never missed: {st:?}"
+    );
     assert_eq!((st.low_misses, st.low_hits), (st.misses, st.hits), "{st:?}");
     assert!(d <= GUARD, "evicting, one at a time: max rel diff {d:e}");
+    // A routing weight bound below every weight: every miss at full width
+    // (the experts' logits); above every weight: the copies'; at the mean
+    // weight 1/K: both widths.
+    let k = c.config().moe.num_experts_per_tok as f32;
+    for (below, want, what) in [(1e-9, &full, "the experts"), (2.0, &copies, "the copies")] {
+        let mut g = mixed_below(Prefetch::Off, Some(below))(Backend::Cuda, Some(budget), None);
+        let d = max_rel_diff(&one_token_at_a_time(&mut g, &toks), want);
+        let st = g.gpu_cache_stats();
+        assert!(d <= GUARD, "below {below}: GPU vs {what}, max rel diff {d:e}; {st:?}");
+        let all_low = st.low_misses == st.misses && st.low_hits == st.hits;
+        assert_eq!(all_low, below > 1.0, "below {below}: {st:?}");
+        assert!(st.misses > 0 && (below > 1.0 || st.low_misses == 0), "{st:?}");
+    }
+    let mut g = mixed_below(Prefetch::Off, Some(1.0 / k))(Backend::Cuda, Some(budget), None);
+    let got = one_token_at_a_time(&mut g, &toks);
+    let st = g.gpu_cache_stats();
+    eprintln!("low-width misses below 1/K: {st:?}");
+    assert!(st.low_misses > 0 && st.low_misses < st.misses, "{st:?}");
+    let (m, l) = (mean_rel_diff(&got, &full), mean_rel_diff(&copies, &full));
+    assert!(m > 0.0 && m < l, "below 1/K: mixed {m:e}, copies {l:e}");
 
     let mut g = mixed(Prefetch::On)(Backend::Cuda, Some(budget), Some(1 << 40));
-    assert!(g.backend().contains("low-width copies of"), "{}", g.backend());
+    assert!(
+        g.backend().contains("low-width copies of"),
+        "{}",
+        g.backend()
+    );
     let got = one_token_at_a_time(&mut g, &toks);
     let st = g.gpu_cache_stats();
     let share = st.low_width_share().unwrap();

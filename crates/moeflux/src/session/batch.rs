@@ -169,6 +169,20 @@ impl Batch {
             (false, true) => Some("low-width misses"),
             (false, false) => None,
         };
+        match opts.low_width_below {
+            Some(w) if !opts.low_width_misses => {
+                return Err(Error::Invalid(format!(
+                    "a routing weight bound for low-width misses ({w}) needs --low-width-misses"
+                )))
+            }
+            Some(w) if !(w > 0.0 && w.is_finite()) => {
+                return Err(Error::Invalid(format!(
+                    "the routing weight bound for low-width misses must be a positive number, \
+                     got {w}"
+                )))
+            }
+            _ => {}
+        }
         let fingerprint = model_fingerprint(&manifest, manifest_bytes, widths);
         if widths.is_some() && manifest.low_width_experts.is_empty() {
             return Err(Error::Invalid(format!(
@@ -280,6 +294,7 @@ impl Batch {
                     replicate_experts: opts.replicate_experts,
                     gds: opts.gds,
                     activations: opts.gpu_activations,
+                    low_width_below: opts.low_width_below,
                 };
                 let m = match &opts.dist {
                     Some(d) => {
@@ -331,7 +346,10 @@ impl Batch {
                         held.push(format!("the expert files of {} layers pinned", tier.layers));
                     }
                     if tier.slots > 0 {
-                        held.push(format!("{} pinned expert slots, filled on misses", tier.slots));
+                        held.push(format!(
+                            "{} pinned expert slots, filled on misses",
+                            tier.slots
+                        ));
                     }
                     if tier.low_layers > 0 {
                         held.push(format!(

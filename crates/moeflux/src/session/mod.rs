@@ -108,6 +108,12 @@ pub struct SessionOptions {
     /// what the cache held, so results are not reproducible step for step
     /// as with full-width experts.
     pub low_width_misses: bool,
+    /// With `low_width_misses`: only misses whose routing weight (the
+    /// largest a token of the step gives the expert, as the combine
+    /// applies it) is below this travel as copies; the rest are uploaded
+    /// at full width and replace a copy found in VRAM (the importance rule
+    /// of HOBBIT). `None`: every miss.
+    pub low_width_below: Option<f32>,
 }
 
 /// Where a session computes.
@@ -158,6 +164,7 @@ impl Default for SessionOptions {
             cpu_repack: Repack::Auto,
             low_width_experts: false,
             low_width_misses: false,
+            low_width_below: None,
         }
     }
 }

@@ -236,6 +236,8 @@ pub struct ExpertCache {
     gds: Option<Arc<GdsReader>>,
     /// Upload misses as the experts' low-width copies (`--low-width-misses`).
     low_misses: bool,
+    /// Only those of misses the router weighs below this.
+    low_below: Option<f32>,
     /// Slots holding a low-width copy.
     low: Vec<bool>,
     pub stats: CacheStats,
@@ -282,20 +284,29 @@ impl ExpertCache {
             ahead_slot: vec![false; n_slots],
             gds: None,
             low_misses: false,
+            low_below: None,
             low: vec![false; n_slots],
             stats: CacheStats::default(),
         })
     }
 
     /// From now on, uploads misses as the store's low-width copies (the
-    /// store must have them attached).
-    pub fn use_low_width_misses(&mut self) {
+    /// store must have them attached); with `below`, only misses that
+    /// the caller weighs below it (see [`ExpertCache::low_width_below`]).
+    pub fn use_low_width_misses(&mut self, below: Option<f32>) {
         self.low_misses = true;
+        self.low_below = below;
     }
 
     /// Whether misses are uploaded as low-width copies.
     pub fn uploads_low_width(&self) -> bool {
         self.low_misses
+    }
+
+    /// The routing weight from which a miss is uploaded at full width
+    /// (`ensure`'s `full`), when low-width misses have one.
+    pub fn low_width_below(&self) -> Option<f32> {
+        self.low_below.filter(|_| self.low_misses)
     }
 
     /// Reads the misses of files opened with `O_DIRECT` through cuFile.
@@ -325,7 +336,7 @@ impl ExpertCache {
         }
         let mut table = vec![0u64; num_layers * num_experts];
         for (l, ids) in &layers {
-            let placed = self.ensure(gpu, store, *l, ids)?;
+            let placed = self.ensure(gpu, store, *l, ids, &[])?;
             for (&e, r) in ids.iter().zip(placed) {
                 table[l * num_experts + e] = r.ptr;
             }
@@ -507,13 +518,17 @@ impl ExpertCache {
     }
 
     /// Makes experts `ids` of `layer` resident and returns where each is;
-    /// the compute stream is ordered after their uploads.
+    /// the compute stream is ordered after their uploads. With low-width
+    /// misses, `full[i]` asks for `ids[i]` at full width (missing `full`
+    /// entries: no): its miss is uploaded as the expert, and a low-width
+    /// copy of it already in a slot counts as a miss and is replaced there.
     pub fn ensure(
         &mut self,
         gpu: &Gpu,
         store: &ExpertStore,
         layer: usize,
         ids: &[usize],
+        full: &[bool],
     ) -> Result<Vec<Resident>> {
         let n_slots = self.map.len();
         if ids.len() > n_slots {
@@ -525,10 +540,17 @@ impl ExpertCache {
         }
         self.release_held(gpu)?;
         self.land_read_ahead(gpu, store, layer, ids)?;
+        let full_wanted = |i: usize| full.get(i).copied().unwrap_or(false);
         let mut slot_of = vec![usize::MAX; ids.len()];
         let mut misses = Vec::new();
+        // Copies in a slot whose expert is wanted at full width.
+        let mut replaced = Vec::new();
         for (i, &e) in ids.iter().enumerate() {
             match self.map.get((layer, e)) {
+                Some(s) if self.low[s] && full_wanted(i) => {
+                    slot_of[i] = s;
+                    replaced.push(i);
+                }
                 Some(s) => {
                     slot_of[i] = s;
                     self.stats.hits += 1;
@@ -554,11 +576,15 @@ impl ExpertCache {
             let victim = self.take_victim(&busy);
             busy[victim] = true;
             self.map.assign(victim, (layer, ids[i]));
-            self.low[victim] = self.low_misses;
+            self.low[victim] = self.low_misses && !full_wanted(i);
             slot_of[i] = victim;
-            self.stats.misses += 1;
-            self.stats.low_misses += self.low_misses as u64;
+            self.stats.low_misses += self.low[victim] as u64;
         }
+        for &i in &replaced {
+            self.low[slot_of[i]] = false;
+        }
+        misses.extend(replaced);
+        self.stats.misses += misses.len() as u64;
         if misses.is_empty() && self.copies_pending {
             // Hits may be prefetches still on their way.
             stream_wait(&gpu.stream, &gpu.copy)?;
@@ -569,9 +595,16 @@ impl ExpertCache {
         if misses.is_empty() {
             self.start_read_ahead(gpu, store)?;
         }
-        match store.low_width().filter(|_| self.low_misses) {
-            Some(copies) => self.upload_low(gpu, copies, layer, ids, &misses, &slot_of)?,
-            None => self.upload(gpu, store, layer, ids, &misses, &slot_of)?,
+        let (low, full): (Vec<usize>, Vec<usize>) =
+            misses.iter().partition(|&&i| self.low[slot_of[i]]);
+        if let Err(e) = self.upload(gpu, store, layer, ids, &full, &slot_of) {
+            for &i in &low {
+                self.invalidate(slot_of[i]);
+            }
+            return Err(e);
+        }
+        if let Some(copies) = store.low_width().filter(|_| !low.is_empty()) {
+            self.upload_low(gpu, copies, layer, ids, &low, &slot_of)?;
         }
         self.start_read_ahead(gpu, store)?;
         self.copies_pending = false;

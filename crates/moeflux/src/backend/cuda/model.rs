@@ -226,6 +226,9 @@ pub struct CudaOptions {
     /// their activations: exact f32, or rounded to 8 bits per 32 inputs as
     /// the CPU's `Activations::Q8` rounds them (routers stay exact).
     pub activations: Activations,
+    /// With low-width misses (the store has the copies attached): only
+    /// misses every token of the step weighs below this travel as copies.
+    pub low_width_below: Option<f32>,
 }
 
 impl Default for CudaOptions {
@@ -240,6 +243,7 @@ impl Default for CudaOptions {
             replicate_experts: true,
             gds: Gds::Auto,
             activations: Activations::F32,
+            low_width_below: None,
         }
     }
 }
@@ -484,7 +488,7 @@ impl CudaModel {
                             b.layer
                         )));
                     }
-                    cache.use_low_width_misses();
+                    cache.use_low_width_misses(opts.low_width_below);
                 }
                 match (opts.host_cache, shared.host.as_ref()) {
                     (Some(_), Some((tier, counts))) => {

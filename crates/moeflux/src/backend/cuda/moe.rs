@@ -233,6 +233,12 @@ pub(super) fn moe(
         if want_xn {
             runs.push((xn, n * h));
         }
+        // Low-width misses with a weight bound: the router's weights say
+        // which misses travel at full width.
+        let below = cache.low_width_below();
+        if below.is_some() {
+            runs.push((d_wts, n * k));
+        }
         let mut got = cx.downloads.download_runs::<i32>(g, &runs)?.into_iter();
         let ids = got.next().expect("one run per buffer");
         if predicted.is_some() {
@@ -242,6 +248,10 @@ pub(super) fn moe(
             let bits = got.next().expect("one run per buffer");
             host_xn = bytemuck::cast_slice(&bits).to_vec();
         }
+        let wts: Vec<f32> = match below {
+            Some(_) => bytemuck::cast_slice(&got.next().expect("one run per buffer")).to_vec(),
+            None => Vec::new(),
+        };
         cx.arena.reset();
         lap(&mut clock, &mut times.routing);
         let mut users: std::collections::BTreeMap<usize, Vec<i32>> = Default::default();
@@ -274,7 +284,16 @@ pub(super) fn moe(
             cache.read_ahead(cx.store, j, &ids);
             next_ids = Some((j, ids));
         }
-        let placed = cache.ensure(g, cx.store, i, &unique)?;
+        // An expert is as important as the largest weight a token of the
+        // step gives it.
+        let full: Vec<bool> = match below {
+            Some(w) => unique
+                .iter()
+                .map(|e| users[e].iter().any(|&j| wts[j as usize] >= w))
+                .collect(),
+            None => Vec::new(),
+        };
+        let placed = cache.ensure(g, cx.store, i, &unique, &full)?;
         lap(&mut clock, &mut times.expert_io);
         let kernels_of = |low: bool| match low {
             false => &kernels,
@@ -317,7 +336,9 @@ pub(super) fn moe(
                 if tasks.is_empty() {
                     continue;
                 }
-                let d_tasks = cx.scratch.get(g, name, std::mem::size_of_val(tasks.as_slice()))?;
+                let d_tasks = cx
+                    .scratch
+                    .get(g, name, std::mem::size_of_val(tasks.as_slice()))?;
                 cx.arena.upload(g, d_tasks, tasks)?;
                 let rows = TaskRows {
                     tasks: d_tasks,
@@ -466,7 +487,10 @@ impl ExpertKernels {
                     format!("moe_gate_up_slots_{}", self.sfx),
                     self.gate_up_blocks,
                 ),
-                SlotLaunch::rows(format!("moe_down_slots_{}", self.down_sfx), self.down_blocks),
+                SlotLaunch::rows(
+                    format!("moe_down_slots_{}", self.down_sfx),
+                    self.down_blocks,
+                ),
             ],
         };
         let slots = slots as u32;
