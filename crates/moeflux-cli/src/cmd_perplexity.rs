@@ -82,6 +82,7 @@ pub fn run(mut args: PerplexityArgs) -> Result<()> {
         r.backend = Backend::Cpu;
         r.cpu_activations = Activations::F32;
         (r.low_width_experts, r.low_width_misses) = (false, false);
+        r.low_width_below = None;
         (r.gpus, r.dist_init, r.rank, r.world) = (None, None, None, None);
         (r.gpu_memory, r.host_cache, r.cpu_experts) = (None, None, 0);
         eprintln!("reference: the CPU with f32 activations");

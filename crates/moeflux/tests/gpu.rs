@@ -505,12 +505,13 @@ fn low_width_misses_on_the_gpu_keep_the_cache_at_full_width() {
             ..Default::default()
         },
     );
-    let mut c = cpu(&dir);
-    let toks = gpu_ties::random_tokens_clear_of_ties(&mut c, &dir, 40);
+    // Tokens clear of routing ties with the experts and with the copies
+    // (the runs below compare with either).
+    let (mut c, mut cl) = (cpu(&dir), low(Backend::Cpu, None, None));
+    let toks =
+        gpu_ties::draw_clear_of_ties_in_all(&mut [&mut c, &mut cl], &dir, 40, |t| vec![t.to_vec()]);
     let full = c.eval(&toks, LogitsMode::All).unwrap();
-    let copies = low(Backend::Cpu, None, None)
-        .eval(&toks, LogitsMode::All)
-        .unwrap();
+    let copies = cl.eval(&toks, LogitsMode::All).unwrap();
     let apart = max_rel_diff(&copies, &full);
     assert!(
         apart > 10.0 * GUARD,
@@ -551,10 +552,16 @@ fn low_width_misses_on_the_gpu_keep_the_cache_at_full_width() {
         let mut g = mixed_below(Prefetch::Off, Some(below))(Backend::Cuda, Some(budget), None);
         let d = max_rel_diff(&one_token_at_a_time(&mut g, &toks), want);
         let st = g.gpu_cache_stats();
-        assert!(d <= GUARD, "below {below}: GPU vs {what}, max rel diff {d:e}; {st:?}");
+        assert!(
+            d <= GUARD,
+            "below {below}: GPU vs {what}, max rel diff {d:e}; {st:?}"
+        );
         let all_low = st.low_misses == st.misses && st.low_hits == st.hits;
         assert_eq!(all_low, below > 1.0, "below {below}: {st:?}");
-        assert!(st.misses > 0 && (below > 1.0 || st.low_misses == 0), "{st:?}");
+        assert!(
+            st.misses > 0 && (below > 1.0 || st.low_misses == 0),
+            "{st:?}"
+        );
     }
     let mut g = mixed_below(Prefetch::Off, Some(1.0 / k))(Backend::Cuda, Some(budget), None);
     let got = one_token_at_a_time(&mut g, &toks);

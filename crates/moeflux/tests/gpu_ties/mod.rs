@@ -30,17 +30,31 @@ pub fn draw_clear_of_ties(
     n: usize,
     sequences: impl Fn(&[u32]) -> Vec<Vec<u32>>,
 ) -> Vec<u32> {
+    draw_clear_of_ties_in_all(&mut [cpu], dir, n, sequences)
+}
+
+/// [`draw_clear_of_ties`] in each of `cpus`: sessions of one model
+/// directory that compute differently (its experts and their low-width
+/// copies), so route differently.
+pub fn draw_clear_of_ties_in_all(
+    cpus: &mut [&mut Session],
+    dir: &Path,
+    n: usize,
+    sequences: impl Fn(&[u32]) -> Vec<Vec<u32>>,
+) -> Vec<u32> {
     let first = test_seed();
-    let k = cpu.experts_per_token();
-    let vocab = cpu.vocab_size();
+    let k = cpus[0].experts_per_token();
+    let vocab = cpus[0].vocab_size();
     for attempt in 0..DRAWS {
         let seed = first.wrapping_add(attempt);
         let toks = moeflux::bench::random_tokens(n, vocab, seed);
         let mut m = f64::INFINITY;
-        for seq in sequences(&toks) {
-            let (_, trace) = cpu.eval_traced(&seq, LogitsMode::Last).unwrap();
-            cpu.clear();
-            m = m.min(routing_margin(dir, &trace, k));
+        for cpu in cpus.iter_mut() {
+            for seq in sequences(&toks) {
+                let (_, trace) = cpu.eval_traced(&seq, LogitsMode::Last).unwrap();
+                cpu.clear();
+                m = m.min(routing_margin(dir, &trace, k));
+            }
         }
         if m >= MIN_MARGIN {
             eprintln!("random tokens from seed {seed} (routing margin {m:.1e})");
