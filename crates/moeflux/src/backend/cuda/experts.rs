@@ -595,16 +595,19 @@ impl ExpertCache {
         if misses.is_empty() {
             self.start_read_ahead(gpu, store)?;
         }
-        let (low, full): (Vec<usize>, Vec<usize>) =
+        let (to_copy, to_expert): (Vec<usize>, Vec<usize>) =
             misses.iter().partition(|&&i| self.low[slot_of[i]]);
-        if let Err(e) = self.upload(gpu, store, layer, ids, &full, &slot_of) {
-            for &i in &low {
+        if let Err(e) = self.upload(gpu, store, layer, ids, &to_expert, &slot_of) {
+            for &i in &to_copy {
                 self.invalidate(slot_of[i]);
             }
             return Err(e);
         }
-        if let Some(copies) = store.low_width().filter(|_| !low.is_empty()) {
-            self.upload_low(gpu, copies, layer, ids, &low, &slot_of)?;
+        if !to_copy.is_empty() {
+            let copies = store
+                .low_width()
+                .expect("low-width misses come with the copies attached");
+            self.upload_low(gpu, copies, layer, ids, &to_copy, &slot_of)?;
         }
         self.start_read_ahead(gpu, store)?;
         self.copies_pending = false;
