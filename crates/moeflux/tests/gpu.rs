@@ -472,9 +472,11 @@ fn mean_rel_diff(a: &[f32], b: &[f32]) -> f32 {
 /// width): the experts' logits; an evicting cache with no prefetch (every
 /// use a copy uploaded on a miss, or a hit on one): the copies' logits,
 /// batch and one token at a time; with a routing weight bound below or
-/// above every weight, the experts' or the copies' logits, and between,
-/// both widths; over the host tier with the prefetch (predicted experts at
-/// full width, copies replaced): both widths in use, and logits nearer the
+/// above every weight (demand misses alone, or with the prefetch, which
+/// applies the bound to predicted experts), the experts' or the copies'
+/// logits, and between, both widths; over the host tier with the prefetch
+/// (predicted experts at full width, copies replaced; with the bound, by
+/// their predicted weight): both widths in use, and logits nearer the
 /// experts' than the copies' are.
 #[test]
 #[ignore]
@@ -548,20 +550,27 @@ fn low_width_misses_on_the_gpu_keep_the_cache_at_full_width() {
     // (the experts' logits); above every weight: the copies'; at the mean
     // weight 1/K: both widths.
     let k = c.config().moe.num_experts_per_tok as f32;
-    for (below, want, what) in [(1e-9, &full, "the experts"), (2.0, &copies, "the copies")] {
-        let mut g = mixed_below(Prefetch::Off, Some(below))(Backend::Cuda, Some(budget), None);
-        let d = max_rel_diff(&one_token_at_a_time(&mut g, &toks), want);
-        let st = g.gpu_cache_stats();
-        assert!(
-            d <= GUARD,
-            "below {below}: GPU vs {what}, max rel diff {d:e}; {st:?}"
-        );
-        let all_low = st.low_misses == st.misses && st.low_hits == st.hits;
-        assert_eq!(all_low, below > 1.0, "below {below}: {st:?}");
-        assert!(
-            st.misses > 0 && (below > 1.0 || st.low_misses == 0),
-            "{st:?}"
-        );
+    // The same over the host tier with the prefetch, which applies the
+    // bound to the predicted experts.
+    for (prefetch, host) in [(Prefetch::Off, None), (Prefetch::On, Some(1 << 40))] {
+        for (below, want, what) in [(1e-9, &full, "the experts"), (2.0, &copies, "the copies")] {
+            let mut g = mixed_below(prefetch, Some(below))(Backend::Cuda, Some(budget), host);
+            let d = max_rel_diff(&one_token_at_a_time(&mut g, &toks), want);
+            let st = g.gpu_cache_stats();
+            let at = format!("below {below}, prefetch {prefetch:?}");
+            assert!(
+                d <= GUARD,
+                "{at}: GPU vs {what}, max rel diff {d:e}; {st:?}"
+            );
+            let all_low = st.low_misses == st.misses && st.low_hits == st.hits;
+            assert_eq!(all_low, below > 1.0, "{at}: {st:?}");
+            assert!(
+                st.misses > 0 && (below > 1.0 || st.low_misses == 0),
+                "{at}: {st:?}"
+            );
+            assert_eq!(st.prefetched > 0, prefetch == Prefetch::On, "{at}: {st:?}");
+            assert_eq!(st.promoted, 0, "{at}: {st:?}");
+        }
     }
     let mut g = mixed_below(Prefetch::Off, Some(1.0 / k))(Backend::Cuda, Some(budget), None);
     let got = one_token_at_a_time(&mut g, &toks);
@@ -586,6 +595,18 @@ fn low_width_misses_on_the_gpu_keep_the_cache_at_full_width() {
     let (m, l) = (mean_rel_diff(&got, &full), mean_rel_diff(&copies, &full));
     eprintln!("mean rel diff from the experts: mixed {m:e}, copies {l:e}");
     assert!(m > 0.0 && m < l, "mixed {m:e}, copies {l:e}");
+    let mut g =
+        mixed_below(Prefetch::On, Some(1.0 / k))(Backend::Cuda, Some(budget), Some(1 << 40));
+    let got = one_token_at_a_time(&mut g, &toks);
+    let st = g.gpu_cache_stats();
+    let share = st.low_width_share().unwrap();
+    let m = mean_rel_diff(&got, &full);
+    eprintln!("below 1/K over the host tier: {st:?}, {share:.3} on copies, mean rel diff {m:e}");
+    assert!(share > 0.0 && share < 1.0, "{st:?}");
+    assert!(
+        m > 0.0 && m < l,
+        "below 1/K with the prefetch: {m:e}, copies {l:e}"
+    );
 }
 
 /// `--gpu-activations q8` on a whole model: decode steps with the 4-bit

@@ -766,15 +766,18 @@ impl ExpertCache {
     /// `ensure` orders it after them. Only from the host tier (a copy
     /// straight from pinned memory; reads from the files would block the
     /// host): a whole-layer tier's layers, an arena's held experts. Never
-    /// overwrites the slots the last `ensure` handed out. A predicted expert
-    /// held as its low-width copy is uploaded at full width into its own
-    /// slot. Returns how many uploads it started.
+    /// overwrites the slots the last `ensure` handed out. With low-width
+    /// misses, `as_copy[i]` lets `ids[i]` travel as its low-width copy
+    /// where the host tier pins the copies (missing entries: no); an expert
+    /// that may not and is held as its copy is uploaded at full width into
+    /// its own slot. Returns how many uploads it started.
     pub fn prefetch(
         &mut self,
         gpu: &Gpu,
         store: &ExpertStore,
         layer: usize,
         ids: &[usize],
+        as_copy: &[bool],
     ) -> Result<usize> {
         if self.table.is_some() {
             return Ok(0);
@@ -788,42 +791,57 @@ impl ExpertCache {
         for &s in &self.in_use {
             busy[s] = true;
         }
+        let copies = store
+            .low_width()
+            .filter(|_| self.low_misses && self.low_pinned(layer));
         // Per wanted expert, the slot of the low copy it replaces (`None`:
-        // a new slot, at most as many as are not in use).
+        // a new slot, at most as many as are not in use) and whether it
+        // travels as its copy.
         let mut room = self.map.len() - self.in_use.len();
-        let mut wanted: Vec<(usize, Option<usize>)> = Vec::new();
-        for &e in ids {
+        let mut wanted: Vec<(usize, Option<usize>, bool)> = Vec::new();
+        for (i, &e) in ids.iter().enumerate() {
+            let copy = copies.is_some() && as_copy.get(i).copied().unwrap_or(false);
             match self.map.get((layer, e)) {
                 None if room > 0 => {
                     room -= 1;
-                    wanted.push((e, None));
+                    wanted.push((e, None, copy));
                 }
-                Some(s) if self.low[s] && !busy[s] => wanted.push((e, Some(s))),
+                Some(s) if self.low[s] && !copy && !busy[s] => wanted.push((e, Some(s), false)),
                 _ => {}
             }
         }
-        let wanted_ids: Vec<usize> = wanted.iter().map(|&(e, _)| e).collect();
+        let wanted_ids: Vec<usize> = wanted.iter().map(|&(e, ..)| e).collect();
         // Per wanted expert, the pinned bytes to copy (and the arena claim
-        // to hold until the copy is done).
+        // to hold until the copy is done; none for a copy).
         let host = Arc::clone(&self.host);
-        let mut claims = match &host.full {
+        let mut claims: Vec<Option<Claim<Pinned>>> = match &host.full {
             Tier::Arena(a) => {
-                let keys: Vec<_> = wanted_ids.iter().map(|&e| (layer, e)).collect();
+                let keys: Vec<_> = wanted
+                    .iter()
+                    .filter(|w| !w.2)
+                    .map(|w| (layer, w.0))
+                    .collect();
                 let mut a = a.lock().unwrap_or_else(|p| p.into_inner());
-                a.check_out(&keys, false).into_iter().map(Some).collect()
+                let mut got = a.check_out(&keys, false).into_iter();
+                wanted
+                    .iter()
+                    .map(|w| match w.2 {
+                        true => None,
+                        false => Some(got.next().expect("a claim per key")),
+                    })
+                    .collect()
             }
             _ => Vec::new(),
         };
-        let extent = store.extent_bytes(layer);
         let mut started = 0;
-        for (j, &(e, low_slot)) in wanted.iter().enumerate() {
-            let src: &[u8] = if arena {
-                match claims[j].as_ref().and_then(|c| c.buf()) {
-                    Some(buf) => &buf.as_bytes()[..extent],
+        for (j, &(e, low_slot, copy)) in wanted.iter().enumerate() {
+            let src: &[u8] = match copies.filter(|_| copy) {
+                Some(c) => c.mapped(layer, e).expect("pinned copies are mapped"),
+                None if arena => match claims[j].as_ref().and_then(|c| c.buf()) {
+                    Some(buf) => &buf.as_bytes()[..store.extent_bytes(layer)],
                     None => continue,
-                }
-            } else {
-                store.mapped(layer, e).expect("host-tier layers are mapped")
+                },
+                None => store.mapped(layer, e).expect("host-tier layers are mapped"),
             };
             let s = match low_slot {
                 Some(s) => {
@@ -834,6 +852,7 @@ impl ExpertCache {
                 None => {
                     let s = self.take_victim(&busy);
                     self.map.assign(s, (layer, e));
+                    self.low[s] = copy;
                     s
                 }
             };
@@ -851,7 +870,7 @@ impl ExpertCache {
                 held_claims(&mut self.held, &mut claims, layer, &wanted_ids);
                 return Err(e);
             }
-            self.stats.uploaded_bytes += extent as u64;
+            self.stats.uploaded_bytes += src.len() as u64;
             self.stats.prefetched += 1;
             self.copies_pending = true;
             started += 1;

@@ -202,7 +202,7 @@ pub(super) fn moe(
             matmuls(g, &[router], xn, n)?;
             let bufs = [p_ids, p_wts, p_bases];
             route(g, w, cx.config, nx, p_logits, n, k, 0, bufs)?;
-            Some((nx.layer, p_ids))
+            Some((nx.layer, p_ids, p_wts))
         }
         _ => None,
     };
@@ -215,7 +215,7 @@ pub(super) fn moe(
     };
     let mut low_bases: Option<u64> = None;
     let mut guess: Vec<i32> = Vec::new();
-    let mut next_ids: Option<(usize, Vec<usize>)> = None;
+    let mut next_ids: Option<(usize, Vec<usize>, Vec<bool>)> = None;
     let mut on_cpu: Vec<usize> = Vec::new();
     let mut cpu_users: Vec<(usize, Vec<i32>)> = Vec::new();
     let mut host_xn: Vec<f32> = Vec::new();
@@ -228,16 +228,17 @@ pub(super) fn moe(
     } else {
         // The host needs the choice to bring missing experts in.
         let mut runs = vec![(d_ids, n * k)];
-        runs.extend(predicted.map(|(_, p_ids)| (p_ids, n * k)));
+        runs.extend(predicted.map(|(_, p_ids, _)| (p_ids, n * k)));
         let want_xn = slot_path && cx.cpu_experts > 0 && cache.host_pinned(i);
         if want_xn {
             runs.push((xn, n * h));
         }
-        // Low-width misses with a weight bound: the router's weights say
-        // which misses travel at full width.
+        // Low-width misses with a weight bound: the router's weights (and
+        // the guess's) say which experts travel at full width.
         let below = cache.low_width_below();
         if below.is_some() {
             runs.push((d_wts, n * k));
+            runs.extend(predicted.map(|(_, _, p_wts)| (p_wts, n * k)));
         }
         let mut got = cx.downloads.download_runs::<i32>(g, &runs)?.into_iter();
         let ids = got.next().expect("one run per buffer");
@@ -248,9 +249,12 @@ pub(super) fn moe(
             let bits = got.next().expect("one run per buffer");
             host_xn = bytemuck::cast_slice(&bits).to_vec();
         }
-        let wts: Vec<f32> = match below {
-            Some(_) => bytemuck::cast_slice(&got.next().expect("one run per buffer")).to_vec(),
-            None => Vec::new(),
+        let mut floats = || -> Vec<f32> {
+            bytemuck::cast_slice(&got.next().expect("one run per buffer")).to_vec()
+        };
+        let (wts, guess_wts) = match below {
+            Some(_) => (floats(), predicted.map_or(Vec::new(), |_| floats())),
+            None => (Vec::new(), Vec::new()),
         };
         cx.arena.reset();
         lap(&mut clock, &mut times.routing);
@@ -273,7 +277,7 @@ pub(super) fn moe(
             .filter(|&&e| owns(e) && !on_cpu.contains(&e))
             .copied()
             .collect();
-        if let Some((j, _)) = predicted {
+        if let Some((j, ..)) = predicted {
             // The guess's most chosen experts first, this GPU's only.
             let mut ids = most_chosen_first(&guess);
             if let Some(ep) = ep {
@@ -282,15 +286,20 @@ pub(super) fn moe(
             // Without a host tier the guess is read from the files, behind
             // this layer's own reads.
             cache.read_ahead(cx.store, j, &ids);
-            next_ids = Some((j, ids));
+            let as_copy = match below {
+                Some(w) => {
+                    let weight = heaviest(&guess, &guess_wts);
+                    ids.iter().map(|e| weight[e] < w).collect()
+                }
+                None => Vec::new(),
+            };
+            next_ids = Some((j, ids, as_copy));
         }
-        // An expert is as important as the largest weight a token of the
-        // step gives it.
         let full: Vec<bool> = match below {
-            Some(w) => unique
-                .iter()
-                .map(|e| users[e].iter().any(|&j| wts[j as usize] >= w))
-                .collect(),
+            Some(w) => {
+                let weight = heaviest(&ids, &wts);
+                unique.iter().map(|e| weight[e] >= w).collect()
+            }
             None => Vec::new(),
         };
         let placed = cache.ensure(g, cx.store, i, &unique, &full)?;
@@ -358,10 +367,10 @@ pub(super) fn moe(
             low.run_slots(g, d, n * k, k, xn, act, slot_out)?;
         }
     }
-    if let Some((j, ids)) = next_ids {
+    if let Some((j, ids, as_copy)) = next_ids {
         // From the host tier: queued after this layer's compute was
         // launched, so its own uploads went first.
-        cache.prefetch(g, cx.store, j, &ids)?;
+        cache.prefetch(g, cx.store, j, &ids, &as_copy)?;
     }
     if !cpu_users.is_empty() {
         compute_on_host(cx, b, &cpu_users, &host_xn, slot_out)?;
@@ -729,6 +738,18 @@ fn route(
             }
         }
     }
+}
+
+/// Per expert of a step's choice (`ids`, `wts`: expert and weight per
+/// (token, rank)), the largest weight a token gives it: how important the
+/// expert is to the step.
+fn heaviest(ids: &[i32], wts: &[f32]) -> std::collections::HashMap<usize, f32> {
+    let mut m = std::collections::HashMap::new();
+    for (&id, &x) in ids.iter().zip(wts) {
+        let w = m.entry(id as usize).or_insert(x);
+        *w = w.max(x);
+    }
+    m
 }
 
 /// The distinct experts of a predicted choice, those more tokens chose
@@ -1099,7 +1120,7 @@ fn expert_layout(layer: usize, x: &ExpertLayout) -> Result<ExpertLayoutC> {
 
 #[cfg(test)]
 mod tests {
-    use super::{most_chosen_first, mx_rows_slices};
+    use super::{heaviest, most_chosen_first, mx_rows_slices};
 
     #[test]
     fn mx_rows_take_rows_of_two_to_four_slices() {
@@ -1111,6 +1132,13 @@ mod tests {
         assert_eq!(mx_rows_slices(1024), None);
         assert_eq!(mx_rows_slices(4128), None);
         assert_eq!(mx_rows_slices(5440), None);
+    }
+
+    #[test]
+    fn an_expert_weighs_what_its_heaviest_slot_gives_it() {
+        let w = heaviest(&[3, 5, 3, 7], &[0.2, 0.6, 0.5, 0.1]);
+        assert_eq!((w[&3], w[&5], w[&7]), (0.5, 0.6, 0.1));
+        assert_eq!(w.len(), 3);
     }
 
     #[test]
