@@ -159,10 +159,11 @@ pub struct ModelArgs {
     /// on a copy (`bench` reports it).
     #[arg(long, conflicts_with = "low_width_experts")]
     pub low_width_misses: bool,
-    /// With --low-width-misses: only misses the router weighs below W
-    /// (the largest weight a token of the step gives the expert; a token's
-    /// K weights sum to 1 in most families) travel as copies; the rest are
-    /// uploaded at full width and replace a copy found in VRAM.
+    /// With --low-width-misses: the experts the router weighs below W (the
+    /// largest weight a token of the step gives the expert; a token's K
+    /// weights sum to 1 in most families) travel as copies, misses and
+    /// the prefetch's predicted experts alike; the rest are uploaded at
+    /// full width and replace a copy found in VRAM.
     #[arg(long, value_name = "W", requires = "low_width_misses")]
     pub low_width_below: Option<f32>,
     /// GPU: launch every kernel of a decode step one by one instead of

@@ -108,11 +108,13 @@ pub struct SessionOptions {
     /// what the cache held, so results are not reproducible step for step
     /// as with full-width experts.
     pub low_width_misses: bool,
-    /// With `low_width_misses`: only misses whose routing weight (the
+    /// With `low_width_misses`: the experts whose routing weight (the
     /// largest a token of the step gives the expert, as the combine
-    /// applies it) is below this travel as copies; the rest are uploaded
-    /// at full width and replace a copy found in VRAM (the importance rule
-    /// of HOBBIT). `None`: every miss.
+    /// applies it) is below this travel as copies, misses and the
+    /// prefetch's predicted experts alike (the latter where the host tier
+    /// pins the copies); the rest are uploaded at full width and replace a
+    /// copy found in VRAM (the importance rule of HOBBIT). `None`: every
+    /// miss travels as a copy, every prefetch at full width.
     pub low_width_below: Option<f32>,
 }
 
