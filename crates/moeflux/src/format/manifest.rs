@@ -177,6 +177,16 @@ impl Manifest {
         self.experts.iter().find(|l| l.layer == layer)
     }
 
+    /// This manifest with its low-width copies in the experts' place (and
+    /// no copies of their own): what a store of the copies opens.
+    pub fn copies_as_experts(&self) -> Manifest {
+        Manifest {
+            experts: self.low_width_experts.clone(),
+            low_width_experts: Vec::new(),
+            ..self.clone()
+        }
+    }
+
     /// The low-width copies of layer `layer`'s experts, if the model has them.
     pub fn low_width_layer(&self, layer: usize) -> Option<&ExpertLayer> {
         self.low_width_experts.iter().find(|l| l.layer == layer)

@@ -176,11 +176,7 @@ impl Model {
     /// `inspect`).
     pub fn check_dir(dir: &Path) -> Result<(Manifest, ModelConfig)> {
         let (manifest, config) = Self::read_dir(dir)?;
-        let copies = Manifest {
-            experts: manifest.low_width_experts.clone(),
-            low_width_experts: Vec::new(),
-            ..manifest.clone()
-        };
+        let copies = manifest.copies_as_experts();
         // The experts, then their low-width copies (if any) in their place.
         for m in std::iter::once(&manifest).chain((!copies.experts.is_empty()).then_some(&copies)) {
             Model::load(dir, m, config.clone())?;

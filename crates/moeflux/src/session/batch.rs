@@ -274,11 +274,7 @@ impl Batch {
                      expert at low width on any backend"
                 )));
             }
-            let copies = Manifest {
-                experts: manifest.low_width_experts.clone(),
-                low_width_experts: Vec::new(),
-                ..manifest.clone()
-            };
+            let copies = manifest.copies_as_experts();
             store.attach_low_width(ExpertStore::open(dir, &copies, &store_opts)?);
         }
         let (engine, backend_note) = match gpu {

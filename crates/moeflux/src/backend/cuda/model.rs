@@ -227,7 +227,9 @@ pub struct CudaOptions {
     /// the CPU's `Activations::Q8` rounds them (routers stay exact).
     pub activations: Activations,
     /// With low-width misses (the store has the copies attached): only
-    /// misses every token of the step weighs below this travel as copies.
+    /// experts every token of the step weighs below this travel as copies
+    /// (misses, and the prefetch's predicted experts by their predicted
+    /// weight).
     pub low_width_below: Option<f32>,
 }
 
