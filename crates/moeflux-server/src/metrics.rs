@@ -39,6 +39,7 @@ pub struct Metrics {
     expert_bytes: AtomicU64,
     expert_host_hits: AtomicU64,
     expert_file_bytes: AtomicU64,
+    expert_low_width_uses: AtomicU64,
     steps: AtomicU64,
     step_sequences: AtomicU64,
     step_tokens: AtomicU64,
@@ -77,6 +78,8 @@ pub struct StepSample {
     /// GPU: bytes of the VRAM misses read from the expert files (page
     /// cache or disk).
     pub expert_file_bytes: u64,
+    /// GPU, `--low-width-misses`: expert uses that ran on a low-width copy.
+    pub expert_low_width_uses: u64,
 }
 
 fn add_ns(a: &AtomicU64, d: Duration) {
@@ -142,6 +145,8 @@ impl Metrics {
         self.expert_bytes.fetch_add(s.expert_bytes, r);
         self.expert_host_hits.fetch_add(s.expert_host_hits, r);
         self.expert_file_bytes.fetch_add(s.expert_file_bytes, r);
+        self.expert_low_width_uses
+            .fetch_add(s.expert_low_width_uses, r);
     }
 
     pub fn set_prefix_cache(&self, s: PrefixCacheStats) {
@@ -339,6 +344,12 @@ impl Metrics {
             "GPU: expert bytes missing from VRAM and the host tier, read from the expert files.",
             &one(n(&self.expert_file_bytes)),
         );
+        metric(
+            "moeflux_expert_low_width_uses_total",
+            "counter",
+            "GPU, --low-width-misses: expert uses that ran on a low-width copy.",
+            &one(n(&self.expert_low_width_uses)),
+        );
         let p = *self.prefix.lock().unwrap_or_else(|p| p.into_inner());
         metric(
             "moeflux_prefix_cache_hits_total",
@@ -395,6 +406,7 @@ mod tests {
             expert_hits: 3,
             expert_host_hits: 1,
             expert_file_bytes: 4096,
+            expert_low_width_uses: 2,
             ..Default::default()
         });
         let t = m.render();
@@ -405,6 +417,7 @@ mod tests {
         assert!(t.contains("moeflux_expert_cache_hit_ratio 0.75\n"));
         assert!(t.contains("moeflux_expert_host_tier_hits_total 1\n"));
         assert!(t.contains("moeflux_expert_file_bytes_total 4096\n"));
+        assert!(t.contains("moeflux_expert_low_width_uses_total 2\n"));
         assert!(t.contains("moeflux_batch_size 3\n"));
         assert!(t.contains("moeflux_step_tokens 40\n"));
         assert!(t.contains("# TYPE moeflux_queue_depth gauge\nmoeflux_queue_depth 0\n"));

@@ -415,7 +415,7 @@ impl<'t> Scheduler<'t> {
         let t = Instant::now();
         let results = self.batch.step(&work);
         let forward = t.elapsed();
-        let (reads, hits, bytes, host_hits, file_bytes) = if self.batch.on_gpu() {
+        let (reads, hits, bytes, host_hits, file_bytes, low_uses) = if self.batch.on_gpu() {
             let g = self.batch.gpu_cache_stats().since(&gpu0);
             (
                 g.hits + g.misses,
@@ -423,10 +423,11 @@ impl<'t> Scheduler<'t> {
                 g.uploaded_bytes,
                 g.host_hits,
                 g.file_bytes,
+                g.low_hits + g.low_misses,
             )
         } else {
             let io = self.batch.io_stats().since(&io0);
-            (io.reads, io.cached, io.bytes, 0, 0)
+            (io.reads, io.cached, io.bytes, 0, 0, 0)
         };
         self.metrics.step(&StepSample {
             sequences: plan.len(),
@@ -437,6 +438,7 @@ impl<'t> Scheduler<'t> {
             expert_bytes: bytes,
             expert_host_hits: host_hits,
             expert_file_bytes: file_bytes,
+            expert_low_width_uses: low_uses,
         });
 
         let mut ends: Vec<(usize, End)> = Vec::new();
