@@ -357,7 +357,7 @@ impl Report<'_> {
                     pct(t.gpu_cache.hit_rate()),
                     human_bytes(t.uploaded_bytes_per_token() as u64)
                 ));
-                if t.gpu_cache.low_misses > 0 {
+                if t.gpu_cache.low_hits + t.gpu_cache.low_misses > 0 {
                     out.push_str(&format!(
                         ", {} of expert uses on low-width copies ({} replaced by prefetches)",
                         pct(t.gpu_cache.low_width_share()),

@@ -117,7 +117,7 @@ pub fn run(mut args: PerplexityArgs) -> Result<()> {
     });
     // `--low-width-misses`: how many of the expert uses ran on a copy.
     let cache = session.gpu_cache_stats();
-    let low_share = (cache.low_misses > 0)
+    let low_share = (cache.low_hits + cache.low_misses > 0)
         .then(|| cache.low_width_share())
         .flatten();
     if args.json {
