@@ -213,6 +213,12 @@ pub(super) fn moe(
         Some(x) if cache.uploads_low_width() => Some(ExpertKernels::new(layout_of(x)?, slot_path)),
         _ => None,
     };
+    let kernels_of = |low: bool| match low {
+        false => &kernels,
+        true => low_kernels
+            .as_ref()
+            .expect("the cache uploads low-width copies only of layers that have them"),
+    };
     let mut low_bases: Option<u64> = None;
     let mut guess: Vec<i32> = Vec::new();
     let mut next_ids: Option<(usize, Vec<usize>, Vec<bool>)> = None;
@@ -304,12 +310,6 @@ pub(super) fn moe(
         };
         let placed = cache.ensure(g, cx.store, i, &unique, &full)?;
         lap(&mut clock, &mut times.expert_io);
-        let kernels_of = |low: bool| match low {
-            false => &kernels,
-            true => low_kernels
-                .as_ref()
-                .expect("the cache uploads low-width copies only of layers that have them"),
-        };
         if slot_path {
             // Per width, the slots' experts (0: the other width's slot).
             let mut bases = [vec![0u64; n * k], vec![0u64; n * k]];
@@ -363,8 +363,7 @@ pub(super) fn moe(
     if slot_path {
         kernels.run_slots(g, d_bases, n * k, k, xn, act, slot_out)?;
         if let Some(d) = low_bases {
-            let low = low_kernels.as_ref().expect("low bases come from low slots");
-            low.run_slots(g, d, n * k, k, xn, act, slot_out)?;
+            kernels_of(true).run_slots(g, d, n * k, k, xn, act, slot_out)?;
         }
     }
     if let Some((j, ids, as_copy)) = next_ids {
