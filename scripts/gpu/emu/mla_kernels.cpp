@@ -373,9 +373,10 @@ static void test_qdot(int rows_a, int rows_b, int cols, bool glu, unsigned grid,
     check(name, got, std::vector<double>(alone.begin(), alone.end()), 0.0);
 }
 
-// argmax_rows: per row the first index of its largest value (sample.rs argmax on finite
-// logits), -1 for a row with a NaN or an infinity.
-static void test_argmax_rows(int v, unsigned threads) {
+// argmax_parts + argmax_merge: per row the first index of its largest value (sample.rs
+// argmax on finite logits), -1 for a row with a NaN or an infinity; `parts` blocks a row (the
+// engine's rule: ceil(v / 4096) up to 64), the merge in 64 threads.
+static void test_argmax_rows(int v, unsigned threads, int parts) {
     const int rows = 7;
     std::vector<float> x((size_t)rows * v);
     for (auto& a : x) a = urand(-4, 4);
@@ -390,9 +391,14 @@ static void test_argmax_rows(int v, unsigned threads) {
     row(6)[7] = -INFINITY;
     std::vector<int> got(rows, -7);
     {
+        const int span = (v + parts - 1) / parts;
+        std::vector<float> pbest((size_t)rows * parts, -7.0f);
+        std::vector<int> pat((size_t)rows * parts, -7), pbad((size_t)rows * parts, -7);
         const float* xp = x.data();
-        int* op = got.data();
-        emu_launch({(unsigned)rows, 1, 1}, threads, [&] { argmax_rows(xp, v, op); });
+        float* bp = pbest.data();
+        int *ap = pat.data(), *dp = pbad.data(), *op = got.data();
+        emu_launch({(unsigned)parts, (unsigned)rows, 1}, threads, [&] { argmax_parts(xp, v, span, bp, ap, dp); });
+        emu_launch({(unsigned)rows, 1, 1}, 64, [&] { argmax_merge(bp, ap, dp, parts, op); });
     }
     int bad = 0;
     for (int r = 0; r < rows; r++) {
@@ -410,7 +416,8 @@ static void test_argmax_rows(int v, unsigned threads) {
         }
     }
     if (bad) fails++;
-    printf("argmax_rows v%d, %u threads: %d of %d rows wrong %s\n", v, threads, bad, rows, bad ? "FAIL" : "ok");
+    printf("argmax v%d, %d parts of %u threads: %d of %d rows wrong %s\n", v, parts, threads, bad, rows,
+           bad ? "FAIL" : "ok");
 }
 
 // model/rope.rs Rope::apply
@@ -701,9 +708,12 @@ int main() {
     test_qmv_q8_tokens(72, 40, 2048, 3);
     test_qmv_q8_tokens(96, 64, 512, 8);
     test_qmv_q8_tokens(40, 24, 4096, 13, 3);
-    test_argmax_rows(1000, 256);
-    test_argmax_rows(248320, 1024);  // Qwen3.5/3.6's vocabulary
-    test_argmax_rows(40, 64);        // fewer values than threads
+    test_argmax_rows(1000, 256, 1);
+    test_argmax_rows(248320, 256, 61);  // Qwen3.5/3.6's vocabulary, as the engine splits it
+    test_argmax_rows(248320, 1024, 1);  // one block a row
+    test_argmax_rows(5000, 256, 2);     // parts that split the repeated maximum of row 1
+    test_argmax_rows(40, 64, 1);        // fewer values than threads
+    test_argmax_rows(40, 32, 7);        // parts of fewer values than threads
     // A few tokens at once (decode batches)
     test_qmv_tokens(72, 40, 2048, 4, 3);      // rows of 1024 bytes, one partial token group
     test_qmv_tokens(96, 64, 512, 4, 8);       // 256 bytes: two rows per chunk, two full groups

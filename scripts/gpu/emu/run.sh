@@ -9,7 +9,7 @@
 #                     (qmv_b4, qmv_b4_nc2, their SwiGLU-input _glu variants, and
 #                     qmv_b48/_nc2 over 4- and 8-bit matrices in one launch), the few-token
 #                     products (qmv_b4_t4, qmv_b8_t4) equal to the one-token ones per token,
-#                     argmax_rows (greedy picks on the device); with 8-bit activations
+#                     argmax_parts + argmax_merge (greedy picks on the device); with 8-bit activations
 #                     (qmv_b4q8*, qmv_b48q8*, qmv_b4q8_t4, qdot_b4q8/_glu/_t4) against the CPU's q8
 #                     contract, the few-token ones equal the one-token ones per token
 #   qwen_kernels.cpp  GatedDeltaNet (conv_qk_norm, delta_rule, gated_norm), moe_combine,

@@ -53,7 +53,8 @@ const KERNEL_NAMES: &[&str] = &[
     "dmatmul",
     "qgather_rows",
     "rms_norm",
-    "argmax_rows",
+    "argmax_parts",
+    "argmax_merge",
     "swiglu",
     "attn_prep",
     "attention",
@@ -284,6 +285,11 @@ pub struct Gpu {
     /// Programmatic dependent launches (sm_90+; `MOEFLUX_CUDA_PDL=0` turns
     /// them off).
     pdl: bool,
+    /// `MOEFLUX_CUDA_SKIP_KERNELS=prefix,...`: kernels whose names start
+    /// with one of these are not launched. Outputs are wrong; it measures
+    /// what a kernel class costs inside a captured step, which the
+    /// per-launch profile cannot (`bench/gpu-ablate.sh`).
+    skip: Vec<String>,
     /// Streaming multiprocessors (grids of the kernels that loop over their
     /// work are sized by it).
     pub sms: u32,
@@ -356,6 +362,18 @@ impl Gpu {
             .then(Default::default);
         let pdl = info.cc.0 >= 9 && std::env::var_os("MOEFLUX_CUDA_PDL").is_none_or(|v| v != "0");
         let mma = info.cc.0 >= 8 && std::env::var_os("MOEFLUX_CUDA_MMA").is_none_or(|v| v != "0");
+        let skip: Vec<String> = std::env::var("MOEFLUX_CUDA_SKIP_KERNELS")
+            .unwrap_or_default()
+            .split(',')
+            .filter(|p| !p.is_empty())
+            .map(String::from)
+            .collect();
+        if !skip.is_empty() {
+            eprintln!(
+                "moeflux: MOEFLUX_CUDA_SKIP_KERNELS leaves out kernels {skip:?}: \
+                 timing only, every output is wrong"
+            );
+        }
         use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT as SMS;
         let sms = ctx
             .attribute(SMS)
@@ -379,6 +397,7 @@ impl Gpu {
             occupancy: Default::default(),
             profile,
             pdl,
+            skip,
             sms,
             mma,
             q8: false,
@@ -449,6 +468,9 @@ impl Gpu {
         smem: u32,
         params: &mut [*mut c_void],
     ) -> Result<()> {
+        if self.skip.iter().any(|p| name.starts_with(p.as_str())) {
+            return Ok(());
+        }
         let f = self.funcs.get(name).expect("kernel listed in KERNEL_NAMES");
         self.profiled(
             || format!("{name} [{}x{}]", grid.0, grid.1),

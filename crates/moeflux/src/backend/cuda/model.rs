@@ -263,6 +263,10 @@ pub struct GroupShared {
 /// expert cache takes "everything else".
 const RESERVE: usize = 3 << 30;
 
+/// Logits per block of the device's greedy pick (`argmax_parts`): a large
+/// vocabulary is read by up to 64 blocks.
+const ARGMAX_SPAN: usize = 4096;
+
 /// A captured decode step and the buffer layout it was captured with.
 struct DecodeGraph {
     graph: SendGraph,
@@ -272,7 +276,8 @@ struct DecodeGraph {
     /// The GPU workspace it used (`Gpu::workspace_ptr`; a later batch may
     /// have grown, and so moved, it).
     workspace: u64,
-    /// Whether it picks greedy tokens (`argmax_rows` after the LM head).
+    /// Whether it picks greedy tokens (`argmax_parts`/`argmax_merge` after
+    /// the LM head).
     picks: bool,
 }
 
@@ -885,7 +890,7 @@ impl CudaModel {
             .zip(modes)
             .map(|(vals, &(_, mode))| {
                 if mode == Some(LogitsMode::Greedy) {
-                    // argmax_rows' i32, -1 for a row that is not all finite.
+                    // argmax_merge's i32, -1 for a row that is not all finite.
                     let id = vals[0].to_bits() as i32;
                     SegmentOutput::Token(u32::try_from(id).ok())
                 } else {
@@ -1214,16 +1219,32 @@ impl BlockExecutor for GpuStep<'_, '_> {
         matmuls(g, &[mm(w.lin(lm_head), logits)], normed, m)?;
         if picks_tokens(self.seqs.iter().map(|s| &s.seg)) {
             let picks = cx.scratch.get(g, "picks", 4 * m)?;
-            let vv = v as i32;
-            // SAFETY: `argmax_rows` in kernels/elementwise.cu; logits hold m rows of v
-            // floats, picks m ints.
+            let parts = v.div_ceil(ARGMAX_SPAN).clamp(1, 64);
+            let span = v.div_ceil(parts) as i32;
+            let partials = cx.scratch.get(g, "argmax_parts", 12 * m * parts)?;
+            let (pbest, pat, pbad) = (
+                partials,
+                partials + (4 * m * parts) as u64,
+                partials + (8 * m * parts) as u64,
+            );
+            let (vv, parts_i) = (v as i32, parts as i32);
+            // SAFETY: `argmax_parts` and `argmax_merge` in kernels/elementwise.cu;
+            // logits hold m rows of v floats, the partials m * parts of each
+            // kind, picks m ints.
             unsafe {
                 g.launch(
-                    "argmax_rows",
-                    (m as u32, 1, 1),
-                    1024,
+                    "argmax_parts",
+                    (parts as u32, m as u32, 1),
+                    256,
                     0,
-                    &mut args!(logits, vv, picks),
+                    &mut args!(logits, vv, span, pbest, pat, pbad),
+                )?;
+                g.launch(
+                    "argmax_merge",
+                    (m as u32, 1, 1),
+                    64,
+                    0,
+                    &mut args!(pbest, pat, pbad, parts_i, picks),
                 )?;
             }
         }

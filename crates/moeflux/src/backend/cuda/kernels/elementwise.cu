@@ -11,24 +11,17 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, int width, f
         out[(long)blockIdx.x * width + i] = xr[i] * inv * w[i];
 }
 
-// The most likely token of each logits row (blockIdx.x, `v` floats): the
-// index of the first of its largest values, what greedy sampling on the
-// host picks; -1 when the row holds a NaN or an infinity (the host then
-// reports non-finite logits, as for logits it reads itself). Any block
-// size that is a multiple of 32, up to 1024.
-extern "C" __global__ void argmax_rows(const float* x, int v, int* out) { PDL_ENTER();
-    const float* r = x + (long)blockIdx.x * v;
-    float best = NEG_INF;
-    int at = 0x7fffffff, bad = 0;
-    // Each thread's indices ascend, so `>` keeps its first maximum.
-    for (int i = threadIdx.x; i < v; i += blockDim.x) {
-        float a = r[i];
-        if (!(fabsf(a) <= 3.402823466e38f)) bad = 1;  // NaN or an infinity
-        else if (a > best) {
-            best = a;
-            at = i;
-        }
-    }
+// The most likely token of each logits row: the index of the first of its
+// largest values, what greedy sampling on the host picks; -1 when the row
+// holds a NaN or an infinity (the host then reports non-finite logits, as
+// for logits it reads itself). Two launches, so a row of a large vocabulary
+// (248,320 logits) is read by many SMs rather than one: argmax_parts takes
+// `span` values of row blockIdx.y per block, argmax_merge one row's parts.
+
+// The block's (best, at, bad) into thread 0's: the largest value, the lowest
+// index holding it, whether any thread saw a non-finite value. Any block size
+// that is a multiple of 32, up to 1024.
+__device__ __forceinline__ void block_argmax(float& best, int& at, int& bad) {
     __shared__ float sb[32];
     __shared__ int si[32], sbad[32];
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
@@ -56,6 +49,50 @@ extern "C" __global__ void argmax_rows(const float* x, int v, int* out) { PDL_EN
         at = lane < nw ? si[lane] : 0x7fffffff;
         bad = lane < nw ? sbad[lane] : 0;
     }
+}
+
+// Part blockIdx.x of row blockIdx.y (values part * span .. of v) into
+// [row * gridDim.x + part] of pbest, pat, pbad.
+extern "C" __global__ void argmax_parts(const float* x, int v, int span, float* pbest, int* pat, int* pbad) {
+    PDL_ENTER();
+    const float* r = x + (long)blockIdx.y * v;
+    const int lo = blockIdx.x * span, hi = min(v, lo + span);
+    float best = NEG_INF;
+    int at = 0x7fffffff, bad = 0;
+    // Each thread's indices ascend, so `>` keeps its first maximum.
+    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        float a = r[i];
+        if (!(fabsf(a) <= 3.402823466e38f)) bad = 1;  // NaN or an infinity
+        else if (a > best) {
+            best = a;
+            at = i;
+        }
+    }
+    block_argmax(best, at, bad);
+    if (threadIdx.x == 0) {
+        long o = (long)blockIdx.y * gridDim.x + blockIdx.x;
+        pbest[o] = best;
+        pat[o] = at;
+        pbad[o] = bad;
+    }
+}
+
+// Row blockIdx.x's `parts` partial answers into out[row].
+extern "C" __global__ void argmax_merge(const float* pbest, const int* pat, const int* pbad, int parts, int* out) {
+    PDL_ENTER();
+    const long o = (long)blockIdx.x * parts;
+    float best = NEG_INF;
+    int at = 0x7fffffff, bad = 0;
+    for (int p = threadIdx.x; p < parts; p += blockDim.x) {
+        float b = pbest[o + p];
+        int i = pat[o + p];
+        bad |= pbad[o + p];
+        if (b > best || (b == best && i < at)) {
+            best = b;
+            at = i;
+        }
+    }
+    block_argmax(best, at, bad);
     if (threadIdx.x == 0) out[blockIdx.x] = bad ? -1 : at;
 }
 
