@@ -328,6 +328,16 @@ fn synth_model(dst: &Path) {
     synth(dst, &o).unwrap();
 }
 
+/// [`synth_model`] in a temporary directory with 2-bit copies of its experts
+/// (`convert --low-width-copies 2`); the directory lives as long as the guard.
+fn synth_model_with_low_width_copies() -> (tempfile::TempDir, std::path::PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("synth");
+    synth_model(&dir);
+    moeflux::convert::low_width::write_low_width_copies(&dir, 2, &|_, _| {}).unwrap();
+    (tmp, dir)
+}
+
 /// gpt-oss at widths 512 bytes do not divide (see
 /// [`common::small_gpt_oss_spec`]): its MXFP4 experts and dense products
 /// through the one-token kernels' uneven slices, against the CPU; then with
@@ -417,11 +427,7 @@ fn one_layer_plus_eight(c: &Session) -> (usize, u64) {
 #[test]
 #[ignore]
 fn low_width_experts_on_the_gpu_match_the_cpu() {
-    use moeflux::convert::low_width::write_low_width_copies;
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("synth");
-    synth_model(&dir);
-    write_low_width_copies(&dir, 2, &|_, _| {}).unwrap();
+    let (_tmp, dir) = synth_model_with_low_width_copies();
     let low = opener(
         &dir,
         "with low-width experts",
@@ -481,11 +487,7 @@ fn mean_rel_diff(a: &[f32], b: &[f32]) -> f32 {
 #[test]
 #[ignore]
 fn low_width_misses_on_the_gpu_keep_the_cache_at_full_width() {
-    use moeflux::convert::low_width::write_low_width_copies;
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("synth");
-    synth_model(&dir);
-    write_low_width_copies(&dir, 2, &|_, _| {}).unwrap();
+    let (_tmp, dir) = synth_model_with_low_width_copies();
     let mixed_below = |prefetch, low_width_below| {
         opener(
             &dir,

@@ -376,7 +376,7 @@ static void test_qdot(int rows_a, int rows_b, int cols, bool glu, unsigned grid,
 // argmax_parts + argmax_merge: per row the first index of its largest value (sample.rs
 // argmax on finite logits), -1 for a row with a NaN or an infinity; `parts` blocks a row (the
 // engine's rule: ceil(v / 4096) up to 64), the merge in 64 threads.
-static void test_argmax_rows(int v, unsigned threads, int parts) {
+static void test_argmax(int v, unsigned threads, int parts) {
     const int rows = 7;
     std::vector<float> x((size_t)rows * v);
     for (auto& a : x) a = urand(-4, 4);
@@ -708,12 +708,12 @@ int main() {
     test_qmv_q8_tokens(72, 40, 2048, 3);
     test_qmv_q8_tokens(96, 64, 512, 8);
     test_qmv_q8_tokens(40, 24, 4096, 13, 3);
-    test_argmax_rows(1000, 256, 1);
-    test_argmax_rows(248320, 256, 61);  // Qwen3.5/3.6's vocabulary, as the engine splits it
-    test_argmax_rows(248320, 1024, 1);  // one block a row
-    test_argmax_rows(5000, 256, 2);     // parts that split the repeated maximum of row 1
-    test_argmax_rows(40, 64, 1);        // fewer values than threads
-    test_argmax_rows(40, 32, 7);        // parts of fewer values than threads
+    test_argmax(1000, 256, 1);
+    test_argmax(248320, 256, 61);  // Qwen3.5/3.6's vocabulary, as the engine splits it
+    test_argmax(248320, 1024, 1);  // one block a row
+    test_argmax(5000, 256, 2);     // parts that split the repeated maximum of row 1
+    test_argmax(40, 64, 1);        // fewer values than threads
+    test_argmax(40, 32, 7);        // parts of fewer values than threads
     // A few tokens at once (decode batches)
     test_qmv_tokens(72, 40, 2048, 4, 3);      // rows of 1024 bytes, one partial token group
     test_qmv_tokens(96, 64, 512, 4, 8);       // 256 bytes: two rows per chunk, two full groups
