@@ -6,6 +6,13 @@
 #
 #   bench/gpu-ab.sh MODEL_DIR BUILD [BUILD ...] [-- BENCH_ARGS ...]
 #
+# A BUILD is a moeflux binary, or BINARY:DIR to run it with MOEFLUX_CUDA_KERNEL_DIR=DIR (the
+# kernel parts in DIR replace the built-in ones: kernel variants against one binary). The
+# warm-ups run side by side (NVRTC compiles on one core each), on WARM_MODEL if set (a small model
+# of the same family, e.g. `moeflux synth --preset ... --layers 2`: the kernels compiled are the
+# same, and several large models loaded at once may not fit the card). A build whose warm-up fails
+# is left out with its error shown.
+#
 # BENCH_ARGS default to a decode step: --prompt-len 0 --gen 128 --reps 2 (add e.g.
 # --gpu-activations q8); with --prompt-len P --gen 0 the prefill rate is compared instead.
 set -euo pipefail
@@ -19,23 +26,54 @@ ARGS=("$@")
 ROUNDS=${ROUNDS:-3}
 [ ${#BUILDS[@]} -ge 1 ] || { echo "no build given" >&2; exit 2; }
 [ -d "$MODEL" ] || { echo "no model directory $MODEL" >&2; exit 2; }
+# Runs build $1 (BINARY or BINARY:KERNEL_DIR) with the remaining arguments.
+run_build() {
+  local bin=${1%%:*} dir=
+  [ "$bin" != "$1" ] && dir=${1#*:}
+  shift
+  if [ -n "$dir" ]; then MOEFLUX_CUDA_KERNEL_DIR=$dir "$bin" "$@"; else "$bin" "$@"; fi
+}
 for b in "${BUILDS[@]}"; do
-  [ -x "$b" ] || { echo "$b is not an executable moeflux build" >&2; exit 2; }
-  "$b" bench --model "$MODEL" --backend cuda --prompt-len 16 --gen 4 --reps 1 >/dev/null 2>&1 ||
-    { echo "$b: warm-up run failed" >&2; exit 1; }
+  bin=${b%%:*}
+  [ -x "$bin" ] || { echo "$bin is not an executable moeflux build" >&2; exit 2; }
+  if [ "$bin" != "$b" ] && [ ! -d "${b#*:}" ]; then echo "${b#*:} is not a directory" >&2; exit 2; fi
 done
+pids=()
+logs=$(mktemp -d)
+for i in "${!BUILDS[@]}"; do
+  run_build "${BUILDS[$i]}" bench --model "${WARM_MODEL:-$MODEL}" --backend cuda --prompt-len 16 --gen 4 \
+    --reps 1 >"$logs/$i" 2>&1 &
+  pids+=($!)
+done
+OK=()
+for i in "${!BUILDS[@]}"; do
+  if wait "${pids[$i]}"; then
+    OK+=("${BUILDS[$i]}")
+  else
+    echo "${BUILDS[$i]}: warm-up run failed, left out:" >&2
+    tail -5 "$logs/$i" >&2
+  fi
+done
+rm -r "$logs"
+[ ${#OK[@]} -ge 1 ] || exit 1
+BUILDS=("${OK[@]}")
 rate() {
-  "$1" bench --model "$MODEL" --backend cuda --json "${ARGS[@]}" 2>/dev/null | python3 -c '
+  run_build "$1" bench --model "$MODEL" --backend cuda --json "${ARGS[@]}" 2>/dev/null | python3 -c '
 import json, sys
 r = json.load(sys.stdin)
 print(round(r["decode_tok_s"] if r.get("decode_tok_s") else r["prefill_tok_s"], 1))'
 }
 declare -A RUNS
+# Each round starts with the next build, so no build always runs first.
+nb=${#BUILDS[@]}
 for r in $(seq "$ROUNDS"); do
-  for b in "${BUILDS[@]}"; do RUNS[$b]="${RUNS[$b]:-} $(rate "$b")"; done
+  for j in $(seq 0 $((nb - 1))); do
+    b=${BUILDS[$(((r - 1 + j) % nb))]}
+    RUNS[$b]="${RUNS[$b]:-} $(rate "$b")"
+  done
   echo "round $r of $ROUNDS done" >&2
 done
-echo "$MODEL, bench ${ARGS[*]}, $ROUNDS rounds alternated"
+echo "$MODEL, bench ${ARGS[*]}, $ROUNDS rounds alternated (each round starting one build later)"
 echo "| build | tok/s per run | mean |"
 echo "|---|---|---:|"
 for b in "${BUILDS[@]}"; do

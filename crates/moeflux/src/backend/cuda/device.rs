@@ -46,6 +46,65 @@ const KERNEL_PARTS: [(&str, &str); 18] = [
 static KERNELS: std::sync::LazyLock<String> =
     std::sync::LazyLock::new(|| KERNEL_PARTS.iter().map(|(_, text)| *text).collect());
 
+/// The kernel source this process compiles: the built-in one, or with
+/// `MOEFLUX_CUDA_KERNEL_DIR=DIR` the parts found in DIR in place of the
+/// built-in ones (a kernel variant timed against the built-in kernels by
+/// one binary, `bench/gpu-ab.sh`; the launches' arguments stay the built-in
+/// ones, so a variant changes kernel bodies only).
+fn kernel_source() -> Result<std::borrow::Cow<'static, str>> {
+    match std::env::var_os("MOEFLUX_CUDA_KERNEL_DIR") {
+        None => Ok(std::borrow::Cow::Borrowed(KERNELS.as_str())),
+        Some(dir) => {
+            let dir = PathBuf::from(dir);
+            let (source, replaced) = kernel_source_from(&dir)?;
+            eprintln!(
+                "moeflux: MOEFLUX_CUDA_KERNEL_DIR: kernel parts {replaced:?} read from {}",
+                dir.display()
+            );
+            Ok(std::borrow::Cow::Owned(source))
+        }
+    }
+}
+
+/// The kernel parts with each one that `dir` holds read from there, and the
+/// names of those. Every file in `dir` must name a part (a misspelt file
+/// would otherwise leave the built-in part in place unnoticed).
+fn kernel_source_from(dir: &std::path::Path) -> Result<(String, Vec<String>)> {
+    let io =
+        |e: std::io::Error| Error::Gpu(format!("MOEFLUX_CUDA_KERNEL_DIR {}: {e}", dir.display()));
+    let mut found = HashMap::new();
+    for entry in std::fs::read_dir(dir).map_err(io)? {
+        let entry = entry.map_err(io)?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !KERNEL_PARTS.iter().any(|(part, _)| *part == name) {
+            let parts: Vec<&str> = KERNEL_PARTS.iter().map(|(part, _)| *part).collect();
+            return Err(Error::Gpu(format!(
+                "MOEFLUX_CUDA_KERNEL_DIR {}: {name} is not a kernel part (the parts: {})",
+                dir.display(),
+                parts.join(", ")
+            )));
+        }
+        let text = std::fs::read_to_string(entry.path())
+            .map_err(|e| Error::Gpu(format!("{}: {e}", entry.path().display())))?;
+        found.insert(name, text);
+    }
+    let mut source = String::new();
+    let mut replaced = Vec::new();
+    for (part, text) in KERNEL_PARTS {
+        match found.get(part) {
+            Some(own) => {
+                source.push_str(own);
+                if !own.ends_with('\n') {
+                    source.push('\n');
+                }
+                replaced.push(part.to_string());
+            }
+            None => source.push_str(text),
+        }
+    }
+    Ok((source, replaced))
+}
+
 /// Every kernel the backend launches (looked up once at start).
 const KERNEL_NAMES: &[&str] = &[
     "qmatmul",
@@ -711,9 +770,10 @@ fn load_or_compile(info: &GpuInfo) -> Result<String> {
             info.ordinal, info.name
         ))
     })?;
+    let source = kernel_source()?;
     let key = format!(
         "{:016x}-sm_{arch}.ptx",
-        crate::hash::fnv1a(format!("{}\0sm_{arch}\0{:?}", *KERNELS, nvrtc_version()).as_bytes())
+        crate::hash::fnv1a(format!("{source}\0sm_{arch}\0{:?}", nvrtc_version()).as_bytes())
     );
     let cached = ptx_cache_dir().map(|d| d.join(&key));
     if let Some(text) = cached
@@ -722,7 +782,7 @@ fn load_or_compile(info: &GpuInfo) -> Result<String> {
     {
         return Ok(text);
     }
-    let ptx = compile(arch)?;
+    let ptx = compile_source(&source, arch)?;
     if let Some(path) = cached {
         let _ = path
             .parent()
@@ -746,9 +806,14 @@ fn nvrtc_version() -> Option<(i32, i32)> {
         .map(|()| (major, minor))
 }
 
-/// Compiles the kernels for architecture `arch` (major x 10 + minor) with
-/// NVRTC.
+/// Compiles the built-in kernels for architecture `arch` (major x 10 +
+/// minor) with NVRTC.
 pub fn compile(arch: i32) -> Result<String> {
+    compile_source(&KERNELS, arch)
+}
+
+/// Compiles `source` (the kernel parts concatenated) for `arch` with NVRTC.
+fn compile_source(source: &str, arch: i32) -> Result<String> {
     // SAFETY: only tries to load the library.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(Error::Gpu(
@@ -759,7 +824,7 @@ pub fn compile(arch: i32) -> Result<String> {
         options: vec![format!("--gpu-architecture=sm_{arch}"), "-std=c++17".into()],
         ..Default::default()
     };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNELS.as_str(), opts)
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, opts)
         .map_err(|e| Error::Gpu(format!("compiling the GPU kernels for sm_{arch}: {e}")))?;
     Ok(ptx.to_src())
 }
@@ -1159,6 +1224,33 @@ mod tests {
                 "{name}: NVRTC gets no include paths"
             );
         }
+    }
+
+    /// A kernel directory replaces the parts it holds, keeps the others,
+    /// and refuses a file that names no part.
+    #[test]
+    fn kernel_dir_replaces_the_parts_it_holds() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("qdot.cu"), "// variant qdot").unwrap();
+        let (source, replaced) = kernel_source_from(dir.path()).unwrap();
+        assert_eq!(replaced, ["qdot.cu"]);
+        let built_in: String = KERNEL_PARTS
+            .iter()
+            .map(|(name, text)| {
+                if *name == "qdot.cu" {
+                    "// variant qdot\n"
+                } else {
+                    text
+                }
+            })
+            .collect();
+        assert_eq!(source, built_in);
+        std::fs::write(dir.path().join("qdto.cu"), "").unwrap();
+        let err = kernel_source_from(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("qdto.cu is not a kernel part"), "{err}");
+        let missing = dir.path().join("absent");
+        let err = kernel_source_from(&missing).unwrap_err().to_string();
+        assert!(err.contains("absent"), "{err}");
     }
 
     /// The kernels compile for the GPU architectures moeflux targets. Needs
