@@ -8,6 +8,8 @@
 //   moe_combine   the routed experts' weighted sum plus the (gated or plain) shared expert
 //                 added to the residual.
 //                 In a group: only this GPU's experts, from zero.
+//   moe_combine_norm  moe_combine then rms_norm in one launch: both outputs equal to the two
+//                 kernels' bit for bit, the norm against the reference.
 //   attn_prep     backend/cpu/attention.rs: q/k/v biases, q/k RMS norms (each optional),
 //                 half-split rope (partial or full), the gate copied when gated, k and v
 //                 appended to the caches at rows pos..pos+n, the other cache rows untouched.
@@ -221,6 +223,46 @@ static void test_moe_combine(int h, int k, int n, Shared sh, bool grouped) {
     char name[128];
     snprintf(name, sizeof name, "moe_combine h%d k%d n%d %s%s", h, k, n, shn[sh], grouped ? " grouped" : "");
     check(name, out, rout, 1e-5);
+}
+
+// moe_combine_norm: moe_combine then rms_norm in one launch, equal to the two bit for bit (out
+// and xn), and xn against the double reference of the norm.
+static void test_moe_combine_norm(int h, int k, int n, Shared sh) {
+    CombineCase cc(h, k, n, 16);
+    std::vector<float> w(h);
+    for (auto& v : w) v = urand(0.5f, 1.5f);
+    const float eps = 1e-6f;
+    std::vector<float> out2 = cc.base, xn2((size_t)n * h), out1 = cc.base, xn1((size_t)n * h, NAN);
+    {
+        MoeCombine C = cc.args(sh, false, true);
+        C.base = out2.data();
+        float *op = out2.data(), *xp = xn2.data();
+        const float* wp = w.data();
+        emu_launch({(unsigned)n, (unsigned)((h + 255) / 256), 1}, 256, [&] { moe_combine(C, op); });
+        emu_launch({(unsigned)n, 1, 1}, 1024, [&] { rms_norm(op, wp, h, eps, xp); });
+    }
+    {
+        MoeCombine C = cc.args(sh, false, true);
+        C.base = out1.data();
+        float *op = out1.data(), *xp = xn1.data();
+        const float* wp = w.data();
+        emu_launch({(unsigned)n, 1, 1}, 1024, [&] { moe_combine_norm(C, op, wp, eps, xp); });
+    }
+    std::vector<double> rxn((size_t)n * h);
+    for (int t = 0; t < n; t++) {
+        double ss = 0;
+        for (int i = 0; i < h; i++) ss += (double)out2[(size_t)t * h + i] * out2[(size_t)t * h + i];
+        double inv = 1.0 / sqrt(ss / h + eps);
+        for (int i = 0; i < h; i++) rxn[(size_t)t * h + i] = out2[(size_t)t * h + i] * inv * w[i];
+    }
+    const char* shn[3] = {"no shared", "gated shared", "plain shared"};
+    char name[128];
+    snprintf(name, sizeof name, "moe_combine_norm h%d k%d n%d %s out", h, k, n, shn[sh]);
+    check(name, out1, std::vector<double>(out2.begin(), out2.end()), 0.0);
+    snprintf(name, sizeof name, "moe_combine_norm h%d k%d n%d %s xn", h, k, n, shn[sh]);
+    check(name, xn1, std::vector<double>(xn2.begin(), xn2.end()), 0.0);
+    snprintf(name, sizeof name, "rms_norm h%d n%d vs reference", h, n);
+    check(name, xn2, rxn, 1e-5);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -511,6 +553,10 @@ int main() {
     for (auto [h, n] : {std::pair{2048, 1}, std::pair{7168, 3}})
         for (Shared s : {NONE, GATED, PLAIN})
             for (bool grouped : {false, true}) test_moe_combine(h, 8, n, s, grouped);
+    test_moe_combine_norm(2048, 8, 1, GATED);   // Qwen3.6-35B-A3B decode
+    test_moe_combine_norm(4096, 10, 3, PLAIN);  // Qwen3.5-397B widths, a batch
+    test_moe_combine_norm(7168, 8, 2, NONE);    // wider than the block (7 values a thread)
+    test_moe_combine_norm(2880, 4, 1, NONE);    // gpt-oss: not a multiple of 1024
     test_add_rows(3, 2880);  // gpt-oss's o_proj bias (cols past a block of 256)
     test_add_rows(5, 16);    // a router bias
     AttnFlavour qwen35{true, true, false}, qwen3{false, true, false}, glm{false, true, true},

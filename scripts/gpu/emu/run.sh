@@ -13,6 +13,7 @@
 #                     (qmv_b4q8*, qmv_b48q8*, qmv_b4q8_t4, qdot_b4q8/_glu/_t4) against the CPU's q8
 #                     contract, the few-token ones equal the one-token ones per token
 #   qwen_kernels.cpp  GatedDeltaNet (conv_qk_norm, delta_rule, gated_norm), moe_combine,
+#                     moe_combine_norm (equal to moe_combine + rms_norm bit for bit),
 #                     attn_prep; decode batches (the sequence table of conv_qk_norm,
 #                     delta_rule, attn_prep and attention) equal to each sequence alone
 #   mma_kernels.cpp   the tensor-core kernels (mma_split, qmma, moe_gate_up_mma,

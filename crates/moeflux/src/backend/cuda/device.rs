@@ -131,6 +131,7 @@ const KERNEL_NAMES: &[&str] = &[
     "moe_down_b2",
     "moe_down_bx",
     "moe_combine",
+    "moe_combine_norm",
     "moe_route_c4",
     "moe_route_c8",
     "moe_route_c16",

@@ -972,8 +972,10 @@ impl CudaModel {
             x,
             xn,
             times,
+            combine: None,
         };
-        forward::forward(model, &mut step, tokens, trace)
+        forward::forward(model, &mut step, tokens, trace)?;
+        step.flush()
     }
 }
 
@@ -1069,9 +1071,21 @@ struct GpuStep<'a, 'b> {
     x: u64,
     xn: u64,
     times: &'b mut PhaseTimes,
+    /// The last MoE block's combine into `x`, launched by the next
+    /// operation (with the norm when that is a norm of its rows).
+    combine: Option<moe::PendingCombine>,
 }
 
 impl<'a> GpuStep<'a, '_> {
+    /// Launches a held-back combine: every operation but a norm of its rows
+    /// reads `x` after it.
+    fn flush(&mut self) -> Result<()> {
+        match self.combine.take() {
+            Some(c) => c.launch(self.cx.gpu, None),
+            None => Ok(()),
+        }
+    }
+
     /// Rows whose logits the eval computes.
     fn logit_rows(&self) -> usize {
         self.seqs.iter().map(|s| s.seg.logit_rows().len()).sum()
@@ -1129,6 +1143,7 @@ impl<'a> GpuStep<'a, '_> {
 
 impl BlockExecutor for GpuStep<'_, '_> {
     fn embed(&mut self, table: &LinearRef, _tokens: &[u32]) -> Result<()> {
+        self.flush()?;
         // The ids are on the device already (a captured graph reads them).
         let embed: Qw = match self.cx.weights.lin(table) {
             DevLinear::Quant(q) => q,
@@ -1153,35 +1168,48 @@ impl BlockExecutor for GpuStep<'_, '_> {
         let c = self.cx.config;
         let w = self.cx.weights.vec(weight);
         let (xn, m, x) = self.mlp_rows();
+        if let Some(combine) = self.combine.take() {
+            if combine.writes(x, m) {
+                return combine.launch(self.cx.gpu, Some((w, c.rms_norm_eps, xn)));
+            }
+            combine.launch(self.cx.gpu, None)?;
+        }
         rms_norm(self.cx.gpu, x, w, m, c.hidden_size, c.rms_norm_eps, xn)
     }
 
     fn full_attention(&mut self, layer: usize, a: &FullAttention) -> Result<()> {
+        self.flush()?;
         attention::forward(&mut self.cx, layer, a, self.xn, self.n, self.x, &self.seqs)?;
         self.share_mixer_rows()
     }
 
     fn gated_deltanet(&mut self, layer: usize, g: &GatedDeltaNet) -> Result<()> {
+        self.flush()?;
         deltanet::forward(&mut self.cx, layer, g, self.xn, self.n, self.x, &self.seqs)?;
         self.share_mixer_rows()
     }
 
     fn mla(&mut self, layer: usize, a: &MlaAttention) -> Result<()> {
+        self.flush()?;
         self.per_sequence(|cx, xn, n, x| mla::forward(cx, layer, a, xn, n, x))?;
         self.share_mixer_rows()
     }
 
     fn dense_mlp(&mut self, _layer: usize, d: &DenseMlp) -> Result<()> {
+        self.flush()?;
         let (xn, m, x) = self.mlp_rows();
         moe::dense_mlp(&mut self.cx, d, xn, m, x)
     }
 
     fn moe(&mut self, b: &MoeBlock, next: Option<&MoeBlock>) -> Result<()> {
+        self.flush()?;
         let (xn, m, x) = self.mlp_rows();
-        moe::moe(&mut self.cx, b, next, xn, m, x, self.times)
+        self.combine = moe::moe(&mut self.cx, b, next, xn, m, x, self.times)?;
+        Ok(())
     }
 
     fn logits(&mut self, final_norm: VectorRef, lm_head: &LinearRef) -> Result<()> {
+        self.flush()?;
         let m = self.logit_rows();
         let cx = &mut self.cx;
         let (g, c) = (cx.gpu, cx.config);
@@ -1252,6 +1280,7 @@ impl BlockExecutor for GpuStep<'_, '_> {
     }
 
     fn read(&mut self, what: Activation) -> Result<Vec<f32>> {
+        self.flush()?;
         let c = self.cx.config;
         let (src, count) = match what {
             Activation::Hidden => (self.x, self.n * c.hidden_size),

@@ -92,7 +92,8 @@ pub(super) fn dense_mlp(cx: &mut Ctx, d: &DenseMlp, xn: u64, n: usize, x: u64) -
 /// shared expert in one launch, top-K on the device, the routed experts from
 /// the VRAM cache (brought in first when missing), the combine. `next`: the
 /// next MoE layer, whose experts a prefetching session starts uploading on
-/// a predicted choice.
+/// a predicted choice. On one GPU the combine is returned, not launched: the
+/// caller launches it before anything else reads `x`.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn moe(
     cx: &mut Ctx,
@@ -102,7 +103,7 @@ pub(super) fn moe(
     n: usize,
     x: u64,
     times: &mut PhaseTimes,
-) -> Result<()> {
+) -> Result<Option<PendingCombine>> {
     let mut clock = std::time::Instant::now();
     let w = cx.weights;
     let i = b.layer;
@@ -391,30 +392,76 @@ pub(super) fn moe(
         k: k as i32,
         h: h as i32,
     };
-    let out = match ep {
-        None => x,
-        Some(_) => cx.scratch.get(g, "moe_part", 4 * n * h)?,
+    let Some(ep) = ep else {
+        // One GPU: the combine into x is left to the step, which launches
+        // it together with the next input norm when one follows.
+        lap(&mut clock, &mut times.expert_compute);
+        return Ok(Some(PendingCombine {
+            args: combine,
+            out: x,
+            n,
+        }));
     };
-    // SAFETY: `moe_combine` in kernels/moe.cu; the combine's buffers hold n
-    // tokens (shared and sg null or n rows), out n rows.
-    unsafe {
-        g.launch(
-            "moe_combine",
-            (n as u32, h.div_ceil(256) as u32, 1),
-            256,
-            0,
-            &mut args!(combine, out),
-        )?;
+    let part = cx.scratch.get(g, "moe_part", 4 * n * h)?;
+    PendingCombine {
+        args: combine,
+        out: part,
+        n,
     }
-    if let Some(ep) = ep {
-        // Profiled as a kernel: its share of a step in MOEFLUX_CUDA_PROFILE.
-        g.profiled(
-            || format!("nccl_all_reduce [{n}x{h}]"),
-            || ep.comm.all_reduce_f32(out, x, n * h, &g.stream),
-        )?;
-    }
+    .launch(g, None)?;
+    // Profiled as a kernel: its share of a step in MOEFLUX_CUDA_PROFILE.
+    g.profiled(
+        || format!("nccl_all_reduce [{n}x{h}]"),
+        || ep.comm.all_reduce_f32(part, x, n * h, &g.stream),
+    )?;
     lap(&mut clock, &mut times.expert_compute);
-    Ok(())
+    Ok(None)
+}
+
+/// A MoE layer's combine of `n` tokens into `out` (`moe_combine`), not yet
+/// launched: `GpuStep` holds it back until its next operation, so that an
+/// input norm of the same rows shares its launch (`moe_combine_norm`, one
+/// kernel boundary fewer a layer, the same values bit for bit).
+pub(super) struct PendingCombine {
+    args: MoeCombineC,
+    out: u64,
+    n: usize,
+}
+
+impl PendingCombine {
+    /// Whether the combine writes `rows` rows from `x` (then a norm of
+    /// those rows can follow in its launch).
+    pub(super) fn writes(&self, x: u64, rows: usize) -> bool {
+        self.out == x && self.n == rows
+    }
+
+    /// Launches the combine, and with `norm` = (weight, eps, xn) the norm
+    /// of its output into xn in the same launch.
+    pub(super) fn launch(self, g: &Gpu, norm: Option<(u64, f32, u64)>) -> Result<()> {
+        let (combine, out, n) = (self.args, self.out, self.n);
+        // SAFETY: `moe_combine` and `moe_combine_norm` in kernels/moe.cu; the
+        // combine's buffers hold n tokens (shared and sg null or n rows),
+        // out and xn n rows of its width, the weight one row.
+        unsafe {
+            match norm {
+                None => g.launch(
+                    "moe_combine",
+                    (n as u32, (combine.h as u32).div_ceil(256), 1),
+                    256,
+                    0,
+                    &mut args!(combine, out),
+                ),
+                // One token a block of 1024 threads, as `rms_norm`.
+                Some((w, eps, xn)) => g.launch(
+                    "moe_combine_norm",
+                    (n as u32, 1, 1),
+                    1024,
+                    0,
+                    &mut args!(combine, out, w, eps, xn),
+                ),
+            }
+        }
+    }
 }
 
 /// An MoE step's expert slots grouped by expert (`moe_*` task kernels):

@@ -218,9 +218,11 @@ extern "C" __global__ void delta_rule(const float* mixed, const float* a, const 
 // Gated RMSNorm per (token, value head): out = rms_norm(y, w) * silu(z); a
 // block of dv threads.
 extern "C" __global__ void gated_norm(const float* y, const float* z, const float* w, float eps,
-                                      int dv, float* out) { PDL_ENTER();
+                                      int dv, float* out) {
+    float wv = w[threadIdx.x];  // before the wait: weights never depend on the previous kernel
+    PDL_ENTER();
     long base = ((long)blockIdx.y * gridDim.x + blockIdx.x) * dv;
     float v = y[base + threadIdx.x];
     float ss = block_sum(v * v);
-    out[base + threadIdx.x] = v * rsqrtf(ss / dv + eps) * w[threadIdx.x] * siluf_(z[base + threadIdx.x]);
+    out[base + threadIdx.x] = v * rsqrtf(ss / dv + eps) * wv * siluf_(z[base + threadIdx.x]);
 }

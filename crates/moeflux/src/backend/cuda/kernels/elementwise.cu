@@ -1,14 +1,51 @@
 // Elementwise kernels and norms.
 
-// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, a block per row.
-extern "C" __global__ void rms_norm(const float* x, const float* w, int width, float eps, float* out) { PDL_ENTER();
-    const float* xr = x + (long)blockIdx.x * width;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < width; i += blockDim.x) ss += xr[i] * xr[i];
+// RMSNorm, a block per row: out = x * w / sqrt(mean(x^2) + eps). A thread
+// keeps its first NORM_REGS columns (i = threadIdx.x + u * blockDim.x) in
+// registers, the weights of those loaded before the programmatic-launch
+// wait (weights never depend on the previous kernel), so after the
+// reduction only wider rows' columns are read again.
+#define NORM_REGS 4
+
+__device__ __forceinline__ void norm_weights(const float* w, int width, float (&wr)[NORM_REGS]) {
+#pragma unroll
+    for (int u = 0; u < NORM_REGS; u++) {
+        int i = threadIdx.x + u * blockDim.x;
+        wr[u] = i < width ? w[i] : 0.0f;
+    }
+}
+
+// out = xr * w / rms(xr), one row a block: xv and wr hold this thread's
+// first NORM_REGS columns of xr and w (as norm_weights lays them out), ss
+// its sum of squares of all its columns in increasing order (fmaf). rms_norm
+// and moe_combine_norm both end here, so the two agree bit for bit.
+__device__ __forceinline__ void rms_norm_row(const float* xr, const float (&xv)[NORM_REGS], const float* w,
+                                             const float (&wr)[NORM_REGS], int width, float eps, float ss,
+                                             float* out) {
     ss = block_sum(ss);
     float inv = rsqrtf(ss / width + eps);
-    for (int i = threadIdx.x; i < width; i += blockDim.x)
-        out[(long)blockIdx.x * width + i] = xr[i] * inv * w[i];
+#pragma unroll
+    for (int u = 0; u < NORM_REGS; u++) {
+        int i = threadIdx.x + u * blockDim.x;
+        if (i < width) out[i] = xv[u] * inv * wr[u];
+    }
+    for (int i = threadIdx.x + NORM_REGS * blockDim.x; i < width; i += blockDim.x) out[i] = xr[i] * inv * w[i];
+}
+
+extern "C" __global__ void rms_norm(const float* x, const float* w, int width, float eps, float* out) {
+    float wr[NORM_REGS];
+    norm_weights(w, width, wr);
+    PDL_ENTER();
+    const float* xr = x + (long)blockIdx.x * width;
+    float xv[NORM_REGS], ss = 0.0f;
+#pragma unroll
+    for (int u = 0; u < NORM_REGS; u++) {
+        int i = threadIdx.x + u * blockDim.x;
+        xv[u] = i < width ? xr[i] : 0.0f;
+        ss = fmaf(xv[u], xv[u], ss);
+    }
+    for (int i = threadIdx.x + NORM_REGS * blockDim.x; i < width; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
+    rms_norm_row(xr, xv, w, wr, width, eps, ss, out + (long)blockIdx.x * width);
 }
 
 // The most likely token of each logits row: the index of the first of its

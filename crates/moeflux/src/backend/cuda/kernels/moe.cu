@@ -163,6 +163,33 @@ extern "C" __global__ void moe_combine(MoeCombine C, float* out) { PDL_ENTER();
     }
 }
 
+// moe_combine, then xn = rms_norm(out) with w: the next block's input norm in
+// the same launch (one boundary fewer a layer). One token a block, as
+// rms_norm; every value and the norm equal the two kernels' bit for bit.
+extern "C" __global__ void moe_combine_norm(MoeCombine C, float* out, const float* w, float eps, float* xn) {
+    float wr[NORM_REGS];
+    norm_weights(w, C.h, wr);
+    PDL_ENTER();
+    int t = blockIdx.x;
+    float s = moe_shared_scale(C, t), ss = 0.0f, xv[NORM_REGS];
+    float* row = out + (long)t * C.h;
+    const float* base = C.base ? C.base + (long)t * C.h : nullptr;
+#pragma unroll
+    for (int u = 0; u < NORM_REGS; u++) {
+        int i = threadIdx.x + u * blockDim.x;
+        float v = 0.0f;
+        if (i < C.h) row[i] = v = (base ? base[i] : 0.0f) + moe_combine_at(C, s, t, i);
+        xv[u] = v;
+        ss = fmaf(v, v, ss);
+    }
+    for (int i = threadIdx.x + NORM_REGS * blockDim.x; i < C.h; i += blockDim.x) {
+        float v = (base ? base[i] : 0.0f) + moe_combine_at(C, s, t, i);
+        row[i] = v;
+        ss = fmaf(v, v, ss);
+    }
+    rms_norm_row(row, xv, w, wr, C.h, eps, ss, xn + (long)t * C.h);
+}
+
 
 // Per (token, slot) expert work, for decode: slot j = token * k + jj uses
 // the expert at bases[j]. act[j] = silu(gate x) * (up x); a warp per RW
