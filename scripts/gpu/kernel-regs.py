@@ -9,10 +9,11 @@ count (EIATTR_REGCOUNT in the CUBIN's .nv.info section). A kernel's occupancy fo
 run.
 
     python3 -m pip install --target /tmp/nvrtc --no-deps nvidia-cuda-nvrtc==13.0.88
-    LD_LIBRARY_PATH=/tmp/nvrtc/nvidia/cu13/lib python3 scripts/gpu/kernel-regs.py [--arch 90] [PREFIX ...]
+    LD_LIBRARY_PATH=/tmp/nvrtc/nvidia/cu13/lib python3 scripts/gpu/kernel-regs.py [--arch 90] [--kernel-dir DIR] [PREFIX ...]
 
 Prints `kernel registers` for every kernel whose name starts with one of the PREFIXes (all
-without any).
+without any). `--kernel-dir DIR` compiles the parts DIR holds in place of the built-in ones (a
+kernel variant, as `MOEFLUX_CUDA_KERNEL_DIR` runs it); NVRTC's errors are printed.
 """
 import argparse
 import ctypes
@@ -27,9 +28,17 @@ EIATTR_REGCOUNT = 0x2F
 EIFMT_SVAL = 0x04
 
 
-def source(path):
+def source(path, variant=None):
+    """The file with its includes inlined; a part that the directory `variant` holds is read from
+    there (MOEFLUX_CUDA_KERNEL_DIR's rule)."""
     text = open(path).read()
-    return re.sub(r'#include "([^"]+)"', lambda m: source(os.path.join(os.path.dirname(path), m.group(1))), text)
+
+    def part(m):
+        name = m.group(1)
+        mine = variant and os.path.join(variant, name)
+        return source(mine if mine and os.path.exists(mine) else os.path.join(os.path.dirname(path), name), variant)
+
+    return re.sub(r'#include "([^"]+)"', part, text)
 
 
 def cubin(src, arch):
@@ -88,9 +97,10 @@ def register_counts(elf):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", default="90", help="compute capability without the dot (default 90)")
+    p.add_argument("--kernel-dir", help="kernel parts read from this directory in place of the built-in ones")
     p.add_argument("prefixes", nargs="*", help="kernel name prefixes to list (default: all)")
     a = p.parse_args()
-    counts = sorted(register_counts(cubin(source(os.path.join(KERNELS, "all.cuh")), a.arch)))
+    counts = sorted(register_counts(cubin(source(os.path.join(KERNELS, "all.cuh"), a.kernel_dir), a.arch)))
     for name, regs in counts:
         if not a.prefixes or any(name.startswith(x) for x in a.prefixes):
             print(f"{name} {regs}")

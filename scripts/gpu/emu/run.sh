@@ -32,7 +32,7 @@
 # Each program ends with "all ok"; the script fails if any fails. Needs g++ with
 # C++20; takes a minute or two on two cores (deltanet_kernels, where delta_rule's warp
 # reductions are slow to emulate, most of it).
-#   scripts/gpu/emu/run.sh
+#   [MOEFLUX_CUDA_KERNEL_DIR=DIR] scripts/gpu/emu/run.sh
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 src=$here/../../../crates/moeflux/src/backend/cuda/kernels
@@ -40,8 +40,13 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 # The parts in all.cuh's order, as NVRTC gets them; dynamic shared memory
 # becomes one host buffer.
+# With MOEFLUX_CUDA_KERNEL_DIR set, a part that directory holds replaces the built-in one (a
+# kernel variant, as the engine compiles it).
 parts=$(sed -nE 's/^#include "(.+)"$/\1/p' "$src/all.cuh")
-(cd "$src" && cat $parts) |
+variant=${MOEFLUX_CUDA_KERNEL_DIR:+$(cd "$MOEFLUX_CUDA_KERNEL_DIR" && pwd)}
+for p in $parts; do
+  if [ -n "$variant" ] && [ -f "$variant/$p" ]; then cat "$variant/$p"; else cat "$src/$p"; fi
+done |
   sed -E 's/extern __shared__ float (\w+)\[\];/float* \1 = g_dyn_smem.data();/' >"$tmp/kernels.inc"
 progs=(mla_kernels qwen_kernels mma_kernels deltanet_kernels)
 # Two at a time (CI has two cores), each program's output kept apart and
