@@ -69,7 +69,9 @@ nb=${#BUILDS[@]}
 for r in $(seq "$ROUNDS"); do
   for j in $(seq 0 $((nb - 1))); do
     b=${BUILDS[$(((r - 1 + j) % nb))]}
-    RUNS[$b]="${RUNS[$b]:-} $(rate "$b")"
+    v=$(rate "$b")
+    RUNS[$b]="${RUNS[$b]:-} $v"
+    echo "round $r: $b $v tok/s" >&2  # kept if a time limit cuts the run short
   done
   echo "round $r of $ROUNDS done" >&2
 done
