@@ -190,7 +190,6 @@ extern "C" __global__ void moe_combine_norm(MoeCombine C, float* out, const floa
     rms_norm_row(row, xv, w, wr, C.h, eps, ss, xn + (long)t * C.h);
 }
 
-
 // Per (token, slot) expert work, for decode: slot j = token * k + jj uses
 // the expert at bases[j]. act[j] = silu(gate x) * (up x); a warp per RW
 // intermediate rows, blockIdx.y = slot.
