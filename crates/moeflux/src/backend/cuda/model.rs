@@ -1168,12 +1168,10 @@ impl BlockExecutor for GpuStep<'_, '_> {
         let c = self.cx.config;
         let w = self.cx.weights.vec(weight);
         let (xn, m, x) = self.mlp_rows();
-        if let Some(combine) = self.combine.take() {
-            if combine.writes(x, m) {
-                return combine.launch(self.cx.gpu, Some((w, c.rms_norm_eps, xn)));
-            }
-            combine.launch(self.cx.gpu, None)?;
+        if let Some(combine) = self.combine.take_if(|p| p.writes(x, m)) {
+            return combine.launch(self.cx.gpu, Some((w, c.rms_norm_eps, xn)));
         }
+        self.flush()?;
         rms_norm(self.cx.gpu, x, w, m, c.hidden_size, c.rms_norm_eps, xn)
     }
 
