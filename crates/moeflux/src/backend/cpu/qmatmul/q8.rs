@@ -13,26 +13,26 @@
 //! # Arithmetic (the determinism contract of this path)
 //!
 //! With `ds[b] = scale(group of b) * dx[b]` (one f32 product; the MXFP4
-//! scale halved, codes taken as twice their e2m1 value) and "units" of two
-//! blocks for 4-bit codes (lanes 0-3 block `2u`, lanes 4-7 block `2u + 1`;
-//! a last odd block has empty lanes 4-7 with `ds = 0`) or one block for
-//! 8-bit codes (lane `k` its codes `4k..4k+4`, every lane `ds[u]`):
+//! scale halved, codes taken as twice their e2m1 value) and `isum[b]` the
+//! exact integer sum of `code * xq` over block `b`'s 32 inputs:
 //!
 //! ```text
-//! acc = 0                                  (8 lanes, f32)
-//! for each unit u, lane k:
-//!     acc[k] = fma(f32(isum[u][k]), ds[block of lane k], acc[k])
-//! out = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7))
-//!       + dot(bias, xsum)                               (affine only)
+//! acc = 0                                  (f32)
+//! for each block b in order:
+//!     acc = fma(f32(isum[b]), ds[b], acc)
+//! out = acc + dot(bias, xsum)                          (affine only)
 //! ```
 //!
 //! where `dot` is eight fma chains over the groups (group `g` in chain
-//! `g % 8`) summed by the same tree, `isum[u][k]` is the exact integer sum
-//! of `code * xq` over the lane's eight (or four) inputs and `xsum_g` the
-//! f32 sum of the group's unrounded activations. The integer sums are
-//! exact, so the AVX2 kernel (also used at the AVX-512 level, where the
-//! interleaved one takes VNNI) and the portable one give the same bits, and as with f32 activations a token's
-//! result is independent of the number of tokens and of the thread count.
+//! `g % 8`) summed by a fixed tree and `xsum_g` is the f32 sum of the
+//! group's unrounded activations. A block's integer sum is exact (at most
+//! 32 * 255 * 127 < 2^24, so also exact as an f32) in any order, which
+//! leaves the kernels free to form it as their instructions like: the
+//! portable kernel, the row-major AVX2 one (four rows' sums gathered by
+//! horizontal adds) and the interleaved ones (eight rows a vector, several
+//! tokens a pass, AVX2 or AVX-512 VNNI) give the same bits, and as with
+//! f32 activations a token's result is independent of the number of tokens
+//! and of the thread count.
 
 use std::cell::Cell;
 
@@ -166,8 +166,9 @@ struct Acts {
     /// `n * units * 8`: each lane's block's `dx` (0 for the empty lanes of a
     /// last odd block).
     dxv: Vec<f32>,
-    /// `n * units * 8`: the kernel's correction per lane
-    /// (`Kind::correction` times the lane's sum of `xq`).
+    /// `n * units * 8`: the kernel's correction of each lane's block
+    /// (`Kind::correction` times the block's sum of `xq`), laid out as
+    /// `dxv`.
     corr: Vec<i32>,
     /// `n * groups`: sums of the unrounded activations (affine only).
     xsum: Vec<f32>,
@@ -189,7 +190,9 @@ impl Acts {
                 let dx = quantize_block_fast(&xt[b * BLOCK..(b + 1) * BLOCK], &mut q);
                 let u = b / kind.unit_blocks();
                 let first = (t * units + u) * 8 + (b % kind.unit_blocks()) * lanes_per_block;
-                dxv[first..first + lanes_per_block].fill(dx);
+                let lanes = first..first + lanes_per_block;
+                dxv[lanes.clone()].fill(dx);
+                corr[lanes].fill(kind.correction() * q.iter().map(|&v| v as i32).sum::<i32>());
                 let unit = &mut xq[(t * units + u) * ub..(t * units + u + 1) * ub];
                 if kind == Kind::U8 {
                     unit.copy_from_slice(&q);
@@ -200,16 +203,6 @@ impl Acts {
                     for j in 0..16 {
                         unit[half + j] = q[2 * j];
                         unit[32 + half + j] = q[2 * j + 1];
-                    }
-                }
-            }
-            let c = kind.correction();
-            if c != 0 {
-                for u in 0..units {
-                    let unit = &xq[(t * units + u) * ub..(t * units + u + 1) * ub];
-                    let lanes = &mut corr[(t * units + u) * 8..(t * units + u + 1) * 8];
-                    for (k, l) in lanes.iter_mut().enumerate() {
-                        *l = c * lane_inputs(kind, k).map(|i| unit[i] as i32).sum::<i32>();
                     }
                 }
             }
@@ -236,14 +229,6 @@ impl Acts {
         let ub = self.kind.unit_bytes();
         self.xq[(t * self.units + u) * ub..].as_ptr()
     }
-}
-
-/// The positions (in the unit's activation bytes) whose products lane `k`
-/// sums: for nibbles code bytes `4k..4k+4`, low and high; for bytes
-/// `4k..4k+4`.
-fn lane_inputs(kind: Kind, k: usize) -> impl Iterator<Item = usize> {
-    let nib = kind != Kind::U8;
-    (4 * k..4 * k + 4).flat_map(move |i| [Some(i), nib.then_some(32 + i)].into_iter().flatten())
 }
 
 /// `xq = round(x / dx)` with `dx = max|x| / 127`; returns `dx` (0 for a
@@ -406,33 +391,40 @@ unsafe fn chunk_body<P: Packed, const SIMD: bool>(
 ) {
     const R: usize = 4;
     let (rows, gpr) = (p.rows(), p.groups_per_row());
-    // Scales per row, one spare 0 read by the empty lanes of a last odd
-    // block (groups of 32).
-    let ss = gpr + 1;
-    let mut sc = vec![0.0f32; R * ss];
+    let mut sc = vec![0.0f32; R * gpr];
     let mut bi = vec![0.0f32; R * gpr];
+    // The AVX2 kernel's scales: group-major, the four rows of a group
+    // together, and two spare groups of zeros (read by a last odd block
+    // with groups of 32).
+    let mut sct = vec![0.0f32; if SIMD { R * (gpr + 2) } else { 0 }];
     let mut r = r0;
     while r < r1 {
         let m = R.min(r1 - r);
         for k in 0..m {
-            p.load_params(r + k, &mut sc[k * ss..], &mut bi[k * gpr..]);
+            p.load_params(r + k, &mut sc[k * gpr..], &mut bi[k * gpr..]);
         }
+        // Rows past `m` repeat the last one (computed, not stored).
         let codes: [*const u8; R] = std::array::from_fn(|k| p.row_codes(r + k.min(m - 1)));
-        let scales: [*const f32; R] = std::array::from_fn(|k| sc.as_ptr().add(k.min(m - 1) * ss));
+        if SIMD {
+            for (g, four) in sct.chunks_exact_mut(R).take(gpr).enumerate() {
+                for (k, v) in four.iter_mut().enumerate() {
+                    *v = sc[k.min(m - 1) * gpr + g];
+                }
+            }
+        }
         for t in 0..a.n {
-            let mut acc = [[0.0f32; 8]; R];
             // The codes of rows r..r + m hold `blocks` blocks each, the
             // activation buffers `units` units per token (checked shapes).
             #[cfg(target_arch = "x86_64")]
-            if SIMD {
-                avx2::rows(a, t, codes, scales, m, &mut acc);
+            let acc = if SIMD {
+                avx2::rows(a, t, codes, sct.as_ptr())
             } else {
-                portable_rows(a, t, codes, scales, m, &mut acc);
-            }
+                portable_rows(a, t, codes, &sc, gpr, m)
+            };
             #[cfg(not(target_arch = "x86_64"))]
-            portable_rows(a, t, codes, scales, m, &mut acc);
+            let acc = portable_rows(a, t, codes, &sc, gpr, m);
             for k in 0..m {
-                let mut v = tree8(&acc[k]);
+                let mut v = acc[k];
                 if a.kind != Kind::Mx4 {
                     v += bias_dot(&bi[k * gpr..(k + 1) * gpr], &a.xsum[t * gpr..(t + 1) * gpr]);
                 }
@@ -475,47 +467,49 @@ fn code_value(kind: Kind, byte: u8, high: bool) -> i32 {
 }
 
 /// The contract in plain code (machines without AVX2, and the reference the
-/// AVX2 kernel is tested against bit for bit).
+/// AVX2 kernels are tested against bit for bit): each row's `acc` for token
+/// `t`, rows `codes[..m]` with their group scales `sc` (`gpr` a row).
 ///
 /// # Safety
-/// As [`avx2::rows`].
+/// Each `codes[k]` points at a row of `a.blocks` blocks of codes.
 unsafe fn portable_rows<const R: usize>(
     a: &Acts,
     t: usize,
     codes: [*const u8; R],
-    scales: [*const f32; R],
+    sc: &[f32],
+    gpr: usize,
     m: usize,
-    acc: &mut [[f32; 8]; R],
-) {
+) -> [f32; R] {
     let kind = a.kind;
     let ubl = kind.unit_blocks();
-    for u in 0..a.units {
+    let mut acc = [0.0f32; R];
+    for b in 0..a.blocks {
+        let (u, half) = (b / ubl, b % ubl);
         let xq = std::slice::from_raw_parts(a.unit(t, u), kind.unit_bytes());
-        let dxv = &a.dxv[(t * a.units + u) * 8..(t * a.units + u + 1) * 8];
-        // Code bytes of this unit that exist (a last odd nibble block has 16).
-        let nbytes = if kind == Kind::U8 {
-            32
-        } else {
-            16 * (a.blocks - 2 * u).min(2)
-        };
+        let lane = (t * a.units + u) * 8 + 4 * half;
+        let dx = a.dxv[lane];
         for (k, acc) in acc.iter_mut().enumerate().take(m) {
-            let c = std::slice::from_raw_parts(codes[k].add(u * 32), nbytes);
-            for (lane, l) in acc.iter_mut().enumerate() {
-                let mut s = 0i32;
-                for i in 4 * lane..4 * lane + 4 {
-                    if i < nbytes {
-                        s += code_value(kind, c[i], false) * xq[i] as i32;
-                        if kind != Kind::U8 {
-                            s += code_value(kind, c[i], true) * xq[32 + i] as i32;
-                        }
-                    }
+            let mut s = 0i32;
+            if kind == Kind::U8 {
+                let c = std::slice::from_raw_parts(codes[k].add(u * 32), 32);
+                for (&code, &x) in c.iter().zip(xq) {
+                    s += code_value(kind, code, false) * x as i32;
                 }
-                let b = if ubl == 2 { 2 * u + lane / 4 } else { u };
-                let d = *scales[k].add(b / a.bpg) * dxv[lane];
-                *l = (s as f32).mul_add(d, *l);
+            } else {
+                // The block's 16 code bytes: byte i of the unit holds the
+                // inputs at activation bytes i (low nibble) and 32 + i (high).
+                let c = std::slice::from_raw_parts(codes[k].add(u * 32 + 16 * half), 16);
+                for (j, &code) in c.iter().enumerate() {
+                    let i = 16 * half + j;
+                    s += code_value(kind, code, false) * xq[i] as i32;
+                    s += code_value(kind, code, true) * xq[32 + i] as i32;
+                }
             }
+            let d = sc[k * gpr + b / a.bpg] * dx;
+            *acc = (s as f32).mul_add(d, *acc);
         }
     }
+    acc
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -541,60 +535,49 @@ mod avx2 {
         t
     };
 
-    /// The contract's lane accumulators for token `t` and rows `codes[..m]`
-    /// with their group scales `scales[..m]`.
+    /// The contract's `acc` of token `t` for the four rows `codes`, whose
+    /// scales `sct` holds group-major (four rows a group, two spare groups
+    /// of zeros).
     ///
     /// # Safety
     /// The CPU has AVX2 and FMA; each `codes[k]` points at a row of
-    /// `a.blocks` blocks of codes, each `scales[k]` at its groups' scales
-    /// and a spare 0.
+    /// `a.blocks` blocks of codes.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn rows<const R: usize>(
+    pub(super) unsafe fn rows(
         a: &Acts,
         t: usize,
-        codes: [*const u8; R],
-        scales: [*const f32; R],
-        m: usize,
-        acc: &mut [[f32; 8]; R],
-    ) {
-        let pair = a.bpg == 1;
-        macro_rules! by_rows {
-            ($f:ident $(, $c:expr)*) => {
-                match m {
-                    4 => $f::<R, 4 $(, $c)*>(a, t, codes, scales, acc),
-                    3 => $f::<R, 3 $(, $c)*>(a, t, codes, scales, acc),
-                    2 => $f::<R, 2 $(, $c)*>(a, t, codes, scales, acc),
-                    _ => $f::<R, 1 $(, $c)*>(a, t, codes, scales, acc),
-                }
-            };
-        }
-        match (a.kind, pair) {
-            (Kind::U8, _) => by_rows!(bytes),
-            (Kind::Mx4, true) => by_rows!(nibbles, true, true),
-            (Kind::Mx4, false) => by_rows!(nibbles, true, false),
-            (Kind::Nib4, true) => by_rows!(nibbles, false, true),
-            (Kind::Nib4, false) => by_rows!(nibbles, false, false),
-        }
+        codes: [*const u8; 4],
+        sct: *const f32,
+    ) -> [f32; 4] {
+        let y = match (a.kind, a.bpg == 1) {
+            (Kind::U8, _) => bytes(a, t, codes, sct),
+            (Kind::Mx4, true) => nibbles::<true, true>(a, t, codes, sct),
+            (Kind::Mx4, false) => nibbles::<true, false>(a, t, codes, sct),
+            (Kind::Nib4, true) => nibbles::<false, true>(a, t, codes, sct),
+            (Kind::Nib4, false) => nibbles::<false, false>(a, t, codes, sct),
+        };
+        let mut acc = [0.0f32; 4];
+        _mm_storeu_ps(acc.as_mut_ptr(), y);
+        acc
     }
 
+    /// Four rows' exact sums of eight lanes each, lane by lane in halves:
+    /// `[s0[0..4], s1[0..4], s2[0..4], s3[0..4] | s0[4..8], .., s3[4..8]]`.
     #[inline(always)]
-    unsafe fn store(v: [__m256; 4], acc: &mut [[f32; 8]], m: usize) {
-        for k in 0..m {
-            _mm256_storeu_ps(acc[k].as_mut_ptr(), v[k]);
-        }
+    unsafe fn row_sums(s: [__m256i; 4]) -> __m256i {
+        _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]))
     }
 
     /// 4-bit codes, two blocks per 32 code bytes; `PAIR`: a scale per block
     /// (groups of 32), else one per unit (groups of 64 or more).
     #[inline(always)]
-    unsafe fn nibbles<const R: usize, const M: usize, const MX: bool, const PAIR: bool>(
+    unsafe fn nibbles<const MX: bool, const PAIR: bool>(
         a: &Acts,
         t: usize,
-        codes: [*const u8; R],
-        scales: [*const f32; R],
-        acc: &mut [[f32; 8]; R],
-    ) {
-        let mut y = [_mm256_setzero_ps(); 4];
+        codes: [*const u8; 4],
+        sct: *const f32,
+    ) -> __m128 {
+        let mut y = _mm_setzero_ps();
         let whole = a.blocks / 2;
         // Units per group and the group of unit u, counted down (no division).
         let upg = (a.bpg / 2).max(1);
@@ -602,13 +585,13 @@ mod avx2 {
         for u in 0..whole {
             // (Loops, not closures, in hot code: a closure is compiled
             // without the caller's target features.)
-            let mut c = [_mm256_setzero_si256(); M];
+            let mut c = [_mm256_setzero_si256(); 4];
             for (k, ck) in c.iter_mut().enumerate() {
                 let p = codes[k].add(u * 32);
                 _mm_prefetch(p.wrapping_add(PREFETCH_BYTES) as *const i8, _MM_HINT_T0);
                 *ck = _mm256_loadu_si256(p as *const __m256i);
             }
-            nibble_unit::<R, M, MX, PAIR>(a, t, u, g, c, scales, &mut y);
+            y = nibble_unit::<MX, PAIR, false>(a, t, u, g, c, sct, y);
             left -= 1;
             if left == 0 {
                 g += 1;
@@ -616,43 +599,36 @@ mod avx2 {
             }
         }
         if a.blocks % 2 == 1 {
-            let mut c = [_mm256_setzero_si256(); M];
+            let mut c = [_mm256_setzero_si256(); 4];
             for (k, ck) in c.iter_mut().enumerate() {
                 let p = codes[k].add(whole * 32) as *const __m128i;
                 *ck = _mm256_zextsi128_si256(_mm_loadu_si128(p));
             }
-            nibble_unit::<R, M, MX, PAIR>(a, t, whole, g, c, scales, &mut y);
+            y = nibble_unit::<MX, PAIR, true>(a, t, whole, g, c, sct, y);
         }
-        store(y, acc, M);
+        y
     }
 
-    /// One unit (two blocks) of `M` rows whose code bytes are `c`; `g` is
-    /// the unit's group when not `PAIR`.
+    /// One unit (two blocks; only the first when `HALF`) of the four rows
+    /// whose code bytes are `c`; `g` is the unit's group when not `PAIR`.
     #[inline(always)]
-    unsafe fn nibble_unit<const R: usize, const M: usize, const MX: bool, const PAIR: bool>(
+    unsafe fn nibble_unit<const MX: bool, const PAIR: bool, const HALF: bool>(
         a: &Acts,
         t: usize,
         u: usize,
         g: usize,
-        c: [__m256i; M],
-        scales: [*const f32; R],
-        y: &mut [__m256; 4],
-    ) {
+        c: [__m256i; 4],
+        sct: *const f32,
+        y: __m128,
+    ) -> __m128 {
         let low = _mm256_set1_epi8(15);
         let ones = _mm256_set1_epi16(1);
-        let spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+        let lanes = (t * a.units + u) * 8;
         let xl = _mm256_loadu_si256(a.unit(t, u) as *const __m256i);
         let xh = _mm256_loadu_si256(a.unit(t, u).add(32) as *const __m256i);
-        let dx = _mm256_loadu_ps(a.dxv.as_ptr().add((t * a.units + u) * 8));
-        let (table, cv) = if MX {
-            (
-                _mm256_broadcastsi128_si256(_mm_loadu_si128(MX_OFFSET.as_ptr() as *const _)),
-                _mm256_loadu_si256(a.corr.as_ptr().add((t * a.units + u) * 8) as *const __m256i),
-            )
-        } else {
-            (_mm256_setzero_si256(), _mm256_setzero_si256())
-        };
-        for k in 0..M {
+        let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(MX_OFFSET.as_ptr() as *const _));
+        let mut s = [_mm256_setzero_si256(); 4];
+        for k in 0..4 {
             let mut lo = _mm256_and_si256(c[k], low);
             let mut hi = _mm256_and_si256(_mm256_srli_epi16(c[k], 4), low);
             if MX {
@@ -660,56 +636,64 @@ mod avx2 {
                 hi = _mm256_shuffle_epi8(table, hi);
             }
             let s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
-            let mut s = _mm256_madd_epi16(s16, ones);
-            if MX {
-                s = _mm256_add_epi32(s, cv);
-            }
-            let sv = if PAIR {
-                let s2 = _mm_loadl_epi64(scales[k].add(2 * u) as *const __m128i);
-                _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castsi128_ps(s2)), spread)
-            } else {
-                _mm256_broadcast_ss(&*scales[k].add(g))
-            };
-            y[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(sv, dx), y[k]);
+            s[k] = _mm256_madd_epi16(s16, ones);
+        }
+        // [rows' block 2u | rows' block 2u + 1]
+        let mut h = row_sums(s);
+        if MX {
+            let cv = _mm256_loadu_si256(a.corr.as_ptr().add(lanes) as *const __m256i);
+            h = _mm256_add_epi32(h, cv);
+        }
+        let sv = if PAIR {
+            _mm256_loadu_ps(sct.add(8 * u))
+        } else {
+            _mm256_broadcast_ps(&*(sct.add(4 * g) as *const __m128))
+        };
+        let d = _mm256_mul_ps(sv, _mm256_loadu_ps(a.dxv.as_ptr().add(lanes)));
+        let v = _mm256_cvtepi32_ps(h);
+        let y = _mm_fmadd_ps(_mm256_castps256_ps128(v), _mm256_castps256_ps128(d), y);
+        if HALF {
+            y
+        } else {
+            _mm_fmadd_ps(_mm256_extractf128_ps(v, 1), _mm256_extractf128_ps(d, 1), y)
         }
     }
 
     /// 8-bit codes, one block per 32 code bytes.
     #[inline(always)]
-    unsafe fn bytes<const R: usize, const M: usize>(
-        a: &Acts,
-        t: usize,
-        codes: [*const u8; R],
-        scales: [*const f32; R],
-        acc: &mut [[f32; 8]; R],
-    ) {
+    unsafe fn bytes(a: &Acts, t: usize, codes: [*const u8; 4], sct: *const f32) -> __m128 {
         let flip = _mm256_set1_epi8(-128);
         let ones = _mm256_set1_epi16(1);
-        let mut y = [_mm256_setzero_ps(); 4];
-        let corr = a.corr.as_ptr().add(t * a.units * 8);
+        let mut y = _mm_setzero_ps();
         let (mut g, mut left) = (0, a.bpg);
         for u in 0..a.units {
+            let lanes = (t * a.units + u) * 8;
             let x = _mm256_loadu_si256(a.unit(t, u) as *const __m256i);
-            let cv = _mm256_loadu_si256(corr.add(u * 8) as *const __m256i);
-            let dx = _mm256_loadu_ps(a.dxv.as_ptr().add((t * a.units + u) * 8));
-            for k in 0..M {
+            let mut s = [_mm256_setzero_si256(); 4];
+            for k in 0..4 {
                 let p = codes[k].add(u * 32);
                 _mm_prefetch(p.wrapping_add(PREFETCH_BYTES) as *const i8, _MM_HINT_T0);
                 // code - 128 as a signed byte: |w| <= 128 keeps the pair
                 // sums of vpmaddubsw (at most 2 * 128 * 127) from saturating.
                 let w = _mm256_xor_si256(_mm256_loadu_si256(p as *const __m256i), flip);
                 let s16 = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
-                let s = _mm256_add_epi32(_mm256_madd_epi16(s16, ones), cv);
-                let d = _mm256_mul_ps(_mm256_broadcast_ss(&*scales[k].add(g)), dx);
-                y[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, y[k]);
+                s[k] = _mm256_madd_epi16(s16, ones);
             }
+            let h = row_sums(s);
+            let h = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+            let h = _mm_add_epi32(h, _mm_set1_epi32(*a.corr.as_ptr().add(lanes)));
+            let d = _mm_mul_ps(
+                _mm_loadu_ps(sct.add(4 * g)),
+                _mm_set1_ps(*a.dxv.as_ptr().add(lanes)),
+            );
+            y = _mm_fmadd_ps(_mm_cvtepi32_ps(h), d, y);
             left -= 1;
             if left == 0 {
                 g += 1;
                 left = a.bpg;
             }
         }
-        store(y, acc, M);
+        y
     }
 }
 

@@ -1,14 +1,14 @@
 //! The 8-bit-activation products of interleaved 4-bit matrices
-//! ([`Mxfp4x8Matrix`], [`Affine4x8Matrix`]): the parent's contract lane
-//! for lane, so they give the bits the row-major kernels give for the same
-//! weights, eight rows per pass. One 32-byte load holds lane `k`'s four
-//! code bytes of all eight rows, so the lane's activation bytes are one
-//! broadcast, the eight rows' scales of a block one vector (and an affine
-//! group's biases another), and the matrix one sequential stream. Where the
-//! CPU has AVX-512 VNNI (at the AVX-512 level), one `vpdpbusd` per nibble
-//! half replaces `vpmaddubsw` + `vpaddw` + `vpmaddwd` (the same exact
-//! integer sums) and two tokens share each load and unpacking of the codes
-//! (AVX-512's 32 vector registers hold both tokens' accumulators).
+//! ([`Mxfp4x8Matrix`], [`Affine4x8Matrix`]): the parent's contract, so
+//! they give the bits the row-major kernels give for the same weights,
+//! eight rows per pass. One 32-byte load holds lane `k`'s four code bytes
+//! of all eight rows (a block is four lanes), so the lane's activation
+//! bytes are one broadcast, the eight rows' scales of a block one vector
+//! (and an affine group's biases another), and the matrix one sequential
+//! stream. Several tokens share each load and unpacking of the codes, and
+//! a block's integer sums are widened and scaled once per token: by
+//! `vpmaddubsw` summed in 16 bits on AVX2, by `vpdpbusd` where the CPU has
+//! AVX-512 VNNI (at the AVX-512 level).
 
 use super::{chunk_body, Acts, Kind, BLOCK};
 use crate::backend::cpu::qmatmul::scatter_group;
@@ -157,42 +157,69 @@ mod avx2 {
     /// Software prefetch distance: one stream, a few units ahead.
     const PREFETCH_BYTES: usize = 4096;
 
-    /// How a lane's exact integer sum of `code * xq` is formed from its
-    /// low- and high-nibble codes and activations (the same integers
-    /// either way).
+    /// How a block's exact integer sums of `code * xq` (one per row) are
+    /// formed from its lanes' low- and high-nibble codes and activations
+    /// (the same integers either way).
     trait Dot {
         /// Tokens per pass over a row group's codes: each code vector is
         /// loaded and unpacked once for all of them.
         const TOKENS: usize;
-        unsafe fn isum(lo: __m256i, hi: __m256i, xl: __m256i, xh: __m256i) -> __m256i;
+        /// Lanes a partial sum takes before [`Dot::widen`] (headroom).
+        const LANES: usize;
+        /// `part` plus one lane's products.
+        unsafe fn add(part: __m256i, lo: __m256i, hi: __m256i, xl: __m256i, xh: __m256i)
+            -> __m256i;
+        /// A partial sum as eight exact i32 row sums.
+        unsafe fn widen(part: __m256i) -> __m256i;
     }
 
-    /// AVX2: `vpmaddubsw` pairs (no saturation: codes <= 24, |xq| <= 127),
-    /// added, then `vpmaddwd` by ones. One token per pass: a second
-    /// token's eight accumulators do not fit AVX2's sixteen registers (two
-    /// per pass measured 7-20% slower, `MOEFLUX_SIMD=avx2` on the Xeon).
-    struct Maddubs;
+    /// AVX2: `vpmaddubsw` pairs summed in 16 bits, widened by `vpmaddwd`
+    /// once per block. Affine codes (<= 15) leave room for a block's four
+    /// lanes (at most 8 * 2 * 15 * 127 = 30480); MXFP4's offset codes
+    /// (<= 24) for two. Four tokens a pass: their partial sums and
+    /// accumulators take eight of the sixteen registers.
+    struct Maddubs<const MX: bool>;
 
-    impl Dot for Maddubs {
-        const TOKENS: usize = 1;
+    impl<const MX: bool> Dot for Maddubs<MX> {
+        const TOKENS: usize = if MX { 2 } else { 4 };
+        const LANES: usize = if MX { 2 } else { 4 };
         #[inline(always)]
-        unsafe fn isum(lo: __m256i, hi: __m256i, xl: __m256i, xh: __m256i) -> __m256i {
+        unsafe fn add(
+            part: __m256i,
+            lo: __m256i,
+            hi: __m256i,
+            xl: __m256i,
+            xh: __m256i,
+        ) -> __m256i {
             let s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
-            _mm256_madd_epi16(s16, _mm256_set1_epi16(1))
+            _mm256_add_epi16(part, s16)
+        }
+        #[inline(always)]
+        unsafe fn widen(part: __m256i) -> __m256i {
+            _mm256_madd_epi16(part, _mm256_set1_epi16(1))
         }
     }
 
-    /// AVX-512 VNNI on 256-bit vectors: one `vpdpbusd` per nibble half.
-    /// Two tokens per pass (AVX-512's 32 registers hold their sixteen
-    /// accumulators).
+    /// AVX-512 VNNI on 256-bit vectors: `vpdpbusd` adds straight into 32
+    /// bits. Four tokens a pass (AVX-512 has 32 registers).
     struct Vnni;
 
     impl Dot for Vnni {
-        const TOKENS: usize = 2;
+        const TOKENS: usize = 4;
+        const LANES: usize = 4;
         #[inline(always)]
-        unsafe fn isum(lo: __m256i, hi: __m256i, xl: __m256i, xh: __m256i) -> __m256i {
-            let s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xl);
-            _mm256_dpbusd_epi32(s, hi, xh)
+        unsafe fn add(
+            part: __m256i,
+            lo: __m256i,
+            hi: __m256i,
+            xl: __m256i,
+            xh: __m256i,
+        ) -> __m256i {
+            _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(part, lo, xl), hi, xh)
+        }
+        #[inline(always)]
+        unsafe fn widen(part: __m256i) -> __m256i {
+            part
         }
     }
 
@@ -209,7 +236,7 @@ mod avx2 {
         g1: usize,
         out: OutPtr,
     ) {
-        mxfp4_groups::<Maddubs>(m, a, g0, g1, out)
+        mxfp4_groups::<Maddubs<true>>(m, a, g0, g1, out)
     }
 
     /// Row groups `g0..g1` of interleaved affine 4-bit for every token.
@@ -225,7 +252,7 @@ mod avx2 {
         g1: usize,
         out: OutPtr,
     ) {
-        affine_groups::<Maddubs>(m, a, g0, g1, out)
+        affine_groups::<Maddubs<false>>(m, a, g0, g1, out)
     }
 
     /// [`groups_mxfp4`] by AVX-512 VNNI.
@@ -258,23 +285,43 @@ mod avx2 {
         affine_groups::<Vnni>(m, a, g0, g1, out)
     }
 
+    /// Calls `$pass!(T, t)` for tokens `t..t + T` in passes of
+    /// `D::TOKENS`, then of two and one for the rest.
+    macro_rules! passes {
+        ($d:ty, $n:expr, $pass:ident) => {{
+            let mut t = 0;
+            while t + <$d>::TOKENS <= $n {
+                match <$d>::TOKENS {
+                    4 => $pass!(4, t),
+                    _ => $pass!(2, t),
+                }
+                t += <$d>::TOKENS;
+            }
+            if t + 2 <= $n {
+                $pass!(2, t);
+                t += 2;
+            }
+            if t < $n {
+                $pass!(1, t);
+            }
+        }};
+    }
+
     #[inline(always)]
     unsafe fn mxfp4_groups<D: Dot>(m: &Mxfp4x8Matrix, a: &Acts, g0: usize, g1: usize, out: OutPtr) {
         for g in g0..g1 {
             let (codes, scales) = m.group(g);
             let (c, s) = (codes.as_ptr(), scales.as_ptr());
             let y = out.0.add(ROWS * g);
-            let mut t = 0;
-            while D::TOKENS == 2 && t + 2 <= a.n {
-                let [y0, y1] = group::<true, 2, D>(c, s, 1, a, t);
-                _mm256_storeu_ps(y.add(t * m.rows), y0);
-                _mm256_storeu_ps(y.add((t + 1) * m.rows), y1);
-                t += 2;
+            macro_rules! pass {
+                ($tn:literal, $t:expr) => {{
+                    let v = group::<true, $tn, D>(c, s, 1, a, $t);
+                    for (j, vj) in v.into_iter().enumerate() {
+                        _mm256_storeu_ps(y.add(($t + j) * m.rows), vj);
+                    }
+                }};
             }
-            for t in t..a.n {
-                let [y0] = group::<true, 1, D>(c, s, 1, a, t);
-                _mm256_storeu_ps(y.add(t * m.rows), y0);
-            }
+            passes!(D, a.n, pass);
         }
     }
 
@@ -292,19 +339,16 @@ mod avx2 {
             let (codes, params) = m.group(g);
             let (c, p) = (codes.as_ptr(), params.as_ptr());
             let y = out.0.add(ROWS * g);
-            let mut t = 0;
-            while D::TOKENS == 2 && t + 2 <= a.n {
-                let [y0, y1] = group::<false, 2, D>(c, p as *const u8, upg, a, t);
-                let (b0, b1) = (bias_term(p, a, gpr, t), bias_term(p, a, gpr, t + 1));
-                _mm256_storeu_ps(y.add(t * m.rows), _mm256_add_ps(y0, b0));
-                _mm256_storeu_ps(y.add((t + 1) * m.rows), _mm256_add_ps(y1, b1));
-                t += 2;
+            macro_rules! pass {
+                ($tn:literal, $t:expr) => {{
+                    let v = group::<false, $tn, D>(c, p as *const u8, upg, a, $t);
+                    for (j, vj) in v.into_iter().enumerate() {
+                        let b = bias_term(p, a, gpr, $t + j);
+                        _mm256_storeu_ps(y.add(($t + j) * m.rows), _mm256_add_ps(vj, b));
+                    }
+                }};
             }
-            for t in t..a.n {
-                let [y0] = group::<false, 1, D>(c, p as *const u8, upg, a, t);
-                let b0 = bias_term(p, a, gpr, t);
-                _mm256_storeu_ps(y.add(t * m.rows), _mm256_add_ps(y0, b0));
-            }
+            passes!(D, a.n, pass);
         }
     }
 
@@ -350,13 +394,12 @@ mod avx2 {
     }
 
     /// One row group, tokens `t0..t0 + T`: lane `i` of output `j` is row
-    /// `i`'s `tree8` of token `t0 + j`'s lane accumulators, each code
-    /// vector loaded and unpacked once for all `T` tokens. `MX`: MXFP4
-    /// codes (by table, offset by 12 and corrected) with `params` the
-    /// group's scale bytes; else unsigned affine codes with `params` the
-    /// group's bf16 scales and biases, `upg` units per quantization group.
-    /// (No closures in hot code: a closure is compiled without the
-    /// caller's target features.)
+    /// `i`'s `acc` of token `t0 + j`, each code vector loaded and unpacked
+    /// once for all `T` tokens. `MX`: MXFP4 codes (by table, offset by 12
+    /// and corrected) with `params` the group's scale bytes; else unsigned
+    /// affine codes with `params` the group's bf16 scales and biases, `upg`
+    /// units per quantization group. (No closures in hot code: a closure
+    /// is compiled without the caller's target features.)
     #[inline(always)]
     unsafe fn group<const MX: bool, const T: usize, D: Dot>(
         codes: *const u8,
@@ -367,7 +410,7 @@ mod avx2 {
     ) -> [__m256; T] {
         let low = _mm256_set1_epi8(15);
         let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(MX_OFFSET.as_ptr() as *const _));
-        let mut acc = [[_mm256_setzero_ps(); 8]; T];
+        let mut acc = [_mm256_setzero_ps(); T];
         for u in 0..a.units {
             let c = codes.add(u * UNIT_CODE_BYTES);
             let (s0, s1) = if MX {
@@ -377,47 +420,49 @@ mod avx2 {
                 let s = bf16x8((params as *const u16).add(2 * ROWS * (u / upg)));
                 (s, s)
             };
-            // Per token: the unit's activation bytes (lane k's low-nibble
-            // inputs at dword k, its high-nibble inputs at dword 8 + k),
-            // its lanes' corrections and the two blocks' scale products.
-            let mut x = [std::ptr::null::<i32>(); T];
-            let mut corr = [std::ptr::null::<i32>(); T];
-            let mut ds = [[_mm256_setzero_ps(); 2]; T];
-            for j in 0..T {
-                let t = t0 + j;
-                x[j] = a.unit(t, u) as *const i32;
-                let lanes = (t * a.units + u) * 8;
-                let dx = a.dxv.as_ptr().add(lanes);
-                corr[j] = a.corr.as_ptr().add(lanes);
-                ds[j] = [
-                    _mm256_mul_ps(s0, _mm256_broadcast_ss(&*dx)),
-                    _mm256_mul_ps(s1, _mm256_broadcast_ss(&*dx.add(4))),
-                ];
-            }
-            for k in 0..8 {
-                let p = c.add(32 * k);
-                if k % 2 == 0 {
-                    _mm_prefetch(p.wrapping_add(PREFETCH_BYTES) as *const i8, _MM_HINT_T0);
-                }
-                let v = _mm256_loadu_si256(p as *const __m256i);
-                let mut lo = _mm256_and_si256(v, low);
-                let mut hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                if MX {
-                    lo = _mm256_shuffle_epi8(table, lo);
-                    hi = _mm256_shuffle_epi8(table, hi);
-                }
-                for j in 0..T {
-                    let xl = _mm256_set1_epi32(x[j].add(k).read_unaligned());
-                    let xh = _mm256_set1_epi32(x[j].add(8 + k).read_unaligned());
-                    let mut si = D::isum(lo, hi, xl, xh);
-                    if MX {
-                        si = _mm256_add_epi32(si, _mm256_set1_epi32(*corr[j].add(k)));
+            // Per token, the unit's activation bytes: lane k's low-nibble
+            // inputs at dword k, its high-nibble inputs at dword 8 + k.
+            let x: [*const i32; T] = std::array::from_fn(|j| a.unit(t0 + j, u) as *const i32);
+            // Block 2u + h takes lanes 4h..4h + 4.
+            for h in 0..2 {
+                let mut isum = [_mm256_setzero_si256(); T];
+                let mut part = [_mm256_setzero_si256(); T];
+                for k in 4 * h..4 * h + 4 {
+                    let p = c.add(32 * k);
+                    if k % 2 == 0 {
+                        _mm_prefetch(p.wrapping_add(PREFETCH_BYTES) as *const i8, _MM_HINT_T0);
                     }
-                    let d = ds[j][k / 4];
-                    acc[j][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), d, acc[j][k]);
+                    let v = _mm256_loadu_si256(p as *const __m256i);
+                    let mut lo = _mm256_and_si256(v, low);
+                    let mut hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    if MX {
+                        lo = _mm256_shuffle_epi8(table, lo);
+                        hi = _mm256_shuffle_epi8(table, hi);
+                    }
+                    for j in 0..T {
+                        let xl = _mm256_set1_epi32(x[j].add(k).read_unaligned());
+                        let xh = _mm256_set1_epi32(x[j].add(8 + k).read_unaligned());
+                        part[j] = D::add(part[j], lo, hi, xl, xh);
+                    }
+                    if (k + 1) % D::LANES == 0 {
+                        for j in 0..T {
+                            isum[j] = _mm256_add_epi32(isum[j], D::widen(part[j]));
+                            part[j] = _mm256_setzero_si256();
+                        }
+                    }
+                }
+                let sh = if h == 0 { s0 } else { s1 };
+                for j in 0..T {
+                    let lane = ((t0 + j) * a.units + u) * 8 + 4 * h;
+                    if MX {
+                        let cv = _mm256_set1_epi32(*a.corr.as_ptr().add(lane));
+                        isum[j] = _mm256_add_epi32(isum[j], cv);
+                    }
+                    let ds = _mm256_mul_ps(sh, _mm256_broadcast_ss(&*a.dxv.as_ptr().add(lane)));
+                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), ds, acc[j]);
                 }
             }
         }
-        std::array::from_fn(|j| tree8(acc[j]))
+        acc
     }
 }
