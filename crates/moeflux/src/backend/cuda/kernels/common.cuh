@@ -13,7 +13,11 @@ typedef unsigned short u16;
 // attribute (or before sm_90) both are no-ops.
 // The one-token dense products split the two: they load their weights
 // (never written once the model is loaded) before waiting, so the fetch
-// overlaps the previous kernel's tail.
+// overlaps the previous kernel's tail. Other kernels may read weights
+// before their PDL_ENTER likewise (the norms' weights, the routers' expert
+// address table), never anything a kernel writes. Only the dense products
+// trigger before they wait; every other kernel waits first and every kernel
+// waits before it ends, so kernels complete in launch order.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
 #define PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" :::)

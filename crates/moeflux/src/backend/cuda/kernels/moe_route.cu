@@ -64,12 +64,27 @@ __device__ void moe_route_body(const float* logits, int n, int e, int k, int nor
     }
 }
 
+// The address table is weights (built once every expert is resident, never
+// written by a kernel): the block copies its first min(e, 32 C) entries
+// (every id a lane can pick) into shared memory before the wait, and the
+// chosen entries are read from there after it.
+template <int N>
+__device__ __forceinline__ const unsigned long long* route_table_early(const unsigned long long* table, int e,
+                                                                       unsigned long long (&st)[N]) {
+    if (!table) return nullptr;
+    for (int i = threadIdx.x; i < min(e, N); i += blockDim.x) st[i] = table[i];
+    __syncthreads();
+    return st;
+}
+
 #define ROUTE_KERNEL(C)                                                                                      \
     extern "C" __global__ void moe_route_c##C(const float* logits, int n, int e, int k, int norm,            \
                                               const unsigned long long* table, int* ids, float* wts,         \
                                               unsigned long long* bases) {                                   \
+        __shared__ unsigned long long st[32 * C];                                                            \
+        const unsigned long long* tab = route_table_early(table, e, st);                                     \
         PDL_ENTER();                                                                                         \
-        moe_route_body<C>(logits, n, e, k, norm, table, ids, wts, bases);                                    \
+        moe_route_body<C>(logits, n, e, k, norm, tab, ids, wts, bases);                                      \
     }
 ROUTE_KERNEL(4)
 ROUTE_KERNEL(8)
@@ -117,19 +132,32 @@ __device__ __forceinline__ void warp_argmax(const float (&v)[32], const float (&
 extern "C" __global__ void moe_route_noaux(const float* logits, const float* bias, int n, int e, int k,
                                            int n_group, int topk_group, int norm, float scaling,
                                            const unsigned long long* table, int* ids, float* wts,
-                                           unsigned long long* bases) { PDL_ENTER();
+                                           unsigned long long* bases) {
     __shared__ float sb[4][1024];
+    // Before the wait, the weights: the address table (as moe_route_c*) and
+    // the lane's bias terms, into the warp's own scratch row (each lane its
+    // entries lane + 32 c, which only it reads back and, with groups,
+    // overwrites with b; in registers they took the kernel from 123 to 178).
+    __shared__ unsigned long long st[1024];
+    const unsigned long long* tab = route_table_early(table, e, st);
     int wi = threadIdx.x >> 5;
+    int lane = threadIdx.x & 31;
+    float* sbias = sb[wi];
+#pragma unroll
+    for (int c = 0; c < 32; c++) {
+        int i = lane + c * WARP;
+        if (i < e) sbias[i] = bias[i];
+    }
+    PDL_ENTER();
     int t = blockIdx.x * (blockDim.x >> 5) + wi;
     if (t >= n) return;
-    int lane = threadIdx.x & 31;
     const float* l = logits + (long)t * e;
     float s[32], b[32];
 #pragma unroll
     for (int c = 0; c < 32; c++) {
         int i = lane + c * WARP;
         s[c] = i < e ? sigmoidf_(l[i]) : 0.0f;
-        b[c] = i < e ? s[c] + bias[i] : NEG_INF;
+        b[c] = i < e ? s[c] + sbias[i] : NEG_INF;
     }
     if (n_group > 1) {
         int per = e / n_group;
@@ -188,6 +216,6 @@ extern "C" __global__ void moe_route_noaux(const float* logits, const float* bia
         float w = norm ? myw / chosen : myw;
         ids[(long)t * k + lane] = myid;
         wts[(long)t * k + lane] = w * scaling;
-        if (table) bases[(long)t * k + lane] = table[myid];
+        if (tab) bases[(long)t * k + lane] = tab[myid];
     }
 }
