@@ -411,13 +411,21 @@ mod avx2 {
         let low = _mm256_set1_epi8(15);
         let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(MX_OFFSET.as_ptr() as *const _));
         let mut acc = [_mm256_setzero_ps(); T];
+        // The affine group of unit u, counted (a division per unit cost
+        // more than its unit's conversions).
+        let (mut grp, mut left) = (0, upg);
         for u in 0..a.units {
             let c = codes.add(u * UNIT_CODE_BYTES);
             let (s0, s1) = if MX {
                 let s = params.add(u * 2 * ROWS);
                 (half_scales(s), half_scales(s.add(ROWS)))
             } else {
-                let s = bf16x8((params as *const u16).add(2 * ROWS * (u / upg)));
+                let s = bf16x8((params as *const u16).add(2 * ROWS * grp));
+                left -= 1;
+                if left == 0 {
+                    grp += 1;
+                    left = upg;
+                }
                 (s, s)
             };
             // Per token, the unit's activation bytes: lane k's low-nibble
