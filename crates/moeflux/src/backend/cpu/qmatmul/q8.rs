@@ -167,8 +167,8 @@ struct Acts {
     /// last odd block).
     dxv: Vec<f32>,
     /// `n * units * 8`: the kernel's correction of each lane's block
-    /// (`Kind::correction` times the block's sum of `xq`), laid out as
-    /// `dxv`.
+    /// (`Kind::correction` times the block's sum of `xq`, so 0 for affine
+    /// 4-bit codes), laid out as `dxv`.
     corr: Vec<i32>,
     /// `n * groups`: sums of the unrounded activations (affine only).
     xsum: Vec<f32>,
@@ -192,7 +192,9 @@ impl Acts {
                 let first = (t * units + u) * 8 + (b % kind.unit_blocks()) * lanes_per_block;
                 let lanes = first..first + lanes_per_block;
                 dxv[lanes.clone()].fill(dx);
-                corr[lanes].fill(kind.correction() * q.iter().map(|&v| v as i32).sum::<i32>());
+                if kind.correction() != 0 {
+                    corr[lanes].fill(kind.correction() * q.iter().map(|&v| v as i32).sum::<i32>());
+                }
                 let unit = &mut xq[(t * units + u) * ub..(t * units + u + 1) * ub];
                 if kind == Kind::U8 {
                     unit.copy_from_slice(&q);
