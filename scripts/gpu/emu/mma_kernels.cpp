@@ -217,7 +217,8 @@ static void round_rows(const std::vector<float>& x, int n, int cols, std::vector
 }
 
 // qmma_q8: two 4-bit matrices of one input on 8-bit activations (the second adds to its
-// output) against the CPU's q8 contract per token, in double.
+// output) against the CPU's q8 contract per token, in double, with mt row tiles a warp (2
+// or 4), or (mt 0) the staged kernel qmma_q8s, which must also equal qmma_q8 bit for bit.
 static void test_qmma_q8(int rows_a, int rows_b, int cols, int n, int gs, int mt) {
     HostQ A(rows_a, cols, 4, gs), B(rows_b, cols, 4, gs);
     std::vector<float> x((size_t)n * cols);
@@ -226,17 +227,21 @@ static void test_qmma_q8(int rows_a, int rows_b, int cols, int n, int gs, int mt
     std::vector<u32> xq;
     std::vector<float2> dxs;
     round_rows(x, n, cols, xq, dxs);
-    std::vector<float> oa((size_t)n * rows_a, NAN), ob((size_t)n * rows_b);
-    for (auto& v : ob) v = urand();
-    std::vector<float> ob0 = ob;
-    int br = 32 * mt, ba = (rows_a + br - 1) / br, bb = (rows_b + br - 1) / br;
-    MultiMatmul mm = two_products(A, B, oa.data(), ob.data(), ba, bb);
+    std::vector<float> ob0((size_t)n * rows_b);
+    for (auto& v : ob0) v = urand();
     const u32* pq = xq.data();
     const float2* pd = dxs.data();
-    auto kernel = mt == 4 ? qmma_q8_m4 : qmma_q8;
-    emu_launch({(unsigned)(ba + bb), (unsigned)((n + 63) / 64), 1}, 128, [&] { kernel(mm, pq, pd, n); });
-    std::vector<float> got(oa);
-    got.insert(got.end(), ob.begin(), ob.end());
+    auto run = [&](int kind) {
+        std::vector<float> oa((size_t)n * rows_a, NAN), ob(ob0);
+        int br = kind == 0 ? 128 : 32 * kind, ba = (rows_a + br - 1) / br, bb = (rows_b + br - 1) / br;
+        MultiMatmul mm = two_products(A, B, oa.data(), ob.data(), ba, bb);
+        dim3 grid{(unsigned)(ba + bb), (unsigned)((n + 63) / 64), 1};
+        if (kind == 0) emu_launch(grid, 256, [&] { qmma_q8s(mm, pq, pd, n); });
+        else emu_launch(grid, 128, [&] { (kind == 4 ? qmma_q8_m4 : qmma_q8)(mm, pq, pd, n); });
+        oa.insert(oa.end(), ob.begin(), ob.end());
+        return oa;
+    };
+    std::vector<float> got = run(mt);
     std::vector<double> want;
     for (const HostQ* W : {&A, &B})
         for (int t = 0; t < n; t++) {
@@ -244,8 +249,14 @@ static void test_qmma_q8(int rows_a, int rows_b, int cols, int n, int gs, int mt
             for (int r = 0; r < W->rows; r++) want.push_back(y[r] + (W == &B ? ob0[(size_t)t * W->rows + r] : 0.0));
         }
     char name[128];
-    snprintf(name, sizeof name, "qmma_q8 m%d g%d %dx%d + %dx%d, %d tokens", mt, gs, rows_a, cols, rows_b, cols, n);
+    snprintf(name, sizeof name, "qmma_q8%s m%d g%d %dx%d + %dx%d, %d tokens", mt ? "" : "s", mt ? mt : 2, gs, rows_a,
+             cols, rows_b, cols, n);
     check(name, got, want, 1e-5);
+    if (mt == 0) {
+        std::vector<float> two = run(2);
+        snprintf(name, sizeof name, "qmma_q8s = qmma_q8: g%d %dx%d, %d tokens", gs, rows_a, cols, n);
+        check(name, got, std::vector<double>(two.begin(), two.end()), 0.0);
+    }
 }
 
 // moe_gate_up_mma_q8 / moe_down_mma_q8 (task e serves tokens 0 .. counts[e] - 1) against the
@@ -253,21 +264,48 @@ static void test_qmma_q8(int rows_a, int rows_b, int cols, int n, int gs, int mt
 static void test_moe_mma_q8(int hidden, int inter, int gs, std::vector<int> counts, int mt) {
     MmaExperts m = mma_experts(hidden, inter, 4, gs, counts);
     auto& [gate, up, down, L, extents, tasks, slot_list, x, ne, k, n, used] = m;
-    std::vector<u32> xq;
-    std::vector<float2> dxs;
-    round_rows(x, n, hidden, xq, dxs);
-    std::vector<float> act((size_t)used * inter, NAN), slot_out((size_t)n * k * hidden, NAN);
     const ExpertTask* pt = tasks.data();
     const int* ps = slot_list.data();
-    {
+    // kind: 2 or 4 row tiles a warp, 0 the staged kernels (mma_staged.cu).
+    auto gate_up = [&](int kind) {
+        std::vector<u32> xq;
+        std::vector<float2> dxs;
+        round_rows(x, n, hidden, xq, dxs);
+        std::vector<float> act((size_t)used * inter, NAN);
         const u32* pq = xq.data();
         const float2* pd = dxs.data();
         float* pa = act.data();
-        auto kernel = mt == 4 ? moe_gate_up_mma_q8_m4 : moe_gate_up_mma_q8;
-        unsigned br = 32 * mt;
-        emu_launch({(unsigned)((inter + br - 1) / br), (unsigned)ne, 1}, 128,
-                   [&] { kernel(pt, L, ps, k, pq, pd, pa); });
-    }
+        if (kind == 0) {
+            emu_launch({(unsigned)(inter / 64), (unsigned)ne, 1}, 256,
+                       [&] { moe_gate_up_mma_q8s(pt, L, ps, k, pq, pd, pa); });
+        } else {
+            auto kernel = kind == 4 ? moe_gate_up_mma_q8_m4 : moe_gate_up_mma_q8;
+            unsigned br = 32 * kind;
+            emu_launch({(unsigned)((inter + br - 1) / br), (unsigned)ne, 1}, 128,
+                       [&] { kernel(pt, L, ps, k, pq, pd, pa); });
+        }
+        return act;
+    };
+    auto down_of = [&](int kind, const std::vector<float>& act) {
+        std::vector<u32> xq;
+        std::vector<float2> dxs;
+        round_rows(act, used, inter, xq, dxs);
+        std::vector<float> slot_out((size_t)n * k * hidden, NAN);
+        const u32* pq = xq.data();
+        const float2* pd = dxs.data();
+        float* po = slot_out.data();
+        if (kind == 0) {
+            emu_launch({(unsigned)((hidden + 127) / 128), (unsigned)ne, 1}, 256,
+                       [&] { moe_down_mma_q8s(pt, L, ps, pq, pd, po); });
+        } else {
+            auto kernel = kind == 4 ? moe_down_mma_q8_m4 : moe_down_mma_q8;
+            unsigned br = 64 * kind;
+            emu_launch({(unsigned)((hidden + br - 1) / br), (unsigned)ne, 1}, 128,
+                       [&] { kernel(pt, L, ps, pq, pd, po); });
+        }
+        return slot_out;
+    };
+    std::vector<float> act = gate_up(mt);
     std::vector<double> want_act;
     for (int e = 0; e < ne; e++)
         for (int i = 0; i < counts[e]; i++) {
@@ -275,30 +313,39 @@ static void test_moe_mma_q8(int hidden, int inter, int gs, std::vector<int> coun
             std::vector<double> g = q8_product(gate[e], xt), u = q8_product(up[e], xt);
             for (int r = 0; r < inter; r++) want_act.push_back(g[r] / (1.0 + exp(-g[r])) * u[r]);
         }
+    const char* kind = mt ? "" : "s";
+    int tiles = mt ? mt : 2;
     char name[128];
-    snprintf(name, sizeof name, "moe_gate_up_mma_q8 m%d g%d %dx%d, %d tasks", mt, gs, inter, hidden, ne);
+    snprintf(name, sizeof name, "moe_gate_up_mma_q8%s m%d g%d %dx%d, %d tasks", kind, tiles, gs, inter, hidden, ne);
     check(name, act, want_act, 1e-5);
-    round_rows(act, used, inter, xq, dxs);
-    {
-        const u32* pq = xq.data();
-        const float2* pd = dxs.data();
-        float* po = slot_out.data();
-        auto kernel = mt == 4 ? moe_down_mma_q8_m4 : moe_down_mma_q8;
-        unsigned br = 64 * mt;
-        emu_launch({(unsigned)((hidden + br - 1) / br), (unsigned)ne, 1}, 128,
-                   [&] { kernel(pt, L, ps, pq, pd, po); });
-    }
-    std::vector<float> got;
+    std::vector<float> slot_out = down_of(mt, act);
+    // Rows of the slots in task order (every slot's row is written once).
+    auto by_task = [&](const std::vector<float>& so) {
+        std::vector<float> rows;
+        for (int e = 0; e < ne; e++)
+            for (int i = 0; i < counts[e]; i++) {
+                int slot = slot_list[tasks[e].first + i];
+                rows.insert(rows.end(), so.begin() + (size_t)slot * hidden, so.begin() + (size_t)(slot + 1) * hidden);
+            }
+        return rows;
+    };
     std::vector<double> want;
     for (int e = 0; e < ne; e++)
         for (int i = 0; i < counts[e]; i++) {
-            int pos = tasks[e].first + i, slot = slot_list[pos];
-            std::vector<double> d = q8_product(down[e], &act[(size_t)pos * inter]);
+            std::vector<double> d = q8_product(down[e], &act[(size_t)(tasks[e].first + i) * inter]);
             want.insert(want.end(), d.begin(), d.end());
-            for (int r = 0; r < hidden; r++) got.push_back(slot_out[(size_t)slot * hidden + r]);
         }
-    snprintf(name, sizeof name, "moe_down_mma_q8 m%d g%d %dx%d, %d tasks", mt, gs, hidden, inter, ne);
+    snprintf(name, sizeof name, "moe_down_mma_q8%s m%d g%d %dx%d, %d tasks", kind, tiles, gs, hidden, inter, ne);
+    std::vector<float> got = by_task(slot_out);
     check(name, got, want, 1e-5);
+    if (mt == 0) {  // the same sums as the unstaged kernels
+        std::vector<float> act2 = gate_up(2);
+        snprintf(name, sizeof name, "moe_gate_up_mma_q8s = moe_gate_up_mma_q8: g%d", gs);
+        check(name, act, std::vector<double>(act2.begin(), act2.end()), 0.0);
+        std::vector<float> two = by_task(down_of(2, act));
+        snprintf(name, sizeof name, "moe_down_mma_q8s = moe_down_mma_q8: g%d", gs);
+        check(name, got, std::vector<double>(two.begin(), two.end()), 0.0);
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1004,6 +1051,14 @@ int main() {
         test_qmma_q8(72, 8, 512, 9, 128, mt);    // groups of 128
         test_qmma_q8(136, 16, 128, 20, 64, mt);  // a second row block
     }
+    // Staged: a stage is 64 columns; fewer stages than the ring's depth, more, and a ring
+    // that wraps; partial row and token blocks; a second matrix whose rows start mid-block.
+    test_qmma_q8(80, 48, 256, 37, 64, 0);
+    test_qmma_q8(40, 24, 64, 70, 32, 0);
+    test_qmma_q8(72, 8, 512, 9, 128, 0);
+    test_qmma_q8(136, 16, 128, 20, 64, 0);
+    test_qmma_q8(200, 72, 1024, 130, 128, 0);
+    test_qmma_q8(128, 8, 192, 64, 32, 0);
     for (Q8Slots p : {Q8Slots::QMV, Q8Slots::STREAM}) {
         test_experts_q8(2048, 512, 4, p);  // Qwen3.6-35B-A3B's widths
         test_experts_q8(512, 256, 3, p);   // rows of 256 and 128 bytes: several rows per chunk
@@ -1028,6 +1083,11 @@ int main() {
         test_moe_mma_q8(96, 160, 32, {5, 33}, mt);
         test_moe_mma_q8(288, 160, 32, {2, 17}, mt);  // partial row blocks in both
     }
+    // Staged (widths a multiple of 64): several token blocks in a task, partial hidden
+    // row blocks in down, groups of 32 and 128.
+    test_moe_mma_q8(128, 64, 64, {1, 9, 70, 3}, 0);
+    test_moe_mma_q8(320, 192, 32, {5, 33, 130}, 0);
+    test_moe_mma_q8(256, 128, 128, {2, 17}, 0);
     // gpt-oss experts: MXFP4 and affine, biases and the clamped SwiGLU, each path
     for (ExpertPath p : {GROUPED, SLOTS, MMA}) {
         test_gptoss_experts(128, 64, true, p, {1, 6, 37});

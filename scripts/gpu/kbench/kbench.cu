@@ -627,6 +627,20 @@ static void bench_prefill(const char* name, int rows, int cols, int n) {
            flop / tb / 1e6, tq, flop / tq / 1e6, tb / tq, t4, flop / t4 / 1e6, blocks4, ty);
     CK(cudaDeviceSynchronize());
     compare("q8 m4 vs m2", o2, o3, (size_t)n * rows);
+    // Staged in shared memory (qmma_q8s): the same sums as qmma_q8, bit for bit.
+    {
+        int bs = (rows + 127) / 128;
+        MultiMatmul mms = one(q, o3, bs);
+        double ts = time_graph([&](cudaStream_t s, int) {
+            q8_rows<<<(unsigned)(((size_t)n * cols / 8 + 255) / 256), 256, 0, s>>>(x, n, cols, xq, dxs);
+            qmma_q8s<<<dim3(bs, ty), 256, 0, s>>>(mms, xq, dxs, n);
+        }, reps);
+        CK(cudaDeviceSynchronize());
+        printf("    q8 staged (qmma_q8s, %d x %d blocks) %8.1f us %6.1f TFLOP/s | %.2fx q8 m2, %.2fx q8 m4\n", bs, ty, ts,
+               flop / ts / 1e6, tq / ts, t4 / ts);
+        size_t d = count_bit_diffs(o2, o3, (size_t)n * rows);
+        printf("    staged vs q8 m2: %zu of %zu differ %s\n", d, (size_t)n * rows, d ? "MISMATCH" : "ok (bit for bit)");
+    }
     // The one-token q8 contract (four tokens a block row) as the reference.
     int sets = (rows + 15) / 16;
     size_t smem = (size_t)4 * cols * 5 / 4;
@@ -700,6 +714,27 @@ static void bench_prefill_experts(const char* name, int n_exp, int k, int hidden
     float* out4; CK(cudaMalloc(&out4, (size_t)n * k * hidden * 4));
     q8(0, out2, 2, 3); q8(0, out4, 4, 3); CK(cudaDeviceSynchronize());
     compare("q8 m4 vs m2", out2, out4, (size_t)n * k * hidden);
+    // Staged in shared memory (moe_*_mma_q8s): the same sums as the m2 kernels, bit for bit.
+    {
+        dim3 ggs(inter / 64, nt), gds((hidden + 127) / 128, nt);
+        auto staged = [&](cudaStream_t s, int part) {
+            if (part & 1) {
+                q8_rows<<<(unsigned)(((size_t)n * hidden / 8 + 255) / 256), 256, 0, s>>>(x, n, hidden, xq, dxs);
+                moe_gate_up_mma_q8s<<<ggs, 256, 0, s>>>(dt, L, ds, k, xq, dxs, act);
+            }
+            if (part & 2) {
+                q8_rows<<<(unsigned)(((size_t)used * inter / 8 + 255) / 256), 256, 0, s>>>(act, used, inter, xq, dxs);
+                moe_down_mma_q8s<<<gds, 256, 0, s>>>(dt, L, ds, xq, dxs, out4);
+            }
+        };
+        double tg = time_graph([&](cudaStream_t s, int) { staged(s, 1); }, reps);
+        double td = time_graph([&](cudaStream_t s, int) { staged(s, 2); }, reps);
+        printf("    q8 staged: gate/up %8.1f us %6.1f TFLOP/s, down %8.1f us %6.1f TFLOP/s\n", tg, flop * 2 / 3 / tg / 1e6,
+               td, flop / 3 / td / 1e6);
+        q8(0, out2, 2, 3); staged(0, 3); CK(cudaDeviceSynchronize());
+        size_t d = count_bit_diffs(out2, out4, (size_t)n * k * hidden);
+        printf("    staged vs q8 m2: %zu of %zu differ %s\n", d, (size_t)n * k * hidden, d ? "MISMATCH" : "ok (bit for bit)");
+    }
     CK(cudaFree(out4));
     // Reference: the one-token q8 row kernels per slot (bases per slot; slots of a token
     // consecutive), on the same x.

@@ -17,10 +17,11 @@ use crate::error::{Error, Result};
 
 /// The parts of the kernel source in `kernels/all.cuh`'s order (a test
 /// checks the two agree).
-const KERNEL_PARTS: [(&str, &str); 18] = [
+const KERNEL_PARTS: [(&str, &str); 20] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("abi.cuh", include_str!("kernels/abi.cuh")),
     ("quant.cuh", include_str!("kernels/quant.cuh")),
+    ("async_copy.cuh", include_str!("kernels/async_copy.cuh")),
     ("qmatmul.cu", include_str!("kernels/qmatmul.cu")),
     ("qmv.cu", include_str!("kernels/qmv.cu")),
     ("qdot.cu", include_str!("kernels/qdot.cu")),
@@ -34,6 +35,7 @@ const KERNEL_PARTS: [(&str, &str); 18] = [
     ("mma.cu", include_str!("kernels/mma.cu")),
     ("mma_q8.cu", include_str!("kernels/mma_q8.cu")),
     ("mma_products.cu", include_str!("kernels/mma_products.cu")),
+    ("mma_staged.cu", include_str!("kernels/mma_staged.cu")),
     ("attn_mma.cu", include_str!("kernels/attn_mma.cu")),
     (
         "deltanet_chunk.cu",
@@ -237,6 +239,9 @@ const KERNEL_NAMES: &[&str] = &[
     "moe_gate_up_mma_q8",
     "moe_down_mma_q8",
     "qmma_q8_m4",
+    "qmma_q8s",
+    "moe_gate_up_mma_q8s",
+    "moe_down_mma_q8s",
     "moe_gate_up_mma_q8_m4",
     "moe_down_mma_q8_m4",
     "attn_kv_split",

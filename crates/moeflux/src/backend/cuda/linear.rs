@@ -658,6 +658,15 @@ pub(super) fn mma_q8_tiles(wide: bool) -> usize {
     forced.unwrap_or(if wide { 4 } else { 2 })
 }
 
+/// Whether the q8 tensor-core products stage their operands in shared
+/// memory (`qmma_q8s`, mma_staged.cu; the same sums bit for bit) where the
+/// widths allow; `MOEFLUX_CUDA_MMA_STAGED=0`: the unstaged kernels, to
+/// compare.
+pub(super) fn mma_q8_staged() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("MOEFLUX_CUDA_MMA_STAGED").map_or(true, |v| v != "0"))
+}
+
 /// The q8 tensor-core kernel `base` with `tiles` row tiles a warp.
 pub(super) fn mma_q8_kernel(base: &str, tiles: usize) -> String {
     if tiles == 4 {
@@ -703,7 +712,25 @@ fn mma_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
     let ty = n.div_ceil(MMA_BLOCK_TOKENS) as u32;
     if !on_q8.is_empty() {
         let (xq, dxs) = q8_rows(gpu, x, n, on_q8[0].0.cols as usize)?;
+        let staged = mma_q8_staged() && on_q8.iter().all(|(q, _)| q.cols % 64 == 0);
         for group in on_q8.chunks(4) {
+            if staged {
+                let (p, blocks) = multi_matmul(group, |_| 128, false);
+                // SAFETY: `qmma_q8s` in mma_staged.cu (128 rows x 64 tokens a
+                // block of 256 threads, columns a multiple of 64); xq / dxs
+                // were rounded from x (n tokens), every output holds n rows.
+                unsafe {
+                    gpu.launch(
+                        "qmma_q8s",
+                        (blocks as u32, ty, 1),
+                        256,
+                        0,
+                        &mut args!(p, xq, dxs, nn),
+                    )?
+                };
+                add_biases(gpu, group.iter().map(|(_, o)| *o), n)?;
+                continue;
+            }
             let blocks_at_4: usize = group
                 .iter()
                 .map(|(q, _)| (q.rows as usize).div_ceil(128))

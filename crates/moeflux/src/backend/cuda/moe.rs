@@ -15,9 +15,9 @@ use super::abi::{ExpertLayoutC, ExpertTask, MoeCombineC};
 use super::device::{args, Gpu};
 use super::linear::{
     balanced_blocks, kernel_suffix, matmuls, mm, mm_add, mma_layout_fits, mma_q8_enabled,
-    mma_q8_kernel, mma_q8_tiles, mma_split, q8_rows, qdot_fit_width, qdot_smem, qmv_rows_per_block,
-    qmv_slices, qmv_threads, rows_per_block, swiglu_matmul, MMA_MIN_TOKENS, QMV_CHUNKS,
-    QMV_STREAM_CHUNKS,
+    mma_q8_kernel, mma_q8_staged, mma_q8_tiles, mma_split, q8_rows, qdot_fit_width, qdot_smem,
+    qmv_rows_per_block, qmv_slices, qmv_threads, rows_per_block, swiglu_matmul, MMA_MIN_TOKENS,
+    QMV_CHUNKS, QMV_STREAM_CHUNKS,
 };
 use super::model::{Ctx, DevWeights, Ep};
 use super::support::unsupported;
@@ -571,6 +571,50 @@ impl ExpertKernels {
         Ok(())
     }
 
+    /// The grouped q8 path with operands staged in shared memory
+    /// (`moe_*_mma_q8s` in mma_staged.cu: 64 intermediate rows of gate and
+    /// of up, or 128 hidden rows, a block of 256 threads; widths a multiple
+    /// of 64) on `x` already rounded (`xq_dxs`).
+    #[allow(clippy::too_many_arguments)]
+    fn run_tasks_staged(
+        &self,
+        g: &Gpu,
+        rows: &TaskRows,
+        h: usize,
+        inter: usize,
+        k_i: i32,
+        (xq, dxs): (u64, u64),
+        act: u64,
+        slot_out: u64,
+    ) -> Result<()> {
+        let layout = self.layout;
+        let (d_tasks, d_slots, n_tasks) = (rows.tasks, rows.slots, rows.n_tasks as u32);
+        // SAFETY: `moe_gate_up_mma_q8s` in mma_staged.cu; tasks point at
+        // resident experts, xq / dxs were rounded from the layer's input,
+        // act holds a row per slot list entry.
+        unsafe {
+            g.launch(
+                "moe_gate_up_mma_q8s",
+                ((inter / 64) as u32, n_tasks, 1),
+                256,
+                0,
+                &mut args!(d_tasks, layout, d_slots, k_i, xq, dxs, act),
+            )?
+        };
+        let (aq, adxs) = q8_rows(g, act, rows.n_slots, inter)?;
+        // SAFETY: `moe_down_mma_q8s` in mma_staged.cu; aq / adxs were rounded
+        // from act, slot_out holds a row per slot.
+        unsafe {
+            g.launch(
+                "moe_down_mma_q8s",
+                (h.div_ceil(128) as u32, n_tasks, 1),
+                256,
+                0,
+                &mut args!(d_tasks, layout, d_slots, aq, adxs, slot_out),
+            )
+        }
+    }
+
     /// The grouped path: `rows`' tasks over the `n` tokens of `xn`, each
     /// expert's weights read once for its tokens (on tensor cores from
     /// [`MMA_MIN_TOKENS`] tokens where the layout fits them).
@@ -596,6 +640,9 @@ impl ExpertKernels {
                 // 512), and lose down at both (1201 -> 1344, 209 -> 246).
                 let tiles = mma_q8_tiles(rows.task_slots >= 64 * rows.n_tasks);
                 let (xq, dxs) = q8_rows(g, xn, n, h)?;
+                if mma_q8_staged() && h % 64 == 0 && inter % 64 == 0 {
+                    return self.run_tasks_staged(g, rows, h, inter, k_i, (xq, dxs), act, slot_out);
+                }
                 // SAFETY: `moe_gate_up_mma_q8*` in mma_products.cu (32 *
                 // tiles intermediate rows a block); tasks point at resident
                 // experts, xq / dxs were rounded from xn (n tokens), act

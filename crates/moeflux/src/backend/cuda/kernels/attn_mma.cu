@@ -24,38 +24,6 @@
 #define ATT_ROWS 64  // query rows per block
 #define ATT_KT 32    // keys per step
 
-// The shared-memory address of p, as cp.async takes it.
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    unsigned s = 0;
-#if defined(__CUDA_ARCH__)
-    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
-#endif
-    return s;
-}
-
-// 16 bytes global -> shared without holding them in registers (sm_80+;
-// the host never picks these kernels below).
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(smem)), "l"(gmem));
-#else
-    *(uint4*)smem = *(const uint4*)gmem;
-#endif
-}
-__device__ __forceinline__ void cp_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;");
-#endif
-}
-// Waits until at most N groups of this thread's copies are in flight (a
-// barrier then makes every thread's visible).
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-#endif
-}
-
 // The cache rows 0..ctx of every KV group (caches: [row][nkv][hd] f32), split
 // into ctx_pad rows (a multiple of ATT_KT; the rows past ctx zero, so masked
 // keys meet finite values):

@@ -48,7 +48,7 @@
 #define GDN_REC (2 * GDN_C * GDN_C + 3 * GDN_C)
 
 // 4 bytes global -> shared without holding them in registers (sm_80+; a
-// plain copy before). smem_addr, cp_async_commit, cp_async_wait: attn_mma.cu.
+// plain copy before). smem_addr, cp_async_commit, cp_async_wait: async_copy.cuh.
 __device__ __forceinline__ void gdn_cp4(float* smem, const float* gmem) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(smem)), "l"(gmem));
