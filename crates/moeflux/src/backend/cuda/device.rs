@@ -49,12 +49,12 @@ static KERNELS: std::sync::LazyLock<String> =
     std::sync::LazyLock::new(|| KERNEL_PARTS.iter().map(|(_, text)| *text).collect());
 
 /// The kernel source this process compiles: the built-in one, or with
-/// `MOEFLUX_CUDA_KERNEL_DIR=DIR` the parts found in DIR in place of the
+/// `MOEFLUX_CUDA_KERNEL_DIR=DIR` (not empty) the parts found in DIR in place of the
 /// built-in ones (a kernel variant timed against the built-in kernels by
 /// one binary, `bench/gpu-ab.sh`; the launches' arguments stay the built-in
 /// ones, so a variant changes kernel bodies only).
 fn kernel_source() -> Result<std::borrow::Cow<'static, str>> {
-    match std::env::var_os("MOEFLUX_CUDA_KERNEL_DIR") {
+    match std::env::var_os("MOEFLUX_CUDA_KERNEL_DIR").filter(|d| !d.is_empty()) {
         None => Ok(std::borrow::Cow::Borrowed(KERNELS.as_str())),
         Some(dir) => {
             let dir = PathBuf::from(dir);
