@@ -18,7 +18,8 @@
 #                     delta_rule, attn_prep and attention) equal to each sequence alone
 #   mma_kernels.cpp   the tensor-core kernels (mma_split, qmma, moe_gate_up_mma,
 #                     moe_down_mma, attn_kv_split, attention_mma; on 8-bit activations q8_rows,
-#                     qmma_q8*, moe_*_mma_q8* against the CPU's q8 contract, 2 and 4 row tiles)
+#                     qmma_q8*, moe_*_mma_q8* against the CPU's q8 contract, 2 and 4 row tiles, and
+#                     staged in shared memory, qmma_q8s and moe_*_mma_q8s, also against those)
 #                     through an emulated mma.sync; gpt-oss's experts (MXFP4 and affine,
 #                     per-expert biases, the clamped SwiGLU) through the grouped, per-slot
 #                     (one-pass, streamed and MXFP4 by whole rows, MXFP4 dotted in

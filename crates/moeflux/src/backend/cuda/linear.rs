@@ -659,9 +659,9 @@ pub(super) fn mma_q8_tiles(wide: bool) -> usize {
 }
 
 /// Whether the q8 tensor-core products stage their operands in shared
-/// memory (`qmma_q8s`, mma_staged.cu; the same sums bit for bit) where the
-/// widths allow; `MOEFLUX_CUDA_MMA_STAGED=0`: the unstaged kernels, to
-/// compare.
+/// memory (`qmma_q8s`, `moe_*_mma_q8s` in mma_staged.cu: the same integer
+/// sums, scaled in another f32 order) where the widths are multiples of 64;
+/// `MOEFLUX_CUDA_MMA_STAGED=0`: the unstaged kernels, to compare.
 pub(super) fn mma_q8_staged() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("MOEFLUX_CUDA_MMA_STAGED").map_or(true, |v| v != "0"))

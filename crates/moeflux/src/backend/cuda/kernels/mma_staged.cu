@@ -1,19 +1,22 @@
 // Tensor-core products of many tokens on 8-bit activations with their
-// operands staged in shared memory: the q8 contract and sums of mma_q8.cu
-// (the same values bit for bit), with a block's weight and activation tiles
-// brought in by cp.async several stages ahead and shared by its warps. The
-// kernels of mma_products.cu load each warp's operands from L1/L2 as it
-// needs them, so a warp waits out one round trip per 32 columns and the
-// same bytes are fetched by every warp that uses them.
+// operands staged in shared memory: the q8 contract and integer sums of
+// mma_q8.cu, with a block's weight and activation tiles brought in by
+// cp.async several stages ahead and shared by its warps. The kernels of
+// mma_products.cu load each warp's operands from L1/L2 as it needs them, so
+// a warp waits out one round trip per 32 columns and the same bytes are
+// fetched by every warp that uses them.
 //
 // A block: 8 warps, SQ_ROWS rows x SQ_TOKS tokens; warp w covers 32 rows
 // (two 16-row tiles, from row 32 (w & 3)) by 32 tokens (four 8-token tiles,
 // from token 32 (w >> 2)). A stage: 64 columns (two 32-column blocks) of the
-// block's rows and tokens.
+// block's rows and tokens. A block's int sum goes straight into the output
+// accumulator times dx x scale (mma_q8.cu sums a group's blocks times dx
+// first, then scales): 32 registers fewer, which keeps the kernel at two
+// blocks an SM without spilling; the same contract, another f32 order.
 
 #define SQ_ROWS 128
 #define SQ_TOKS 64
-#define SQ_STAGES 4
+#define SQ_STAGES 5
 #define SQ_THREADS 256
 
 // 2^23 + 2^22 as float bits: an int sum s (|s| < 2^22) added to it is the
@@ -42,6 +45,7 @@ struct SqSource {
     const u32* w;
     const u32* x;
     const float2* d;
+    int live;
 };
 
 __device__ __forceinline__ void sq_load_weights(SqStage& st, const SqSource& src, int ks) {
@@ -51,8 +55,8 @@ __device__ __forceinline__ void sq_load_weights(SqStage& st, const SqSource& src
 
 __device__ __forceinline__ void sq_load_acts(SqStage& st, const SqSource& src, int ks) {
     int i = threadIdx.x, tk = i >> 2, c = i & 3;
-    cp_async16(&st.x[tk * 16 + 4 * (c ^ ((tk >> 1) & 3))], src.x + 16 * ks + 4 * c);
-    if (i < 2 * SQ_TOKS) cp_async8(&st.d[i], src.d + 2 * ks + (i >> 6));
+    if (tk < src.live) cp_async16(&st.x[tk * 16 + 4 * (c ^ ((tk >> 1) & 3))], src.x + 16 * ks + 4 * c);
+    if (i < 2 * SQ_TOKS && (i & 63) < src.live) cp_async8(&st.d[i], src.d + 2 * ks + (i >> 6));
 }
 
 // A block's tile of 32-column blocks 0 .. cols / 32 on q8_rows' output. The
@@ -61,10 +65,11 @@ __device__ __forceinline__ void sq_load_acts(SqStage& st, const SqSource& src, i
 // 64 m + 16 (w & 3) (gate/up: the first 64 staged rows gate's, the rest
 // up's); its scales and biases are qm[m]'s at index pidx(m, h) + group for
 // the lane's rows gq + 8 h. Tokens j of SQ_TOKS at xrow(j) (an input row),
-// j < live real. acc in the mma C layout (mma_each), as mma_tile_q8 leaves
-// it. With EARLY the first stages' weights are requested before waiting for
-// the previous kernel (weights are never written by a kernel); otherwise
-// the caller has waited. Ends with a barrier, so the caller may stage again.
+// j < live real (the others' rows are not staged: their columns hold
+// garbage and are never stored). acc in the mma C layout (mma_each). With
+// EARLY the first stages' weights are requested before waiting for the
+// previous kernel (weights are never written by a kernel); otherwise the
+// caller has waited. Ends with a barrier, so the caller may stage again.
 template <int G, bool EARLY, bool SPLIT, class WRow, class PIdx, class XRow>
 __device__ __forceinline__ void sq_tile(SqStage* st, int cols, const QW* const (&qm)[2], WRow wrow, PIdx pidx,
                                         XRow xrow, const u32* xq, const float2* dxs, int live,
@@ -75,6 +80,7 @@ __device__ __forceinline__ void sq_tile(SqStage* st, int cols, const QW* const (
     src.w = wrow(i >> 1);
     src.x = xq + xrow(i >> 2) * (cols / 4);
     src.d = dxs + xrow(i & 63) * (cols / 32);
+    src.live = live;
     const int stages = cols / 64;
     if constexpr (EARLY) {
 #pragma unroll
@@ -97,7 +103,7 @@ __device__ __forceinline__ void sq_tile(SqStage* st, int cols, const QW* const (
         for (int h = 0; h < 2; h++) pi[m][h] = pidx(m, h);
     // Warp-uniform: the warp's 8-token tiles that hold real tokens.
     const int nt_live = min(4, max(0, (live - 32 * wc + 7) / 8));
-    float part[2][4][4], xsum[4][2], sc[2][2], bi[2][2];
+    float xsum[4][2], sc[2][2], bi[2][2];
 #pragma unroll
     for (int m = 0; m < 2; m++)
 #pragma unroll
@@ -130,13 +136,7 @@ __device__ __forceinline__ void sq_tile(SqStage* st, int cols, const QW* const (
                         bi[m][h] = qparam(qm[m]->b, pi[m][h] + g, qm[m]->sf32);
                     }
 #pragma unroll
-                for (int n = 0; n < 4; n++) {
-                    xsum[n][0] = xsum[n][1] = 0.0f;
-#pragma unroll
-                    for (int m = 0; m < 2; m++)
-#pragma unroll
-                        for (int c = 0; c < 4; c++) part[m][n][c] = 0.0f;
-                }
+                for (int n = 0; n < 4; n++) xsum[n][0] = xsum[n][1] = 0.0f;
             }
             u32 a[2][4];
 #pragma unroll
@@ -160,10 +160,10 @@ __device__ __forceinline__ void sq_tile(SqStage* st, int cols, const QW* const (
                 for (int m = 0; m < 2; m++) {
                     int s[4] = {SQ_MAGIC, SQ_MAGIC, SQ_MAGIC, SQ_MAGIC};
                     mma_u8s8(s, a[m][0], a[m][1], a[m][2], a[m][3], b0, b1);
-                    part[m][n][0] = fmaf(__int_as_float(s[0]) - SQ_MAGIC_F, d.x, part[m][n][0]);
-                    part[m][n][1] = fmaf(__int_as_float(s[1]) - SQ_MAGIC_F, d.z, part[m][n][1]);
-                    part[m][n][2] = fmaf(__int_as_float(s[2]) - SQ_MAGIC_F, d.x, part[m][n][2]);
-                    part[m][n][3] = fmaf(__int_as_float(s[3]) - SQ_MAGIC_F, d.z, part[m][n][3]);
+                    acc[m][n][0] = fmaf(__int_as_float(s[0]) - SQ_MAGIC_F, sc[m][0] * d.x, acc[m][n][0]);
+                    acc[m][n][1] = fmaf(__int_as_float(s[1]) - SQ_MAGIC_F, sc[m][0] * d.z, acc[m][n][1]);
+                    acc[m][n][2] = fmaf(__int_as_float(s[2]) - SQ_MAGIC_F, sc[m][1] * d.x, acc[m][n][2]);
+                    acc[m][n][3] = fmaf(__int_as_float(s[3]) - SQ_MAGIC_F, sc[m][1] * d.z, acc[m][n][3]);
                 }
             }
             if ((blk + 1) % G == 0) {
@@ -172,10 +172,10 @@ __device__ __forceinline__ void sq_tile(SqStage* st, int cols, const QW* const (
 #pragma unroll
                     for (int n = 0; n < 4; n++) {
                         if (n >= nt_live) break;
-                        acc[m][n][0] += sc[m][0] * part[m][n][0] + bi[m][0] * xsum[n][0];
-                        acc[m][n][1] += sc[m][0] * part[m][n][1] + bi[m][0] * xsum[n][1];
-                        acc[m][n][2] += sc[m][1] * part[m][n][2] + bi[m][1] * xsum[n][0];
-                        acc[m][n][3] += sc[m][1] * part[m][n][3] + bi[m][1] * xsum[n][1];
+                        acc[m][n][0] = fmaf(bi[m][0], xsum[n][0], acc[m][n][0]);
+                        acc[m][n][1] = fmaf(bi[m][0], xsum[n][1], acc[m][n][1]);
+                        acc[m][n][2] = fmaf(bi[m][1], xsum[n][0], acc[m][n][2]);
+                        acc[m][n][3] = fmaf(bi[m][1], xsum[n][1], acc[m][n][3]);
                     }
             }
         }
