@@ -714,37 +714,28 @@ fn mma_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
         let (xq, dxs) = q8_rows(gpu, x, n, on_q8[0].0.cols as usize)?;
         let staged = mma_q8_staged() && on_q8.iter().all(|(q, _)| q.cols % 64 == 0);
         for group in on_q8.chunks(4) {
-            if staged {
-                let (p, blocks) = multi_matmul(group, |_| 128, false);
-                // SAFETY: `qmma_q8s` in mma_staged.cu (128 rows x 64 tokens a
-                // block of 256 threads, columns a multiple of 64); xq / dxs
-                // were rounded from x (n tokens), every output holds n rows.
-                unsafe {
-                    gpu.launch(
-                        "qmma_q8s",
-                        (blocks as u32, ty, 1),
-                        256,
-                        0,
-                        &mut args!(p, xq, dxs, nn),
-                    )?
-                };
-                add_biases(gpu, group.iter().map(|(_, o)| *o), n)?;
-                continue;
-            }
-            let blocks_at_4: usize = group
-                .iter()
-                .map(|(q, _)| (q.rows as usize).div_ceil(128))
-                .sum();
-            let tiles = mma_q8_tiles(blocks_at_4 * ty as usize >= 2 * gpu.sms as usize);
-            let (p, blocks) = multi_matmul(group, |_| 32 * tiles, false);
-            // SAFETY: `qmma_q8*` in mma_products.cu (32 * tiles rows a block);
-            // xq / dxs were rounded from x (n tokens), every output holds n
-            // rows.
+            // (kernel, rows a block, threads a block)
+            let (kernel, rows, threads) = if staged {
+                ("qmma_q8s".to_string(), 128, 256)
+            } else {
+                let blocks_at_4: usize = group
+                    .iter()
+                    .map(|(q, _)| (q.rows as usize).div_ceil(128))
+                    .sum();
+                let tiles = mma_q8_tiles(blocks_at_4 * ty as usize >= 2 * gpu.sms as usize);
+                (mma_q8_kernel("qmma_q8", tiles), 32 * tiles, 128)
+            };
+            let (p, blocks) = multi_matmul(group, |_| rows, false);
+            // SAFETY: `qmma_q8*` in mma_products.cu (32 * tiles rows a block
+            // of 128 threads) or `qmma_q8s` in mma_staged.cu (128 rows a
+            // block of 256 threads, columns a multiple of 64), 64 tokens a
+            // block; xq / dxs were rounded from x (n tokens), every output
+            // holds n rows.
             unsafe {
                 gpu.launch(
-                    &mma_q8_kernel("qmma_q8", tiles),
+                    &kernel,
                     (blocks as u32, ty, 1),
-                    128,
+                    threads,
                     0,
                     &mut args!(p, xq, dxs, nn),
                 )?
