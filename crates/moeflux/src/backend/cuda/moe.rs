@@ -640,7 +640,15 @@ impl ExpertKernels {
                 // 512), and lose down at both (1201 -> 1344, 209 -> 246).
                 let tiles = mma_q8_tiles(rows.task_slots >= 64 * rows.n_tasks);
                 let (xq, dxs) = q8_rows(g, xn, n, h)?;
-                if mma_q8_staged() && h % 64 == 0 && inter % 64 == 0 {
+                // Staged where tasks average STAGED_MIN_TASK_TOKENS or more
+                // (kbench, H200: 2x at ~128 tokens a task, gate/up -7% and
+                // down +9% at 16, both ~20% slower at ~10, where a block
+                // streams its rows for a mostly empty token tile).
+                let staged = mma_q8_staged()
+                    && h % 64 == 0
+                    && inter % 64 == 0
+                    && rows.task_slots >= STAGED_MIN_TASK_TOKENS * rows.n_tasks;
+                if staged {
                     return self.run_tasks_staged(g, rows, h, inter, k_i, (xq, dxs), act, slot_out);
                 }
                 // SAFETY: `moe_gate_up_mma_q8*` in mma_products.cu (32 *
@@ -892,6 +900,10 @@ fn mma_experts_fit(l: &ExpertLayoutC) -> bool {
         && mma_layout_fits(l.bits, l.gs, l.hidden, 0)
         && mma_layout_fits(l.down_bits, l.down_gs, l.inter, 0)
 }
+
+/// Expert tasks that average fewer tokens keep the unstaged q8 kernels
+/// (see `run_tasks`).
+const STAGED_MIN_TASK_TOKENS: usize = 16;
 
 /// Whether the tensor-core experts on 8-bit activations take the layout:
 /// 4-bit affine codes in every projection (MXFP4 and other widths keep
