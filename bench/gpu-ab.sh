@@ -7,7 +7,9 @@
 #   bench/gpu-ab.sh MODEL_DIR BUILD [BUILD ...] [-- BENCH_ARGS ...]
 #
 # A BUILD is a moeflux binary, or BINARY:DIR to run it with MOEFLUX_CUDA_KERNEL_DIR=DIR (the
-# kernel parts in DIR replace the built-in ones: kernel variants against one binary). The
+# kernel parts in DIR replace the built-in ones: kernel variants against one binary; an environment
+# knob such as MOEFLUX_CUDA_MMA_STAGED=0 is compared through an executable wrapper script,
+# `VAR=VALUE exec /path/to/moeflux "$@"`, given as a BINARY). The
 # warm-ups run side by side (NVRTC compiles on one core each), on WARM_MODEL if set (a small model
 # of the same family, e.g. `moeflux synth --preset ... --layers 2`: the kernels compiled are the
 # same, and several large models loaded at once may not fit the card). A build whose warm-up fails
