@@ -571,50 +571,6 @@ impl ExpertKernels {
         Ok(())
     }
 
-    /// The grouped q8 path with operands staged in shared memory
-    /// (`moe_*_mma_q8s` in mma_staged.cu: 64 intermediate rows of gate and
-    /// of up, or 128 hidden rows, a block of 256 threads; widths a multiple
-    /// of 64) on `x` already rounded (`xq_dxs`).
-    #[allow(clippy::too_many_arguments)]
-    fn run_tasks_staged(
-        &self,
-        g: &Gpu,
-        rows: &TaskRows,
-        h: usize,
-        inter: usize,
-        k_i: i32,
-        (xq, dxs): (u64, u64),
-        act: u64,
-        slot_out: u64,
-    ) -> Result<()> {
-        let layout = self.layout;
-        let (d_tasks, d_slots, n_tasks) = (rows.tasks, rows.slots, rows.n_tasks as u32);
-        // SAFETY: `moe_gate_up_mma_q8s` in mma_staged.cu; tasks point at
-        // resident experts, xq / dxs were rounded from the layer's input,
-        // act holds a row per slot list entry.
-        unsafe {
-            g.launch(
-                "moe_gate_up_mma_q8s",
-                ((inter / 64) as u32, n_tasks, 1),
-                256,
-                0,
-                &mut args!(d_tasks, layout, d_slots, k_i, xq, dxs, act),
-            )?
-        };
-        let (aq, adxs) = q8_rows(g, act, rows.n_slots, inter)?;
-        // SAFETY: `moe_down_mma_q8s` in mma_staged.cu; aq / adxs were rounded
-        // from act, slot_out holds a row per slot.
-        unsafe {
-            g.launch(
-                "moe_down_mma_q8s",
-                (h.div_ceil(128) as u32, n_tasks, 1),
-                256,
-                0,
-                &mut args!(d_tasks, layout, d_slots, aq, adxs, slot_out),
-            )
-        }
-    }
-
     /// The grouped path: `rows`' tasks over the `n` tokens of `xn`, each
     /// expert's weights read once for its tokens (on tensor cores from
     /// [`MMA_MIN_TOKENS`] tokens where the layout fits them).
@@ -634,46 +590,64 @@ impl ExpertKernels {
         let (d_tasks, d_slots, n_tasks) = (rows.tasks, rows.slots, rows.n_tasks as u32);
         if n >= MMA_MIN_TOKENS && g.mma && mma_experts_fit(&layout) {
             if mma_q8_enabled(g) && mma_q8_experts_fit(&layout) {
-                // A warp's row tiles (gate/up: half of them gate's). kbench
-                // (H200, A3B): 4 win gate/up with ~128 tokens a task (2870
-                // -> 2668 us at 4096 tokens), not with ~16 (442 -> 448 at
-                // 512), and lose down at both (1201 -> 1344, 209 -> 246).
-                let tiles = mma_q8_tiles(rows.task_slots >= 64 * rows.n_tasks);
                 let (xq, dxs) = q8_rows(g, xn, n, h)?;
-                // Staged where tasks average STAGED_MIN_TASK_TOKENS or more
-                // (kbench, H200: 2x at ~128 tokens a task, gate/up -7% and
-                // down +9% at 16, both ~20% slower at ~10, where a block
-                // streams its rows for a mostly empty token tile).
+                // Staged (mma_staged.cu) where tasks average
+                // STAGED_MIN_TASK_TOKENS or more (kbench, H200: 2x at ~128
+                // tokens a task, gate/up -7% and down +9% at 16, both ~20%
+                // slower at ~10, where a block streams its rows for a mostly
+                // empty token tile).
                 let staged = mma_q8_staged()
                     && h % 64 == 0
                     && inter % 64 == 0
                     && rows.task_slots >= STAGED_MIN_TASK_TOKENS * rows.n_tasks;
-                if staged {
-                    return self.run_tasks_staged(g, rows, h, inter, k_i, (xq, dxs), act, slot_out);
-                }
-                // SAFETY: `moe_gate_up_mma_q8*` in mma_products.cu (32 *
-                // tiles intermediate rows a block); tasks point at resident
+                // (gate/up kernel, its intermediate rows a block, down
+                // kernel, its hidden rows a block, threads a block). Unstaged,
+                // a warp's row tiles (gate/up: half of them gate's). kbench
+                // (H200, A3B): 4 win gate/up with ~128 tokens a task (2870
+                // -> 2668 us at 4096 tokens), not with ~16 (442 -> 448 at
+                // 512), and lose down at both (1201 -> 1344, 209 -> 246).
+                let (gate_up, gate_up_rows, down, down_rows, threads) = if staged {
+                    (
+                        "moe_gate_up_mma_q8s".to_string(),
+                        64,
+                        "moe_down_mma_q8s".to_string(),
+                        128,
+                        256,
+                    )
+                } else {
+                    let tiles = mma_q8_tiles(rows.task_slots >= 64 * rows.n_tasks);
+                    let down_tiles = mma_q8_tiles(false);
+                    (
+                        mma_q8_kernel("moe_gate_up_mma_q8", tiles),
+                        32 * tiles,
+                        mma_q8_kernel("moe_down_mma_q8", down_tiles),
+                        64 * down_tiles,
+                        128,
+                    )
+                };
+                // SAFETY: `moe_gate_up_mma_q8*` in mma_products.cu or
+                // `moe_gate_up_mma_q8s` in mma_staged.cu (gate_up_rows
+                // intermediate rows a block); tasks point at resident
                 // experts, xq / dxs were rounded from xn (n tokens), act
                 // holds a row per slot list entry.
                 unsafe {
                     g.launch(
-                        &mma_q8_kernel("moe_gate_up_mma_q8", tiles),
-                        (inter.div_ceil(32 * tiles) as u32, n_tasks, 1),
-                        128,
+                        &gate_up,
+                        (inter.div_ceil(gate_up_rows) as u32, n_tasks, 1),
+                        threads,
                         0,
                         &mut args!(d_tasks, layout, d_slots, k_i, xq, dxs, act),
                     )?
                 };
                 let (aq, adxs) = q8_rows(g, act, rows.n_slots, inter)?;
-                let down_tiles = mma_q8_tiles(false);
-                // SAFETY: `moe_down_mma_q8*` in mma_products.cu (64 * tiles
+                // SAFETY: `moe_down_mma_q8*` / `moe_down_mma_q8s` (down_rows
                 // hidden rows a block); aq / adxs were rounded from act,
                 // slot_out holds n * k rows.
                 unsafe {
                     g.launch(
-                        &mma_q8_kernel("moe_down_mma_q8", down_tiles),
-                        (h.div_ceil(64 * down_tiles) as u32, n_tasks, 1),
-                        128,
+                        &down,
+                        (h.div_ceil(down_rows) as u32, n_tasks, 1),
+                        threads,
                         0,
                         &mut args!(d_tasks, layout, d_slots, aq, adxs, slot_out),
                     )?
