@@ -11,7 +11,7 @@ run.
     python3 -m pip install --target /tmp/nvrtc --no-deps nvidia-cuda-nvrtc==13.0.88
     LD_LIBRARY_PATH=/tmp/nvrtc/nvidia/cu13/lib python3 scripts/gpu/kernel-regs.py [--arch 90] [--kernel-dir DIR] [PREFIX ...]
 
-Prints `kernel registers` for every kernel whose name starts with one of the PREFIXes (all
+Prints `kernel registers` (and the stack frame, where a kernel spills) for every kernel whose name starts with one of the PREFIXes (all
 without any). `--kernel-dir DIR` compiles the parts DIR holds in place of the built-in ones (a
 kernel variant, as `MOEFLUX_CUDA_KERNEL_DIR` runs it); NVRTC's errors are printed.
 """
@@ -25,6 +25,7 @@ import sys
 
 KERNELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../crates/moeflux/src/backend/cuda/kernels")
 EIATTR_REGCOUNT = 0x2F
+EIATTR_FRAME_SIZE = 0x11
 EIFMT_SVAL = 0x04
 
 
@@ -65,7 +66,9 @@ def cubin(src, arch):
 
 
 def register_counts(elf):
-    """(kernel, registers) from a CUBIN (ELF64): .nv.info's REGCOUNT entries name the kernel's symbol."""
+    """(kernel, registers, frame bytes) from a CUBIN (ELF64): .nv.info's REGCOUNT and FRAME_SIZE
+    entries name the kernel's symbol. A frame is local memory: spilled registers, or arrays the
+    compiler could not keep in registers."""
     shoff = struct.unpack_from("<Q", elf, 0x28)[0]
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
     sections = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * shentsize) for i in range(shnum)]
@@ -82,16 +85,18 @@ def register_counts(elf):
 
     info = sections[names.index(".nv.info")]
     at, end = info[4], info[4] + info[5]
+    regs, frames = {}, {}
     while at < end:
         fmt, attr = elf[at], elf[at + 1]
         if fmt == EIFMT_SVAL:
             size = struct.unpack_from("<H", elf, at + 2)[0]
-            if attr == EIATTR_REGCOUNT:
-                sym, regs = struct.unpack_from("<II", elf, at + 4)
-                yield symbol(sym), regs
+            if attr in (EIATTR_REGCOUNT, EIATTR_FRAME_SIZE):
+                sym, value = struct.unpack_from("<II", elf, at + 4)
+                (regs if attr == EIATTR_REGCOUNT else frames)[symbol(sym)] = value
             at += 4 + size
         else:
             at += 4  # EIFMT_NVAL, _BVAL, _HVAL: four bytes
+    return [(name, n, frames.get(name, 0)) for name, n in regs.items()]
 
 
 def main():
@@ -101,9 +106,9 @@ def main():
     p.add_argument("prefixes", nargs="*", help="kernel name prefixes to list (default: all)")
     a = p.parse_args()
     counts = sorted(register_counts(cubin(source(os.path.join(KERNELS, "all.cuh"), a.kernel_dir), a.arch)))
-    for name, regs in counts:
+    for name, regs, frame in counts:
         if not a.prefixes or any(name.startswith(x) for x in a.prefixes):
-            print(f"{name} {regs}")
+            print(f"{name} {regs}" + (f" (frame {frame} bytes: local memory)" if frame else ""))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ struct HostQ {
     std::vector<u32> w;
     std::vector<u16> s, b;
     std::vector<float> deq;  // reference weights
+    std::vector<float> s32, b32;  // the same scales and biases as f32 (qw_f32)
     HostQ(int r, int c, int code_bits = 4, int group = 64) : rows(r), cols(c), bits(code_bits), gs(group) {
         int wpr = c * bits / 32, gpr = c / gs;
         w.assign((size_t)r * wpr, 0);
@@ -40,6 +41,8 @@ struct HostQ {
                 float sc = from_bf16(s[(size_t)i * gpr + j / gs]), bi = from_bf16(b[(size_t)i * gpr + j / gs]);
                 deq[(size_t)i * c + j] = code * sc + bi;
             }
+        for (u16 x : s) s32.push_back(from_bf16(x));
+        for (u16 x : b) b32.push_back(from_bf16(x));
     }
     u32 code(int r, int j) const {
         size_t at = (size_t)r * (cols * bits / 32) + (size_t)j * bits / 32;
@@ -56,14 +59,21 @@ struct HostQ {
         q.rows = rows; q.cols = cols; q.bits = bits; q.gs = gs; q.sf32 = 0;
         return q;
     }
+    // The same matrix with f32 scales and biases (the kernels' other parameter type).
+    QW qw_f32() const {
+        QW q = qw();
+        q.s = s32.data(); q.b = b32.data(); q.sf32 = 1;
+        return q;
+    }
 };
 
 // The launch parameters of two matrices of one input: A into oa over its ba
-// blocks, then B added to ob over its bb blocks.
-static MultiMatmul two_products(const HostQ& A, const HostQ& B, float* oa, float* ob, int ba, int bb) {
+// blocks, then B added to ob over its bb blocks (B's scales and biases f32 with b_f32).
+static MultiMatmul two_products(const HostQ& A, const HostQ& B, float* oa, float* ob, int ba, int bb,
+                                bool b_f32 = false) {
     MultiMatmul mm;
     memset(&mm, 0, sizeof mm);
-    mm.q[0] = A.qw(); mm.q[1] = B.qw();
+    mm.q[0] = A.qw(); mm.q[1] = b_f32 ? B.qw_f32() : B.qw();
     mm.out[0] = oa; mm.out[1] = ob;
     mm.count = 2;
     mm.accumulate = 2;

@@ -233,10 +233,10 @@ static void test_qmma_q8(int rows_a, int rows_b, int cols, int n, int gs, int mt
     for (auto& v : ob0) v = urand();
     const u32* pq = xq.data();
     const float2* pd = dxs.data();
-    auto run = [&](int kind) {
+    auto run = [&](int kind, bool b_f32 = false) {
         std::vector<float> oa((size_t)n * rows_a, NAN), ob(ob0);
         int br = kind == 0 ? 128 : 32 * kind, ba = (rows_a + br - 1) / br, bb = (rows_b + br - 1) / br;
-        MultiMatmul mm = two_products(A, B, oa.data(), ob.data(), ba, bb);
+        MultiMatmul mm = two_products(A, B, oa.data(), ob.data(), ba, bb, b_f32);
         dim3 grid{(unsigned)(ba + bb), (unsigned)((n + 63) / 64), 1};
         if (kind == 0) emu_launch(grid, 256, [&] { qmma_q8s(mm, pq, pd, n); });
         else emu_launch(grid, 128, [&] { (kind == 4 ? qmma_q8_m4 : qmma_q8)(mm, pq, pd, n); });
@@ -258,6 +258,10 @@ static void test_qmma_q8(int rows_a, int rows_b, int cols, int n, int gs, int mt
         std::vector<float> two = run(2);
         snprintf(name, sizeof name, "qmma_q8s ~ qmma_q8: g%d %dx%d, %d tokens", gs, rows_a, cols, n);
         check(name, got, std::vector<double>(two.begin(), two.end()), 2e-6);
+        // The same values as f32 scales and biases: the same result, bit for bit.
+        std::vector<float> f32 = run(0, true);
+        snprintf(name, sizeof name, "qmma_q8s f32 scales = bf16: g%d %dx%d, %d tokens", gs, rows_b, cols, n);
+        check(name, f32, std::vector<double>(got.begin(), got.end()), 0.0);
     }
 }
 

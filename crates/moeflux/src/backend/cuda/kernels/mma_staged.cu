@@ -66,11 +66,17 @@ __device__ __forceinline__ void sq_load_acts(SqStage& st, const SqSource& src, i
 // up's); its scales and biases are qm[m]'s at index pidx(m, h) + group for
 // the lane's rows gq + 8 h. Tokens j of SQ_TOKS at xrow(j) (an input row),
 // j < live real (the others' rows are not staged: their columns hold
-// garbage and are never stored). acc in the mma C layout (mma_each). With
-// EARLY the first stages' weights are requested before waiting for the
-// previous kernel (weights are never written by a kernel); otherwise the
-// caller has waited. Ends with a barrier, so the caller may stage again.
-template <int G, bool EARLY, bool SPLIT, class WRow, class PIdx, class XRow>
+// garbage and are never stored); FULL: live >= SQ_TOKS (no tile is left
+// out, which saves a branch per 8-token tile). acc in the mma C layout
+// (mma_each). With EARLY the first stages' weights and the first group's
+// scales are requested before waiting for the previous kernel (weights are
+// never written by a kernel); otherwise the caller has waited. Ends with a
+// barrier, so the caller may stage again.
+//
+// A group's scales are loaded a group ahead (their raw bits, bf16 or f32)
+// and its biases at its start (they are used at its end), so that neither
+// L2 round trip stalls the warp at the group's start.
+template <int G, bool EARLY, bool SPLIT, bool FULL, class WRow, class PIdx, class XRow>
 __device__ __forceinline__ void sq_tile(SqStage* st, int cols, const QW* const (&qm)[2], WRow wrow, PIdx pidx,
                                         XRow xrow, const u32* xq, const float2* dxs, int live,
                                         float (&acc)[2][4][4]) {
@@ -81,11 +87,25 @@ __device__ __forceinline__ void sq_tile(SqStage* st, int cols, const QW* const (
     src.x = xq + xrow(i >> 2) * (cols / 4);
     src.d = dxs + xrow(i & 63) * (cols / 32);
     src.live = live;
-    const int stages = cols / 64;
+    const int stages = cols / 64, groups = cols / (32 * G);
+    int pi[2][2];
+    u32 next_s[2][2];
+    auto fetch = [&]() {
+#pragma unroll
+        for (int m = 0; m < 2; m++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+                next_s[m][h] = qm[m]->sf32 ? ((const u32*)qm[m]->s)[pi[m][h]] : (u32)((const u16*)qm[m]->s)[pi[m][h]] << 16;
+    };
+#pragma unroll
+    for (int m = 0; m < 2; m++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) pi[m][h] = (int)pidx(m, h);
     if constexpr (EARLY) {
 #pragma unroll
         for (int s = 0; s < SQ_STAGES - 1; s++)
             if (s < stages) sq_load_weights(st[s], src, s);
+        fetch();
         PDL_ENTER();
     }
 #pragma unroll
@@ -96,13 +116,9 @@ __device__ __forceinline__ void sq_tile(SqStage* st, int cols, const QW* const (
         }
         cp_async_commit();
     }
-    long pi[2][2];
-#pragma unroll
-    for (int m = 0; m < 2; m++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) pi[m][h] = pidx(m, h);
+    if constexpr (!EARLY) fetch();
     // Warp-uniform: the warp's 8-token tiles that hold real tokens.
-    const int nt_live = min(4, max(0, (live - 32 * wc + 7) / 8));
+    const int nt_live = FULL ? 4 : min(4, max(0, (live - 32 * wc + 7) / 8));
     float xsum[4][2], sc[2][2], bi[2][2];
 #pragma unroll
     for (int m = 0; m < 2; m++)
@@ -111,30 +127,33 @@ __device__ __forceinline__ void sq_tile(SqStage* st, int cols, const QW* const (
 #pragma unroll
             for (int c = 0; c < 4; c++) acc[m][n][c] = 0.0f;
     const int sw = (gq >> 2) & 1, sx = (gq >> 1) & 3;
+    int slot = 0;  // ks % SQ_STAGES
     for (int ks = 0; ks < stages; ks++) {
         cp_async_wait<SQ_STAGES - 2>();
         __syncthreads();
         {
-            int nx = ks + SQ_STAGES - 1;
+            int nx = ks + SQ_STAGES - 1, ns = slot == 0 ? SQ_STAGES - 1 : slot - 1;
             if (nx < stages) {
-                sq_load_weights(st[nx % SQ_STAGES], src, nx);
-                sq_load_acts(st[nx % SQ_STAGES], src, nx);
+                sq_load_weights(st[ns], src, nx);
+                sq_load_acts(st[ns], src, nx);
             }
             cp_async_commit();
         }
-        const SqStage& S = st[ks % SQ_STAGES];
+        const SqStage& S = st[slot];
+        slot = slot == SQ_STAGES - 1 ? 0 : slot + 1;
 #pragma unroll
         for (int b = 0; b < 2; b++) {
             const int blk = 2 * ks + b;
             if (blk % G == 0) {
-                const int g = blk / G;
 #pragma unroll
                 for (int m = 0; m < 2; m++)
 #pragma unroll
                     for (int h = 0; h < 2; h++) {
-                        sc[m][h] = qparam(qm[m]->s, pi[m][h] + g, qm[m]->sf32);
-                        bi[m][h] = qparam(qm[m]->b, pi[m][h] + g, qm[m]->sf32);
+                        sc[m][h] = __uint_as_float(next_s[m][h]);
+                        bi[m][h] = qparam(qm[m]->b, pi[m][h], qm[m]->sf32);
+                        pi[m][h]++;
                     }
+                if (blk / G + 1 < groups) fetch();
 #pragma unroll
                 for (int n = 0; n < 4; n++) xsum[n][0] = xsum[n][1] = 0.0f;
             }
@@ -150,7 +169,7 @@ __device__ __forceinline__ void sq_tile(SqStage* st, int cols, const QW* const (
             }
 #pragma unroll
             for (int n = 0; n < 4; n++) {
-                if (n >= nt_live) break;
+                if (!FULL && n >= nt_live) break;
                 const int tk = 32 * wc + 8 * n + gq;
                 u32 b0 = S.x[tk * 16 + 4 * ((2 * b) ^ sx) + t], b1 = S.x[tk * 16 + 4 * ((2 * b + 1) ^ sx) + t];
                 float4 d = *(const float4*)&S.d[b * SQ_TOKS + 32 * wc + 8 * n + 2 * t];
@@ -171,7 +190,7 @@ __device__ __forceinline__ void sq_tile(SqStage* st, int cols, const QW* const (
                 for (int m = 0; m < 2; m++)
 #pragma unroll
                     for (int n = 0; n < 4; n++) {
-                        if (n >= nt_live) break;
+                        if (!FULL && n >= nt_live) break;
                         acc[m][n][0] = fmaf(bi[m][0], xsum[n][0], acc[m][n][0]);
                         acc[m][n][1] = fmaf(bi[m][0], xsum[n][1], acc[m][n][1]);
                         acc[m][n][2] = fmaf(bi[m][1], xsum[n][0], acc[m][n][2]);
@@ -184,17 +203,27 @@ __device__ __forceinline__ void sq_tile(SqStage* st, int cols, const QW* const (
     __syncthreads();
 }
 
-// sq_tile for the group size gs (32, 64 or 128).
-template <bool EARLY, bool SPLIT, class WRow, class PIdx, class XRow>
+// sq_tile for the group size gs (32, 64 or 128); with FULL_OK, the FULL
+// variant where the block's tokens are all real (it spills at 128
+// registers in the kernels whose warps cover two 16-row tiles of one
+// matrix: there it is not taken).
+template <bool EARLY, bool SPLIT, bool FULL_OK, class WRow, class PIdx, class XRow>
 __device__ __forceinline__ void sq_tile_gs(SqStage* st, int gs, int cols, const QW* const (&qm)[2], WRow wrow,
                                            PIdx pidx, XRow xrow, const u32* xq, const float2* dxs, int live,
                                            float (&acc)[2][4][4]) {
-    if (gs == 64)
-        sq_tile<2, EARLY, SPLIT>(st, cols, qm, wrow, pidx, xrow, xq, dxs, live, acc);
+    if (FULL_OK && live >= SQ_TOKS) {
+        if (gs == 64)
+            sq_tile<2, EARLY, SPLIT, FULL_OK>(st, cols, qm, wrow, pidx, xrow, xq, dxs, live, acc);
+        else if (gs == 32)
+            sq_tile<1, EARLY, SPLIT, FULL_OK>(st, cols, qm, wrow, pidx, xrow, xq, dxs, live, acc);
+        else
+            sq_tile<4, EARLY, SPLIT, FULL_OK>(st, cols, qm, wrow, pidx, xrow, xq, dxs, live, acc);
+    } else if (gs == 64)
+        sq_tile<2, EARLY, SPLIT, false>(st, cols, qm, wrow, pidx, xrow, xq, dxs, live, acc);
     else if (gs == 32)
-        sq_tile<1, EARLY, SPLIT>(st, cols, qm, wrow, pidx, xrow, xq, dxs, live, acc);
+        sq_tile<1, EARLY, SPLIT, false>(st, cols, qm, wrow, pidx, xrow, xq, dxs, live, acc);
     else
-        sq_tile<4, EARLY, SPLIT>(st, cols, qm, wrow, pidx, xrow, xq, dxs, live, acc);
+        sq_tile<4, EARLY, SPLIT, false>(st, cols, qm, wrow, pidx, xrow, xq, dxs, live, acc);
 }
 
 // Grouped products of one input for n tokens on q8_rows' output (like
@@ -211,7 +240,7 @@ extern "C" __global__ void __launch_bounds__(SQ_THREADS, 2)
     const QW* qm[2] = {&q, &q};
     auto row = [&](int r) { return min(r0 + r, q.rows - 1); };
     float acc[2][4][4];
-    sq_tile_gs<true, false>(
+    sq_tile_gs<true, false, false>(
         st, q.gs, q.cols, qm, [&](int r) { return q.w + (long)row(r) * (q.cols / 8); },
         [&](int mt, int h) { return (long)row(32 * (w & 3) + 16 * mt + gq + 8 * h) * groups; },
         [&](int j) { return (long)min(tok0 + j, n - 1); }, xq, dxs, n - tok0, acc);
@@ -246,7 +275,7 @@ extern "C" __global__ void __launch_bounds__(SQ_THREADS, 2)
     const int row0[1] = {r0 + 16 * (w & 3)};
     for (int tok0 = 0; tok0 < T.count; tok0 += SQ_TOKS) {
         float acc[2][4][4];
-        sq_tile_gs<false, true>(
+        sq_tile_gs<false, true, true>(
             st, L.gs, L.hidden, qm,
             [&](int r) { return (r < 64 ? gq_.w : uq.w) + (long)row(r & 63) * (L.hidden / 8); },
             [&](int, int h) { return (long)row(16 * (w & 3) + gq + 8 * h) * groups; },
@@ -275,7 +304,7 @@ extern "C" __global__ void __launch_bounds__(SQ_THREADS, 2)
     const int row0[2] = {r0 + 32 * (w & 3), r0 + 32 * (w & 3) + 16};
     for (int tok0 = 0; tok0 < T.count; tok0 += SQ_TOKS) {
         float acc[2][4][4];
-        sq_tile_gs<false, false>(
+        sq_tile_gs<false, false, false>(
             st, L.down_gs, L.inter, qm, [&](int r) { return dq.w + (long)row(r) * (L.inter / 8); },
             [&](int mt, int h) { return (long)row(32 * (w & 3) + 16 * mt + gq + 8 * h) * groups; },
             [&](int j) { return (long)(T.first + min(tok0 + j, T.count - 1)); }, xq, dxs, T.count - tok0, acc);
