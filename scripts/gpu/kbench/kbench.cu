@@ -68,11 +68,12 @@ static double time_graph(F launch_i, int n) {
     return best * 1e3 / n;  // us per launch
 }
 
-static void compare(const char* what, const float* da, const float* db, size_t n) {
+// rel: the largest difference allowed, relative to the largest |reference|.
+static void compare(const char* what, const float* da, const float* db, size_t n, double rel = 1e-4) {
     std::vector<float> a(n), b(n);
     CK(cudaMemcpy(a.data(), da, n * 4, cudaMemcpyDeviceToHost)); CK(cudaMemcpy(b.data(), db, n * 4, cudaMemcpyDeviceToHost));
     double md = 0, mx = 0; for (size_t i = 0; i < n; i++) { md = std::max(md, (double)fabsf(a[i] - b[i])); mx = std::max(mx, (double)fabsf(a[i])); }
-    printf("    check %-10s max|diff| %.3g  max|ref| %.3g  rel %.2e %s\n", what, md, mx, md / std::max(mx, 1e-30), md <= 1e-4 * mx ? "ok" : "MISMATCH");
+    printf("    check %-10s max|diff| %.3g  max|ref| %.3g  rel %.2e %s\n", what, md, mx, md / std::max(mx, 1e-30), md <= rel * mx ? "ok" : "MISMATCH");
 }
 
 // Launches with programmatic dependent launch (as moeflux does on sm_90).
@@ -732,7 +733,9 @@ static void bench_prefill_experts(const char* name, int n_exp, int k, int hidden
         printf("    q8 staged: gate/up %8.1f us %6.1f TFLOP/s, down %8.1f us %6.1f TFLOP/s\n", tg, flop * 2 / 3 / tg / 1e6,
                td, flop / 3 / td / 1e6);
         q8(0, out2, 2, 3); staged(0, 3); CK(cudaDeviceSynchronize());
-        compare("staged vs q8 m2", out2, out4, (size_t)n * k * hidden);
+        // Down's input is gate/up's output rounded to 8 bits again: gate/up's other f32 order
+        // moves a few of its roundings by one step (~2e-4 of the largest output).
+        compare("staged vs q8 m2", out2, out4, (size_t)n * k * hidden, 1e-3);
     }
     CK(cudaFree(out4));
     // Reference: the one-token q8 row kernels per slot (bases per slot; slots of a token
@@ -750,7 +753,7 @@ static void bench_prefill_experts(const char* name, int n_exp, int k, int hidden
         moe_down_qdot8<<<dim3(8, k), 256, sdn>>>(bases + (size_t)t * k, L, a3, out3 + (size_t)t * k * hidden);
     }
     CK(cudaDeviceSynchronize());
-    compare("q8 vs rows", out3, out2, (size_t)n * k * hidden);
+    compare("q8 vs rows", out3, out2, (size_t)n * k * hidden, 1e-3);  // likewise
     std::vector<float> a((size_t)n * k * hidden), b(a.size());
     CK(cudaMemcpy(a.data(), out1, a.size() * 4, cudaMemcpyDeviceToHost)); CK(cudaMemcpy(b.data(), out2, b.size() * 4, cudaMemcpyDeviceToHost));
     double md = 0, mx = 0; for (size_t i = 0; i < a.size(); i++) { md = std::max(md, (double)fabsf(a[i] - b[i])); mx = std::max(mx, (double)fabsf(a[i])); }
