@@ -100,7 +100,7 @@ __device__ __forceinline__ void sq_tile(SqStage* st, int cols, const QW* const (
 #pragma unroll
     for (int m = 0; m < 2; m++)
 #pragma unroll
-        for (int h = 0; h < 2; h++) pi[m][h] = (int)pidx(m, h);
+        for (int h = 0; h < 2; h++) pi[m][h] = (int)pidx(m, h);  // a matrix has < 2^31 groups
     if constexpr (EARLY) {
 #pragma unroll
         for (int s = 0; s < SQ_STAGES - 1; s++)
