@@ -9,7 +9,7 @@ count (EIATTR_REGCOUNT in the CUBIN's .nv.info section). A kernel's occupancy fo
 run.
 
     python3 -m pip install --target /tmp/nvrtc --no-deps nvidia-cuda-nvrtc==13.0.88
-    LD_LIBRARY_PATH=/tmp/nvrtc/nvidia/cu13/lib python3 scripts/gpu/kernel-regs.py [--arch 90] [--kernel-dir DIR] [PREFIX ...]
+    LD_LIBRARY_PATH=/tmp/nvrtc/nvidia/cu13/lib python3 scripts/gpu/kernel-regs.py [--arch 90] [--kernel-dir DIR] [--cubin FILE] [PREFIX ...]
 
 Prints `kernel registers` (and the stack frame, where a kernel spills) for every kernel whose name starts with one of the PREFIXes (all
 without any). `--kernel-dir DIR` compiles the parts DIR holds in place of the built-in ones (a
@@ -103,9 +103,14 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", default="90", help="compute capability without the dot (default 90)")
     p.add_argument("--kernel-dir", help="kernel parts read from this directory in place of the built-in ones")
+    p.add_argument("--cubin", help="also write the CUBIN here (for cuobjdump -sass)")
     p.add_argument("prefixes", nargs="*", help="kernel name prefixes to list (default: all)")
     a = p.parse_args()
-    counts = sorted(register_counts(cubin(source(os.path.join(KERNELS, "all.cuh"), a.kernel_dir), a.arch)))
+    elf = cubin(source(os.path.join(KERNELS, "all.cuh"), a.kernel_dir), a.arch)
+    if a.cubin:
+        with open(a.cubin, "wb") as f:
+            f.write(elf)
+    counts = sorted(register_counts(elf))
     for name, regs, frame in counts:
         if not a.prefixes or any(name.startswith(x) for x in a.prefixes):
             print(f"{name} {regs}" + (f" (frame {frame} bytes: local memory)" if frame else ""))
