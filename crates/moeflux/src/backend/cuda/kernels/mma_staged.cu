@@ -69,7 +69,7 @@ __device__ __forceinline__ void sq_load_acts(SqStage& st, SqSource& src) {
 // either width (a load of each width at its own address, both predicated,
 // took twice the address arithmetic).
 __device__ __forceinline__ u32 sq_param(const void* p, int i, int f32) {
-    const char* a = (const char*)p + ((unsigned)i << (f32 ? 2 : 1));
+    const char* a = (const char*)p + ((unsigned)i << (1 + f32));
     return f32 ? *(const u32*)a : (u32)(*(const u16*)a) << 16;
 }
 
@@ -108,6 +108,9 @@ __device__ __forceinline__ void sq_tile(SqStage* st, int cols, const QW* const (
         src.d_live = i < 2 * SQ_TOKS && (i & 63) < live;
     }
     const int stages = cols / 64, groups = cols / (32 * G);
+    // Both matrices of a tile have one parameter type (gate and up: their
+    // layout's); read once, not per group from the kernel's parameters.
+    const int f32 = qm[0]->sf32;
     int pi[2][2];
     u32 next_s[2][2];
     auto fetch = [&]() {
@@ -115,7 +118,7 @@ __device__ __forceinline__ void sq_tile(SqStage* st, int cols, const QW* const (
         for (int m = 0; m < 2; m++)
 #pragma unroll
             for (int h = 0; h < 2; h++)
-                next_s[m][h] = sq_param(qm[m]->s, pi[m][h], qm[m]->sf32);
+                next_s[m][h] = sq_param(qm[m]->s, pi[m][h], f32);
     };
 #pragma unroll
     for (int m = 0; m < 2; m++)
@@ -170,7 +173,7 @@ __device__ __forceinline__ void sq_tile(SqStage* st, int cols, const QW* const (
 #pragma unroll
                     for (int h = 0; h < 2; h++) {
                         sc[m][h] = __uint_as_float(next_s[m][h]);
-                        bi[m][h] = __uint_as_float(sq_param(qm[m]->b, pi[m][h], qm[m]->sf32));
+                        bi[m][h] = __uint_as_float(sq_param(qm[m]->b, pi[m][h], f32));
                         pi[m][h]++;
                     }
                 if (blk / G + 1 < groups) fetch();
