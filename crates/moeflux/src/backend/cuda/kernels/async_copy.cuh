@@ -2,13 +2,16 @@
 // (cp.async, sm_80+: the host never picks a kernel that uses them below; the
 // CPU emulation copies at once).
 
-// The shared-memory address of p, as cp.async takes it.
+// The shared-memory address of p, as cp.async takes it. The intrinsic, not
+// an `asm volatile` cvta: the compiler then forms the address of a known
+// __shared__ array directly and may share the work between copies (NVRTC
+// sm_90: 9% fewer instructions in qmma_q8s's code, 5% in moe_gate_up_mma_q8s's).
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
-    unsigned s = 0;
 #if defined(__CUDA_ARCH__)
-    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
+    return (unsigned)__cvta_generic_to_shared(p);
+#else
+    return 0;
 #endif
-    return s;
 }
 
 // 16 bytes, bypassing L1 (streamed operands).

@@ -37,26 +37,40 @@ struct alignas(16) SqStage {
     float2 d[2 * SQ_TOKS];
 };
 
-// Where a thread's share of every stage comes from: weight row i >> 1, block
-// i & 1; token i >> 2, chunk i & 3; and (threads < 128) the {dx, sum} of
-// block i >> 6 of token i & 63. Each pointer is at column 0; stage ks adds
-// 64 ks columns.
+// Where a thread's share of every stage comes from and goes: weight row
+// i >> 1, block i & 1; token i >> 2, chunk i & 3; and (threads < 128) the
+// {dx, sum} of block i >> 6 of token i & 63. The source pointers start at
+// column 0 of the thread's share and move on 64 columns with each stage
+// loaded (stages load in order: weights and activations each keep their
+// own place), so no stage index is multiplied out per copy; the offsets
+// within a stage are fixed.
 struct SqSource {
     const u32* w;
     const u32* x;
     const float2* d;
-    int live;
+    int ow, ox;   // u32 offsets in SqStage::w, SqStage::x
+    bool x_live;  // this thread's token is real
+    bool d_live;  // this thread copies a real token's {dx, sum}
 };
 
-__device__ __forceinline__ void sq_load_weights(SqStage& st, const SqSource& src, int ks) {
-    int i = threadIdx.x, r = i >> 1, c = i & 1;
-    cp_async16(&st.w[r * 8 + 4 * (c ^ ((r >> 2) & 1))], src.w + 8 * ks + 4 * c);
+__device__ __forceinline__ void sq_load_weights(SqStage& st, SqSource& src) {
+    cp_async16(&st.w[src.ow], src.w);
+    src.w += 8;
 }
 
-__device__ __forceinline__ void sq_load_acts(SqStage& st, const SqSource& src, int ks) {
-    int i = threadIdx.x, tk = i >> 2, c = i & 3;
-    if (tk < src.live) cp_async16(&st.x[tk * 16 + 4 * (c ^ ((tk >> 1) & 3))], src.x + 16 * ks + 4 * c);
-    if (i < 2 * SQ_TOKS && (i & 63) < src.live) cp_async8(&st.d[i], src.d + 2 * ks + (i >> 6));
+__device__ __forceinline__ void sq_load_acts(SqStage& st, SqSource& src) {
+    if (src.x_live) cp_async16(&st.x[src.ox], src.x);
+    if (src.d_live) cp_async8(&st.d[threadIdx.x], src.d);
+    src.x += 16;
+    src.d += 2;
+}
+
+// Scale or bias i of p (bf16, or f32 when f32) as f32 bits: one address for
+// either width (a load of each width at its own address, both predicated,
+// took twice the address arithmetic).
+__device__ __forceinline__ u32 sq_param(const void* p, int i, int f32) {
+    const char* a = (const char*)p + ((unsigned)i << (1 + f32));
+    return f32 ? *(const u32*)a : (u32)(*(const u16*)a) << 16;
 }
 
 // A block's tile of 32-column blocks 0 .. cols / 32 on q8_rows' output. The
@@ -85,11 +99,20 @@ __device__ __forceinline__ void sq_tile(SqStage* st, int cols, const QW* const (
     const int lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3, w = threadIdx.x >> 5;
     const int wr = w & 3, wc = w >> 2, i = threadIdx.x;
     SqSource src;
-    src.w = wrow(i >> 1);
-    src.x = xq + xrow(i >> 2) * (cols / 4);
-    src.d = dxs + xrow(i & 63) * (cols / 32);
-    src.live = live;
+    {
+        const int r = i >> 1, c = i & 1, tk = i >> 2, cx = i & 3;
+        src.w = wrow(r) + 4 * c;
+        src.x = xq + xrow(tk) * (cols / 4) + 4 * cx;
+        src.d = dxs + xrow(i & 63) * (cols / 32) + (i >> 6);
+        src.ow = r * 8 + 4 * (c ^ ((r >> 2) & 1));
+        src.ox = tk * 16 + 4 * (cx ^ ((tk >> 1) & 3));
+        src.x_live = tk < live;
+        src.d_live = i < 2 * SQ_TOKS && (i & 63) < live;
+    }
     const int stages = cols / 64, groups = cols / (32 * G);
+    // Both matrices of a tile have one parameter type (gate and up: their
+    // layout's); read once, not per group from the kernel's parameters.
+    const int f32 = qm[0]->sf32;
     int pi[2][2];
     u32 next_s[2][2];
     auto fetch = [&]() {
@@ -97,7 +120,7 @@ __device__ __forceinline__ void sq_tile(SqStage* st, int cols, const QW* const (
         for (int m = 0; m < 2; m++)
 #pragma unroll
             for (int h = 0; h < 2; h++)
-                next_s[m][h] = qm[m]->sf32 ? ((const u32*)qm[m]->s)[pi[m][h]] : (u32)((const u16*)qm[m]->s)[pi[m][h]] << 16;
+                next_s[m][h] = sq_param(qm[m]->s, pi[m][h], f32);
     };
 #pragma unroll
     for (int m = 0; m < 2; m++)
@@ -106,15 +129,15 @@ __device__ __forceinline__ void sq_tile(SqStage* st, int cols, const QW* const (
     if constexpr (EARLY) {
 #pragma unroll
         for (int s = 0; s < SQ_STAGES - 1; s++)
-            if (s < stages) sq_load_weights(st[s], src, s);
+            if (s < stages) sq_load_weights(st[s], src);
         fetch();
         PDL_ENTER();
     }
 #pragma unroll
     for (int s = 0; s < SQ_STAGES - 1; s++) {
         if (s < stages) {
-            if constexpr (!EARLY) sq_load_weights(st[s], src, s);
-            sq_load_acts(st[s], src, s);
+            if constexpr (!EARLY) sq_load_weights(st[s], src);
+            sq_load_acts(st[s], src);
         }
         cp_async_commit();
     }
@@ -136,8 +159,8 @@ __device__ __forceinline__ void sq_tile(SqStage* st, int cols, const QW* const (
         {
             int nx = ks + SQ_STAGES - 1, ns = slot == 0 ? SQ_STAGES - 1 : slot - 1;
             if (nx < stages) {
-                sq_load_weights(st[ns], src, nx);
-                sq_load_acts(st[ns], src, nx);
+                sq_load_weights(st[ns], src);
+                sq_load_acts(st[ns], src);
             }
             cp_async_commit();
         }
@@ -152,7 +175,7 @@ __device__ __forceinline__ void sq_tile(SqStage* st, int cols, const QW* const (
 #pragma unroll
                     for (int h = 0; h < 2; h++) {
                         sc[m][h] = __uint_as_float(next_s[m][h]);
-                        bi[m][h] = qparam(qm[m]->b, pi[m][h], qm[m]->sf32);
+                        bi[m][h] = __uint_as_float(sq_param(qm[m]->b, pi[m][h], f32));
                         pi[m][h]++;
                     }
                 if (blk / G + 1 < groups) fetch();
