@@ -68,6 +68,14 @@ static void test_qmma(int rows_a, int rows_b, int cols, int n, int bits, int gs)
     char name[128];
     snprintf(name, sizeof name, "qmma b%d+b4 g%d %dx%d + %dx%d, %d tokens", bits, gs, rows_a, cols, rows_b, cols, n);
     check(name, got, want, 1e-5);
+    // qmma_m1 (32 rows a block): the same sums, bit for bit.
+    std::vector<float> oa1((size_t)n * rows_a, NAN), ob1(ob0);
+    int ba1 = (rows_a + 31) / 32, bb1 = (rows_b + 31) / 32;
+    MultiMatmul mm1 = two_products(A, B, oa1.data(), ob1.data(), ba1, bb1);
+    emu_launch({(unsigned)(ba1 + bb1), (unsigned)((n + 63) / 64), 1}, 128, [&] { qmma_m1(mm1, pp, ps, n); });
+    oa1.insert(oa1.end(), ob1.begin(), ob1.end());
+    snprintf(name, sizeof name, "  qmma_m1 = qmma");
+    check(name, oa1, std::vector<double>(got.begin(), got.end()), 0.0);
 }
 
 // Random experts: gate and up (inter x hidden) at one width and group size,

@@ -232,6 +232,7 @@ const KERNEL_NAMES: &[&str] = &[
     "conv_state_update",
     "mma_split",
     "qmma",
+    "qmma_m1",
     "moe_gate_up_mma",
     "moe_down_mma",
     "q8_rows",

@@ -750,12 +750,20 @@ fn mma_products(gpu: &Gpu, ops: &[Mm], x: u64, n: usize) -> Result<()> {
         let same: Vec<(Qw, &Mm)> = quant.iter().filter(|(q, _)| q.gs == gs).copied().collect();
         let (xp, xs) = mma_split(gpu, x, n, same[0].0.cols as usize, gs as usize)?;
         for group in same.chunks(4) {
-            let (p, blocks) = multi_matmul(group, |_| MMA_BLOCK_ROWS, false);
-            // SAFETY: `qmma` in mma_products.cu; xp / xs were split from x (n tokens)
-            // with this group size, every output holds n rows.
+            let (mut p, mut blocks) = multi_matmul(group, |_| MMA_BLOCK_ROWS, false);
+            let mut kernel = "qmma";
+            if (blocks as usize) * (ty as usize) < gpu.sms as usize {
+                // Less than a block an SM (a short prefill's routers): 32
+                // rows a block, the same sums.
+                (p, blocks) = multi_matmul(group, |_| MMA_BLOCK_ROWS / 2, false);
+                kernel = "qmma_m1";
+            }
+            // SAFETY: `qmma` / `qmma_m1` in mma_products.cu (64 / 32 rows a
+            // block); xp / xs were split from x (n tokens) with this group
+            // size, every output holds n rows.
             unsafe {
                 gpu.launch(
-                    "qmma",
+                    kernel,
                     (blocks as u32, ty, 1),
                     128,
                     0,

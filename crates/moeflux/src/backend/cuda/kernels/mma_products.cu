@@ -131,5 +131,11 @@ __device__ __forceinline__ void moe_down_mma_body(const ExpertTask* tasks, const
         moe_down_mma_body<Q8, MT>(tasks, L, slot_list, xp, xs, slot_out);                                  \
     }
 MMA_KERNELS(, const uint4*, const float*, false, 2)
+// qmma with one 16-row tile a warp (32 rows a block): twice the blocks, for
+// launches too small to fill the SMs (the routers of a short prefill). Each
+// output's sum is the same, in the same order, as qmma's.
+extern "C" __global__ void __launch_bounds__(128) qmma_m1(MultiMatmul mm, const uint4* xp, const float* xs, int n) {
+    qmma_body<false, 1>(mm, xp, xs, n);
+}
 MMA_KERNELS(_q8, const u32*, const float2*, true, 2)
 MMA_KERNELS(_q8_m4, const u32*, const float2*, true, 4)
