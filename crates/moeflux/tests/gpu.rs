@@ -389,6 +389,59 @@ fn deepseek_gpu_matches_cpu_with_a_small_evicting_cache() {
     gpu_matches_cpu_through_small_caches(&dir);
 }
 
+/// A prompt whose experts are grouped by expert on the device (every expert
+/// resident) and on the host (a cache of one layer's experts plus eight, so
+/// no layer is ever wholly resident): the same logits bit for bit, for the
+/// synthetic Qwen model (128 experts; 40 tokens take the unstaged tensor-core
+/// expert kernels, 300 the staged ones) and gpt-oss (MXFP4 experts), with
+/// f32 and q8 activations on the GPU.
+#[test]
+#[ignore]
+fn experts_grouped_on_the_device_equal_the_hosts_grouping_bit_for_bit() {
+    use moeflux::synth::{synth, SynthOptions};
+    let tmp = tempfile::tempdir().unwrap();
+    let qwen = tmp.path().join("synth");
+    synth_model(&qwen);
+    let oss = tmp.path().join("synth-oss");
+    let mut o = SynthOptions::new("gpu-test-oss", common::small_gpt_oss_spec());
+    o.seed = 13;
+    synth(&oss, &o).unwrap();
+    for dir in [&qwen, &oss] {
+        for activations in [Activations::F32, Activations::Q8] {
+            let what = format!("{}, {activations:?} activations", dir.display());
+            let open = opener(
+                dir,
+                &what,
+                SessionOptions {
+                    gpu_activations: activations,
+                    ..Default::default()
+                },
+            );
+            let mut resident = open(Backend::Cuda, None, None);
+            let (slots, budget) = one_layer_plus_eight(&resident);
+            let mut evicting = open(Backend::Cuda, Some(budget), None);
+            for len in [40, 300] {
+                let toks = random_tokens(len, resident.vocab_size());
+                resident.clear();
+                evicting.clear();
+                let want = resident.eval(&toks, LogitsMode::All).unwrap();
+                let got = evicting.eval(&toks, LogitsMode::All).unwrap();
+                assert!(
+                    same_bits(&got, &want),
+                    "{what}, {len} tokens: a cache of {slots} slots (grouped on the host) \
+                     differs from every expert resident (grouped on the device) by {:e}",
+                    max_rel_diff(&got, &want)
+                );
+                assert_eq!(resident.gpu_cache_stats().misses, 0, "{what}");
+            }
+            assert!(
+                evicting.gpu_cache_stats().misses > 0,
+                "{what}: the small cache never missed"
+            );
+        }
+    }
+}
+
 /// Sessions on `dir` with `base`'s options, on a backend, with a GPU
 /// expert budget and host tier; `what` names the options in a failure.
 fn opener<'a>(

@@ -1,7 +1,8 @@
 // Checks of the MLA and router kernels under cuda_emu.h (see run.sh): each kernel on
 // random inputs against a naive double-precision reference of backend/cpu/mla.rs, model/rope.rs
 // and backend/cpu/router.rs, at the fixtures' and DeepSeek-V3's widths; the softmax router
-// (moe_route_c*) against backend/cpu/moe.rs Routing::from_logits at Qwen's widths; the grouped
+// (moe_route_c*) against backend/cpu/moe.rs Routing::from_logits at Qwen's widths; moe_group's tasks and
+// runs against the choice; the grouped
 // one-token products (qmv_b4, qmv_b4_nc2 and their _glu variants, which apply the SwiGLU of
 // [gate | up] to their input) against dequantized dot products. The Qwen (GatedDeltaNet,
 // attention, MoE combine) kernels are checked by qwen_kernels.cpp. The same products with
@@ -628,6 +629,41 @@ static void test_route_softmax(int e, int k, bool norm, int n, bool ties) {
            (int)ties, bad, wdiff, ok ? "ok" : "FAIL");
 }
 
+// moe_group: the choice of n_slots slots grouped by expert: a task per expert (its address,
+// its run's start = the counts' prefix sum, its count) and runs that hold exactly its slots.
+static void test_group(int e, int n_slots, bool skew) {
+    std::vector<int> ids(n_slots);
+    // Skewed: most slots on a few experts, many experts never chosen.
+    for (auto& v : ids) v = skew ? (int)(rng() % 7 == 0 ? rng() % e : rng() % 5) : (int)(rng() % e);
+    std::vector<unsigned long long> table(e);
+    for (int i = 0; i < e; i++) table[i] = 1000 + 17ull * i;
+    std::vector<ExpertTask> tasks(e, ExpertTask{nullptr, -1, -1});
+    std::vector<int> slots(n_slots, -1);
+    {
+        const int* ip = ids.data(); const unsigned long long* tp = table.data();
+        ExpertTask* out = tasks.data(); int* sp = slots.data();
+        emu_launch({1, 1, 1}, 1024, [&] { moe_group(ip, n_slots, e, tp, out, sp); });
+    }
+    int bad = 0, first = 0;
+    for (int x = 0; x < e; x++) {
+        std::vector<int> want, got;
+        for (int j = 0; j < n_slots; j++)
+            if (ids[j] == x) want.push_back(j);
+        const ExpertTask& t = tasks[x];
+        if ((unsigned long long)t.base != table[x] || t.first != first || t.count != (int)want.size()) {
+            bad++;
+            continue;
+        }
+        got.assign(slots.begin() + first, slots.begin() + first + t.count);
+        std::sort(got.begin(), got.end());
+        bad += got != want;
+        first += t.count;
+    }
+    bool ok = bad == 0 && first == n_slots;
+    if (!ok) fails++;
+    printf("moe_group e%d slots%d skew%d: %d experts wrong %s\n", e, n_slots, (int)skew, bad, ok ? "ok" : "FAIL");
+}
+
 int main() {
     test_heads(4, 64, 64, 96, 1);     // fixture embed_q, one token
     test_heads(4, 64, 64, 96, 7);     // fixture embed_q, batch
@@ -654,6 +690,11 @@ int main() {
     test_route(384, 8, 1, 1, true, 5, false);  // Kimi-K2
     test_route(64, 6, 8, 3, true, 5, false);
     test_route(64, 1, 8, 3, true, 5, false);   // k = 1: no renormalisation
+    test_group(128, 17 * 8, false);     // the synthetic test model, a short prompt
+    test_group(256, 512 * 8, false);    // A3B at 512 tokens
+    test_group(256, 4096 * 8, true);    // A3B at 4096 tokens, skewed
+    test_group(1024, 3000, false);      // the most experts, slots not a multiple of the block
+    test_group(384, 100 * 8, true);     // Kimi-K2's expert count
     for (bool nc2 : {false, true}) {
         test_qmv_group(72, 40, 2048, nc2);  // rows of 1024 bytes: two warps per row
         test_qmv_group(40, 24, 4096, nc2);  // 2048 bytes: four warps per row

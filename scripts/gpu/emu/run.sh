@@ -5,7 +5,7 @@
 # double-precision references (emu_check.h), so their indexing and logic can be checked
 # without a GPU:
 #   mla_kernels.cpp   MLA (mla_prep, mla_attention, the per-head products), the routers
-#                     (moe_route_noaux, moe_route_c*), the one-token grouped products
+#                     (moe_route_noaux, moe_route_c*), the grouping by expert (moe_group), the one-token grouped products
 #                     (qmv_b4, qmv_b4_nc2, their SwiGLU-input _glu variants, and
 #                     qmv_b48/_nc2 over 4- and 8-bit matrices in one launch), the few-token
 #                     products (qmv_b4_t4, qmv_b8_t4) equal to the one-token ones per token,

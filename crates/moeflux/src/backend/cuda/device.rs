@@ -221,6 +221,7 @@ const KERNEL_NAMES: &[&str] = &[
     "moe_down_rows_mx4",
     "read_probe",
     "moe_route_noaux",
+    "moe_group",
     "qmatmul_heads",
     "qmatmul_heads1",
     "qmv_heads_b4",

@@ -24,7 +24,9 @@ use super::support::unsupported;
 
 /// Up to this many tokens, the routed experts run per (token, slot) with
 /// the router's choice read on the device; longer batches group tokens by
-/// expert (each expert's weights read once) from a host copy of the choice.
+/// expert (each expert's weights read once): on the device when every
+/// expert is resident, else from a host copy of the choice (the host brings
+/// the missing experts in).
 const SLOT_PATH_MAX_TOKENS: usize = 2;
 
 /// With every expert of the layer resident, batches up to this many tokens
@@ -226,7 +228,27 @@ pub(super) fn moe(
     let mut on_cpu: Vec<usize> = Vec::new();
     let mut cpu_users: Vec<(usize, Vec<i32>)> = Vec::new();
     let mut host_xn: Vec<f32> = Vec::new();
-    if slot_path && table.is_some() {
+    // Every expert resident, a batch past the per-slot path, one GPU: the
+    // choice grouped by expert on the device, so the layer never waits for
+    // the host (a prefill's GPU would idle through each layer's round trip
+    // and the host's grouping, ~20% of its time at 512-4096 tokens).
+    if let Some(table) = table.filter(|_| !slot_path && ep.is_none()) {
+        if counts {
+            cache.count_hits((n * k) as u64);
+        }
+        let d_tasks = cx.scratch.get(g, "tasks", size_of::<ExpertTask>() * e)?;
+        let d_slots = cx.scratch.get(g, "slots", 4 * n * k)?;
+        group_on_device(g, d_ids, n * k, e, table, d_tasks, d_slots)?;
+        lap(&mut clock, &mut times.routing);
+        let rows = TaskRows {
+            tasks: d_tasks,
+            n_tasks: e,
+            slots: d_slots,
+            n_slots: n * k,
+            task_slots: n * k,
+        };
+        kernels.run_tasks(g, &rows, n, k, xn, act, slot_out)?;
+    } else if slot_path && table.is_some() {
         // Every expert resident: the router's choice never leaves the GPU
         // (in a group, the lead counts the group's uses).
         if counts {
@@ -812,6 +834,35 @@ fn route(
                 )
             }
         }
+    }
+}
+
+/// The `slots` router choices at `ids` grouped by expert on the device:
+/// `tasks` gets each of the `e` experts' task (its address from the layer's
+/// row of the resident table, its run of the slot list; experts nobody chose
+/// have empty runs, which the expert kernels skip), `slot_list` the runs.
+fn group_on_device(
+    g: &Gpu,
+    ids: u64,
+    slots: usize,
+    e: usize,
+    table: u64,
+    tasks: u64,
+    slot_list: u64,
+) -> Result<()> {
+    let (n_slots, e_i) = (slots as i32, e as i32);
+    // SAFETY: `moe_group` in kernels/moe_route.cu (one block of 1024
+    // threads, e <= MAX_EXPERTS = 1024, checked at load); ids holds `slots`
+    // expert indices below e, table e addresses, tasks room for e tasks and
+    // slot_list for `slots` entries.
+    unsafe {
+        g.launch(
+            "moe_group",
+            (1, 1, 1),
+            1024,
+            0,
+            &mut args!(ids, n_slots, e_i, table, tasks, slot_list),
+        )
     }
 }
 
