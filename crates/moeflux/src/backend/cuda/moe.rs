@@ -232,7 +232,7 @@ pub(super) fn moe(
     // choice grouped by expert on the device, so the layer never waits for
     // the host (a prefill's GPU would idle through each layer's round trip
     // and the host's grouping, ~20% of its time at 512-4096 tokens).
-    if let Some(table) = table.filter(|_| !slot_path && ep.is_none()) {
+    if let Some(table) = table.filter(|_| !slot_path && ep.is_none() && device_grouping()) {
         if counts {
             cache.count_hits((n * k) as u64);
         }
@@ -835,6 +835,13 @@ fn route(
             }
         }
     }
+}
+
+/// `MOEFLUX_CUDA_DEVICE_GROUPING=0`: resident layers' batches grouped by
+/// expert on the host as the others are, to compare.
+fn device_grouping() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("MOEFLUX_CUDA_DEVICE_GROUPING").map_or(true, |v| v != "0"))
 }
 
 /// The `slots` router choices at `ids` grouped by expert on the device:
