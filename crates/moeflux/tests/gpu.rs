@@ -1473,3 +1473,70 @@ fn gpu_decode_batches_equal_each_sequence_alone_bit_for_bit() {
     gpu_decode_batch_is_bitwise_alone("synth", &dir, Activations::F32);
     gpu_decode_batch_is_bitwise_alone("synth, q8 activations", &dir, Activations::Q8);
 }
+
+/// Decode steps of more sequences than the per-slot path takes (24 and 40:
+/// their experts grouped on the device) replayed as CUDA graphs give the
+/// eager steps' logits bit for bit, and do run as graphs.
+#[test]
+#[ignore]
+fn gpu_decode_batches_past_the_per_slot_path_replay_as_graphs() {
+    use moeflux::Work;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("synth");
+    synth_model(&dir);
+    for seqs in [24, 40] {
+        let open = |cuda_graphs: bool| {
+            moeflux::Batch::open(
+                &dir,
+                SessionOptions {
+                    backend: Backend::Cuda,
+                    cuda_graphs,
+                    gpu_activations: Activations::Q8,
+                    ..Default::default()
+                },
+            )
+            .unwrap()
+        };
+        let (mut eager, mut graph) = (open(false), open(true));
+        let ids_e: Vec<_> = (0..seqs).map(|_| eager.add_sequence().unwrap()).collect();
+        let ids_g: Vec<_> = (0..seqs).map(|_| graph.add_sequence().unwrap()).collect();
+        let toks = random_tokens(seqs * 4, eager.vocab_size());
+        let mut next = Vec::new();
+        for s in 0..seqs {
+            let prompt = &toks[s * 4..s * 4 + 1 + s % 4];
+            let a = eager.eval(ids_e[s], prompt, LogitsMode::Last).unwrap();
+            let b = graph.eval(ids_g[s], prompt, LogitsMode::Last).unwrap();
+            assert_eq!(a, b, "{seqs} sequences: prompt of sequence {s}");
+            next.push(argmax(&a));
+        }
+        for step in 0..6 {
+            let tokens: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+            let work = |ids: &[moeflux::SeqId]| -> Vec<Work> {
+                (0..seqs)
+                    .map(|s| Work {
+                        seq: ids[s],
+                        tokens: &tokens[s],
+                        logits: Some(LogitsMode::Last),
+                    })
+                    .collect()
+            };
+            let want = eager.step(&work(&ids_e)).unwrap();
+            let got = graph.step(&work(&ids_g)).unwrap();
+            for (s, (g, w)) in got.into_iter().zip(want).enumerate() {
+                let (g, w) = (g.unwrap().into_logits(), w.unwrap().into_logits());
+                assert!(
+                    same_bits(&g, &w),
+                    "{seqs} sequences, decode step {step}, sequence {s}: the graph's logits \
+                     differ from the eager step's by {:e}",
+                    max_rel_diff(&g, &w)
+                );
+                next[s] = argmax(&g);
+            }
+        }
+        assert!(
+            graph.times().gpu_graph > std::time::Duration::ZERO,
+            "{seqs} sequences: no decode step ran as a graph"
+        );
+        assert_eq!(eager.times().gpu_graph, std::time::Duration::ZERO);
+    }
+}

@@ -299,9 +299,10 @@ pub struct GpuSegment<'s> {
 /// grows, and segments the sequence table holds.
 const POS_SLOTS: usize = 64;
 
-/// Decode steps of at most this many sequences are captured as graphs (the
-/// MoE blocks' per-slot path, which keeps the router's choice on the
-/// device, takes up to 16 tokens).
+/// Decode steps of at most this many sequences are captured as graphs in a
+/// group of GPUs (the MoE blocks' per-slot path, which keeps the router's
+/// choice on the device, takes up to 16 tokens); one GPU groups larger
+/// batches by expert on the device too, and captures up to [`POS_SLOTS`].
 const GRAPH_MAX_SEQUENCES: usize = 16;
 
 pub struct CudaModel {
@@ -758,7 +759,12 @@ impl CudaModel {
         let resident = self.cache.as_ref().is_none_or(|c| c.all_resident());
         // Decode steps (one token per sequence, its logits) replay a graph
         // captured for the same sequences, in the same order.
-        let decode = segs.len() <= GRAPH_MAX_SEQUENCES
+        let graph_max = if self.ep.is_none() && moe::device_grouping() {
+            POS_SLOTS
+        } else {
+            GRAPH_MAX_SEQUENCES
+        };
+        let decode = segs.len() <= graph_max
             && segs.iter().all(|s| {
                 s.seg.rows.len() == 1
                     && matches!(s.seg.logits, Some(LogitsMode::Last | LogitsMode::Greedy))

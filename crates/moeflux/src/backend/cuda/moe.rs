@@ -838,8 +838,9 @@ fn route(
 }
 
 /// `MOEFLUX_CUDA_DEVICE_GROUPING=0`: resident layers' batches grouped by
-/// expert on the host as the others are, to compare.
-fn device_grouping() -> bool {
+/// expert on the host as the others are, to compare (and decode steps of
+/// more than 16 sequences then not captured as graphs).
+pub(super) fn device_grouping() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("MOEFLUX_CUDA_DEVICE_GROUPING").map_or(true, |v| v != "0"))
 }
