@@ -287,28 +287,24 @@ pub(super) fn moe(
         };
         cx.arena.reset();
         lap(&mut clock, &mut times.routing);
-        let mut users: std::collections::BTreeMap<usize, Vec<i32>> = Default::default();
-        for (j, &id) in ids.iter().enumerate() {
-            users.entry(id as usize).or_default().push(j as i32);
-        }
+        let users = ExpertUsers::new(&ids, e)?;
         // Up to `cpu_experts` of the experts neither resident nor on
         // their way are computed by the host from the pinned host tier
         // instead of joining the copy queue (their slots' base stays 0,
         // which the slot kernels skip).
         if want_xn {
             let missing = users
-                .keys()
-                .filter(|&&e| owns(e) && !cache.is_resident(i, e));
-            on_cpu.extend(missing.take(cx.cpu_experts).copied());
+                .experts()
+                .filter(|&e| owns(e) && !cache.is_resident(i, e));
+            on_cpu.extend(missing.take(cx.cpu_experts));
         }
         let unique: Vec<usize> = users
-            .keys()
-            .filter(|&&e| owns(e) && !on_cpu.contains(&e))
-            .copied()
+            .experts()
+            .filter(|&e| owns(e) && !on_cpu.contains(&e))
             .collect();
         if let Some((j, ..)) = predicted {
             // The guess's most chosen experts first, this GPU's only.
-            let mut ids = most_chosen_first(&guess);
+            let mut ids = ExpertUsers::new(&guess, e)?.most_chosen_first();
             if let Some(ep) = ep {
                 ids.retain(|&e| ep.shard.owns(j, e));
             }
@@ -337,7 +333,7 @@ pub(super) fn moe(
             // Per width, the slots' experts (0: the other width's slot).
             let mut bases = [vec![0u64; n * k], vec![0u64; n * k]];
             for (r, e) in placed.iter().zip(&unique) {
-                for &j in &users[e] {
+                for &j in &users[*e] {
                     bases[r.low as usize][j as usize] = r.ptr;
                 }
             }
@@ -347,14 +343,14 @@ pub(super) fn moe(
                 cx.arena.upload(g, d, &bases[1])?;
                 low_bases = Some(d);
             }
-            cpu_users = on_cpu.iter().map(|e| (*e, users[e].clone())).collect();
+            cpu_users = on_cpu.iter().map(|&e| (e, users[e].to_vec())).collect();
         } else if !unique.is_empty() {
             // (A GPU of a group may own none of the chosen experts: no
             // launch, its partial is the zeroed slots.) One list of slots,
             // so each task's act rows are its own; per width, its tasks.
             let mut slot_list: Vec<i32> = Vec::with_capacity(n * k);
             let mut tasks: [Vec<ExpertTask>; 2] = Default::default();
-            for (r, slots) in placed.iter().zip(unique.iter().map(|e| &users[e])) {
+            for (r, slots) in placed.iter().zip(unique.iter().map(|&e| &users[e])) {
                 tasks[r.low as usize].push(ExpertTask {
                     base: r.ptr,
                     first: slot_list.len() as i32,
@@ -886,16 +882,64 @@ fn heaviest(ids: &[i32], wts: &[f32]) -> std::collections::HashMap<usize, f32> {
     m
 }
 
-/// The distinct experts of a predicted choice, those more tokens chose
-/// first (ties: lower id first).
-fn most_chosen_first(ids: &[i32]) -> Vec<usize> {
-    let mut count = std::collections::BTreeMap::<usize, usize>::new();
-    for &id in ids {
-        *count.entry(id as usize).or_default() += 1;
+/// A step's router choice grouped by expert on the host: each chosen
+/// expert's slots (token * k + rank), in slot order. A counting sort: a
+/// 4096-token step has 32768 slots, which a map of vectors took 1.6-2.2 ms
+/// a layer to group on an EPYC core (the GPU idle meanwhile), this ~0.2 ms.
+struct ExpertUsers {
+    /// Expert x's slots are `slots[first[x]..first[x + 1]]`.
+    first: Vec<usize>,
+    slots: Vec<i32>,
+}
+
+impl ExpertUsers {
+    /// `ids`: the chosen expert of each slot, each below `e`.
+    fn new(ids: &[i32], e: usize) -> Result<ExpertUsers> {
+        let mut first = vec![0usize; e + 1];
+        for &id in ids {
+            match usize::try_from(id).ok().filter(|&x| x < e) {
+                Some(x) => first[x + 1] += 1,
+                None => {
+                    return Err(crate::error::Error::Gpu(format!(
+                        "the router chose expert {id} of {e}"
+                    )))
+                }
+            }
+        }
+        for x in 0..e {
+            first[x + 1] += first[x];
+        }
+        let mut next = first.clone();
+        let mut slots = vec![0i32; ids.len()];
+        for (j, &id) in ids.iter().enumerate() {
+            let at = &mut next[id as usize];
+            slots[*at] = j as i32;
+            *at += 1;
+        }
+        Ok(ExpertUsers { first, slots })
     }
-    let mut by_count: Vec<(usize, usize)> = count.into_iter().collect();
-    by_count.sort_by_key(|&(id, c)| (std::cmp::Reverse(c), id));
-    by_count.into_iter().map(|(id, _)| id).collect()
+
+    /// The chosen experts, in increasing order.
+    fn experts(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.first.len() - 1).filter(|&x| self.first[x + 1] > self.first[x])
+    }
+
+    /// The chosen experts, those more slots chose first (ties: lower id
+    /// first): a predicted choice's upload order.
+    fn most_chosen_first(&self) -> Vec<usize> {
+        let mut by_count: Vec<usize> = self.experts().collect();
+        by_count.sort_by_key(|&x| std::cmp::Reverse(self[x].len()));
+        by_count
+    }
+}
+
+impl std::ops::Index<usize> for ExpertUsers {
+    type Output = [i32];
+
+    /// Expert `x`'s slots (empty when no slot chose it).
+    fn index(&self, x: usize) -> &[i32] {
+        &self.slots[self.first[x]..self.first[x + 1]]
+    }
 }
 
 /// Blocks of the activation-stationary per-slot kernels (gate/up, down)
@@ -1258,7 +1302,7 @@ fn expert_layout(layer: usize, x: &ExpertLayout) -> Result<ExpertLayoutC> {
 
 #[cfg(test)]
 mod tests {
-    use super::{heaviest, most_chosen_first, mx_rows_slices};
+    use super::{heaviest, mx_rows_slices, ExpertUsers};
 
     #[test]
     fn mx_rows_take_rows_of_two_to_four_slices() {
@@ -1281,9 +1325,45 @@ mod tests {
 
     #[test]
     fn predicted_experts_most_chosen_first() {
+        let order = |ids: &[i32]| ExpertUsers::new(ids, 10).unwrap().most_chosen_first();
         // Two tokens x top-3: experts 2 and 7 twice, 4 and 9 once.
-        assert_eq!(most_chosen_first(&[9, 7, 2, 7, 4, 2]), vec![2, 7, 4, 9]);
-        assert_eq!(most_chosen_first(&[5, 1, 3]), vec![1, 3, 5]);
-        assert!(most_chosen_first(&[]).is_empty());
+        assert_eq!(order(&[9, 7, 2, 7, 4, 2]), vec![2, 7, 4, 9]);
+        assert_eq!(order(&[5, 1, 3]), vec![1, 3, 5]);
+        assert!(order(&[]).is_empty());
+    }
+
+    #[test]
+    fn a_choice_groups_by_expert_as_a_map_of_slot_lists() {
+        // Random choices, as many slots as a 512-token step of top-8 over
+        // 256 experts, and a few with most experts unchosen.
+        let mut s = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        for (slots, e, spread) in [(4096, 256, 256), (40, 128, 7), (0, 16, 16), (1, 1, 1)] {
+            let ids: Vec<i32> = (0..slots).map(|_| (next() % spread) as i32).collect();
+            let mut want = std::collections::BTreeMap::<usize, Vec<i32>>::new();
+            for (j, &id) in ids.iter().enumerate() {
+                want.entry(id as usize).or_default().push(j as i32);
+            }
+            let got = ExpertUsers::new(&ids, e).unwrap();
+            assert_eq!(
+                got.experts().collect::<Vec<_>>(),
+                want.keys().copied().collect::<Vec<_>>()
+            );
+            for x in 0..e {
+                assert_eq!(
+                    &got[x],
+                    want.get(&x).map_or(&[][..], |v| &v[..]),
+                    "expert {x}"
+                );
+            }
+        }
+        let err = ExpertUsers::new(&[3, 16], 16).err().unwrap().to_string();
+        assert!(err.contains("expert 16 of 16"), "{err}");
+        assert!(ExpertUsers::new(&[-1], 16).is_err());
     }
 }
