@@ -793,18 +793,31 @@ fn gpu_matches_cpu_through_small_caches(dir: &Path) {
         (Prefetch::On, 1),
         (Prefetch::Off, 64),
     ] {
-        let mut g = Session::open(
-            dir,
-            SessionOptions {
-                backend: Backend::Cuda,
-                gpu_memory: Some(budget),
-                host_cache: Some(1 << 40),
-                prefetch,
-                cpu_experts,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        let open = || {
+            Session::open(
+                dir,
+                SessionOptions {
+                    backend: Backend::Cuda,
+                    gpu_memory: Some(budget),
+                    host_cache: Some(1 << 40),
+                    prefetch,
+                    cpu_experts,
+                    ..Default::default()
+                },
+            )
+            .unwrap()
+        };
+        // The prompt in one batch (grouped on the host; with prefetch, each
+        // layer uploads the next one's guess while it computes).
+        let mut g = open();
+        let got = g.eval(&toks, LogitsMode::All).unwrap();
+        let d = max_rel_diff(&got, &want);
+        assert!(
+            d <= GUARD,
+            "host tier batch (prefetch {prefetch:?}, cpu {cpu_experts}): max rel diff {d:e}"
+        );
+        assert_eq!(g.gpu_cache_stats().prefetched > 0, prefetch == Prefetch::On);
+        let mut g = open();
         assert!(g.backend().contains("host tier"), "{}", g.backend());
         let rows = one_token_at_a_time(&mut g, &toks);
         let d = max_rel_diff(&rows, &want);

@@ -194,7 +194,7 @@ pub(super) fn moe(
     // choice (the residual stream changes little in one layer), read
     // with this layer's choice and uploaded while this layer computes.
     let predicted = match next {
-        Some(nx) if cx.prefetch && slot_path && table.is_none() => {
+        Some(nx) if cx.prefetch && table.is_none() => {
             let s = &mut *cx.scratch;
             let p_logits = s.get(g, "p_router", 4 * n * e)?;
             let p_ids = s.get(g, "p_ids", 4 * n * k)?;
