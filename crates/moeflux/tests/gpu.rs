@@ -1553,3 +1553,82 @@ fn gpu_decode_batches_past_the_per_slot_path_replay_as_graphs() {
         assert_eq!(eager.times().gpu_graph, std::time::Duration::ZERO);
     }
 }
+
+/// A decode step's shared experts on the side stream (`cuda_side_stream`,
+/// the default), beside the router, top-K and routed experts, give the
+/// logits of the step that runs them in its one chain, bit for bit (q8
+/// activations: the router's launch is the same either way): one and three
+/// sequences, eager and as graphs with every expert resident, and through a
+/// cache of one layer's experts plus eight with the host tier (the compute
+/// stream then waits for the host while the side stream works).
+#[test]
+#[ignore]
+fn shared_experts_beside_the_routed_ones_give_the_same_bits() {
+    use moeflux::Work;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("synth");
+    synth_model(&dir);
+    let c = cpu(&dir);
+    let store = c.expert_store();
+    let extent = store.extent_bytes(store.layers().next().unwrap());
+    let small = ((c.config().moe.num_experts + 8) * extent) as u64;
+    for (graphs, gpu_memory) in [(false, None), (true, None), (false, Some(small))] {
+        for seqs in [1, 3] {
+            let open = |cuda_side_stream: bool| {
+                moeflux::Batch::open(
+                    &dir,
+                    SessionOptions {
+                        backend: Backend::Cuda,
+                        cuda_graphs: graphs,
+                        cuda_side_stream,
+                        gpu_memory,
+                        host_cache: gpu_memory.map(|_| 1 << 40),
+                        gpu_activations: Activations::Q8,
+                        ..Default::default()
+                    },
+                )
+                .unwrap()
+            };
+            let what = format!("graphs {graphs}, cache {gpu_memory:?}, {seqs} sequences");
+            let (mut side, mut chain) = (open(true), open(false));
+            let ids_s: Vec<_> = (0..seqs).map(|_| side.add_sequence().unwrap()).collect();
+            let ids_c: Vec<_> = (0..seqs).map(|_| chain.add_sequence().unwrap()).collect();
+            let toks = random_tokens(seqs * 4, side.vocab_size());
+            let mut next = Vec::new();
+            for s in 0..seqs {
+                let prompt = &toks[s * 4..s * 4 + 1 + s % 4];
+                let a = side.eval(ids_s[s], prompt, LogitsMode::Last).unwrap();
+                let b = chain.eval(ids_c[s], prompt, LogitsMode::Last).unwrap();
+                assert!(same_bits(&a, &b), "{what}: prompt of sequence {s}");
+                next.push(argmax(&a));
+            }
+            for step in 0..6 {
+                let tokens: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+                let work = |ids: &[moeflux::SeqId]| -> Vec<Work> {
+                    (0..seqs)
+                        .map(|s| Work {
+                            seq: ids[s],
+                            tokens: &tokens[s],
+                            logits: Some(LogitsMode::Last),
+                        })
+                        .collect()
+                };
+                let want = chain.step(&work(&ids_c)).unwrap();
+                let got = side.step(&work(&ids_s)).unwrap();
+                for (s, (g, w)) in got.into_iter().zip(want).enumerate() {
+                    let (g, w) = (g.unwrap().into_logits(), w.unwrap().into_logits());
+                    assert!(
+                        same_bits(&g, &w),
+                        "{what}, decode step {step}, sequence {s}: the side stream's logits \
+                         differ by {:e}",
+                        max_rel_diff(&g, &w)
+                    );
+                    next[s] = argmax(&g);
+                }
+            }
+            if graphs {
+                assert!(side.times().gpu_graph > std::time::Duration::ZERO, "{what}");
+            }
+        }
+    }
+}

@@ -291,6 +291,7 @@ impl Batch {
                     gds: opts.gds,
                     activations: opts.gpu_activations,
                     low_width_below: opts.low_width_below,
+                    side_stream: opts.cuda_side_stream,
                 };
                 let m = match &opts.dist {
                     Some(d) => {

@@ -66,6 +66,10 @@ pub struct SessionOptions {
     /// GPU backend: replay decode steps as CUDA graphs (when every expert
     /// is resident).
     pub cuda_graphs: bool,
+    /// GPU backend: a decode step's shared experts on a second stream,
+    /// beside the router and routed experts (the same values; on by
+    /// default).
+    pub cuda_side_stream: bool,
     /// GPU backend: bytes of host RAM to pin for routed experts the VRAM
     /// cache cannot hold (whole layers of the mapped expert files), so
     /// misses cross PCIe at full speed.
@@ -157,6 +161,7 @@ impl Default for SessionOptions {
             gpu_memory: None,
             cache_policy: CachePolicy::default(),
             cuda_graphs: true,
+            cuda_side_stream: true,
             host_cache: None,
             cpu_experts: 0,
             replicate_experts: true,

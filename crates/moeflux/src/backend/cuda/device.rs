@@ -345,6 +345,14 @@ pub struct Gpu {
     pub stream: Arc<CudaStream>,
     /// Expert uploads, overlapping compute.
     pub copy: Arc<CudaStream>,
+    /// Work that runs beside the compute stream's chain ([`Gpu::beside`]):
+    /// a MoE block's shared expert while its router and routed experts run.
+    side: Arc<CudaStream>,
+    /// Launches go to `side` (inside [`Gpu::beside`]).
+    on_side: std::sync::atomic::AtomicBool,
+    /// Whether callers may put work beside the chain (set by the model from
+    /// `CudaOptions::side_stream`).
+    pub side_stream: bool,
     funcs: HashMap<&'static str, CudaFunction>,
     /// `MOEFLUX_CUDA_PROFILE=1`: GPU time and launches per kernel, printed
     /// when the GPU is closed (each launch is timed alone: slow).
@@ -413,6 +421,7 @@ impl Gpu {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(|e| gpu_err("GPU stream", e))?;
         let copy = ctx.new_stream().map_err(|e| gpu_err("GPU stream", e))?;
+        let side = ctx.new_stream().map_err(|e| gpu_err("GPU stream", e))?;
         let ptx = load_or_compile(&info)?;
         let module = ctx
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
@@ -460,6 +469,9 @@ impl Gpu {
             ctx,
             stream,
             copy,
+            side,
+            on_side: Default::default(),
+            side_stream: false,
             funcs,
             occupancy: Default::default(),
             profile,
@@ -521,7 +533,8 @@ impl Gpu {
             })
     }
 
-    /// Launches kernel `name` on the compute stream. `params` point at the
+    /// Launches kernel `name` on the compute stream (the side stream inside
+    /// [`Gpu::beside`]). `params` point at the
     /// kernel's arguments, in order, with the kernel's exact types.
     ///
     /// # Safety
@@ -548,6 +561,40 @@ impl Gpu {
         )
     }
 
+    /// The stream launches go to: the compute stream, or the side stream
+    /// inside [`Gpu::beside`].
+    fn launch_stream(&self) -> &CudaStream {
+        match self.on_side.load(std::sync::atomic::Ordering::Relaxed) {
+            true => &self.side,
+            false => &self.stream,
+        }
+    }
+
+    /// Queues `queue`'s launches on the side stream, after everything the
+    /// compute stream holds so far, so they run beside what the compute
+    /// stream is given next; [`Gpu::rejoin`] orders the compute stream after
+    /// them. (In a graph capture the side stream joins the capture here.)
+    /// Launches only: `queue` must not copy or allocate on the compute
+    /// stream, nor use the workspace, which the compute stream's launches
+    /// share.
+    pub fn beside(&self, queue: impl FnOnce() -> Result<()>) -> Result<()> {
+        use std::sync::atomic::Ordering::Relaxed;
+        stream_wait(&self.side, &self.stream)?;
+        self.on_side.store(true, Relaxed);
+        let queued = queue();
+        self.on_side.store(false, Relaxed);
+        if queued.is_err() {
+            // Joined even so: a capture must end with every stream joined.
+            let _ = self.rejoin();
+        }
+        queued
+    }
+
+    /// Orders the compute stream after the side stream's work.
+    pub fn rejoin(&self) -> Result<()> {
+        stream_wait(&self.stream, &self.side)
+    }
+
     /// Runs `queue` (which queues work on the compute stream); with
     /// `MOEFLUX_CUDA_PROFILE`, outside graph capture, waits for that work
     /// and adds its GPU time to the profile under `label()`.
@@ -558,19 +605,17 @@ impl Gpu {
     ) -> Result<()> {
         if let Some(p) = &self.profile {
             use cudarc::driver::sys::{CUevent_flags, CUstreamCaptureStatus};
-            let capturing = self
-                .stream
-                .capture_status()
-                .map_err(|e| gpu_err("GPU", e))?
+            let stream = self.launch_stream();
+            let capturing = stream.capture_status().map_err(|e| gpu_err("GPU", e))?
                 != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
             if !capturing {
                 let ev = |s: &CudaStream| {
                     s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
                         .map_err(|e| gpu_err("GPU event", e))
                 };
-                let start = ev(&self.stream)?;
+                let start = ev(stream)?;
                 queue()?;
-                let end = ev(&self.stream)?;
+                let end = ev(stream)?;
                 let label = label();
                 let ms = start
                     .elapsed_ms(&end)
@@ -585,7 +630,7 @@ impl Gpu {
         queue()
     }
 
-    /// Launches on the compute stream; on Hopper and later with
+    /// Launches on [`Gpu::launch_stream`]; on Hopper and later with
     /// programmatic stream serialisation, so a kernel's launch overlaps the
     /// end of the previous one (every kernel waits for its predecessor
     /// first: `PDL_ENTER` in kernels/common.cuh).
@@ -603,7 +648,7 @@ impl Gpu {
                 grid,
                 (block, 1, 1),
                 smem,
-                self.stream.cu_stream(),
+                self.launch_stream().cu_stream(),
                 params,
             );
         }
@@ -618,7 +663,7 @@ impl Gpu {
             blockDimY: 1,
             blockDimZ: 1,
             sharedMemBytes: smem,
-            hStream: self.stream.cu_stream(),
+            hStream: self.launch_stream().cu_stream(),
             attrs: &mut attr,
             numAttrs: 1,
         };
@@ -632,6 +677,7 @@ impl Gpu {
     }
 
     pub fn sync(&self) -> Result<()> {
+        self.side.synchronize().map_err(|e| gpu_err("GPU", e))?;
         self.stream.synchronize().map_err(|e| gpu_err("GPU", e))
     }
 

@@ -589,7 +589,7 @@ pub(super) const MMA_MIN_TOKENS: usize = 16;
 /// weight word and its cost grows with the tokens (an LM head of eight
 /// decode steps: 0.6 ms against 2.6 on the H100). Their rounding (x split
 /// into bf16 hi/lo pairs) is prefill's.
-const PRODUCT_MMA_MIN_TOKENS: usize = 4;
+pub(super) const PRODUCT_MMA_MIN_TOKENS: usize = 4;
 
 /// Output rows and tokens per block of `qmma`.
 const MMA_BLOCK_ROWS: usize = 64;

@@ -231,6 +231,11 @@ pub struct CudaOptions {
     /// (misses, and the prefetch's predicted experts by their predicted
     /// weight).
     pub low_width_below: Option<f32>,
+    /// Run a MoE block's shared expert of a few tokens on a second stream,
+    /// beside its router, top-K and routed experts, so its two products
+    /// leave the step's chain of dependent launches (the same values;
+    /// `MOEFLUX_CUDA_SIDE_STREAM=0` turns it off to compare).
+    pub side_stream: bool,
 }
 
 impl Default for CudaOptions {
@@ -246,6 +251,7 @@ impl Default for CudaOptions {
             gds: Gds::Auto,
             activations: Activations::F32,
             low_width_below: None,
+            side_stream: true,
         }
     }
 }
@@ -401,6 +407,8 @@ impl CudaModel {
         gpu.bind()?;
         let mut gpu = gpu;
         gpu.q8 = opts.activations == Activations::Q8;
+        gpu.side_stream = opts.side_stream
+            && std::env::var_os("MOEFLUX_CUDA_SIDE_STREAM").is_none_or(|v| v != "0");
         let c = model.config.clone();
         let mut ep = ep;
         if let Some(ep) = &mut ep {

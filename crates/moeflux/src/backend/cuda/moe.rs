@@ -35,6 +35,11 @@ const SLOT_PATH_MAX_TOKENS: usize = 2;
 /// per layer and can be captured as a CUDA graph.
 const RESIDENT_SLOT_PATH_MAX_TOKENS: usize = 16;
 
+/// Steps of at most this many tokens run the shared expert beside the
+/// routed experts: below the products that take the tensor cores, whose
+/// activations go through the workspace the compute stream's launches share.
+const SIDE_STREAM_MAX_TOKENS: usize = super::linear::PRODUCT_MMA_MIN_TOKENS - 1;
+
 /// The largest expert count and experts per token the router kernels take
 /// (32 experts per lane of a warp; one lane per chosen expert).
 const MAX_EXPERTS: usize = 1024;
@@ -147,25 +152,42 @@ pub(super) fn moe(
     let counts = Ep::leads(cx.ep);
     let owns = |e: usize| ep.is_none_or(|ep| ep.shard.owns(i, e));
 
-    // Router and shared expert: one launch for the products of xn.
+    // Router and shared expert: one launch for the products of xn, or, for
+    // a few tokens on one GPU, the shared expert's gate/up and down beside
+    // the router, top-K and routed experts (`Gpu::beside`), which then wait
+    // for nothing of it; the combine waits for both.
     let router_bias = b.router_bias.map(|v| w.vec(v));
     let mut ops = vec![mm(w.lin(&b.router), logits_d)
         .with_bias(router_bias)
         .exact()];
     let (mut sy, mut sg) = (0u64, 0u64);
+    let beside = g.side_stream && n <= SIDE_STREAM_MAX_TOKENS && ep.is_none() && cx.split.is_none();
+    let mut rejoin = false;
     if let Some(sh) = b.shared.as_ref().filter(|_| lead) {
         let (sgate, sup, sdown) = (w.lin(&sh.mlp.gate), w.lin(&sh.mlp.up), w.lin(&sh.mlp.down));
         let si = sgate.rows();
         let gu = s.get(g, "sg_gu", 8 * n * si)?;
         let sact = s.get(g, "sg_act", 4 * n * si)?;
         sy = s.get(g, "sg_y", 4 * n * h)?;
-        ops.extend([mm(sgate, gu), mm(sup, gu + (4 * n * si) as u64)]);
+        // The gate's one (8-bit) row stays in the router's launch.
         if let Some(gate) = &sh.gate {
             sg = s.get(g, "sg_s", 4 * n)?;
             ops.push(mm(w.lin(gate), sg));
         }
-        matmuls(g, &ops, xn, n)?;
-        swiglu_matmul(g, mm(sdown, sy), gu, sact, n)?;
+        let shared = [mm(sgate, gu), mm(sup, gu + (4 * n * si) as u64)];
+        let down = mm(sdown, sy);
+        if beside {
+            g.beside(|| {
+                matmuls(g, &shared, xn, n)?;
+                swiglu_matmul(g, down, gu, sact, n)
+            })?;
+            rejoin = true;
+            matmuls(g, &ops, xn, n)?;
+        } else {
+            ops.extend(shared);
+            matmuls(g, &ops, xn, n)?;
+            swiglu_matmul(g, down, gu, sact, n)?;
+        }
     } else {
         matmuls(g, &ops, xn, n)?;
     }
@@ -410,6 +432,9 @@ pub(super) fn moe(
         k: k as i32,
         h: h as i32,
     };
+    if rejoin {
+        g.rejoin()?;
+    }
     let Some(ep) = ep else {
         // One GPU: the combine into x is left to the step, which launches
         // it together with the next input norm when one follows.
