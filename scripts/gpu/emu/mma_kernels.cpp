@@ -1052,6 +1052,64 @@ static void test_experts_q8(int hidden, int inter, int k, Q8Slots path, int lpr 
     check(name, computed(act1, out1), std::vector<double>(got.begin(), got.end()), 0.0);
 }
 
+// The routed gate/up kernels that route their tokens themselves
+// (moe_gate_up_qdot{lpr}_route_c{C}) against moe_route_c{C} followed by
+// moe_gate_up_qdot{lpr}: the same ids, weights, expert addresses and act rows,
+// bit for bit (n tokens of e experts, k slots each, logits with repeated
+// values so ties are broken too).
+static void test_routed_gate_up(int e, int k, int n, int lpr, int norm, int hidden = 256, int inter = 128) {
+    auto [gate, up, down] = random_experts(e, hidden, inter, 4, 64, 4, 64);
+    ExpertLayout L{};
+    auto extents = pack_extents(gate, up, down, L);
+    L.inter = inter, L.hidden = hidden, L.bits = 4, L.gs = 64, L.down_bits = 4, L.down_gs = 64;
+    std::vector<unsigned long long> table(e);
+    for (int i = 0; i < e; i++) table[i] = (unsigned long long)extents[i].data();
+    std::vector<float> x((size_t)n * hidden), logits((size_t)n * e);
+    for (auto& v : x) v = urand(-2, 2);
+    for (auto& v : logits) v = (float)(int)urand(-6, 6) * 0.5f;  // ties
+    int per = e <= 128 ? 4 : e <= 256 ? 8 : e <= 512 ? 16 : 32;
+    int slots = n * k;
+    struct Out {
+        std::vector<int> ids;
+        std::vector<float> wts, act;
+        std::vector<unsigned long long> bases;
+    };
+    auto fresh = [&] {
+        Out o{std::vector<int>(slots, -1), std::vector<float>(slots, NAN),
+              std::vector<float>((size_t)slots * inter, NAN), std::vector<unsigned long long>(slots, 0)};
+        return o;
+    };
+    const float *pl = logits.data(), *px = x.data();
+    const unsigned long long* pt = table.data();
+    Out a = fresh(), b = fresh();
+    emu_launch({(unsigned)((n + 3) / 4), 1, 1}, 128, [&] {
+        switch (per) {
+            case 4: moe_route_c4(pl, n, e, k, norm, pt, a.ids.data(), a.wts.data(), a.bases.data()); break;
+            case 8: moe_route_c8(pl, n, e, k, norm, pt, a.ids.data(), a.wts.data(), a.bases.data()); break;
+            case 16: moe_route_c16(pl, n, e, k, norm, pt, a.ids.data(), a.wts.data(), a.bases.data()); break;
+            default: moe_route_c32(pl, n, e, k, norm, pt, a.ids.data(), a.wts.data(), a.bases.data());
+        }
+    });
+    auto gu = lpr == 16 ? moe_gate_up_qdot16 : lpr == 8 ? moe_gate_up_qdot8 : lpr == 4 ? moe_gate_up_qdot4 : moe_gate_up_qdot2;
+    const unsigned long long* pa = a.bases.data();
+    emu_launch({2, (unsigned)slots, 1}, 256, [&] { gu(pa, L, k, px, a.act.data()); });
+#define ROUTED(P) (lpr == 16 ? moe_gate_up_qdot16_route_c##P : lpr == 8 ? moe_gate_up_qdot8_route_c##P : \
+                   lpr == 4 ? moe_gate_up_qdot4_route_c##P : moe_gate_up_qdot2_route_c##P)
+    auto routed = per == 4 ? ROUTED(4) : per == 8 ? ROUTED(8) : per == 16 ? ROUTED(16) : ROUTED(32);
+#undef ROUTED
+    emu_launch({2, (unsigned)slots, 1}, 256, [&] {
+        routed(pl, e, k, norm, pt, b.ids.data(), b.wts.data(), b.bases.data(), L, px, b.act.data());
+    });
+    bool same = a.ids == b.ids && a.bases == b.bases && memcmp(a.wts.data(), b.wts.data(), 4 * slots) == 0 &&
+                memcmp(a.act.data(), b.act.data(), 4 * a.act.size()) == 0;
+    bool chosen = true;
+    for (int i = 0; i < slots; i++) chosen = chosen && a.ids[i] >= 0 && a.ids[i] < e;
+    for (float v : a.act) chosen = chosen && !std::isnan(v);
+    if (!same || !chosen) fails++;
+    printf("  routed gate/up qdot%d_route_c%d e%d k%d n%d norm%d = route + gate/up: %s\n", lpr, per, e, k, n, norm,
+           same && chosen ? "ok" : "FAIL");
+}
+
 int main() {
     test_qmma(80, 48, 256, 37, 4, 64);   // partial row and token tiles
     test_qmma(64, 16, 128, 70, 8, 64);   // 8-bit codes, two token blocks
@@ -1090,6 +1148,11 @@ int main() {
     test_experts_q8(288, 224, 2, Q8Slots::QDOT, 8, 4, 2, 32);
     test_experts_q8(256, 64, 4, Q8Slots::QDOT, 8, 2, 2);
     test_experts_q8(128, 96, 3, Q8Slots::QDOT, 4, 2, 2, 32);
+    test_routed_gate_up(64, 4, 2, 16, 1);
+    test_routed_gate_up(200, 8, 1, 16, 1);
+    test_routed_gate_up(256, 8, 3, 8, 0);
+    test_routed_gate_up(300, 10, 2, 4, 1, 128, 64);
+    test_routed_gate_up(600, 6, 1, 2, 1, 64, 64);
     test_moe_mma(128, 64, 4, 64, {1, 9, 70, 3});
     test_moe_mma(64, 96, 8, 32, {5, 33});
     for (int mt : {2, 4}) {

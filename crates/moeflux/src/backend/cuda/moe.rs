@@ -201,17 +201,34 @@ pub(super) fn moe(
     let slot_path =
         n <= SLOT_PATH_MAX_TOKENS || (table.is_some() && n <= RESIDENT_SLOT_PATH_MAX_TOKENS);
     let route_table = if slot_path { table.unwrap_or(0) } else { 0 };
-    route(
-        g,
-        w,
-        cx.config,
-        b,
-        logits_d,
-        n,
-        k,
-        route_table,
-        [d_ids, d_wts, d_bases],
-    )?;
+    let kernels = ExpertKernels::new(layout, slot_path);
+    // Every expert resident, a few tokens: the routed experts' gate/up
+    // kernel routes its tokens itself where it has a variant that does (a
+    // launch fewer in the step's chain).
+    let routes_itself = SoftmaxRoute::of(cx.config, b)
+        .filter(|_| route_table != 0 && !cache.uploads_low_width() && route_in_gate_up())
+        .filter(|_| kernels.gate_up_routes(g, n * k))
+        .map(|route| RouteInGateUp {
+            route,
+            logits: logits_d,
+            e,
+            table: route_table,
+            ids: d_ids,
+            wts: d_wts,
+        });
+    if routes_itself.is_none() {
+        route(
+            g,
+            w,
+            cx.config,
+            b,
+            logits_d,
+            n,
+            k,
+            route_table,
+            [d_ids, d_wts, d_bases],
+        )?;
+    }
     // The next MoE layer's router on this layer's input: a guess of its
     // choice (the residual stream changes little in one layer), read
     // with this layer's choice and uploaded while this layer computes.
@@ -231,7 +248,6 @@ pub(super) fn moe(
         }
         _ => None,
     };
-    let kernels = ExpertKernels::new(layout, slot_path);
     // The low-width copies' kernels, for the experts the cache holds as
     // copies (`--low-width-misses`).
     let low_kernels = match &b.low_width {
@@ -402,9 +418,9 @@ pub(super) fn moe(
         }
     }
     if slot_path {
-        kernels.run_slots(g, d_bases, n * k, k, xn, act, slot_out)?;
+        kernels.run_slots(g, d_bases, n * k, k, xn, act, slot_out, routes_itself)?;
         if let Some(d) = low_bases {
-            kernels_of(true).run_slots(g, d, n * k, k, xn, act, slot_out)?;
+            kernels_of(true).run_slots(g, d, n * k, k, xn, act, slot_out, None)?;
         }
     }
     if let Some((j, ids, as_copy)) = next_ids {
@@ -563,23 +579,10 @@ impl ExpertKernels {
         }
     }
 
-    /// The per-slot path: each of `slots` (token, rank) slots with its
-    /// expert's address at `bases` (0: skipped, its `slot_out` row left
-    /// as it is).
-    #[allow(clippy::too_many_arguments)]
-    fn run_slots(
-        &self,
-        g: &Gpu,
-        bases: u64,
-        slots: usize,
-        k: usize,
-        xn: u64,
-        act: u64,
-        slot_out: u64,
-    ) -> Result<()> {
-        let (layout, k_i) = (self.layout, k as i32);
-        let [gate_up, down] = match self.qmv {
-            Some(grids) => slot_launches(g, &layout, self.sfx, slots, grids),
+    /// The per-slot launches (gate/up, down) of `slots` slots.
+    fn slot_launches(&self, g: &Gpu, slots: usize) -> [SlotLaunch; 2] {
+        match self.qmv {
+            Some(grids) => slot_launches(g, &self.layout, self.sfx, slots, grids),
             None => [
                 SlotLaunch::rows(
                     format!("moe_gate_up_slots_{}", self.sfx),
@@ -590,19 +593,63 @@ impl ExpertKernels {
                     self.down_blocks,
                 ),
             ],
-        };
+        }
+    }
+
+    /// Whether the per-slot gate/up kernel of `slots` slots has a variant
+    /// that routes its tokens itself (the row kernels on 8-bit activations,
+    /// `moe_gate_up_qdot{LPR}_route_c{C}` in kernels/moe_route.cu).
+    fn gate_up_routes(&self, g: &Gpu, slots: usize) -> bool {
+        self.slot_launches(g, slots)[0]
+            .kernel
+            .starts_with("moe_gate_up_qdot")
+    }
+
+    /// The per-slot path: each of `slots` (token, rank) slots with its
+    /// expert's address at `bases` (0: skipped, its `slot_out` row left
+    /// as it is), or, with `route`, the gate/up kernel's own choice, which
+    /// it writes to `bases` and the route's ids and weights.
+    #[allow(clippy::too_many_arguments)]
+    fn run_slots(
+        &self,
+        g: &Gpu,
+        bases: u64,
+        slots: usize,
+        k: usize,
+        xn: u64,
+        act: u64,
+        slot_out: u64,
+        route: Option<RouteInGateUp>,
+    ) -> Result<()> {
+        let (layout, k_i) = (self.layout, k as i32);
+        let [gate_up, down] = self.slot_launches(g, slots);
         let slots = slots as u32;
-        // SAFETY (both launches): arguments match the kernels in
-        // kernels/moe.cu; bases hold resident experts of this layout or 0,
-        // buffers are sized for n * k slots.
+        // SAFETY (all launches): arguments match the kernels in
+        // kernels/moe.cu and moe_route.cu; bases hold resident experts of
+        // this layout or 0 (with `route`, room for them), the route's
+        // logits a row of e per token, buffers are sized for n * k slots.
         unsafe {
-            g.launch(
-                &gate_up.kernel,
-                (gate_up.blocks, slots, 1),
-                gate_up.threads,
-                gate_up.smem,
-                &mut args!(bases, layout, k_i, xn, act),
-            )?;
+            match route {
+                None => g.launch(
+                    &gate_up.kernel,
+                    (gate_up.blocks, slots, 1),
+                    gate_up.threads,
+                    gate_up.smem,
+                    &mut args!(bases, layout, k_i, xn, act),
+                )?,
+                Some(r) => {
+                    let (e_i, norm) = (r.e as i32, r.route.norm);
+                    g.launch(
+                        &format!("{}_route_c{}", gate_up.kernel, r.route.per_lane),
+                        (gate_up.blocks, slots, 1),
+                        gate_up.threads,
+                        gate_up.smem,
+                        &mut args!(
+                            r.logits, e_i, k_i, norm, r.table, r.ids, r.wts, bases, layout, xn, act
+                        ),
+                    )?
+                }
+            }
             g.launch(
                 &down.kernel,
                 (down.blocks, slots, 1),
@@ -802,60 +849,98 @@ fn route(
     let [ids, wts, bases] = out;
     let (nn, e_i, k_i) = (n as i32, c.moe.num_experts as i32, k as i32);
     let grid = (n.div_ceil(4) as u32, 1, 1);
-    match (c.moe.router, b.score_bias) {
-        (RouterKind::Softmax | RouterKind::TopKSoftmax, _) | (RouterKind::NoauxTc { .. }, None) => {
-            // gpt-oss's softmax over the top-K logits is the softmax over all
-            // of them, top-K (the same order), renormalised.
-            let norm = (c.moe.norm_topk_prob || c.moe.router == RouterKind::TopKSoftmax) as i32;
+    if let Some(SoftmaxRoute { per_lane, norm }) = SoftmaxRoute::of(c, b) {
+        // SAFETY: `moe_route_c*` in kernels/moe_route.cu (4 tokens per block
+        // of 128, e <= 32 C: MAX_EXPERTS is checked at load); logits hold n
+        // rows, outputs n * k slots.
+        return unsafe {
+            g.launch(
+                &format!("moe_route_c{per_lane}"),
+                grid,
+                128,
+                0,
+                &mut args!(logits, nn, e_i, k_i, norm, table, ids, wts, bases),
+            )
+        };
+    }
+    let (
+        RouterKind::NoauxTc {
+            n_group,
+            topk_group,
+            routed_scaling_factor,
+        },
+        Some(bias),
+    ) = (c.moe.router, b.score_bias)
+    else {
+        unreachable!("SoftmaxRoute::of takes every router but noaux_tc with its bias");
+    };
+    // As the CPU: renormalised only when more than one is chosen.
+    let norm = (c.moe.norm_topk_prob && k > 1) as i32;
+    let (bias, ng, tg, rsf) = (
+        w.vec(bias),
+        n_group as i32,
+        topk_group as i32,
+        routed_scaling_factor,
+    );
+    // SAFETY: `moe_route_noaux` in kernels/moe_route.cu, as above; bias holds
+    // one float per expert.
+    unsafe {
+        g.launch(
+            "moe_route_noaux",
+            grid,
+            128,
+            0,
+            &mut args!(logits, bias, nn, e_i, k_i, ng, tg, norm, rsf, table, ids, wts, bases),
+        )
+    }
+}
+
+/// A softmax router's top-K left to the routed experts' gate/up kernel:
+/// its logits (`e` a token), the layer's row of the resident experts'
+/// addresses, where the choice goes.
+#[derive(Clone, Copy)]
+struct RouteInGateUp {
+    route: SoftmaxRoute,
+    logits: u64,
+    e: usize,
+    table: u64,
+    ids: u64,
+    wts: u64,
+}
+
+/// The softmax routers' top-K (`moe_route_c{per_lane}`, and the routed
+/// gate/up kernels that route themselves): logits a lane and whether the
+/// weights are renormalised.
+#[derive(Clone, Copy)]
+struct SoftmaxRoute {
+    per_lane: usize,
+    norm: i32,
+}
+
+impl SoftmaxRoute {
+    /// None for `noaux_tc` with its correction bias (`moe_route_noaux`).
+    fn of(c: &ModelConfig, b: &MoeBlock) -> Option<SoftmaxRoute> {
+        if matches!(c.moe.router, RouterKind::NoauxTc { .. }) && b.score_bias.is_some() {
+            return None;
+        }
+        Some(SoftmaxRoute {
             // The variant whose lanes hold just enough logits.
-            let c_per_lane = [4, 8, 16, 32]
+            per_lane: [4, 8, 16, 32]
                 .into_iter()
                 .find(|&per| 32 * per >= c.moe.num_experts)
-                .unwrap_or(32);
-            // SAFETY: `moe_route_c*` in kernels/moe_route.cu (4 tokens per block
-            // of 128, e <= 32 C: MAX_EXPERTS is checked at load); logits
-            // hold n rows, outputs n * k slots.
-            unsafe {
-                g.launch(
-                    &format!("moe_route_c{c_per_lane}"),
-                    grid,
-                    128,
-                    0,
-                    &mut args!(logits, nn, e_i, k_i, norm, table, ids, wts, bases),
-                )
-            }
-        }
-        (
-            RouterKind::NoauxTc {
-                n_group,
-                topk_group,
-                routed_scaling_factor,
-            },
-            Some(bias),
-        ) => {
-            // As the CPU: renormalised only when more than one is chosen.
-            let norm = (c.moe.norm_topk_prob && k > 1) as i32;
-            let (bias, ng, tg, rsf) = (
-                w.vec(bias),
-                n_group as i32,
-                topk_group as i32,
-                routed_scaling_factor,
-            );
-            // SAFETY: `moe_route_noaux` in kernels/moe_route.cu, as above; bias
-            // holds one float per expert.
-            unsafe {
-                g.launch(
-                    "moe_route_noaux",
-                    grid,
-                    128,
-                    0,
-                    &mut args!(
-                        logits, bias, nn, e_i, k_i, ng, tg, norm, rsf, table, ids, wts, bases
-                    ),
-                )
-            }
-        }
+                .unwrap_or(32),
+            // gpt-oss's softmax over the top-K logits is the softmax over all
+            // of them, top-K (the same order), renormalised.
+            norm: (c.moe.norm_topk_prob || c.moe.router == RouterKind::TopKSoftmax) as i32,
+        })
     }
+}
+
+/// `MOEFLUX_CUDA_ROUTE_IN_GATE_UP=0`: the top-K always in its own launch,
+/// to compare.
+fn route_in_gate_up() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("MOEFLUX_CUDA_ROUTE_IN_GATE_UP").map_or(true, |v| v != "0"))
 }
 
 /// `MOEFLUX_CUDA_DEVICE_GROUPING=0`: resident layers' batches grouped by

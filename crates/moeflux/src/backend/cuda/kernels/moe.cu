@@ -665,19 +665,17 @@ SLOT_KERNELS(MXB, mx)
 // one row a lane group read 1.4-1.6x slower). A row's sums do not depend on
 // the grid. Shared memory: cols * 5 / 4 bytes.
 
+// Slot j's gate/up rows once its input is rounded into shared memory
+// (qdot_round; the caller syncs the block first), expert at `base`.
 template <int LPR>
-__device__ void moe_gate_up_qdot_body(const unsigned long long* bases, const ExpertLayout& L, int k, const float* x,
-                                      float* act) {
+__device__ __forceinline__ void moe_gate_up_qdot_rows(const char* base, const ExpertLayout& L, int j, float* act) {
     extern __shared__ float qd_dyn[];
-    int* smem = (int*)qd_dyn;
+    const int* smem = (const int*)qd_dyn;
     constexpr int G = 32 / LPR;
-    const int j = blockIdx.y, lane = threadIdx.x & 31, sub = lane % LPR;
-    const char* base = (const char*)bases[j];
+    const int lane = threadIdx.x & 31, sub = lane % LPR;
     const QW gq = expert_qw(base, L.gate_w, L.gate_s, L.gate_b, L.inter, L.hidden, L);
     const QW uq = expert_qw(base, L.up_w, L.up_s, L.up_b, L.inter, L.hidden, L);
     const QW* const q[2] = {&gq, &uq};
-    qdot_round<1, false>(x + (long)(j / k) * L.hidden, L.hidden, 1, 0, smem);
-    __syncthreads();
     const int unit = (threadIdx.x >> 5) * G + lane / LPR, per_set = 8 * G;
     const int nsets = (L.inter + per_set - 1) / per_set;
     for (int set = blockIdx.x; set < nsets; set += gridDim.x) {
@@ -688,6 +686,16 @@ __device__ void moe_gate_up_qdot_body(const unsigned long long* bases, const Exp
         qdot_rows<1, 2, LPR>(q, rows, smem, sub, acc);
         if (sub == 0 && r < L.inter) act[(long)j * L.inter + r] = expert_glu(L, j, r, acc[0][0], acc[0][1]);
     }
+}
+
+template <int LPR>
+__device__ void moe_gate_up_qdot_body(const unsigned long long* bases, const ExpertLayout& L, int k, const float* x,
+                                      float* act) {
+    extern __shared__ float qd_dyn[];
+    const int j = blockIdx.y;
+    qdot_round<1, false>(x + (long)(j / k) * L.hidden, L.hidden, 1, 0, (int*)qd_dyn);
+    __syncthreads();
+    moe_gate_up_qdot_rows<LPR>((const char*)bases[j], L, j, act);
 }
 
 template <int LPR>

@@ -6,14 +6,13 @@
 // table[expert] into bases. A warp per token; a lane holds C logits
 // (expert lane + 32c), so e <= 32 C: moe_route_c{4,8,16,32} for up to 128,
 // 256, 512 and 1024 experts (the loops are the whole cost of this kernel).
+// One token's choice by a warp: softmax over the e logits l, the k largest
+// (ties to the lower index, like the CPU) and their probabilities
+// (renormalised to sum 1 when `norm`): lane s < k ends with slot s's
+// expert and weight. A lane holds C logits (expert lane + 32c), e <= 32 C.
 template <int C>
-__device__ void moe_route_body(const float* logits, int n, int e, int k, int norm,
-                               const unsigned long long* table, int* ids, float* wts,
-                               unsigned long long* bases) {
-    int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (t >= n) return;
+__device__ __forceinline__ void route_token(const float* l, int e, int k, int norm, int& myid, float& myw) {
     int lane = threadIdx.x & 31;
-    const float* l = logits + (long)t * e;
     float v[C];
     float m = NEG_INF;
 #pragma unroll
@@ -32,8 +31,9 @@ __device__ void moe_route_body(const float* logits, int n, int e, int k, int nor
     }
     sum = warp_sum(sum);
     float inv = 1.0f / sum;
-    float chosen = 0.0f, myw = 0.0f;
-    int myid = 0;
+    float chosen = 0.0f;
+    myw = 0.0f;
+    myid = 0;
     for (int j = 0; j < k; j++) {
         // Lane-local best (largest value, lowest index), then across lanes.
         float bv = -2.0f;
@@ -56,8 +56,23 @@ __device__ void moe_route_body(const float* logits, int n, int e, int k, int nor
         for (int c = 0; c < C; c++)
             if (lane + c * WARP == bi) v[c] = -2.0f;
     }
+    if (norm) myw = myw / chosen;
+}
+
+// Router: per token, route_token's choice, and, when `table` is not null,
+// each chosen expert's address table[expert] into bases. A warp per token;
+// moe_route_c{4,8,16,32} for up to 128, 256, 512 and 1024 experts (the
+// loops are the whole cost of this kernel).
+template <int C>
+__device__ void moe_route_body(const float* logits, int n, int e, int k, int norm,
+                               const unsigned long long* table, int* ids, float* wts,
+                               unsigned long long* bases) {
+    int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (t >= n) return;
+    int lane = threadIdx.x & 31, myid;
+    float w;
+    route_token<C>(logits + (long)t * e, e, k, norm, myid, w);
     if (lane < k) {
-        float w = norm ? myw / chosen : myw;
         ids[(long)t * k + lane] = myid;
         wts[(long)t * k + lane] = w;
         if (table) bases[(long)t * k + lane] = table[myid];
@@ -90,6 +105,53 @@ ROUTE_KERNEL(4)
 ROUTE_KERNEL(8)
 ROUTE_KERNEL(16)
 ROUTE_KERNEL(32)
+
+// The top-K and the routed experts' gate/up of a few tokens on 8-bit
+// activations in one launch, where every expert is resident (one launch
+// fewer in a decode step's chain): each block of slot j = blockIdx.y (token
+// j / k, its slot j % k) routes the token itself (warp 0, route_token: the
+// choice moe_route_c* makes, bit for bit) while it rounds x, takes its
+// slot's expert address from the table, then runs moe_gate_up_qdot's body;
+// block (0, token * k) writes the token's ids, weights and addresses for the
+// down product and the combine.
+template <int C, int LPR>
+__device__ __forceinline__ void moe_gate_up_qdot_routed(const float* logits, int e, int k, int norm,
+                                                        const unsigned long long* table, int* ids, float* wts,
+                                                        unsigned long long* bases, const ExpertLayout& L,
+                                                        const float* x, float* act) {
+    __shared__ unsigned long long st[32 * C];
+    __shared__ unsigned long long chosen;
+    route_table_early(table, e, st);
+    PDL_ENTER();
+    const int j = blockIdx.y, t = j / k, slot = j % k;
+    extern __shared__ float qd_dyn[];
+    qdot_round<1, false>(x + (long)t * L.hidden, L.hidden, 1, 0, (int*)qd_dyn);
+    if (threadIdx.x < WARP) {
+        int lane = threadIdx.x, myid;
+        float w;
+        route_token<C>(logits + (long)t * e, e, k, norm, myid, w);
+        if (lane == slot) chosen = st[myid];
+        if (blockIdx.x == 0 && slot == 0 && lane < k) {
+            ids[(long)t * k + lane] = myid;
+            wts[(long)t * k + lane] = w;
+            bases[(long)t * k + lane] = st[myid];
+        }
+    }
+    __syncthreads();
+    moe_gate_up_qdot_rows<LPR>((const char*)chosen, L, j, act);
+}
+
+#define ROUTED_GATE_UP(C, LPR)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) moe_gate_up_qdot##LPR##_route_c##C(                     \
+        const float* logits, int e, int k, int norm, const unsigned long long* table, int* ids, float* wts,   \
+        unsigned long long* bases, ExpertLayout L, const float* x, float* a) {                                \
+        moe_gate_up_qdot_routed<C, LPR>(logits, e, k, norm, table, ids, wts, bases, L, x, a);                 \
+    }
+#define ROUTED_GATE_UPS(LPR) ROUTED_GATE_UP(4, LPR) ROUTED_GATE_UP(8, LPR) ROUTED_GATE_UP(16, LPR) ROUTED_GATE_UP(32, LPR)
+ROUTED_GATE_UPS(16)
+ROUTED_GATE_UPS(8)
+ROUTED_GATE_UPS(4)
+ROUTED_GATE_UPS(2)
 
 // Lane-local best of a warp's values v[c] (expert lane + 32c, c < 32) not
 // yet taken (NEG_INF), then across the warp: the largest value, ties to the
