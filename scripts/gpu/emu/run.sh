@@ -24,7 +24,9 @@
 #                     per-expert biases, the clamped SwiGLU) through the grouped, per-slot
 #                     (one-pass, streamed and MXFP4 by whole rows, MXFP4 dotted in
 #                     integers; by rows equal to streamed bit for bit; Qwen's per-slot
-#                     kernels with 8-bit activations, moe_*_qmv_b4q8, moe_*_stream_b4q8 and moe_*_qdot*) and tensor-core
+#                     kernels with 8-bit activations, moe_*_qmv_b4q8, moe_*_stream_b4q8 and moe_*_qdot*; the
+#                     gate/up ones that route their tokens, moe_gate_up_qdot*_route_c*, equal to moe_route_c*
+#                     and moe_gate_up_qdot* bit for bit) and tensor-core
 #                     paths, MXFP4 scale extremes; GGUF's K-quants (groups of 16 at 2, 3,
 #                     6 and 8 bits through the general products and the embedding lookup,
 #                     experts whose down projection differs from gate/up)
