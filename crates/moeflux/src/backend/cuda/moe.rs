@@ -228,11 +228,13 @@ pub(super) fn moe(
     let mut on_cpu: Vec<usize> = Vec::new();
     let mut cpu_users: Vec<(usize, Vec<i32>)> = Vec::new();
     let mut host_xn: Vec<f32> = Vec::new();
-    // Every expert resident, a batch past the per-slot path, one GPU: the
-    // choice grouped by expert on the device, so the layer never waits for
-    // the host (a prefill's GPU would idle through each layer's round trip
-    // and the host's grouping, ~20% of its time at 512-4096 tokens).
-    if let Some(table) = table.filter(|_| !slot_path && ep.is_none() && device_grouping()) {
+    // Every expert resident (in a group: every expert this GPU owns; the
+    // table holds 0 for the others, whose slots the grouping leaves out) and
+    // a batch past the per-slot path: the choice grouped by expert on the
+    // device, so the layer never waits for the host (a prefill's GPU would
+    // idle through each layer's round trip and the host's grouping, ~20% of
+    // its time at 512-4096 tokens).
+    if let Some(table) = table.filter(|_| !slot_path && device_grouping()) {
         if counts {
             cache.count_hits((n * k) as u64);
         }
@@ -844,7 +846,8 @@ pub(super) fn device_grouping() -> bool {
 /// The `slots` router choices at `ids` grouped by expert on the device:
 /// `tasks` gets each of the `e` experts' task (its address from the layer's
 /// row of the resident table, its run of the slot list; experts nobody chose
-/// have empty runs, which the expert kernels skip), `slot_list` the runs.
+/// and, in a group, the other GPUs' experts (address 0) have empty runs,
+/// which the expert kernels skip), `slot_list` the runs.
 fn group_on_device(
     g: &Gpu,
     ids: u64,
