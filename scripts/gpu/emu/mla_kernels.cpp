@@ -631,25 +631,28 @@ static void test_route_softmax(int e, int k, bool norm, int n, bool ties) {
 
 // moe_group: the choice of n_slots slots grouped by expert: a task per expert (its address,
 // its run's start = the counts' prefix sum, its count) and runs that hold exactly its slots;
-// with `shard`, every third expert another GPU's (address 0: no run, its slots left out).
+// with `shard`, every third expert another GPU's (not in the ownership mask: no run, its slots
+// left out).
 static void test_group(int e, int n_slots, bool skew, bool shard = false) {
     std::vector<int> ids(n_slots);
     // Skewed: most slots on a few experts, many experts never chosen.
     for (auto& v : ids) v = skew ? (int)(rng() % 7 == 0 ? rng() % e : rng() % 5) : (int)(rng() % e);
     std::vector<unsigned long long> table(e);
-    for (int i = 0; i < e; i++) table[i] = shard && i % 3 == 1 ? 0 : 1000 + 17ull * i;
+    std::vector<unsigned char> own(e);
+    for (int i = 0; i < e; i++) table[i] = 1000 + 17ull * i, own[i] = i % 3 != 1;
     std::vector<ExpertTask> tasks(e, ExpertTask{nullptr, -1, -1});
     std::vector<int> slots(n_slots, -1);
     {
         const int* ip = ids.data(); const unsigned long long* tp = table.data();
         ExpertTask* out = tasks.data(); int* sp = slots.data();
-        emu_launch({1, 1, 1}, 1024, [&] { moe_group(ip, n_slots, e, tp, out, sp); });
+        const unsigned char* op = shard ? own.data() : nullptr;
+        emu_launch({1, 1, 1}, 1024, [&] { moe_group(ip, n_slots, e, tp, op, out, sp); });
     }
     int bad = 0, first = 0, owned = 0;
     for (int x = 0; x < e; x++) {
         std::vector<int> want, got;
         for (int j = 0; j < n_slots; j++)
-            if (ids[j] == x && table[x]) want.push_back(j);
+            if (ids[j] == x && (!shard || own[x])) want.push_back(j);
         owned += want.size();
         const ExpertTask& t = tasks[x];
         if ((unsigned long long)t.base != table[x] || t.first != first || t.count != (int)want.size()) {
