@@ -630,25 +630,30 @@ static void test_route_softmax(int e, int k, bool norm, int n, bool ties) {
 }
 
 // moe_group: the choice of n_slots slots grouped by expert: a task per expert (its address,
-// its run's start = the counts' prefix sum, its count) and runs that hold exactly its slots.
-static void test_group(int e, int n_slots, bool skew) {
+// its run's start = the counts' prefix sum, its count) and runs that hold exactly its slots;
+// with `shard`, every third expert another GPU's (not in the ownership mask: no run, its slots
+// left out).
+static void test_group(int e, int n_slots, bool skew, bool shard = false) {
     std::vector<int> ids(n_slots);
     // Skewed: most slots on a few experts, many experts never chosen.
     for (auto& v : ids) v = skew ? (int)(rng() % 7 == 0 ? rng() % e : rng() % 5) : (int)(rng() % e);
     std::vector<unsigned long long> table(e);
-    for (int i = 0; i < e; i++) table[i] = 1000 + 17ull * i;
+    std::vector<unsigned char> own(e);
+    for (int i = 0; i < e; i++) table[i] = 1000 + 17ull * i, own[i] = i % 3 != 1;
     std::vector<ExpertTask> tasks(e, ExpertTask{nullptr, -1, -1});
     std::vector<int> slots(n_slots, -1);
     {
         const int* ip = ids.data(); const unsigned long long* tp = table.data();
         ExpertTask* out = tasks.data(); int* sp = slots.data();
-        emu_launch({1, 1, 1}, 1024, [&] { moe_group(ip, n_slots, e, tp, out, sp); });
+        const unsigned char* op = shard ? own.data() : nullptr;
+        emu_launch({1, 1, 1}, 1024, [&] { moe_group(ip, n_slots, e, tp, op, out, sp); });
     }
-    int bad = 0, first = 0;
+    int bad = 0, first = 0, owned = 0;
     for (int x = 0; x < e; x++) {
         std::vector<int> want, got;
         for (int j = 0; j < n_slots; j++)
-            if (ids[j] == x) want.push_back(j);
+            if (ids[j] == x && (!shard || own[x])) want.push_back(j);
+        owned += want.size();
         const ExpertTask& t = tasks[x];
         if ((unsigned long long)t.base != table[x] || t.first != first || t.count != (int)want.size()) {
             bad++;
@@ -659,9 +664,10 @@ static void test_group(int e, int n_slots, bool skew) {
         bad += got != want;
         first += t.count;
     }
-    bool ok = bad == 0 && first == n_slots;
+    bool ok = bad == 0 && first == owned && (shard ? owned < n_slots : owned == n_slots);
     if (!ok) fails++;
-    printf("moe_group e%d slots%d skew%d: %d experts wrong %s\n", e, n_slots, (int)skew, bad, ok ? "ok" : "FAIL");
+    printf("moe_group e%d slots%d skew%d shard%d: %d experts wrong %s\n", e, n_slots, (int)skew, (int)shard, bad,
+           ok ? "ok" : "FAIL");
 }
 
 int main() {
@@ -695,6 +701,8 @@ int main() {
     test_group(256, 4096 * 8, true);    // A3B at 4096 tokens, skewed
     test_group(1024, 3000, false);      // the most experts, slots not a multiple of the block
     test_group(384, 100 * 8, true);     // Kimi-K2's expert count
+    test_group(256, 512 * 8, false, true);  // a GPU of a group: others' experts left out
+    test_group(128, 40 * 8, true, true);
     for (bool nc2 : {false, true}) {
         test_qmv_group(72, 40, 2048, nc2);  // rows of 1024 bytes: two warps per row
         test_qmv_group(40, 24, 4096, nc2);  // 2048 bytes: four warps per row

@@ -266,17 +266,22 @@ pub(super) fn moe(
     let mut on_cpu: Vec<usize> = Vec::new();
     let mut cpu_users: Vec<(usize, Vec<i32>)> = Vec::new();
     let mut host_xn: Vec<f32> = Vec::new();
-    // Every expert resident, a batch past the per-slot path, one GPU: the
-    // choice grouped by expert on the device, so the layer never waits for
-    // the host (a prefill's GPU would idle through each layer's round trip
-    // and the host's grouping, ~20% of its time at 512-4096 tokens).
-    if let Some(table) = table.filter(|_| !slot_path && ep.is_none() && device_grouping()) {
+    // Every expert resident (in a group: every expert this GPU owns; the
+    // others' slots the grouping leaves out) and a batch past the per-slot
+    // path: the choice grouped by expert on the
+    // device, so the layer never waits for the host (a prefill's GPU would
+    // idle through each layer's round trip and the host's grouping, ~20% of
+    // its time at 512-4096 tokens).
+    if let Some(table) = table.filter(|_| !slot_path && device_grouping()) {
         if counts {
             cache.count_hits((n * k) as u64);
         }
         let d_tasks = cx.scratch.get(g, "tasks", size_of::<ExpertTask>() * e)?;
         let d_slots = cx.scratch.get(g, "slots", 4 * n * k)?;
-        group_on_device(g, d_ids, n * k, e, table, d_tasks, d_slots)?;
+        let own = ep
+            .and_then(|ep| ep.own.as_ref())
+            .map_or(0, |m| m.ptr() + (i * e) as u64);
+        group_on_device(g, d_ids, n * k, e, [table, own], d_tasks, d_slots)?;
         lap(&mut clock, &mut times.routing);
         let rows = TaskRows {
             tasks: d_tasks,
@@ -954,28 +959,30 @@ pub(super) fn device_grouping() -> bool {
 /// The `slots` router choices at `ids` grouped by expert on the device:
 /// `tasks` gets each of the `e` experts' task (its address from the layer's
 /// row of the resident table, its run of the slot list; experts nobody chose
-/// have empty runs, which the expert kernels skip), `slot_list` the runs.
+/// and, where `own` (a byte per expert of the layer, 0: none) is given, the
+/// experts it does not mark have empty runs, which the expert kernels skip),
+/// `slot_list` the runs.
 fn group_on_device(
     g: &Gpu,
     ids: u64,
     slots: usize,
     e: usize,
-    table: u64,
+    [table, own]: [u64; 2],
     tasks: u64,
     slot_list: u64,
 ) -> Result<()> {
     let (n_slots, e_i) = (slots as i32, e as i32);
     // SAFETY: `moe_group` in kernels/moe_route.cu (one block of 1024
     // threads, e <= MAX_EXPERTS = 1024, checked at load); ids holds `slots`
-    // expert indices below e, table e addresses, tasks room for e tasks and
-    // slot_list for `slots` entries.
+    // expert indices below e, table e addresses, own (unless 0) e bytes,
+    // tasks room for e tasks and slot_list for `slots` entries.
     unsafe {
         g.launch(
             "moe_group",
             (1, 1, 1),
             1024,
             0,
-            &mut args!(ids, n_slots, e_i, table, tasks, slot_list),
+            &mut args!(ids, n_slots, e_i, table, own, tasks, slot_list),
         )
     }
 }

@@ -283,23 +283,28 @@ extern "C" __global__ void moe_route_noaux(const float* logits, const float* bia
 }
 
 // A batch's router choice grouped by expert on the device, for a layer whose
-// every expert is resident (`table`: their addresses), so that a prefill
-// never waits for the host between its layers: tasks[x] = (table[x], first,
-// count) for every expert x < e in order, and slot_list[first .. first +
-// count) the slots (token * k + j) whose choice is x. One block of 1024
-// threads (e <= 1024). Within an expert's run the slots' order is the
-// atomics', which no value depends on: each slot is its own column of the
-// expert kernels' tiles, its own row of their outputs.
+// experts are resident (`table`: their addresses), so that a prefill never
+// waits for the host between its layers: tasks[x] = (table[x], first, count)
+// for every expert x < e in order, and slot_list[first .. first + count) the
+// slots (token * k + j) whose choice is x. In a group of GPUs `own` (not
+// null) marks this GPU's experts: the others' slots are left out (count 0).
+// One block of 1024 threads (e <= 1024). Within an expert's run the slots'
+// order is the atomics', which no value depends on: each slot is its own
+// column of the expert kernels' tiles, its own row of their outputs.
 extern "C" __global__ void __launch_bounds__(1024) moe_group(const int* ids, int n_slots, int e,
-                                                               const unsigned long long* table, ExpertTask* tasks,
+                                                               const unsigned long long* table,
+                                                               const unsigned char* own, ExpertTask* tasks,
                                                                int* slot_list) {
     __shared__ int count[1024], cursor[1024], warp_total[32];
+    __shared__ bool here[1024];
     const int t = threadIdx.x, lane = t & 31, w = t >> 5;
     const unsigned long long base = t < e ? table[t] : 0ull;
     count[t] = 0;
+    here[t] = t < e && (!own || own[t]);
     PDL_ENTER();
     __syncthreads();
-    for (int j = t; j < n_slots; j += blockDim.x) atomicAdd(&count[ids[j]], 1);
+    for (int j = t; j < n_slots; j += blockDim.x)
+        if (here[ids[j]]) atomicAdd(&count[ids[j]], 1);
     __syncthreads();
     // Exclusive prefix sum of the counts: within each warp, then the warps'.
     const int c = count[t];
@@ -323,5 +328,6 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(const int* ids, int
     if (t < e) tasks[t] = ExpertTask{(const char*)base, first, c};
     cursor[t] = first;
     __syncthreads();
-    for (int j = t; j < n_slots; j += blockDim.x) slot_list[atomicAdd(&cursor[ids[j]], 1)] = j;
+    for (int j = t; j < n_slots; j += blockDim.x)
+        if (here[ids[j]]) slot_list[atomicAdd(&cursor[ids[j]], 1)] = j;
 }
