@@ -202,12 +202,17 @@ pub(super) fn moe(
         n <= SLOT_PATH_MAX_TOKENS || (table.is_some() && n <= RESIDENT_SLOT_PATH_MAX_TOKENS);
     let route_table = if slot_path { table.unwrap_or(0) } else { 0 };
     let kernels = ExpertKernels::new(layout, slot_path);
+    let launches = slot_path.then(|| kernels.slot_launches(g, n * k));
     // Every expert resident, a few tokens: the routed experts' gate/up
     // kernel routes its tokens itself where it has a variant that does (a
     // launch fewer in the step's chain).
     let routes_itself = SoftmaxRoute::of(cx.config, b)
         .filter(|_| route_table != 0 && !cache.uploads_low_width() && route_in_gate_up())
-        .filter(|_| kernels.gate_up_routes(g, n * k))
+        .filter(|_| {
+            launches
+                .as_ref()
+                .is_some_and(|[gate_up, _]| gate_up.routes())
+        })
         .map(|route| RouteInGateUp {
             route,
             logits: logits_d,
@@ -422,10 +427,22 @@ pub(super) fn moe(
             }
         }
     }
-    if slot_path {
-        kernels.run_slots(g, d_bases, n * k, k, xn, act, slot_out, routes_itself)?;
+    if let Some(launches) = launches {
+        kernels.run_slots(
+            g,
+            launches,
+            d_bases,
+            n * k,
+            k,
+            xn,
+            act,
+            slot_out,
+            routes_itself,
+        )?;
         if let Some(d) = low_bases {
-            kernels_of(true).run_slots(g, d, n * k, k, xn, act, slot_out, None)?;
+            let low = kernels_of(true);
+            let launches = low.slot_launches(g, n * k);
+            low.run_slots(g, launches, d, n * k, k, xn, act, slot_out, None)?;
         }
     }
     if let Some((j, ids, as_copy)) = next_ids {
@@ -601,23 +618,16 @@ impl ExpertKernels {
         }
     }
 
-    /// Whether the per-slot gate/up kernel of `slots` slots has a variant
-    /// that routes its tokens itself (the row kernels on 8-bit activations,
-    /// `moe_gate_up_qdot{LPR}_route_c{C}` in kernels/moe_route.cu).
-    fn gate_up_routes(&self, g: &Gpu, slots: usize) -> bool {
-        self.slot_launches(g, slots)[0]
-            .kernel
-            .starts_with("moe_gate_up_qdot")
-    }
-
-    /// The per-slot path: each of `slots` (token, rank) slots with its
-    /// expert's address at `bases` (0: skipped, its `slot_out` row left
+    /// The per-slot path (`launches`: [`ExpertKernels::slot_launches`] of
+    /// them): each of `slots` (token, rank) slots with its expert's address
+    /// at `bases` (0: skipped, its `slot_out` row left
     /// as it is), or, with `route`, the gate/up kernel's own choice, which
     /// it writes to `bases` and the route's ids and weights.
     #[allow(clippy::too_many_arguments)]
     fn run_slots(
         &self,
         g: &Gpu,
+        [gate_up, down]: [SlotLaunch; 2],
         bases: u64,
         slots: usize,
         k: usize,
@@ -627,7 +637,6 @@ impl ExpertKernels {
         route: Option<RouteInGateUp>,
     ) -> Result<()> {
         let (layout, k_i) = (self.layout, k as i32);
-        let [gate_up, down] = self.slot_launches(g, slots);
         let slots = slots as u32;
         // SAFETY (all launches): arguments match the kernels in
         // kernels/moe.cu and moe_route.cu; bases hold resident experts of
@@ -1128,6 +1137,13 @@ impl SlotLaunch {
     /// The general per-slot kernels (rows split across warps).
     fn rows(kernel: String, blocks: u32) -> SlotLaunch {
         SlotLaunch::new(kernel, blocks, 256)
+    }
+
+    /// Whether this gate/up kernel has a variant that routes its tokens
+    /// itself (the row kernels on 8-bit activations,
+    /// `moe_gate_up_qdot{LPR}_route_c{C}` in kernels/moe_route.cu).
+    fn routes(&self) -> bool {
+        self.kernel.starts_with("moe_gate_up_qdot")
     }
 }
 
