@@ -138,13 +138,28 @@ extern "C" __global__ void moe_down_mx(const ExpertTask* t, ExpertLayout L, cons
 // residual stream: sum_j w[t,j] * slot_out[t*k+j] in slot order (this GPU's
 // experts only, in a group), then s * shared[t], s = sigmoid(sg[t]) for
 // Qwen's gated shared expert, 1 for DeepSeek's ungated ones (`sg` null).
+// The slots' values are requested COMBINE_BATCH at a time before the first
+// is added (an add waiting for each slot's load was an L2 round trip a slot
+// on the decode step's critical path); the sums stay in slot order.
+#define COMBINE_BATCH 8
 __device__ __forceinline__ float moe_combine_at(const MoeCombine& C, float s, int t, int i) {
     float acc = 0.0f;
-    for (int j = 0; j < C.k; j++) {
-        if (C.own && !C.own[C.ids[t * C.k + j]]) continue;
-        acc += C.wts[t * C.k + j] * C.slot_out[((long)t * C.k + j) * C.h + i];
+    float sh = C.shared ? C.shared[(long)t * C.h + i] : 0.0f;
+    for (int j0 = 0; j0 < C.k; j0 += COMBINE_BATCH) {
+        bool on[COMBINE_BATCH];
+        float wv[COMBINE_BATCH], v[COMBINE_BATCH];
+#pragma unroll
+        for (int u = 0; u < COMBINE_BATCH; u++) {
+            int j = j0 + u;
+            on[u] = j < C.k && (!C.own || C.own[C.ids[t * C.k + j]]);
+            wv[u] = on[u] ? C.wts[t * C.k + j] : 0.0f;
+            v[u] = on[u] ? C.slot_out[((long)t * C.k + j) * C.h + i] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < COMBINE_BATCH; u++)
+            if (on[u]) acc += wv[u] * v[u];
     }
-    if (C.shared) acc += s * C.shared[(long)t * C.h + i];
+    if (C.shared) acc += s * sh;
     return acc;
 }
 
@@ -174,13 +189,18 @@ extern "C" __global__ void moe_combine_norm(MoeCombine C, float* out, const floa
     float s = moe_shared_scale(C, t), ss = 0.0f, xv[NORM_REGS];
     float* row = out + (long)t * C.h;
     const float* base = C.base ? C.base + (long)t * C.h : nullptr;
+    // Every column's value before any is stored (a store could alias the
+    // slots' loads, which then could not be issued ahead of it).
 #pragma unroll
     for (int u = 0; u < NORM_REGS; u++) {
         int i = threadIdx.x + u * blockDim.x;
-        float v = 0.0f;
-        if (i < C.h) row[i] = v = (base ? base[i] : 0.0f) + moe_combine_at(C, s, t, i);
-        xv[u] = v;
-        ss = fmaf(v, v, ss);
+        xv[u] = i < C.h ? (base ? base[i] : 0.0f) + moe_combine_at(C, s, t, i) : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < NORM_REGS; u++) {
+        int i = threadIdx.x + u * blockDim.x;
+        if (i < C.h) row[i] = xv[u];
+        ss = fmaf(xv[u], xv[u], ss);
     }
     for (int i = threadIdx.x + NORM_REGS * blockDim.x; i < C.h; i += blockDim.x) {
         float v = (base ? base[i] : 0.0f) + moe_combine_at(C, s, t, i);
