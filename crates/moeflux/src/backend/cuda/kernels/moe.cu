@@ -181,7 +181,7 @@ extern "C" __global__ void moe_combine(MoeCombine C, float* out) { PDL_ENTER();
 // moe_combine, then xn = rms_norm(out) with w: the next block's input norm in
 // the same launch (one boundary fewer a layer). One token a block, as
 // rms_norm; every value and the norm equal the two kernels' bit for bit.
-extern "C" __global__ void moe_combine_norm(MoeCombine C, float* out, const float* w, float eps, float* xn) {
+extern "C" __global__ void __launch_bounds__(1024) moe_combine_norm(MoeCombine C, float* out, const float* w, float eps, float* xn) {
     float wr[NORM_REGS];
     norm_weights(w, C.h, wr);
     PDL_ENTER();
