@@ -15,7 +15,7 @@ RATES = {"Kbyte/s": 1e-6, "Mbyte/s": 1e-3, "Gbyte/s": 1.0, "Tbyte/s": 1e3}
 
 def metric(block, name):
     """(unit, value) of the first line `name  unit  value` in a kernel's block, or None."""
-    m = re.search(r"\n\s+" + re.escape(name) + r"\s+(\S+)\s+([\d.,]+)\s*\n", block)
+    m = re.search(r"\n\s+" + re.escape(name) + r"\s+(\S+)\s+([\d.,]+)[ \t]*(?:\n|$)", block)
     return (m.group(1), float(m.group(2).replace(",", ""))) if m else None
 
 
