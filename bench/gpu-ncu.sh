@@ -4,7 +4,8 @@
 # instances captured). ncu serializes the launches, so a row is what the kernel takes alone, not
 # its share of a captured step (bench/gpu-ablate.sh measures that); the sum of a layer's rows
 # against the step's time per layer shows how much the graph overlaps. Clocks are left alone
-# (--clock-control none), as the lent machines ask. The raw report is kept beside the table.
+# (--clock-control none), as the lent machines ask. The raw report (with the warp stall reasons,
+# WarpStateStats) is kept beside the table.
 #
 #   bench/gpu-ncu.sh MODEL_DIR [--q8] [--kernels REGEX] [--skip N] [--count N] [--out FILE]
 #
@@ -34,7 +35,7 @@ command -v ncu >/dev/null || { echo "ncu is not on the PATH" >&2; exit 2; }
 # The kernels are compiled once outside the profiler (NVRTC takes minutes under it).
 "$M" bench --model "$MODEL" --backend cuda --prompt-len 0 --gen 4 --reps 1 --no-cuda-graphs "${ACTS[@]}" >/dev/null
 ncu --clock-control none -k "regex:$KERNELS" --launch-skip "$SKIP" --launch-count "$COUNT" \
-  --section SpeedOfLight --section Occupancy --section LaunchStats \
+  --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
   "$M" bench --model "$MODEL" --backend cuda --prompt-len 0 --gen $((SKIP / 8 + COUNT / 4 + 8)) --reps 1 \
   --no-cuda-graphs "${ACTS[@]}" >"$OUTF" 2>&1
 python3 "$(dirname "$0")/ncu_table.py" "$OUTF"
