@@ -35,7 +35,8 @@ command -v ncu >/dev/null || { echo "ncu is not on the PATH" >&2; exit 2; }
 # The kernels are compiled once outside the profiler (NVRTC takes minutes under it).
 "$M" bench --model "$MODEL" --backend cuda --prompt-len 0 --gen 4 --reps 1 --no-cuda-graphs "${ACTS[@]}" >/dev/null
 ncu --clock-control none -k "regex:$KERNELS" --launch-skip "$SKIP" --launch-count "$COUNT" \
-  --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+  --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+  --section WarpStateStats \
   "$M" bench --model "$MODEL" --backend cuda --prompt-len 0 --gen $((SKIP / 8 + COUNT / 4 + 8)) --reps 1 \
   --no-cuda-graphs "${ACTS[@]}" >"$OUTF" 2>&1
 python3 "$(dirname "$0")/ncu_table.py" "$OUTF"

@@ -1,6 +1,8 @@
 """One markdown row per kernel of an Nsight Compute text report (`ncu --section SpeedOfLight
---section Occupancy --section LaunchStats ...`): launches captured, mean duration, DRAM
-throughput, achieved occupancy and registers a thread. Used by bench/gpu-ncu.sh.
+--section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats ...`): launches
+captured, mean duration, DRAM throughput (Memory Workload Analysis's "Memory Throughput" in
+bytes/s; nan without that section), achieved occupancy and registers a thread. Used by
+bench/gpu-ncu.sh.
 
     python3 bench/ncu_table.py REPORT.txt
 """
